@@ -1,0 +1,1 @@
+//! kestrel-cpu

@@ -1,0 +1,1 @@
+//! GGUF reader and writer. To be implemented (see the crate's task).
