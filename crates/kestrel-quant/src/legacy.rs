@@ -115,6 +115,20 @@ fn min_max(x: &[f32]) -> (f32, f32) {
     (min, max)
 }
 
+/// C's `(int8_t)value` as x86-64 compilers emit it: truncate to a 32-bit integer
+/// (`cvttss2si`, which gives 0x8000_0000 for NaN and out-of-range values) and keep the low
+/// byte. Ordinary blocks never leave [-128, 127]; degenerate ones do (subnormal inputs whose
+/// `1 / d` overflows to infinity), and matching this keeps the bytes equal to ggml's and
+/// gguf-py's there too. Rust's saturating `as i8` would differ.
+#[inline(always)]
+fn c_to_i8(value: f32) -> i8 {
+    if (-2_147_483_648.0..2_147_483_648.0).contains(&value) {
+        value as i32 as i8
+    } else {
+        0
+    }
+}
+
 #[inline(always)]
 fn inverse_or_zero(d: f32) -> f32 {
     if d != 0.0 { 1.0 / d } else { 0.0 }
@@ -139,8 +153,8 @@ pub fn quant_q4_0(x: &[f32; QK], b: &mut [u8; 18]) {
     let id = inverse_or_zero(d);
     put_f16(b, 0, d);
     for j in 0..16 {
-        let q0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
-        let q1 = ((x[j + 16] * id + 8.5) as i8).min(15) as u8;
+        let q0 = c_to_i8(x[j] * id + 8.5).min(15) as u8;
+        let q1 = c_to_i8(x[j + 16] * id + 8.5).min(15) as u8;
         b[2 + j] = q0 | (q1 << 4);
     }
 }
@@ -152,8 +166,8 @@ pub fn quant_q4_1(x: &[f32; QK], b: &mut [u8; 20]) {
     put_f16(b, 0, d);
     put_f16(b, 2, min);
     for j in 0..16 {
-        let q0 = (((x[j] - min) * id + 0.5) as i8).min(15) as u8;
-        let q1 = (((x[j + 16] - min) * id + 0.5) as i8).min(15) as u8;
+        let q0 = c_to_i8((x[j] - min) * id + 0.5).min(15) as u8;
+        let q1 = c_to_i8((x[j + 16] - min) * id + 0.5).min(15) as u8;
         b[4 + j] = q0 | (q1 << 4);
     }
 }
@@ -165,7 +179,7 @@ pub fn quant_q5_0(x: &[f32; QK], b: &mut [u8; 22]) {
     put_f16(b, 0, d);
     let mut q = [0u8; QK];
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = ((v * id + 16.5) as i8).min(31) as u8;
+        *q = c_to_i8(v * id + 16.5).min(31) as u8;
     }
     let qh = pack_low_nibbles(&q, &mut b[6..]);
     b[2..6].copy_from_slice(&qh.to_le_bytes());
@@ -179,7 +193,7 @@ pub fn quant_q5_1(x: &[f32; QK], b: &mut [u8; 24]) {
     put_f16(b, 2, min);
     let mut q = [0u8; QK];
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = (((v - min) * id + 0.5) as i8).min(31) as u8;
+        *q = c_to_i8((v - min) * id + 0.5).min(31) as u8;
     }
     let qh = pack_low_nibbles(&q, &mut b[8..]);
     b[4..8].copy_from_slice(&qh.to_le_bytes());
@@ -200,7 +214,7 @@ pub fn quant_q8_0(x: &[f32; QK], b: &mut [u8; 34]) {
     put_f16(b, 0, d);
     for (q, &v) in b[2..].iter_mut().zip(x) {
         // f32::round rounds half away from zero, like C's roundf.
-        *q = (v * id).round() as i8 as u8;
+        *q = c_to_i8((v * id).round()) as u8;
     }
 }
 
@@ -210,7 +224,7 @@ pub fn quant_q8_1(x: &[f32; QK], b: &mut [u8; 36]) {
     put_f16(b, 0, d);
     let mut sum = 0i32;
     for (q, &v) in b[4..].iter_mut().zip(x) {
-        let qi = (v * id).round() as i8;
+        let qi = c_to_i8((v * id).round());
         sum += qi as i32;
         *q = qi as u8;
     }

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Oracle for kestrel-quant's tests: llama.cpp's gguf-py quantizers and dequantizers.
+
+Commands (all binary data little-endian):
+  quantize TYPE IN_F32 OUT            gguf.quants.quantize of raw f32 values -> raw block bytes
+  dequantize TYPE IN OUT_F32          gguf.quants.dequantize of raw block bytes -> raw f32
+  can-quantize TYPE...                prints the given type names that gguf.quants can quantize
+  rows MODEL REQUESTS OUT_BYTES OUT_F32
+                                      REQUESTS has lines "tensor_name row_index"; writes each row's
+                                      bytes (read by gguf.GGUFReader) and its dequantized f32 values,
+                                      concatenated in request order
+TYPE is a GGMLQuantizationType name (F32, Q4_0, Q4_K, ...).
+"""
+import sys
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import quants
+
+
+def qtype(name: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[name]
+
+
+def quantize(name: str, src: str, dst: str) -> None:
+    values = np.fromfile(src, dtype="<f4")
+    out = quants.quantize(values.reshape(1, -1), qtype(name))
+    np.ascontiguousarray(out).view(np.uint8).tofile(dst)
+
+
+def dequantize(name: str, src: str, dst: str) -> None:
+    data = np.fromfile(src, dtype=np.uint8)
+    out = quants.dequantize(data.reshape(1, -1), qtype(name))
+    np.ascontiguousarray(out, dtype="<f4").tofile(dst)
+
+
+def can_quantize(names: list[str]) -> None:
+    for name in names:
+        ty = qtype(name)
+        block_size, _ = quants.GGML_QUANT_SIZES[ty]
+        try:
+            quants.quantize(np.zeros((1, block_size), dtype=np.float32), ty)
+        except NotImplementedError:
+            continue
+        print(name)
+
+
+def rows(model: str, requests: str, out_bytes: str, out_f32: str) -> None:
+    reader = GGUFReader(model)
+    tensors = {t.name: t for t in reader.tensors}
+    raw, values = [], []
+    with open(requests) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            name, row = line.split()
+            t = tensors[name]
+            data = t.data.reshape(-1, t.data.shape[-1])
+            row_data = np.ascontiguousarray(data[int(row)]).view(np.uint8)
+            raw.append(row_data)
+            values.append(quants.dequantize(row_data.reshape(1, -1), t.tensor_type).reshape(-1))
+    np.concatenate(raw).tofile(out_bytes)
+    np.concatenate(values).astype("<f4").tofile(out_f32)
+
+
+def main(argv: list[str]) -> None:
+    cmd, args = argv[1], argv[2:]
+    if cmd == "quantize":
+        quantize(*args)
+    elif cmd == "dequantize":
+        dequantize(*args)
+    elif cmd == "can-quantize":
+        can_quantize(args)
+    elif cmd == "rows":
+        rows(*args)
+    else:
+        sys.exit(f"unknown command {cmd!r}\n{__doc__}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

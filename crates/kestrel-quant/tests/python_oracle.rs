@@ -1,0 +1,437 @@
+//! Bit-exact agreement with llama.cpp's gguf-py (`gguf.quants`), run as a `python3`
+//! subprocess through `tests/gguf_oracle.py`:
+//! - rows of the real models' tensors, every type they hold, dequantize to the same f32 bits;
+//! - random data quantizes to the same bytes wherever gguf-py has a quantizer;
+//! - random valid blocks of every type gguf-py can dequantize give the same f32 bits.
+//!
+//! These tests need python3 with the `gguf` and `numpy` packages (requirements-test.txt);
+//! without them they fail rather than skip. Set KESTREL_TEST_SEED to replay a run.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kestrel_gguf::GgufFile;
+use kestrel_quant::{GgmlType, dequantize, f32_to_f16, quantize};
+use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+/// gguf-py's name for a type (GGMLQuantizationType member).
+fn py_name(ty: GgmlType) -> String {
+    ty.name().to_uppercase()
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_oracle.py")
+}
+
+/// Runs the oracle script and returns its stdout; any failure fails the test.
+fn oracle(args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .arg(script())
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run python3 (needed as the gguf-py oracle): {e}"));
+    assert!(
+        out.status.success(),
+        "gguf_oracle.py {args:?} failed ({}); install requirements-test.txt (gguf, numpy).\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn seed() -> u64 {
+    let seed = std::env::var("KESTREL_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    eprintln!("KESTREL_TEST_SEED={seed}");
+    seed
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn f32_from_bytes(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// gguf.quants.dequantize of `blocks` (read back as f32).
+fn py_dequantize(dir: &Path, ty: GgmlType, blocks: &[u8]) -> Vec<f32> {
+    let src = dir.join("blocks.bin");
+    let dst = dir.join("values.f32");
+    std::fs::write(&src, blocks).expect("write blocks");
+    oracle(&[
+        "dequantize",
+        &py_name(ty),
+        &src.to_string_lossy(),
+        &dst.to_string_lossy(),
+    ]);
+    f32_from_bytes(&std::fs::read(&dst).expect("read values"))
+}
+
+/// gguf.quants.quantize of `values`.
+fn py_quantize(dir: &Path, ty: GgmlType, values: &[f32]) -> Vec<u8> {
+    let src = dir.join("values.f32");
+    let dst = dir.join("blocks.bin");
+    std::fs::write(&src, f32_bytes(values)).expect("write values");
+    oracle(&[
+        "quantize",
+        &py_name(ty),
+        &src.to_string_lossy(),
+        &dst.to_string_lossy(),
+    ]);
+    std::fs::read(&dst).expect("read blocks")
+}
+
+/// Asserts two f32 slices are bit-identical, naming the first difference.
+fn assert_same_bits(what: &str, ours: &[f32], theirs: &[f32]) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: lengths differ");
+    if let Some(i) = (0..ours.len()).find(|&i| ours[i].to_bits() != theirs[i].to_bits()) {
+        let n = ours
+            .iter()
+            .zip(theirs)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        panic!(
+            "{what}: {n} of {} values differ; first at {i}: ours {:e} ({:#010x}), gguf-py {:e} ({:#010x})",
+            ours.len(),
+            ours[i],
+            ours[i].to_bits(),
+            theirs[i],
+            theirs[i].to_bits()
+        );
+    }
+}
+
+const ALL_FORMATS: [GgmlType; 15] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q8_1,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+    GgmlType::Q8K,
+];
+
+/// Types gguf-py can dequantize (it has no Q8_1 or Q8_K dequantizer).
+const PY_DEQUANTIZABLE: [GgmlType; 13] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+/// Quantizers gguf-py 0.19 has; the test insists on these and also compares any others a
+/// newer gguf-py offers.
+const PY_QUANTIZABLE_AT_LEAST: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+];
+
+fn py_quantizable() -> Vec<GgmlType> {
+    let names: Vec<String> = ALL_FORMATS.iter().map(|&t| py_name(t)).collect();
+    let mut args = vec!["can-quantize"];
+    args.extend(names.iter().map(String::as_str));
+    let listed: BTreeSet<String> = oracle(&args).lines().map(str::to_string).collect();
+    let types: Vec<GgmlType> = ALL_FORMATS
+        .into_iter()
+        .filter(|&t| listed.contains(&py_name(t)))
+        .collect();
+    for ty in PY_QUANTIZABLE_AT_LEAST {
+        assert!(
+            types.contains(&ty),
+            "gguf-py cannot quantize {ty}: too old?"
+        );
+    }
+    types
+}
+
+/// Test data for quantizers: Gaussian blocks at many scales plus blocks that stress the
+/// edge cases (all zero, constant, one spike, ties between largest magnitudes, values
+/// that land exactly on rounding boundaries, subnormals, huge values).
+fn quantizer_inputs(rng: &mut StdRng, block_size: usize, blocks: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(block_size * blocks);
+    for b in 0..blocks {
+        let scale = 10f32.powi(rng.random_range(-6..=4));
+        let normal = Normal::new(0.0f32, scale).expect("normal");
+        let mut block: Vec<f32> = (0..block_size).map(|_| normal.sample(rng)).collect();
+        match b % 10 {
+            0 => block.fill(0.0),
+            1 => block.fill(rng.random_range(-2.0..2.0)),
+            2 => {
+                block.fill(0.0);
+                let i = rng.random_range(0..block_size);
+                block[i] = normal.sample(rng);
+            }
+            3 => {
+                // Largest magnitude appears with both signs.
+                let m = scale * 3.0;
+                let (i, j) = (
+                    rng.random_range(0..block_size),
+                    rng.random_range(0..block_size),
+                );
+                block[i] = m;
+                block[j] = -m;
+            }
+            4 => {
+                // Small integers times a power of two: many exact .5 boundaries.
+                for v in &mut block {
+                    *v = rng.random_range(-16i32..=16) as f32 * 0.25;
+                }
+            }
+            5 => {
+                for v in &mut block {
+                    *v = f32::from_bits(rng.random_range(1u32..0x0080_0000))
+                        * if rng.random() { 1.0 } else { -1.0 };
+                }
+            }
+            6 => {
+                for v in &mut block {
+                    *v *= 1e30;
+                }
+            }
+            7 => {
+                // All positive (asymmetric formats keep a min).
+                for v in &mut block {
+                    *v = v.abs() + scale;
+                }
+            }
+            _ => {}
+        }
+        out.extend(block);
+    }
+    out
+}
+
+#[test]
+fn quantizers_match_gguf_py_byte_for_byte() {
+    let mut rng = StdRng::seed_from_u64(seed());
+    let dir = tempfile::tempdir().expect("temp dir");
+    for ty in py_quantizable() {
+        let blocks = if ty.block_size() == 1 { 4096 } else { 400 };
+        let values = quantizer_inputs(&mut rng, ty.block_size().max(32), blocks);
+        let ours = quantize(ty, &values, values.len()).expect("quantize");
+        let theirs = py_quantize(dir.path(), ty, &values);
+        assert_eq!(ours.len(), theirs.len(), "{ty}: byte lengths differ");
+        if let Some(i) = (0..ours.len()).find(|&i| ours[i] != theirs[i]) {
+            let block = i / ty.type_size();
+            let bs = ty.block_size();
+            panic!(
+                "{ty}: bytes differ at byte {i} (block {block}): ours {:#04x}, gguf-py {:#04x}; \
+                 block input {:?}",
+                ours[i],
+                theirs[i],
+                &values[block * bs..(block + 1) * bs]
+            );
+        }
+        // Dequantizing gguf-py's bytes: same bits on both sides.
+        let py_values = py_dequantize(dir.path(), ty, &theirs);
+        let our_values = dequantize(ty, &theirs).expect("dequantize");
+        assert_same_bits(
+            &format!("{ty} dequantize of quantized data"),
+            &our_values,
+            &py_values,
+        );
+    }
+}
+
+/// Random block bytes with every f16 scale field replaced by a finite f16 of moderate size
+/// (random bits elsewhere are all valid quants). Float formats get random finite values.
+fn random_blocks(rng: &mut StdRng, ty: GgmlType, blocks: usize) -> Vec<u8> {
+    let random_f16 = |rng: &mut StdRng| {
+        let v = rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-7..=2));
+        f32_to_f16(v).to_le_bytes()
+    };
+    match ty {
+        GgmlType::F32 => (0..blocks)
+            .flat_map(|_| {
+                let v = rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-40..=38));
+                v.to_le_bytes()
+            })
+            .collect(),
+        GgmlType::F16 => (0..blocks)
+            .flat_map(|_| {
+                // Any finite f16, subnormals included.
+                let bits = loop {
+                    let b: u16 = rng.random();
+                    if b & 0x7c00 != 0x7c00 {
+                        break b;
+                    }
+                };
+                bits.to_le_bytes()
+            })
+            .collect(),
+        GgmlType::BF16 => (0..blocks)
+            .flat_map(|_| {
+                let bits = loop {
+                    let b: u16 = rng.random();
+                    if b & 0x7f80 != 0x7f80 {
+                        break b;
+                    }
+                };
+                bits.to_le_bytes()
+            })
+            .collect(),
+        _ => {
+            let scale_fields: &[usize] = match ty {
+                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+                GgmlType::Q2K => &[80, 82],
+                GgmlType::Q3K => &[108],
+                GgmlType::Q6K => &[208],
+                _ => panic!("no random block recipe for {ty}"),
+            };
+            let mut out = Vec::with_capacity(blocks * ty.type_size());
+            for _ in 0..blocks {
+                let mut block: Vec<u8> = (0..ty.type_size()).map(|_| rng.random()).collect();
+                for &at in scale_fields {
+                    block[at..at + 2].copy_from_slice(&random_f16(rng));
+                }
+                out.extend(block);
+            }
+            out
+        }
+    }
+}
+
+#[test]
+fn dequantizers_match_gguf_py_on_random_blocks() {
+    let mut rng = StdRng::seed_from_u64(seed());
+    let dir = tempfile::tempdir().expect("temp dir");
+    for ty in PY_DEQUANTIZABLE {
+        let blocks = if ty.block_size() == 1 { 8192 } else { 300 };
+        let bytes = random_blocks(&mut rng, ty, blocks);
+        let ours = dequantize(ty, &bytes).expect("dequantize");
+        let theirs = py_dequantize(dir.path(), ty, &bytes);
+        assert_same_bits(&format!("{ty} random blocks"), &ours, &theirs);
+
+        // Blocks made by our quantizer (realistic scales and levels) too.
+        let bs = ty.block_size().max(256);
+        let values = quantizer_inputs(&mut rng, bs, 40);
+        let q = quantize(ty, &values, values.len()).expect("quantize");
+        let ours = dequantize(ty, &q).expect("dequantize");
+        let theirs = py_dequantize(dir.path(), ty, &q);
+        assert_same_bits(&format!("{ty} quantized blocks"), &ours, &theirs);
+    }
+}
+
+/// Per model: the tensor types COMMON.md lists for it (a cross-check of the listing).
+const MODELS: [(&str, &[GgmlType]); 2] = [
+    (
+        "qwen2.5-coder-1.5b",
+        &[GgmlType::F32, GgmlType::Q4K, GgmlType::Q6K],
+    ),
+    (
+        "gemma-3-270m",
+        &[
+            GgmlType::F32,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+        ],
+    ),
+];
+
+#[test]
+fn real_model_rows_match_gguf_py() {
+    let mut rng = StdRng::seed_from_u64(seed());
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (model, expected_types) in MODELS {
+        let path = kestrel_hub::resolve_model(model)
+            .unwrap_or_else(|e| panic!("model {model} is needed for this test: {e:#}"));
+        let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+
+        let mut by_type: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, t) in file.tensors().iter().enumerate() {
+            by_type.entry(t.ty.id()).or_default().push(i);
+        }
+        let found: BTreeSet<u32> = by_type.keys().copied().collect();
+        let expected: BTreeSet<u32> = expected_types.iter().map(|t| t.id()).collect();
+        assert_eq!(found, expected, "{model}: tensor types (GGUF ids)");
+
+        // A few random rows from several random tensors of each type.
+        let mut requests = Vec::new();
+        for indices in by_type.values() {
+            for &ti in indices.choose_multiple(&mut rng, 4) {
+                let t = &file.tensors()[ti];
+                for _ in 0..3 {
+                    requests.push((ti, rng.random_range(0..t.n_rows())));
+                }
+            }
+        }
+        let request_file = dir.path().join("requests.txt");
+        let lines: String = requests
+            .iter()
+            .map(|&(ti, row)| format!("{} {row}\n", file.tensors()[ti].name))
+            .collect();
+        std::fs::write(&request_file, lines).expect("write requests");
+        let (raw_file, values_file) = (dir.path().join("rows.bin"), dir.path().join("rows.f32"));
+        oracle(&[
+            "rows",
+            &path.to_string_lossy(),
+            &request_file.to_string_lossy(),
+            &raw_file.to_string_lossy(),
+            &values_file.to_string_lossy(),
+        ]);
+        let py_raw = std::fs::read(&raw_file).expect("read rows");
+        let py_values = f32_from_bytes(&std::fs::read(&values_file).expect("read values"));
+
+        let (mut raw_at, mut value_at) = (0usize, 0usize);
+        for &(ti, row) in &requests {
+            let t = &file.tensors()[ti];
+            let (row_bytes, row_len) = (t.row_bytes() as usize, t.row_len() as usize);
+            let data = file.tensor_data(t);
+            let ours_raw = &data[row as usize * row_bytes..(row as usize + 1) * row_bytes];
+            let what = format!("{model} {} ({}) row {row}", t.name, t.ty);
+            assert_eq!(
+                ours_raw,
+                &py_raw[raw_at..raw_at + row_bytes],
+                "{what}: row bytes"
+            );
+            let mut ours = vec![0.0f32; row_len];
+            kestrel_quant::dequantize_row(t.ty, ours_raw, &mut ours).expect("dequantize_row");
+            assert_same_bits(&what, &ours, &py_values[value_at..value_at + row_len]);
+            raw_at += row_bytes;
+            value_at += row_len;
+        }
+        assert_eq!((raw_at, value_at), (py_raw.len(), py_values.len()));
+        eprintln!("{model}: {} rows compared", requests.len());
+    }
+}
