@@ -1,1 +1,30 @@
-//! kestrel-model
+//! Model architectures: configuration from GGUF metadata, weight names, and the one
+//! forward definition every backend runs.
+
+pub mod backend;
+pub mod batch;
+pub mod config;
+pub mod forward;
+pub mod weights;
+
+pub use backend::{AttnParams, Backend};
+pub use batch::{Batch, SeqSlot};
+pub use config::{Activation, Arch, ModelConfig, RopeParams, RopeScaling};
+pub use forward::{Model, Scratch};
+pub use weights::{LayerWeights, ModelWeights};
+
+/// Errors about a model file's contents.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3)")]
+    UnsupportedArch(String),
+    #[error("missing metadata key {0}")]
+    MissingKey(String),
+    #[error("missing tensor {0}")]
+    MissingTensor(String),
+    #[error("invalid model: {0}")]
+    Invalid(String),
+    #[error("backend: {0}")]
+    Backend(String),
+}
+pub mod synth;

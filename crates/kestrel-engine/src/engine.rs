@@ -1,0 +1,219 @@
+//! A model on a backend with its paged KV cache: evaluates sequences and generates.
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use kestrel_gguf::GgufFile;
+use kestrel_model::{Backend, Batch, Model, ModelConfig, Scratch, SeqSlot};
+
+use crate::kv::BlockManager;
+use crate::sampler::{Sampler, SamplerParams};
+
+/// Sizes of the engine's buffers.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Most positions one sequence may hold (prompt + generated); 0 = the model's.
+    pub ctx: usize,
+    /// Most tokens in one forward step (longer prompts go in chunks).
+    pub max_batch_tokens: usize,
+    /// Most rows of logits one step returns.
+    pub max_logit_rows: usize,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// Sequences the cache must hold at full context at once.
+    pub max_seqs: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            ctx: 4096,
+            max_batch_tokens: 512,
+            max_logit_rows: 1,
+            block_size: 16,
+            max_seqs: 1,
+        }
+    }
+}
+
+/// One sequence's tokens and its place in the cache.
+#[derive(Debug, Default, Clone)]
+pub struct Sequence {
+    /// Every token evaluated so far (their keys and values are in the cache).
+    pub tokens: Vec<u32>,
+    pub block_table: Vec<u32>,
+}
+
+pub struct Engine<B: Backend> {
+    pub backend: B,
+    pub model: Model<B>,
+    pub cache: B::Cache,
+    pub blocks: BlockManager,
+    pub ctx: usize,
+    scratch: Scratch<B>,
+    logits: Vec<f32>,
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn new(backend: B, file: Arc<GgufFile>, opts: &EngineOptions) -> anyhow::Result<Self> {
+        let model = Model::load(&backend, file)?;
+        let cfg = &model.config;
+        let ctx = if opts.ctx == 0 {
+            cfg.context_length
+        } else {
+            opts.ctx.min(cfg.context_length.max(1))
+        };
+        if opts.block_size == 0 || opts.max_batch_tokens == 0 {
+            bail!("block size and batch size must be positive");
+        }
+        let n_blocks = ctx.div_ceil(opts.block_size) * opts.max_seqs.max(1);
+        let cache = backend
+            .new_cache(cfg, n_blocks, opts.block_size)
+            .context("allocating the KV cache")?;
+        let scratch = Scratch::new(&backend, cfg, opts.max_batch_tokens, opts.max_logit_rows)?;
+        Ok(Engine {
+            blocks: BlockManager::new(n_blocks, opts.block_size),
+            backend,
+            model,
+            cache,
+            ctx,
+            scratch,
+            logits: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    pub fn max_batch_tokens(&self) -> usize {
+        self.scratch.max_tokens
+    }
+
+    pub fn max_logit_rows(&self) -> usize {
+        self.scratch.max_logit_rows
+    }
+
+    /// Runs one step; returns the logits of `batch.logit_rows`, `vocab` values per row.
+    pub fn step(&mut self, batch: &Batch) -> anyhow::Result<&[f32]> {
+        batch.validate(
+            self.blocks.block_size(),
+            self.blocks.n_blocks(),
+            self.model.config.vocab_size,
+        )?;
+        self.model
+            .forward(&self.backend, &mut self.cache, batch, &mut self.scratch)?;
+        self.backend.read_rows(
+            &self.scratch.logits,
+            batch.logit_rows.len(),
+            &mut self.logits,
+        )?;
+        Ok(&self.logits)
+    }
+
+    /// Appends `tokens` to `seq`, evaluating them in chunks. Returns the logits of the
+    /// last token, or of every new token when `all_logits` (then `tokens` must fit the
+    /// logit rows of one step per chunk; chunks shrink to `max_logit_rows`).
+    pub fn eval(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        all_logits: bool,
+        mut on_logits: impl FnMut(usize, &[f32]),
+    ) -> anyhow::Result<()> {
+        if tokens.is_empty() {
+            bail!("nothing to evaluate");
+        }
+        let total = seq.tokens.len() + tokens.len();
+        if total > self.ctx {
+            bail!(
+                "{} tokens exceed the context size {} (prompt too long?)",
+                total,
+                self.ctx
+            );
+        }
+        self.blocks.ensure(&mut seq.block_table, total)?;
+        let chunk = if all_logits {
+            self.max_batch_tokens().min(self.max_logit_rows())
+        } else {
+            self.max_batch_tokens()
+        };
+        let vocab = self.model.config.vocab_size;
+        let mut done = 0;
+        for part in tokens.chunks(chunk) {
+            let start = seq.tokens.len();
+            let batch = Batch {
+                tokens: part.to_vec(),
+                positions: (start..start + part.len()).map(|p| p as u32).collect(),
+                seq_of: vec![0; part.len()],
+                seqs: vec![SeqSlot {
+                    block_table: seq.block_table.clone(),
+                    kv_len: start + part.len(),
+                }],
+                logit_rows: if all_logits {
+                    (0..part.len() as u32).collect()
+                } else if done + part.len() == tokens.len() {
+                    vec![part.len() as u32 - 1]
+                } else {
+                    vec![]
+                },
+            };
+            let logits = self.step(&batch)?;
+            for (r, row) in logits.chunks_exact(vocab).enumerate() {
+                let index = if all_logits {
+                    done + r
+                } else {
+                    tokens.len() - 1
+                };
+                on_logits(index, row);
+            }
+            seq.tokens.extend_from_slice(part);
+            done += part.len();
+        }
+        Ok(())
+    }
+
+    /// Frees a sequence's cache blocks.
+    pub fn release(&mut self, seq: &mut Sequence) {
+        self.blocks.release(&mut seq.block_table);
+        seq.tokens.clear();
+    }
+
+    /// Generates up to `max_tokens` after `prompt` (appended to `seq`), calling `on_token`
+    /// with each sampled id; generation stops when it returns false or at an
+    /// end-of-generation token (`is_eog`; that token is passed to `on_token` but not
+    /// evaluated). Returns the generated ids.
+    pub fn generate(
+        &mut self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        params: &SamplerParams,
+        max_tokens: usize,
+        is_eog: impl Fn(u32) -> bool,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> anyhow::Result<Vec<u32>> {
+        let mut sampler = Sampler::new(params.clone());
+        let mut out = Vec::new();
+        let mut next_logits = Vec::new();
+        self.eval(seq, prompt, false, |_, l| {
+            next_logits.clear();
+            next_logits.extend_from_slice(l);
+        })?;
+        while out.len() < max_tokens {
+            let id = sampler.sample(&next_logits, &seq.tokens);
+            out.push(id);
+            let go_on = on_token(id);
+            if is_eog(id) || !go_on || out.len() == max_tokens {
+                break;
+            }
+            if seq.tokens.len() + 1 > self.ctx {
+                break;
+            }
+            self.eval(seq, &[id], false, |_, l| {
+                next_logits.clear();
+                next_logits.extend_from_slice(l);
+            })?;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,182 @@
+//! The operations a backend provides. The forward pass (`forward.rs`) is written once
+//! against this trait; fused operations have default bodies composed from the basic ones,
+//! which a backend overrides where it has a faster kernel.
+
+use std::sync::Arc;
+
+use kestrel_gguf::{GgufFile, TensorInfo};
+
+use crate::batch::Batch;
+use crate::config::{Activation, ModelConfig, RopeParams};
+use crate::weights::LayerWeights;
+
+/// Attention geometry of one layer.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnParams {
+    pub layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Multiplier of q·k before the softmax.
+    pub scale: f32,
+    /// Sliding window: a query at position p sees keys at positions > p - window.
+    pub window: Option<usize>,
+}
+
+/// A compute backend. Tensors are row-major `[rows × cols]` f32 activations; every op
+/// takes the number of rows `n` it should process (a tensor is allocated once for the
+/// largest batch and reused).
+pub trait Backend: Sync {
+    /// A weight tensor in the backend's preferred layout.
+    type Weight: Send + Sync;
+    /// An activation buffer.
+    type Tensor;
+    /// The paged KV cache of all layers.
+    type Cache;
+    /// Per-step inputs (token ids, positions, block tables) as the backend keeps them.
+    type Step;
+
+    fn name(&self) -> String;
+
+    /// Prepares a weight from the file (zero-copy where the backend can read the blocks).
+    fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<Self::Weight>;
+
+    fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<Self::Tensor>;
+
+    fn new_cache(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+    ) -> anyhow::Result<Self::Cache>;
+
+    fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<Self::Step>;
+
+    /// Loads this step's batch description into `step`.
+    fn prepare_step(&self, batch: &Batch, step: &mut Self::Step) -> anyhow::Result<()>;
+
+    /// `out[i] = table[token i]` for every token of the step.
+    fn embed(&self, table: &Self::Weight, step: &Self::Step, out: &mut Self::Tensor);
+
+    fn scale(&self, x: &mut Self::Tensor, n: usize, factor: f32);
+
+    /// Row-wise RMS normalization times `weight`.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+        n: usize,
+        out: &mut Self::Tensor,
+    );
+
+    /// RMS normalization of each `head_dim`-sized head in place (Q/K norm).
+    fn rms_norm_heads(
+        &self,
+        x: &mut Self::Tensor,
+        weight: &Self::Weight,
+        head_dim: usize,
+        eps: f32,
+        n: usize,
+    );
+
+    /// `out = x · Wᵀ` where W is `[out_features × in_features]` (GGUF dims `[in, out]`).
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, n: usize, out: &mut Self::Tensor);
+
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Weight, n: usize);
+
+    /// Rotary embedding of every head of `x` at each token's position.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        rope: &RopeParams,
+        step: &Self::Step,
+        n: usize,
+    );
+
+    /// Writes each token's key and value into its cache slot.
+    fn store_kv(
+        &self,
+        cache: &mut Self::Cache,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        step: &Self::Step,
+        n: usize,
+    );
+
+    /// Causal attention of each token over its sequence's cached keys and values.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        cache: &Self::Cache,
+        params: &AttnParams,
+        step: &Self::Step,
+        n: usize,
+        out: &mut Self::Tensor,
+    );
+
+    /// `gate = act(gate) * up`, element-wise.
+    fn gated_activation(
+        &self,
+        gate: &mut Self::Tensor,
+        up: &Self::Tensor,
+        act: Activation,
+        n: usize,
+    );
+
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, n: usize);
+
+    /// Copies the rows listed in the step's `logit_rows` to the front of `out`.
+    fn gather_logit_rows(&self, x: &Self::Tensor, step: &Self::Step, out: &mut Self::Tensor);
+
+    /// Reads the first `n` rows back to the host.
+    fn read_rows(&self, x: &Self::Tensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()>;
+
+    // ---- fused operations; the defaults compose the basic ones ----
+
+    /// Q, K and V projections (with bias where the layer has one).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv(
+        &self,
+        x: &Self::Tensor,
+        layer: &LayerWeights<Self::Weight>,
+        n: usize,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+    ) {
+        self.matmul(x, &layer.attn_q, n, q);
+        self.matmul(x, &layer.attn_k, n, k);
+        self.matmul(x, &layer.attn_v, n, v);
+        if let Some(b) = &layer.attn_q_bias {
+            self.add_bias(q, b, n);
+        }
+        if let Some(b) = &layer.attn_k_bias {
+            self.add_bias(k, b, n);
+        }
+        if let Some(b) = &layer.attn_v_bias {
+            self.add_bias(v, b, n);
+        }
+    }
+
+    /// The gated feed-forward block: `down(act(gate(x)) * up(x))`.
+    #[allow(clippy::too_many_arguments)]
+    fn feed_forward(
+        &self,
+        x: &Self::Tensor,
+        layer: &LayerWeights<Self::Weight>,
+        act: Activation,
+        n: usize,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        self.matmul(x, &layer.ffn_gate, n, gate);
+        self.matmul(x, &layer.ffn_up, n, up);
+        self.gated_activation(gate, up, act, n);
+        self.matmul(gate, &layer.ffn_down, n, out);
+    }
+}

@@ -1,0 +1,311 @@
+//! Model hyper-parameters read from GGUF metadata.
+
+use std::sync::Arc;
+
+use kestrel_gguf::{GgmlType, GgufFile};
+
+use crate::ModelError;
+
+/// Architectures this engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn from_name(name: &str) -> Result<Arch, ModelError> {
+        match name {
+            "llama" => Ok(Arch::Llama),
+            "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
+            "gemma3" => Ok(Arch::Gemma3),
+            other => Err(ModelError::UnsupportedArch(other.to_string())),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// The gated activation of the feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU(gate) * up (Llama, Qwen).
+    Silu,
+    /// GELU with the tanh approximation (Gemma).
+    GeluTanh,
+}
+
+/// RoPE frequency scaling, as `<arch>.rope.scaling.*` asks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        factor: f32,
+    },
+    /// YaRN (ggml's `rope_yarn` with its correction dimensions).
+    Yarn {
+        factor: f32,
+        orig_ctx: u32,
+        ext_factor: f32,
+        attn_factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+    },
+}
+
+/// Rotary embedding parameters of one layer (global and sliding-window layers may differ).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeParams {
+    /// Rotate pairs (i, i + n_rot/2) (NeoX) instead of adjacent pairs (i, i + 1).
+    pub neox: bool,
+    /// Number of leading dimensions of each head that rotate.
+    pub n_rot: usize,
+    pub base: f32,
+    pub scaling: RopeScaling,
+    /// Per-frequency divisors (`rope_freqs.weight`, how GGUF expresses Llama 3's scaling).
+    pub freq_factors: Option<Arc<[f32]>>,
+}
+
+impl RopeParams {
+    /// `freq_scale` of ggml's rope (1 / linear factor).
+    pub fn freq_scale(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::None => 1.0,
+            RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } => 1.0 / factor,
+        }
+    }
+}
+
+/// Everything the forward pass needs to know about a model's shape.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ff: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rms_eps: f32,
+    /// RoPE of the global-attention layers.
+    pub rope: RopeParams,
+    /// RoPE of the sliding-window layers (Gemma 3 uses another base there).
+    pub rope_swa: RopeParams,
+    /// Window of the sliding-window layers, in tokens.
+    pub sliding_window: Option<usize>,
+    /// Per layer: does it use sliding-window attention?
+    pub layer_is_swa: Vec<bool>,
+    /// Multiplier of q·k.
+    pub attn_scale: f32,
+    /// Multiplier of the token embeddings (Gemma: sqrt(n_embd)).
+    pub embed_scale: Option<f32>,
+    pub activation: Activation,
+    pub qkv_bias: bool,
+    pub qk_norm: bool,
+    /// Gemma's norms after attention and after the feed-forward block.
+    pub post_norms: bool,
+    /// The LM head reuses `token_embd.weight`.
+    pub tied_embeddings: bool,
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    pub fn layer_rope(&self, layer: usize) -> &RopeParams {
+        if self.layer_is_swa[layer] {
+            &self.rope_swa
+        } else {
+            &self.rope
+        }
+    }
+
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        if self.layer_is_swa[layer] {
+            self.sliding_window
+        } else {
+            None
+        }
+    }
+
+    /// Reads the configuration from GGUF metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, ModelError> {
+        let arch_name = file
+            .architecture()
+            .ok_or_else(|| ModelError::MissingKey("general.architecture".into()))?;
+        let arch = Arch::from_name(arch_name)?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req_u = |k: &str| -> Result<usize, ModelError> {
+            let full = key(k);
+            file.get_u64(&full)
+                .map(|v| v as usize)
+                .ok_or(ModelError::MissingKey(full))
+        };
+        let opt_u = |k: &str| file.get_u64(&key(k)).map(|v| v as usize);
+        let opt_f = |k: &str| file.get_f32(&key(k));
+
+        let n_layer = req_u("block_count")?;
+        let n_embd = req_u("embedding_length")?;
+        let n_head = req_u("attention.head_count")?;
+        let n_head_kv = opt_u("attention.head_count_kv").unwrap_or(n_head);
+        let n_ff = req_u("feed_forward_length")?;
+        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(ModelError::Invalid(format!(
+                "bad shape: {n_layer} layers, {n_embd} embd, {n_head} heads, {n_head_kv} kv heads"
+            )));
+        }
+        let head_dim = opt_u("attention.key_length").unwrap_or(n_embd / n_head);
+        let vocab_size = match opt_u("vocab_size") {
+            Some(v) => v,
+            None => file
+                .get_array("tokenizer.ggml.tokens")
+                .map(|a| a.len())
+                .or_else(|| file.tensor("token_embd.weight").map(|t| t.dims[1] as usize))
+                .ok_or(ModelError::MissingKey(key("vocab_size")))?,
+        };
+        let context_length = opt_u("context_length").unwrap_or(4096);
+        let rms_eps = opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5);
+        let rope_base = opt_f("rope.freq_base").unwrap_or(10000.0);
+        let n_rot = opt_u("rope.dimension_count").unwrap_or(head_dim);
+
+        let scaling = match file.get_str(&key("rope.scaling.type")) {
+            None | Some("none") => match opt_f("rope.scale_linear") {
+                Some(f) if f != 1.0 => RopeScaling::Linear { factor: f },
+                _ => RopeScaling::None,
+            },
+            Some("linear") => RopeScaling::Linear {
+                factor: opt_f("rope.scaling.factor").unwrap_or(1.0),
+            },
+            Some("yarn") => {
+                let factor = opt_f("rope.scaling.factor").unwrap_or(1.0);
+                RopeScaling::Yarn {
+                    factor,
+                    orig_ctx: opt_u("rope.scaling.original_context_length")
+                        .unwrap_or(context_length) as u32,
+                    ext_factor: opt_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
+                    attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0),
+                    beta_fast: opt_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+                    beta_slow: opt_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+                }
+            }
+            Some(other) => {
+                return Err(ModelError::Invalid(format!(
+                    "unsupported rope scaling type {other:?}"
+                )));
+            }
+        };
+        if let RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } = scaling {
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(ModelError::Invalid(format!(
+                    "bad rope scaling factor {factor}"
+                )));
+            }
+        }
+
+        let freq_factors = match file.tensor("rope_freqs.weight") {
+            None => None,
+            Some(t) if t.ty == GgmlType::F32 && t.n_elements() as usize == n_rot / 2 => {
+                let bytes = file.tensor_data(t);
+                Some(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect::<Arc<[f32]>>(),
+                )
+            }
+            Some(t) => {
+                return Err(ModelError::Invalid(format!(
+                    "rope_freqs.weight must be f32 with {} values, found {} {:?}",
+                    n_rot / 2,
+                    t.ty,
+                    t.dims
+                )));
+            }
+        };
+        let neox = !matches!(arch, Arch::Llama);
+        let rope = RopeParams {
+            neox,
+            n_rot,
+            base: rope_base,
+            scaling,
+            freq_factors,
+        };
+        let mut rope_swa = rope.clone();
+        let mut sliding_window = None;
+        let mut layer_is_swa = vec![false; n_layer];
+        let mut attn_scale = 1.0 / (head_dim as f32).sqrt();
+        let mut embed_scale = None;
+        let mut activation = Activation::Silu;
+        let mut post_norms = false;
+        let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3);
+        let qkv_bias = matches!(arch, Arch::Qwen2);
+
+        if n_rot > head_dim || n_rot % 2 != 0 {
+            return Err(ModelError::Invalid(format!(
+                "rope dimension {n_rot} must be even and at most the head size {head_dim}"
+            )));
+        }
+        if arch == Arch::Gemma3 {
+            // Gemma 3: every sixth layer is global; the others use a 10k-base RoPE
+            // without scaling over a sliding window.
+            sliding_window = opt_u("attention.sliding_window");
+            for (il, swa) in layer_is_swa.iter_mut().enumerate() {
+                *swa = sliding_window.is_some() && (il + 1) % 6 != 0;
+            }
+            rope_swa = RopeParams {
+                base: 10000.0,
+                scaling: RopeScaling::None,
+                freq_factors: None,
+                ..rope.clone()
+            };
+            let q_scalar = opt_f("attention.query_pre_attn_scalar").unwrap_or(head_dim as f32);
+            attn_scale = 1.0 / q_scalar.sqrt();
+            embed_scale = Some((n_embd as f32).sqrt());
+            activation = Activation::GeluTanh;
+            post_norms = true;
+        }
+
+        let tied_embeddings = file.tensor("output.weight").is_none();
+        Ok(ModelConfig {
+            arch,
+            n_layer,
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ff,
+            vocab_size,
+            context_length,
+            rms_eps,
+            rope,
+            rope_swa,
+            sliding_window,
+            layer_is_swa,
+            attn_scale,
+            embed_scale,
+            activation,
+            qkv_bias,
+            qk_norm,
+            post_norms,
+            tied_embeddings,
+        })
+    }
+}

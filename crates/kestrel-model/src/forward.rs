@@ -1,0 +1,183 @@
+//! The one forward definition shared by every backend.
+
+use std::sync::Arc;
+
+use kestrel_gguf::GgufFile;
+
+use crate::ModelError;
+use crate::backend::{AttnParams, Backend};
+use crate::batch::Batch;
+use crate::config::ModelConfig;
+use crate::weights::ModelWeights;
+
+/// A loaded model on a backend.
+pub struct Model<B: Backend> {
+    pub config: ModelConfig,
+    pub weights: ModelWeights<B::Weight>,
+    /// Keeps the mapped file alive for backends that read weights in place.
+    pub file: Arc<GgufFile>,
+}
+
+/// Activation buffers for batches of up to `max_tokens` tokens, allocated once.
+pub struct Scratch<B: Backend> {
+    pub max_tokens: usize,
+    pub max_logit_rows: usize,
+    step: B::Step,
+    x: B::Tensor,
+    h: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    proj: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    last: B::Tensor,
+    last_normed: B::Tensor,
+    /// Logits of the requested rows, `[logit rows × vocab]`.
+    pub logits: B::Tensor,
+}
+
+impl<B: Backend> Scratch<B> {
+    /// Buffers for batches of up to `max_tokens` tokens of which at most `max_logit_rows`
+    /// want logits (the logits buffer is the largest: keep that number small).
+    pub fn new(
+        backend: &B,
+        cfg: &ModelConfig,
+        max_tokens: usize,
+        max_logit_rows: usize,
+    ) -> anyhow::Result<Self> {
+        let t = |cols: usize| backend.new_tensor(max_tokens, cols);
+        let max_logit_rows = max_logit_rows.clamp(1, max_tokens);
+        Ok(Scratch {
+            max_tokens,
+            max_logit_rows,
+            step: backend.new_step(cfg, max_tokens)?,
+            x: t(cfg.n_embd)?,
+            h: t(cfg.n_embd)?,
+            q: t(cfg.q_dim())?,
+            k: t(cfg.kv_dim())?,
+            v: t(cfg.kv_dim())?,
+            attn: t(cfg.q_dim())?,
+            proj: t(cfg.n_embd)?,
+            gate: t(cfg.n_ff)?,
+            up: t(cfg.n_ff)?,
+            last: backend.new_tensor(max_logit_rows, cfg.n_embd)?,
+            last_normed: backend.new_tensor(max_logit_rows, cfg.n_embd)?,
+            logits: backend.new_tensor(max_logit_rows, cfg.vocab_size)?,
+        })
+    }
+}
+
+impl<B: Backend> Model<B> {
+    pub fn load(backend: &B, file: Arc<GgufFile>) -> Result<Model<B>, ModelError> {
+        let config = ModelConfig::from_gguf(&file)?;
+        let weights = ModelWeights::load(backend, &file, &config)?;
+        Ok(Model {
+            config,
+            weights,
+            file,
+        })
+    }
+
+    /// Runs one step over `batch`, writing its keys and values into `cache`, and leaves
+    /// the logits of `batch.logit_rows` in `scratch.logits` (one row each, in order).
+    pub fn forward(
+        &self,
+        backend: &B,
+        cache: &mut B::Cache,
+        batch: &Batch,
+        scratch: &mut Scratch<B>,
+    ) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let n = batch.len();
+        if n == 0 {
+            anyhow::bail!("empty batch");
+        }
+        if n > scratch.max_tokens {
+            anyhow::bail!(
+                "batch of {n} tokens exceeds the scratch size {}",
+                scratch.max_tokens
+            );
+        }
+        if batch.logit_rows.len() > scratch.max_logit_rows {
+            anyhow::bail!(
+                "batch wants logits for {} rows, scratch holds {}",
+                batch.logit_rows.len(),
+                scratch.max_logit_rows
+            );
+        }
+        let w = &self.weights;
+        let s = scratch;
+        backend.prepare_step(batch, &mut s.step)?;
+
+        backend.embed(&w.token_embd, &s.step, &mut s.x);
+        if let Some(factor) = cfg.embed_scale {
+            backend.scale(&mut s.x, n, factor);
+        }
+
+        for (il, layer) in w.layers.iter().enumerate() {
+            // Attention block.
+            backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
+            backend.qkv(&s.h, layer, n, &mut s.q, &mut s.k, &mut s.v);
+            if let (Some(qn), Some(kn)) = (&layer.attn_q_norm, &layer.attn_k_norm) {
+                backend.rms_norm_heads(&mut s.q, qn, cfg.head_dim, cfg.rms_eps, n);
+                backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
+            }
+            let rope = cfg.layer_rope(il);
+            backend.rope(&mut s.q, cfg.head_dim, rope, &s.step, n);
+            backend.rope(&mut s.k, cfg.head_dim, rope, &s.step, n);
+            backend.store_kv(cache, il, &s.k, &s.v, &s.step, n);
+            let params = AttnParams {
+                layer: il,
+                n_head: cfg.n_head,
+                n_head_kv: cfg.n_head_kv,
+                head_dim: cfg.head_dim,
+                scale: cfg.attn_scale,
+                window: cfg.layer_window(il),
+            };
+            backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn);
+            backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
+            if let Some(pn) = &layer.post_attention_norm {
+                backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
+                backend.add(&mut s.x, &s.h, n);
+            } else {
+                backend.add(&mut s.x, &s.proj, n);
+            }
+
+            // Feed-forward block.
+            backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
+            backend.feed_forward(
+                &s.h,
+                layer,
+                cfg.activation,
+                n,
+                &mut s.gate,
+                &mut s.up,
+                &mut s.proj,
+            );
+            if let Some(pn) = &layer.post_ffw_norm {
+                backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
+                backend.add(&mut s.x, &s.h, n);
+            } else {
+                backend.add(&mut s.x, &s.proj, n);
+            }
+        }
+
+        // Only the rows that need logits go through the final norm and the LM head.
+        let n_out = batch.logit_rows.len();
+        if n_out == 0 {
+            return Ok(());
+        }
+        backend.gather_logit_rows(&s.x, &s.step, &mut s.last);
+        backend.rms_norm(
+            &s.last,
+            &w.output_norm,
+            cfg.rms_eps,
+            n_out,
+            &mut s.last_normed,
+        );
+        backend.matmul(&s.last_normed, w.lm_head(), n_out, &mut s.logits);
+        Ok(())
+    }
+}
