@@ -345,26 +345,15 @@ fn read_metadata(
 }
 
 /// Reads the alignment from a `general.alignment` value, or says why it is unusable.
+/// Like llama.cpp and gguf-py, only a `u32` is accepted.
 pub(crate) fn alignment_from_value(value: &Value) -> Result<u64, String> {
-    let is_integer = matches!(
-        value,
-        Value::U8(_)
-            | Value::U16(_)
-            | Value::U32(_)
-            | Value::U64(_)
-            | Value::I8(_)
-            | Value::I16(_)
-            | Value::I32(_)
-            | Value::I64(_)
-    );
-    let alignment = value
-        .as_u64()
-        .filter(|_| is_integer)
-        .ok_or_else(|| format!("must be a non-negative integer, found {value:?}"))?;
+    let Value::U32(alignment) = *value else {
+        return Err(format!("must be a u32, found a {}", value.value_type()));
+    };
     if alignment == 0 || !alignment.is_power_of_two() {
         return Err(format!("{alignment} is not a nonzero power of two"));
     }
-    Ok(alignment)
+    Ok(alignment.into())
 }
 
 fn read_value_type(cur: &mut Cursor, what: &str) -> Result<ValueType, GgufError> {

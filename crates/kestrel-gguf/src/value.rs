@@ -178,7 +178,7 @@ impl Value {
             Num::Unsigned(v) => Some(v),
             Num::Signed(v) => u64::try_from(v).ok(),
             // 2^64 is exactly representable; anything below it with no fraction fits.
-            Num::Float(v) => (v.fract() == 0.0 && v >= 0.0 && v < 18_446_744_073_709_551_616.0)
+            Num::Float(v) => (v.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&v))
                 .then_some(v as u64),
         }
     }
