@@ -1,1 +1,67 @@
-fn main() {}
+//! `kestrel`: command-line front end of the Kestrel inference engine.
+//!
+//! Each subcommand lives in `src/cmd/<name>.rs` with `pub struct Args` and `pub fn run`.
+//! Adding one: a `mod` line in `cmd/mod.rs`, a variant below, and a dispatch arm.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "kestrel",
+    version,
+    about = "Run GGUF language models on the CPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a catalog model or a URL into the model cache; prints the local path.
+    Pull(cmd::pull::Args),
+    /// Show a GGUF file's metadata, tokenizer summary and tensors.
+    Inspect(cmd::inspect::Args),
+    /// Turn text into token ids with a model's tokenizer.
+    Tokenize(cmd::tokenize::Args),
+    /// Generate a continuation of a prompt.
+    Run(cmd::run::Args),
+    /// Score a text file: perplexity and per-position top log-probs.
+    Perplexity(cmd::perplexity::Args),
+    /// Write a random-weight GGUF model (tests, benchmarks; llama.cpp loads it too).
+    Synth(cmd::synth::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Pull(args) => cmd::pull::run(args),
+        Command::Inspect(args) => cmd::inspect::run(args),
+        Command::Tokenize(args) => cmd::tokenize::run(args),
+        Command::Run(args) => cmd::run::run(args),
+        Command::Perplexity(args) => cmd::perplexity::run(args),
+        Command::Synth(args) => cmd::synth::run(args),
+    };
+    if let Err(err) = result {
+        // Output piped into `head` and closed early is not an error worth reporting.
+        if is_broken_pipe(&err) {
+            std::process::exit(0);
+        }
+        eprintln!("error: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    use std::io::ErrorKind::BrokenPipe;
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == BrokenPipe)
+            || cause
+                .downcast_ref::<serde_json::Error>()
+                .is_some_and(|e| e.io_error_kind() == Some(BrokenPipe))
+    })
+}

@@ -1,0 +1,42 @@
+//! `kestrel pull NAME|URL`
+
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Catalog model name (e.g. qwen2.5-coder-1.5b, gemma-3-270m) or an http(s)/file URL.
+    /// Without it, the catalog is listed.
+    pub model: Option<String>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let Some(model) = args.model else {
+        list_catalog();
+        return Ok(());
+    };
+    let path = kestrel_hub::pull(&model)?;
+    // The last line of stdout is the path, for scripts.
+    println!("{}", path.display());
+    Ok(())
+}
+
+fn list_catalog() {
+    let dir = kestrel_hub::models_dir();
+    println!("models (cached in {}):", dir.display());
+    for entry in kestrel_hub::catalog() {
+        let cached = dir.join(entry.file_name()).is_file();
+        let default = if entry.name == kestrel_hub::DEFAULT_MODEL {
+            " (default)"
+        } else {
+            ""
+        };
+        println!(
+            "  {:<20} {:>8.1} MiB  {}{}{}",
+            entry.name,
+            entry.size as f64 / (1024.0 * 1024.0),
+            entry.description,
+            default,
+            if cached { "  [cached]" } else { "" }
+        );
+    }
+}
