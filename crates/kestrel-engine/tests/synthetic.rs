@@ -1,0 +1,158 @@
+//! The fast CPU path against the plain scalar path, and batching against single runs, on
+//! tiny synthetic models of every architecture.
+
+use std::sync::Arc;
+
+use kestrel_cpu::{CpuBackend, Kernels};
+use kestrel_engine::{Engine, EngineOptions, Sequence};
+use kestrel_gguf::GgufFile;
+use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+use kestrel_model::{Arch, Batch, SeqSlot};
+use rand::{Rng, SeedableRng};
+
+const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+
+fn tiny_model(arch: Arch, ty: &str, seed: u64) -> Arc<GgufFile> {
+    let cfg = SynthConfig::tiny(arch);
+    let ty: WeightType = ty.parse().expect("weight type");
+    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, seed).expect("synth");
+    Arc::new(GgufFile::from_bytes(bytes).expect("synthetic file parses"))
+}
+
+fn engine(file: &Arc<GgufFile>, kernels: Kernels, max_seqs: usize) -> Engine<CpuBackend> {
+    let opts = EngineOptions {
+        ctx: 512,
+        max_batch_tokens: 256,
+        max_logit_rows: 256,
+        block_size: 16,
+        max_seqs,
+    };
+    Engine::new(CpuBackend::new(kernels), file.clone(), &opts).expect("engine")
+}
+
+fn all_logits(engine: &mut Engine<CpuBackend>, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut seq = Sequence::default();
+    let mut rows = Vec::new();
+    engine
+        .eval(&mut seq, tokens, true, |_, l| rows.push(l.to_vec()))
+        .expect("eval");
+    engine.release(&mut seq);
+    rows
+}
+
+fn random_tokens(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+#[test]
+fn fast_path_matches_scalar_reference_for_every_arch_and_type() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    for arch in ARCHS {
+        for ty in [
+            "f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_m", "q6_k",
+        ] {
+            let file = tiny_model(arch, ty, rng.random());
+            let mut fast = engine(&file, Kernels::Fast, 1);
+            let mut scalar = engine(&file, Kernels::Scalar, 1);
+            let vocab = fast.config().vocab_size;
+            // Longer than Gemma's tiny sliding window (128) so the window is exercised.
+            let n = rng.random_range(140..200);
+            let tokens = random_tokens(&mut rng, n, vocab);
+            let a = all_logits(&mut fast, &tokens);
+            let b = all_logits(&mut scalar, &tokens);
+            assert_eq!(a.len(), n);
+            let mut max_diff = 0f32;
+            let mut max_abs = 0f32;
+            for (ra, rb) in a.iter().zip(&b) {
+                for (x, y) in ra.iter().zip(rb) {
+                    assert!(x.is_finite(), "{arch:?} {ty}: non-finite logit");
+                    max_diff = max_diff.max((x - y).abs());
+                    max_abs = max_abs.max(y.abs());
+                }
+            }
+            eprintln!("{arch:?} {ty}: max |Δ logit| {max_diff:.2e} (max |logit| {max_abs:.2e})");
+            assert!(
+                max_diff <= 5e-4 * max_abs.max(1.0),
+                "{arch:?} {ty}: fast and scalar differ by {max_diff}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_batch_of_two_sequences_equals_each_run_alone() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    for arch in ARCHS {
+        let file = tiny_model(arch, "q8_0", rng.random());
+        let mut e = engine(&file, Kernels::Fast, 2);
+        let vocab = e.config().vocab_size;
+        let p1 = random_tokens(&mut rng, 37, vocab);
+        let p2 = random_tokens(&mut rng, 21, vocab);
+        let alone1 = all_logits(&mut e, &p1);
+        let alone2 = all_logits(&mut e, &p2);
+
+        // Both prompts in one batch, interleaved, each with its own block table.
+        let (mut t1, mut t2) = (Vec::new(), Vec::new());
+        e.blocks.ensure(&mut t1, p1.len()).unwrap();
+        e.blocks.ensure(&mut t2, p2.len()).unwrap();
+        let mut batch = Batch {
+            seqs: vec![
+                SeqSlot {
+                    block_table: t1.clone(),
+                    kv_len: p1.len(),
+                },
+                SeqSlot {
+                    block_table: t2.clone(),
+                    kv_len: p2.len(),
+                },
+            ],
+            ..Batch::default()
+        };
+        let mut order = Vec::new();
+        let longest = p1.len().max(p2.len());
+        for i in 0..longest {
+            for (s, p) in [(0u32, &p1), (1u32, &p2)] {
+                if i < p.len() {
+                    batch.tokens.push(p[i]);
+                    batch.positions.push(i as u32);
+                    batch.seq_of.push(s);
+                    order.push((s, i));
+                }
+            }
+        }
+        batch.logit_rows = (0..batch.tokens.len() as u32).collect();
+        let logits = e.step(&batch).expect("batched step").to_vec();
+        for (row, &(s, i)) in logits.chunks_exact(vocab).zip(&order) {
+            let want = if s == 0 { &alone1[i] } else { &alone2[i] };
+            let diff = row
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff <= 1e-5, "{arch:?}: seq {s} pos {i} differs by {diff}");
+        }
+        e.blocks.release(&mut t1);
+        e.blocks.release(&mut t2);
+        assert_eq!(e.blocks.n_used(), 0);
+    }
+}
+
+#[test]
+fn bad_batches_are_errors_not_panics() {
+    let file = tiny_model(Arch::Llama, "q8_0", 1);
+    let mut e = engine(&file, Kernels::Fast, 1);
+    let vocab = e.config().vocab_size as u32;
+    let mut seq = Sequence::default();
+    assert!(
+        e.eval(&mut seq, &[vocab], false, |_, _| {}).is_err(),
+        "token id out of range"
+    );
+    assert!(e.eval(&mut seq, &[], false, |_, _| {}).is_err(), "empty");
+    let too_long = vec![1u32; 600];
+    assert!(
+        e.eval(&mut seq, &too_long, false, |_, _| {}).is_err(),
+        "beyond context"
+    );
+    let bad = Batch::single(&[1, 2], 0, vec![9999], true);
+    assert!(e.step(&bad).is_err(), "block out of range");
+}
