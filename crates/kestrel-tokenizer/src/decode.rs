@@ -1,0 +1,218 @@
+//! Token → bytes: the per-token piece table, llama.cpp's space clean-up, and the
+//! streaming decoder that only emits complete UTF-8.
+
+use crate::Tokenizer;
+use crate::bpe::char_to_byte_map;
+use crate::tokenizer::TokenizerKind;
+use crate::vocab::TokenType;
+
+/// The bytes of every token as llama.cpp's `token_to_piece(special = true)` renders
+/// them, stored back to back.
+pub(crate) struct Pieces {
+    bytes: Vec<u8>,
+    /// `offsets[id]..offsets[id + 1]` is the piece of `id`.
+    offsets: Vec<usize>,
+}
+
+impl Pieces {
+    pub(crate) fn build(kind: TokenizerKind, tokens: &[String], types: &[TokenType]) -> Pieces {
+        let char_to_byte = match kind {
+            TokenizerKind::Bpe => Some(char_to_byte_map()),
+            TokenizerKind::Spm => None,
+        };
+        let mut bytes = Vec::with_capacity(tokens.iter().map(String::len).sum());
+        let mut offsets = Vec::with_capacity(tokens.len() + 1);
+        offsets.push(0);
+        for (text, ty) in tokens.iter().zip(types) {
+            match (ty, kind) {
+                (TokenType::Control | TokenType::Unknown | TokenType::UserDefined, _) => {
+                    bytes.extend_from_slice(text.as_bytes())
+                }
+                (TokenType::Normal, TokenizerKind::Spm) => {
+                    bytes.extend_from_slice(text.replace('▁', " ").as_bytes())
+                }
+                (TokenType::Normal, TokenizerKind::Bpe) => {
+                    if let Some(map) = &char_to_byte {
+                        for c in text.chars() {
+                            match map.get(&c) {
+                                Some(&b) => bytes.push(b),
+                                None => {
+                                    // llama.cpp's marker for characters outside the byte table.
+                                    bytes.extend_from_slice(b"[UNK_BYTE_0x");
+                                    let mut buf = [0u8; 4];
+                                    for b in c.encode_utf8(&mut buf).bytes() {
+                                        bytes.extend_from_slice(format!("{b:02x}").as_bytes());
+                                    }
+                                    bytes.extend_from_slice(text.as_bytes());
+                                    bytes.push(b']');
+                                }
+                            }
+                        }
+                    }
+                }
+                (TokenType::Byte, TokenizerKind::Spm) => {
+                    if let Some(b) = text
+                        .get(3..5)
+                        .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                    {
+                        bytes.push(b);
+                    }
+                }
+                // Unused/undefined tokens, and byte tokens in a BPE vocabulary, render empty.
+                _ => {}
+            }
+            offsets.push(bytes.len());
+        }
+        Pieces { bytes, offsets }
+    }
+
+    pub(crate) fn get(&self, id: u32) -> &[u8] {
+        let id = id as usize;
+        match (self.offsets.get(id), self.offsets.get(id + 1)) {
+            (Some(&start), Some(&end)) => &self.bytes[start..end],
+            _ => &[],
+        }
+    }
+}
+
+/// llama.cpp's `clean_up_tokenization_spaces` passes over detokenized bytes: drop the
+/// space before `?!.,`, collapse `" ' "` to `"'"`, and drop the space before the
+/// contractions `'s 'm 're 've`.
+pub(crate) fn clean_up_spaces(input: &[u8]) -> Vec<u8> {
+    let mut text = input.to_vec();
+
+    // Pass 1: " ?", " !", " .", " ,".
+    let n = text.len();
+    let mut total = usize::from(n > 0);
+    for i in 1..n {
+        let x = text[i];
+        if text[i - 1] == b' ' && matches!(x, b'?' | b'!' | b'.' | b',') {
+            total -= 1;
+        }
+        text[total] = x;
+        total += 1;
+    }
+    text.truncate(total);
+
+    // Pass 2: a single apostrophe between spaces.
+    let n = text.len();
+    let mut total = usize::from(n > 0);
+    let mut i = 1;
+    while i < n {
+        let x = text[i];
+        if x == b'\'' && i + 1 < n && text[i - 1] == b' ' && text[i + 1] == b' ' {
+            total -= 1;
+            i += 1;
+            text[i] = 0;
+        }
+        text[total] = x;
+        total += 1;
+        i += 1;
+    }
+    text.truncate(total);
+
+    // Pass 3: contractions.
+    let n = text.len();
+    let mut total = usize::from(n > 0);
+    for i in 1..n {
+        let x = text[i];
+        if text[i - 1] == b' ' && x == b'\'' && i + 1 < n {
+            let x1 = text[i + 1];
+            if x1 == b's' || x1 == b'm' {
+                total -= 1;
+            } else if x1 != b't' && x1 != b'd' && i + 2 < n {
+                let x2 = text[i + 2];
+                if (x1 == b'r' || x1 == b'v') && x2 == b'e' {
+                    total -= 1;
+                }
+            }
+        }
+        text[total] = x;
+        total += 1;
+    }
+    text.truncate(total);
+    text
+}
+
+/// Turns a stream of token ids into text, emitting only complete UTF-8: bytes of a
+/// character split across tokens are held back until the character is complete.
+///
+/// The concatenation of everything [`push`](Self::push) and [`finish`](Self::finish)
+/// return equals [`Tokenizer::decode`] of the whole sequence.
+pub struct StreamDecoder<'a> {
+    tokenizer: &'a Tokenizer,
+    special: bool,
+    pending: Vec<u8>,
+}
+
+impl<'a> StreamDecoder<'a> {
+    /// A decoder that renders control tokens as nothing (like [`Tokenizer::decode`]).
+    pub fn new(tokenizer: &'a Tokenizer) -> StreamDecoder<'a> {
+        StreamDecoder::with_special(tokenizer, false)
+    }
+
+    /// A decoder that renders control tokens as their text when `special` is true.
+    pub fn with_special(tokenizer: &'a Tokenizer, special: bool) -> StreamDecoder<'a> {
+        StreamDecoder {
+            tokenizer,
+            special,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Adds one token; returns the text that became complete (possibly empty).
+    pub fn push(&mut self, id: u32) -> String {
+        self.pending
+            .extend_from_slice(self.tokenizer.token_to_piece(id, self.special));
+        self.take_complete()
+    }
+
+    /// Bytes held back waiting for the rest of a character.
+    pub fn pending_bytes(&self) -> &[u8] {
+        &self.pending
+    }
+
+    /// Flushes what is held back; an incomplete character becomes U+FFFD.
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+
+    /// Emits the longest prefix of `pending` that cannot change with more bytes:
+    /// valid characters, and invalid sequences (as U+FFFD, the way
+    /// `String::from_utf8_lossy` replaces them). Keeps an incomplete tail.
+    fn take_complete(&mut self) -> String {
+        let mut out = String::new();
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    // The prefix up to `valid` is valid UTF-8 by definition.
+                    out.push_str(&String::from_utf8_lossy(
+                        &self.pending[start..start + valid],
+                    ));
+                    match e.error_len() {
+                        Some(bad) => {
+                            out.push('\u{FFFD}');
+                            start += valid + bad;
+                        }
+                        None => {
+                            // Incomplete character at the end: wait for more bytes.
+                            start += valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        out
+    }
+}
