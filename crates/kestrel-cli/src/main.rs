@@ -28,6 +28,8 @@ enum Command {
     Tokenize(cmd::tokenize::Args),
     /// Generate a continuation of a prompt.
     Run(cmd::run::Args),
+    /// Chat interactively with a model (keeps the conversation's cache between turns).
+    Chat(cmd::chat::Args),
     /// Score a text file: perplexity and per-position top log-probs.
     Perplexity(cmd::perplexity::Args),
     /// Write a random-weight GGUF model (tests, benchmarks; llama.cpp loads it too).
@@ -41,6 +43,7 @@ fn main() {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Run(args) => cmd::run::run(args),
+        Command::Chat(args) => cmd::chat::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Synth(args) => cmd::synth::run(args),
     };

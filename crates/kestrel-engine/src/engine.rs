@@ -173,6 +173,18 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Keeps only the first `n` tokens of `seq` (a later `eval` overwrites the rest of the
+    /// cache), giving back blocks no longer needed.
+    pub fn truncate(&mut self, seq: &mut Sequence, n: usize) {
+        if n >= seq.tokens.len() {
+            return;
+        }
+        seq.tokens.truncate(n);
+        let keep = self.blocks.blocks_for(n);
+        let mut dropped = seq.block_table.split_off(keep.min(seq.block_table.len()));
+        self.blocks.release(&mut dropped);
+    }
+
     /// Frees a sequence's cache blocks.
     pub fn release(&mut self, seq: &mut Sequence) {
         self.blocks.release(&mut seq.block_table);
