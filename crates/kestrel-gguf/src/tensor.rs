@@ -75,7 +75,7 @@ pub(crate) fn checked_tensor_bytes(dims: &[u64], ty: GgmlType) -> Result<u64, St
         return Err(format!("element count of shape {dims:?} exceeds i64::MAX"));
     }
     let block = ty.block_size() as u64;
-    if !dims[0].is_multiple_of(block) {
+    if dims[0] % block != 0 {
         return Err(format!(
             "row length {} is not a multiple of the {ty} block size {block}",
             dims[0]

@@ -311,3 +311,134 @@ impl From<f64> for Value {
         Value::F64(v)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// The exact integer a value holds, if it holds one (floats: only whole, finite ones
+    /// below 2^127, where `as i128` is exact).
+    fn exact_integer(v: &Value) -> Option<i128> {
+        match *v {
+            Value::U8(x) => Some(x.into()),
+            Value::I8(x) => Some(x.into()),
+            Value::U16(x) => Some(x.into()),
+            Value::I16(x) => Some(x.into()),
+            Value::U32(x) => Some(x.into()),
+            Value::I32(x) => Some(x.into()),
+            Value::U64(x) => Some(x.into()),
+            Value::I64(x) => Some(x.into()),
+            Value::F32(x) => f64::from(x).try_into_whole(),
+            Value::F64(x) => x.try_into_whole(),
+            _ => None,
+        }
+    }
+
+    trait Whole {
+        fn try_into_whole(self) -> Option<i128>;
+    }
+    impl Whole for f64 {
+        fn try_into_whole(self) -> Option<i128> {
+            (self.is_finite() && self.trunc() == self && self.abs() < 1.7e38)
+                .then_some(self as i128)
+        }
+    }
+
+    fn random_numeric(rng: &mut StdRng) -> Value {
+        // Floats: mostly whole numbers of all magnitudes, some with fractions, some special.
+        let float = |rng: &mut StdRng| -> f64 {
+            match rng.random_range(0..4) {
+                0 => (rng.random::<i64>() >> rng.random_range(0..64)) as f64,
+                1 => rng.random::<f64>() * 2e19 - 1e19,
+                2 => f64::from_bits(rng.random()),
+                _ => [
+                    0.5,
+                    -0.0,
+                    2f64.powi(63),
+                    2f64.powi(64),
+                    -(2f64.powi(63)),
+                    f64::NAN,
+                ][rng.random_range(0..6)],
+            }
+        };
+        match rng.random_range(0..10) {
+            0 => Value::U8(rng.random()),
+            1 => Value::I8(rng.random()),
+            2 => Value::U16(rng.random()),
+            3 => Value::I16(rng.random()),
+            4 => Value::U32(rng.random()),
+            5 => Value::I32(rng.random()),
+            6 => Value::U64(rng.random::<u64>() >> rng.random_range(0..64)),
+            7 => Value::I64(rng.random::<i64>() >> rng.random_range(0..64)),
+            8 => Value::F32(float(rng) as f32),
+            _ => Value::F64(float(rng)),
+        }
+    }
+
+    #[test]
+    fn integer_coercions_match_exact_arithmetic() {
+        let mut rng = StdRng::seed_from_u64(1);
+        for _ in 0..200_000 {
+            let v = random_numeric(&mut rng);
+            let exact = exact_integer(&v);
+            assert_eq!(
+                v.as_u64(),
+                exact.and_then(|x| u64::try_from(x).ok()),
+                "{v:?}"
+            );
+            assert_eq!(
+                v.as_i64(),
+                exact.and_then(|x| i64::try_from(x).ok()),
+                "{v:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn float_coercions() {
+        let mut rng = StdRng::seed_from_u64(2);
+        for _ in 0..200_000 {
+            let v = random_numeric(&mut rng);
+            let wide = v.as_f64().unwrap();
+            match v {
+                Value::F32(x) => assert_eq!(v.as_f32().unwrap().to_bits(), x.to_bits()),
+                Value::F64(x) => {
+                    assert_eq!(wide.to_bits(), x.to_bits());
+                    // Finite values too large for f32 have no f32 form.
+                    let fits = !x.is_finite() || x.abs() <= f64::from(f32::MAX) * (1.0 + 1e-9);
+                    assert_eq!(v.as_f32().is_some(), fits, "{v:?}");
+                }
+                _ => {
+                    let exact = exact_integer(&v).unwrap();
+                    // Conversion to f64 rounds to nearest: within half an ulp.
+                    assert!(
+                        (wide as i128 - exact).unsigned_abs() as f64 <= wide.abs() * f64::EPSILON
+                    );
+                    assert!(v.as_f32().is_some());
+                }
+            }
+        }
+        for v in [
+            Value::Bool(true),
+            Value::String("1".into()),
+            Value::Array(ValueType::U8, vec![Value::U8(1)]),
+        ] {
+            assert_eq!(
+                (v.as_u64(), v.as_i64(), v.as_f64(), v.as_f32()),
+                (None, None, None, None)
+            );
+        }
+    }
+
+    #[test]
+    fn type_ids_round_trip() {
+        for (i, ty) in ValueType::ALL.into_iter().enumerate() {
+            assert_eq!(ty.id() as usize, i);
+            assert_eq!(ValueType::from_id(ty.id()), Some(ty));
+        }
+        assert_eq!(ValueType::from_id(13), None);
+        assert_eq!(ValueType::from_id(u32::MAX), None);
+    }
+}

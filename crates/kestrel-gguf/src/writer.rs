@@ -235,12 +235,9 @@ impl GgufWriter {
         }
         let n_bytes = checked_tensor_bytes(dims, ty)
             .map_err(|reason| GgufError::Writer(format!("tensor '{name}': {reason}")))?;
-        if let Some(data) = &data
-            && data.len() as u64 != n_bytes
-        {
+        if let Some(len) = data.as_ref().map(Vec::len).filter(|&l| l as u64 != n_bytes) {
             return Err(GgufError::Writer(format!(
-                "tensor '{name}' ({ty}, shape {dims:?}) needs {n_bytes} bytes of data, got {}",
-                data.len()
+                "tensor '{name}' ({ty}, shape {dims:?}) needs {n_bytes} bytes of data, got {len}"
             )));
         }
         let offset = self.next_offset()?;

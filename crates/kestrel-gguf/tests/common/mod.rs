@@ -215,7 +215,7 @@ impl Raw {
         self.u32(type_id).u64(offset)
     }
     pub fn pad_to(&mut self, alignment: u64) -> &mut Self {
-        while !(self.bytes.len() as u64).is_multiple_of(alignment) {
+        while self.bytes.len() as u64 % alignment != 0 {
             self.bytes.push(0);
         }
         self
@@ -304,9 +304,7 @@ pub fn leaf_bytes(v: &Value, out: &mut Vec<Vec<u8>>) {
 /// of its first element.
 pub fn gguf_py_types(v: &Value) -> Vec<u32> {
     let mut out = vec![v.value_type().id()];
-    if let Value::Array(_, items) = v
-        && let Some(first) = items.first()
-    {
+    if let Some(first) = v.as_array().and_then(|items| items.first()) {
         out.extend(gguf_py_types(first));
     }
     out
