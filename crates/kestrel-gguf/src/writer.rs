@@ -24,7 +24,7 @@ pub const MAX_TENSOR_NAME_LEN: usize = 63;
 ///   the header, then hand the returned stream each tensor's bytes in declaration order.
 ///
 /// Both can be mixed: tensors declared with data are written by the stream on their own.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct GgufWriter {
     version: u32,
     metadata: Vec<(String, Value)>,
@@ -34,6 +34,18 @@ pub struct GgufWriter {
     tensor_names: HashSet<String>,
     /// In-memory data for tensors declared with it.
     data: Vec<Option<Vec<u8>>>,
+}
+
+impl std::fmt::Debug for GgufWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not derived: the in-memory tensor data can be large.
+        f.debug_struct("GgufWriter")
+            .field("version", &self.version)
+            .field("alignment", &self.alignment)
+            .field("n_metadata", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .finish()
+    }
 }
 
 impl Default for GgufWriter {
