@@ -34,6 +34,8 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Write a random-weight GGUF model (tests, benchmarks; llama.cpp loads it too).
     Synth(cmd::synth::Args),
+    /// Measure prompt-processing and generation speed (like llama-bench).
+    Bench(cmd::bench::Args),
 }
 
 fn main() {
@@ -46,6 +48,7 @@ fn main() {
         Command::Chat(args) => cmd::chat::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Synth(args) => cmd::synth::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
     };
     if let Err(err) = result {
         // Output piped into `head` and closed early is not an error worth reporting.

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod bench;
 pub mod chat;
 pub mod common;
 pub mod inspect;

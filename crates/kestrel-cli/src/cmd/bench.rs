@@ -1,0 +1,247 @@
+//! `kestrel bench`: prompt-processing and generation throughput, in the spirit of
+//! llama-bench. Token ids are random, so no tokenizer is needed (synthetic models work).
+
+use std::time::Instant;
+
+use anyhow::bail;
+use kestrel_engine::{Engine, Sequence};
+use kestrel_gguf::GgufFile;
+use kestrel_model::Backend;
+use serde::Serialize;
+
+use super::common::{ModelArgs, load_engine};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt lengths to test (ppN: N tokens in one batch from an empty cache); 0 = none.
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
+    pub n_prompt: Vec<usize>,
+    /// Generation lengths to test (tgN: N single-token steps from an empty cache); 0 = none.
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
+    pub n_gen: Vec<usize>,
+    /// Timed repetitions of each test (after one untimed warm-up).
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    pub repetitions: usize,
+    /// Print a JSON array (llama-bench field names plus extras) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One test's result; the first fields are named as llama-bench names them.
+#[derive(Serialize, Debug)]
+struct TestResult {
+    model_filename: String,
+    model_type: String,
+    model_size: u64,
+    model_n_params: u64,
+    backends: String,
+    n_threads: usize,
+    n_prompt: usize,
+    n_gen: usize,
+    avg_ts: f64,
+    stddev_ts: f64,
+    /// Nanoseconds of each timed repetition.
+    samples_ns: Vec<u64>,
+    samples_ts: Vec<f64>,
+    /// Weight bytes one decode step reads (every matrix once, one embedding row).
+    weight_bytes_per_token: u64,
+    /// `weight_bytes_per_token × avg_ts` for generation tests (what decode streams).
+    achieved_gb_s: Option<f64>,
+    kernels: String,
+}
+
+/// Sizes read from the file: bytes and parameters of all tensors, and what one decode
+/// token reads.
+struct ModelSizes {
+    size: u64,
+    n_params: u64,
+    decode_bytes: u64,
+}
+
+fn model_sizes(file: &GgufFile) -> ModelSizes {
+    let tensors = file.tensors();
+    let tied = file.tensor("output.weight").is_none();
+    let mut s = ModelSizes {
+        size: 0,
+        n_params: 0,
+        decode_bytes: 0,
+    };
+    for t in tensors {
+        let bytes = t.n_bytes();
+        s.size += bytes;
+        s.n_params += t.n_elements();
+        if t.dims.len() < 2 {
+            continue;
+        }
+        if t.name == "token_embd.weight" {
+            // One row per token for the embedding; the whole table again when it is
+            // also the LM head.
+            let rows = t.n_rows().max(1);
+            s.decode_bytes += bytes / rows;
+            if tied {
+                s.decode_bytes += bytes;
+            }
+        } else {
+            s.decode_bytes += bytes;
+        }
+    }
+    s
+}
+
+/// A small deterministic generator for token ids (xorshift64*).
+struct Ids(u64);
+
+impl Ids {
+    fn next(&mut self, vocab: usize) -> u32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let v = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        ((v >> 32) % vocab.max(1) as u64) as u32
+    }
+}
+
+/// Runs one repetition of a test from an empty cache; returns the seconds it took.
+fn run_once<B: Backend>(
+    engine: &mut Engine<B>,
+    ids: &mut Ids,
+    n_prompt: usize,
+    n_gen: usize,
+) -> anyhow::Result<f64> {
+    let vocab = engine.config().vocab_size;
+    let mut seq = Sequence::default();
+    let prompt: Vec<u32> = (0..n_prompt).map(|_| ids.next(vocab)).collect();
+    let gen_ids: Vec<u32> = (0..n_gen).map(|_| ids.next(vocab)).collect();
+    let start = Instant::now();
+    if !prompt.is_empty() {
+        engine.eval(&mut seq, &prompt, false, |_, _| {})?;
+    }
+    for &id in &gen_ids {
+        engine.eval(&mut seq, &[id], false, |_, _| {})?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    engine.release(&mut seq);
+    Ok(secs)
+}
+
+fn mean_stddev(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    if v.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0);
+    (mean, var.sqrt())
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let tests: Vec<(usize, usize)> = args
+        .n_prompt
+        .iter()
+        .filter(|&&p| p > 0)
+        .map(|&p| (p, 0))
+        .chain(args.n_gen.iter().filter(|&&g| g > 0).map(|&g| (0, g)))
+        .collect();
+    if tests.is_empty() {
+        bail!("nothing to run: give -p and/or -n a positive length");
+    }
+    let longest = tests.iter().map(|&(p, g)| p + g).max().unwrap_or(1);
+    let mut model_args = args.model.clone();
+    model_args.ctx = model_args.ctx.max(longest);
+    // A prompt test evaluates its whole prompt as one batch.
+    model_args.batch = model_args
+        .batch
+        .max(args.n_prompt.iter().copied().max().unwrap_or(1));
+    let (mut engine, file) = load_engine(&model_args, 1)?;
+    let sizes = model_sizes(&file);
+    let threads = rayon::current_num_threads();
+    let backend = engine.backend.name();
+    let kernels = engine.backend.isa().name().to_string();
+    let filename = kestrel_hub::resolve_model(&args.model.model)?
+        .display()
+        .to_string();
+    let model_type = format!(
+        "{} {}",
+        engine.config().arch.name(),
+        file.get_str("general.size_label").unwrap_or("")
+    )
+    .trim()
+    .to_string();
+
+    let mut ids = Ids(0x9e37_79b9_7f4a_7c15);
+    let mut results = Vec::new();
+    if !args.json {
+        println!(
+            "| model | size | params | backend | threads | test | t/s | weights/token | GB/s |"
+        );
+        println!("|---|---:|---:|---|---:|---|---:|---:|---:|");
+    }
+    for &(n_prompt, n_gen) in &tests {
+        run_once(&mut engine, &mut ids, n_prompt, n_gen)?; // warm-up
+        let mut secs = Vec::with_capacity(args.repetitions);
+        for _ in 0..args.repetitions {
+            secs.push(run_once(&mut engine, &mut ids, n_prompt, n_gen)?);
+        }
+        let tokens = (n_prompt + n_gen) as f64;
+        let ts: Vec<f64> = secs.iter().map(|s| tokens / s).collect();
+        let (avg, sd) = mean_stddev(&ts);
+        let gbs = (n_gen > 0).then(|| sizes.decode_bytes as f64 * avg / 1e9);
+        let r = TestResult {
+            model_filename: filename.clone(),
+            model_type: model_type.clone(),
+            model_size: sizes.size,
+            model_n_params: sizes.n_params,
+            backends: "CPU".into(),
+            n_threads: threads,
+            n_prompt,
+            n_gen,
+            avg_ts: avg,
+            stddev_ts: sd,
+            samples_ns: secs.iter().map(|s| (s * 1e9) as u64).collect(),
+            samples_ts: ts,
+            weight_bytes_per_token: sizes.decode_bytes,
+            achieved_gb_s: gbs,
+            kernels: backend.clone(),
+        };
+        if !args.json {
+            let test = if n_prompt > 0 {
+                format!("pp{n_prompt}")
+            } else {
+                format!("tg{n_gen}")
+            };
+            println!(
+                "| {} | {:.2} MiB | {:.2} M | CPU ({}) | {} | {} | {:.2} ± {:.2} | {:.1} MiB | {} |",
+                r.model_type,
+                r.model_size as f64 / (1024.0 * 1024.0),
+                r.model_n_params as f64 / 1e6,
+                kernels,
+                threads,
+                test,
+                avg,
+                sd,
+                sizes.decode_bytes as f64 / (1024.0 * 1024.0),
+                gbs.map_or("-".to_string(), |g| format!("{g:.2}")),
+            );
+        }
+        results.push(r);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    }
+    Ok(())
+}
