@@ -102,11 +102,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Q
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        T::F16 => {
-            for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-            }
-        }
+        T::F16 => float::f16_bytes_to_f32(src, dst),
         T::BF16 => {
             for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
                 *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
@@ -239,35 +235,41 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
-/// Dequantizes one block at a time into a stack buffer and accumulates its dot with `x`.
+/// Values dequantized at a time by [`vec_dot`]: one K-quant block or eight 32-value blocks.
+const DOT_CHUNK: usize = 256;
+
+/// Dequantizes up to [`DOT_CHUNK`] values at a time into a stack buffer and accumulates
+/// each chunk's dot with `x` (grouping small blocks amortizes the final reduction).
 #[inline(always)]
 fn dot_blocks<const B: usize, const N: usize>(
     row: &[u8],
     x: &[f32],
     f: impl Fn(&[u8; B], &mut [f32; N]),
 ) -> f32 {
-    let mut buf = [0.0f32; N];
+    let mut buf = [0.0f32; DOT_CHUNK];
     let mut total = 0.0f32;
-    for (b, xs) in row.chunks_exact(B).zip(x.chunks_exact(N)) {
-        if let Ok(b) = b.try_into() {
-            f(b, &mut buf);
-            total += dot_f32(&buf, xs);
-        }
+    let blocks_per_chunk = DOT_CHUNK / N;
+    for (bytes, xs) in row.chunks(B * blocks_per_chunk).zip(x.chunks(DOT_CHUNK)) {
+        each_block_mut(bytes, &mut buf, &f);
+        total += dot_f32(&buf[..xs.len()], xs);
     }
     total
 }
 
-/// Same for the one-value-per-element float formats, 64 values at a time.
+/// Same for the one-value-per-element float formats: `convert` turns `SIZE` bytes per
+/// value into f32s.
 #[inline(always)]
-fn dot_elements<const SIZE: usize>(row: &[u8], x: &[f32], convert: impl Fn(&[u8]) -> f32) -> f32 {
-    const CHUNK: usize = 64;
-    let mut buf = [0.0f32; CHUNK];
+fn dot_elements<const SIZE: usize>(
+    row: &[u8],
+    x: &[f32],
+    convert: impl Fn(&[u8], &mut [f32]),
+) -> f32 {
+    let mut buf = [0.0f32; DOT_CHUNK];
     let mut total = 0.0f32;
-    for (bytes, xs) in row.chunks(SIZE * CHUNK).zip(x.chunks(CHUNK)) {
-        for (o, b) in buf.iter_mut().zip(bytes.chunks_exact(SIZE)) {
-            *o = convert(b);
-        }
-        total += dot_f32(&buf[..xs.len()], xs);
+    for (bytes, xs) in row.chunks(SIZE * DOT_CHUNK).zip(x.chunks(DOT_CHUNK)) {
+        let values = &mut buf[..xs.len()];
+        convert(bytes, values);
+        total += dot_f32(values, xs);
     }
     total
 }
@@ -287,9 +289,17 @@ pub fn try_vec_dot(ty: GgmlType, row: &[u8], x: &[f32]) -> Result<f32, QuantErro
         });
     }
     Ok(match ty {
-        T::F32 => dot_elements::<4>(row, x, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        T::F16 => dot_elements::<2>(row, x, |b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-        T::BF16 => dot_elements::<2>(row, x, |b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+        T::F32 => dot_elements::<4>(row, x, |bytes, out| {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }),
+        T::F16 => dot_elements::<2>(row, x, float::f16_bytes_to_f32),
+        T::BF16 => dot_elements::<2>(row, x, |bytes, out| {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }),
         T::Q4_0 => dot_blocks(row, x, legacy::dequant_q4_0),
         T::Q4_1 => dot_blocks(row, x, legacy::dequant_q4_1),
         T::Q5_0 => dot_blocks(row, x, legacy::dequant_q5_0),

@@ -2,8 +2,9 @@
 """Oracle for kestrel-quant's tests: llama.cpp's gguf-py quantizers and dequantizers.
 
 Commands (all binary data little-endian):
-  quantize TYPE IN_F32 OUT            gguf.quants.quantize of raw f32 values -> raw block bytes
-  dequantize TYPE IN OUT_F32          gguf.quants.dequantize of raw block bytes -> raw f32
+  quantize TYPE IN_F32 OUT ...        gguf.quants.quantize of raw f32 values -> raw block bytes
+  dequantize TYPE IN OUT_F32 ...      gguf.quants.dequantize of raw block bytes -> raw f32
+                                      (both take any number of TYPE IN OUT triples)
   can-quantize TYPE...                prints the given type names that gguf.quants can quantize
   rows MODEL REQUESTS OUT_BYTES OUT_F32
                                       REQUESTS has lines "tensor_name row_index"; writes each row's
@@ -65,10 +66,12 @@ def rows(model: str, requests: str, out_bytes: str, out_f32: str) -> None:
 
 def main(argv: list[str]) -> None:
     cmd, args = argv[1], argv[2:]
-    if cmd == "quantize":
-        quantize(*args)
-    elif cmd == "dequantize":
-        dequantize(*args)
+    if cmd in ("quantize", "dequantize"):
+        if len(args) % 3 != 0:
+            sys.exit(f"{cmd} takes TYPE IN OUT triples")
+        run = quantize if cmd == "quantize" else dequantize
+        for i in range(0, len(args), 3):
+            run(*args[i : i + 3])
     elif cmd == "can-quantize":
         can_quantize(args)
     elif cmd == "rows":

@@ -68,32 +68,41 @@ fn f32_from_bytes(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// gguf.quants.dequantize of `blocks` (read back as f32).
-fn py_dequantize(dir: &Path, ty: GgmlType, blocks: &[u8]) -> Vec<f32> {
-    let src = dir.join("blocks.bin");
-    let dst = dir.join("values.f32");
-    std::fs::write(&src, blocks).expect("write blocks");
-    oracle(&[
-        "dequantize",
-        &py_name(ty),
-        &src.to_string_lossy(),
-        &dst.to_string_lossy(),
-    ]);
-    f32_from_bytes(&std::fs::read(&dst).expect("read values"))
+/// Runs one oracle command over many (type, input) jobs in a single python3 process.
+fn py_batch(dir: &Path, cmd: &str, jobs: &[(GgmlType, Vec<u8>)]) -> Vec<Vec<u8>> {
+    let mut args = vec![cmd.to_string()];
+    let mut outputs = Vec::new();
+    for (i, (ty, input)) in jobs.iter().enumerate() {
+        let (src, dst) = (
+            dir.join(format!("{cmd}-{i}.in")),
+            dir.join(format!("{cmd}-{i}.out")),
+        );
+        std::fs::write(&src, input).expect("write oracle input");
+        args.push(py_name(*ty));
+        args.push(src.to_string_lossy().into_owned());
+        args.push(dst.to_string_lossy().into_owned());
+        outputs.push(dst);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    oracle(&args);
+    outputs
+        .iter()
+        .map(|p| std::fs::read(p).expect("read oracle output"))
+        .collect()
 }
 
-/// gguf.quants.quantize of `values`.
-fn py_quantize(dir: &Path, ty: GgmlType, values: &[f32]) -> Vec<u8> {
-    let src = dir.join("values.f32");
-    let dst = dir.join("blocks.bin");
-    std::fs::write(&src, f32_bytes(values)).expect("write values");
-    oracle(&[
-        "quantize",
-        &py_name(ty),
-        &src.to_string_lossy(),
-        &dst.to_string_lossy(),
-    ]);
-    std::fs::read(&dst).expect("read blocks")
+/// gguf.quants.dequantize of each job's block bytes.
+fn py_dequantize(dir: &Path, jobs: &[(GgmlType, Vec<u8>)]) -> Vec<Vec<f32>> {
+    py_batch(dir, "dequantize", jobs)
+        .iter()
+        .map(|b| f32_from_bytes(b))
+        .collect()
+}
+
+/// gguf.quants.quantize of each job's f32 values.
+fn py_quantize(dir: &Path, jobs: &[(GgmlType, &[f32])]) -> Vec<Vec<u8>> {
+    let jobs: Vec<(GgmlType, Vec<u8>)> = jobs.iter().map(|&(ty, v)| (ty, f32_bytes(v))).collect();
+    py_batch(dir, "quantize", &jobs)
 }
 
 /// Asserts two f32 slices are bit-identical, naming the first difference.
@@ -243,11 +252,22 @@ fn quantizer_inputs(rng: &mut StdRng, block_size: usize, blocks: usize) -> Vec<f
 fn quantizers_match_gguf_py_byte_for_byte() {
     let mut rng = StdRng::seed_from_u64(seed());
     let dir = tempfile::tempdir().expect("temp dir");
-    for ty in py_quantizable() {
-        let blocks = if ty.block_size() == 1 { 4096 } else { 400 };
-        let values = quantizer_inputs(&mut rng, ty.block_size().max(32), blocks);
-        let ours = quantize(ty, &values, values.len()).expect("quantize");
-        let theirs = py_quantize(dir.path(), ty, &values);
+    let types = py_quantizable();
+    let inputs: Vec<Vec<f32>> = types
+        .iter()
+        .map(|ty| {
+            let blocks = if ty.block_size() == 1 { 4096 } else { 400 };
+            quantizer_inputs(&mut rng, ty.block_size().max(32), blocks)
+        })
+        .collect();
+    let jobs: Vec<(GgmlType, &[f32])> = types
+        .iter()
+        .copied()
+        .zip(inputs.iter().map(Vec::as_slice))
+        .collect();
+    let py_bytes = py_quantize(dir.path(), &jobs);
+    for ((&ty, values), theirs) in types.iter().zip(&inputs).zip(&py_bytes) {
+        let ours = quantize(ty, values, values.len()).expect("quantize");
         assert_eq!(ours.len(), theirs.len(), "{ty}: byte lengths differ");
         if let Some(i) = (0..ours.len()).find(|&i| ours[i] != theirs[i]) {
             let block = i / ty.type_size();
@@ -260,13 +280,15 @@ fn quantizers_match_gguf_py_byte_for_byte() {
                 &values[block * bs..(block + 1) * bs]
             );
         }
-        // Dequantizing gguf-py's bytes: same bits on both sides.
-        let py_values = py_dequantize(dir.path(), ty, &theirs);
-        let our_values = dequantize(ty, &theirs).expect("dequantize");
+    }
+    // Dequantizing gguf-py's bytes: same bits on both sides.
+    let jobs: Vec<(GgmlType, Vec<u8>)> = types.iter().copied().zip(py_bytes).collect();
+    for ((ty, bytes), theirs) in jobs.iter().zip(py_dequantize(dir.path(), &jobs)) {
+        let ours = dequantize(*ty, bytes).expect("dequantize");
         assert_same_bits(
             &format!("{ty} dequantize of quantized data"),
-            &our_values,
-            &py_values,
+            &ours,
+            &theirs,
         );
     }
 }
@@ -334,20 +356,22 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, blocks: usize) -> Vec<u8> {
 fn dequantizers_match_gguf_py_on_random_blocks() {
     let mut rng = StdRng::seed_from_u64(seed());
     let dir = tempfile::tempdir().expect("temp dir");
+    let mut jobs: Vec<(GgmlType, Vec<u8>)> = Vec::new();
     for ty in PY_DEQUANTIZABLE {
         let blocks = if ty.block_size() == 1 { 8192 } else { 300 };
-        let bytes = random_blocks(&mut rng, ty, blocks);
-        let ours = dequantize(ty, &bytes).expect("dequantize");
-        let theirs = py_dequantize(dir.path(), ty, &bytes);
-        assert_same_bits(&format!("{ty} random blocks"), &ours, &theirs);
-
+        jobs.push((ty, random_blocks(&mut rng, ty, blocks)));
         // Blocks made by our quantizer (realistic scales and levels) too.
-        let bs = ty.block_size().max(256);
-        let values = quantizer_inputs(&mut rng, bs, 40);
-        let q = quantize(ty, &values, values.len()).expect("quantize");
-        let ours = dequantize(ty, &q).expect("dequantize");
-        let theirs = py_dequantize(dir.path(), ty, &q);
-        assert_same_bits(&format!("{ty} quantized blocks"), &ours, &theirs);
+        let values = quantizer_inputs(&mut rng, ty.block_size().max(256), 40);
+        jobs.push((ty, quantize(ty, &values, values.len()).expect("quantize")));
+    }
+    for (i, ((ty, bytes), theirs)) in jobs
+        .iter()
+        .zip(py_dequantize(dir.path(), &jobs))
+        .enumerate()
+    {
+        let ours = dequantize(*ty, bytes).expect("dequantize");
+        let kind = if i % 2 == 0 { "random" } else { "quantized" };
+        assert_same_bits(&format!("{ty} {kind} blocks"), &ours, &theirs);
     }
 }
 
