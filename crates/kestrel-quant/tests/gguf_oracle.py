@@ -6,16 +6,12 @@ Commands (all binary data little-endian):
   dequantize TYPE IN OUT_F32 ...      gguf.quants.dequantize of raw block bytes -> raw f32
                                       (both take any number of TYPE IN OUT triples)
   can-quantize TYPE...                prints the given type names that gguf.quants can quantize
-  rows MODEL REQUESTS OUT_BYTES OUT_F32
-                                      REQUESTS has lines "tensor_name row_index"; writes each row's
-                                      bytes (read by gguf.GGUFReader) and its dequantized f32 values,
-                                      concatenated in request order
 TYPE is a GGMLQuantizationType name (F32, Q4_0, Q4_K, ...).
 """
 import sys
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf import quants
 
 
@@ -46,24 +42,6 @@ def can_quantize(names: list[str]) -> None:
         print(name)
 
 
-def rows(model: str, requests: str, out_bytes: str, out_f32: str) -> None:
-    reader = GGUFReader(model)
-    tensors = {t.name: t for t in reader.tensors}
-    raw, values = [], []
-    with open(requests) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            name, row = line.split()
-            t = tensors[name]
-            data = t.data.reshape(-1, t.data.shape[-1])
-            row_data = np.ascontiguousarray(data[int(row)]).view(np.uint8)
-            raw.append(row_data)
-            values.append(quants.dequantize(row_data.reshape(1, -1), t.tensor_type).reshape(-1))
-    np.concatenate(raw).tofile(out_bytes)
-    np.concatenate(values).astype("<f4").tofile(out_f32)
-
-
 def main(argv: list[str]) -> None:
     cmd, args = argv[1], argv[2:]
     if cmd in ("quantize", "dequantize"):
@@ -74,8 +52,6 @@ def main(argv: list[str]) -> None:
             run(*args[i : i + 3])
     elif cmd == "can-quantize":
         can_quantize(args)
-    elif cmd == "rows":
-        rows(*args)
     else:
         sys.exit(f"unknown command {cmd!r}\n{__doc__}")
 

@@ -1,6 +1,7 @@
 //! Bit-exact agreement with llama.cpp's gguf-py (`gguf.quants`), run as a `python3`
 //! subprocess through `tests/gguf_oracle.py`:
-//! - rows of the real models' tensors, every type they hold, dequantize to the same f32 bits;
+//! - rows of the real models' tensors, every type they hold, dequantize to the same f32 bits
+//!   (kestrel-gguf locates the rows; its own tests check that against gguf-py's reader);
 //! - random data quantizes to the same bytes wherever gguf-py has a quantizer;
 //! - random valid blocks of every type gguf-py can dequantize give the same f32 bits.
 //!
@@ -397,6 +398,9 @@ const MODELS: [(&str, &[GgmlType]); 2] = [
 fn real_model_rows_match_gguf_py() {
     let mut rng = StdRng::seed_from_u64(seed());
     let dir = tempfile::tempdir().expect("temp dir");
+    // One job per (model, type): the sampled rows' bytes, concatenated.
+    let mut jobs: Vec<(GgmlType, Vec<u8>)> = Vec::new();
+    let mut labels: Vec<Vec<String>> = Vec::new();
     for (model, expected_types) in MODELS {
         let path = kestrel_hub::resolve_model(model)
             .unwrap_or_else(|e| panic!("model {model} is needed for this test: {e:#}"));
@@ -410,52 +414,35 @@ fn real_model_rows_match_gguf_py() {
         let expected: BTreeSet<u32> = expected_types.iter().map(|t| t.id()).collect();
         assert_eq!(found, expected, "{model}: tensor types (GGUF ids)");
 
-        // A few random rows from several random tensors of each type.
-        let mut requests = Vec::new();
+        // Three random rows from each of up to four random tensors of each type.
         for indices in by_type.values() {
+            let ty = file.tensors()[indices[0]].ty;
+            let (mut bytes, mut rows) = (Vec::new(), Vec::new());
             for &ti in indices.choose_multiple(&mut rng, 4) {
                 let t = &file.tensors()[ti];
+                let row_bytes = t.row_bytes() as usize;
+                let data = file.tensor_data(t);
                 for _ in 0..3 {
-                    requests.push((ti, rng.random_range(0..t.n_rows())));
+                    let row = rng.random_range(0..t.n_rows()) as usize;
+                    bytes.extend_from_slice(&data[row * row_bytes..(row + 1) * row_bytes]);
+                    for _ in 0..t.row_len() as usize / ty.block_size() {
+                        rows.push(format!("{model} {} row {row}", t.name));
+                    }
                 }
             }
+            jobs.push((ty, bytes));
+            labels.push(rows);
         }
-        let request_file = dir.path().join("requests.txt");
-        let lines: String = requests
-            .iter()
-            .map(|&(ti, row)| format!("{} {row}\n", file.tensors()[ti].name))
-            .collect();
-        std::fs::write(&request_file, lines).expect("write requests");
-        let (raw_file, values_file) = (dir.path().join("rows.bin"), dir.path().join("rows.f32"));
-        oracle(&[
-            "rows",
-            &path.to_string_lossy(),
-            &request_file.to_string_lossy(),
-            &raw_file.to_string_lossy(),
-            &values_file.to_string_lossy(),
-        ]);
-        let py_raw = std::fs::read(&raw_file).expect("read rows");
-        let py_values = f32_from_bytes(&std::fs::read(&values_file).expect("read values"));
-
-        let (mut raw_at, mut value_at) = (0usize, 0usize);
-        for &(ti, row) in &requests {
-            let t = &file.tensors()[ti];
-            let (row_bytes, row_len) = (t.row_bytes() as usize, t.row_len() as usize);
-            let data = file.tensor_data(t);
-            let ours_raw = &data[row as usize * row_bytes..(row as usize + 1) * row_bytes];
-            let what = format!("{model} {} ({}) row {row}", t.name, t.ty);
-            assert_eq!(
-                ours_raw,
-                &py_raw[raw_at..raw_at + row_bytes],
-                "{what}: row bytes"
-            );
-            let mut ours = vec![0.0f32; row_len];
-            kestrel_quant::dequantize_row(t.ty, ours_raw, &mut ours).expect("dequantize_row");
-            assert_same_bits(&what, &ours, &py_values[value_at..value_at + row_len]);
-            raw_at += row_bytes;
-            value_at += row_len;
+    }
+    let py_values = py_dequantize(dir.path(), &jobs);
+    for (((ty, bytes), theirs), blocks) in jobs.iter().zip(&py_values).zip(&labels) {
+        let ours = dequantize(*ty, bytes).expect("dequantize");
+        let bs = ty.block_size();
+        assert_eq!(ours.len(), theirs.len(), "{ty}: lengths differ");
+        for (b, label) in blocks.iter().enumerate() {
+            let r = b * bs..(b + 1) * bs;
+            assert_same_bits(&format!("{label} ({ty})"), &ours[r.clone()], &theirs[r]);
         }
-        assert_eq!((raw_at, value_at), (py_raw.len(), py_values.len()));
-        eprintln!("{model}: {} rows compared", requests.len());
+        eprintln!("{ty}: {} blocks compared", blocks.len());
     }
 }
