@@ -34,6 +34,8 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Write a random-weight GGUF model (tests, benchmarks; llama.cpp loads it too).
     Synth(cmd::synth::Args),
+    /// Check the CUDA backend against the CPU on tiny synthetic models (needs a GPU).
+    GpuCheck(cmd::gpu_check::Args),
     /// Measure prompt-processing and generation speed (like llama-bench).
     Bench(cmd::bench::Args),
 }
@@ -48,6 +50,7 @@ fn main() {
         Command::Chat(args) => cmd::chat::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Synth(args) => cmd::synth::run(args),
+        Command::GpuCheck(args) => cmd::gpu_check::run(args),
         Command::Bench(args) => cmd::bench::run(args),
     };
     if let Err(err) = result {

@@ -8,7 +8,7 @@ use anyhow::Context;
 use kestrel_engine::Sequence;
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
-use super::common::{ModelArgs, SamplingArgs, load_engine};
+use super::common::{ModelArgs, SamplingArgs, load_any_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -29,7 +29,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let params = args.sampling.params()?;
-    let (mut engine, file) = load_engine(&args.model, 1)?;
+    let (mut engine, file) = load_any_engine(&args.model, 1)?;
     let tokenizer = Tokenizer::from_gguf(&file).context("loading the tokenizer")?;
     let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
 

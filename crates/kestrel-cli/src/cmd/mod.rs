@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod chat;
 pub mod common;
+pub mod gpu_check;
 pub mod inspect;
 pub mod perplexity;
 pub mod pull;

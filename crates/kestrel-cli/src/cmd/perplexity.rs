@@ -7,7 +7,7 @@ use anyhow::Context;
 use kestrel_engine::perplexity::score_window;
 use kestrel_tokenizer::Tokenizer;
 
-use super::common::{ModelArgs, load_engine};
+use super::common::{ModelArgs, load_any_engine, with_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -29,7 +29,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("reading {}", args.file.display()))?;
     let mut model_args = args.model.clone();
     model_args.ctx = model_args.ctx.max(args.window);
-    let (mut engine, file) = load_engine(&model_args, 128)?;
+    let (mut engine, file) = load_any_engine(&model_args, 128)?;
     let tokenizer = Tokenizer::from_gguf(&file).context("loading the tokenizer")?;
     // As llama.cpp: BOS where the model asks for one, special-token text not parsed.
     let mut ids = tokenizer.encode(&text, true, false);
@@ -38,7 +38,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("{} holds fewer than 2 tokens", args.file.display());
     }
     let start = Instant::now();
-    let score = score_window(&mut engine, &ids, 16)?;
+    let score = with_engine!(&mut engine, e => score_window(e, &ids, 16))?;
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
         "scored {} tokens in {secs:.2} s ({:.1} t/s)",

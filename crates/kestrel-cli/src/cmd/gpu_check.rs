@@ -1,0 +1,186 @@
+//! `kestrel gpu-check`: the CUDA backend against the CPU backend on tiny synthetic models of
+//! every architecture and weight type (teacher-forced logits, then greedy generations).
+
+use std::time::Instant;
+
+use kestrel_cuda::selfcheck::{self, ARCHS, MAX_REL_DIFF, MIN_TOP1_AGREEMENT, TYPES};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// GPU to check.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Positions compared per model (teacher-forced, all logits).
+    #[arg(long, default_value_t = 256)]
+    pub positions: usize,
+    /// Tokens generated greedily in the generation check.
+    #[arg(long, default_value_t = 64)]
+    pub generate: usize,
+    /// Seed of the models and tokens (default: random).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Instead of the checks, time this GGUF model on the GPU: prefill of `--pp` random
+    /// tokens in one step, then `--tg` single-token decode steps.
+    #[arg(long)]
+    pub bench: Option<std::path::PathBuf>,
+    #[arg(long, default_value_t = 512)]
+    pub pp: usize,
+    #[arg(long, default_value_t = 128)]
+    pub tg: usize,
+}
+
+/// Times prefill and decode of a model file on the GPU (random token ids).
+fn bench(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use kestrel_engine::{Engine, EngineOptions, Sequence};
+    use rand::Rng;
+    use std::sync::Arc;
+
+    let file = Arc::new(
+        kestrel_gguf::GgufFile::open(path)
+            .with_context(|| format!("opening {}", path.display()))?,
+    );
+    let weight_bytes: u64 = file
+        .tensors()
+        .iter()
+        .filter(|t| t.name != "token_embd.weight" || file.tensor("output.weight").is_none())
+        .map(|t| t.n_bytes())
+        .sum();
+    let opts = EngineOptions {
+        ctx: args.pp + args.tg + 16,
+        max_batch_tokens: args.pp.max(1),
+        max_logit_rows: 1,
+        block_size: 16,
+        max_seqs: 1,
+    };
+    let t0 = Instant::now();
+    let mut engine = Engine::new(
+        kestrel_cuda::CudaBackend::new(args.gpu)?,
+        file.clone(),
+        &opts,
+    )?;
+    println!(
+        "loaded {} in {:.2} s",
+        path.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    let vocab = engine.config().vocab_size as u32;
+    let mut rng = rand::rng();
+    for rep in 0..3 {
+        let prompt: Vec<u32> = (0..args.pp.max(1))
+            .map(|_| rng.random_range(0..vocab))
+            .collect();
+        let mut seq = Sequence::default();
+        let t = Instant::now();
+        engine.eval(&mut seq, &prompt, false, |_, _| {})?;
+        let pp_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        for _ in 0..args.tg {
+            let id = rng.random_range(0..vocab);
+            engine.eval(&mut seq, &[id], false, |_, _| {})?;
+        }
+        let tg_s = t.elapsed().as_secs_f64();
+        engine.release(&mut seq);
+        let tg_rate = args.tg as f64 / tg_s;
+        println!(
+            "run {rep}: pp{} {:.1} t/s, tg{} {:.1} t/s ({:.1} GB/s of weights read per decode step; {:.2} GB/token)",
+            prompt.len(),
+            prompt.len() as f64 / pp_s,
+            args.tg,
+            tg_rate,
+            tg_rate * weight_bytes as f64 / 1e9,
+            weight_bytes as f64 / 1e9
+        );
+    }
+    Ok(())
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(path) = &args.bench {
+        return bench(&args, path);
+    }
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let start = Instant::now();
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
+    println!(
+        "device {} ({}), kernels {:?} in {:.2} s; seed {seed}",
+        backend.device_name(),
+        backend.arch(),
+        backend.kernels_origin(),
+        start.elapsed().as_secs_f64()
+    );
+    drop(backend);
+    let positions = args.positions.clamp(1, 512);
+    let mut failures = 0;
+    println!(
+        "teacher-forced, {positions} positions: pass if top-1 agreement >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|)",
+        MIN_TOP1_AGREEMENT * 100.0
+    );
+    println!(
+        "{:<8} {:<8} {:>12} {:>12} {:>9}  result",
+        "arch", "type", "max|Δ|", "max|logit|", "top-1"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for (it, ty) in TYPES.into_iter().enumerate() {
+            let case_seed = seed.wrapping_add((ia * 100 + it) as u64);
+            match selfcheck::compare_logits(arch, ty, positions, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "{:<8} {:<8} {:>12.3e} {:>12.3e} {:>8.2}%  {}{}",
+                        arch.name(),
+                        ty,
+                        r.max_abs_diff,
+                        r.max_abs_logit,
+                        r.top1_agreement * 100.0,
+                        if ok { "ok" } else { "FAIL" },
+                        if r.non_finite > 0 {
+                            format!(" ({} non-finite logits)", r.non_finite)
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!("greedy generation, {} tokens:", args.generate);
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["f32", "f16"] {
+            let case_seed = seed.wrapping_add(10_000 + ia as u64);
+            match selfcheck::compare_greedy(arch, ty, args.generate, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let detail = match r.first_difference {
+                        None => "identical".to_string(),
+                        Some((i, gap)) => {
+                            format!("differ from token {i} (CPU logit gap {gap:.2e})")
+                        }
+                    };
+                    println!(
+                        "{:<8} {:<8} {detail}  {}",
+                        arch.name(),
+                        ty,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!("total {:.1} s", start.elapsed().as_secs_f64());
+    if failures > 0 {
+        anyhow::bail!("{failures} GPU check(s) failed");
+    }
+    println!("all GPU checks passed");
+    Ok(())
+}

@@ -1,0 +1,48 @@
+// Shared helpers of every Kestrel kernel. Compiled by NVRTC without any CUDA header:
+// half conversions go through inline PTX.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef signed char i8;
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even, as half::f16::from_f32 on the CPU.
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A little-endian f16 at any byte address (quantized blocks are only 2-byte aligned).
+__device__ __forceinline__ float ld_f16(const u8* p) {
+    return h2f((u16)p[0] | ((u16)p[1] << 8));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int n_warps = (blockDim.x + 31) >> 5;
+        float s = lane < n_warps ? partial[lane] : 0.0f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}

@@ -1,0 +1,177 @@
+// Element-wise operations, norms, RoPE, the paged KV cache and attention.
+
+extern "C" __global__ void scale_f32(float* x, int len, float factor) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] *= factor;
+}
+
+extern "C" __global__ void add_f32(float* x, const float* y, int len) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] += y[i];
+}
+
+extern "C" __global__ void add_bias(float* x, const float* bias, int len, int cols) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] += bias[i % cols];
+}
+
+// gate = act(gate) * up; act 0 = SiLU, 1 = GELU (tanh approximation).
+extern "C" __global__ void gated_act(float* gate, const float* up, int len, int act) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const float g = gate[i];
+    float a;
+    if (act == 0) {
+        a = g / (1.0f + expf(-g));
+    } else {
+        const float sqrt_2_over_pi = 0.7978846f, coef_a = 0.044715f;
+        a = 0.5f * g * (1.0f + tanhf(sqrt_2_over_pi * g * (1.0f + coef_a * g * g)));
+    }
+    gate[i] = a * up[i];
+}
+
+// One block per row: out = x / sqrt(mean(x²) + eps) * w. In place is fine (out == x).
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    float* o = out + (size_t)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+    ss = block_sum(ss);
+    const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * scale * w[j];
+}
+
+// Rotary embedding in place, one block per token, as ggml computes the angles: f32
+// throughout, theta advanced by repeated multiplication with theta_scale.
+extern "C" __global__ void rope(float* x, const u32* positions, int cols, int head_dim, int n_rot,
+                                int neox, float theta_scale, float freq_scale, float ext_factor,
+                                float mscale, float corr_lo, float corr_hi,
+                                const float* freq_factors) {
+    const int i = blockIdx.x;
+    const float pos = (float)positions[i];
+    const int half = n_rot / 2;
+    const int n_heads = cols / head_dim;
+    float* row = x + (size_t)i * cols;
+    for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
+        const int h = idx / half, p = idx % half;
+        float theta_extrap = pos;
+        for (int j = 0; j < p; j++) theta_extrap *= theta_scale;
+        const float factor = freq_factors ? freq_factors[p] : 1.0f;
+        const float extrap = theta_extrap / factor;
+        const float interp = freq_scale * extrap;
+        float theta = interp;
+        if (ext_factor != 0.0f) {
+            const float y = ((float)p - corr_lo) / fmaxf(0.001f, corr_hi - corr_lo);
+            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+            theta = interp * (1.0f - ramp) + extrap * ramp;
+        }
+        const float c = cosf(theta) * mscale, s = sinf(theta) * mscale;
+        float* head = row + h * head_dim;
+        const int a = neox ? p : 2 * p;
+        const int b = neox ? p + half : 2 * p + 1;
+        const float x0 = head[a], x1 = head[b];
+        head[a] = x0 * c - x1 * s;
+        head[b] = x0 * s + x1 * c;
+    }
+}
+
+// Cache slot of position `pos` of the sequence whose block table starts at `table`.
+__device__ __forceinline__ size_t kv_slot(const u32* table, int block_size, int pos) {
+    return (size_t)table[pos / block_size] * block_size + pos % block_size;
+}
+
+// Writes each token's key and value (as f16) into its sequence's cache slot.
+extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16* vc,
+                                    const u32* positions, const u32* seq_of, const u32* table_off,
+                                    const u32* tables, int block_size, int kv_dim) {
+    const int i = blockIdx.x;
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]);
+    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
+        kc[slot * kv_dim + d] = f2h(k[(size_t)i * kv_dim + d]);
+        vc[slot * kv_dim + d] = f2h(v[(size_t)i * kv_dim + d]);
+    }
+}
+
+#define NEG_INF __int_as_float(0xff800000u)
+#define ATT_WARPS 4
+#define ATT_MAX_HD 256
+#define ATT_PER_LANE (ATT_MAX_HD / 32)
+
+// Attention of token blockIdx.x, head blockIdx.y over its sequence's cached positions
+// (causal, optionally a sliding window). Each warp walks every ATT_WARPS-th key with an
+// online softmax; the warps' partial results are merged at the end.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+          const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
+          int n_head_kv, int head_dim, float scale, int window) {
+    __shared__ float qs[ATT_MAX_HD];
+    __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
+    __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
+    const int i = blockIdx.x, h = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kv_head = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * head_dim;
+    const float* qr = q + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    __syncthreads();
+
+    const int pos = (int)positions[i];
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const u32* table = tables + table_off[seq_of[i]];
+    float m = NEG_INF, l = 0.0f;
+    float acc[ATT_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ATT_PER_LANE; j++) acc[j] = 0.0f;
+
+    for (int kp = lo + warp; kp <= pos; kp += ATT_WARPS) {
+        const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim;
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATT_PER_LANE; j++) {
+            const int d = lane + 32 * j;
+            if (d < head_dim) dot += qs[d] * h2f(kc[base + d]);
+        }
+        const float score = warp_sum(dot) * scale;
+        const float m_new = fmaxf(m, score);
+        const float corr = expf(m - m_new);
+        const float p = expf(score - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int j = 0; j < ATT_PER_LANE; j++) {
+            const int d = lane + 32 * j;
+            if (d < head_dim) acc[j] = acc[j] * corr + p * h2f(vc[base + d]);
+        }
+        m = m_new;
+    }
+
+    if (lane == 0) {
+        w_max[warp] = m;
+        w_sum[warp] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < ATT_PER_LANE; j++) {
+        const int d = lane + 32 * j;
+        if (d < head_dim) w_acc[warp][d] = acc[j];
+    }
+    __syncthreads();
+    float big = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; w++) big = fmaxf(big, w_max[w]);
+    float total = 0.0f;
+    for (int w = 0; w < ATT_WARPS; w++)
+        if (w_sum[w] > 0.0f) total += w_sum[w] * expf(w_max[w] - big);
+    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (w_sum[w] > 0.0f) s += w_acc[w][d] * expf(w_max[w] - big);
+        o[d] = s / total;
+    }
+}
+
+// out[j] = x[rows[j]], one block per output row.
+extern "C" __global__ void gather_rows(const float* x, float* out, const u32* rows, int cols) {
+    const float* src = x + (size_t)rows[blockIdx.x] * cols;
+    float* dst = out + (size_t)blockIdx.x * cols;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
+}

@@ -1,0 +1,215 @@
+// Dequantization of GGUF block formats and the kernels that read quantized weights
+// (embedding lookup, matrix multiplication). Every row is seen as groups of 32 values;
+// `dequant32` expands one group, whatever the format.
+
+// ggml type ids.
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_BF16 30
+
+// Scale and minimum of sub-block j (0..7) of a Q4_K / Q5_K block (6-bit packed).
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Values g*32 .. g*32+31 of a row into w; for float rows only the first `lim` are read
+// (the rest are zero), quantized rows are whole blocks.
+__device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim, float* w) {
+    switch (ty) {
+    case T_F32: {
+        const float* r = (const float*)row + (size_t)g * 32;
+#pragma unroll
+        for (int i = 0; i < 32; i++) w[i] = i < lim ? r[i] : 0.0f;
+        break;
+    }
+    case T_F16: {
+        const u16* r = (const u16*)row + (size_t)g * 32;
+#pragma unroll
+        for (int i = 0; i < 32; i++) w[i] = i < lim ? h2f(r[i]) : 0.0f;
+        break;
+    }
+    case T_BF16: {
+        const u16* r = (const u16*)row + (size_t)g * 32;
+#pragma unroll
+        for (int i = 0; i < 32; i++) w[i] = i < lim ? __int_as_float(((u32)r[i]) << 16) : 0.0f;
+        break;
+    }
+    case T_Q8_0: {
+        const u8* b = row + (size_t)g * 34;
+        const float d = ld_f16(b);
+        const i8* q = (const i8*)(b + 2);
+#pragma unroll
+        for (int i = 0; i < 32; i++) w[i] = d * (float)q[i];
+        break;
+    }
+    case T_Q4_0: {
+        const u8* b = row + (size_t)g * 18;
+        const float d = ld_f16(b);
+        const u8* q = b + 2;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)((int)(q[i] & 0xF) - 8);
+            w[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+        }
+        break;
+    }
+    case T_Q4_1: {
+        const u8* b = row + (size_t)g * 20;
+        const float d = ld_f16(b), m = ld_f16(b + 2);
+        const u8* q = b + 4;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)(q[i] & 0xF) + m;
+            w[i + 16] = d * (float)(q[i] >> 4) + m;
+        }
+        break;
+    }
+    case T_Q5_0: {
+        const u8* b = row + (size_t)g * 22;
+        const float d = ld_f16(b);
+        const u32 qh = (u32)b[2] | ((u32)b[3] << 8) | ((u32)b[4] << 16) | ((u32)b[5] << 24);
+        const u8* q = b + 6;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int h0 = ((qh >> j) << 4) & 0x10;
+            const int h1 = (qh >> (j + 12)) & 0x10;
+            w[j] = d * (float)(((q[j] & 0xF) | h0) - 16);
+            w[j + 16] = d * (float)(((q[j] >> 4) | h1) - 16);
+        }
+        break;
+    }
+    case T_Q5_1: {
+        const u8* b = row + (size_t)g * 24;
+        const float d = ld_f16(b), m = ld_f16(b + 2);
+        const u32 qh = (u32)b[4] | ((u32)b[5] << 8) | ((u32)b[6] << 16) | ((u32)b[7] << 24);
+        const u8* q = b + 8;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int h0 = ((qh >> j) << 4) & 0x10;
+            const int h1 = (qh >> (j + 12)) & 0x10;
+            w[j] = d * (float)((q[j] & 0xF) | h0) + m;
+            w[j + 16] = d * (float)((q[j] >> 4) | h1) + m;
+        }
+        break;
+    }
+    case T_Q4_K: {
+        const u8* b = row + (size_t)(g >> 3) * 144;
+        const int s = g & 7;
+        const float d = ld_f16(b), dmin = ld_f16(b + 2);
+        float sc, mn;
+        scale_min_k4(s, b + 4, &sc, &mn);
+        const float d1 = d * sc, m1 = dmin * mn;
+        const u8* q = b + 16 + 32 * (s >> 1);
+        const int shift = (s & 1) * 4;
+#pragma unroll
+        for (int l = 0; l < 32; l++) w[l] = d1 * (float)((q[l] >> shift) & 0xF) - m1;
+        break;
+    }
+    case T_Q5_K: {
+        const u8* b = row + (size_t)(g >> 3) * 176;
+        const int s = g & 7;
+        const float d = ld_f16(b), dmin = ld_f16(b + 2);
+        float sc, mn;
+        scale_min_k4(s, b + 4, &sc, &mn);
+        const float d1 = d * sc, m1 = dmin * mn;
+        const u8* qh = b + 16;
+        const u8* q = b + 48 + 32 * (s >> 1);
+        const int shift = (s & 1) * 4;
+        const u8 hb = (u8)(1u << s);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            const int v = ((q[l] >> shift) & 0xF) + ((qh[l] & hb) ? 16 : 0);
+            w[l] = d1 * (float)v - m1;
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const u8* b = row + (size_t)(g >> 3) * 210;
+        const int s = g & 7, half = s >> 2, r = s & 3;
+        const u8* ql = b + 64 * half + (r & 1) * 32;
+        const u8* qh = b + 128 + 32 * half;
+        const i8* sc = (const i8*)(b + 192) + 8 * half + 2 * r;
+        const float d = ld_f16(b + 208);
+        const int lo_shift = (r >> 1) * 4, hi_shift = 2 * r;
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            const int q = ((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4);
+            w[l] = d * (float)sc[l >> 4] * (float)(q - 32);
+        }
+        break;
+    }
+    default:
+#pragma unroll
+        for (int i = 0; i < 32; i++) w[i] = 0.0f;
+    }
+}
+
+// out[i] = table[tokens[i]] (dequantized); one block per token.
+extern "C" __global__ void embed(const u8* table, int ty, long long row_bytes, int k,
+                                 const u32* tokens, float* out) {
+    const int i = blockIdx.x;
+    const u8* row = table + (size_t)tokens[i] * (size_t)row_bytes;
+    const int n_groups = (k + 31) / 32;
+    float* o = out + (size_t)i * k;
+    for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
+        float v[32];
+        const int lim = min(32, k - g * 32);
+        dequant32(ty, row, g, lim, v);
+#pragma unroll
+        for (int j = 0; j < 32; j++)
+            if (j < lim) o[g * 32 + j] = v[j];
+    }
+}
+
+#define MM_TOK 4
+
+// out[t][row] = dot(W[row], x[t]). One warp per weight row; blockIdx.y picks a group of
+// MM_TOK tokens, so each group of weights is expanded once per MM_TOK tokens.
+extern "C" __global__ void matmul(const u8* w, int ty, long long row_bytes, int k, int n_out,
+                                  const float* x, float* out, int n) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n_out) return;
+    const int t0 = blockIdx.y * MM_TOK;
+    const int nt = min(MM_TOK, n - t0);
+    const u8* r = w + (size_t)row * (size_t)row_bytes;
+    float acc[MM_TOK];
+#pragma unroll
+    for (int t = 0; t < MM_TOK; t++) acc[t] = 0.0f;
+    const int n_groups = (k + 31) / 32;
+    for (int g = lane; g < n_groups; g += 32) {
+        float v[32];
+        const int lim = min(32, k - g * 32);
+        dequant32(ty, r, g, lim, v);
+#pragma unroll
+        for (int t = 0; t < MM_TOK; t++) {
+            if (t < nt) {
+                const float* xr = x + (size_t)(t0 + t) * k + g * 32;
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 32; j++)
+                    if (j < lim) s += v[j] * xr[j];
+                acc[t] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MM_TOK; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(size_t)(t0 + t) * n_out + row] = s;
+    }
+}

@@ -1,0 +1,863 @@
+//! CUDA backend: the model's weights live on the GPU in their GGUF block layout and the
+//! kernels (`kernels/*.cu`, compiled with NVRTC at first use and cached on disk) read them
+//! directly. Activations are f32, the paged KV cache f16.
+//!
+//! cudarc loads libcuda and libnvrtc at run time, so this crate builds and its users run on
+//! machines without CUDA; [`CudaBackend::new`] is where a missing driver or GPU shows up.
+//!
+//! Every step's inputs (token ids, positions, block tables, ...) go to the device in one
+//! copy in `prepare_step`, into a buffer allocated once; the kernels read them from there.
+//! Backend operations cannot return errors (the trait's shape), so a failed launch is
+//! remembered and reported by the next `prepare_step` or `read_rows`.
+
+pub mod compile;
+pub mod selfcheck;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, bail};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
+use kestrel_model::{Activation, AttnParams, Batch, ModelConfig, RopeParams, RopeScaling};
+
+pub use compile::Origin;
+
+/// Largest head size the attention kernel handles.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Weight types the kernels dequantize.
+pub const SUPPORTED_TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+/// Number of CUDA devices, or an error saying why there are none usable.
+pub fn device_count() -> anyhow::Result<usize> {
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        bail!(
+            "no CUDA driver found (libcuda.so could not be loaded): is an NVIDIA GPU and its driver installed?"
+        );
+    }
+    let n = CudaContext::device_count().map_err(|e| anyhow::anyhow!("CUDA driver: {e:?}"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// A kernel argument.
+enum Arg {
+    /// A device pointer.
+    P(u64),
+    I(i32),
+    L(i64),
+    F(f32),
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    device_name: String,
+    arch: String,
+    origin: Origin,
+    /// The first failure of an operation that could not return it.
+    error: Mutex<Option<String>>,
+    /// RoPE frequency factors already uploaded, by their host array.
+    freq_factors: Mutex<Vec<UploadedFactors>>,
+}
+
+/// A host array of RoPE frequency factors, its device copy and that copy's address.
+type UploadedFactors = (Arc<[f32]>, CudaSlice<f32>, u64);
+
+/// A weight on the device.
+pub enum CudaWeight {
+    /// A matrix in its GGUF block layout: `rows` rows of `cols` values, `row_bytes` each.
+    Matrix {
+        buf: CudaSlice<u8>,
+        ptr: u64,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        row_bytes: usize,
+    },
+    /// A vector (norm weights, biases) as f32.
+    Vector {
+        buf: CudaSlice<f32>,
+        ptr: u64,
+        len: usize,
+    },
+}
+
+/// Row-major `[rows × cols]` f32 activations on the device.
+pub struct CudaTensor {
+    buf: CudaSlice<f32>,
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+}
+
+/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` f16 values.
+pub struct CudaCache {
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    k_ptr: Vec<u64>,
+    v_ptr: Vec<u64>,
+    block_size: usize,
+    n_blocks: usize,
+    kv_dim: usize,
+}
+
+/// Per-step inputs in one device buffer of u32, at fixed offsets (`T` = max tokens):
+/// tokens `[0, T)`, positions `[T, 2T)`, seq_of `[2T, 3T)`, logit rows `[3T, 4T)`,
+/// block-table offsets per sequence `[4T, 5T)`, kv_len per sequence `[5T, 6T)`, then the
+/// block tables of all sequences back to back.
+pub struct CudaStep {
+    buf: CudaSlice<u32>,
+    ptr: u64,
+    max_tokens: usize,
+    table_capacity: usize,
+    host: Vec<u32>,
+    n_tokens: usize,
+    n_logit_rows: usize,
+}
+
+impl CudaStep {
+    fn at(&self, slot: usize) -> u64 {
+        self.ptr + (slot * self.max_tokens * 4) as u64
+    }
+    fn tokens(&self) -> u64 {
+        self.at(0)
+    }
+    fn positions(&self) -> u64 {
+        self.at(1)
+    }
+    fn seq_of(&self) -> u64 {
+        self.at(2)
+    }
+    fn logit_rows(&self) -> u64 {
+        self.at(3)
+    }
+    fn table_off(&self) -> u64 {
+        self.at(4)
+    }
+    fn tables(&self) -> u64 {
+        self.at(6)
+    }
+}
+
+fn grid_1d(len: usize, block: usize) -> (u32, u32, u32) {
+    (len.div_ceil(block) as u32, 1, 1)
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiling (or loading the cached) kernels for its architecture.
+    pub fn new(ordinal: usize) -> anyhow::Result<CudaBackend> {
+        let count = device_count()?;
+        if ordinal >= count {
+            bail!("CUDA device {ordinal} requested, {count} present");
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| anyhow::anyhow!("opening CUDA device {ordinal}: {e:?}"))?;
+        // One stream, in order: cudarc's per-buffer events are not needed (and would stop
+        // graph capture later).
+        // SAFETY: called before any buffer or stream exists.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| anyhow::anyhow!("creating a CUDA stream: {e:?}"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| anyhow::anyhow!("reading the compute capability: {e:?}"))?;
+        let arch = compile::arch_name(major, minor)?;
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (ptx, origin) = compile::load(&arch)?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| anyhow::anyhow!("loading the kernel module for {arch}: {e:?}"))?;
+        let mut funcs = HashMap::new();
+        for &name in compile::KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(|e| anyhow::anyhow!("kernel {name} missing from the module: {e:?}"))?;
+            funcs.insert(name, f);
+        }
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            funcs,
+            device_name,
+            arch,
+            origin,
+            error: Mutex::new(None),
+            freq_factors: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// `sm_XY` of the device.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Whether the kernels were compiled at start or read from the disk cache.
+    pub fn kernels_origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// Waits for the queued work; returns the first error of any operation since the last
+    /// check.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let sync = self.stream.synchronize();
+        if let Some(msg) = self.lock_error().take() {
+            bail!("CUDA: {msg}");
+        }
+        sync.map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        self.ctx
+            .check_err()
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        Ok(())
+    }
+
+    fn lock_error(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        // A poisoned lock still holds a usable Option.
+        self.error.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fail(&self, msg: String) {
+        let mut e = self.lock_error();
+        if e.is_none() {
+            *e = Some(msg);
+        }
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: &[Arg]) {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return;
+        }
+        let Some(f) = self.funcs.get(name) else {
+            self.fail(format!("kernel {name} not loaded"));
+            return;
+        };
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(v) => b.arg(v),
+                Arg::I(v) => b.arg(v),
+                Arg::L(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every kernel's arguments are built by the matching method below, with
+        // pointers to live buffers sized by the same geometry the kernel uses.
+        if let Err(e) = unsafe { b.launch(cfg) } {
+            self.fail(format!("launching {name}: {e:?}"));
+        }
+    }
+
+    fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+        what: &str,
+    ) -> anyhow::Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(|e| anyhow::anyhow!("allocating {what} ({len} elements) on the GPU: {e:?}"))
+    }
+
+    fn vector_ptr(&self, w: &CudaWeight, what: &str) -> Option<u64> {
+        match w {
+            CudaWeight::Vector { ptr, .. } => Some(*ptr),
+            CudaWeight::Matrix { .. } => {
+                self.fail(format!("{what}: expected a vector weight, got a matrix"));
+                None
+            }
+        }
+    }
+
+    fn freq_factors_ptr(&self, f: &Arc<[f32]>) -> Option<u64> {
+        let mut cache = self.freq_factors.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, _, p)) = cache.iter().find(|(a, _, _)| Arc::ptr_eq(a, f)) {
+            return Some(*p);
+        }
+        match self.stream.clone_htod(&f[..]) {
+            Ok(buf) => {
+                let p = self.ptr(&buf);
+                cache.push((f.clone(), buf, p));
+                Some(p)
+            }
+            Err(e) => {
+                self.fail(format!("uploading rope frequency factors: {e:?}"));
+                None
+            }
+        }
+    }
+
+    fn elementwise(&self, name: &'static str, len: usize, args: &[Arg]) {
+        self.launch(name, grid_1d(len, 256), 256, args);
+    }
+}
+
+impl kestrel_model::Backend for CudaBackend {
+    type Weight = CudaWeight;
+    type Tensor = CudaTensor;
+    type Cache = CudaCache;
+    type Step = CudaStep;
+
+    fn name(&self) -> String {
+        format!("cuda ({}, {})", self.device_name, self.arch)
+    }
+
+    fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CudaWeight> {
+        let cols = info.dims.first().copied().unwrap_or(1) as usize;
+        let rows = info.dims.iter().skip(1).product::<u64>() as usize;
+        if info.dims.len() <= 1 {
+            let mut v = vec![0f32; cols];
+            kestrel_quant::dequantize_row(info.ty, file.tensor_data(info), &mut v)
+                .with_context(|| format!("tensor {}", info.name))?;
+            let buf = self
+                .stream
+                .clone_htod(&v)
+                .map_err(|e| anyhow::anyhow!("uploading {}: {e:?}", info.name))?;
+            let ptr = self.ptr(&buf);
+            return Ok(CudaWeight::Vector {
+                buf,
+                ptr,
+                len: cols,
+            });
+        }
+        if !SUPPORTED_TYPES.contains(&info.ty) {
+            bail!(
+                "tensor {}: type {} is not supported by the CUDA backend yet",
+                info.name,
+                info.ty
+            );
+        }
+        let row_bytes = info.ty.bytes_for(cols as u64).with_context(|| {
+            format!(
+                "tensor {}: rows of {cols} values are not whole {} blocks",
+                info.name, info.ty
+            )
+        })? as usize;
+        let data = file.tensor_data(info);
+        if data.len() != row_bytes * rows {
+            bail!(
+                "tensor {}: {} bytes, expected {}",
+                info.name,
+                data.len(),
+                row_bytes * rows
+            );
+        }
+        let buf = self
+            .stream
+            .clone_htod(data)
+            .map_err(|e| anyhow::anyhow!("uploading {}: {e:?}", info.name))?;
+        let ptr = self.ptr(&buf);
+        Ok(CudaWeight::Matrix {
+            buf,
+            ptr,
+            ty: info.ty,
+            rows,
+            cols,
+            row_bytes,
+        })
+    }
+
+    fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<CudaTensor> {
+        let len = rows.checked_mul(cols).context("tensor size overflows")?;
+        let buf = self.alloc::<f32>(len, "an activation buffer")?;
+        let ptr = self.ptr(&buf);
+        Ok(CudaTensor {
+            buf,
+            ptr,
+            rows,
+            cols,
+        })
+    }
+
+    fn new_cache(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+    ) -> anyhow::Result<CudaCache> {
+        let kv_dim = config.kv_dim();
+        let per_layer = n_blocks
+            .checked_mul(block_size)
+            .and_then(|s| s.checked_mul(kv_dim))
+            .context("KV cache size overflows")?;
+        let mut cache = CudaCache {
+            k: Vec::new(),
+            v: Vec::new(),
+            k_ptr: Vec::new(),
+            v_ptr: Vec::new(),
+            block_size,
+            n_blocks,
+            kv_dim,
+        };
+        for _ in 0..config.n_layer {
+            let k = self.alloc::<u16>(per_layer, "the KV cache")?;
+            let v = self.alloc::<u16>(per_layer, "the KV cache")?;
+            cache.k_ptr.push(self.ptr(&k));
+            cache.v_ptr.push(self.ptr(&v));
+            cache.k.push(k);
+            cache.v.push(v);
+        }
+        Ok(cache)
+    }
+
+    fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<CudaStep> {
+        let max_tokens = max_tokens.max(1);
+        // Room for one sequence at full context; grows if a step needs more.
+        let table_capacity = config.context_length.div_ceil(16).max(64);
+        let buf = self.alloc::<u32>(6 * max_tokens + table_capacity, "the step inputs")?;
+        let ptr = self.ptr(&buf);
+        Ok(CudaStep {
+            buf,
+            ptr,
+            max_tokens,
+            table_capacity,
+            host: Vec::new(),
+            n_tokens: 0,
+            n_logit_rows: 0,
+        })
+    }
+
+    fn prepare_step(&self, batch: &Batch, step: &mut CudaStep) -> anyhow::Result<()> {
+        // Errors of the previous step surface here at the latest.
+        self.check()?;
+        let t = step.max_tokens;
+        let n = batch.len();
+        if n > t || batch.seqs.len() > t || batch.logit_rows.len() > t {
+            bail!(
+                "batch of {n} tokens, {} sequences, {} logit rows exceeds the step size {t}",
+                batch.seqs.len(),
+                batch.logit_rows.len()
+            );
+        }
+        if batch.positions.len() != n || batch.seq_of.len() != n {
+            bail!("bad batch: tokens, positions and seq_of differ in length");
+        }
+        let tables: usize = batch.seqs.iter().map(|s| s.block_table.len()).sum();
+        if tables > step.table_capacity {
+            let cap = tables.next_power_of_two();
+            step.buf = self.alloc::<u32>(6 * t + cap, "the step inputs")?;
+            step.ptr = self.ptr(&step.buf);
+            step.table_capacity = cap;
+        }
+        let h = &mut step.host;
+        h.clear();
+        h.resize(6 * t + tables, 0);
+        h[..n].copy_from_slice(&batch.tokens);
+        h[t..t + n].copy_from_slice(&batch.positions);
+        h[2 * t..2 * t + n].copy_from_slice(&batch.seq_of);
+        h[3 * t..3 * t + batch.logit_rows.len()].copy_from_slice(&batch.logit_rows);
+        let mut off = 0usize;
+        for (s, seq) in batch.seqs.iter().enumerate() {
+            h[4 * t + s] = off as u32;
+            h[5 * t + s] = seq.kv_len as u32;
+            h[6 * t + off..6 * t + off + seq.block_table.len()].copy_from_slice(&seq.block_table);
+            off += seq.block_table.len();
+        }
+        let len = h.len();
+        self.stream
+            .memcpy_htod(&h[..], &mut step.buf.slice_mut(..len))
+            .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
+        step.n_tokens = n;
+        step.n_logit_rows = batch.logit_rows.len();
+        Ok(())
+    }
+
+    fn embed(&self, table: &CudaWeight, step: &CudaStep, out: &mut CudaTensor) {
+        let CudaWeight::Matrix {
+            ptr,
+            ty,
+            cols,
+            row_bytes,
+            ..
+        } = table
+        else {
+            self.fail("embed: the table is not a matrix".into());
+            return;
+        };
+        self.launch(
+            "embed",
+            (step.n_tokens as u32, 1, 1),
+            128,
+            &[
+                Arg::P(*ptr),
+                Arg::I(ty.id() as i32),
+                Arg::L(*row_bytes as i64),
+                Arg::I(*cols as i32),
+                Arg::P(step.tokens()),
+                Arg::P(out.ptr),
+            ],
+        );
+    }
+
+    fn scale(&self, x: &mut CudaTensor, n: usize, factor: f32) {
+        let len = n * x.cols;
+        self.elementwise(
+            "scale_f32",
+            len,
+            &[Arg::P(x.ptr), Arg::I(len as i32), Arg::F(factor)],
+        );
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        n: usize,
+        out: &mut CudaTensor,
+    ) {
+        let Some(w) = self.vector_ptr(weight, "rms_norm") else {
+            return;
+        };
+        let block = x.cols.next_multiple_of(32).min(256) as u32;
+        self.launch(
+            "rms_norm",
+            (n as u32, 1, 1),
+            block,
+            &[
+                Arg::P(x.ptr),
+                Arg::P(w),
+                Arg::P(out.ptr),
+                Arg::I(x.cols as i32),
+                Arg::F(eps),
+            ],
+        );
+    }
+
+    fn rms_norm_heads(
+        &self,
+        x: &mut CudaTensor,
+        weight: &CudaWeight,
+        head_dim: usize,
+        eps: f32,
+        n: usize,
+    ) {
+        let Some(w) = self.vector_ptr(weight, "rms_norm_heads") else {
+            return;
+        };
+        // Heads are contiguous rows of `head_dim` values: a row norm over n·heads rows.
+        let rows = n * x.cols / head_dim;
+        let block = head_dim.next_multiple_of(32).min(256) as u32;
+        self.launch(
+            "rms_norm",
+            (rows as u32, 1, 1),
+            block,
+            &[
+                Arg::P(x.ptr),
+                Arg::P(w),
+                Arg::P(x.ptr),
+                Arg::I(head_dim as i32),
+                Arg::F(eps),
+            ],
+        );
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &mut CudaTensor) {
+        let CudaWeight::Matrix {
+            ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            ..
+        } = w
+        else {
+            self.fail("matmul: the weight is not a matrix".into());
+            return;
+        };
+        if x.cols != *cols || out.cols != *rows {
+            self.fail(format!(
+                "matmul: x has {} columns, out {}, weight is {rows}×{cols}",
+                x.cols, out.cols
+            ));
+            return;
+        }
+        const ROWS_PER_BLOCK: usize = 8;
+        const TOKENS_PER_BLOCK: usize = 4;
+        let grid_y = n.div_ceil(TOKENS_PER_BLOCK);
+        if grid_y > 65535 {
+            self.fail(format!("matmul: {n} tokens in one call is too many"));
+            return;
+        }
+        self.launch(
+            "matmul",
+            (rows.div_ceil(ROWS_PER_BLOCK) as u32, grid_y as u32, 1),
+            (ROWS_PER_BLOCK * 32) as u32,
+            &[
+                Arg::P(*ptr),
+                Arg::I(ty.id() as i32),
+                Arg::L(*row_bytes as i64),
+                Arg::I(*cols as i32),
+                Arg::I(*rows as i32),
+                Arg::P(x.ptr),
+                Arg::P(out.ptr),
+                Arg::I(n as i32),
+            ],
+        );
+    }
+
+    fn add_bias(&self, x: &mut CudaTensor, bias: &CudaWeight, n: usize) {
+        let Some(b) = self.vector_ptr(bias, "add_bias") else {
+            return;
+        };
+        let len = n * x.cols;
+        self.elementwise(
+            "add_bias",
+            len,
+            &[
+                Arg::P(x.ptr),
+                Arg::P(b),
+                Arg::I(len as i32),
+                Arg::I(x.cols as i32),
+            ],
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        head_dim: usize,
+        rope: &RopeParams,
+        step: &CudaStep,
+        n: usize,
+    ) {
+        let n_rot = rope.n_rot;
+        let theta_scale = rope.base.powf(-2.0 / n_rot as f32);
+        let freq_scale = rope.freq_scale();
+        // YaRN's ramp, computed as the CPU backend does.
+        let (ext_factor, mut mscale, corr) = match rope.scaling {
+            RopeScaling::Yarn {
+                orig_ctx,
+                ext_factor,
+                attn_factor,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
+                let corr_dim = |n_rotations: f32| {
+                    n_rot as f32
+                        * (orig_ctx as f32 / (n_rotations * 2.0 * std::f32::consts::PI)).ln()
+                        / (2.0 * rope.base.ln())
+                };
+                let lo = corr_dim(beta_fast).floor().max(0.0);
+                let hi = corr_dim(beta_slow).ceil().min(n_rot as f32 - 1.0);
+                (ext_factor, attn_factor, (lo, hi))
+            }
+            _ => (0.0, 1.0, (0.0, 0.0)),
+        };
+        if ext_factor != 0.0 {
+            mscale *= 1.0 + 0.1 * (1.0 / freq_scale).ln();
+        }
+        let factors = match &rope.freq_factors {
+            Some(f) => match self.freq_factors_ptr(f) {
+                Some(p) => p,
+                None => return,
+            },
+            None => 0,
+        };
+        self.launch(
+            "rope",
+            (n as u32, 1, 1),
+            128,
+            &[
+                Arg::P(x.ptr),
+                Arg::P(step.positions()),
+                Arg::I(x.cols as i32),
+                Arg::I(head_dim as i32),
+                Arg::I(n_rot as i32),
+                Arg::I(rope.neox as i32),
+                Arg::F(theta_scale),
+                Arg::F(freq_scale),
+                Arg::F(ext_factor),
+                Arg::F(mscale),
+                Arg::F(corr.0),
+                Arg::F(corr.1),
+                Arg::P(factors),
+            ],
+        );
+    }
+
+    fn store_kv(
+        &self,
+        cache: &mut CudaCache,
+        layer: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        step: &CudaStep,
+        n: usize,
+    ) {
+        if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
+            self.fail(format!(
+                "store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
+                k.cols, v.cols, cache.kv_dim
+            ));
+            return;
+        }
+        self.launch(
+            "store_kv",
+            (n as u32, 1, 1),
+            128,
+            &[
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(cache.k_ptr[layer]),
+                Arg::P(cache.v_ptr[layer]),
+                Arg::P(step.positions()),
+                Arg::P(step.seq_of()),
+                Arg::P(step.table_off()),
+                Arg::P(step.tables()),
+                Arg::I(cache.block_size as i32),
+                Arg::I(cache.kv_dim as i32),
+            ],
+        );
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        cache: &CudaCache,
+        p: &AttnParams,
+        step: &CudaStep,
+        n: usize,
+        out: &mut CudaTensor,
+    ) {
+        if p.head_dim > MAX_HEAD_DIM {
+            self.fail(format!(
+                "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
+                p.head_dim
+            ));
+            return;
+        }
+        if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
+            self.fail(format!("attention: bad geometry for layer {}", p.layer));
+            return;
+        }
+        let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        self.launch(
+            "attention",
+            (n as u32, p.n_head as u32, 1),
+            128,
+            &[
+                Arg::P(q.ptr),
+                Arg::P(cache.k_ptr[p.layer]),
+                Arg::P(cache.v_ptr[p.layer]),
+                Arg::P(out.ptr),
+                Arg::P(step.positions()),
+                Arg::P(step.seq_of()),
+                Arg::P(step.table_off()),
+                Arg::P(step.tables()),
+                Arg::I(cache.block_size as i32),
+                Arg::I(p.n_head as i32),
+                Arg::I(p.n_head_kv as i32),
+                Arg::I(p.head_dim as i32),
+                Arg::F(p.scale),
+                Arg::I(window),
+            ],
+        );
+    }
+
+    fn gated_activation(&self, gate: &mut CudaTensor, up: &CudaTensor, act: Activation, n: usize) {
+        let len = n * gate.cols;
+        let act = match act {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        };
+        self.elementwise(
+            "gated_act",
+            len,
+            &[
+                Arg::P(gate.ptr),
+                Arg::P(up.ptr),
+                Arg::I(len as i32),
+                Arg::I(act),
+            ],
+        );
+    }
+
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor, n: usize) {
+        let len = n * x.cols;
+        self.elementwise(
+            "add_f32",
+            len,
+            &[Arg::P(x.ptr), Arg::P(y.ptr), Arg::I(len as i32)],
+        );
+    }
+
+    fn gather_logit_rows(&self, x: &CudaTensor, step: &CudaStep, out: &mut CudaTensor) {
+        self.launch(
+            "gather_rows",
+            (step.n_logit_rows as u32, 1, 1),
+            256,
+            &[
+                Arg::P(x.ptr),
+                Arg::P(out.ptr),
+                Arg::P(step.logit_rows()),
+                Arg::I(x.cols as i32),
+            ],
+        );
+    }
+
+    fn read_rows(&self, x: &CudaTensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+        if n > x.rows {
+            bail!("read_rows: {n} rows asked, tensor has {}", x.rows);
+        }
+        self.check()?;
+        let len = n * x.cols;
+        out.clear();
+        out.resize(len, 0.0);
+        if len > 0 {
+            self.stream
+                .memcpy_dtoh(&x.buf.slice(..len), &mut out[..])
+                .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
+        }
+        self.check()
+    }
+}
+
+impl CudaCache {
+    pub fn n_blocks(&self) -> usize {
+        self.n_blocks
+    }
+}
+
+impl CudaWeight {
+    /// Bytes this weight holds on the device.
+    pub fn device_bytes(&self) -> usize {
+        match self {
+            CudaWeight::Matrix { buf, .. } => buf.len(),
+            CudaWeight::Vector { buf, len, .. } => {
+                debug_assert_eq!(buf.len(), *len);
+                len * 4
+            }
+        }
+    }
+}
