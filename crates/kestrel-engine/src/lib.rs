@@ -4,6 +4,7 @@ pub mod engine;
 pub mod kv;
 pub mod perplexity;
 pub mod sampler;
+pub mod scheduler;
 pub mod stop;
 
 pub use engine::{Engine, EngineOptions, Sequence};

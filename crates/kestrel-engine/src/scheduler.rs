@@ -1,0 +1,784 @@
+//! Continuous batching over the paged KV cache.
+//!
+//! A [`Scheduler`] owns an [`Engine`] on its own OS thread. Requests come in through a
+//! channel ([`SchedulerHandle::submit`]); every step the scheduler
+//! 1. admits waiting requests while KV blocks allow (first come, first served),
+//! 2. builds one [`Batch`] holding the next token of every decoding sequence and chunks of
+//!    prompts still being prefilled (prefill tokens per step are capped so decodes keep
+//!    flowing; the engine's `max_batch_tokens` caps the whole step),
+//! 3. runs it, samples each sequence that reached the end of its tokens with its own
+//!    [`Sampler`], and streams the token to the request's [`TokenSink`].
+//!
+//! A sequence's blocks are freed the moment it finishes or its sink reports the client gone.
+//! When a decoding sequence needs a block and none is free, idle prefix-cache blocks are
+//! evicted (least recently used first), then the youngest running sequence is preempted: its
+//! blocks are freed and it goes back to the front of the queue, to be recomputed later from
+//! its prompt and the tokens it already generated (its sampler state is kept, so the output is
+//! the same as if it had never been preempted).
+//!
+//! Prefix caching: every full block a sequence computes is entered in a table keyed by a hash
+//! of the block's token ids chained with its predecessor's hash (a block's keys and values
+//! depend on every earlier token). A new sequence whose prompt starts with the same whole
+//! blocks shares them ([`BlockManager::share`]) instead of recomputing them. The table holds
+//! one reference of its own on each entry, so a cached block outlives the sequences that used
+//! it until memory is needed.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kestrel_model::{Backend, Batch, SeqSlot};
+
+use crate::engine::Engine;
+use crate::sampler::{Sampler, SamplerParams, log_softmax, top_n};
+
+/// Where a request's events go. Implemented for `std::sync::mpsc::Sender<Event>`; the server
+/// wraps its async channel in one.
+pub trait TokenSink: Send {
+    /// Delivers an event; returns false when the receiver is gone (the client disconnected).
+    fn send(&mut self, event: Event) -> bool;
+    /// Whether the receiver is known to be gone, checked before every step so a disconnected
+    /// client's blocks are freed without waiting for its next token.
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl TokenSink for mpsc::Sender<Event> {
+    fn send(&mut self, event: Event) -> bool {
+        mpsc::Sender::send(self, event).is_ok()
+    }
+}
+
+/// Log-probabilities reported with a sampled token (of the model's distribution, before
+/// penalties, filters and temperature).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token (not reported as a token).
+    Stop,
+    /// `max_tokens` reached or the context is full.
+    Length,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose cache blocks came from the prefix cache.
+    pub cached_prompt_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token {
+        id: u32,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Error(String),
+}
+
+/// A generation request.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplerParams,
+    /// Most tokens to generate (at least 1).
+    pub max_tokens: usize,
+    /// Report log-probabilities with this many top alternatives (`Some(0)`: only the chosen
+    /// token's).
+    pub logprobs: Option<usize>,
+    pub sink: Box<dyn TokenSink>,
+}
+
+/// Why a request was refused before it reached the queue.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt token {index} has id {id}, the vocabulary has {vocab} tokens")]
+    TokenOutOfRange { index: usize, id: u32, vocab: usize },
+    #[error("the prompt has {len} tokens, the context holds {ctx}")]
+    PromptTooLong { len: usize, ctx: usize },
+    #[error("max_tokens must be at least 1")]
+    NoTokens,
+    #[error("bad sampling parameters: {0}")]
+    BadParams(String),
+    #[error("the scheduler has stopped")]
+    Stopped,
+}
+
+/// Scheduling settings.
+#[derive(Debug, Clone)]
+pub struct SchedulerOptions {
+    /// Most sequences running at once (the engine's logit rows must be at least this).
+    pub max_seqs: usize,
+    /// Most prompt tokens per step; the rest of the step's tokens go to decodes.
+    pub max_prefill_tokens: usize,
+    /// Share whole blocks of identical prompt prefixes.
+    pub prefix_cache: bool,
+    /// Token ids that end generation (end of sequence, end of turn).
+    pub eog: Vec<u32>,
+}
+
+impl Default for SchedulerOptions {
+    fn default() -> Self {
+        SchedulerOptions {
+            max_seqs: 16,
+            max_prefill_tokens: 256,
+            prefix_cache: true,
+            eog: Vec::new(),
+        }
+    }
+}
+
+/// What the engine holds, for validating requests and reporting.
+#[derive(Debug, Clone)]
+pub struct SchedulerInfo {
+    pub vocab_size: usize,
+    pub ctx: usize,
+    pub n_blocks: usize,
+    pub block_size: usize,
+    pub max_seqs: usize,
+    pub arch: String,
+    pub backend: String,
+}
+
+/// Counters and gauges the scheduler thread updates after every step.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    pub waiting: AtomicU64,
+    pub running: AtomicU64,
+    /// Blocks held by sequences.
+    pub blocks_used: AtomicU64,
+    /// Prefix-cache blocks no sequence holds (evictable).
+    pub blocks_cached_idle: AtomicU64,
+    pub blocks_free: AtomicU64,
+    pub prefix_hit_blocks: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
+    /// Tokens evaluated (prompt chunks, recomputation and decodes).
+    pub tokens_evaluated: AtomicU64,
+    pub tokens_generated: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub steps: AtomicU64,
+    pub requests_finished: AtomicU64,
+    pub requests_cancelled: AtomicU64,
+}
+
+/// The submitting side; cheap to clone.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: mpsc::Sender<Request>,
+    info: Arc<SchedulerInfo>,
+    stats: Arc<SchedulerStats>,
+}
+
+impl SchedulerHandle {
+    pub fn info(&self) -> &SchedulerInfo {
+        &self.info
+    }
+
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    /// Checks a request and queues it. Its events arrive on its sink.
+    pub fn submit(&self, req: Request) -> Result<(), SubmitError> {
+        let info = &self.info;
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if let Some((index, &id)) = req
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= info.vocab_size)
+        {
+            return Err(SubmitError::TokenOutOfRange {
+                index,
+                id,
+                vocab: info.vocab_size,
+            });
+        }
+        if req.prompt.len() > info.ctx {
+            return Err(SubmitError::PromptTooLong {
+                len: req.prompt.len(),
+                ctx: info.ctx,
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::NoTokens);
+        }
+        req.params.validate().map_err(SubmitError::BadParams)?;
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        self.tx.send(req).map_err(|_| {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            SubmitError::Stopped
+        })
+    }
+}
+
+/// Starts the scheduler thread. `make_engine` runs on that thread (so backends whose handles
+/// may not cross threads work); its error is returned here.
+pub fn spawn<B, F>(make_engine: F, opts: SchedulerOptions) -> anyhow::Result<SchedulerHandle>
+where
+    B: Backend + 'static,
+    F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel::<Request>();
+    let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<SchedulerInfo>>();
+    let stats = Arc::new(SchedulerStats::default());
+    let thread_stats = stats.clone();
+    std::thread::Builder::new()
+        .name("kestrel-scheduler".into())
+        .spawn(move || {
+            let engine = match make_engine().and_then(|e| Scheduler::check(e, &opts)) {
+                Ok(e) => e,
+                Err(err) => {
+                    let _ = ready_tx.send(Err(err));
+                    return;
+                }
+            };
+            let mut s = Scheduler::new(engine, opts, rx, thread_stats);
+            let _ = ready_tx.send(Ok(s.info()));
+            s.run();
+        })?;
+    let info = ready_rx
+        .recv()
+        .map_err(|_| anyhow::anyhow!("the scheduler thread died while loading the engine"))??;
+    Ok(SchedulerHandle {
+        tx,
+        info: Arc::new(info),
+        stats,
+    })
+}
+
+struct Seq {
+    /// Prompt then generated tokens; `tokens[..n_cached]` are in the cache, the rest are
+    /// evaluated by coming steps (one pending token while decoding).
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    n_cached: usize,
+    block_table: Vec<u32>,
+    /// Leading blocks of `block_table` entered in the prefix cache, with their chain hashes.
+    shared_hashes: Vec<u64>,
+    /// A block could not be entered (another sequence entered the same prefix first): the
+    /// blocks after it are not entered either, keeping the shared blocks a prefix.
+    sharing_stopped: bool,
+    sampler: Sampler,
+    generated: usize,
+    max_tokens: usize,
+    logprobs: Option<usize>,
+    cached_prompt_tokens: Option<usize>,
+    sink: Box<dyn TokenSink>,
+}
+
+struct CacheEntry {
+    block: u32,
+    /// Running sequences holding this block.
+    users: u32,
+    last_used: u64,
+    /// Block index in its sequence (deeper blocks are evicted first among equally old).
+    depth: usize,
+}
+
+struct Scheduler<B: Backend> {
+    engine: Engine<B>,
+    opts: SchedulerOptions,
+    rx: mpsc::Receiver<Request>,
+    stats: Arc<SchedulerStats>,
+    waiting: VecDeque<Seq>,
+    /// Oldest first: the last one is preempted first.
+    running: Vec<Seq>,
+    prefix: HashMap<u64, CacheEntry>,
+    idle_cached: usize,
+    tick: u64,
+    disconnected: bool,
+}
+
+impl<B: Backend> Scheduler<B> {
+    fn check(engine: Engine<B>, opts: &SchedulerOptions) -> anyhow::Result<Engine<B>> {
+        if opts.max_seqs == 0 {
+            anyhow::bail!("max_seqs must be at least 1");
+        }
+        if engine.max_logit_rows() < opts.max_seqs {
+            anyhow::bail!(
+                "the engine returns {} logit rows per step, {} sequences need one each",
+                engine.max_logit_rows(),
+                opts.max_seqs
+            );
+        }
+        Ok(engine)
+    }
+
+    fn new(
+        engine: Engine<B>,
+        opts: SchedulerOptions,
+        rx: mpsc::Receiver<Request>,
+        stats: Arc<SchedulerStats>,
+    ) -> Self {
+        let s = Scheduler {
+            engine,
+            opts,
+            rx,
+            stats,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            prefix: HashMap::new(),
+            idle_cached: 0,
+            tick: 0,
+            disconnected: false,
+        };
+        s.publish();
+        s
+    }
+
+    fn info(&self) -> SchedulerInfo {
+        let cfg = self.engine.config();
+        SchedulerInfo {
+            vocab_size: cfg.vocab_size,
+            ctx: self.engine.ctx,
+            n_blocks: self.engine.blocks.n_blocks(),
+            block_size: self.engine.blocks.block_size(),
+            max_seqs: self.opts.max_seqs,
+            arch: cfg.arch.name().to_string(),
+            backend: self.engine.backend.name(),
+        }
+    }
+
+    fn run(&mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                if self.disconnected {
+                    return;
+                }
+                match self.rx.recv() {
+                    Ok(req) => self.enqueue(req),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(req) => self.enqueue(req),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        self.disconnected = true;
+                        break;
+                    }
+                }
+            }
+            self.drop_cancelled();
+            self.admit();
+            let worked = self.step();
+            self.publish();
+            if !worked && !self.waiting.is_empty() {
+                // Nothing could run (should not happen: a lone sequence always fits). Wait
+                // for new requests instead of spinning.
+                if let Ok(req) = self.rx.recv_timeout(Duration::from_millis(5)) {
+                    self.enqueue(req);
+                }
+            }
+        }
+    }
+
+    fn enqueue(&mut self, req: Request) {
+        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        let prompt_len = req.prompt.len();
+        self.waiting.push_back(Seq {
+            tokens: req.prompt,
+            prompt_len,
+            n_cached: 0,
+            block_table: Vec::new(),
+            shared_hashes: Vec::new(),
+            sharing_stopped: false,
+            sampler: Sampler::new(req.params),
+            generated: 0,
+            max_tokens: req.max_tokens,
+            logprobs: req.logprobs,
+            cached_prompt_tokens: None,
+            sink: req.sink,
+        });
+    }
+
+    /// Frees the sequences whose clients are gone.
+    fn drop_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].sink.is_closed() {
+                let mut seq = self.running.remove(i);
+                self.release(&mut seq);
+                self.stats
+                    .requests_cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+            } else {
+                i += 1;
+            }
+        }
+        let before = self.waiting.len();
+        self.waiting.retain(|s| !s.sink.is_closed());
+        let gone = before - self.waiting.len();
+        self.stats
+            .requests_cancelled
+            .fetch_add(gone as u64, Ordering::Relaxed);
+    }
+
+    /// Moves waiting sequences to running while their tokens' blocks can be had, keeping one
+    /// block per running sequence in reserve for their next decode.
+    fn admit(&mut self) {
+        while self.running.len() < self.opts.max_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                return;
+            };
+            self.adopt_cached_prefix(&mut seq);
+            let needed = self
+                .engine
+                .blocks
+                .blocks_for(seq.tokens.len())
+                .saturating_sub(seq.block_table.len());
+            let reserve = self.running.len();
+            while self.engine.blocks.n_free() < needed + reserve && self.evict_one() {}
+            let ok = self.engine.blocks.n_free() >= needed + reserve
+                && self
+                    .engine
+                    .blocks
+                    .ensure(&mut seq.block_table, seq.tokens.len())
+                    .is_ok();
+            if !ok {
+                self.release(&mut seq);
+                self.waiting.push_front(seq);
+                return;
+            }
+            if seq.cached_prompt_tokens.is_none() {
+                seq.cached_prompt_tokens = Some(seq.n_cached);
+            }
+            self.running.push(seq);
+        }
+    }
+
+    /// Points `seq`'s first blocks at cached blocks holding the same tokens. At least the
+    /// last token is always left to compute: its logits are needed.
+    fn adopt_cached_prefix(&mut self, seq: &mut Seq) {
+        if !self.opts.prefix_cache || !seq.block_table.is_empty() {
+            return;
+        }
+        let bs = self.engine.blocks.block_size();
+        let full = (seq.tokens.len() - 1) / bs;
+        let mut parent = 0u64;
+        self.tick += 1;
+        for i in 0..full {
+            let key = block_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            let Some(entry) = self.prefix.get_mut(&key) else {
+                break;
+            };
+            if entry.users == 0 {
+                self.idle_cached -= 1;
+            }
+            entry.users += 1;
+            entry.last_used = self.tick;
+            self.engine.blocks.share(&[entry.block]);
+            seq.block_table.push(entry.block);
+            seq.shared_hashes.push(key);
+            parent = key;
+        }
+        let hit = seq.shared_hashes.len();
+        seq.n_cached = hit * bs;
+        self.stats
+            .prefix_hit_blocks
+            .fetch_add(hit as u64, Ordering::Relaxed);
+        self.stats
+            .prefix_hit_tokens
+            .fetch_add((hit * bs) as u64, Ordering::Relaxed);
+    }
+
+    /// Enters `seq`'s newly completed blocks in the prefix cache.
+    fn register_blocks(&mut self, seq: &mut Seq) {
+        if !self.opts.prefix_cache || seq.sharing_stopped {
+            return;
+        }
+        let bs = self.engine.blocks.block_size();
+        let full = seq.n_cached / bs;
+        while seq.shared_hashes.len() < full {
+            let i = seq.shared_hashes.len();
+            let parent = seq.shared_hashes.last().copied().unwrap_or(0);
+            let key = block_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            if self.prefix.contains_key(&key) {
+                seq.sharing_stopped = true;
+                return;
+            }
+            let block = seq.block_table[i];
+            self.engine.blocks.share(&[block]);
+            self.prefix.insert(
+                key,
+                CacheEntry {
+                    block,
+                    users: 1,
+                    last_used: self.tick,
+                    depth: i,
+                },
+            );
+            seq.shared_hashes.push(key);
+        }
+    }
+
+    /// Gives back one idle cached block (least recently used, deepest first); false if none.
+    fn evict_one(&mut self) -> bool {
+        if self.idle_cached == 0 {
+            return false;
+        }
+        let victim = self
+            .prefix
+            .iter()
+            .filter(|(_, e)| e.users == 0)
+            .min_by_key(|(_, e)| (e.last_used, std::cmp::Reverse(e.depth)))
+            .map(|(&k, _)| k);
+        let Some(key) = victim else {
+            return false;
+        };
+        if let Some(entry) = self.prefix.remove(&key) {
+            self.idle_cached -= 1;
+            self.engine.blocks.release(&mut vec![entry.block]);
+        }
+        true
+    }
+
+    /// Returns a sequence's blocks (the prefix cache keeps its own references).
+    fn release(&mut self, seq: &mut Seq) {
+        self.tick += 1;
+        for key in seq.shared_hashes.drain(..) {
+            if let Some(entry) = self.prefix.get_mut(&key) {
+                entry.users = entry.users.saturating_sub(1);
+                entry.last_used = self.tick;
+                if entry.users == 0 {
+                    self.idle_cached += 1;
+                }
+            }
+        }
+        self.engine.blocks.release(&mut seq.block_table);
+        seq.n_cached = 0;
+        seq.sharing_stopped = false;
+    }
+
+    /// Frees the youngest running sequence and puts it back at the front of the queue.
+    fn preempt_youngest(&mut self) {
+        if let Some(mut seq) = self.running.pop() {
+            self.release(&mut seq);
+            self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+            self.waiting.push_front(seq);
+        }
+    }
+
+    /// Builds and runs one batch; false if there was nothing to run.
+    fn step(&mut self) -> bool {
+        let budget = self.engine.max_batch_tokens();
+        let mut prefill_budget = self.opts.max_prefill_tokens.clamp(1, budget);
+        // (index into running, tokens this step), decodes first then prefill chunks.
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        let mut used = 0;
+
+        // Decodes: one pending token each; may need a new block.
+        let mut i = 0;
+        while i < self.running.len() && used < budget {
+            let seq = &self.running[i];
+            if seq.tokens.len() - seq.n_cached != 1 {
+                i += 1;
+                continue;
+            }
+            let positions = seq.tokens.len();
+            if !self.reserve(i, positions) {
+                // `i` itself was preempted (it was the youngest): nothing after it remains.
+                break;
+            }
+            plan.push((i, 1));
+            used += 1;
+            i += 1;
+        }
+        // Prefill chunks (their blocks were taken at admission).
+        for (i, seq) in self.running.iter().enumerate() {
+            let remaining = seq.tokens.len() - seq.n_cached;
+            if remaining <= 1 {
+                continue;
+            }
+            let n = remaining.min(budget - used).min(prefill_budget);
+            if n == 0 {
+                break;
+            }
+            plan.push((i, n));
+            used += n;
+            prefill_budget -= n;
+        }
+        if plan.is_empty() {
+            return false;
+        }
+        // Sort by sequence so each sequence's slot index is its plan index.
+        plan.sort_unstable_by_key(|&(i, _)| i);
+
+        let mut batch = Batch::default();
+        for (slot, &(i, n)) in plan.iter().enumerate() {
+            let seq = &self.running[i];
+            let start = seq.n_cached;
+            batch
+                .tokens
+                .extend_from_slice(&seq.tokens[start..start + n]);
+            batch.positions.extend((start..start + n).map(|p| p as u32));
+            batch.seq_of.extend(std::iter::repeat_n(slot as u32, n));
+            batch.seqs.push(SeqSlot {
+                block_table: seq.block_table.clone(),
+                kv_len: start + n,
+            });
+            if start + n == seq.tokens.len() {
+                batch.logit_rows.push(batch.tokens.len() as u32 - 1);
+            }
+        }
+
+        let vocab = self.engine.config().vocab_size;
+        let logits = match self.engine.step(&batch) {
+            Ok(l) => l.to_vec(),
+            Err(err) => {
+                let msg = format!("evaluation failed: {err:#}");
+                let mut failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                failed.sort_unstable();
+                for &i in failed.iter().rev() {
+                    let mut seq = self.running.remove(i);
+                    seq.sink.send(Event::Error(msg.clone()));
+                    self.release(&mut seq);
+                }
+                return true;
+            }
+        };
+        self.stats
+            .tokens_evaluated
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+
+        let mut rows = logits.chunks_exact(vocab);
+        let mut finished = Vec::new();
+        for &(i, n) in &plan {
+            let seq = &mut self.running[i];
+            seq.n_cached += n;
+            if seq.n_cached < seq.tokens.len() {
+                continue;
+            }
+            let Some(row) = rows.next() else {
+                break; // cannot happen: one row per sequence reaching its end
+            };
+            if let Some(reason) = self.sample_into(i, row) {
+                finished.push((i, reason));
+            }
+        }
+        let mut running = std::mem::take(&mut self.running);
+        for seq in &mut running {
+            self.register_blocks(seq);
+        }
+        self.running = running;
+        finished.sort_unstable_by_key(|&(i, _)| i);
+        for &(i, reason) in finished.iter().rev() {
+            let mut seq = self.running.remove(i);
+            if let Some(reason) = reason {
+                let usage = Usage {
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.generated,
+                    cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
+                };
+                seq.sink.send(Event::Done { reason, usage });
+                self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.stats
+                    .requests_cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            self.release(&mut seq);
+        }
+        true
+    }
+
+    /// Samples the next token of running sequence `i` from its logits and sends it. Returns
+    /// `Some(Some(reason))` when the sequence is done, `Some(None)` when its client is gone.
+    fn sample_into(&mut self, i: usize, row: &[f32]) -> Option<Option<FinishReason>> {
+        let ctx = self.engine.ctx;
+        let eog = &self.opts.eog;
+        let seq = &mut self.running[i];
+        let id = seq.sampler.sample(row, &seq.tokens);
+        seq.generated += 1;
+        self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        if eog.contains(&id) {
+            return Some(Some(FinishReason::Stop));
+        }
+        let logprob = seq.logprobs.map(|k| {
+            let lp = log_softmax(row);
+            TokenLogprob {
+                logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+                top: top_n(&lp, k),
+            }
+        });
+        if !seq.sink.send(Event::Token { id, logprob }) {
+            return Some(None);
+        }
+        if seq.generated >= seq.max_tokens || seq.tokens.len() + 1 > ctx {
+            return Some(Some(FinishReason::Length));
+        }
+        seq.tokens.push(id);
+        None
+    }
+
+    /// Makes sure running sequence `i` has blocks for `positions` positions, evicting idle
+    /// cached blocks and then preempting the youngest sequences. False if `i` itself had to
+    /// be preempted.
+    fn reserve(&mut self, i: usize, positions: usize) -> bool {
+        loop {
+            let seq = &mut self.running[i];
+            if self
+                .engine
+                .blocks
+                .ensure(&mut seq.block_table, positions)
+                .is_ok()
+            {
+                return true;
+            }
+            if self.evict_one() {
+                continue;
+            }
+            let youngest = self.running.len() - 1;
+            self.preempt_youngest();
+            if youngest == i {
+                return false;
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let s = &self.stats;
+        let blocks = &self.engine.blocks;
+        s.running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        s.blocks_free
+            .store(blocks.n_free() as u64, Ordering::Relaxed);
+        s.blocks_cached_idle
+            .store(self.idle_cached as u64, Ordering::Relaxed);
+        s.blocks_used.store(
+            blocks.n_used().saturating_sub(self.idle_cached) as u64,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// Hash of a block's token ids chained with the hash of the blocks before it.
+fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
