@@ -4,7 +4,10 @@
 //! `Kernels::Scalar` runs the plain single-threaded scalar path: it is the oracle the
 //! fast path is tested against.
 
+pub mod gemm;
 mod ops;
+pub mod qdot;
+pub mod qdot8;
 pub mod simd;
 
 use std::sync::Arc;

@@ -4,8 +4,8 @@ use half::f16;
 use kestrel_model::{Activation, AttnParams, Batch, RopeParams, RopeScaling};
 use rayon::prelude::*;
 
-use crate::simd;
 use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
+use crate::{gemm, qdot, qdot8, simd};
 
 /// A pointer that tasks writing disjoint elements of one buffer may share.
 #[derive(Clone, Copy)]
@@ -13,6 +13,18 @@ struct SharedOut(*mut f32);
 // SAFETY: only used to write disjoint elements from different tasks.
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The element pointer at `offset` (a method, so closures capture the whole
+    /// `SharedOut`, which is `Send`, not its raw pointer field).
+    ///
+    /// # Safety
+    /// `offset` must lie inside the buffer.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: in bounds by the caller's guarantee.
+        unsafe { self.0.add(offset) }
+    }
+}
 
 /// Splits a matrix weight into what the kernels need: type, rows, row length, bytes.
 fn matrix(w: &CpuWeight) -> (kestrel_gguf::GgmlType, usize, usize, &[u8]) {
@@ -101,10 +113,19 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
         return;
     }
 
+    let isa = be.isa;
+    if q8_activations() && k % 256 == 0 && qdot8::supported(ty) {
+        matmul_q8(ty, data, row_bytes, x, k, n, n_out, &mut out.data);
+        return;
+    }
+    if n <= FUSED_MAX_TOKENS && qdot::supported(isa, ty) {
+        matmul_fused(isa, ty, data, row_bytes, x, k, n, n_out, &mut out.data);
+        return;
+    }
+
     // Each task takes a group of weight rows, dequantizes them once and multiplies them
     // with every token, writing its own columns of the output.
     const GROUP: usize = 16;
-    let isa = be.isa;
     let out_ptr = SharedOut(out.data.as_mut_ptr());
     let n_groups = n_out.div_ceil(GROUP);
     (0..n_groups).into_par_iter().for_each_init(
@@ -120,29 +141,160 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
                     dst,
                 );
             }
-            let out_ptr = out_ptr;
-            for i in 0..n {
+            let r = |jj: usize| &scratch[(jj - j0) * k..(jj - j0 + 1) * k];
+            // Full 4-token × 4-row tiles first; the rest of the tokens below.
+            let n_tiled = if j1 - j0 >= 4 { n / 4 * 4 } else { 0 };
+            for i in (0..n_tiled).step_by(4) {
+                let xs = [0, 1, 2, 3].map(|t| &x[(i + t) * k..(i + t + 1) * k]);
+                let mut j = j0;
+                while j < j1 {
+                    if j + 4 <= j1 {
+                        let d = gemm::tile4x4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xs);
+                        for (t, row) in d.iter().enumerate() {
+                            for (c, &v) in row.iter().enumerate() {
+                                // SAFETY: column j + c of token i + t belongs to this task.
+                                unsafe { *out_ptr.at((i + t) * n_out + j + c) = v };
+                            }
+                        }
+                        j += 4;
+                    } else {
+                        for (t, xt) in xs.iter().enumerate() {
+                            let v = simd::dot(isa, r(j), xt);
+                            // SAFETY: as above.
+                            unsafe { *out_ptr.at((i + t) * n_out + j) = v };
+                        }
+                        j += 1;
+                    }
+                }
+            }
+            for i in n_tiled..n {
                 let xi = &x[i * k..(i + 1) * k];
                 let mut j = j0;
                 while j < j1 {
-                    let r = |jj: usize| &scratch[(jj - j0) * k..(jj - j0 + 1) * k];
                     if j + 4 <= j1 {
                         let d = simd::dot4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xi);
                         for (t, v) in d.into_iter().enumerate() {
                             // SAFETY: column j + t of row i belongs to this task alone.
-                            unsafe { *out_ptr.0.add(i * n_out + j + t) = v };
+                            unsafe { *out_ptr.at(i * n_out + j + t) = v };
                         }
                         j += 4;
                     } else {
                         let v = simd::dot(isa, r(j), xi);
                         // SAFETY: as above.
-                        unsafe { *out_ptr.0.add(i * n_out + j) = v };
+                        unsafe { *out_ptr.at(i * n_out + j) = v };
                         j += 1;
                     }
                 }
             }
         },
     );
+}
+
+/// Up to this many tokens, matmul reads each weight row straight from its quantized
+/// blocks once per token (decode); larger batches dequantize row groups and reuse them.
+const FUSED_MAX_TOKENS: usize = 4;
+
+/// Output rows one fused-matmul task computes: enough work per task, and the columns a
+/// task writes span whole cache lines for most of its range.
+const FUSED_ROWS_PER_TASK: usize = 32;
+
+/// `out[i][j] = row_j · x_i` with the fused quantized dot kernels, rows split into
+/// tasks across the thread pool. Allocates nothing.
+#[allow(clippy::too_many_arguments)]
+fn matmul_fused(
+    isa: simd::Isa,
+    ty: kestrel_gguf::GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    k: usize,
+    n: usize,
+    n_out: usize,
+    out: &mut [f32],
+) {
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
+    (0..n_tasks).into_par_iter().for_each(|t| {
+        let j0 = t * FUSED_ROWS_PER_TASK;
+        let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
+        for j in j0..j1 {
+            let row = &data[j * row_bytes..(j + 1) * row_bytes];
+            for i in 0..n {
+                let v = qdot::dot_row(isa, ty, row, &x[i * k..(i + 1) * k]);
+                // SAFETY: column j of every row belongs to this task alone, and
+                // i * n_out + j < n * n_out = the output's used length.
+                unsafe { *out_ptr.at(i * n_out + j) = v };
+            }
+        }
+    });
+}
+
+/// Whether K-quant matmuls round the activations to Q8_K and use integer dot products
+/// (llama.cpp's numerics, faster): set `KESTREL_Q8_ACTIVATIONS=1`.
+fn q8_activations() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("KESTREL_Q8_ACTIVATIONS").is_ok_and(|v| !v.is_empty() && v != "0")
+    })
+}
+
+/// Weight bytes of one row sub-tile in the integer matmul (half of a 32 KiB L1D).
+const Q8_TILE_BYTES: usize = 16 * 1024;
+
+thread_local! {
+    /// The activations of the current matmul quantized to Q8_K; grows to the largest
+    /// batch once, then is reused (no allocation per decode step).
+    static Q8_X: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out[i][j] = row_j · q8k(x_i)` with the integer kernels (`qdot8`).
+#[allow(clippy::too_many_arguments)]
+fn matmul_q8(
+    ty: kestrel_gguf::GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    k: usize,
+    n: usize,
+    n_out: usize,
+    out: &mut [f32],
+) {
+    let xq_row = k / 256 * qdot8::Q8K_BLOCK;
+    Q8_X.with_borrow_mut(|xq| {
+        if xq.len() < n * xq_row {
+            xq.resize(n * xq_row, 0);
+        }
+        for i in 0..n {
+            // k is a multiple of 256 (checked by the caller): this cannot fail.
+            let _ = kestrel_quant::quantize_row(
+                kestrel_gguf::GgmlType::Q8K,
+                &x[i * k..(i + 1) * k],
+                &mut xq[i * xq_row..(i + 1) * xq_row],
+            );
+        }
+        let xq = &xq[..n * xq_row];
+        let out_ptr = SharedOut(out.as_mut_ptr());
+        let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
+        (0..n_tasks).into_par_iter().for_each(|t| {
+            let j0 = t * FUSED_ROWS_PER_TASK;
+            let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
+            // Sub-tiles of rows small enough to stay in L1 while every token passes over
+            // them, so each token's activations are read once per sub-tile, not per row.
+            let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
+            for t0 in (j0..j1).step_by(tile) {
+                let t1 = (t0 + tile).min(j1);
+                for i in 0..n {
+                    let y = &xq[i * xq_row..(i + 1) * xq_row];
+                    for j in t0..t1 {
+                        let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                        let v = qdot8::dot_row(ty, row, y);
+                        // SAFETY: column j of every row belongs to this task alone.
+                        unsafe { *out_ptr.at(i * n_out + j) = v };
+                    }
+                }
+            }
+        });
+    });
 }
 
 /// cos/sin of each rotated pair at one position, as ggml computes them (f32 throughout,

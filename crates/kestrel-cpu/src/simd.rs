@@ -7,15 +7,25 @@ pub enum Isa {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
+    /// AVX-512F/BW on top of AVX2+FMA: the fused quantized dot kernels (`qdot`).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2")
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
-            {
+                && std::arch::is_x86_feature_detected!("f16c");
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw");
+            // KESTREL_NO_AVX512 keeps the AVX2 kernels (comparisons, debugging).
+            if avx2 && avx512 && std::env::var_os("KESTREL_NO_AVX512").is_none() {
+                return Isa::Avx512;
+            }
+            if avx2 {
                 return Isa::Avx2Fma;
             }
         }
@@ -27,6 +37,8 @@ impl Isa {
             Isa::Scalar => "scalar",
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => "avx2+fma",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => "avx512",
         }
     }
 }
@@ -41,8 +53,9 @@ pub fn dot4(isa: Isa, rows: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
     match isa {
         Isa::Scalar => rows.map(|r| dot_scalar(r, x)),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2Fma` is only chosen when the CPU reports AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dot4(rows, x) },
+        // SAFETY: `Isa::Avx2Fma` and `Isa::Avx512` are only chosen when the CPU reports
+        // AVX2 and FMA.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::dot4(rows, x) },
     }
 }
 
@@ -52,7 +65,7 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         Isa::Scalar => dot_scalar(a, b),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::dot(a, b) },
     }
 }
 
@@ -62,7 +75,7 @@ pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
         Isa::Scalar => y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2Fma => unsafe { avx2::axpy(a, x, y) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::axpy(a, x, y) },
     }
 }
 

@@ -1,0 +1,266 @@
+//! Integer dot kernels, as llama.cpp computes K-quant matmuls: the activations are
+//! quantized once per matmul to Q8_K (one f32 scale per 256 values, i8 quants and sums
+//! of 16), and each Q4_K/Q6_K block is multiplied with `vpdpbusd` (AVX-512 VNNI).
+//!
+//! This rounds the activations to 8 bits, which changes the numerics (llama.cpp does the
+//! same); it is opt-in (`KESTREL_Q8_ACTIVATIONS=1`), see BENCHMARKS.md.
+
+use kestrel_gguf::GgmlType;
+
+/// Bytes of one Q8_K block: d f32, qs[256] i8, bsums[16] i16.
+pub const Q8K_BLOCK: usize = 292;
+
+/// Whether the integer kernels can run on this CPU for weights of `ty`.
+pub fn supported(ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+/// `row · x` where `xq` is `x` quantized to Q8_K (`row.len()` and `xq.len()` must hold
+/// the same number of 256-value blocks). Only call where [`supported`] is true.
+#[inline]
+pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `supported` checked AVX-512F/BW and VNNI; the kernels bound their reads
+        // by the slices.
+        unsafe {
+            match ty {
+                GgmlType::Q4K => vnni::q4_k(row, xq),
+                GgmlType::Q6K => vnni::q6_k(row, xq),
+                _ => f32::NAN,
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, row, xq);
+        f32::NAN
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use kestrel_quant::f16_to_f32;
+
+    use super::Q8K_BLOCK;
+
+    #[inline(always)]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+    }
+
+    #[inline(always)]
+    fn f32_at(b: &[u8], at: usize) -> f32 {
+        f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+    }
+
+    #[inline(always)]
+    fn i16_at(b: &[u8], at: usize) -> i32 {
+        i16::from_le_bytes([b[at], b[at + 1]]) as i32
+    }
+
+    #[inline(always)]
+    unsafe fn ld256(b: &[u8], at: usize) -> __m256i {
+        let s = &b[at..at + 32];
+        // SAFETY: `s` holds 32 bytes.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+
+    #[inline(always)]
+    unsafe fn ld512(b: &[u8], at: usize) -> __m512i {
+        let s = &b[at..at + 64];
+        // SAFETY: `s` holds 64 bytes.
+        unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
+    }
+
+    /// Q4_K (144-byte blocks) · Q8_K.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub unsafe fn q4_k(row: &[u8], xq: &[u8]) -> f32 {
+        let mask = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        // Lane permutations spreading scales 2c and 2c + 1 over 8 lanes each.
+        let spread = [0, 1, 2, 3]
+            .map(|c| _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1));
+        let mut acc = _mm512_setzero_ps();
+        let mut acc_min = _mm256_setzero_ps();
+        for (b, y) in row.chunks_exact(144).zip(xq.chunks_exact(Q8K_BLOCK)) {
+            let dy = f32_at(y, 0);
+            let d = f16_at(b, 0) * dy;
+            let dmin = f16_at(b, 2) * dy;
+            let (sc, mins) = scales_mins(&b[4..16]);
+            // SAFETY: the loads below read inside the 144-byte block and the 292-byte
+            // Q8_K block (quants at 4..260, sums at 260..292).
+            unsafe {
+                // The min term: Σ_j m_j · Σ_{i in sub-block j} y_i, from the sums of 16.
+                let bsums = _mm256_loadu_si256(y[260..292].as_ptr().cast());
+                let ysums = _mm256_madd_epi16(bsums, ones);
+                let mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
+                let msum = _mm256_cvtepi32_ps(_mm256_mullo_epi32(ysums, mins));
+                acc_min = _mm256_fmadd_ps(_mm256_set1_ps(dmin), msum, acc_min);
+                let sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
+                let mut isum = _mm512_setzero_si512();
+                for (c, idx) in spread.iter().enumerate() {
+                    let q = ld256(b, 16 + 32 * c);
+                    let lo = _mm256_and_si256(q, mask);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                    // Values 64c..64c+32 (low nibbles) then 64c+32..64c+64 (high).
+                    let qv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    let yv = ld512(y, 4 + 64 * c);
+                    let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
+                    // Lanes 0-7 belong to sub-block 2c, lanes 8-15 to 2c + 1.
+                    let scv = _mm512_permutexvar_epi32(*idx, sc);
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dp, scv));
+                }
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc);
+            }
+        }
+        let min_total = {
+            let m = _mm_add_ps(
+                _mm256_castps256_ps128(acc_min),
+                _mm256_extractf128_ps(acc_min, 1),
+            );
+            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+            _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)))
+        };
+        _mm512_reduce_add_ps(acc) - min_total
+    }
+
+    /// The eight 6-bit scales and eight 6-bit mins of a Q4_K block's 12 packed bytes,
+    /// one per byte: scales 0-3 sit in the low 6 bits of bytes 0-3 (mins: bytes 4-7);
+    /// scales 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits from the
+    /// top of bytes 0-3 (mins: high nibbles of 8-11, top bits of 4-7).
+    #[inline(always)]
+    fn scales_mins(s: &[u8]) -> (u64, u64) {
+        let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+        let (w0, w1, w2) = (w(0), w(1), w(2));
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const LOW2: u32 = 0x0303_0303;
+        let sc_lo = w0 & LOW6;
+        let sc_hi = (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4);
+        let m_lo = w1 & LOW6;
+        let m_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4);
+        (
+            sc_lo as u64 | (sc_hi as u64) << 32,
+            m_lo as u64 | (m_hi as u64) << 32,
+        )
+    }
+
+    /// Q6_K (210-byte blocks) · Q8_K. The 6-bit quants are used unsigned (q + 32) and
+    /// 32 · Σ y comes off afterwards.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub unsafe fn q6_k(row: &[u8], xq: &[u8]) -> f32 {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(0x03);
+        let mut acc = _mm512_setzero_ps();
+        let mut acc_corr = 0f32;
+        for (b, y) in row.chunks_exact(210).zip(xq.chunks_exact(Q8K_BLOCK)) {
+            let d = f16_at(b, 208) * f32_at(y, 0);
+            let sc = &b[192..208];
+            let mut corr = 0i32;
+            for (g, &s) in sc.iter().enumerate() {
+                corr += s as i8 as i32 * i16_at(y, 260 + 2 * g);
+            }
+            let mut isum = _mm512_setzero_si512();
+            for half in 0..2 {
+                // SAFETY: ql (2 × 32 bytes at 64·half), qh (32 bytes at 128 + 32·half) and
+                // y (2 × 64 bytes from 4 + 128·half) lie inside their blocks.
+                unsafe {
+                    let qla = ld256(b, 64 * half);
+                    let qlb = ld256(b, 64 * half + 32);
+                    let qh = ld256(b, 128 + 32 * half);
+                    let h = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m2), 4);
+                    let q1 = _mm256_or_si256(_mm256_and_si256(qla, m4), h(qh));
+                    let q2 =
+                        _mm256_or_si256(_mm256_and_si256(qlb, m4), h(_mm256_srli_epi16(qh, 2)));
+                    let q3 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(qla, 4), m4),
+                        h(_mm256_srli_epi16(qh, 4)),
+                    );
+                    let q4 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(qlb, 4), m4),
+                        h(_mm256_srli_epi16(qh, 6)),
+                    );
+                    for (p, (qa, qb)) in [(q1, q2), (q3, q4)].into_iter().enumerate() {
+                        let qv = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+                        let yv = ld512(y, 4 + 128 * half + 64 * p);
+                        let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
+                        // Four lanes (16 values) per scale: scales 8·half + 4p .. + 4.
+                        let s0 = 8 * half + 4 * p;
+                        let scv = _mm512_set_epi32(
+                            sc[s0 + 3] as i8 as i32,
+                            sc[s0 + 3] as i8 as i32,
+                            sc[s0 + 3] as i8 as i32,
+                            sc[s0 + 3] as i8 as i32,
+                            sc[s0 + 2] as i8 as i32,
+                            sc[s0 + 2] as i8 as i32,
+                            sc[s0 + 2] as i8 as i32,
+                            sc[s0 + 2] as i8 as i32,
+                            sc[s0 + 1] as i8 as i32,
+                            sc[s0 + 1] as i8 as i32,
+                            sc[s0 + 1] as i8 as i32,
+                            sc[s0 + 1] as i8 as i32,
+                            sc[s0] as i8 as i32,
+                            sc[s0] as i8 as i32,
+                            sc[s0] as i8 as i32,
+                            sc[s0] as i8 as i32,
+                        );
+                        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dp, scv));
+                    }
+                }
+            }
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc);
+            acc_corr += d * (32 * corr) as f32;
+        }
+        _mm512_reduce_add_ps(acc) - acc_corr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Oracle: the scalar dot of the weight row with the dequantized Q8_K activations
+    /// (exactly the values the integer kernels multiply).
+    #[test]
+    fn integer_dots_match_the_dequantized_oracle() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+            if !supported(ty) {
+                continue;
+            }
+            for blocks in [1, 2, 5] {
+                let k = 256 * blocks;
+                for _ in 0..5 {
+                    let w: Vec<f32> = (0..k).map(|_| rng.random_range(-2.0..2.0)).collect();
+                    let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3.0..3.0)).collect();
+                    let row = kestrel_quant::quantize(ty, &w, k).expect("quantize w");
+                    let xq = kestrel_quant::quantize(GgmlType::Q8K, &x, k).expect("quantize x");
+                    let xd = kestrel_quant::dequantize(GgmlType::Q8K, &xq).expect("deq x");
+                    let want = kestrel_quant::vec_dot(ty, &row, &xd);
+                    let wd = kestrel_quant::dequantize(ty, &row).expect("deq w");
+                    let mag: f32 = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
+                    let got = dot_row(ty, &row, &xq);
+                    assert!(
+                        (got - want).abs() <= 1e-5 * mag + 1e-6,
+                        "{ty} k={k}: got {got}, want {want}"
+                    );
+                }
+            }
+        }
+    }
+}
