@@ -283,8 +283,21 @@ fn matmul_q8(
             let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
             for t0 in (j0..j1).step_by(tile) {
                 let t1 = (t0 + tile).min(j1);
-                for i in 0..n {
-                    let y = &xq[i * xq_row..(i + 1) * xq_row];
+                let y = |i: usize| &xq[i * xq_row..(i + 1) * xq_row];
+                let n4 = n / 4 * 4;
+                for i in (0..n4).step_by(4) {
+                    let ys = [y(i), y(i + 1), y(i + 2), y(i + 3)];
+                    for j in t0..t1 {
+                        let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                        let v = qdot8::dot_row_x4(ty, row, ys);
+                        for (t, v) in v.into_iter().enumerate() {
+                            // SAFETY: column j of every row belongs to this task alone.
+                            unsafe { *out_ptr.at((i + t) * n_out + j) = v };
+                        }
+                    }
+                }
+                for i in n4..n {
+                    let y = y(i);
                     for j in t0..t1 {
                         let row = &data[j * row_bytes..(j + 1) * row_bytes];
                         let v = qdot8::dot_row(ty, row, y);

@@ -36,8 +36,8 @@ pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
         // by the slices.
         unsafe {
             match ty {
-                GgmlType::Q4K => vnni::q4_k(row, xq),
-                GgmlType::Q6K => vnni::q6_k(row, xq),
+                GgmlType::Q4K => vnni::q4_k(row, [xq])[0],
+                GgmlType::Q6K => vnni::q6_k(row, [xq])[0],
                 _ => f32::NAN,
             }
         }
@@ -46,6 +46,27 @@ pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
     {
         let _ = (ty, row, xq);
         f32::NAN
+    }
+}
+
+/// `[row · x_t]` for four tokens' Q8_K activations (see [`dot_row`]).
+#[inline]
+pub fn dot_row_x4(ty: GgmlType, row: &[u8], ys: [&[u8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: as in `dot_row`.
+        unsafe {
+            match ty {
+                GgmlType::Q4K => vnni::q4_k(row, ys),
+                GgmlType::Q6K => vnni::q6_k(row, ys),
+                _ => [f32::NAN; 4],
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, row, ys);
+        [f32::NAN; 4]
     }
 }
 
@@ -86,56 +107,75 @@ mod vnni {
         unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
     }
 
-    /// Q4_K (144-byte blocks) · Q8_K.
+    /// Q4_K (144-byte blocks) · Q8_K, for `N` tokens at once (each weight block is
+    /// decoded once and multiplied with every token's activations).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub unsafe fn q4_k(row: &[u8], xq: &[u8]) -> f32 {
+    pub unsafe fn q4_k<const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
         let mask = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         // Lane permutations spreading scales 2c and 2c + 1 over 8 lanes each.
         let spread = [0, 1, 2, 3]
             .map(|c| _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1));
-        let mut acc = _mm512_setzero_ps();
-        let mut acc_min = _mm256_setzero_ps();
-        for (b, y) in row.chunks_exact(144).zip(xq.chunks_exact(Q8K_BLOCK)) {
-            let dy = f32_at(y, 0);
-            let d = f16_at(b, 0) * dy;
-            let dmin = f16_at(b, 2) * dy;
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut acc_min = [_mm256_setzero_ps(); N];
+        let n_blocks = ys
+            .iter()
+            .map(|y| y.len() / Q8K_BLOCK)
+            .fold(row.len() / 144, usize::min);
+        for blk in 0..n_blocks {
+            let b = &row[144 * blk..144 * (blk + 1)];
+            let y = ys.map(|y| &y[Q8K_BLOCK * blk..Q8K_BLOCK * (blk + 1)]);
+            let dw = f16_at(b, 0);
+            let dmw = f16_at(b, 2);
             let (sc, mins) = scales_mins(&b[4..16]);
             // SAFETY: the loads below read inside the 144-byte block and the 292-byte
-            // Q8_K block (quants at 4..260, sums at 260..292).
+            // Q8_K blocks (quants at 4..260, sums at 260..292).
             unsafe {
-                // The min term: Σ_j m_j · Σ_{i in sub-block j} y_i, from the sums of 16.
-                let bsums = _mm256_loadu_si256(y[260..292].as_ptr().cast());
-                let ysums = _mm256_madd_epi16(bsums, ones);
                 let mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
-                let msum = _mm256_cvtepi32_ps(_mm256_mullo_epi32(ysums, mins));
-                acc_min = _mm256_fmadd_ps(_mm256_set1_ps(dmin), msum, acc_min);
                 let sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
-                let mut isum = _mm512_setzero_si512();
+                let mut isum = [_mm512_setzero_si512(); N];
                 for (c, idx) in spread.iter().enumerate() {
                     let q = ld256(b, 16 + 32 * c);
                     let lo = _mm256_and_si256(q, mask);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
                     // Values 64c..64c+32 (low nibbles) then 64c+32..64c+64 (high).
                     let qv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                    let yv = ld512(y, 4 + 64 * c);
-                    let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
                     // Lanes 0-7 belong to sub-block 2c, lanes 8-15 to 2c + 1.
                     let scv = _mm512_permutexvar_epi32(*idx, sc);
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dp, scv));
+                    for t in 0..N {
+                        let yv = ld512(y[t], 4 + 64 * c);
+                        let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
+                        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dp, scv));
+                    }
                 }
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc);
+                for t in 0..N {
+                    let dy = f32_at(y[t], 0);
+                    acc[t] = _mm512_fmadd_ps(
+                        _mm512_set1_ps(dw * dy),
+                        _mm512_cvtepi32_ps(isum[t]),
+                        acc[t],
+                    );
+                    // The min term: Σ_j m_j · Σ_{i in sub-block j} y_i, from the sums of 16.
+                    let bsums = _mm256_loadu_si256(y[t][260..292].as_ptr().cast());
+                    let ysums = _mm256_madd_epi16(bsums, ones);
+                    let msum = _mm256_cvtepi32_ps(_mm256_mullo_epi32(ysums, mins));
+                    acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmw * dy), msum, acc_min[t]);
+                }
             }
         }
-        let min_total = {
-            let m = _mm_add_ps(
-                _mm256_castps256_ps128(acc_min),
-                _mm256_extractf128_ps(acc_min, 1),
-            );
-            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-            _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)))
-        };
-        _mm512_reduce_add_ps(acc) - min_total
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]) - hsum256(acc_min[t]);
+        }
+        out
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum256(v: __m256) -> f32 {
+        let m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)))
     }
 
     /// The eight 6-bit scales and eight 6-bit mins of a Q4_K block's 12 packed bytes,
@@ -159,25 +199,30 @@ mod vnni {
         )
     }
 
-    /// Q6_K (210-byte blocks) · Q8_K. The 6-bit quants are used unsigned (q + 32) and
-    /// 32 · Σ y comes off afterwards.
+    /// Q6_K (210-byte blocks) · Q8_K for `N` tokens. The 6-bit quants are used unsigned
+    /// (q + 32) and 32 · Σ y comes off afterwards.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub unsafe fn q6_k(row: &[u8], xq: &[u8]) -> f32 {
+    pub unsafe fn q6_k<const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
-        let mut acc = _mm512_setzero_ps();
-        let mut acc_corr = 0f32;
-        for (b, y) in row.chunks_exact(210).zip(xq.chunks_exact(Q8K_BLOCK)) {
-            let d = f16_at(b, 208) * f32_at(y, 0);
+        // Four lanes (16 values) per scale: lane l takes scale l / 4 of its group of 4.
+        let spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut acc_corr = [0f32; N];
+        let n_blocks = ys
+            .iter()
+            .map(|y| y.len() / Q8K_BLOCK)
+            .fold(row.len() / 210, usize::min);
+        for blk in 0..n_blocks {
+            let b = &row[210 * blk..210 * (blk + 1)];
+            let y = ys.map(|y| &y[Q8K_BLOCK * blk..Q8K_BLOCK * (blk + 1)]);
+            let dw = f16_at(b, 208);
             let sc = &b[192..208];
-            let mut corr = 0i32;
-            for (g, &s) in sc.iter().enumerate() {
-                corr += s as i8 as i32 * i16_at(y, 260 + 2 * g);
-            }
-            let mut isum = _mm512_setzero_si512();
+            let mut isum = [_mm512_setzero_si512(); N];
             for half in 0..2 {
-                // SAFETY: ql (2 × 32 bytes at 64·half), qh (32 bytes at 128 + 32·half) and
-                // y (2 × 64 bytes from 4 + 128·half) lie inside their blocks.
+                // SAFETY: ql (2 × 32 bytes at 64·half), qh (32 bytes at 128 + 32·half),
+                // the scales (16 bytes at 192) and y (2 × 64 bytes from 4 + 128·half) lie
+                // inside their blocks.
                 unsafe {
                     let qla = ld256(b, 64 * half);
                     let qlb = ld256(b, 64 * half + 32);
@@ -196,36 +241,34 @@ mod vnni {
                     );
                     for (p, (qa, qb)) in [(q1, q2), (q3, q4)].into_iter().enumerate() {
                         let qv = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
-                        let yv = ld512(y, 4 + 128 * half + 64 * p);
-                        let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
-                        // Four lanes (16 values) per scale: scales 8·half + 4p .. + 4.
-                        let s0 = 8 * half + 4 * p;
-                        let scv = _mm512_set_epi32(
-                            sc[s0 + 3] as i8 as i32,
-                            sc[s0 + 3] as i8 as i32,
-                            sc[s0 + 3] as i8 as i32,
-                            sc[s0 + 3] as i8 as i32,
-                            sc[s0 + 2] as i8 as i32,
-                            sc[s0 + 2] as i8 as i32,
-                            sc[s0 + 2] as i8 as i32,
-                            sc[s0 + 2] as i8 as i32,
-                            sc[s0 + 1] as i8 as i32,
-                            sc[s0 + 1] as i8 as i32,
-                            sc[s0 + 1] as i8 as i32,
-                            sc[s0 + 1] as i8 as i32,
-                            sc[s0] as i8 as i32,
-                            sc[s0] as i8 as i32,
-                            sc[s0] as i8 as i32,
-                            sc[s0] as i8 as i32,
-                        );
-                        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dp, scv));
+                        // Scales 8·half + 4p .. + 4, each over four lanes.
+                        let s4 = &sc[8 * half + 4 * p..8 * half + 4 * p + 4];
+                        let s4 = i32::from_le_bytes([s4[0], s4[1], s4[2], s4[3]]);
+                        let s4 = _mm512_cvtepi8_epi32(_mm_cvtsi32_si128(s4));
+                        let scv = _mm512_permutexvar_epi32(spread, s4);
+                        for t in 0..N {
+                            let yv = ld512(y[t], 4 + 128 * half + 64 * p);
+                            let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
+                            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dp, scv));
+                        }
                     }
                 }
             }
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc);
-            acc_corr += d * (32 * corr) as f32;
+            for t in 0..N {
+                let d = dw * f32_at(y[t], 0);
+                let mut corr = 0i32;
+                for (g, &s) in sc.iter().enumerate() {
+                    corr += s as i8 as i32 * i16_at(y[t], 260 + 2 * g);
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum[t]), acc[t]);
+                acc_corr[t] += d * (32 * corr) as f32;
+            }
         }
-        _mm512_reduce_add_ps(acc) - acc_corr
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]) - acc_corr[t];
+        }
+        out
     }
 }
 
@@ -259,6 +302,21 @@ mod tests {
                         (got - want).abs() <= 1e-5 * mag + 1e-6,
                         "{ty} k={k}: got {got}, want {want}"
                     );
+                    // Four tokens at once: this one in each slot, the others random.
+                    let others: Vec<Vec<u8>> = (0..3)
+                        .map(|_| {
+                            let o: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                            kestrel_quant::quantize(GgmlType::Q8K, &o, k).expect("quantize")
+                        })
+                        .collect();
+                    for slot in 0..4 {
+                        let mut ys: [&[u8]; 4] = [&others[0], &others[1], &others[2], &xq];
+                        ys.swap(slot, 3);
+                        let got4 = dot_row_x4(ty, &row, ys);
+                        for (t, y) in ys.iter().enumerate() {
+                            assert_eq!(got4[t], dot_row(ty, &row, y), "{ty} x4 slot {t}");
+                        }
+                    }
                 }
             }
         }
