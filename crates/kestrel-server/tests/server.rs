@@ -1,0 +1,359 @@
+//! The HTTP server on a tiny synthetic model: many concurrent streams against single
+//! requests, clients hanging up, the prefix cache, log-probabilities, and bad input.
+
+mod common;
+
+use common::{Setup, synthetic};
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+fn ids_of(choice: &Value) -> Vec<u32> {
+    choice["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect()
+}
+
+#[test]
+fn concurrent_streams_equal_single_requests_and_hangups_free_their_blocks() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let srv = std::sync::Arc::new(synthetic(Setup::default(), rng.random()));
+    let n_clients = 64;
+    let max_tokens = 24;
+    let prompts: Vec<Vec<u32>> = (0..n_clients)
+        .map(|_| {
+            let len = rng.random_range(1..80);
+            (0..len).map(|_| rng.random_range(0..512)).collect()
+        })
+        .collect();
+
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let srv = srv.clone();
+            let body = json!({
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "stream": true,
+                "stream_options": {"include_usage": true},
+            });
+            std::thread::spawn(move || {
+                let mut sse = srv.stream("/v1/completions", &body);
+                let mut ids = Vec::new();
+                let mut finish = None;
+                let mut usage = None;
+                let mut done = false;
+                while let Some(data) = sse.next_data() {
+                    if i % 4 == 0 && ids.len() == 3 {
+                        return None; // hang up mid-stream
+                    }
+                    if data == "[DONE]" {
+                        done = true;
+                        break;
+                    }
+                    let chunk: Value = serde_json::from_str(&data).expect("chunk is JSON");
+                    assert_eq!(chunk["object"], "text_completion");
+                    if let Some(c) = chunk["choices"].get(0) {
+                        if let Some(f) = c["finish_reason"].as_str() {
+                            finish = Some(f.to_string());
+                        } else {
+                            ids.extend(ids_of(c));
+                        }
+                    }
+                    if !chunk["usage"].is_null() {
+                        usage = Some(chunk["usage"].clone());
+                    }
+                }
+                assert!(done, "stream {i} ended without [DONE]");
+                Some((ids, finish, usage))
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("client thread"))
+        .collect();
+
+    let mut completed = 0;
+    for (i, (prompt, res)) in prompts.iter().zip(&results).enumerate() {
+        let Some((ids, finish, usage)) = res else {
+            assert_eq!(i % 4, 0, "only the hanging-up clients give up");
+            continue;
+        };
+        completed += 1;
+        assert_eq!(finish.as_deref(), Some("length"));
+        let usage = usage.as_ref().expect("usage chunk");
+        assert_eq!(usage["prompt_tokens"], prompt.len());
+        assert_eq!(usage["completion_tokens"], max_tokens);
+        // The same prompt alone (nothing else running) gives the same tokens.
+        let (status, resp) = srv.post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{resp}");
+        assert_eq!(&ids_of(&resp["choices"][0]), ids, "client {i}");
+    }
+    assert_eq!(completed, n_clients - n_clients / 4);
+    srv.wait_idle();
+    let total = srv.metric("kestrel_kv_blocks_total");
+    let free = srv.metric("kestrel_kv_blocks_free");
+    let cached = srv.metric("kestrel_kv_blocks_cached");
+    assert_eq!(
+        free + cached,
+        total,
+        "every block is free or idle in the cache"
+    );
+    assert!(srv.metric("kestrel_requests_cancelled_total") >= 1.0);
+    assert!(srv.metric("kestrel_time_to_first_token_seconds_count") >= completed as f64);
+}
+
+#[test]
+fn identical_prompts_reuse_cached_blocks() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let srv = synthetic(Setup::default(), rng.random());
+    let len = rng.random_range(40..120);
+    let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..512)).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+    let (s1, r1) = srv.post("/v1/completions", &body);
+    assert_eq!(s1, 200, "{r1}");
+    assert_eq!(r1["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let hits_before = srv.metric("kestrel_prefix_cache_hit_blocks_total");
+    let (s2, r2) = srv.post("/v1/completions", &body);
+    assert_eq!(s2, 200, "{r2}");
+    let hits = srv.metric("kestrel_prefix_cache_hit_blocks_total") - hits_before;
+    let whole_blocks = (len - 1) / 16;
+    assert_eq!(hits as usize, whole_blocks);
+    assert_eq!(
+        r2["usage"]["prompt_tokens_details"]["cached_tokens"],
+        whole_blocks * 16
+    );
+    assert_eq!(ids_of(&r1["choices"][0]), ids_of(&r2["choices"][0]));
+}
+
+#[test]
+fn logprobs_and_seeded_sampling() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let srv = synthetic(Setup::default(), rng.random());
+    let prompt: Vec<u32> = (0..20).map(|_| rng.random_range(0..512)).collect();
+    let (status, r) = srv.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 3}),
+    );
+    assert_eq!(status, 200, "{r}");
+    let lp = &r["choices"][0]["logprobs"];
+    let token_lps = lp["token_logprobs"].as_array().expect("token_logprobs");
+    assert_eq!(token_lps.len(), 5);
+    for (chosen, top) in token_lps.iter().zip(lp["top_logprobs"].as_array().unwrap()) {
+        // Greedy picks the most likely token: its log-prob is the best of the top ones.
+        let best = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        let chosen = chosen.as_f64().unwrap();
+        assert!(
+            chosen <= 0.0 && (chosen - best).abs() < 1e-6,
+            "{chosen} vs {best}"
+        );
+    }
+    // Same seed, same sample; the sampled tokens differ from greedy at temperature 1.5.
+    let seeded = json!({"prompt": prompt, "max_tokens": 16, "temperature": 1.5, "seed": 42});
+    let a = srv.post("/v1/completions", &seeded).1;
+    let b = srv.post("/v1/completions", &seeded).1;
+    assert_eq!(ids_of(&a["choices"][0]), ids_of(&b["choices"][0]));
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
+    let srv = synthetic(Setup::default(), 11);
+    let long: Vec<u32> = vec![1; 300];
+    let cases: Vec<(&str, String, u16)> = vec![
+        ("/v1/completions", "{not json".into(), 400),
+        ("/v1/completions", "".into(), 400),
+        ("/v1/completions", "[1,2]".into(), 400),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2], "max_tokens": "ten"}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2], "max_tokens": -5}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2], "max_tokens": 0}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2], "max_tokens": 1_000_000_000_000i64}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long, "max_tokens": 4}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "gpt-4", "prompt": [1, 2]}).to_string(),
+            404,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 512]}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, -2]}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2.5]}).to_string(),
+            400,
+        ),
+        ("/v1/completions", json!({"prompt": []}).to_string(), 400),
+        (
+            "/v1/completions",
+            json!({"prompt": [[1], [2]]}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": {"a": 1}}).to_string(),
+            400,
+        ),
+        ("/v1/completions", json!({"max_tokens": 3}).to_string(), 400),
+        (
+            "/v1/completions",
+            json!({"prompt": "text needs a tokenizer"}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "n": 2}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "temperature": -1}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "top_p": 0}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "top_k": -3}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "min_p": 2}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "logprobs": 99}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "stop": 7}).to_string(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "stream": "yes"}).to_string(),
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}).to_string(),
+            400,
+        ),
+        ("/v1/nothing", "{}".into(), 404),
+    ];
+    for (path, body, want) in &cases {
+        let (status, err) = srv.post_raw(path, body);
+        assert_eq!(status, *want, "{path} {body}: {err}");
+        let e = &err["error"];
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}: {err}"
+        );
+        assert!(e["type"].is_string(), "{body}: {err}");
+        assert!(e.get("param").is_some() && e.get("code").is_some(), "{err}");
+    }
+    let (_, err) = srv.post_raw("/v1/completions", &cases[7].1);
+    assert_eq!(err["error"]["code"], "context_length_exceeded");
+    assert_eq!(err["error"]["param"], "prompt");
+
+    // Still serving, and nothing leaked.
+    let (status, ok) = srv.post(
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{ok}");
+    assert_eq!(ok["choices"][0]["finish_reason"], "length");
+    assert_eq!(ok["usage"]["completion_tokens"], 2);
+    srv.wait_idle();
+    assert!(srv.metric("kestrel_requests_rejected_total") >= (cases.len() - 1) as f64);
+}
+
+#[test]
+fn api_key_is_required_on_v1_routes() {
+    let srv = synthetic(
+        Setup {
+            api_key: Some("sekrit".into()),
+            ..Setup::default()
+        },
+        5,
+    );
+    let url = format!("{}/v1/models", srv.url);
+    let no_key = srv.agent.get(&url).call().unwrap();
+    assert_eq!(no_key.status().as_u16(), 401);
+    let wrong = srv
+        .agent
+        .get(&url)
+        .header("Authorization", "Bearer nope")
+        .call()
+        .unwrap();
+    assert_eq!(wrong.status().as_u16(), 401);
+    let mut body = srv
+        .agent
+        .post(format!("{}/v1/completions", srv.url))
+        .send(json!({"prompt": [1]}).to_string())
+        .unwrap();
+    assert_eq!(body.status().as_u16(), 401);
+    let err: Value = serde_json::from_str(&body.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(err["error"]["code"], "invalid_api_key");
+    // With the key (the helper sends it) everything works; /health needs none.
+    let (status, models) = srv.get("/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny");
+    let health = srv.agent.get(format!("{}/health", srv.url)).call().unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+    let (status, r) = srv.post("/v1/completions", &json!({"prompt": [1], "max_tokens": 1}));
+    assert_eq!(status, 200, "{r}");
+}
