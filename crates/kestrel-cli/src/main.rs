@@ -38,6 +38,8 @@ enum Command {
     GpuCheck(cmd::gpu_check::Args),
     /// Measure prompt-processing and generation speed (like llama-bench).
     Bench(cmd::bench::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
+    Serve(cmd::serve::Args),
 }
 
 fn main() {
@@ -52,6 +54,7 @@ fn main() {
         Command::Synth(args) => cmd::synth::run(args),
         Command::GpuCheck(args) => cmd::gpu_check::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     if let Err(err) = result {
         // Output piped into `head` and closed early is not an error worth reporting.

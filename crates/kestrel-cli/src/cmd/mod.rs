@@ -8,5 +8,6 @@ pub mod inspect;
 pub mod perplexity;
 pub mod pull;
 pub mod run;
+pub mod serve;
 pub mod synth;
 pub mod tokenize;

@@ -1,0 +1,193 @@
+//! `kestrel serve`: an OpenAI-compatible HTTP server with continuous batching.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use kestrel_cpu::{CpuBackend, Kernels};
+use kestrel_cuda::CudaBackend;
+use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions};
+use kestrel_engine::{Engine, EngineOptions};
+use kestrel_gguf::GgufFile;
+use kestrel_model::Backend;
+use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
+
+use super::common::Device;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model: a catalog name (pulled if missing), a GGUF path or a URL.
+    #[arg(short = 'm', long, default_value = "qwen2.5-coder-1.5b")]
+    pub model: String,
+    /// Device to run on: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Threads for the CPU backend (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Most sequences decoded at once; the KV cache holds this many full contexts.
+    #[arg(long, default_value_t = 8)]
+    pub max_seqs: usize,
+    /// Context size of each sequence (prompt + generation).
+    #[arg(
+        short = 'c',
+        long = "ctx",
+        visible_alias = "ctx-size",
+        default_value_t = 4096
+    )]
+    pub ctx: usize,
+    /// Most tokens in one forward step (decodes plus prompt chunks).
+    #[arg(long, default_value_t = 512)]
+    pub batch: usize,
+    /// Most prompt tokens in one step (the rest of the step is left to decodes).
+    #[arg(long, default_value_t = 256)]
+    pub max_prefill: usize,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Chat template: a built-in name (chatml, gemma, llama3) or a Jinja file.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Model name the API reports and accepts (default: the -m value).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Do not share the KV blocks of identical prompt prefixes.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let path = kestrel_hub::resolve_model(&args.model)?;
+    let file =
+        Arc::new(GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?);
+    let tokenizer = match Tokenizer::from_gguf(&file) {
+        Ok(t) => Some(t),
+        Err(TokenizerError::NoTokenizer(_)) => {
+            eprintln!("the model has no tokenizer: only token-id prompts on /v1/completions");
+            None
+        }
+        Err(e) => return Err(e).context("loading the tokenizer"),
+    };
+    let template = if tokenizer.is_some() {
+        chat_template(&file, args.chat_template.as_deref())
+    } else {
+        None
+    };
+    let opts = EngineOptions {
+        ctx: args.ctx,
+        max_batch_tokens: args.batch.max(1),
+        max_logit_rows: args.max_seqs.max(1),
+        block_size: 16,
+        max_seqs: args.max_seqs.max(1),
+    };
+    let sched_opts = SchedulerOptions {
+        max_seqs: args.max_seqs.max(1),
+        max_prefill_tokens: args.max_prefill.max(1),
+        prefix_cache: !args.no_prefix_cache,
+        eog: tokenizer
+            .as_ref()
+            .map(|t| t.eog_ids().to_vec())
+            .unwrap_or_default(),
+    };
+    let start = std::time::Instant::now();
+    let sched = match Device::parse(&args.device)? {
+        Device::Cpu => {
+            if let Some(t) = args.threads {
+                let _ = rayon::ThreadPoolBuilder::new()
+                    .num_threads(t.max(1))
+                    .build_global();
+            }
+            start_scheduler(
+                || Ok(CpuBackend::new(Kernels::Fast)),
+                &file,
+                opts,
+                sched_opts,
+            )?
+        }
+        Device::Cuda(ordinal) => start_scheduler(
+            move || CudaBackend::new(ordinal).context("opening the GPU"),
+            &file,
+            opts,
+            sched_opts,
+        )?,
+    };
+    let info = sched.info().clone();
+    eprintln!(
+        "loaded {} ({}) on {} in {:.2} s: ctx {} x {} sequences, {} KV blocks",
+        path.display(),
+        info.arch,
+        info.backend,
+        start.elapsed().as_secs_f64(),
+        info.ctx,
+        info.max_seqs,
+        info.n_blocks
+    );
+
+    let name = args.name.clone().unwrap_or_else(|| args.model.clone());
+    let state = Arc::new(kestrel_server::AppState::new(
+        sched,
+        tokenizer,
+        template,
+        name.clone(),
+        args.api_key.clone(),
+    ));
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        eprintln!(
+            "serving '{name}' on http://{} (OpenAI API under /v1; Ctrl-C stops)",
+            listener.local_addr()?
+        );
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        kestrel_server::serve(listener, state, shutdown).await?;
+        anyhow::Ok(())
+    })
+}
+
+/// The chosen template, else the file's, else the built-in one of the model's family.
+fn chat_template(file: &GgufFile, choice: Option<&str>) -> Option<ChatTemplate> {
+    let fallback = match file.architecture() {
+        Some("gemma3") => "gemma",
+        Some("llama") => "llama3",
+        _ => "chatml",
+    };
+    match ChatTemplate::resolve(file, choice) {
+        Ok(t) => Some(t),
+        Err(e) if choice.is_none() => {
+            eprintln!("{e}; using the built-in '{fallback}' template");
+            ChatTemplate::resolve(file, Some(fallback)).ok()
+        }
+        Err(e) => {
+            eprintln!("chat template: {e}; /v1/chat/completions is disabled");
+            None
+        }
+    }
+}
+
+/// Builds the engine on the scheduler's thread (backends need not cross threads).
+fn start_scheduler<B: Backend + 'static>(
+    backend: impl FnOnce() -> anyhow::Result<B> + Send + 'static,
+    file: &Arc<GgufFile>,
+    opts: EngineOptions,
+    sched_opts: SchedulerOptions,
+) -> anyhow::Result<SchedulerHandle> {
+    let file = file.clone();
+    scheduler::spawn(
+        move || Engine::new(backend()?, file, &opts).context("loading the model"),
+        sched_opts,
+    )
+}
