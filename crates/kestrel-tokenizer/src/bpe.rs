@@ -61,7 +61,7 @@ struct Candidate {
 pub(crate) struct BpeModel {
     pre: PreTokenizer,
     regexes: Vec<Regex>,
-    /// Llama 3: a pre-token that is itself a vocabulary entry is emitted without merging.
+    /// (Llama 3) a pre-token that is itself a vocabulary entry is emitted without merging.
     ignore_merges: bool,
     /// (left symbol, right symbol) → (rank, merged symbol). Symbol ids below the vocabulary
     /// size are token ids; larger ids name strings that only occur inside merges.
@@ -76,6 +76,7 @@ pub(crate) struct BpeModel {
 impl BpeModel {
     pub(crate) fn new(
         pre: PreTokenizer,
+        ignore_merges: bool,
         merges: &[String],
         token_to_id: &HashMap<String, u32>,
         n_vocab: u32,
@@ -94,7 +95,7 @@ impl BpeModel {
         let mut model = BpeModel {
             pre,
             regexes,
-            ignore_merges: pre == PreTokenizer::Llama3,
+            ignore_merges,
             merges: HashMap::with_capacity(merges.len()),
             extra_ids: HashMap::new(),
             n_extra: 0,

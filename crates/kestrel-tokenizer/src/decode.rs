@@ -4,7 +4,7 @@
 use crate::Tokenizer;
 use crate::bpe::char_to_byte_map;
 use crate::tokenizer::TokenizerKind;
-use crate::vocab::TokenType;
+use crate::vocab::TokenAttrs;
 
 /// The bytes of every token as llama.cpp's `token_to_piece(special = true)` renders
 /// them, stored back to back.
@@ -15,24 +15,22 @@ pub(crate) struct Pieces {
 }
 
 impl Pieces {
-    pub(crate) fn build(kind: TokenizerKind, tokens: &[String], types: &[TokenType]) -> Pieces {
+    pub(crate) fn build(kind: TokenizerKind, tokens: &[String], attrs: &[TokenAttrs]) -> Pieces {
         let char_to_byte = match kind {
             TokenizerKind::Bpe => Some(char_to_byte_map()),
             TokenizerKind::Spm => None,
         };
+        let verbatim = TokenAttrs::UNKNOWN | TokenAttrs::CONTROL | TokenAttrs::USER_DEFINED;
         let mut bytes = Vec::with_capacity(tokens.iter().map(String::len).sum());
         let mut offsets = Vec::with_capacity(tokens.len() + 1);
         offsets.push(0);
-        for (text, ty) in tokens.iter().zip(types) {
-            match (ty, kind) {
-                (TokenType::Control | TokenType::Unknown | TokenType::UserDefined, _) => {
-                    bytes.extend_from_slice(text.as_bytes())
-                }
-                (TokenType::Normal, TokenizerKind::Spm) => {
-                    bytes.extend_from_slice(text.replace('▁', " ").as_bytes())
-                }
-                (TokenType::Normal, TokenizerKind::Bpe) => {
-                    if let Some(map) = &char_to_byte {
+        for (text, &attr) in tokens.iter().zip(attrs) {
+            if attr.intersects(verbatim) {
+                bytes.extend_from_slice(text.as_bytes());
+            } else if attr.intersects(TokenAttrs::NORMAL) {
+                match &char_to_byte {
+                    None => bytes.extend_from_slice(text.replace('▁', " ").as_bytes()),
+                    Some(map) => {
                         for c in text.chars() {
                             match map.get(&c) {
                                 Some(&b) => bytes.push(b),
@@ -50,17 +48,10 @@ impl Pieces {
                         }
                     }
                 }
-                (TokenType::Byte, TokenizerKind::Spm) => {
-                    if let Some(b) = text
-                        .get(3..5)
-                        .and_then(|hex| u8::from_str_radix(hex, 16).ok())
-                    {
-                        bytes.push(b);
-                    }
-                }
-                // Unused/undefined tokens, and byte tokens in a BPE vocabulary, render empty.
-                _ => {}
+            } else if attr.intersects(TokenAttrs::BYTE) {
+                bytes.push(byte_token_value(text));
             }
+            // Unused and undefined tokens render as nothing.
             offsets.push(bytes.len());
         }
         Pieces { bytes, offsets }
@@ -73,6 +64,20 @@ impl Pieces {
             _ => &[],
         }
     }
+}
+
+/// The byte of a `<0xXX>` token, read like llama.cpp does (`strtol` of the two characters
+/// after `<0x`: leading hex digits, 0 when there are none).
+fn byte_token_value(text: &str) -> u8 {
+    let digits = text.as_bytes().get(3..).unwrap_or_default();
+    let mut value = 0u8;
+    for &d in digits.iter().take(2) {
+        let Some(v) = (d as char).to_digit(16) else {
+            break;
+        };
+        value = value.wrapping_mul(16).wrapping_add(v as u8);
+    }
+    value
 }
 
 /// llama.cpp's `clean_up_tokenization_spaces` passes over detokenized bytes: drop the

@@ -30,7 +30,7 @@ mod vocab;
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
 pub use decode::StreamDecoder;
 pub use tokenizer::{Tokenizer, TokenizerKind};
-pub use vocab::{PreTokenizer, TokenType, TokenizerConfig};
+pub use vocab::{PreTokenizer, TokenAttrs, TokenType, TokenizerConfig};
 
 /// Errors building a tokenizer from metadata.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
-use crate::vocab::TokenType;
+use crate::vocab::TokenAttrs;
 
 /// A piece of the input after partitioning.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,7 +22,8 @@ pub(crate) enum Fragment {
 pub(crate) struct SpecialTokens {
     /// Candidate token ids, longest text first (ties in id order).
     ordered: Vec<u32>,
-    /// Whether each candidate (same index as `ordered`) is a user-defined token.
+    /// Whether each candidate (same index as `ordered`) is split out even when special
+    /// tokens are not parsed (user-defined tokens).
     always: Vec<bool>,
     /// Finds which candidates occur in an input at all (pattern index = `ordered` index),
     /// so the per-token passes run only for those.
@@ -30,23 +31,21 @@ pub(crate) struct SpecialTokens {
 }
 
 impl SpecialTokens {
-    pub(crate) fn new(tokens: &[String], types: &[TokenType]) -> SpecialTokens {
-        let mut ordered: Vec<u32> = types
+    pub(crate) fn new(tokens: &[String], attrs: &[TokenAttrs]) -> SpecialTokens {
+        let candidate = TokenAttrs::CONTROL | TokenAttrs::USER_DEFINED | TokenAttrs::UNKNOWN;
+        let mut ordered: Vec<u32> = attrs
             .iter()
             .enumerate()
-            .filter(|(_, t)| {
-                matches!(
-                    t,
-                    TokenType::Control | TokenType::UserDefined | TokenType::Unknown
-                )
-            })
+            .filter(|(_, a)| a.intersects(candidate))
             .map(|(id, _)| id as u32)
             .collect();
         // Stable sort: equal lengths keep id order.
         ordered.sort_by_key(|&id| std::cmp::Reverse(tokens[id as usize].len()));
+        // Control and unknown tokens are only split out when special tokens are parsed.
+        let parse_only = TokenAttrs::CONTROL | TokenAttrs::UNKNOWN;
         let always = ordered
             .iter()
-            .map(|&id| types[id as usize] == TokenType::UserDefined)
+            .map(|&id| !attrs[id as usize].intersects(parse_only))
             .collect();
         let finder = if ordered.is_empty() {
             None

@@ -9,7 +9,7 @@ use crate::bpe::BpeModel;
 use crate::decode::{self, Pieces};
 use crate::special::{Fragment, SpecialTokens};
 use crate::spm::{self, SpmVocab};
-use crate::vocab::{PreTokenizer, TokenType, TokenizerConfig};
+use crate::vocab::{PreTokenizer, TokenAttrs, TokenType, TokenizerConfig};
 
 /// The tokenization algorithm of a vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -20,8 +20,11 @@ pub enum TokenizerKind {
     Spm,
 }
 
-/// Texts llama.cpp recognises as end-of-turn tokens when the metadata names none
-/// (the first one present, in this order, becomes [`Tokenizer::eot_id`]).
+// Tokens llama.cpp recognises by their text (llama-vocab.cpp, the version behind the
+// reference data: llama-cpp-python 0.3.36). Where llama.cpp takes the first match of an
+// unordered map, the first text of these lists that the vocabulary has wins.
+
+/// End-of-turn token when the metadata names none.
 const EOT_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
@@ -31,28 +34,42 @@ const EOT_TEXTS: &[&str] = &[
     "<|end_of_text|>",
     "<EOT>",
     "_<EOT>",
+    "[EOT]",
     "<｜end▁of▁sentence｜>",
     "<end_of_utterance>",
 ];
-
-/// Texts of tokens that end generation (llama.cpp's list).
-const EOG_TEXTS: &[&str] = &[
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<|return|>",
-    "<|call|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "_<EOT>",
-    "<|end_of_text|>",
-    "<end_of_utterance>",
+const EOM_TEXTS: &[&str] = &["<|eom_id|>"];
+const FIM_PRE_TEXTS: &[&str] = &[
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<｜fim▁begin｜>",
+    "<PRE>",
+    "▁<PRE>",
+    "<|code_prefix|>",
+    "<|prefix|>",
 ];
-
-/// Fill-in-the-middle tokens that llama.cpp also treats as end of generation.
-const FIM_PAD_TEXTS: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"];
+const FIM_SUF_TEXTS: &[&str] = &[
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<｜fim▁hole｜>",
+    "<SUF>",
+    "▁<SUF>",
+    "<|code_suffix|>",
+    "<|suffix|>",
+];
+const FIM_MID_TEXTS: &[&str] = &[
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<｜fim▁end｜>",
+    "<MID>",
+    "▁<MID>",
+    "<|code_middle|>",
+    "<|middle|>",
+];
+const FIM_PAD_TEXTS: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"];
 const FIM_REP_TEXTS: &[&str] = &[
     "<|fim_repo|>",
     "<|repo_name|>",
@@ -60,34 +77,37 @@ const FIM_REP_TEXTS: &[&str] = &[
     "<REPO>",
     "<reponame>",
 ];
-const FIM_SEP_TEXTS: &[&str] = &["<|file_sep|>", "<file_sep>"];
-/// Other FIM markers: detected only to mark them as control tokens, as llama.cpp does.
-const FIM_OTHER_TEXTS: &[&[&str]] = &[
-    &[
-        "<|fim_prefix|>",
-        "<fim-prefix>",
-        "<fim_prefix>",
-        "<｜fim▁begin｜>",
-        "<PRE>",
-        "▁<PRE>",
-    ],
-    &[
-        "<|fim_suffix|>",
-        "<fim-suffix>",
-        "<fim_suffix>",
-        "<｜fim▁hole｜>",
-        "<SUF>",
-        "▁<SUF>",
-    ],
-    &[
-        "<|fim_middle|>",
-        "<fim-middle>",
-        "<fim_middle>",
-        "<｜fim▁end｜>",
-        "<MID>",
-        "▁<MID>",
-    ],
+const FIM_SEP_TEXTS: &[&str] = &["<|file_sep|>"];
+
+/// Tokens that end generation.
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
 ];
+
+/// gpt-oss markers that llama.cpp always renders (made user-defined).
+const ALWAYS_RENDERED_TEXTS: &[&str] =
+    &["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"];
 
 /// A tokenizer built from GGUF metadata that reproduces llama.cpp's tokenization.
 ///
@@ -96,7 +116,7 @@ pub struct Tokenizer {
     kind: TokenizerKind,
     pre: Option<PreTokenizer>,
     tokens: Vec<String>,
-    types: Vec<TokenType>,
+    attrs: Vec<TokenAttrs>,
     scores: Vec<f32>,
     token_to_id: HashMap<String, u32>,
     bpe: Option<BpeModel>,
@@ -162,8 +182,9 @@ impl Tokenizer {
                 "tokenizer.ggml.tokens has {n} entries, too many"
             )));
         }
+        // Like llama.cpp, extra entries are ignored and missing ones are an error.
         let check_len = |key: &str, len: usize| {
-            if len == n {
+            if len >= n {
                 Ok(())
             } else {
                 Err(TokenizerError::BadMetadata(format!(
@@ -182,11 +203,11 @@ impl Tokenizer {
         let (pre, mut add_bos, mut add_eos, mut add_space_prefix, clean_spaces, bos, eos, unk) =
             match kind {
                 TokenizerKind::Bpe => {
-                    let pre = PreTokenizer::from_name(config.pre.as_deref())?;
-                    let add_bos = pre == PreTokenizer::Llama3;
-                    let clean = pre != PreTokenizer::Qwen2;
+                    let settings = PreTokenizer::settings(config.pre.as_deref())?;
+                    let add_bos = settings.add_bos;
+                    let clean = settings.clean_spaces;
                     (
-                        Some(pre),
+                        Some(settings),
                         add_bos,
                         false,
                         false,
@@ -214,70 +235,106 @@ impl Tokenizer {
             if text.is_empty() {
                 *text = format!("[EMPTY_{i}]");
             }
-            // Later duplicates win, as in llama.cpp.
-            token_to_id.insert(text.clone(), i as u32);
+            if token_to_id.insert(text.clone(), i as u32).is_some() {
+                // llama.cpp asserts that token texts are unique.
+                return Err(TokenizerError::BadMetadata(format!(
+                    "tokenizer.ggml.tokens has the text {text:?} twice (again at id {i})"
+                )));
+            }
         }
-        let mut types: Vec<TokenType> = match &config.token_types {
-            Some(t) => t.iter().map(|&x| TokenType::from_gguf(x as i64)).collect(),
-            None => vec![TokenType::Normal; n],
+        let mut attrs: Vec<TokenAttrs> = match &config.token_types {
+            Some(t) => t[..n]
+                .iter()
+                .map(|&x| TokenAttrs::from_type(TokenType::from_gguf(x as i64)))
+                .collect(),
+            None => vec![TokenAttrs::NORMAL; n],
         };
-        let scores = config.scores.unwrap_or_else(|| vec![0.0; n]);
+        let mut scores = config.scores.unwrap_or_else(|| vec![0.0; n]);
+        scores.truncate(n);
 
-        // Metadata ids outside the vocabulary are ignored (llama.cpp warns and keeps the default).
+        // Default ids outside the vocabulary are disabled; metadata ids outside it are
+        // ignored (llama.cpp warns and keeps the default).
         let valid = |id: Option<u32>| id.filter(|&x| (x as usize) < n);
         let pick = |meta: Option<u32>, default: Option<u32>| valid(meta).or(valid(default));
         let bos = pick(config.bos_token_id, bos);
         let eos = pick(config.eos_token_id, eos);
         let unk = pick(config.unknown_token_id, unk);
         let pad = valid(config.padding_token_id);
-        let mut eot = valid(config.eot_token_id);
-        let mut eom = valid(config.eom_token_id);
 
-        // Tokens recognised by their text are forced to be control tokens.
-        let force_control = |id: u32, types: &mut Vec<TokenType>| {
-            types[id as usize] = TokenType::Control;
+        // Special tokens recognised by their text become control tokens.
+        let find = |texts: &[&str]| texts.iter().find_map(|t| token_to_id.get(*t).copied());
+        let detect = |meta: Option<u32>, texts: &[&str], attrs: &mut Vec<TokenAttrs>| {
+            valid(meta).or_else(|| {
+                let id = find(texts)?;
+                attrs[id as usize] |= TokenAttrs::CONTROL;
+                Some(id)
+            })
         };
-        let find_first = |texts: &[&str]| texts.iter().find_map(|t| token_to_id.get(*t).copied());
-        if eot.is_none() {
-            eot = find_first(EOT_TEXTS);
-            if let Some(id) = eot {
-                force_control(id, &mut types);
+        let eot = detect(config.eot_token_id, EOT_TEXTS, &mut attrs);
+        let eom = detect(config.eom_token_id, EOM_TEXTS, &mut attrs);
+        for texts in [FIM_PRE_TEXTS, FIM_SUF_TEXTS, FIM_MID_TEXTS] {
+            detect(None, texts, &mut attrs);
+        }
+        let fim_pad = detect(None, FIM_PAD_TEXTS, &mut attrs);
+        let fim_rep = detect(None, FIM_REP_TEXTS, &mut attrs);
+        let fim_sep = detect(None, FIM_SEP_TEXTS, &mut attrs);
+
+        // Control tokens named "unused" are also marked unused.
+        for (text, attr) in tokens.iter().zip(attrs.iter_mut()) {
+            if attr.intersects(TokenAttrs::CONTROL) && text.contains("unused") {
+                *attr |= TokenAttrs::UNUSED;
             }
         }
-        if eom.is_none() {
-            eom = find_first(&["<|eom_id|>"]);
-            if let Some(id) = eom {
-                force_control(id, &mut types);
-            }
-        }
-        let mut eog = Vec::new();
-        for texts in [FIM_PAD_TEXTS, FIM_REP_TEXTS, FIM_SEP_TEXTS] {
-            if let Some(id) = find_first(texts) {
-                force_control(id, &mut types);
-                eog.push(id);
-            }
-        }
-        for texts in FIM_OTHER_TEXTS {
-            if let Some(id) = find_first(texts) {
-                force_control(id, &mut types);
-            }
-        }
+
+        let mut eog: Vec<u32> = [fim_pad, fim_rep, fim_sep].into_iter().flatten().collect();
         for text in EOG_TEXTS {
             if let Some(&id) = token_to_id.get(*text) {
-                force_control(id, &mut types);
+                attrs[id as usize] |= TokenAttrs::CONTROL;
                 eog.push(id);
+            }
+        }
+        for text in ALWAYS_RENDERED_TEXTS {
+            if let Some(&id) = token_to_id.get(*text) {
+                attrs[id as usize] = TokenAttrs::USER_DEFINED;
             }
         }
         eog.extend([eos, eot, eom].into_iter().flatten());
         eog.sort_unstable();
         eog.dedup();
 
+        // Harmony-style vocabularies end turns with <|return|>/<|call|>, not <|end|>;
+        // vocabularies with <|tool_response>/<|plamo:eos|> use </s> as ordinary text.
+        let eog_has =
+            |eog: &[u32], text: &str| token_to_id.get(text).filter(|id| eog.contains(id)).copied();
+        let has_call = eog_has(&eog, "<|call|>")
+            .or(eog_has(&eog, "<|calls|>"))
+            .is_some();
+        let has_return = eog_has(&eog, "<|return|>").is_some();
+        let has_flush = eog_has(&eog, "<|flush|>").is_some();
+        if let Some(end) = eog_has(&eog, "<|end|>")
+            && has_call
+            && (has_return || has_flush)
+        {
+            eog.retain(|&id| id != end);
+            attrs[end as usize] = TokenAttrs::USER_DEFINED;
+        }
+        let normal_s = eog_has(&eog, "<|tool_response>").or(eog_has(&eog, "<|plamo:eos|>"));
+        if let (Some(_), Some(s)) = (normal_s, eog_has(&eog, "</s>")) {
+            eog.retain(|&id| id != s);
+            attrs[s as usize] = TokenAttrs::NORMAL;
+        }
+
         let bpe = match (kind, pre) {
-            (TokenizerKind::Bpe, Some(pre)) => {
-                Some(BpeModel::new(pre, &config.merges, &token_to_id, n as u32)?)
-            }
+            (TokenizerKind::Bpe, Some(settings)) => Some(BpeModel::new(
+                settings.pre,
+                settings.ignore_merges,
+                &config.merges,
+                &token_to_id,
+                n as u32,
+            )?),
             _ => None,
         };
+        let pre = pre.map(|settings| settings.pre);
 
         let mut byte_tokens = [None; 256];
         if kind == TokenizerKind::Spm {
@@ -294,14 +351,14 @@ impl Tokenizer {
             }
         }
 
-        let special = SpecialTokens::new(&tokens, &types);
-        let pieces = Pieces::build(kind, &tokens, &types);
+        let special = SpecialTokens::new(&tokens, &attrs);
+        let pieces = Pieces::build(kind, &tokens, &attrs);
 
         Ok(Tokenizer {
             kind,
             pre,
             tokens,
-            types,
+            attrs,
             scores,
             token_to_id,
             bpe,
@@ -398,9 +455,9 @@ impl Tokenizer {
     /// give no bytes; with `true`, their text. Unused tokens and ids outside the
     /// vocabulary give no bytes.
     pub fn token_to_piece(&self, id: u32, special: bool) -> &[u8] {
-        match self.types.get(id as usize) {
+        match self.attrs.get(id as usize) {
             None => &[],
-            Some(TokenType::Control | TokenType::Unknown) if !special => &[],
+            Some(a) if !special && a.intersects(TokenAttrs::CONTROL | TokenAttrs::UNKNOWN) => &[],
             Some(_) => self.pieces.get(id),
         }
     }
@@ -468,10 +525,10 @@ impl Tokenizer {
         self.token_to_id.get(text).copied()
     }
 
-    /// The type of a token (after llama.cpp's promotion of end-of-turn and FIM tokens
-    /// to control tokens).
-    pub fn token_type(&self, id: u32) -> Option<TokenType> {
-        self.types.get(id as usize).copied()
+    /// The attributes of a token, after llama.cpp's fix-ups (end-of-turn, end-of-generation
+    /// and FIM tokens recognised by their text become control tokens, ...).
+    pub fn token_attrs(&self, id: u32) -> Option<TokenAttrs> {
+        self.attrs.get(id as usize).copied()
     }
 
     /// The score of a token (SentencePiece merge priority; 0 when the file has none).
@@ -479,9 +536,10 @@ impl Tokenizer {
         self.scores.get(id as usize).copied()
     }
 
-    /// Whether a token is a control token.
+    /// Whether a token is a control token (rendered as nothing by [`decode`](Self::decode)).
     pub fn is_control(&self, id: u32) -> bool {
-        self.token_type(id) == Some(TokenType::Control)
+        self.token_attrs(id)
+            .is_some_and(|a| a.intersects(TokenAttrs::CONTROL))
     }
 
     pub fn bos_id(&self) -> Option<u32> {

@@ -39,6 +39,57 @@ impl TokenType {
     }
 }
 
+/// Token attributes as llama.cpp keeps them: a bit set that starts from the file's
+/// [`TokenType`] and gains flags from llama.cpp's fix-ups (e.g. `</s>` or `<|im_end|>`
+/// become control tokens, control tokens named `unused` also get [`TokenAttrs::UNUSED`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct TokenAttrs(u16);
+
+impl TokenAttrs {
+    pub const UNDEFINED: TokenAttrs = TokenAttrs(0);
+    pub const UNKNOWN: TokenAttrs = TokenAttrs(1 << 0);
+    pub const UNUSED: TokenAttrs = TokenAttrs(1 << 1);
+    pub const NORMAL: TokenAttrs = TokenAttrs(1 << 2);
+    pub const CONTROL: TokenAttrs = TokenAttrs(1 << 3);
+    pub const USER_DEFINED: TokenAttrs = TokenAttrs(1 << 4);
+    pub const BYTE: TokenAttrs = TokenAttrs(1 << 5);
+
+    /// The attributes llama.cpp starts from for a token type.
+    pub fn from_type(ty: TokenType) -> TokenAttrs {
+        match ty {
+            TokenType::Undefined => TokenAttrs::UNDEFINED,
+            TokenType::Normal => TokenAttrs::NORMAL,
+            TokenType::Unknown => TokenAttrs::UNKNOWN,
+            TokenType::Control => TokenAttrs::CONTROL,
+            TokenType::UserDefined => TokenAttrs::USER_DEFINED,
+            TokenType::Unused => TokenAttrs::UNUSED,
+            TokenType::Byte => TokenAttrs::BYTE,
+        }
+    }
+
+    /// Whether any flag of `other` is set.
+    pub fn intersects(self, other: TokenAttrs) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    pub fn bits(self) -> u16 {
+        self.0
+    }
+}
+
+impl std::ops::BitOr for TokenAttrs {
+    type Output = TokenAttrs;
+    fn bitor(self, rhs: TokenAttrs) -> TokenAttrs {
+        TokenAttrs(self.0 | rhs.0)
+    }
+}
+
+impl std::ops::BitOrAssign for TokenAttrs {
+    fn bitor_assign(&mut self, rhs: TokenAttrs) {
+        self.0 |= rhs.0;
+    }
+}
+
 /// The regex-based pre-tokenizer of a byte-level BPE vocabulary, chosen by
 /// `tokenizer.ggml.pre`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -46,29 +97,61 @@ pub enum PreTokenizer {
     /// llama.cpp's fallback (`default` or no `tokenizer.ggml.pre`): four successive
     /// splits (punctuation runs, the GPT-2 regex, digit runs, groups of three digits).
     Default,
-    /// The original GPT-2 regex (`gpt-2`, `phi-2`, `roberta-bpe`, ...).
+    /// The original GPT-2 regex (`gpt-2`, `phi-2`, `roberta-bpe`, `mpt`, `olmo`, ...).
     Gpt2,
-    /// Llama 3 (`llama3`, `llama-v3`, `llama-bpe`, `falcon3`): digits in groups of up to
-    /// three; whole pre-tokens that are vocabulary entries skip the merges.
+    /// Llama 3 (`llama3`, `llama-v3`, `llama-bpe`, `falcon3`, ...): digits in groups of
+    /// up to three; whole pre-tokens that are vocabulary entries skip the merges.
     Llama3,
-    /// Qwen 2 (`qwen2`, `stablelm2`, `deepseek-r1-qwen`, `megrez`): like Llama 3 but
+    /// Qwen 2 (`qwen2`, `stablelm2`, `deepseek-r1-qwen`, `megrez`, ...): like Llama 3 but
     /// every digit is its own pre-token.
     Qwen2,
+    /// Qwen 3.5 (`qwen35`): like Qwen 2, with combining marks kept inside words.
+    Qwen35,
+}
+
+/// What a `tokenizer.ggml.pre` name selects in llama.cpp.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PreSettings {
+    pub pre: PreTokenizer,
+    /// Apply `clean_up_tokenization_spaces` when detokenizing.
+    pub clean_spaces: bool,
+    /// A pre-token that is itself a vocabulary entry skips the merges.
+    pub ignore_merges: bool,
+    /// BOS is added by default (before `tokenizer.ggml.add_bos_token` is read).
+    pub add_bos: bool,
 }
 
 impl PreTokenizer {
     /// The pre-tokenizer llama.cpp uses for a `tokenizer.ggml.pre` value (`None`: absent).
     pub fn from_name(name: Option<&str>) -> Result<PreTokenizer, TokenizerError> {
-        Ok(match name {
-            None | Some("default") => PreTokenizer::Default,
-            Some("llama3" | "llama-v3" | "llama-bpe" | "falcon3") => PreTokenizer::Llama3,
-            Some("qwen2" | "stablelm2" | "deepseek-r1-qwen" | "megrez") => PreTokenizer::Qwen2,
+        Ok(PreTokenizer::settings(name)?.pre)
+    }
+
+    pub(crate) fn settings(name: Option<&str>) -> Result<PreSettings, TokenizerError> {
+        let (pre, clean_spaces, ignore_merges, add_bos) = match name {
+            None | Some("default") => (PreTokenizer::Default, true, false, false),
+            Some(
+                "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
+                | "midm-2.0" | "lfm2" | "jina-v5-nano",
+            ) => (PreTokenizer::Llama3, true, true, true),
+            Some("dbrx" | "smaug-bpe") => (PreTokenizer::Llama3, true, false, false),
+            Some("qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2") => {
+                (PreTokenizer::Qwen2, false, false, false)
+            }
+            Some("stablelm2" | "megrez") => (PreTokenizer::Qwen2, true, false, false),
+            Some("qwen35") => (PreTokenizer::Qwen35, false, false, false),
             Some(
                 "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v1-en"
-                | "jina-v2-es" | "jina-v2-de" | "jina-v2-code" | "roberta-bpe" | "mpt" | "olmo"
-                | "jais",
-            ) => PreTokenizer::Gpt2,
+                | "jina-v2-es" | "jina-v2-de" | "jina-v2-code" | "roberta-bpe" | "a.x-4.0"
+                | "mellum" | "modern-bert" | "exaone4" | "mpt" | "olmo" | "jais",
+            ) => (PreTokenizer::Gpt2, true, false, false),
             Some(other) => return Err(TokenizerError::UnknownPreTokenizer(other.to_string())),
+        };
+        Ok(PreSettings {
+            pre,
+            clean_spaces,
+            ignore_merges,
+            add_bos,
         })
     }
 
@@ -86,6 +169,9 @@ impl PreTokenizer {
             ],
             PreTokenizer::Qwen2 => &[
                 r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            ],
+            PreTokenizer::Qwen35 => &[
+                r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
             ],
         }
     }

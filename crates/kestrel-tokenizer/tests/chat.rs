@@ -410,3 +410,35 @@ fn syntax_errors_are_reported() {
     let err = ChatTemplate::new("broken", "{% for m in messages %}").expect_err("unclosed for");
     assert!(matches!(err, ChatTemplateError::Syntax { .. }), "{err}");
 }
+
+#[test]
+fn builtins_match_llama_cpp_builtin_formats() {
+    // llama.cpp's own chat formats leave BOS to the tokenizer; ours emit `bos_token`
+    // first, which `render_prompt` drops when the tokenizer adds BOS.
+    let fixture = common::read_json(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/llamacpp_chat_builtins.json"),
+    );
+    let cases = fixture["cases"].as_array().expect("cases[]");
+    assert!(!cases.is_empty());
+    for case in cases {
+        let name = common::text(&case["template"]);
+        let bos = match name {
+            "gemma" => "<bos>",
+            "llama3" => "<|begin_of_text|>",
+            _ => "",
+        };
+        let template = ChatTemplate::named(name)
+            .expect("builtin")
+            .with_special_tokens(bos, "<eos>");
+        let messages = messages_from_json(&case["messages"]);
+        let add = case["add_generation_prompt"].as_bool().expect("bool");
+        let rendered = template.render(&messages, add).expect("renders");
+        let without_bos = rendered.strip_prefix(bos).expect("starts with BOS text");
+        assert_eq!(
+            without_bos,
+            common::text(&case["rendered"]),
+            "{name} {messages:?}"
+        );
+    }
+}

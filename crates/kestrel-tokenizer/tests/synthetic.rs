@@ -230,3 +230,73 @@ fn spm_space_prefix_and_byte_fallback_round_trip() {
         }
     }
 }
+
+#[test]
+fn long_runs_do_not_hit_regex_limits() {
+    let runs = [
+        " ".repeat(200_000) + "x",
+        "\n ".repeat(50_000) + "x",
+        "a".repeat(100_000),
+        "1".repeat(100_000),
+        "!?".repeat(50_000) + "\n",
+        " \u{a0}".repeat(50_000),
+    ];
+    for pre in ["default", "gpt-2", "llama-bpe", "qwen2"] {
+        let tok = Tokenizer::from_config(byte_level_config(pre)).expect("builds");
+        for text in &runs {
+            let start = std::time::Instant::now();
+            let ids = tok.encode(text, false, false);
+            assert_eq!(ids.len(), text.len(), "{pre}");
+            assert_eq!(tok.decode(&ids), *text, "{pre}");
+            assert!(
+                start.elapsed().as_secs_f64() < 5.0,
+                "{pre}: {:?}",
+                start.elapsed()
+            );
+        }
+    }
+}
+
+fn tiny_bpe(extra: &[&str]) -> Tokenizer {
+    let mut config = byte_level_config("qwen2");
+    config.tokens.extend(extra.iter().map(|s| s.to_string()));
+    Tokenizer::from_config(config).expect("builds")
+}
+
+#[test]
+fn end_of_generation_tokens_follow_llama_cpp_rules() {
+    let tok = tiny_bpe(&["<|im_end|>", "</s>", "<unused7>", "<|fim_pad|>", "<|end|>"]);
+    let id = |t: &str| tok.token_id(t).expect("in vocab");
+    // Recognised by text: end of generation, and promoted to control tokens.
+    for text in ["<|im_end|>", "</s>", "<|fim_pad|>", "<|end|>"] {
+        assert!(tok.is_eog(id(text)), "{text}");
+        assert!(tok.is_control(id(text)), "{text}");
+        // Control tokens are not split out of plain text...
+        assert_ne!(tok.encode(text, false, false), vec![id(text)]);
+        // ...but are when special tokens are parsed.
+        assert_eq!(tok.encode(text, false, true), vec![id(text)]);
+        assert!(tok.token_to_piece(id(text), false).is_empty());
+        assert_eq!(tok.token_to_piece(id(text), true), text.as_bytes());
+    }
+    assert_eq!(tok.eot_id(), Some(id("<|im_end|>")));
+    // "<unused7>" is a normal token here (only control tokens get the unused flag).
+    assert!(!tok.is_eog(id("<unused7>")));
+
+    // Harmony vocabularies end turns with <|return|>/<|call|>: <|end|> is ordinary.
+    let harmony = tiny_bpe(&["<|return|>", "<|call|>", "<|end|>"]);
+    let end = harmony.token_id("<|end|>").expect("in vocab");
+    assert!(!harmony.is_eog(end));
+    assert!(!harmony.is_control(end));
+    assert_eq!(
+        harmony.encode("<|end|>", false, false),
+        vec![end],
+        "user-defined"
+    );
+    assert!(harmony.is_eog(harmony.token_id("<|return|>").expect("in vocab")));
+
+    // With <|tool_response>, </s> is ordinary text again.
+    let gemma4_like = tiny_bpe(&["<|tool_response>", "</s>"]);
+    let s = gemma4_like.token_id("</s>").expect("in vocab");
+    assert!(!gemma4_like.is_eog(s));
+    assert_eq!(gemma4_like.token_to_piece(s, false), b"</s>");
+}
