@@ -63,7 +63,15 @@ pub fn real(path: &Path, setup: Setup) -> TestServer {
 fn start(path: &Path, setup: Setup, name: &str) -> TestServer {
     let file = Arc::new(GgufFile::open(path).expect("open model"));
     let tokenizer = Tokenizer::from_gguf(&file).ok();
-    let template = ChatTemplate::resolve(&file, None).ok();
+    // The file's template, else the family's built-in one (as `kestrel serve` does).
+    let family = match file.architecture() {
+        Some("gemma3") => "gemma",
+        Some("llama") => "llama3",
+        _ => "chatml",
+    };
+    let template = ChatTemplate::resolve(&file, None)
+        .or_else(|_| ChatTemplate::resolve(&file, Some(family)))
+        .ok();
     let opts = EngineOptions {
         ctx: setup.ctx,
         max_batch_tokens: setup.batch,
