@@ -100,13 +100,6 @@ mod vnni {
         unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
     }
 
-    #[inline(always)]
-    unsafe fn ld512(b: &[u8], at: usize) -> __m512i {
-        let s = &b[at..at + 64];
-        // SAFETY: `s` holds 64 bytes.
-        unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
-    }
-
     /// Q4_K (144-byte blocks) · Q8_K, for `N` tokens at once (each weight block is
     /// decoded once and multiplied with every token's activations).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
@@ -122,14 +115,16 @@ mod vnni {
             .iter()
             .map(|y| y.len() / Q8K_BLOCK)
             .fold(row.len() / 144, usize::min);
+        let yp = ys.map(|y| y.as_ptr());
         for blk in 0..n_blocks {
             let b = &row[144 * blk..144 * (blk + 1)];
-            let y = ys.map(|y| &y[Q8K_BLOCK * blk..Q8K_BLOCK * (blk + 1)]);
+            let yo = Q8K_BLOCK * blk;
             let dw = f16_at(b, 0);
             let dmw = f16_at(b, 2);
             let (sc, mins) = scales_mins(&b[4..16]);
             // SAFETY: the loads below read inside the 144-byte block and the 292-byte
-            // Q8_K blocks (quants at 4..260, sums at 260..292).
+            // Q8_K blocks (quants at 4..260, sums at 260..292) of every token, which
+            // hold at least `n_blocks` blocks.
             unsafe {
                 let mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
                 let sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
@@ -143,20 +138,20 @@ mod vnni {
                     // Lanes 0-7 belong to sub-block 2c, lanes 8-15 to 2c + 1.
                     let scv = _mm512_permutexvar_epi32(*idx, sc);
                     for t in 0..N {
-                        let yv = ld512(y[t], 4 + 64 * c);
+                        let yv = _mm512_loadu_si512(yp[t].add(yo + 4 + 64 * c).cast());
                         let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
                         isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dp, scv));
                     }
                 }
                 for t in 0..N {
-                    let dy = f32_at(y[t], 0);
+                    let dy = std::ptr::read_unaligned(yp[t].add(yo).cast::<f32>());
                     acc[t] = _mm512_fmadd_ps(
                         _mm512_set1_ps(dw * dy),
                         _mm512_cvtepi32_ps(isum[t]),
                         acc[t],
                     );
                     // The min term: Σ_j m_j · Σ_{i in sub-block j} y_i, from the sums of 16.
-                    let bsums = _mm256_loadu_si256(y[t][260..292].as_ptr().cast());
+                    let bsums = _mm256_loadu_si256(yp[t].add(yo + 260).cast());
                     let ysums = _mm256_madd_epi16(bsums, ones);
                     let msum = _mm256_cvtepi32_ps(_mm256_mullo_epi32(ysums, mins));
                     acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmw * dy), msum, acc_min[t]);
@@ -213,9 +208,10 @@ mod vnni {
             .iter()
             .map(|y| y.len() / Q8K_BLOCK)
             .fold(row.len() / 210, usize::min);
+        let yp = ys.map(|y| y.as_ptr());
         for blk in 0..n_blocks {
             let b = &row[210 * blk..210 * (blk + 1)];
-            let y = ys.map(|y| &y[Q8K_BLOCK * blk..Q8K_BLOCK * (blk + 1)]);
+            let yo = Q8K_BLOCK * blk;
             let dw = f16_at(b, 208);
             let sc = &b[192..208];
             let mut isum = [_mm512_setzero_si512(); N];
@@ -247,7 +243,8 @@ mod vnni {
                         let s4 = _mm512_cvtepi8_epi32(_mm_cvtsi32_si128(s4));
                         let scv = _mm512_permutexvar_epi32(spread, s4);
                         for t in 0..N {
-                            let yv = ld512(y[t], 4 + 128 * half + 64 * p);
+                            let yv =
+                                _mm512_loadu_si512(yp[t].add(yo + 4 + 128 * half + 64 * p).cast());
                             let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
                             isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dp, scv));
                         }
@@ -255,10 +252,12 @@ mod vnni {
                 }
             }
             for t in 0..N {
-                let d = dw * f32_at(y[t], 0);
+                // SAFETY: the token's Q8_K block `blk` exists (n_blocks bounds it).
+                let y = unsafe { std::slice::from_raw_parts(yp[t].add(yo), Q8K_BLOCK) };
+                let d = dw * f32_at(y, 0);
                 let mut corr = 0i32;
                 for (g, &s) in sc.iter().enumerate() {
-                    corr += s as i8 as i32 * i16_at(y[t], 260 + 2 * g);
+                    corr += s as i8 as i32 * i16_at(y, 260 + 2 * g);
                 }
                 acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum[t]), acc[t]);
                 acc_corr[t] += d * (32 * corr) as f32;
