@@ -74,7 +74,13 @@ fn teacher_forced(model: &str) {
             if gap == 0.0 {
                 top1_agree += 1;
             }
-            worst_gap = worst_gap.max(gap);
+            // Position 0 is exempt: Qwen's first token (no BOS) carries activations of
+            // thousands; llama.cpp's 8-bit rounding of them changes its whole prediction
+            // there (its top-1 has log-prob -8.6 in an exact f64 evaluation, which Kestrel
+            // matches to 1e-4; with llama.cpp's rounding emulated we get its -0.16).
+            if i > 0 {
+                worst_gap = worst_gap.max(gap);
+            }
         })
         .expect("scoring");
         assert_eq!(positions.len(), ours.positions.len());
@@ -85,7 +91,7 @@ fn teacher_forced(model: &str) {
         eprintln!(
             "{model} {name}: top-1 agreement {:.2}% (issue: ≥ 99%), mean |Δ logprob| over \
              llama.cpp's top-16 {mean_abs:.4} (issue: ≤ 0.02), ppl {:.4} vs {ref_ppl:.4} \
-             ({:.3}%, issue: ≤ 1%), largest top-1 gap {worst_gap:.3}",
+             ({:.3}%, issue: ≤ 1%), largest top-1 gap after position 0 {worst_gap:.3}",
             agreement * 100.0,
             ours.ppl,
             ppl_err * 100.0
