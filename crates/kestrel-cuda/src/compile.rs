@@ -12,6 +12,8 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/quant.cu"),
     "\n",
+    include_str!("../kernels/gemv.cu"),
+    "\n",
     include_str!("../kernels/ops.cu"),
 );
 
@@ -19,6 +21,7 @@ pub const SOURCE: &str = concat!(
 pub const KERNELS: &[&str] = &[
     "embed",
     "matmul",
+    "gemv",
     "scale_f32",
     "add_f32",
     "add_bias",

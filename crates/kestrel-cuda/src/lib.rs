@@ -9,6 +9,13 @@
 //! copy in `prepare_step`, into a buffer allocated once; the kernels read them from there.
 //! Backend operations cannot return errors (the trait's shape), so a failed launch is
 //! remembered and reported by the next `prepare_step` or `read_rows`.
+//!
+//! Decode steps (at most [`GRAPH_MAX_TOKENS`] tokens) are replayed as CUDA graphs: their
+//! launches are recorded, not issued, until the step's results are needed (`read_rows`,
+//! `check`, the next `prepare_step`). A recorded list identical to the previous one (same
+//! kernels, grids and arguments, pointers included) is captured once as a graph and
+//! replayed from then on; anything else runs launch by launch. Keying graphs by the exact
+//! launch list means a replay can never use stale buffers or sizes.
 
 pub mod compile;
 pub mod selfcheck;
@@ -18,10 +25,13 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg, sys,
 };
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
-use kestrel_model::{Activation, AttnParams, Batch, ModelConfig, RopeParams, RopeScaling};
+use kestrel_model::{
+    Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams, RopeScaling,
+};
 
 pub use compile::Origin;
 
@@ -55,7 +65,15 @@ pub fn device_count() -> anyhow::Result<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// Steps of at most this many tokens are recorded and replayed as CUDA graphs.
+pub const GRAPH_MAX_TOKENS: usize = 8;
+/// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
+pub const GEMV_MAX_TOKENS: usize = 8;
+/// Graphs kept (one per distinct launch list, e.g. per batch size).
+const MAX_GRAPHS: usize = 8;
+
 /// A kernel argument.
+#[derive(Clone, Copy, Debug)]
 enum Arg {
     /// A device pointer.
     P(u64),
@@ -64,10 +82,88 @@ enum Arg {
     F(f32),
 }
 
+impl PartialEq for Arg {
+    fn eq(&self, other: &Arg) -> bool {
+        match (self, other) {
+            (Arg::P(a), Arg::P(b)) => a == b,
+            (Arg::I(a), Arg::I(b)) => a == b,
+            (Arg::L(a), Arg::L(b)) => a == b,
+            // Bit equality: a graph replays exactly the recorded value.
+            (Arg::F(a), Arg::F(b)) => a.to_bits() == b.to_bits(),
+            _ => false,
+        }
+    }
+}
+
+/// One kernel launch, as recorded for a step.
+#[derive(Clone, Debug, PartialEq)]
+struct Launch {
+    func: usize,
+    grid: (u32, u32, u32),
+    block: u32,
+    args: Vec<Arg>,
+}
+
+/// A captured step.
+struct StepGraph(CudaGraph);
+
+// SAFETY: a CUDA graph exec handle may be launched from any thread; the backend only
+// touches it under the recorder's mutex.
+unsafe impl Send for StepGraph {}
+
+/// Launches of the step being recorded, the last list run eagerly, and the graphs.
+#[derive(Default)]
+struct Recorder {
+    /// Whether launches are being recorded instead of issued.
+    deferring: bool,
+    pending: Vec<Launch>,
+    previous: Vec<Launch>,
+    graphs: Vec<(Vec<Launch>, StepGraph)>,
+    captures: u64,
+}
+
+/// One matrix of a GEMV launch.
+struct GemvSeg {
+    ptr: u64,
+    row_bytes: usize,
+    ty: GgmlType,
+    rows: usize,
+    out: u64,
+    ld: usize,
+    bias: u64,
+}
+
+/// Whether the GEMV kernels read `ty` with rows of `cols` values.
+fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => cols.is_multiple_of(256),
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => cols.is_multiple_of(32),
+        GgmlType::F16 | GgmlType::BF16 => cols.is_multiple_of(8),
+        GgmlType::F32 => cols.is_multiple_of(4),
+        _ => false,
+    }
+}
+
+/// Values one lane handles per step of the GEMV loop (see `Fmt<..>::units`).
+fn gemv_unit_values(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => 32,
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => 16,
+        GgmlType::F16 | GgmlType::BF16 => 8,
+        _ => 4,
+    }
+}
+
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    funcs: HashMap<&'static str, CudaFunction>,
+    funcs: Vec<CudaFunction>,
+    func_index: HashMap<&'static str, usize>,
+    recorder: Mutex<Recorder>,
+    /// Whether decode steps are captured and replayed as graphs.
+    graphs: std::sync::atomic::AtomicBool,
+    /// Steps replayed from a graph so far (shared: see [`CudaBackend::replay_counter`]).
+    replays: Arc<std::sync::atomic::AtomicU64>,
     device_name: String,
     arch: String,
     origin: Origin,
@@ -185,22 +281,85 @@ impl CudaBackend {
         let module = ctx
             .load_module(ptx)
             .map_err(|e| anyhow::anyhow!("loading the kernel module for {arch}: {e:?}"))?;
-        let mut funcs = HashMap::new();
+        let mut funcs = Vec::new();
+        let mut func_index = HashMap::new();
         for &name in compile::KERNELS {
             let f = module
                 .load_function(name)
                 .map_err(|e| anyhow::anyhow!("kernel {name} missing from the module: {e:?}"))?;
-            funcs.insert(name, f);
+            func_index.insert(name, funcs.len());
+            funcs.push(f);
         }
+        let graphs = std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             ctx,
             stream,
             funcs,
+            func_index,
+            recorder: Mutex::new(Recorder::default()),
+            graphs: std::sync::atomic::AtomicBool::new(graphs),
+            replays: Arc::default(),
             device_name,
             arch,
             origin,
             error: Mutex::new(None),
             freq_factors: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A `rows × cols` matrix of type `ty` from its GGUF block bytes.
+    pub fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> anyhow::Result<CudaWeight> {
+        if !SUPPORTED_TYPES.contains(&ty) {
+            bail!("type {ty} is not supported by the CUDA backend yet");
+        }
+        let row_bytes = ty
+            .bytes_for(cols as u64)
+            .with_context(|| format!("rows of {cols} values are not whole {ty} blocks"))?
+            as usize;
+        if data.len() != row_bytes * rows {
+            bail!("{} bytes, expected {}", data.len(), row_bytes * rows);
+        }
+        let buf = self
+            .stream
+            .clone_htod(data)
+            .map_err(|e| anyhow::anyhow!("uploading a matrix: {e:?}"))?;
+        let ptr = self.ptr(&buf);
+        Ok(CudaWeight::Matrix {
+            buf,
+            ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+        })
+    }
+
+    /// A `rows × cols` activation tensor holding `data` (row-major).
+    pub fn upload_tensor(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> anyhow::Result<CudaTensor> {
+        if data.len() != rows * cols {
+            bail!("{} values for a {rows}×{cols} tensor", data.len());
+        }
+        let buf = self
+            .stream
+            .clone_htod(data)
+            .map_err(|e| anyhow::anyhow!("uploading a tensor: {e:?}"))?;
+        let ptr = self.ptr(&buf);
+        Ok(CudaTensor {
+            buf,
+            ptr,
+            rows,
+            cols,
         })
     }
 
@@ -218,9 +377,124 @@ impl CudaBackend {
         self.origin
     }
 
+    /// Turns graph capture and replay of decode steps on or off (on by default; the
+    /// environment variable `KESTREL_CUDA_GRAPHS=0` turns it off).
+    pub fn set_graphs(&self, on: bool) {
+        self.flush();
+        self.graphs.store(on, std::sync::atomic::Ordering::Relaxed);
+        let mut rec = self.lock_recorder();
+        rec.graphs.clear();
+        rec.previous.clear();
+    }
+
+    /// Graphs captured so far.
+    pub fn graphs_captured(&self) -> u64 {
+        self.lock_recorder().captures
+    }
+
+    /// A counter of the steps replayed from a graph, readable after the backend has moved
+    /// into an engine.
+    pub fn replay_counter(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.replays.clone()
+    }
+
+    fn lock_recorder(&self) -> std::sync::MutexGuard<'_, Recorder> {
+        self.recorder.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn launch_now(&self, l: &Launch) {
+        let mut b = self.stream.launch_builder(&self.funcs[l.func]);
+        for a in &l.args {
+            match a {
+                Arg::P(v) => b.arg(v),
+                Arg::I(v) => b.arg(v),
+                Arg::L(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: l.grid,
+            block_dim: (l.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every kernel's arguments are built by the matching method below, with
+        // pointers to live buffers sized by the same geometry the kernel uses.
+        if let Err(e) = unsafe { b.launch(cfg) } {
+            self.fail(format!("launching {}: {e:?}", compile::KERNELS[l.func]));
+        }
+    }
+
+    /// Issues the recorded launches of the current step: from a graph when the same list
+    /// was seen before, eagerly otherwise.
+    fn flush(&self) {
+        let mut rec = self.lock_recorder();
+        rec.deferring = false;
+        if rec.pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut rec.pending);
+        if let Some(i) = rec.graphs.iter().position(|(l, _)| *l == pending) {
+            if let Err(e) = rec.graphs[i].1.0.launch() {
+                self.fail(format!("launching a CUDA graph: {e:?}"));
+            }
+            self.replays
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            rec.pending = pending;
+            rec.pending.clear();
+            return;
+        }
+        if pending == rec.previous {
+            match self.capture(&pending) {
+                Ok(graph) => {
+                    if let Err(e) = graph.launch() {
+                        self.fail(format!("launching a CUDA graph: {e:?}"));
+                    }
+                    rec.captures += 1;
+                    self.replays
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if rec.graphs.len() >= MAX_GRAPHS {
+                        rec.graphs.remove(0);
+                    }
+                    rec.graphs.push((pending, StepGraph(graph)));
+                    rec.previous.clear();
+                    return;
+                }
+                Err(e) => {
+                    // Run the step eagerly and stop trying.
+                    self.graphs
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
+                    self.fail(format!("capturing a CUDA graph: {e}"));
+                }
+            }
+        }
+        for l in &pending {
+            self.launch_now(l);
+        }
+        rec.previous = pending;
+    }
+
+    /// Captures `launches` on the stream into an instantiated graph.
+    fn capture(&self, launches: &[Launch]) -> anyhow::Result<CudaGraph> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
+        for l in launches {
+            self.launch_now(l);
+        }
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| anyhow::anyhow!("end capture: {e:?}"))?;
+        if let Some(msg) = self.lock_error().clone() {
+            bail!("a launch failed during capture: {msg}");
+        }
+        graph.context("the capture produced no graph")
+    }
+
     /// Waits for the queued work; returns the first error of any operation since the last
     /// check.
     pub fn check(&self) -> anyhow::Result<()> {
+        self.flush();
         let sync = self.stream.synchronize();
         if let Some(msg) = self.lock_error().take() {
             bail!("CUDA: {msg}");
@@ -253,29 +527,113 @@ impl CudaBackend {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
-        let Some(f) = self.funcs.get(name) else {
+        let Some(&func) = self.func_index.get(name) else {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::P(v) => b.arg(v),
-                Arg::I(v) => b.arg(v),
-                Arg::L(v) => b.arg(v),
-                Arg::F(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+        let l = Launch {
+            func,
+            grid,
+            block,
+            args: args.to_vec(),
         };
-        // SAFETY: every kernel's arguments are built by the matching method below, with
-        // pointers to live buffers sized by the same geometry the kernel uses.
-        if let Err(e) = unsafe { b.launch(cfg) } {
-            self.fail(format!("launching {name}: {e:?}"));
+        let mut rec = self.lock_recorder();
+        if rec.deferring {
+            rec.pending.push(l);
+        } else {
+            drop(rec);
+            self.launch_now(&l);
         }
+    }
+
+    /// A GEMV segment for `w` writing into `out`, if the GEMV kernels handle it.
+    fn gemv_seg(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &CudaTensor,
+        bias: Option<&CudaWeight>,
+    ) -> Option<GemvSeg> {
+        let CudaWeight::Matrix {
+            ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            ..
+        } = w
+        else {
+            return None;
+        };
+        if *cols != x.cols || out.cols != *rows || !gemv_supported(*ty, *cols) {
+            return None;
+        }
+        let bias = match bias {
+            None => 0,
+            Some(CudaWeight::Vector { ptr, len, .. }) if *len == *rows => *ptr,
+            Some(_) => return None,
+        };
+        Some(GemvSeg {
+            ptr: *ptr,
+            row_bytes: *row_bytes,
+            ty: *ty,
+            rows: *rows,
+            out: out.ptr,
+            ld: out.cols,
+            bias,
+        })
+    }
+
+    /// One GEMV launch over up to three matrices sharing `x` (`gated`: two matrices, gate
+    /// and up, producing `act(gate·x) * (up·x)` in the first's output).
+    fn gemv(&self, x: &CudaTensor, n: usize, segs: &[GemvSeg], gated: Option<Activation>) {
+        debug_assert!(!segs.is_empty() && segs.len() <= 3 && n <= GEMV_MAX_TOKENS);
+        let k = x.cols;
+        let units = segs
+            .iter()
+            .map(|s| k / gemv_unit_values(s.ty))
+            .max()
+            .unwrap_or(0);
+        // Rows per 4-warp block: short rows get one warp each, long rows all four.
+        let rpb: usize = if units <= 48 {
+            4
+        } else if units <= 96 {
+            2
+        } else {
+            1
+        };
+        let total = if gated.is_some() {
+            segs[0].rows
+        } else {
+            segs.iter().map(|s| s.rows).sum()
+        };
+        let act = match gated {
+            Some(Activation::GeluTanh) => 1,
+            _ => 0,
+        };
+        let mut args = vec![
+            Arg::P(x.ptr),
+            Arg::I(k as i32),
+            Arg::I(n as i32),
+            Arg::I(rpb as i32),
+            Arg::I(total as i32),
+            Arg::I(i32::from(gated.is_some())),
+            Arg::I(act),
+        ];
+        for i in 0..3 {
+            let s = segs.get(i).unwrap_or(&segs[0]);
+            let rows = if i < segs.len() { s.rows } else { 0 };
+            args.push(Arg::P(s.ptr));
+            args.push(Arg::L(s.row_bytes as i64));
+            args.push(Arg::I(s.ty.id() as i32));
+            if i < 2 {
+                args.push(Arg::I(rows as i32));
+            }
+            args.push(Arg::P(s.out));
+            args.push(Arg::I(s.ld as i32));
+            args.push(Arg::P(s.bias));
+        }
+        self.launch("gemv", grid_1d(total, rpb), 128, &args);
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -349,41 +707,8 @@ impl kestrel_model::Backend for CudaBackend {
                 len: cols,
             });
         }
-        if !SUPPORTED_TYPES.contains(&info.ty) {
-            bail!(
-                "tensor {}: type {} is not supported by the CUDA backend yet",
-                info.name,
-                info.ty
-            );
-        }
-        let row_bytes = info.ty.bytes_for(cols as u64).with_context(|| {
-            format!(
-                "tensor {}: rows of {cols} values are not whole {} blocks",
-                info.name, info.ty
-            )
-        })? as usize;
-        let data = file.tensor_data(info);
-        if data.len() != row_bytes * rows {
-            bail!(
-                "tensor {}: {} bytes, expected {}",
-                info.name,
-                data.len(),
-                row_bytes * rows
-            );
-        }
-        let buf = self
-            .stream
-            .clone_htod(data)
-            .map_err(|e| anyhow::anyhow!("uploading {}: {e:?}", info.name))?;
-        let ptr = self.ptr(&buf);
-        Ok(CudaWeight::Matrix {
-            buf,
-            ptr,
-            ty: info.ty,
-            rows,
-            cols,
-            row_bytes,
-        })
+        self.upload_matrix(info.ty, rows, cols, file.tensor_data(info))
+            .with_context(|| format!("tensor {}", info.name))
     }
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<CudaTensor> {
@@ -488,6 +813,9 @@ impl kestrel_model::Backend for CudaBackend {
             .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
         step.n_tokens = n;
         step.n_logit_rows = batch.logit_rows.len();
+        if n <= GRAPH_MAX_TOKENS && self.graphs.load(std::sync::atomic::Ordering::Relaxed) {
+            self.lock_recorder().deferring = true;
+        }
         Ok(())
     }
 
@@ -599,6 +927,12 @@ impl kestrel_model::Backend for CudaBackend {
                 "matmul: x has {} columns, out {}, weight is {rows}×{cols}",
                 x.cols, out.cols
             ));
+            return;
+        }
+        if n <= GEMV_MAX_TOKENS
+            && let Some(seg) = self.gemv_seg(x, w, out, None)
+        {
+            self.gemv(x, n, &[seg], None);
             return;
         }
         const ROWS_PER_BLOCK: usize = 8;
@@ -840,6 +1174,69 @@ impl kestrel_model::Backend for CudaBackend {
                 .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
         }
         self.check()
+    }
+
+    fn qkv(
+        &self,
+        x: &CudaTensor,
+        layer: &LayerWeights<CudaWeight>,
+        n: usize,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &mut CudaTensor,
+    ) {
+        if n <= GEMV_MAX_TOKENS {
+            let segs = [
+                self.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
+                self.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
+                self.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
+            ];
+            if let [Some(a), Some(b), Some(c)] = segs {
+                self.gemv(x, n, &[a, b, c], None);
+                return;
+            }
+        }
+        self.matmul(x, &layer.attn_q, n, q);
+        self.matmul(x, &layer.attn_k, n, k);
+        self.matmul(x, &layer.attn_v, n, v);
+        for (t, b) in [
+            (q, &layer.attn_q_bias),
+            (k, &layer.attn_k_bias),
+            (v, &layer.attn_v_bias),
+        ] {
+            if let Some(b) = b {
+                self.add_bias(t, b, n);
+            }
+        }
+    }
+
+    fn feed_forward(
+        &self,
+        x: &CudaTensor,
+        layer: &LayerWeights<CudaWeight>,
+        act: Activation,
+        n: usize,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) {
+        let fused = n <= GEMV_MAX_TOKENS
+            && match (
+                self.gemv_seg(x, &layer.ffn_gate, gate, None),
+                self.gemv_seg(x, &layer.ffn_up, up, None),
+            ) {
+                (Some(g), Some(u)) if g.rows == u.rows => {
+                    self.gemv(x, n, &[g, u], Some(act));
+                    true
+                }
+                _ => false,
+            };
+        if !fused {
+            self.matmul(x, &layer.ffn_gate, n, gate);
+            self.matmul(x, &layer.ffn_up, n, up);
+            self.gated_activation(gate, up, act, n);
+        }
+        self.matmul(gate, &layer.ffn_down, n, out);
     }
 }
 

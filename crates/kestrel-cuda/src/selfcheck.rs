@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
-use kestrel_gguf::GgufFile;
+use kestrel_gguf::{GgmlType, GgufFile};
 use kestrel_model::Arch;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
 use rand::{Rng, SeedableRng};
@@ -61,9 +61,34 @@ fn all_logits<B: kestrel_model::Backend>(
     engine: &mut Engine<B>,
     tokens: &[u32],
 ) -> anyhow::Result<Vec<Vec<f32>>> {
+    all_logits_in_parts(engine, tokens, &[tokens.len().max(1)])
+}
+
+/// Chunk sizes the CUDA engine evaluates in: a long prefill chunk, then decode-sized steps
+/// (the GEMV kernels and graph replay: runs of equal sizes repeat launch lists), then
+/// prefill-sized again.
+const PARTS: [usize; 16] = [100, 1, 1, 1, 3, 8, 8, 8, 5, 1, 2, 7, 1, 1, 40, 6];
+
+/// Teacher-forced logits of every position, evaluating `tokens` in parts of the sizes in
+/// `parts` (cycled).
+fn all_logits_in_parts<B: kestrel_model::Backend>(
+    engine: &mut Engine<B>,
+    tokens: &[u32],
+    parts: &[usize],
+) -> anyhow::Result<Vec<Vec<f32>>> {
     let mut seq = Sequence::default();
     let mut rows = Vec::new();
-    engine.eval(&mut seq, tokens, true, |_, l| rows.push(l.to_vec()))?;
+    let mut start = 0;
+    for &size in parts.iter().cycle() {
+        if start >= tokens.len() {
+            break;
+        }
+        let end = (start + size.max(1)).min(tokens.len());
+        engine.eval(&mut seq, &tokens[start..end], true, |_, l| {
+            rows.push(l.to_vec())
+        })?;
+        start = end;
+    }
     engine.release(&mut seq);
     Ok(rows)
 }
@@ -114,7 +139,7 @@ pub fn compare_logits(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let a = all_logits(&mut cpu, &tokens)?;
-    let b = all_logits(&mut gpu, &tokens)?;
+    let b = all_logits_in_parts(&mut gpu, &tokens, &PARTS)?;
     anyhow::ensure!(
         a.len() == n && b.len() == n,
         "expected {n} rows of logits, got {} (cpu) and {} (cuda)",
@@ -215,5 +240,174 @@ pub fn compare_greedy(
         cpu: a,
         cuda: b,
         first_difference,
+    })
+}
+
+/// The GEMV kernels (decode-sized matmuls) against an f64 oracle on dequantized weights.
+#[derive(Debug, Clone)]
+pub struct GemvReport {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub tokens: usize,
+    /// ‖out − ref‖ / ‖ref‖.
+    pub rel_err: f64,
+    /// Outputs left unwritten (still the NaN poison) or non-finite.
+    pub non_finite: usize,
+}
+
+/// Largest relative error allowed for a GEMV (f32 arithmetic over up to a few thousand
+/// terms).
+pub const MAX_GEMV_REL_ERR: f64 = 1e-5;
+
+impl GemvReport {
+    pub fn passed(&self) -> bool {
+        self.non_finite == 0 && self.rel_err <= MAX_GEMV_REL_ERR
+    }
+}
+
+/// Types the GEMV kernels read (others use the general matmul kernel).
+pub const GEMV_TYPES: [GgmlType; 8] = [
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+
+/// `out = x · Wᵀ` on the GPU for a random `rows × cols` matrix of type `ty` and `n` random
+/// token rows, compared with f64 dot products of the dequantized rows.
+pub fn compare_gemv(
+    backend: &CudaBackend,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+) -> anyhow::Result<GemvReport> {
+    use kestrel_model::Backend;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let bytes = match ty {
+        GgmlType::F32 => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        _ => kestrel_quant::quantize(ty, &w, cols).with_context(|| format!("quantizing {ty}"))?,
+    };
+    let wq = match ty {
+        GgmlType::F32 => w.clone(),
+        _ => kestrel_quant::dequantize(ty, &bytes).with_context(|| format!("dequantizing {ty}"))?,
+    };
+    let x: Vec<f32> = (0..n * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let weight = backend.upload_matrix(ty, rows, cols, &bytes)?;
+    let xt = backend.upload_tensor(n, cols, &x)?;
+    let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+    backend.matmul(&xt, &weight, n, &mut out);
+    let mut got = Vec::new();
+    backend.read_rows(&out, n, &mut got)?;
+    let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
+    for t in 0..n {
+        for r in 0..rows {
+            let want: f64 = wq[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(&x[t * cols..(t + 1) * cols])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let g = got[t * rows + r];
+            if !g.is_finite() {
+                non_finite += 1;
+                continue;
+            }
+            err2 += (g as f64 - want).powi(2);
+            ref2 += want * want;
+        }
+    }
+    Ok(GemvReport {
+        ty,
+        rows,
+        cols,
+        tokens: n,
+        rel_err: (err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(),
+        non_finite,
+    })
+}
+
+/// Random GEMV cases for one type: awkward row counts, several row lengths (short rows
+/// take the one-warp-per-row path, long ones the four-warps path) and 1..=8 tokens.
+pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+        256
+    } else {
+        32
+    };
+    [1usize, 3, 6, 11, 35]
+        .iter()
+        .map(|&blocks| {
+            let rows = rng.random_range(1..300);
+            let n = rng.random_range(1..=crate::GEMV_MAX_TOKENS);
+            (rows, blocks * unit, n, rng.random())
+        })
+        .collect()
+}
+
+/// Decode with CUDA graphs against decode without them: logits must be bit-identical.
+#[derive(Debug, Clone)]
+pub struct GraphReport {
+    pub arch: Arch,
+    pub ty: String,
+    pub steps: usize,
+    /// Steps replayed from a graph on the graph engine.
+    pub replays: u64,
+    pub identical: bool,
+}
+
+impl GraphReport {
+    pub fn passed(&self) -> bool {
+        self.identical && self.replays > 0
+    }
+}
+
+/// Teacher-forced single-token steps (after a short prompt) on two CUDA engines, one
+/// replaying graphs, one launching every kernel.
+pub fn compare_graph_replay(
+    arch: Arch,
+    ty: &str,
+    steps: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<GraphReport> {
+    let file = tiny_model(arch, ty, seed)?;
+    let with = CudaBackend::new(ordinal)?;
+    with.set_graphs(true);
+    let without = CudaBackend::new(ordinal)?;
+    without.set_graphs(false);
+    let replays = with.replay_counter();
+    let mut a = Engine::new(with, file.clone(), &options(100))?;
+    let mut b = Engine::new(without, file.clone(), &options(100))?;
+    let vocab = a.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x6a09);
+    let tokens: Vec<u32> = (0..steps + 5).map(|_| rng.random_range(0..vocab)).collect();
+    // A 5-token prompt, then one token per step.
+    let mut parts = vec![5];
+    parts.extend(std::iter::repeat_n(1, steps));
+    let la = all_logits_in_parts(&mut a, &tokens, &parts)?;
+    let lb = all_logits_in_parts(&mut b, &tokens, &parts)?;
+    let identical = la.len() == lb.len()
+        && la
+            .iter()
+            .zip(&lb)
+            .all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+    Ok(GraphReport {
+        arch,
+        ty: ty.to_string(),
+        steps,
+        replays: replays.load(std::sync::atomic::Ordering::Relaxed),
+        identical,
     })
 }

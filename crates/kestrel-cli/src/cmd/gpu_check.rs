@@ -54,11 +54,9 @@ fn bench(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
         max_seqs: 1,
     };
     let t0 = Instant::now();
-    let mut engine = Engine::new(
-        kestrel_cuda::CudaBackend::new(args.gpu)?,
-        file.clone(),
-        &opts,
-    )?;
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
+    let replays = backend.replay_counter();
+    let mut engine = Engine::new(backend, file.clone(), &opts)?;
     println!(
         "loaded {} in {:.2} s",
         path.display(),
@@ -83,13 +81,14 @@ fn bench(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
         engine.release(&mut seq);
         let tg_rate = args.tg as f64 / tg_s;
         println!(
-            "run {rep}: pp{} {:.1} t/s, tg{} {:.1} t/s ({:.1} GB/s of weights read per decode step; {:.2} GB/token)",
+            "run {rep}: pp{} {:.1} t/s, tg{} {:.1} t/s ({:.1} GB/s of weights read per decode step; {:.2} GB/token; {} graph replays so far)",
             prompt.len(),
             prompt.len() as f64 / pp_s,
             args.tg,
             tg_rate,
             tg_rate * weight_bytes as f64 / 1e9,
-            weight_bytes as f64 / 1e9
+            weight_bytes as f64 / 1e9,
+            replays.load(std::sync::atomic::Ordering::Relaxed)
         );
     }
     Ok(())
@@ -109,9 +108,50 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend.kernels_origin(),
         start.elapsed().as_secs_f64()
     );
+    let mut failures = 0;
+    println!(
+        "GEMV kernels vs f64 oracle: pass if ‖Δ‖/‖ref‖ <= {:.0e}",
+        selfcheck::MAX_GEMV_REL_ERR
+    );
+    for (it, ty) in selfcheck::GEMV_TYPES.into_iter().enumerate() {
+        let mut worst: Option<selfcheck::GemvReport> = None;
+        let mut error = None;
+        for (rows, cols, n, s) in selfcheck::gemv_cases(ty, seed.wrapping_add(500 + it as u64)) {
+            match selfcheck::compare_gemv(&backend, ty, rows, cols, n, s) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    if worst
+                        .as_ref()
+                        .is_none_or(|w| r.rel_err > w.rel_err || !r.passed())
+                    {
+                        worst = Some(r);
+                    }
+                }
+                Err(e) => error = Some(format!("{e:#}")),
+            }
+        }
+        if let Some(e) = error {
+            failures += 1;
+            println!("gemv {:<6} ERROR {e}", ty.name());
+        } else if let Some(r) = worst {
+            println!(
+                "gemv {:<6} worst {}x{} n={}: rel err {:.2e}{}  {}",
+                ty.name(),
+                r.rows,
+                r.cols,
+                r.tokens,
+                r.rel_err,
+                if r.non_finite > 0 {
+                    format!(" ({} non-finite)", r.non_finite)
+                } else {
+                    String::new()
+                },
+                if r.passed() { "ok" } else { "FAIL" }
+            );
+        }
+    }
     drop(backend);
     let positions = args.positions.clamp(1, 512);
-    let mut failures = 0;
     println!(
         "teacher-forced, {positions} positions: pass if top-1 agreement >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|)",
         MIN_TOP1_AGREEMENT * 100.0
@@ -167,6 +207,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         "{:<8} {:<8} {detail}  {}",
                         arch.name(),
                         ty,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!(
+        "graph replay vs eager launches, {} single-token steps:",
+        args.generate
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["f32", "q4_k_m", "q8_0"] {
+            let case_seed = seed.wrapping_add(20_000 + ia as u64);
+            match selfcheck::compare_graph_replay(arch, ty, args.generate, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "{:<8} {:<8} {} replays, logits {}  {}",
+                        arch.name(),
+                        ty,
+                        r.replays,
+                        if r.identical {
+                            "bit-identical"
+                        } else {
+                            "DIFFER"
+                        },
                         if ok { "ok" } else { "FAIL" }
                     );
                 }

@@ -1,0 +1,383 @@
+// Matrix-vector products for decode (a few tokens): each weight byte is read once for all
+// the step's tokens (up to GV_MAX_T). The lanes of a row read consecutive chunks of the
+// row's blocks (coalesced), expand them in registers and dot them with the activations
+// (read through L1), then the row's lanes are summed with warp shuffles.
+//
+// One launch can cover up to three matrices that share the input x (Q, K and V; gate and
+// up), each with its own block format, output and optional bias; the format switch is
+// uniform across a warp.
+
+#define GV_MAX_T 8
+#define GV_THREADS 128
+
+// A byte (0..255) of m as a float minus `offset`: the byte goes into the low mantissa bits
+// of 2^23, so the conversion is one byte-permute and one subtraction (exact).
+__device__ __forceinline__ float byte_f(u32 m, int j, float magic) {
+    return __int_as_float(__byte_perm(m, 0x4B000000u, 0x7540 | j)) - magic;
+}
+#define MAGIC_0 8388608.0f    // 2^23: unsigned bytes
+#define MAGIC_8 8388616.0f    // 2^23 + 8: Q4_0 nibbles
+#define MAGIC_16 8388624.0f   // 2^23 + 16: Q5_0 values
+#define MAGIC_32 8388640.0f   // 2^23 + 32: Q6_K values
+#define MAGIC_128 8388736.0f  // 2^23 + 128: signed bytes xor 0x80
+
+// 4 bytes from a 2-byte aligned address.
+__device__ __forceinline__ u32 ld_u32_a2(const u8* p) {
+    const u16* q = (const u16*)p;
+    return (u32)q[0] | ((u32)q[1] << 16);
+}
+
+// Dot of `cnt` (multiple of 4) expanded weights with x[0..cnt) of each token, accumulated.
+template <int CNT>
+__device__ __forceinline__ void dot_tokens(const float* w, const float* x, int k, int n,
+                                           float scale, float* acc) {
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) {
+        if (t < n) {
+            const float4* xv = (const float4*)(x + (size_t)t * k);
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CNT / 4; i++) {
+                const float4 v = xv[i];
+                s = fmaf(w[4 * i], v.x, s);
+                s = fmaf(w[4 * i + 1], v.y, s);
+                s = fmaf(w[4 * i + 2], v.z, s);
+                s = fmaf(w[4 * i + 3], v.w, s);
+            }
+            acc[t] = fmaf(scale, s, acc[t]);
+        }
+    }
+}
+
+// Per format: values per unit (one lane's share per step), units per row, and the unit.
+template <int TY> struct Fmt;
+
+// Q4_K: a unit is 16 bytes of a block's quants: 16 values of sub-block 2c (low nibbles)
+// and 16 of sub-block 2c+1 (high nibbles); 8 units per 144-byte block.
+template <> struct Fmt<T_Q4_K> {
+    static __device__ __forceinline__ int units(int k) { return k / 32; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
+        const u8* b = row + (size_t)blk * 144;
+        const uint4 h = *(const uint4*)b;
+        const uint4 q = *(const uint4*)(b + 16 + 32 * c + l0);
+        const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+        // Scales and minimums of sub-blocks j0 = 2c and j1 = 2c + 1 (6-bit packed).
+        const u32 s03 = h.y, s47 = h.z, s811 = h.w;
+        float sc0, mn0, sc1, mn1;
+        {
+            const int j0 = 2 * c, j1 = 2 * c + 1;
+            if (c < 2) {
+                sc0 = (float)((s03 >> (8 * j0)) & 63);
+                mn0 = (float)((s47 >> (8 * j0)) & 63);
+                sc1 = (float)((s03 >> (8 * j1)) & 63);
+                mn1 = (float)((s47 >> (8 * j1)) & 63);
+            } else {
+                const int a0 = j0 - 4, a1 = j1 - 4;
+                sc0 = (float)(((s811 >> (8 * a0)) & 0xF) | (((s03 >> (8 * a0 + 6)) & 3) << 4));
+                mn0 = (float)(((s811 >> (8 * a0 + 4)) & 0xF) | (((s47 >> (8 * a0 + 6)) & 3) << 4));
+                sc1 = (float)(((s811 >> (8 * a1)) & 0xF) | (((s03 >> (8 * a1 + 6)) & 3) << 4));
+                mn1 = (float)(((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4));
+            }
+        }
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        float lo[16], hi[16];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 l = qw[i] & 0x0F0F0F0Fu, hh = (qw[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                lo[4 * i + j] = byte_f(l, j, MAGIC_0);
+                hi[4 * i + j] = byte_f(hh, j, MAGIC_0);
+            }
+        }
+        const int base = blk * 256 + 64 * c + l0;
+        const float ds0 = d * sc0, dm0 = dmin * mn0, ds1 = d * sc1, dm1 = dmin * mn1;
+#pragma unroll
+        for (int t = 0; t < GV_MAX_T; t++) {
+            if (t < n) {
+                const float4* xa = (const float4*)(x + (size_t)t * k + base);
+                const float4* xb = (const float4*)(x + (size_t)t * k + base + 32);
+                float sa = 0.0f, sb = 0.0f, xsa = 0.0f, xsb = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float4 a = xa[i], bb = xb[i];
+                    sa = fmaf(lo[4 * i], a.x, sa);
+                    sa = fmaf(lo[4 * i + 1], a.y, sa);
+                    sa = fmaf(lo[4 * i + 2], a.z, sa);
+                    sa = fmaf(lo[4 * i + 3], a.w, sa);
+                    xsa += (a.x + a.y) + (a.z + a.w);
+                    sb = fmaf(hi[4 * i], bb.x, sb);
+                    sb = fmaf(hi[4 * i + 1], bb.y, sb);
+                    sb = fmaf(hi[4 * i + 2], bb.z, sb);
+                    sb = fmaf(hi[4 * i + 3], bb.w, sb);
+                    xsb += (bb.x + bb.y) + (bb.z + bb.w);
+                }
+                acc[t] += (ds0 * sa - dm0 * xsa) + (ds1 * sb - dm1 * xsb);
+            }
+        }
+    }
+};
+
+// Q6_K: a unit is 8 positions l0..l0+7 of one 128-value half: 32 values in four groups
+// of 8 (each with its own scale); 8 units per 210-byte block (2-byte aligned).
+template <> struct Fmt<T_Q6_K> {
+    static __device__ __forceinline__ int units(int k) { return k / 32; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
+        const u8* b = row + (size_t)blk * 210;
+        const u8* ql = b + 64 * hf + l0;
+        const u8* qh = b + 128 + 32 * hf + l0;
+        const i8* sc = (const i8*)(b + 192) + 8 * hf + (l0 >> 4);
+        const float d = ld_f16(b + 208);
+        const float s0 = d * (float)sc[0], s1 = d * (float)sc[2], s2 = d * (float)sc[4],
+                    s3 = d * (float)sc[6];
+        float g[4][8];
+#pragma unroll
+        for (int w = 0; w < 2; w++) {
+            const u32 qa = ld_u32_a2(ql + 4 * w), qb = ld_u32_a2(ql + 32 + 4 * w);
+            const u32 hw = ld_u32_a2(qh + 4 * w);
+            const u32 q0 = (qa & 0x0F0F0F0Fu) | ((hw << 4) & 0x30303030u);
+            const u32 q1 = (qb & 0x0F0F0F0Fu) | ((hw << 2) & 0x30303030u);
+            const u32 q2 = ((qa >> 4) & 0x0F0F0F0Fu) | (hw & 0x30303030u);
+            const u32 q3 = ((qb >> 4) & 0x0F0F0F0Fu) | ((hw >> 2) & 0x30303030u);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                g[0][4 * w + j] = byte_f(q0, j, MAGIC_32);
+                g[1][4 * w + j] = byte_f(q1, j, MAGIC_32);
+                g[2][4 * w + j] = byte_f(q2, j, MAGIC_32);
+                g[3][4 * w + j] = byte_f(q3, j, MAGIC_32);
+            }
+        }
+        const float* xr = x + blk * 256 + 128 * hf + l0;
+        dot_tokens<8>(g[0], xr, k, n, s0, acc);
+        dot_tokens<8>(g[1], xr + 32, k, n, s1, acc);
+        dot_tokens<8>(g[2], xr + 64, k, n, s2, acc);
+        dot_tokens<8>(g[3], xr + 96, k, n, s3, acc);
+    }
+};
+
+// Q8_0: a unit is half a 34-byte block (16 values).
+template <> struct Fmt<T_Q8_0> {
+    static __device__ __forceinline__ int units(int k) { return k / 16; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 1, hf = u & 1;
+        const u8* b = row + (size_t)blk * 34;
+        const float d = ld_f16(b);
+        float w[16];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 q = ld_u32_a2(b + 2 + 16 * hf + 4 * i) ^ 0x80808080u;
+#pragma unroll
+            for (int j = 0; j < 4; j++) w[4 * i + j] = byte_f(q, j, MAGIC_128);
+        }
+        dot_tokens<16>(w, x + blk * 32 + 16 * hf, k, n, d, acc);
+    }
+};
+
+// Q4_0: a unit is 8 quant bytes of an 18-byte block: values 8h..8h+7 (low nibbles) and
+// 16+8h..16+8h+7 (high nibbles).
+template <> struct Fmt<T_Q4_0> {
+    static __device__ __forceinline__ int units(int k) { return k / 16; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 1, hf = u & 1;
+        const u8* b = row + (size_t)blk * 18;
+        const float d = ld_f16(b);
+        float lo[8], hi[8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const u32 q = ld_u32_a2(b + 2 + 8 * hf + 4 * i);
+            const u32 l = q & 0x0F0F0F0Fu, h = (q >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                lo[4 * i + j] = byte_f(l, j, MAGIC_8);
+                hi[4 * i + j] = byte_f(h, j, MAGIC_8);
+            }
+        }
+        const float* xr = x + blk * 32 + 8 * hf;
+        dot_tokens<8>(lo, xr, k, n, d, acc);
+        dot_tokens<8>(hi, xr + 16, k, n, d, acc);
+    }
+};
+
+// Q5_0: as Q4_0, with the fifth bits from the block's 32-bit qh.
+template <> struct Fmt<T_Q5_0> {
+    static __device__ __forceinline__ int units(int k) { return k / 16; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 1, hf = u & 1;
+        const u8* b = row + (size_t)blk * 22;
+        const float d = ld_f16(b);
+        const u32 qh = ld_u32_a2(b + 2);
+        float lo[8], hi[8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const u32 q = ld_u32_a2(b + 6 + 8 * hf + 4 * i);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int e = 8 * hf + 4 * i + j;
+                const u32 byte = (q >> (8 * j)) & 0xFF;
+                const u32 vl = (byte & 0xF) | (((qh >> e) & 1) << 4);
+                const u32 vh = (byte >> 4) | (((qh >> (e + 16)) & 1) << 4);
+                lo[4 * i + j] = __int_as_float(0x4B000000u | vl) - MAGIC_16;
+                hi[4 * i + j] = __int_as_float(0x4B000000u | vh) - MAGIC_16;
+            }
+        }
+        const float* xr = x + blk * 32 + 8 * hf;
+        dot_tokens<8>(lo, xr, k, n, d, acc);
+        dot_tokens<8>(hi, xr + 16, k, n, d, acc);
+    }
+};
+
+// F16 / BF16: a unit is 16 bytes (8 values); F32: 16 bytes (4 values).
+template <> struct Fmt<T_F16> {
+    static __device__ __forceinline__ int units(int k) { return k / 8; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const uint4 q = *(const uint4*)(row + (size_t)u * 16);
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        float w[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w[2 * i] = h2f((u16)(qw[i] & 0xFFFF));
+            w[2 * i + 1] = h2f((u16)(qw[i] >> 16));
+        }
+        dot_tokens<8>(w, x + u * 8, k, n, 1.0f, acc);
+    }
+};
+
+template <> struct Fmt<T_BF16> {
+    static __device__ __forceinline__ int units(int k) { return k / 8; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const uint4 q = *(const uint4*)(row + (size_t)u * 16);
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        float w[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w[2 * i] = __int_as_float(qw[i] << 16);
+            w[2 * i + 1] = __int_as_float(qw[i] & 0xFFFF0000u);
+        }
+        dot_tokens<8>(w, x + u * 8, k, n, 1.0f, acc);
+    }
+};
+
+template <> struct Fmt<T_F32> {
+    static __device__ __forceinline__ int units(int k) { return k / 4; }
+    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const float4 q = *(const float4*)(row + (size_t)u * 16);
+        const float w[4] = {q.x, q.y, q.z, q.w};
+        dot_tokens<4>(w, x + u * 4, k, n, 1.0f, acc);
+    }
+};
+
+// This lane's share of the dot products of one row with the n tokens of x.
+template <int TY>
+__device__ __forceinline__ void row_dot(const u8* row, const float* x, int k, int n, int li,
+                                        int nl, float* acc) {
+    const int units = Fmt<TY>::units(k);
+#pragma unroll 2
+    for (int u = li; u < units; u += nl) Fmt<TY>::unit(row, u, x, k, n, acc);
+}
+
+__device__ __forceinline__ void row_dot_any(int ty, const u8* row, const float* x, int k, int n,
+                                            int li, int nl, float* acc) {
+    switch (ty) {
+    case T_Q4_K: row_dot<T_Q4_K>(row, x, k, n, li, nl, acc); break;
+    case T_Q6_K: row_dot<T_Q6_K>(row, x, k, n, li, nl, acc); break;
+    case T_Q8_0: row_dot<T_Q8_0>(row, x, k, n, li, nl, acc); break;
+    case T_Q4_0: row_dot<T_Q4_0>(row, x, k, n, li, nl, acc); break;
+    case T_Q5_0: row_dot<T_Q5_0>(row, x, k, n, li, nl, acc); break;
+    case T_F16: row_dot<T_F16>(row, x, k, n, li, nl, acc); break;
+    case T_BF16: row_dot<T_BF16>(row, x, k, n, li, nl, acc); break;
+    case T_F32: row_dot<T_F32>(row, x, k, n, li, nl, acc); break;
+    default: break;
+    }
+}
+
+// Sums acc over the warps of a row (wpr of them); the result is valid in the row's first
+// warp. `red` holds GV_THREADS/32 × GV_MAX_T floats.
+__device__ __forceinline__ void row_reduce(float* acc, int wpr, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) acc[t] = warp_sum(acc[t]);
+    if (wpr == 1) return;
+    if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < GV_MAX_T; t++) red[warp * GV_MAX_T + t] = acc[t];
+    __syncthreads();
+    if (warp % wpr == 0)
+        for (int w = 1; w < wpr; w++)
+#pragma unroll
+            for (int t = 0; t < GV_MAX_T; t++) acc[t] += red[(warp + w) * GV_MAX_T + t];
+}
+
+__device__ __forceinline__ float gv_act(float g, int act) {
+    if (act == 0) return g / (1.0f + expf(-g));
+    const float sqrt_2_over_pi = 0.7978846f, coef_a = 0.044715f;
+    return 0.5f * g * (1.0f + tanhf(sqrt_2_over_pi * g * (1.0f + coef_a * g * g)));
+}
+
+// out_s[t][r] = dot(W_s[r], x[t]) (+ bias_s[r]) for the rows of up to three matrices laid
+// end to end (rows0 + rows1 + rows2 = total). With gated != 0 there are two matrices of
+// rows0 rows (gate, up) and out0[t][r] = act(gate·x) * (up·x), act 0 = SiLU, 1 = GELU.
+// Each block has GV_THREADS threads and handles rpb rows (1, 2 or 4), 4/rpb warps per row.
+// out rows have ld_s floats.
+extern "C" __global__ void __launch_bounds__(GV_THREADS)
+gemv(const float* x, int k, int n, int rpb, int total, int gated, int act,
+     const u8* w0, long long rb0, int ty0, int rows0, float* out0, int ld0, const float* bias0,
+     const u8* w1, long long rb1, int ty1, int rows1, float* out1, int ld1, const float* bias1,
+     const u8* w2, long long rb2, int ty2, float* out2, int ld2, const float* bias2) {
+    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wpr = (GV_THREADS / 32) / rpb;
+    const int r = blockIdx.x * rpb + warp / wpr;
+    const int li = (warp % wpr) * 32 + lane, nl = wpr * 32;
+    const bool active = r < total;
+
+    // Which matrix this row belongs to.
+    const u8* w = w0;
+    long long rb = rb0;
+    int ty = ty0, lr = r, ld = ld0;
+    float* out = out0;
+    const float* bias = bias0;
+    if (!gated && r >= rows0) {
+        if (r < rows0 + rows1) {
+            w = w1; rb = rb1; ty = ty1; lr = r - rows0; out = out1; ld = ld1; bias = bias1;
+        } else {
+            w = w2; rb = rb2; ty = ty2; lr = r - rows0 - rows1; out = out2; ld = ld2;
+            bias = bias2;
+        }
+    }
+
+    float acc[GV_MAX_T];
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) acc[t] = 0.0f;
+    if (active) row_dot_any(ty, w + (size_t)lr * rb, x, k, n, li, nl, acc);
+    row_reduce(acc, wpr, red);
+
+    if (gated) {
+        float up[GV_MAX_T];
+#pragma unroll
+        for (int t = 0; t < GV_MAX_T; t++) up[t] = 0.0f;
+        if (active) row_dot_any(ty1, w1 + (size_t)r * rb1, x, k, n, li, nl, up);
+        if (wpr > 1) __syncthreads();  // red is reused
+        row_reduce(up, wpr, red);
+        if (active && li == 0)
+#pragma unroll
+            for (int t = 0; t < GV_MAX_T; t++)
+                if (t < n) out0[(size_t)t * ld0 + r] = gv_act(acc[t], act) * up[t];
+        return;
+    }
+    if (active && li == 0) {
+        const float b = bias ? bias[lr] : 0.0f;
+#pragma unroll
+        for (int t = 0; t < GV_MAX_T; t++)
+            if (t < n) out[(size_t)t * ld + lr] = acc[t] + b;
+    }
+}
