@@ -40,6 +40,8 @@ enum Command {
     Bench(cmd::bench::Args),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
     Serve(cmd::serve::Args),
+    /// Load-test a running server: throughput, time to first token, inter-token latency.
+    BenchServe(cmd::bench_serve::Args),
 }
 
 fn main() {
@@ -55,6 +57,7 @@ fn main() {
         Command::GpuCheck(args) => cmd::gpu_check::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::BenchServe(args) => cmd::bench_serve::run(args),
     };
     if let Err(err) = result {
         // Output piped into `head` and closed early is not an error worth reporting.
