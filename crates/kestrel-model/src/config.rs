@@ -212,14 +212,15 @@ impl ModelConfig {
                 )));
             }
         };
-        if let RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } = scaling {
-            if !(factor.is_finite() && factor > 0.0) {
-                return Err(ModelError::Invalid(format!(
-                    "bad rope scaling factor {factor}"
-                )));
-            }
+        let factor = match scaling {
+            RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } => factor,
+            RopeScaling::None => 1.0,
+        };
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(ModelError::Invalid(format!(
+                "bad rope scaling factor {factor}"
+            )));
         }
-
         let freq_factors = match file.tensor("rope_freqs.weight") {
             None => None,
             Some(t) if t.ty == GgmlType::F32 && t.n_elements() as usize == n_rot / 2 => {
