@@ -181,6 +181,11 @@ impl ModelConfig {
                 .or_else(|| file.tensor("token_embd.weight").map(|t| t.dims[1] as usize))
                 .ok_or(ModelError::MissingKey(key("vocab_size")))?,
         };
+        if head_dim == 0 || n_ff == 0 || vocab_size == 0 {
+            return Err(ModelError::Invalid(format!(
+                "bad shape: head size {head_dim}, feed-forward {n_ff}, vocabulary {vocab_size}"
+            )));
+        }
         let context_length = opt_u("context_length").unwrap_or(4096);
         let rms_eps = opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5);
         let rope_base = opt_f("rope.freq_base").unwrap_or(10000.0);
