@@ -156,3 +156,41 @@ fn bad_batches_are_errors_not_panics() {
     let bad = Batch::single(&[1, 2], 0, vec![9999], true);
     assert!(e.step(&bad).is_err(), "block out of range");
 }
+
+/// Rebuilds `file`, optionally with another architecture name and without tensor `drop`.
+fn rebuild(file: &GgufFile, arch: Option<&str>, drop: Option<&str>) -> Arc<GgufFile> {
+    let mut w = kestrel_gguf::GgufWriter::new();
+    for (k, v) in file.metadata() {
+        let v = match (k.as_str(), arch) {
+            ("general.architecture", Some(a)) => kestrel_gguf::Value::String(a.to_string()),
+            _ => v.clone(),
+        };
+        w.add_metadata(k.clone(), v).unwrap();
+    }
+    for t in file.tensors() {
+        if Some(t.name.as_str()) != drop {
+            w.add_tensor_with_data(t.name.clone(), &t.dims, t.ty, file.tensor_data(t).to_vec())
+                .unwrap();
+        }
+    }
+    Arc::new(GgufFile::from_bytes(w.write_to_vec().unwrap()).unwrap())
+}
+
+#[test]
+fn unsupported_architectures_and_missing_tensors_are_named() {
+    let file = tiny_model(Arch::Qwen2, "q8_0", 3);
+    let opts = EngineOptions::default();
+    let err = |f: Arc<GgufFile>| match Engine::new(CpuBackend::new(Kernels::Fast), f, &opts) {
+        Ok(_) => panic!("loading should fail"),
+        Err(e) => format!("{e:#}"),
+    };
+    let e = err(rebuild(&file, Some("mamba"), None));
+    assert!(
+        e.contains("unsupported architecture") && e.contains("mamba"),
+        "{e}"
+    );
+    let e = err(rebuild(&file, None, Some("blk.1.ffn_down.weight")));
+    assert!(e.contains("missing tensor blk.1.ffn_down.weight"), "{e}");
+    let e = err(rebuild(&file, None, Some("blk.0.attn_q.bias")));
+    assert!(e.contains("blk.0.attn_q.bias"), "{e}");
+}
