@@ -111,8 +111,13 @@ impl kestrel_model::Backend for CpuBackend {
         match self.kernels {
             Kernels::Scalar => "cpu (scalar reference)".into(),
             Kernels::Fast => format!(
-                "cpu ({}, {} threads)",
+                "cpu ({}{}, {} threads)",
                 self.isa.name(),
+                if ops::q8_activations() {
+                    ", q8_k activations"
+                } else {
+                    ""
+                },
                 rayon::current_num_threads()
             ),
         }

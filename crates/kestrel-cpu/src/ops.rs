@@ -231,7 +231,7 @@ fn matmul_fused(
 
 /// Whether K-quant matmuls round the activations to Q8_K and use integer dot products
 /// (llama.cpp's numerics, faster): set `KESTREL_Q8_ACTIVATIONS=1`.
-fn q8_activations() -> bool {
+pub(crate) fn q8_activations() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         std::env::var("KESTREL_Q8_ACTIVATIONS").is_ok_and(|v| !v.is_empty() && v != "0")

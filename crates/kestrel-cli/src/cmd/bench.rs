@@ -171,7 +171,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let sizes = model_sizes(&file);
     let threads = rayon::current_num_threads();
     let backend = engine.backend.name();
-    let kernels = engine.backend.isa().name().to_string();
+    // The backend name says which kernels run, e.g. "cpu (avx512, 2 threads)".
+    let kernels = backend
+        .strip_prefix("cpu (")
+        .and_then(|s| s.rsplit_once(", "))
+        .map_or_else(
+            || engine.backend.isa().name().to_string(),
+            |(k, _)| k.to_string(),
+        );
     let filename = kestrel_hub::resolve_model(&args.model.model)?
         .display()
         .to_string();
