@@ -84,16 +84,6 @@ mod vnni {
     }
 
     #[inline(always)]
-    fn f32_at(b: &[u8], at: usize) -> f32 {
-        f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-    }
-
-    #[inline(always)]
-    fn i16_at(b: &[u8], at: usize) -> i32 {
-        i16::from_le_bytes([b[at], b[at + 1]]) as i32
-    }
-
-    #[inline(always)]
     unsafe fn ld256(b: &[u8], at: usize) -> __m256i {
         let s = &b[at..at + 32];
         // SAFETY: `s` holds 32 bytes.
@@ -203,7 +193,7 @@ mod vnni {
         // Four lanes (16 values) per scale: lane l takes scale l / 4 of its group of 4.
         let spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let mut acc = [_mm512_setzero_ps(); N];
-        let mut acc_corr = [0f32; N];
+        let mut acc_corr = [_mm256_setzero_ps(); N];
         let n_blocks = ys
             .iter()
             .map(|y| y.len() / Q8K_BLOCK)
@@ -251,21 +241,24 @@ mod vnni {
                     }
                 }
             }
-            for t in 0..N {
-                // SAFETY: the token's Q8_K block `blk` exists (n_blocks bounds it).
-                let y = unsafe { std::slice::from_raw_parts(yp[t].add(yo), Q8K_BLOCK) };
-                let d = dw * f32_at(y, 0);
-                let mut corr = 0i32;
-                for (g, &s) in sc.iter().enumerate() {
-                    corr += s as i8 as i32 * i16_at(y, 260 + 2 * g);
+            // SAFETY: the scales are 16 bytes at 192; each token's Q8_K block `blk`
+            // exists (n_blocks bounds it), its sums at 260..292.
+            unsafe {
+                let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr().cast()));
+                for t in 0..N {
+                    let d = dw * std::ptr::read_unaligned(yp[t].add(yo).cast::<f32>());
+                    acc[t] =
+                        _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum[t]), acc[t]);
+                    // 32 · Σ_g scale_g · (sum of the 16 y in group g) comes off.
+                    let bsums = _mm256_loadu_si256(yp[t].add(yo + 260).cast());
+                    let corr = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, sc16));
+                    acc_corr[t] = _mm256_fmadd_ps(_mm256_set1_ps(32.0 * d), corr, acc_corr[t]);
                 }
-                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum[t]), acc[t]);
-                acc_corr[t] += d * (32 * corr) as f32;
             }
         }
         let mut out = [0f32; N];
         for t in 0..N {
-            out[t] = _mm512_reduce_add_ps(acc[t]) - acc_corr[t];
+            out[t] = _mm512_reduce_add_ps(acc[t]) - hsum256(acc_corr[t]);
         }
         out
     }
