@@ -55,13 +55,22 @@ template <int TY> struct Fmt;
 // Q4_K: a unit is 16 bytes of a block's quants: 16 values of sub-block 2c (low nibbles)
 // and 16 of sub-block 2c+1 (high nibbles); 8 units per 144-byte block.
 template <> struct Fmt<T_Q4_K> {
+    struct Raw {
+        uint4 h, q;
+    };
     static __device__ __forceinline__ int units(int k) { return k / 32; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
-                                                int n, float* acc) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
         const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
         const u8* b = row + (size_t)blk * 144;
-        const uint4 h = *(const uint4*)b;
-        const uint4 q = *(const uint4*)(b + 16 + 32 * c + l0);
+        Raw r;
+        r.h = *(const uint4*)b;
+        r.q = *(const uint4*)(b + 16 + 32 * c + l0);
+        return r;
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
+        const uint4 h = raw.h, q = raw.q;
         const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
         // Scales and minimums of sub-blocks j0 = 2c and j1 = 2c + 1 (6-bit packed).
         const u32 s03 = h.y, s47 = h.z, s811 = h.w;
@@ -123,22 +132,40 @@ template <> struct Fmt<T_Q4_K> {
 // Q6_K: a unit is 8 positions l0..l0+7 of one 128-value half: 32 values in four groups
 // of 8 (each with its own scale); 8 units per 210-byte block (2-byte aligned).
 template <> struct Fmt<T_Q6_K> {
+    struct Raw {
+        u32 qa[2], qb[2], hw[2];
+        int sc[4];
+        u16 d;
+    };
     static __device__ __forceinline__ int units(int k) { return k / 32; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
-                                                int n, float* acc) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
         const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
         const u8* b = row + (size_t)blk * 210;
         const u8* ql = b + 64 * hf + l0;
         const u8* qh = b + 128 + 32 * hf + l0;
         const i8* sc = (const i8*)(b + 192) + 8 * hf + (l0 >> 4);
-        const float d = ld_f16(b + 208);
-        const float s0 = d * (float)sc[0], s1 = d * (float)sc[2], s2 = d * (float)sc[4],
-                    s3 = d * (float)sc[6];
+        Raw r;
+#pragma unroll
+        for (int w = 0; w < 2; w++) {
+            r.qa[w] = ld_u32_a2(ql + 4 * w);
+            r.qb[w] = ld_u32_a2(ql + 32 + 4 * w);
+            r.hw[w] = ld_u32_a2(qh + 4 * w);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) r.sc[j] = sc[2 * j];
+        r.d = *(const u16*)(b + 208);
+        return r;
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
+        const float d = h2f(raw.d);
+        const float s0 = d * (float)raw.sc[0], s1 = d * (float)raw.sc[1],
+                    s2 = d * (float)raw.sc[2], s3 = d * (float)raw.sc[3];
         float g[4][8];
 #pragma unroll
         for (int w = 0; w < 2; w++) {
-            const u32 qa = ld_u32_a2(ql + 4 * w), qb = ld_u32_a2(ql + 32 + 4 * w);
-            const u32 hw = ld_u32_a2(qh + 4 * w);
+            const u32 qa = raw.qa[w], qb = raw.qb[w], hw = raw.hw[w];
             const u32 q0 = (qa & 0x0F0F0F0Fu) | ((hw << 4) & 0x30303030u);
             const u32 q1 = (qb & 0x0F0F0F0Fu) | ((hw << 2) & 0x30303030u);
             const u32 q2 = ((qa >> 4) & 0x0F0F0F0Fu) | (hw & 0x30303030u);
@@ -161,16 +188,28 @@ template <> struct Fmt<T_Q6_K> {
 
 // Q8_0: a unit is half a 34-byte block (16 values).
 template <> struct Fmt<T_Q8_0> {
+    struct Raw {
+        u32 q[4];
+        u16 d;
+    };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
-                                                int n, float* acc) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
         const int blk = u >> 1, hf = u & 1;
         const u8* b = row + (size_t)blk * 34;
-        const float d = ld_f16(b);
+        Raw r;
+        r.d = *(const u16*)b;
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.q[i] = ld_u32_a2(b + 2 + 16 * hf + 4 * i);
+        return r;
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 1, hf = u & 1;
+        const float d = h2f(raw.d);
         float w[16];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const u32 q = ld_u32_a2(b + 2 + 16 * hf + 4 * i) ^ 0x80808080u;
+            const u32 q = raw.q[i] ^ 0x80808080u;
 #pragma unroll
             for (int j = 0; j < 4; j++) w[4 * i + j] = byte_f(q, j, MAGIC_128);
         }
@@ -181,16 +220,28 @@ template <> struct Fmt<T_Q8_0> {
 // Q4_0: a unit is 8 quant bytes of an 18-byte block: values 8h..8h+7 (low nibbles) and
 // 16+8h..16+8h+7 (high nibbles).
 template <> struct Fmt<T_Q4_0> {
+    struct Raw {
+        u32 q[2];
+        u16 d;
+    };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
-                                                int n, float* acc) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
         const int blk = u >> 1, hf = u & 1;
         const u8* b = row + (size_t)blk * 18;
-        const float d = ld_f16(b);
+        Raw r;
+        r.d = *(const u16*)b;
+#pragma unroll
+        for (int i = 0; i < 2; i++) r.q[i] = ld_u32_a2(b + 2 + 8 * hf + 4 * i);
+        return r;
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 1, hf = u & 1;
+        const float d = h2f(raw.d);
         float lo[8], hi[8];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const u32 q = ld_u32_a2(b + 2 + 8 * hf + 4 * i);
+            const u32 q = raw.q[i];
             const u32 l = q & 0x0F0F0F0Fu, h = (q >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
@@ -206,17 +257,30 @@ template <> struct Fmt<T_Q4_0> {
 
 // Q5_0: as Q4_0, with the fifth bits from the block's 32-bit qh.
 template <> struct Fmt<T_Q5_0> {
+    struct Raw {
+        u32 q[2], qh;
+        u16 d;
+    };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
-                                                int n, float* acc) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
         const int blk = u >> 1, hf = u & 1;
         const u8* b = row + (size_t)blk * 22;
-        const float d = ld_f16(b);
-        const u32 qh = ld_u32_a2(b + 2);
+        Raw r;
+        r.d = *(const u16*)b;
+        r.qh = ld_u32_a2(b + 2);
+#pragma unroll
+        for (int i = 0; i < 2; i++) r.q[i] = ld_u32_a2(b + 6 + 8 * hf + 4 * i);
+        return r;
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
+                                                int n, float* acc) {
+        const int blk = u >> 1, hf = u & 1;
+        const float d = h2f(raw.d);
+        const u32 qh = raw.qh;
         float lo[8], hi[8];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const u32 q = ld_u32_a2(b + 6 + 8 * hf + 4 * i);
+            const u32 q = raw.q[i];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const int e = 8 * hf + 4 * i + j;
@@ -235,10 +299,14 @@ template <> struct Fmt<T_Q5_0> {
 
 // F16 / BF16: a unit is 16 bytes (8 values); F32: 16 bytes (4 values).
 template <> struct Fmt<T_F16> {
+    typedef uint4 Raw;
     static __device__ __forceinline__ int units(int k) { return k / 8; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+        return *(const uint4*)(row + (size_t)u * 16);
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
                                                 int n, float* acc) {
-        const uint4 q = *(const uint4*)(row + (size_t)u * 16);
+        const uint4 q = raw;
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
         float w[8];
 #pragma unroll
@@ -251,10 +319,14 @@ template <> struct Fmt<T_F16> {
 };
 
 template <> struct Fmt<T_BF16> {
+    typedef uint4 Raw;
     static __device__ __forceinline__ int units(int k) { return k / 8; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+        return *(const uint4*)(row + (size_t)u * 16);
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
                                                 int n, float* acc) {
-        const uint4 q = *(const uint4*)(row + (size_t)u * 16);
+        const uint4 q = raw;
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
         float w[8];
 #pragma unroll
@@ -267,22 +339,72 @@ template <> struct Fmt<T_BF16> {
 };
 
 template <> struct Fmt<T_F32> {
+    typedef float4 Raw;
     static __device__ __forceinline__ int units(int k) { return k / 4; }
-    static __device__ __forceinline__ void unit(const u8* row, int u, const float* x, int k,
+    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+        return *(const float4*)(row + (size_t)u * 16);
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
                                                 int n, float* acc) {
-        const float4 q = *(const float4*)(row + (size_t)u * 16);
+        const float4 q = raw;
         const float w[4] = {q.x, q.y, q.z, q.w};
         dot_tokens<4>(w, x + u * 4, k, n, 1.0f, acc);
     }
 };
 
-// This lane's share of the dot products of one row with the n tokens of x.
+// This lane's share of the dot products of one row with the n tokens of x. Two units'
+// loads are issued before either is expanded, so more bytes are in flight per lane.
 template <int TY>
 __device__ __forceinline__ void row_dot(const u8* row, const float* x, int k, int n, int li,
                                         int nl, float* acc) {
-    const int units = Fmt<TY>::units(k);
-#pragma unroll 2
-    for (int u = li; u < units; u += nl) Fmt<TY>::unit(row, u, x, k, n, acc);
+    typedef Fmt<TY> F;
+    const int units = F::units(k);
+    for (int u = li; u < units; u += 2 * nl) {
+        const bool two = u + nl < units;
+        const typename F::Raw a = F::load(row, u);
+        typename F::Raw b;
+        if (two) b = F::load(row, u + nl);
+        F::calc(a, u, x, k, n, acc);
+        if (two) F::calc(b, u + nl, x, k, n, acc);
+    }
+}
+
+// The same for two rows of one format (gate and up): all four units' loads first.
+template <int TY>
+__device__ __forceinline__ void row_dot2(const u8* r0, const u8* r1, const float* x, int k,
+                                         int n, int li, int nl, float* acc0, float* acc1) {
+    typedef Fmt<TY> F;
+    const int units = F::units(k);
+    for (int u = li; u < units; u += 2 * nl) {
+        const bool two = u + nl < units;
+        const typename F::Raw a0 = F::load(r0, u);
+        const typename F::Raw a1 = F::load(r1, u);
+        typename F::Raw b0, b1;
+        if (two) {
+            b0 = F::load(r0, u + nl);
+            b1 = F::load(r1, u + nl);
+        }
+        F::calc(a0, u, x, k, n, acc0);
+        F::calc(a1, u, x, k, n, acc1);
+        if (two) {
+            F::calc(b0, u + nl, x, k, n, acc0);
+            F::calc(b1, u + nl, x, k, n, acc1);
+        }
+    }
+}
+
+// Returns false for a format row_dot2 does not cover.
+__device__ __forceinline__ bool row_dot2_any(int ty, const u8* r0, const u8* r1, const float* x,
+                                             int k, int n, int li, int nl, float* acc0,
+                                             float* acc1) {
+    switch (ty) {
+    case T_Q4_K: row_dot2<T_Q4_K>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_Q6_K: row_dot2<T_Q6_K>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_Q8_0: row_dot2<T_Q8_0>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_Q4_0: row_dot2<T_Q4_0>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_F16: row_dot2<T_F16>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    default: return false;
+    }
 }
 
 __device__ __forceinline__ void row_dot_any(int ty, const u8* row, const float* x, int k, int n,
@@ -302,10 +424,11 @@ __device__ __forceinline__ void row_dot_any(int ty, const u8* row, const float* 
 
 // Sums acc over the warps of a row (wpr of them); the result is valid in the row's first
 // warp. `red` holds GV_THREADS/32 × GV_MAX_T floats.
-__device__ __forceinline__ void row_reduce(float* acc, int wpr, float* red) {
+__device__ __forceinline__ void row_reduce(float* acc, int n, int wpr, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int t = 0; t < GV_MAX_T; t++) acc[t] = warp_sum(acc[t]);
+    for (int t = 0; t < GV_MAX_T; t++)
+        if (t < n) acc[t] = warp_sum(acc[t]);
     if (wpr == 1) return;
     if (lane == 0)
 #pragma unroll
@@ -328,12 +451,13 @@ __device__ __forceinline__ float gv_act(float g, int act) {
 // rows0 rows (gate, up) and out0[t][r] = act(gate·x) * (up·x), act 0 = SiLU, 1 = GELU.
 // Each block has GV_THREADS threads and handles rpb rows (1, 2 or 4), 4/rpb warps per row.
 // out rows have ld_s floats.
-extern "C" __global__ void __launch_bounds__(GV_THREADS)
-gemv(const float* x, int k, int n, int rpb, int total, int gated, int act,
+// The body of gemv and gemv1 (inlined: with n a constant 1 the per-token arrays shrink to
+// one register each, so the single-token kernel runs at a higher occupancy).
+__device__ __forceinline__ void
+gemv_body(const float* x, int k, int n, int rpb, int total, int gated, int act,
      const u8* w0, long long rb0, int ty0, int rows0, float* out0, int ld0, const float* bias0,
      const u8* w1, long long rb1, int ty1, int rows1, float* out1, int ld1, const float* bias1,
-     const u8* w2, long long rb2, int ty2, float* out2, int ld2, const float* bias2) {
-    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+     const u8* w2, long long rb2, int ty2, float* out2, int ld2, const float* bias2, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wpr = (GV_THREADS / 32) / rpb;
     const int r = blockIdx.x * rpb + warp / wpr;
@@ -358,26 +482,54 @@ gemv(const float* x, int k, int n, int rpb, int total, int gated, int act,
     float acc[GV_MAX_T];
 #pragma unroll
     for (int t = 0; t < GV_MAX_T; t++) acc[t] = 0.0f;
-    if (active) row_dot_any(ty, w + (size_t)lr * rb, x, k, n, li, nl, acc);
-    row_reduce(acc, wpr, red);
-
     if (gated) {
         float up[GV_MAX_T];
 #pragma unroll
         for (int t = 0; t < GV_MAX_T; t++) up[t] = 0.0f;
-        if (active) row_dot_any(ty1, w1 + (size_t)r * rb1, x, k, n, li, nl, up);
+        if (active) {
+            const u8* rg = w0 + (size_t)r * rb0;
+            const u8* ru = w1 + (size_t)r * rb1;
+            if (ty0 != ty1 || !row_dot2_any(ty0, rg, ru, x, k, n, li, nl, acc, up)) {
+                row_dot_any(ty0, rg, x, k, n, li, nl, acc);
+                row_dot_any(ty1, ru, x, k, n, li, nl, up);
+            }
+        }
+        row_reduce(acc, n, wpr, red);
         if (wpr > 1) __syncthreads();  // red is reused
-        row_reduce(up, wpr, red);
+        row_reduce(up, n, wpr, red);
         if (active && li == 0)
 #pragma unroll
             for (int t = 0; t < GV_MAX_T; t++)
                 if (t < n) out0[(size_t)t * ld0 + r] = gv_act(acc[t], act) * up[t];
         return;
     }
+    if (active) row_dot_any(ty, w + (size_t)lr * rb, x, k, n, li, nl, acc);
+    row_reduce(acc, n, wpr, red);
     if (active && li == 0) {
         const float b = bias ? bias[lr] : 0.0f;
 #pragma unroll
         for (int t = 0; t < GV_MAX_T; t++)
             if (t < n) out[(size_t)t * ld + lr] = acc[t] + b;
     }
+}
+
+#define GEMV_PARAMS                                                                            \
+    const float *x, int k, int n, int rpb, int total, int gated, int act, const u8 *w0,         \
+        long long rb0, int ty0, int rows0, float *out0, int ld0, const float *bias0,            \
+        const u8 *w1, long long rb1, int ty1, int rows1, float *out1, int ld1,                  \
+        const float *bias1, const u8 *w2, long long rb2, int ty2, float *out2, int ld2,         \
+        const float *bias2
+
+// Up to GV_MAX_T tokens.
+extern "C" __global__ void __launch_bounds__(GV_THREADS) gemv(GEMV_PARAMS) {
+    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+    gemv_body(x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
+              ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
+}
+
+// Exactly one token (decode of one sequence); `n` is ignored.
+extern "C" __global__ void __launch_bounds__(GV_THREADS, 8) gemv1(GEMV_PARAMS) {
+    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+    gemv_body(x, k, 1, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
+              ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
 }

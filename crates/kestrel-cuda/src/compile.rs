@@ -22,6 +22,7 @@ pub const KERNELS: &[&str] = &[
     "embed",
     "matmul",
     "gemv",
+    "gemv1",
     "scale_f32",
     "add_f32",
     "add_bias",
@@ -30,6 +31,8 @@ pub const KERNELS: &[&str] = &[
     "rope",
     "store_kv",
     "attention",
+    "attention_split",
+    "attention_combine",
     "gather_rows",
 ];
 

@@ -69,6 +69,8 @@ pub fn device_count() -> anyhow::Result<usize> {
 pub const GRAPH_MAX_TOKENS: usize = 8;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
+/// Most key ranges the decode attention splits a (token, head) into.
+const MAX_ATTN_SPLITS: usize = 64;
 /// Graphs kept (one per distinct launch list, e.g. per batch size).
 const MAX_GRAPHS: usize = 8;
 
@@ -122,6 +124,24 @@ struct Recorder {
     captures: u64,
 }
 
+/// Launches bracketed by timing events, and the totals per (kernel, grid).
+/// A (kernel, grid) pair the profiler totals by.
+type KernelKey = (usize, (u32, u32, u32));
+
+/// A launch bracketed by two timing events.
+type TimedLaunch = (
+    KernelKey,
+    cudarc::driver::CudaEvent,
+    cudarc::driver::CudaEvent,
+);
+
+#[derive(Default)]
+struct Profiler {
+    pending: Vec<TimedLaunch>,
+    /// Milliseconds and calls per (kernel, grid).
+    totals: HashMap<KernelKey, (f64, u64)>,
+}
+
 /// One matrix of a GEMV launch.
 struct GemvSeg {
     ptr: u64,
@@ -162,6 +182,8 @@ pub struct CudaBackend {
     recorder: Mutex<Recorder>,
     /// Whether decode steps are captured and replayed as graphs.
     graphs: std::sync::atomic::AtomicBool,
+    /// Per-kernel timing (`KESTREL_CUDA_PROFILE=1`; turns graphs off), printed on drop.
+    profile: Option<Mutex<Profiler>>,
     /// Steps replayed from a graph so far (shared: see [`CudaBackend::replay_counter`]).
     replays: Arc<std::sync::atomic::AtomicU64>,
     device_name: String,
@@ -221,6 +243,11 @@ pub struct CudaCache {
 pub struct CudaStep {
     buf: CudaSlice<u32>,
     ptr: u64,
+    /// Partial results of the split decode attention: room for [`GEMV_MAX_TOKENS`] tokens ×
+    /// `n_head` heads × [`MAX_ATTN_SPLITS`] splits × (head_dim + 2) floats.
+    _attn_part: CudaSlice<f32>,
+    attn_part_ptr: u64,
+    attn_part_len: usize,
     max_tokens: usize,
     table_capacity: usize,
     host: Vec<u32>,
@@ -290,7 +317,8 @@ impl CudaBackend {
             func_index.insert(name, funcs.len());
             funcs.push(f);
         }
-        let graphs = std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let profile = std::env::var("KESTREL_CUDA_PROFILE").is_ok_and(|v| v == "1");
+        let graphs = !profile && std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             ctx,
             stream,
@@ -299,6 +327,7 @@ impl CudaBackend {
             recorder: Mutex::new(Recorder::default()),
             graphs: std::sync::atomic::AtomicBool::new(graphs),
             replays: Arc::default(),
+            profile: profile.then(|| Mutex::new(Profiler::default())),
             device_name,
             arch,
             origin,
@@ -403,6 +432,41 @@ impl CudaBackend {
     }
 
     fn launch_now(&self, l: &Launch) {
+        let timing = self.profile.as_ref().and_then(|_| {
+            let ev = || {
+                self.ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .ok()
+            };
+            let (a, b) = (ev()?, ev()?);
+            a.record(&self.stream).ok()?;
+            Some((a, b))
+        });
+        self.launch_raw(l);
+        if let (Some(p), Some((a, b))) = (&self.profile, timing)
+            && b.record(&self.stream).is_ok()
+        {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            p.pending.push(((l.func, l.grid), a, b));
+        }
+    }
+
+    /// Drains the profiler's finished launches into its totals (after a synchronize).
+    fn profile_collect(&self) {
+        if let Some(p) = &self.profile {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = std::mem::take(&mut p.pending);
+            for (key, a, b) in pending {
+                if let Ok(ms) = a.elapsed_ms(&b) {
+                    let e = p.totals.entry(key).or_default();
+                    e.0 += ms as f64;
+                    e.1 += 1;
+                }
+            }
+        }
+    }
+
+    fn launch_raw(&self, l: &Launch) {
         let mut b = self.stream.launch_builder(&self.funcs[l.func]);
         for a in &l.args {
             match a {
@@ -496,6 +560,7 @@ impl CudaBackend {
     pub fn check(&self) -> anyhow::Result<()> {
         self.flush();
         let sync = self.stream.synchronize();
+        self.profile_collect();
         if let Some(msg) = self.lock_error().take() {
             bail!("CUDA: {msg}");
         }
@@ -633,7 +698,8 @@ impl CudaBackend {
             args.push(Arg::I(s.ld as i32));
             args.push(Arg::P(s.bias));
         }
-        self.launch("gemv", grid_1d(total, rpb), 128, &args);
+        let kernel = if n == 1 { "gemv1" } else { "gemv" };
+        self.launch(kernel, grid_1d(total, rpb), 128, &args);
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -760,9 +826,16 @@ impl kestrel_model::Backend for CudaBackend {
         let table_capacity = config.context_length.div_ceil(16).max(64);
         let buf = self.alloc::<u32>(6 * max_tokens + table_capacity, "the step inputs")?;
         let ptr = self.ptr(&buf);
+        let attn_part_len =
+            GEMV_MAX_TOKENS * config.n_head * MAX_ATTN_SPLITS * (config.head_dim + 2);
+        let attn_part = self.alloc::<f32>(attn_part_len, "the attention partials")?;
+        let attn_part_ptr = self.ptr(&attn_part);
         Ok(CudaStep {
             buf,
             ptr,
+            _attn_part: attn_part,
+            attn_part_ptr,
+            attn_part_len,
             max_tokens,
             table_capacity,
             host: Vec::new(),
@@ -1096,6 +1169,50 @@ impl kestrel_model::Backend for CudaBackend {
             return;
         }
         let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        // Decode: split each (token, head) across key ranges, sized so that a full cache
+        // gives each block ~16 keys; the split count depends only on the cache size, so a
+        // captured graph serves every position.
+        let splits = (cache.n_blocks * cache.block_size)
+            .div_ceil(16)
+            .clamp(1, MAX_ATTN_SPLITS);
+        let part_len = n * p.n_head * splits * (p.head_dim + 2);
+        if n <= GEMV_MAX_TOKENS && splits > 1 && part_len <= step.attn_part_len {
+            self.launch(
+                "attention_split",
+                (n as u32, p.n_head as u32, splits as u32),
+                128,
+                &[
+                    Arg::P(q.ptr),
+                    Arg::P(cache.k_ptr[p.layer]),
+                    Arg::P(cache.v_ptr[p.layer]),
+                    Arg::P(step.attn_part_ptr),
+                    Arg::P(step.positions()),
+                    Arg::P(step.seq_of()),
+                    Arg::P(step.table_off()),
+                    Arg::P(step.tables()),
+                    Arg::I(cache.block_size as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::F(p.scale),
+                    Arg::I(window),
+                    Arg::I(splits as i32),
+                ],
+            );
+            self.launch(
+                "attention_combine",
+                (n as u32, p.n_head as u32, 1),
+                128,
+                &[
+                    Arg::P(step.attn_part_ptr),
+                    Arg::P(out.ptr),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::I(splits as i32),
+                ],
+            );
+            return;
+        }
         self.launch(
             "attention",
             (n as u32, p.n_head as u32, 1),
@@ -1255,6 +1372,36 @@ impl CudaWeight {
                 debug_assert_eq!(buf.len(), *len);
                 len * 4
             }
+        }
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let Some(p) = &self.profile else {
+            return;
+        };
+        let _ = self.stream.synchronize();
+        self.profile_collect();
+        let p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rows: Vec<_> = p.totals.iter().collect();
+        rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        let all: f64 = rows.iter().map(|r| r.1.0).sum();
+        eprintln!("kernel profile (KESTREL_CUDA_PROFILE=1): {all:.2} ms in kernels");
+        eprintln!(
+            "{:<20} {:>18} {:>8} {:>10} {:>9} {:>6}",
+            "kernel", "grid", "calls", "total ms", "avg µs", "share"
+        );
+        for ((func, grid), (ms, calls)) in rows.into_iter().take(40) {
+            eprintln!(
+                "{:<20} {:>18} {:>8} {:>10.3} {:>9.2} {:>5.1}%",
+                compile::KERNELS[*func],
+                format!("{}x{}x{}", grid.0, grid.1, grid.2),
+                calls,
+                ms,
+                ms * 1e3 / *calls as f64,
+                100.0 * ms / all.max(1e-12)
+            );
         }
     }
 }

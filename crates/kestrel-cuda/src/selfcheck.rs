@@ -338,7 +338,8 @@ pub fn compare_gemv(
 }
 
 /// Random GEMV cases for one type: awkward row counts, several row lengths (short rows
-/// take the one-warp-per-row path, long ones the four-warps path) and 1..=8 tokens.
+/// take the one-warp-per-row path, long ones the four-warps path) and 1..=8 tokens (1 in
+/// the first two).
 pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
@@ -348,9 +349,15 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     };
     [1usize, 3, 6, 11, 35]
         .iter()
-        .map(|&blocks| {
+        .enumerate()
+        .map(|(i, &blocks)| {
             let rows = rng.random_range(1..300);
-            let n = rng.random_range(1..=crate::GEMV_MAX_TOKENS);
+            // Single-token steps have their own kernel: always cover them.
+            let n = if i < 2 {
+                1
+            } else {
+                rng.random_range(1..=crate::GEMV_MAX_TOKENS)
+            };
             (rows, blocks * unit, n, rng.random())
         })
         .collect()
