@@ -81,27 +81,6 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
     debug_assert_eq!(x.cols, k);
     let row_bytes = ty.bytes_for(k as u64).unwrap_or(0) as usize;
     let x = &x.data[..n * k];
-    // EXPERIMENT: emulate llama.cpp's 8-bit activation rounding.
-    let xq: Vec<f32>;
-    let x = if std::env::var_os("KESTREL_EMULATE_Q8").is_some() {
-        use kestrel_gguf::GgmlType as T;
-        let vt = match ty {
-            T::Q4_0 | T::Q5_0 | T::Q8_0 => Some(T::Q8_0),
-            T::Q4_1 | T::Q5_1 => Some(T::Q8_1),
-            T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K => Some(T::Q8K),
-            _ => None,
-        };
-        match vt {
-            Some(vt) => {
-                let q = kestrel_quant::quantize(vt, x, k).unwrap();
-                xq = kestrel_quant::dequantize(vt, &q).unwrap();
-                &xq[..]
-            }
-            None => x,
-        }
-    } else {
-        x
-    };
     if be.kernels == Kernels::Scalar {
         for i in 0..n {
             let xi = &x[i * k..(i + 1) * k];

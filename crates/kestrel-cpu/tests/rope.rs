@@ -79,7 +79,11 @@ fn neox_and_normal_layouts_rotate_the_same_pairs() {
 fn linear_scaling_divides_positions() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
     let x: Vec<f32> = (0..64).map(|_| rng.random_range(-1.0..1.0)).collect();
-    let scaled = rotate(&params(true, 64, RopeScaling::Linear { factor: 4.0 }), &x, 40);
+    let scaled = rotate(
+        &params(true, 64, RopeScaling::Linear { factor: 4.0 }),
+        &x,
+        40,
+    );
     let plain = rotate(&params(true, 64, RopeScaling::None), &x, 10);
     for (a, b) in scaled.iter().zip(&plain) {
         assert!((a - b).abs() < 1e-4, "{a} vs {b}");
