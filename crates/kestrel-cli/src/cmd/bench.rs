@@ -9,7 +9,7 @@ use kestrel_gguf::GgufFile;
 use kestrel_model::Backend;
 use serde::Serialize;
 
-use super::common::{ModelArgs, load_engine};
+use super::common::{AnyEngine, ModelArgs, load_any_engine, with_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -167,24 +167,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     model_args.batch = model_args
         .batch
         .max(args.n_prompt.iter().copied().max().unwrap_or(1));
-    let (mut engine, file) = load_engine(&model_args, 1)?;
+    let (mut engine, file) = load_any_engine(&model_args, 1)?;
     let sizes = model_sizes(&file);
     let threads = rayon::current_num_threads();
-    let backend = engine.backend.name();
-    // The backend name says which kernels run, e.g. "cpu (avx512, 2 threads)".
-    let kernels = backend
-        .strip_prefix("cpu (")
-        .and_then(|s| s.rsplit_once(", "))
-        .map_or_else(
-            || engine.backend.isa().name().to_string(),
-            |(k, _)| k.to_string(),
-        );
+    // e.g. "cpu (avx512, 2 threads)" or "cuda (NVIDIA H100 80GB HBM3, sm_90)".
+    let backend = with_engine!(&engine, e => e.backend.name());
+    let backends = match engine {
+        AnyEngine::Cpu(_) => "CPU",
+        AnyEngine::Cuda(_) => "CUDA",
+    };
+    let arch = with_engine!(&engine, e => e.config().arch.name());
     let filename = kestrel_hub::resolve_model(&args.model.model)?
         .display()
         .to_string();
     let model_type = format!(
         "{} {}",
-        engine.config().arch.name(),
+        arch,
         file.get_str("general.size_label").unwrap_or("")
     )
     .trim()
@@ -199,10 +197,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("|---|---:|---:|---|---:|---|---:|---:|---:|");
     }
     for &(n_prompt, n_gen) in &tests {
-        run_once(&mut engine, &mut ids, n_prompt, n_gen)?; // warm-up
+        with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen))?; // warm-up
         let mut secs = Vec::with_capacity(args.repetitions);
         for _ in 0..args.repetitions {
-            secs.push(run_once(&mut engine, &mut ids, n_prompt, n_gen)?);
+            secs.push(with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen))?);
         }
         let tokens = (n_prompt + n_gen) as f64;
         let ts: Vec<f64> = secs.iter().map(|s| tokens / s).collect();
@@ -213,7 +211,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             model_type: model_type.clone(),
             model_size: sizes.size,
             model_n_params: sizes.n_params,
-            backends: "CPU".into(),
+            backends: backends.into(),
             n_threads: threads,
             n_prompt,
             n_gen,
@@ -232,11 +230,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 format!("tg{n_gen}")
             };
             println!(
-                "| {} | {:.2} MiB | {:.2} M | CPU ({}) | {} | {} | {:.2} ± {:.2} | {:.1} MiB | {} |",
+                "| {} | {:.2} MiB | {:.2} M | {} | {} | {} | {:.2} ± {:.2} | {:.1} MiB | {} |",
                 r.model_type,
                 r.model_size as f64 / (1024.0 * 1024.0),
                 r.model_n_params as f64 / 1e6,
-                kernels,
+                backend,
                 threads,
                 test,
                 avg,
