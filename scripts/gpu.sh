@@ -6,6 +6,8 @@
 #   scripts/gpu.sh remote    the command to run on the GPU host, from the repository root
 #                            (self-check, then a smoke benchmark on a synthetic Qwen2.5-1.5B)
 #   scripts/gpu.sh run-here  run that command on this machine (the GPU host itself)
+#   scripts/gpu.sh bench     on the GPU host: the peer-table benchmarks (synthetic models of
+#                            llama.cpp's shapes, `kestrel bench --device cuda -p 512 -n 128`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,6 +37,20 @@ build)
     remote_cmd
     ;;
 remote) remote_cmd ;;
+bench)
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+    out=${OUT:-/tmp}
+    for spec in "qwen2 qwen2.5-1.5b q4_k_m" "llama llama3-8b q4_k_m" "llama llama3-8b q4_0" \
+        "llama llama3-8b q8_0" "llama llama3-8b f16"; do
+        set -- $spec
+        f=/tmp/$2-$3.gguf
+        [ -f "$f" ] || .gpu/kestrel synth --arch "$1" --preset "$2" --type "$3" -o "$f" >/dev/null
+        .gpu/kestrel bench -m "$f" --device cuda -p 512 -n 128 -r 3 --json > "$out/bench-$2-$3.json"
+        echo "$2 $3: $(grep -E '"(n_prompt|n_gen|avg_ts|stddev_ts|achieved_gb_s)"' "$out/bench-$2-$3.json" | tr -d ' \n')"
+        rm -f "$f"
+    done
+    ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
     echo "usage: $0 [build|remote|run-here]" >&2
