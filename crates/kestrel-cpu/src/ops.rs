@@ -1,7 +1,7 @@
 //! The CPU implementations of the backend operations.
 
 use half::f16;
-use kestrel_model::{Activation, AttnParams, Batch, RopeParams, RopeScaling};
+use kestrel_model::{Activation, AttnParams, Batch, RopeParams};
 use rayon::prelude::*;
 
 use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
@@ -293,42 +293,21 @@ fn matmul_q8(
 /// the angle advanced by repeated multiplication).
 fn rope_cache(rope: &RopeParams, pos: u32, cache: &mut Vec<(f32, f32)>) {
     let n_rot = rope.n_rot;
-    let theta_scale = rope.base.powf(-2.0 / n_rot as f32);
-    let freq_scale = rope.freq_scale();
-    let (ext_factor, attn_factor, corr) = match rope.scaling {
-        RopeScaling::Yarn {
-            orig_ctx,
-            ext_factor,
-            attn_factor,
-            beta_fast,
-            beta_slow,
-            ..
-        } => {
-            let corr_dim = |n_rotations: f32| {
-                n_rot as f32 * (orig_ctx as f32 / (n_rotations * 2.0 * std::f32::consts::PI)).ln()
-                    / (2.0 * rope.base.ln())
-            };
-            let lo = corr_dim(beta_fast).floor().max(0.0);
-            let hi = corr_dim(beta_slow).ceil().min(n_rot as f32 - 1.0);
-            (ext_factor, attn_factor, (lo, hi))
-        }
-        _ => (0.0, 1.0, (0.0, 0.0)),
-    };
+    let c = rope.constants();
     cache.clear();
     let mut theta_extrap = pos as f32;
     for i in 0..n_rot / 2 {
         let factor = rope.freq_factors.as_ref().map_or(1.0, |f| f[i]);
         let extrap = theta_extrap / factor;
-        let interp = freq_scale * extrap;
-        let (mut theta, mut mscale) = (interp, attn_factor);
-        if ext_factor != 0.0 {
-            let y = (i as f32 - corr.0) / (corr.1 - corr.0).max(0.001);
-            let ramp = (1.0 - y.clamp(0.0, 1.0)) * ext_factor;
+        let interp = c.freq_scale * extrap;
+        let mut theta = interp;
+        if c.ext_factor != 0.0 {
+            let y = (i as f32 - c.corr_lo) / (c.corr_hi - c.corr_lo).max(0.001);
+            let ramp = (1.0 - y.clamp(0.0, 1.0)) * c.ext_factor;
             theta = interp * (1.0 - ramp) + extrap * ramp;
-            mscale *= 1.0 + 0.1 * (1.0 / freq_scale).ln();
         }
-        cache.push((theta.cos() * mscale, theta.sin() * mscale));
-        theta_extrap *= theta_scale;
+        cache.push((theta.cos() * c.mscale, theta.sin() * c.mscale));
+        theta_extrap *= c.theta_scale;
     }
 }
 

@@ -29,9 +29,7 @@ use cudarc::driver::{
     PushKernelArg, sys,
 };
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
-use kestrel_model::{
-    Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams, RopeScaling,
-};
+use kestrel_model::{Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams};
 
 pub use compile::Origin;
 
@@ -1058,32 +1056,7 @@ impl kestrel_model::Backend for CudaBackend {
         n: usize,
     ) {
         let n_rot = rope.n_rot;
-        let theta_scale = rope.base.powf(-2.0 / n_rot as f32);
-        let freq_scale = rope.freq_scale();
-        // YaRN's ramp, computed as the CPU backend does.
-        let (ext_factor, mut mscale, corr) = match rope.scaling {
-            RopeScaling::Yarn {
-                orig_ctx,
-                ext_factor,
-                attn_factor,
-                beta_fast,
-                beta_slow,
-                ..
-            } => {
-                let corr_dim = |n_rotations: f32| {
-                    n_rot as f32
-                        * (orig_ctx as f32 / (n_rotations * 2.0 * std::f32::consts::PI)).ln()
-                        / (2.0 * rope.base.ln())
-                };
-                let lo = corr_dim(beta_fast).floor().max(0.0);
-                let hi = corr_dim(beta_slow).ceil().min(n_rot as f32 - 1.0);
-                (ext_factor, attn_factor, (lo, hi))
-            }
-            _ => (0.0, 1.0, (0.0, 0.0)),
-        };
-        if ext_factor != 0.0 {
-            mscale *= 1.0 + 0.1 * (1.0 / freq_scale).ln();
-        }
+        let c = rope.constants();
         let factors = match &rope.freq_factors {
             Some(f) => match self.freq_factors_ptr(f) {
                 Some(p) => p,
@@ -1102,12 +1075,12 @@ impl kestrel_model::Backend for CudaBackend {
                 Arg::I(head_dim as i32),
                 Arg::I(n_rot as i32),
                 Arg::I(rope.neox as i32),
-                Arg::F(theta_scale),
-                Arg::F(freq_scale),
-                Arg::F(ext_factor),
-                Arg::F(mscale),
-                Arg::F(corr.0),
-                Arg::F(corr.1),
+                Arg::F(c.theta_scale),
+                Arg::F(c.freq_scale),
+                Arg::F(c.ext_factor),
+                Arg::F(c.mscale),
+                Arg::F(c.corr_lo),
+                Arg::F(c.corr_hi),
                 Arg::P(factors),
             ],
         );

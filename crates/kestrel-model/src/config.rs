@@ -77,12 +77,63 @@ pub struct RopeParams {
     pub freq_factors: Option<Arc<[f32]>>,
 }
 
+/// The constants of ggml's RoPE (`rope_yarn`) for one layer, shared by every backend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConstants {
+    /// `base^(-2 / n_rot)`: pair i turns by `pos * theta_scale^i`.
+    pub theta_scale: f32,
+    /// 1 / linear factor.
+    pub freq_scale: f32,
+    /// YaRN's extrapolation mix (0 = plain interpolation).
+    pub ext_factor: f32,
+    /// Scale of cos and sin (YaRN's attention factor with its log correction).
+    pub mscale: f32,
+    /// YaRN's correction dimensions: the ramp runs from pair `corr_lo` to `corr_hi`.
+    pub corr_lo: f32,
+    pub corr_hi: f32,
+}
+
 impl RopeParams {
     /// `freq_scale` of ggml's rope (1 / linear factor).
     pub fn freq_scale(&self) -> f32 {
         match self.scaling {
             RopeScaling::None => 1.0,
             RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } => 1.0 / factor,
+        }
+    }
+
+    pub fn constants(&self) -> RopeConstants {
+        let n_rot = self.n_rot as f32;
+        let freq_scale = self.freq_scale();
+        let (ext_factor, mut mscale, corr_lo, corr_hi) = match self.scaling {
+            RopeScaling::Yarn {
+                orig_ctx,
+                ext_factor,
+                attn_factor,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
+                let corr_dim = |n_rotations: f32| {
+                    n_rot * (orig_ctx as f32 / (n_rotations * 2.0 * std::f32::consts::PI)).ln()
+                        / (2.0 * self.base.ln())
+                };
+                let lo = corr_dim(beta_fast).floor().max(0.0);
+                let hi = corr_dim(beta_slow).ceil().min(n_rot - 1.0);
+                (ext_factor, attn_factor, lo, hi)
+            }
+            _ => (0.0, 1.0, 0.0, 0.0),
+        };
+        if ext_factor != 0.0 {
+            mscale *= 1.0 + 0.1 * (1.0 / freq_scale).ln();
+        }
+        RopeConstants {
+            theta_scale: self.base.powf(-2.0 / n_rot),
+            freq_scale,
+            ext_factor,
+            mscale,
+            corr_lo,
+            corr_hi,
         }
     }
 }

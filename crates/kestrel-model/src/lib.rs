@@ -9,7 +9,7 @@ pub mod weights;
 
 pub use backend::{AttnParams, Backend};
 pub use batch::{Batch, SeqSlot};
-pub use config::{Activation, Arch, ModelConfig, RopeParams, RopeScaling};
+pub use config::{Activation, Arch, ModelConfig, RopeConstants, RopeParams, RopeScaling};
 pub use forward::{Model, Scratch};
 pub use weights::{LayerWeights, ModelWeights};
 
