@@ -21,7 +21,9 @@
 //! depend on every earlier token). A new sequence whose prompt starts with the same whole
 //! blocks shares them ([`BlockManager::share`]) instead of recomputing them. The table holds
 //! one reference of its own on each entry, so a cached block outlives the sequences that used
-//! it until memory is needed.
+//! it until memory is needed. The hash only finds a candidate: each entry keeps its block's
+//! token ids and the id of its parent entry, and a hit requires both to match, so a hash
+//! collision can never hand a sequence blocks computed from other tokens.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
@@ -274,8 +276,8 @@ struct Seq {
     prompt_len: usize,
     n_cached: usize,
     block_table: Vec<u32>,
-    /// Leading blocks of `block_table` entered in the prefix cache, with their chain hashes.
-    shared_hashes: Vec<u64>,
+    /// Leading blocks of `block_table` entered in the prefix cache, as links to their entries.
+    shared: Vec<Link>,
     /// A block could not be entered (another sequence entered the same prefix first): the
     /// blocks after it are not entered either, keeping the shared blocks a prefix.
     sharing_stopped: bool,
@@ -287,13 +289,139 @@ struct Seq {
     sink: Box<dyn TokenSink>,
 }
 
+/// Names one prefix-cache entry: its table key and its id (ids are never reused, so a link
+/// to an evicted entry never matches a newer one stored under the same key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Link {
+    key: u64,
+    id: u64,
+}
+
+/// The parent of a sequence's first block.
+const ROOT: Link = Link { key: 0, id: 0 };
+
 struct CacheEntry {
     block: u32,
+    id: u64,
+    /// Id of the entry for the block before this one ([`ROOT`]'s for a first block).
+    parent: u64,
+    /// The block's token ids, compared on lookup so a hash collision is not a hit.
+    tokens: Box<[u32]>,
     /// Running sequences holding this block.
     users: u32,
     last_used: u64,
     /// Block index in its sequence (deeper blocks are evicted first among equally old).
     depth: usize,
+}
+
+/// Table of cached full blocks keyed by chained hash, verified by token ids on lookup.
+struct PrefixCache {
+    entries: HashMap<u64, CacheEntry>,
+    /// Entries no running sequence holds (evictable).
+    idle: usize,
+    next_id: u64,
+    /// Key of a block from its parent's key and its tokens; replaceable to test collisions.
+    hash: fn(u64, &[u32]) -> u64,
+}
+
+impl PrefixCache {
+    fn new(hash: fn(u64, &[u32]) -> u64) -> Self {
+        PrefixCache {
+            entries: HashMap::new(),
+            idle: 0,
+            next_id: ROOT.id + 1,
+            hash,
+        }
+    }
+
+    /// Takes a user reference on the cached entries holding the longest run of `blocks`
+    /// (each block's token ids, in order) from the start; returns their links and blocks.
+    fn acquire<'a>(
+        &mut self,
+        blocks: impl Iterator<Item = &'a [u32]>,
+        tick: u64,
+    ) -> Vec<(Link, u32)> {
+        let mut hit = Vec::new();
+        let mut parent = ROOT;
+        for tokens in blocks {
+            let key = (self.hash)(parent.key, tokens);
+            let Some(entry) = self.entries.get_mut(&key) else {
+                break;
+            };
+            if entry.parent != parent.id || *entry.tokens != *tokens {
+                break;
+            }
+            if entry.users == 0 {
+                self.idle -= 1;
+            }
+            entry.users += 1;
+            entry.last_used = tick;
+            parent = Link { key, id: entry.id };
+            hit.push((parent, entry.block));
+        }
+        hit
+    }
+
+    /// Enters `block` holding `tokens` after `parent`, with one user; None if its key is
+    /// taken (the same prefix entered by another sequence, or a hash collision).
+    fn insert(
+        &mut self,
+        parent: Link,
+        tokens: &[u32],
+        block: u32,
+        tick: u64,
+        depth: usize,
+    ) -> Option<Link> {
+        let key = (self.hash)(parent.key, tokens);
+        if self.entries.contains_key(&key) {
+            return None;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.entries.insert(
+            key,
+            CacheEntry {
+                block,
+                id,
+                parent: parent.id,
+                tokens: tokens.into(),
+                users: 1,
+                last_used: tick,
+                depth,
+            },
+        );
+        Some(Link { key, id })
+    }
+
+    /// Drops one user reference taken by [`Self::acquire`] or [`Self::insert`].
+    fn release(&mut self, link: Link, tick: u64) {
+        if let Some(entry) = self.entries.get_mut(&link.key)
+            && entry.id == link.id
+            && entry.users > 0
+        {
+            entry.users -= 1;
+            entry.last_used = tick;
+            if entry.users == 0 {
+                self.idle += 1;
+            }
+        }
+    }
+
+    /// Removes the least recently used idle entry (deepest first) and returns its block.
+    fn evict_lru(&mut self) -> Option<u32> {
+        if self.idle == 0 {
+            return None;
+        }
+        let key = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.users == 0)
+            .min_by_key(|(_, e)| (e.last_used, std::cmp::Reverse(e.depth)))
+            .map(|(&k, _)| k)?;
+        let entry = self.entries.remove(&key)?;
+        self.idle -= 1;
+        Some(entry.block)
+    }
 }
 
 struct Scheduler<B: Backend> {
@@ -304,8 +432,7 @@ struct Scheduler<B: Backend> {
     waiting: VecDeque<Seq>,
     /// Oldest first: the last one is preempted first.
     running: Vec<Seq>,
-    prefix: HashMap<u64, CacheEntry>,
-    idle_cached: usize,
+    prefix: PrefixCache,
     tick: u64,
     disconnected: bool,
 }
@@ -338,8 +465,7 @@ impl<B: Backend> Scheduler<B> {
             stats,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            prefix: HashMap::new(),
-            idle_cached: 0,
+            prefix: PrefixCache::new(block_hash),
             tick: 0,
             disconnected: false,
         };
@@ -403,7 +529,7 @@ impl<B: Backend> Scheduler<B> {
             prompt_len,
             n_cached: 0,
             block_table: Vec::new(),
-            shared_hashes: Vec::new(),
+            shared: Vec::new(),
             sharing_stopped: false,
             sampler: Sampler::new(req.params),
             generated: 0,
@@ -477,24 +603,16 @@ impl<B: Backend> Scheduler<B> {
         }
         let bs = self.engine.blocks.block_size();
         let full = (seq.tokens.len() - 1) / bs;
-        let mut parent = 0u64;
         self.tick += 1;
-        for i in 0..full {
-            let key = block_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
-            let Some(entry) = self.prefix.get_mut(&key) else {
-                break;
-            };
-            if entry.users == 0 {
-                self.idle_cached -= 1;
-            }
-            entry.users += 1;
-            entry.last_used = self.tick;
-            self.engine.blocks.share(&[entry.block]);
-            seq.block_table.push(entry.block);
-            seq.shared_hashes.push(key);
-            parent = key;
+        let hit = self
+            .prefix
+            .acquire(seq.tokens[..full * bs].chunks_exact(bs), self.tick);
+        for &(link, block) in &hit {
+            self.engine.blocks.share(&[block]);
+            seq.block_table.push(block);
+            seq.shared.push(link);
         }
-        let hit = seq.shared_hashes.len();
+        let hit = hit.len();
         seq.n_cached = hit * bs;
         self.stats
             .prefix_hit_blocks
@@ -511,61 +629,36 @@ impl<B: Backend> Scheduler<B> {
         }
         let bs = self.engine.blocks.block_size();
         let full = seq.n_cached / bs;
-        while seq.shared_hashes.len() < full {
-            let i = seq.shared_hashes.len();
-            let parent = seq.shared_hashes.last().copied().unwrap_or(0);
-            let key = block_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
-            if self.prefix.contains_key(&key) {
+        while seq.shared.len() < full {
+            let i = seq.shared.len();
+            let parent = seq.shared.last().copied().unwrap_or(ROOT);
+            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+            let block = seq.block_table[i];
+            let Some(link) = self.prefix.insert(parent, tokens, block, self.tick, i) else {
                 seq.sharing_stopped = true;
                 return;
-            }
-            let block = seq.block_table[i];
+            };
             self.engine.blocks.share(&[block]);
-            self.prefix.insert(
-                key,
-                CacheEntry {
-                    block,
-                    users: 1,
-                    last_used: self.tick,
-                    depth: i,
-                },
-            );
-            seq.shared_hashes.push(key);
+            seq.shared.push(link);
         }
     }
 
     /// Gives back one idle cached block (least recently used, deepest first); false if none.
     fn evict_one(&mut self) -> bool {
-        if self.idle_cached == 0 {
-            return false;
+        match self.prefix.evict_lru() {
+            Some(block) => {
+                self.engine.blocks.release(&mut vec![block]);
+                true
+            }
+            None => false,
         }
-        let victim = self
-            .prefix
-            .iter()
-            .filter(|(_, e)| e.users == 0)
-            .min_by_key(|(_, e)| (e.last_used, std::cmp::Reverse(e.depth)))
-            .map(|(&k, _)| k);
-        let Some(key) = victim else {
-            return false;
-        };
-        if let Some(entry) = self.prefix.remove(&key) {
-            self.idle_cached -= 1;
-            self.engine.blocks.release(&mut vec![entry.block]);
-        }
-        true
     }
 
     /// Returns a sequence's blocks (the prefix cache keeps its own references).
     fn release(&mut self, seq: &mut Seq) {
         self.tick += 1;
-        for key in seq.shared_hashes.drain(..) {
-            if let Some(entry) = self.prefix.get_mut(&key) {
-                entry.users = entry.users.saturating_sub(1);
-                entry.last_used = self.tick;
-                if entry.users == 0 {
-                    self.idle_cached += 1;
-                }
-            }
+        for link in seq.shared.drain(..) {
+            self.prefix.release(link, self.tick);
         }
         self.engine.blocks.release(&mut seq.block_table);
         seq.n_cached = 0;
@@ -767,9 +860,9 @@ impl<B: Backend> Scheduler<B> {
         s.blocks_free
             .store(blocks.n_free() as u64, Ordering::Relaxed);
         s.blocks_cached_idle
-            .store(self.idle_cached as u64, Ordering::Relaxed);
+            .store(self.prefix.idle as u64, Ordering::Relaxed);
         s.blocks_used.store(
-            blocks.n_used().saturating_sub(self.idle_cached) as u64,
+            blocks.n_used().saturating_sub(self.prefix.idle) as u64,
             Ordering::Relaxed,
         );
     }
@@ -781,4 +874,142 @@ fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     parent.hash(&mut h);
     tokens.hash(&mut h);
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every block collides with every other.
+    fn constant_hash(_parent: u64, _tokens: &[u32]) -> u64 {
+        42
+    }
+
+    /// Blocks at the same depth collide whatever their tokens.
+    fn depth_hash(parent: u64, _tokens: &[u32]) -> u64 {
+        parent + 1
+    }
+
+    fn blocks_of(hit: &[(Link, u32)]) -> Vec<u32> {
+        hit.iter().map(|&(_, block)| block).collect()
+    }
+
+    #[test]
+    fn a_colliding_block_with_other_tokens_is_not_a_hit() {
+        let mut cache = PrefixCache::new(constant_hash);
+        let first = [1, 2, 3, 4];
+        let second = [5, 6, 7, 8];
+        assert!(cache.insert(ROOT, &first, 10, 1, 0).is_some());
+        // Same key, other tokens: no hit, and it cannot take the occupied slot either.
+        assert!(cache.acquire([&second[..]].into_iter(), 2).is_empty());
+        assert!(cache.insert(ROOT, &second, 11, 2, 0).is_none());
+        assert_eq!(blocks_of(&cache.acquire([&first[..]].into_iter(), 3)), [10]);
+    }
+
+    #[test]
+    fn a_child_of_an_evicted_parent_is_not_a_hit_under_a_new_parent() {
+        let mut cache = PrefixCache::new(depth_hash);
+        let a = cache.insert(ROOT, &[1, 1], 10, 1, 0).unwrap();
+        let b = cache.insert(a, &[2, 2], 11, 1, 1).unwrap();
+        // Make the parent the older idle entry so it is evicted first.
+        cache.release(a, 2);
+        cache.release(b, 3);
+        assert_eq!(cache.evict_lru(), Some(10));
+        // Other tokens now sit at the parent's key; the old child's KV was computed after
+        // [1, 1], so it must not follow [3, 3] even though its own tokens match.
+        let a2 = cache.insert(ROOT, &[3, 3], 12, 4, 0).unwrap();
+        assert_eq!(a2.key, a.key);
+        let query = [3, 3, 2, 2];
+        assert_eq!(blocks_of(&cache.acquire(query.chunks_exact(2), 5)), [12]);
+    }
+
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            // splitmix64
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) % n
+        }
+    }
+
+    /// Registers random prompts the way the scheduler does (reuse the hit, enter the rest
+    /// until a key is taken), releasing and evicting at random, and checks each hit block
+    /// against the full token prefix it was entered with. With the real hash and no
+    /// eviction the hit must also be the longest whole-block prefix seen before.
+    fn random_prompts(hash: fn(u64, &[u32]) -> u64, evict: bool, seed: u64) {
+        let mut rng = Rng(seed);
+        let bs = 1 + rng.below(4) as usize;
+        let mut cache = PrefixCache::new(hash);
+        let mut prefix_of_block: HashMap<u32, Vec<u32>> = HashMap::new();
+        let mut seen: Vec<Vec<u32>> = Vec::new();
+        let mut held: Vec<Vec<Link>> = Vec::new();
+        let mut next_block = 0u32;
+        for tick in 1..200u64 {
+            // A small vocabulary and a shared start make real prefix matches common.
+            let len = rng.below(6 * bs as u64 + 1) as usize;
+            let prompt: Vec<u32> = (0..len)
+                .map(|i| {
+                    if i < bs && rng.below(2) == 0 {
+                        0
+                    } else {
+                        rng.below(3) as u32
+                    }
+                })
+                .collect();
+            let n_full = prompt.len() / bs;
+            let hit = cache.acquire(prompt.chunks_exact(bs), tick);
+            for (i, &(_, block)) in hit.iter().enumerate() {
+                assert_eq!(
+                    prefix_of_block[&block][..],
+                    prompt[..(i + 1) * bs],
+                    "block {block} reused for other tokens (block size {bs}, seed {seed})"
+                );
+            }
+            if !evict {
+                let longest = seen
+                    .iter()
+                    .map(|p| p.iter().zip(&prompt).take_while(|(a, b)| a == b).count() / bs)
+                    .max()
+                    .unwrap_or(0);
+                assert_eq!(hit.len(), longest.min(n_full), "seed {seed}");
+            }
+            let mut links: Vec<Link> = hit.iter().map(|&(link, _)| link).collect();
+            for i in links.len()..n_full {
+                let parent = links.last().copied().unwrap_or(ROOT);
+                let block = next_block;
+                next_block += 1;
+                let Some(link) =
+                    cache.insert(parent, &prompt[i * bs..(i + 1) * bs], block, tick, i)
+                else {
+                    break;
+                };
+                prefix_of_block.insert(block, prompt[..(i + 1) * bs].to_vec());
+                links.push(link);
+            }
+            seen.push(prompt);
+            held.push(links);
+            if evict && rng.below(2) == 0 {
+                let idx = rng.below(held.len() as u64) as usize;
+                for link in held.swap_remove(idx) {
+                    cache.release(link, tick);
+                }
+                for _ in 0..rng.below(3) {
+                    cache.evict_lru();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn random_prompts_only_reuse_blocks_of_identical_prefixes() {
+        for seed in 0..20 {
+            random_prompts(block_hash, false, seed);
+            random_prompts(block_hash, true, seed);
+            random_prompts(depth_hash, true, seed);
+            random_prompts(|parent, tokens| (parent ^ tokens[0] as u64) % 3, true, seed);
+        }
+    }
 }
