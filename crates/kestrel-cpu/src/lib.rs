@@ -162,9 +162,8 @@ impl kestrel_model::Backend for CpuBackend {
         block_size: usize,
     ) -> anyhow::Result<CpuCache> {
         let kv_dim = config.kv_dim();
-        let per_layer = n_blocks
-            .checked_mul(block_size)
-            .and_then(|s| s.checked_mul(kv_dim))
+        let per_layer = config
+            .kv_cache_len(n_blocks, block_size)
             .context("KV cache size overflows")?;
         Ok(CpuCache {
             block_size,

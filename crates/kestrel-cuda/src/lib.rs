@@ -794,9 +794,8 @@ impl kestrel_model::Backend for CudaBackend {
         block_size: usize,
     ) -> anyhow::Result<CudaCache> {
         let kv_dim = config.kv_dim();
-        let per_layer = n_blocks
-            .checked_mul(block_size)
-            .and_then(|s| s.checked_mul(kv_dim))
+        let per_layer = config
+            .kv_cache_len(n_blocks, block_size)
             .context("KV cache size overflows")?;
         let mut cache = CudaCache {
             k: Vec::new(),

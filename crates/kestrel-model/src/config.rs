@@ -181,6 +181,13 @@ impl ModelConfig {
         self.n_head_kv * self.head_dim
     }
 
+    /// Values of keys (or of values) one layer of a paged cache holds, or `None` on overflow.
+    pub fn kv_cache_len(&self, n_blocks: usize, block_size: usize) -> Option<usize> {
+        n_blocks
+            .checked_mul(block_size)
+            .and_then(|s| s.checked_mul(self.kv_dim()))
+    }
+
     pub fn layer_rope(&self, layer: usize) -> &RopeParams {
         if self.layer_is_swa[layer] {
             &self.rope_swa
