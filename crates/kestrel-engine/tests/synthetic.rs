@@ -129,7 +129,10 @@ fn a_batch_of_two_sequences_equals_each_run_alone() {
                 .zip(want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(diff <= 1e-5, "{arch:?}: seq {s} pos {i} differs by {diff}");
+            // Not bit-identical: the prefill kernels' 4x4 register tiles put a token in a
+            // different tile (or the remainder path) depending on the batch, which changes
+            // the f32 summation order. Seen: up to 2.6e-5 on logits of magnitude 1-3.
+            assert!(diff <= 1e-4, "{arch:?}: seq {s} pos {i} differs by {diff}");
         }
         e.blocks.release(&mut t1);
         e.blocks.release(&mut t2);
