@@ -48,7 +48,7 @@ bench)
         [ -f "$f" ] || .gpu/kestrel synth --arch "$1" --preset "$2" --type "$3" -o "$f" >/dev/null
         .gpu/kestrel bench -m "$f" --device cuda -p 512 -n 128 -r 3 --json > "$out/bench-$2-$3.json"
         echo "$2 $3: $(grep -E '"(n_prompt|n_gen|avg_ts|stddev_ts|achieved_gb_s)"' "$out/bench-$2-$3.json" | tr -d ' \n')"
-        rm -f "$f"
+        # kept: a warm host reuses the files on the next call
     done
     ;;
 run-here) bash -c "$(remote_cmd)" ;;

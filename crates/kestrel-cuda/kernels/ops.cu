@@ -281,3 +281,143 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
         o[d] = a / total;
     }
 }
+
+// Prefill attention, flash style: block (tile of FA_Q consecutive tokens of one sequence,
+// head) walks the union of its tokens' visible keys in tiles of FA_K, keeping each token's
+// running max, sum and output in registers (no score matrix in memory). K and V tiles are
+// read once per block from the paged f16 cache into shared memory as f32. Warp w owns the
+// block's tokens 4w..4w+3; in the score phase lane = key, in the P·V phase lane = dims.
+// The host uses it only when every tile's tokens share a sequence and head_dim <= FA_HD
+// (a multiple of 4).
+#define FA_Q 16
+#define FA_K 32
+#define FA_HD 128
+extern "C" __global__ void __launch_bounds__(128)
+attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+                  const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+                  int n, int n_head, int n_head_kv, int head_dim, float scale, int window) {
+    __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
+    __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
+    __shared__ float vs[FA_K][FA_HD];
+    __shared__ float ps[4][4][FA_K];
+    const int t0 = blockIdx.x * FA_Q, h = blockIdx.y;
+    const int nq = min(FA_Q, n - t0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kv_head = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * head_dim;
+    const size_t q_stride = (size_t)n_head * head_dim;
+
+    // The block's queries, pre-scaled (zero rows past the batch's end).
+    for (int idx = threadIdx.x; idx < FA_Q * head_dim; idx += blockDim.x) {
+        const int qi = idx / head_dim, d = idx % head_dim;
+        qs[qi][d] = qi < nq ? q[(size_t)(t0 + qi) * q_stride + h * head_dim + d] * scale : 0.0f;
+    }
+    // Keys any of the block's tokens sees, and this warp's tokens' own ranges.
+    int lo_all = 0x7fffffff, hi_all = -1;
+    for (int qi = 0; qi < nq; qi++) {
+        const int pos = (int)positions[t0 + qi];
+        lo_all = min(lo_all, window > 0 ? max(0, pos + 1 - window) : 0);
+        hi_all = max(hi_all, pos);
+    }
+    int my_pos[4], my_lo[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int qi = warp * 4 + j;
+        my_pos[j] = qi < nq ? (int)positions[t0 + qi] : -1;
+        my_lo[j] = window > 0 ? max(0, my_pos[j] + 1 - window) : 0;
+    }
+    const u32* table = tables + table_off[seq_of[t0]];
+    float m[4], l[4], acc[4][FA_HD / 32];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        m[j] = NEG_INF;
+        l[j] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < FA_HD / 32; c++) acc[j][c] = 0.0f;
+    }
+    const int half_dim = head_dim / 2;
+    for (int kt = lo_all; kt <= hi_all; kt += FA_K) {
+        __syncthreads();  // the previous tile (and qs, the first time) is ready / consumed
+        for (int idx = threadIdx.x; idx < FA_K * half_dim; idx += blockDim.x) {
+            const int key = idx / half_dim, d = 2 * (idx % half_dim);
+            const int kp = kt + key;
+            float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
+            if (kp <= hi_all) {
+                const size_t base =
+                    kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim + d;
+                const u32 kw = *(const u32*)(kc + base), vw = *(const u32*)(vc + base);
+                k0 = h2f((u16)(kw & 0xFFFF));
+                k1 = h2f((u16)(kw >> 16));
+                v0 = h2f((u16)(vw & 0xFFFF));
+                v1 = h2f((u16)(vw >> 16));
+            }
+            ks[key][d] = k0;
+            ks[key][d + 1] = k1;
+            vs[key][d] = v0;
+            vs[key][d + 1] = v1;
+        }
+        __syncthreads();
+        // Scores of key kt + lane against the warp's four tokens.
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int d = 0; d < head_dim; d += 4) {
+            const float4 kv = *(const float4*)&ks[lane][d];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float4 qv = *(const float4*)&qs[warp * 4 + j][d];
+                s[j] = fmaf(qv.x, kv.x, s[j]);
+                s[j] = fmaf(qv.y, kv.y, s[j]);
+                s[j] = fmaf(qv.z, kv.z, s[j]);
+                s[j] = fmaf(qv.w, kv.w, s[j]);
+            }
+        }
+        const int kp = kt + lane;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const bool valid = kp >= my_lo[j] && kp <= my_pos[j];
+            const float sj = valid ? s[j] : NEG_INF;
+            float tile_max = sj;
+            for (int o = 16; o > 0; o >>= 1)
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+            const float m_new = fmaxf(m[j], tile_max);
+            float p = 0.0f, corr = 1.0f;
+            if (m_new != NEG_INF) {
+                p = valid ? expf(sj - m_new) : 0.0f;
+                corr = expf(m[j] - m_new);  // 0 when m[j] is still -inf
+            }
+            l[j] = l[j] * corr + warp_sum(p);
+            m[j] = m_new;
+#pragma unroll
+            for (int c = 0; c < FA_HD / 32; c++) acc[j][c] *= corr;
+            ps[warp][j][lane] = p;
+        }
+        __syncwarp();
+        const int n_keys = min(FA_K, hi_all + 1 - kt);
+        for (int kk = 0; kk < n_keys; kk++) {
+            float pj[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) pj[j] = ps[warp][j][kk];
+#pragma unroll
+            for (int c = 0; c < FA_HD / 32; c++) {
+                const int d = lane + 32 * c;
+                if (d < head_dim) {
+                    const float v = vs[kk][d];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) acc[j][c] = fmaf(pj[j], v, acc[j][c]);
+                }
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int qi = warp * 4 + j;
+        if (qi >= nq) continue;
+        float* o = out + (size_t)(t0 + qi) * q_stride + h * head_dim;
+        const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+#pragma unroll
+        for (int c = 0; c < FA_HD / 32; c++) {
+            const int d = lane + 32 * c;
+            if (d < head_dim) o[d] = acc[j][c] * inv;
+        }
+    }
+}

@@ -213,3 +213,37 @@ extern "C" __global__ void matmul(const u8* w, int ty, long long row_bytes, int 
         if (lane == 0 && t < nt) out[(size_t)(t0 + t) * n_out + row] = s;
     }
 }
+
+// W (rows × k, any format) → f16, row-major with k values per row: the weight operand of a
+// tensor-core GEMM (prefill). One thread per 32-value group.
+extern "C" __global__ void dequant_f16(const u8* w, int ty, long long row_bytes, int k,
+                                       int rows, u16* out) {
+    const int gpr = (k + 31) / 32;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * gpr) return;
+    const int row = (int)(i / gpr), g = (int)(i % gpr);
+    const int lim = min(32, k - g * 32);
+    float v[32];
+    dequant32(ty, w + (size_t)row * (size_t)row_bytes, g, lim, v);
+    u16* o = out + (size_t)row * k + (size_t)g * 32;
+    if (lim == 32 && (k & 7) == 0) {
+        // 16-byte stores: the row starts 16-byte aligned when k is a multiple of 8.
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint4 s;
+            s.x = (u32)f2h(v[8 * j]) | ((u32)f2h(v[8 * j + 1]) << 16);
+            s.y = (u32)f2h(v[8 * j + 2]) | ((u32)f2h(v[8 * j + 3]) << 16);
+            s.z = (u32)f2h(v[8 * j + 4]) | ((u32)f2h(v[8 * j + 5]) << 16);
+            s.w = (u32)f2h(v[8 * j + 6]) | ((u32)f2h(v[8 * j + 7]) << 16);
+            ((uint4*)o)[j] = s;
+        }
+    } else {
+        for (int j = 0; j < lim; j++) o[j] = f2h(v[j]);
+    }
+}
+
+// out[i] = f16(x[i]): the activation operand of a tensor-core GEMM.
+extern "C" __global__ void f32_to_f16(const float* x, u16* out, long long len) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) out[i] = f2h(x[i]);
+}

@@ -33,7 +33,10 @@ pub const KERNELS: &[&str] = &[
     "attention",
     "attention_split",
     "attention_combine",
+    "attention_prefill",
     "gather_rows",
+    "dequant_f16",
+    "f32_to_f16",
 ];
 
 /// NVRTC's version, `(major, minor)`.

@@ -67,6 +67,10 @@ pub fn device_count() -> anyhow::Result<usize> {
 pub const GRAPH_MAX_TOKENS: usize = 8;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
+/// Tokens per block of the prefill attention kernel, and the largest head it handles
+/// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD).
+const PREFILL_ATTN_TOKENS: usize = 16;
+const PREFILL_ATTN_MAX_HEAD_DIM: usize = 128;
 /// Most key ranges the decode attention splits a (token, head) into.
 const MAX_ATTN_SPLITS: usize = 64;
 /// Graphs kept (one per distinct launch list, e.g. per batch size).
@@ -191,7 +195,23 @@ pub struct CudaBackend {
     error: Mutex<Option<String>>,
     /// RoPE frequency factors already uploaded, by their host array.
     freq_factors: Mutex<Vec<UploadedFactors>>,
+    /// cuBLAS, for prompt-sized matrix products on the tensor cores (None: library absent
+    /// or `KESTREL_CUDA_CUBLAS=0`; the `matmul` kernel is used instead).
+    blas: Option<cudarc::cublas::CudaBlas>,
+    /// f16 operands of those products, grown to the largest seen.
+    gemm_scratch: Mutex<GemmScratch>,
 }
+
+/// Device buffers holding a dequantized weight and the converted activations.
+#[derive(Default)]
+struct GemmScratch {
+    w: Option<CudaSlice<u16>>,
+    x: Option<CudaSlice<u16>>,
+}
+
+/// Steps of more tokens than this multiply through cuBLAS (when present): below it the
+/// cost of dequantizing each weight to f16 outweighs the tensor cores' gain.
+pub const GEMM_MIN_TOKENS: usize = 16;
 
 /// A host array of RoPE frequency factors, its device copy and that copy's address.
 type UploadedFactors = (Arc<[f32]>, CudaSlice<f32>, u64);
@@ -275,6 +295,15 @@ impl CudaStep {
     fn tables(&self) -> u64 {
         self.at(6)
     }
+    /// Whether every run of `tile` consecutive tokens of the step (the last may be shorter)
+    /// belongs to a single sequence.
+    fn tiles_share_sequences(&self, n: usize, tile: usize) -> bool {
+        let t = self.max_tokens;
+        let Some(seq_of) = self.host.get(2 * t..2 * t + n) else {
+            return false;
+        };
+        seq_of.chunks(tile).all(|c| c.iter().all(|&s| s == c[0]))
+    }
 }
 
 fn grid_1d(len: usize, block: usize) -> (u32, u32, u32) {
@@ -316,6 +345,17 @@ impl CudaBackend {
             funcs.push(f);
         }
         let profile = std::env::var("KESTREL_CUDA_PROFILE").is_ok_and(|v| v == "1");
+        let blas = if std::env::var("KESTREL_CUDA_CUBLAS").is_ok_and(|v| v == "0")
+            // SAFETY: only probes whether the shared library can be opened.
+            || !unsafe { cudarc::cublas::sys::is_culib_present() }
+        {
+            None
+        } else {
+            Some(
+                cudarc::cublas::CudaBlas::new(stream.clone())
+                    .map_err(|e| anyhow::anyhow!("creating a cuBLAS handle: {e:?}"))?,
+            )
+        };
         let graphs = !profile && std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             ctx,
@@ -331,6 +371,8 @@ impl CudaBackend {
             origin,
             error: Mutex::new(None),
             freq_factors: Mutex::new(Vec::new()),
+            blas,
+            gemm_scratch: Mutex::default(),
         })
     }
 
@@ -607,6 +649,113 @@ impl CudaBackend {
             drop(rec);
             self.launch_now(&l);
         }
+    }
+
+    /// Whether prompt-sized products go through cuBLAS.
+    pub fn uses_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// A scratch buffer of at least `len` f16 values (grown, never shrunk).
+    fn scratch_ptr(
+        &self,
+        which: fn(&mut GemmScratch) -> &mut Option<CudaSlice<u16>>,
+        len: usize,
+    ) -> Option<u64> {
+        let mut s = self.gemm_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = which(&mut s);
+        if slot.as_ref().is_none_or(|b| b.len() < len) {
+            *slot = None; // free the old one first
+            match self.alloc::<u16>(len, "GEMM scratch") {
+                Ok(b) => *slot = Some(b),
+                Err(e) => {
+                    self.fail(format!("{e:#}"));
+                    return None;
+                }
+            }
+        }
+        slot.as_ref().map(|b| self.ptr(b))
+    }
+
+    /// out[t][r] = W[r]·x[t] for `n` tokens on the tensor cores: W dequantized to f16 (F16
+    /// weights are used in place), x converted to f16, products summed in f32 by cuBLAS.
+    /// Returns false when cuBLAS is not available.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_f16(
+        &self,
+        x: &CudaTensor,
+        (w_ptr, ty, rows, cols, row_bytes): (u64, GgmlType, usize, usize, usize),
+        n: usize,
+        out: &CudaTensor,
+    ) -> bool {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        let Some(blas) = &self.blas else {
+            return false;
+        };
+        let a = if ty == GgmlType::F16 && row_bytes == cols * 2 {
+            w_ptr
+        } else {
+            let Some(p) = self.scratch_ptr(|s| &mut s.w, rows * cols) else {
+                return true;
+            };
+            let groups = rows * cols.div_ceil(32);
+            self.launch(
+                "dequant_f16",
+                grid_1d(groups, 256),
+                256,
+                &[
+                    Arg::P(w_ptr),
+                    Arg::I(ty.id() as i32),
+                    Arg::L(row_bytes as i64),
+                    Arg::I(cols as i32),
+                    Arg::I(rows as i32),
+                    Arg::P(p),
+                ],
+            );
+            p
+        };
+        let Some(b) = self.scratch_ptr(|s| &mut s.x, n * cols) else {
+            return true;
+        };
+        self.elementwise(
+            "f32_to_f16",
+            n * cols,
+            &[Arg::P(x.ptr), Arg::P(b), Arg::L((n * cols) as i64)],
+        );
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Column-major view: C (rows × n, ld out.cols) = Wᵀ-stored A (cols × rows)ᵀ · B
+        // (cols × n).
+        // SAFETY: a, b and out hold rows×cols, n×cols and n×out.cols elements (checked by
+        // the caller and sized above); the handle is bound to this backend's stream.
+        let r = unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                n as i32,
+                cols as i32,
+                (&alpha as *const f32).cast(),
+                a as *const std::ffi::c_void,
+                cudaDataType::CUDA_R_16F,
+                cols as i32,
+                b as *const std::ffi::c_void,
+                cudaDataType::CUDA_R_16F,
+                cols as i32,
+                (&beta as *const f32).cast(),
+                out.ptr as *mut std::ffi::c_void,
+                cudaDataType::CUDA_R_32F,
+                out.cols as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        if let Err(e) = r {
+            self.fail(format!("cuBLAS GEMM ({rows}×{cols} by {n} tokens): {e:?}"));
+        }
+        true
     }
 
     /// A GEMV segment for `w` writing into `out`, if the GEMV kernels handle it.
@@ -1005,6 +1154,9 @@ impl kestrel_model::Backend for CudaBackend {
             self.gemv(x, n, &[seg], None);
             return;
         }
+        if n >= GEMM_MIN_TOKENS && self.gemm_f16(x, (*ptr, *ty, *rows, *cols, *row_bytes), n, out) {
+            return;
+        }
         const ROWS_PER_BLOCK: usize = 8;
         const TOKENS_PER_BLOCK: usize = 4;
         let grid_y = n.div_ceil(TOKENS_PER_BLOCK);
@@ -1181,6 +1333,35 @@ impl kestrel_model::Backend for CudaBackend {
                     Arg::I(p.n_head as i32),
                     Arg::I(p.head_dim as i32),
                     Arg::I(splits as i32),
+                ],
+            );
+            return;
+        }
+        if n > GEMV_MAX_TOKENS
+            && p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM
+            && p.head_dim.is_multiple_of(4)
+            && step.tiles_share_sequences(n, PREFILL_ATTN_TOKENS)
+        {
+            self.launch(
+                "attention_prefill",
+                (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
+                128,
+                &[
+                    Arg::P(q.ptr),
+                    Arg::P(cache.k_ptr[p.layer]),
+                    Arg::P(cache.v_ptr[p.layer]),
+                    Arg::P(out.ptr),
+                    Arg::P(step.positions()),
+                    Arg::P(step.seq_of()),
+                    Arg::P(step.table_off()),
+                    Arg::P(step.tables()),
+                    Arg::I(cache.block_size as i32),
+                    Arg::I(n as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::F(p.scale),
+                    Arg::I(window),
                 ],
             );
             return;

@@ -173,6 +173,110 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Appends `tokens[i]` to `seqs[i]` for every `i`, the sequences sharing each step (a
+    /// batch holds parts of several sequences, each part contiguous, as a server's
+    /// continuous batching does). Calls `on_logits(i, index, row)` for the last new token
+    /// of each sequence, or for every new token when `all_logits`.
+    pub fn eval_batch(
+        &mut self,
+        seqs: &mut [Sequence],
+        tokens: &[&[u32]],
+        all_logits: bool,
+        mut on_logits: impl FnMut(usize, usize, &[f32]),
+    ) -> anyhow::Result<()> {
+        if seqs.len() != tokens.len() {
+            bail!("{} sequences but {} token lists", seqs.len(), tokens.len());
+        }
+        for (i, (seq, toks)) in seqs.iter_mut().zip(tokens).enumerate() {
+            if toks.is_empty() {
+                bail!("sequence {i}: nothing to evaluate");
+            }
+            let total = seq.tokens.len() + toks.len();
+            if total > self.ctx {
+                bail!(
+                    "sequence {i}: {total} tokens exceed the context size {}",
+                    self.ctx
+                );
+            }
+            self.blocks
+                .ensure(&mut seq.block_table, total)
+                .with_context(|| format!("sequence {i}"))?;
+        }
+        let vocab = self.model.config.vocab_size;
+        let (max_tokens, max_rows) = (self.max_batch_tokens(), self.max_logit_rows());
+        let mut done = vec![0usize; seqs.len()];
+        // Per part of a step: (sequence, first new-token index, length, logit rows).
+        let mut parts: Vec<(usize, usize, usize, usize)> = Vec::new();
+        while done.iter().zip(tokens).any(|(&d, t)| d < t.len()) {
+            let mut batch = Batch::default();
+            parts.clear();
+            for (i, toks) in tokens.iter().enumerate() {
+                let (room, rows_left) =
+                    (max_tokens - batch.len(), max_rows - batch.logit_rows.len());
+                let rest = toks.len() - done[i];
+                if rest == 0 || room == 0 {
+                    continue;
+                }
+                let mut len = rest.min(room);
+                if all_logits {
+                    len = len.min(rows_left);
+                }
+                // A part ending the sequence's tokens needs a logit row.
+                if len == 0 || (len == rest && rows_left == 0) {
+                    continue;
+                }
+                // seqs[i].tokens grows by each finished step's part.
+                let start = seqs[i].tokens.len();
+                let first_row = batch.len() as u32;
+                let slot = batch.seqs.len() as u32;
+                batch
+                    .tokens
+                    .extend_from_slice(&toks[done[i]..done[i] + len]);
+                batch
+                    .positions
+                    .extend((start..start + len).map(|p| p as u32));
+                batch.seq_of.extend(std::iter::repeat_n(slot, len));
+                batch.seqs.push(SeqSlot {
+                    block_table: seqs[i].block_table.clone(),
+                    kv_len: start + len,
+                });
+                let rows = if all_logits {
+                    batch.logit_rows.extend(first_row..first_row + len as u32);
+                    len
+                } else if len == rest {
+                    batch.logit_rows.push(first_row + len as u32 - 1);
+                    1
+                } else {
+                    0
+                };
+                parts.push((i, done[i], len, rows));
+            }
+            if batch.is_empty() {
+                bail!(
+                    "a step of {max_tokens} tokens and {max_rows} logit rows cannot make progress"
+                );
+            }
+            let logits = self.step(&batch)?;
+            let mut rows = logits.chunks_exact(vocab);
+            for &(i, first, len, n_rows) in &parts {
+                for r in 0..n_rows {
+                    let index = if all_logits {
+                        first + r
+                    } else {
+                        tokens[i].len() - 1
+                    };
+                    if let Some(row) = rows.next() {
+                        on_logits(i, index, row);
+                    }
+                }
+                let d = done[i];
+                seqs[i].tokens.extend_from_slice(&tokens[i][d..d + len]);
+                done[i] += len;
+            }
+        }
+        Ok(())
+    }
+
     /// Keeps only the first `n` tokens of `seq` (a later `eval` overwrites the rest of the
     /// cache), giving back blocks no longer needed.
     pub fn truncate(&mut self, seq: &mut Sequence, n: usize) {

@@ -140,6 +140,67 @@ fn a_batch_of_two_sequences_equals_each_run_alone() {
     }
 }
 
+/// `Engine::eval_batch` with steps too small for any one prompt: every step mixes parts of
+/// several sequences (and later single decode tokens of each), which must not change any
+/// sequence's logits.
+#[test]
+fn eval_batch_of_three_sequences_in_small_steps_equals_each_run_alone() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let file = tiny_model(Arch::Llama, "q4_k_m", rng.random());
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 23,
+        max_logit_rows: 23,
+        block_size: 16,
+        max_seqs: 3,
+    };
+    let mut e = Engine::new(CpuBackend::new(Kernels::Fast), file.clone(), &opts).expect("engine");
+    let vocab = e.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = [41usize, 7, 30]
+        .iter()
+        .map(|&n| random_tokens(&mut rng, n, vocab))
+        .collect();
+    let decode: Vec<Vec<u32>> = (0..3).map(|_| random_tokens(&mut rng, 3, vocab)).collect();
+    let alone: Vec<Vec<Vec<f32>>> = prompts
+        .iter()
+        .zip(&decode)
+        .map(|(p, d)| all_logits(&mut e, &[p.clone(), d.clone()].concat()))
+        .collect();
+
+    let mut seqs = vec![Sequence::default(); 3];
+    let mut got: Vec<Vec<Option<Vec<f32>>>> = alone.iter().map(|a| vec![None; a.len()]).collect();
+    let lists: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    e.eval_batch(&mut seqs, &lists, true, |i, index, row| {
+        got[i][index] = Some(row.to_vec())
+    })
+    .expect("batched prompts");
+    for t in 0..3 {
+        let step: Vec<&[u32]> = decode.iter().map(|d| &d[t..t + 1]).collect();
+        e.eval_batch(&mut seqs, &step, false, |i, _, row| {
+            got[i][prompts[i].len() + t] = Some(row.to_vec())
+        })
+        .expect("batched decode step");
+    }
+    for (i, (want_rows, got_rows)) in alone.iter().zip(&got).enumerate() {
+        assert_eq!(seqs[i].tokens.len(), want_rows.len());
+        for (pos, (want, got)) in want_rows.iter().zip(got_rows).enumerate() {
+            let got = got
+                .as_ref()
+                .unwrap_or_else(|| panic!("seq {i} pos {pos}: no logits"));
+            let diff = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff <= 1e-4, "seq {i} pos {pos} differs by {diff}");
+        }
+    }
+    for s in &mut seqs {
+        e.release(s);
+    }
+    assert_eq!(e.blocks.n_used(), 0);
+}
+
 #[test]
 fn bad_batches_are_errors_not_panics() {
     let file = tiny_model(Arch::Llama, "q8_0", 1);

@@ -110,13 +110,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let mut failures = 0;
     println!(
-        "GEMV kernels vs f64 oracle: pass if ‖Δ‖/‖ref‖ <= {:.0e}",
-        selfcheck::MAX_GEMV_REL_ERR
+        "matmul kernels vs f64 oracle: pass if ‖Δ‖/‖ref‖ <= {:.0e} (gemv, ≤ {} tokens) or {:.0e} (gemm, f16 operands{})",
+        selfcheck::MAX_GEMV_REL_ERR,
+        kestrel_cuda::GEMV_MAX_TOKENS,
+        selfcheck::MAX_GEMM_REL_ERR,
+        if backend.uses_cublas() {
+            ", cuBLAS"
+        } else {
+            "; cuBLAS absent: matmul kernel"
+        }
     );
-    for (it, ty) in selfcheck::GEMV_TYPES.into_iter().enumerate() {
+    let gemv = selfcheck::GEMV_TYPES.into_iter().map(|ty| ("gemv", ty));
+    let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
+    for (it, (kind, ty)) in gemv.chain(gemm).enumerate() {
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
-        for (rows, cols, n, s) in selfcheck::gemv_cases(ty, seed.wrapping_add(500 + it as u64)) {
+        let case_seed = seed.wrapping_add(500 + it as u64);
+        let cases = if kind == "gemv" {
+            selfcheck::gemv_cases(ty, case_seed)
+        } else {
+            selfcheck::gemm_cases(ty, case_seed)
+        };
+        for (rows, cols, n, s) in cases {
             match selfcheck::compare_gemv(&backend, ty, rows, cols, n, s) {
                 Ok(r) => {
                     failures += usize::from(!r.passed());
@@ -132,10 +147,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         if let Some(e) = error {
             failures += 1;
-            println!("gemv {:<6} ERROR {e}", ty.name());
+            println!("{kind} {:<6} ERROR {e}", ty.name());
         } else if let Some(r) = worst {
             println!(
-                "gemv {:<6} worst {}x{} n={}: rel err {:.2e}{}  {}",
+                "{kind} {:<6} worst {}x{} n={}: rel err {:.2e}{}  {}",
                 ty.name(),
                 r.rows,
                 r.cols,
@@ -153,12 +168,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(backend);
     let positions = args.positions.clamp(1, 512);
     println!(
-        "teacher-forced, {positions} positions: pass if top-1 agreement >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|)",
+        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|)",
+        selfcheck::TIE_REL,
         MIN_TOP1_AGREEMENT * 100.0
     );
     println!(
-        "{:<8} {:<8} {:>12} {:>12} {:>9}  result",
-        "arch", "type", "max|Δ|", "max|logit|", "top-1"
+        "{:<8} {:<8} {:>12} {:>12} {:>9} {:>9}  result",
+        "arch", "type", "max|Δ|", "max|logit|", "top-1", "w/ ties"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for (it, ty) in TYPES.into_iter().enumerate() {
@@ -168,12 +184,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     let ok = r.passed();
                     failures += usize::from(!ok);
                     println!(
-                        "{:<8} {:<8} {:>12.3e} {:>12.3e} {:>8.2}%  {}{}",
+                        "{:<8} {:<8} {:>12.3e} {:>12.3e} {:>8.2}% {:>8.2}%  {}{}",
                         arch.name(),
                         ty,
                         r.max_abs_diff,
                         r.max_abs_logit,
                         r.top1_agreement * 100.0,
+                        r.top1_agreement_ties * 100.0,
                         if ok { "ok" } else { "FAIL" },
                         if r.non_finite > 0 {
                             format!(" ({} non-finite logits)", r.non_finite)
@@ -185,6 +202,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Err(e) => {
                     failures += 1;
                     println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!(
+        "several sequences per step (prompts of 48+16+36 and 45+9+70 tokens, then 4 decode steps) vs each alone, same criteria:"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["f16", "q4_k_m"] {
+            for lens in [[48usize, 16, 36], [45, 9, 70]] {
+                let case_seed = seed.wrapping_add(900 + ia as u64);
+                match selfcheck::compare_batched(arch, ty, &lens, case_seed, args.gpu) {
+                    Ok(r) => {
+                        let ok = r.passed();
+                        failures += usize::from(!ok);
+                        println!(
+                            "batched {:<8} {:<8} {:?}: max|Δ| {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                            arch.name(),
+                            ty,
+                            lens,
+                            r.max_abs_diff,
+                            r.top1_agreement * 100.0,
+                            r.top1_agreement_ties * 100.0,
+                            if ok { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("batched {:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                    }
                 }
             }
         }
