@@ -34,6 +34,15 @@ pub struct Args {
     /// Timed repetitions of each test (after one untimed warm-up).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
+    /// Batched mode, as llama-batched-bench: for each B, B sequences each get a prompt of
+    /// the first -p length (prefilled together, several sequences per step) and then the
+    /// first -n length of decode steps of B tokens (one per sequence). Reports prefill,
+    /// aggregate decode and total tok/s.
+    #[arg(long = "seqs", value_delimiter = ',')]
+    pub seqs: Vec<usize>,
+    /// Tokens per step in batched mode (prefill chunks mixing sequences).
+    #[arg(long = "ubatch", default_value_t = 2048)]
+    pub ubatch: usize,
     /// Print a JSON array (llama-bench field names plus extras) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -150,6 +159,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
+    if !args.seqs.is_empty() {
+        return run_batched(args);
+    }
     let tests: Vec<(usize, usize)> = args
         .n_prompt
         .iter()
@@ -249,4 +261,123 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&results)?);
     }
     Ok(())
+}
+
+/// One row of the batched benchmark (llama-batched-bench's columns).
+#[derive(Serialize, Debug)]
+struct BatchedResult {
+    model_filename: String,
+    backends: String,
+    kernels: String,
+    n_prompt: usize,
+    n_gen: usize,
+    n_seqs: usize,
+    /// Mean seconds of the prefill (all prompts) and of the decode (all steps).
+    prefill_s: f64,
+    decode_s: f64,
+    prefill_ts: f64,
+    decode_ts: f64,
+    total_ts: f64,
+}
+
+/// `--seqs B1,B2,...`: B sequences prefilled together, then decoded together.
+fn run_batched(args: Args) -> anyhow::Result<()> {
+    let n_prompt = args.n_prompt.first().copied().unwrap_or(0);
+    let n_gen = args.n_gen.first().copied().unwrap_or(0);
+    if n_prompt == 0 || n_gen == 0 {
+        bail!("batched mode needs a positive -p and -n");
+    }
+    if args.seqs.contains(&0) {
+        bail!("--seqs: every sequence count must be at least 1");
+    }
+    let most = args.seqs.iter().copied().max().unwrap_or(1);
+    let mut model_args = args.model.clone();
+    model_args.ctx = model_args.ctx.max(n_prompt + n_gen);
+    model_args.max_seqs = most;
+    model_args.batch = args.ubatch.max(most);
+    let (mut engine, _file) = load_any_engine(&model_args, most)?;
+    let backend = with_engine!(&engine, e => e.backend.name());
+    let backends = match engine {
+        AnyEngine::Cpu(_) => "CPU",
+        AnyEngine::Cuda(_) => "CUDA",
+    };
+    let filename = kestrel_hub::resolve_model(&args.model.model)?
+        .display()
+        .to_string();
+    let mut ids = Ids(0x2545_f491_4f6c_dd1d);
+    let mut results = Vec::new();
+    if !args.json {
+        println!("| PP | TG | B | prefill s | prefill t/s | decode s | decode t/s | total t/s |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    }
+    for &b in &args.seqs {
+        with_engine!(&mut engine, e => run_batched_once(e, &mut ids, b, n_prompt, n_gen.min(4)))?;
+        let (mut pre, mut dec) = (Vec::new(), Vec::new());
+        for _ in 0..args.repetitions {
+            let (p, d) =
+                with_engine!(&mut engine, e => run_batched_once(e, &mut ids, b, n_prompt, n_gen))?;
+            pre.push(p);
+            dec.push(d);
+        }
+        let (prefill_s, _) = mean_stddev(&pre);
+        let (decode_s, _) = mean_stddev(&dec);
+        let r = BatchedResult {
+            model_filename: filename.clone(),
+            backends: backends.into(),
+            kernels: backend.clone(),
+            n_prompt,
+            n_gen,
+            n_seqs: b,
+            prefill_s,
+            decode_s,
+            prefill_ts: (b * n_prompt) as f64 / prefill_s,
+            decode_ts: (b * n_gen) as f64 / decode_s,
+            total_ts: (b * (n_prompt + n_gen)) as f64 / (prefill_s + decode_s),
+        };
+        if !args.json {
+            println!(
+                "| {} | {} | {} | {:.3} | {:.1} | {:.3} | {:.1} | {:.1} |",
+                n_prompt, n_gen, b, r.prefill_s, r.prefill_ts, r.decode_s, r.decode_ts, r.total_ts
+            );
+        }
+        results.push(r);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    }
+    Ok(())
+}
+
+/// B sequences from an empty cache: returns the seconds of the prefill and of the decode.
+fn run_batched_once<B: Backend>(
+    engine: &mut Engine<B>,
+    ids: &mut Ids,
+    b: usize,
+    n_prompt: usize,
+    n_gen: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let vocab = engine.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..b)
+        .map(|_| (0..n_prompt).map(|_| ids.next(vocab)).collect())
+        .collect();
+    let gen_ids: Vec<Vec<u32>> = (0..n_gen)
+        .map(|_| (0..b).map(|_| ids.next(vocab)).collect())
+        .collect();
+    let mut seqs = vec![Sequence::default(); b];
+    let start = Instant::now();
+    let lists: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let result = (|| {
+        engine.eval_batch(&mut seqs, &lists, false, |_, _, _| {})?;
+        let prefill = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        for step in &gen_ids {
+            let lists: Vec<&[u32]> = step.chunks(1).collect();
+            engine.eval_batch(&mut seqs, &lists, false, |_, _, _| {})?;
+        }
+        Ok((prefill, start.elapsed().as_secs_f64()))
+    })();
+    for s in &mut seqs {
+        engine.release(s);
+    }
+    result
 }

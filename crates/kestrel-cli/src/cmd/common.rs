@@ -28,6 +28,9 @@ pub struct ModelArgs {
     /// Most prompt tokens evaluated in one step.
     #[arg(long = "batch", default_value_t = 256)]
     pub batch: usize,
+    /// Sequences the KV cache holds at full context (set by commands, not a flag).
+    #[arg(skip = 1usize)]
+    pub max_seqs: usize,
 }
 
 /// Sampling options, named as in llama.cpp.
@@ -195,7 +198,7 @@ fn build_engine<B: Backend>(
         max_batch_tokens: args.batch.max(1),
         max_logit_rows,
         block_size: 16,
-        max_seqs: 1,
+        max_seqs: args.max_seqs.max(1),
     };
     let start = std::time::Instant::now();
     let engine = Engine::new(backend, file.clone(), &opts)
