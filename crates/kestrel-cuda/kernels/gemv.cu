@@ -533,3 +533,355 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS, 8) gemv1(GEMV_PARAMS) {
     gemv_body(x, k, 1, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
               ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
 }
+
+// ---------------------------------------------------------------------------------------
+// Single-token GEMV (decode of one sequence), the hot path of generation. Each warp owns
+// GD_R whole rows of one matrix: its lanes stride over the rows' units, issuing the loads
+// of GD_U units × GD_R rows before any math (bytes in flight hide DRAM latency), and each
+// unit's activations are read once into registers and reused for the GD_R rows. A row's
+// sum is a warp shuffle reduction: no shared memory, no block barrier.
+
+#define GD_R 2
+#define GD_U 2
+#define GD_WARPS 4
+
+// Activations of unit u (the values Fmt<TY>::calc reads for one token) into registers.
+template <int TY> struct Unit1;
+
+template <> struct Unit1<T_Q4_K> {
+    enum { XN = 32 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
+        const float4* a = (const float4*)(x + blk * 256 + 64 * c + l0);
+        const float4* b = (const float4*)(x + blk * 256 + 64 * c + l0 + 32);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float4 p = a[i], q = b[i];
+            xv[4 * i] = p.x; xv[4 * i + 1] = p.y; xv[4 * i + 2] = p.z; xv[4 * i + 3] = p.w;
+            xv[16 + 4 * i] = q.x; xv[16 + 4 * i + 1] = q.y;
+            xv[16 + 4 * i + 2] = q.z; xv[16 + 4 * i + 3] = q.w;
+        }
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K>::Raw& raw, int u,
+                                                const float* xv) {
+        const int v = u & 7, c = v >> 1;
+        const uint4 h = raw.h, q = raw.q;
+        const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+        const u32 s03 = h.y, s47 = h.z, s811 = h.w;
+        float sc0, mn0, sc1, mn1;
+        const int j0 = 2 * c, j1 = 2 * c + 1;
+        if (c < 2) {
+            sc0 = (float)((s03 >> (8 * j0)) & 63);
+            mn0 = (float)((s47 >> (8 * j0)) & 63);
+            sc1 = (float)((s03 >> (8 * j1)) & 63);
+            mn1 = (float)((s47 >> (8 * j1)) & 63);
+        } else {
+            const int a0 = j0 - 4, a1 = j1 - 4;
+            sc0 = (float)(((s811 >> (8 * a0)) & 0xF) | (((s03 >> (8 * a0 + 6)) & 3) << 4));
+            mn0 = (float)(((s811 >> (8 * a0 + 4)) & 0xF) | (((s47 >> (8 * a0 + 6)) & 3) << 4));
+            sc1 = (float)(((s811 >> (8 * a1)) & 0xF) | (((s03 >> (8 * a1 + 6)) & 3) << 4));
+            mn1 = (float)(((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4));
+        }
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        float sa = 0.0f, sb = 0.0f, xsa = 0.0f, xsb = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 l = qw[i] & 0x0F0F0F0Fu, hh = (qw[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float xa = xv[4 * i + j], xb = xv[16 + 4 * i + j];
+                sa = fmaf(byte_f(l, j, MAGIC_0), xa, sa);
+                sb = fmaf(byte_f(hh, j, MAGIC_0), xb, sb);
+                xsa += xa;
+                xsb += xb;
+            }
+        }
+        return (d * sc0 * sa - dmin * mn0 * xsa) + (d * sc1 * sb - dmin * mn1 * xsb);
+    }
+};
+
+template <> struct Unit1<T_Q6_K> {
+    enum { XN = 32 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
+        const float* xr = x + blk * 256 + 128 * hf + l0;
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const float4 p = *(const float4*)(xr + 32 * g), q = *(const float4*)(xr + 32 * g + 4);
+            xv[8 * g] = p.x; xv[8 * g + 1] = p.y; xv[8 * g + 2] = p.z; xv[8 * g + 3] = p.w;
+            xv[8 * g + 4] = q.x; xv[8 * g + 5] = q.y; xv[8 * g + 6] = q.z; xv[8 * g + 7] = q.w;
+        }
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K>::Raw& raw, int u,
+                                                const float* xv) {
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < 2; w++) {
+            const u32 qa = raw.qa[w], qb = raw.qb[w], hw = raw.hw[w];
+            const u32 q4[4] = {(qa & 0x0F0F0F0Fu) | ((hw << 4) & 0x30303030u),
+                               (qb & 0x0F0F0F0Fu) | ((hw << 2) & 0x30303030u),
+                               ((qa >> 4) & 0x0F0F0F0Fu) | (hw & 0x30303030u),
+                               ((qb >> 4) & 0x0F0F0F0Fu) | ((hw >> 2) & 0x30303030u)};
+#pragma unroll
+            for (int g = 0; g < 4; g++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    s[g] = fmaf(byte_f(q4[g], j, MAGIC_32), xv[8 * g + 4 * w + j], s[g]);
+        }
+        return h2f(raw.d) * ((float)raw.sc[0] * s[0] + (float)raw.sc[1] * s[1] +
+                             (float)raw.sc[2] * s[2] + (float)raw.sc[3] * s[3]);
+    }
+};
+
+template <> struct Unit1<T_Q8_0> {
+    enum { XN = 16 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        const float4* p = (const float4*)(x + (u >> 1) * 32 + 16 * (u & 1));
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float4 a = p[i];
+            xv[4 * i] = a.x; xv[4 * i + 1] = a.y; xv[4 * i + 2] = a.z; xv[4 * i + 3] = a.w;
+        }
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q8_0>::Raw& raw, int u,
+                                                const float* xv) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 q = raw.q[i] ^ 0x80808080u;
+#pragma unroll
+            for (int j = 0; j < 4; j++) s = fmaf(byte_f(q, j, MAGIC_128), xv[4 * i + j], s);
+        }
+        return h2f(raw.d) * s;
+    }
+};
+
+// Q4_0 and Q5_0: values 8h..8h+7 and 16+8h..16+8h+7 of a 32-value block.
+__device__ __forceinline__ void load_x_half_pairs(const float* x, int u, float* xv) {
+    const float* xr = x + (u >> 1) * 32 + 8 * (u & 1);
+#pragma unroll
+    for (int g = 0; g < 2; g++) {
+        const float4 p = *(const float4*)(xr + 16 * g), q = *(const float4*)(xr + 16 * g + 4);
+        xv[8 * g] = p.x; xv[8 * g + 1] = p.y; xv[8 * g + 2] = p.z; xv[8 * g + 3] = p.w;
+        xv[8 * g + 4] = q.x; xv[8 * g + 5] = q.y; xv[8 * g + 6] = q.z; xv[8 * g + 7] = q.w;
+    }
+}
+
+template <> struct Unit1<T_Q4_0> {
+    enum { XN = 16 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        load_x_half_pairs(x, u, xv);
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_0>::Raw& raw, int u,
+                                                const float* xv) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const u32 l = raw.q[i] & 0x0F0F0F0Fu, h = (raw.q[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s = fmaf(byte_f(l, j, MAGIC_8), xv[4 * i + j], s);
+                s = fmaf(byte_f(h, j, MAGIC_8), xv[8 + 4 * i + j], s);
+            }
+        }
+        return h2f(raw.d) * s;
+    }
+};
+
+template <> struct Unit1<T_Q5_0> {
+    enum { XN = 16 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        load_x_half_pairs(x, u, xv);
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q5_0>::Raw& raw, int u,
+                                                const float* xv) {
+        const int hf = u & 1;
+        const u32 qh = raw.qh;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const u32 q = raw.q[i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int e = 8 * hf + 4 * i + j;
+                const u32 byte = (q >> (8 * j)) & 0xFF;
+                const u32 vl = (byte & 0xF) | (((qh >> e) & 1) << 4);
+                const u32 vh = (byte >> 4) | (((qh >> (e + 16)) & 1) << 4);
+                s = fmaf(__int_as_float(0x4B000000u | vl) - MAGIC_16, xv[4 * i + j], s);
+                s = fmaf(__int_as_float(0x4B000000u | vh) - MAGIC_16, xv[8 + 4 * i + j], s);
+            }
+        }
+        return h2f(raw.d) * s;
+    }
+};
+
+template <> struct Unit1<T_F16> {
+    enum { XN = 8 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        const float4 p = *(const float4*)(x + u * 8), q = *(const float4*)(x + u * 8 + 4);
+        xv[0] = p.x; xv[1] = p.y; xv[2] = p.z; xv[3] = p.w;
+        xv[4] = q.x; xv[5] = q.y; xv[6] = q.z; xv[7] = q.w;
+    }
+    static __device__ __forceinline__ float dot(const uint4& raw, int, const float* xv) {
+        const u32 qw[4] = {raw.x, raw.y, raw.z, raw.w};
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s = fmaf(h2f((u16)(qw[i] & 0xFFFF)), xv[2 * i], s);
+            s = fmaf(h2f((u16)(qw[i] >> 16)), xv[2 * i + 1], s);
+        }
+        return s;
+    }
+};
+
+template <> struct Unit1<T_BF16> {
+    enum { XN = 8 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        Unit1<T_F16>::load_x(x, u, xv);
+    }
+    static __device__ __forceinline__ float dot(const uint4& raw, int, const float* xv) {
+        const u32 qw[4] = {raw.x, raw.y, raw.z, raw.w};
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s = fmaf(__int_as_float(qw[i] << 16), xv[2 * i], s);
+            s = fmaf(__int_as_float(qw[i] & 0xFFFF0000u), xv[2 * i + 1], s);
+        }
+        return s;
+    }
+};
+
+template <> struct Unit1<T_F32> {
+    enum { XN = 4 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        const float4 p = *(const float4*)(x + u * 4);
+        xv[0] = p.x; xv[1] = p.y; xv[2] = p.z; xv[3] = p.w;
+    }
+    static __device__ __forceinline__ float dot(const float4& raw, int, const float* xv) {
+        return fmaf(raw.x, xv[0], fmaf(raw.y, xv[1], fmaf(raw.z, xv[2], raw.w * xv[3])));
+    }
+};
+
+// This lane's share of `nr` (<= GD_R) rows' dot products with x (rows `rb` bytes apart).
+// With `up` set the same rows of a second matrix are summed into acc_up too (gate/up).
+template <int TY, bool UP>
+__device__ __forceinline__ void rows_dot1(const u8* w, const u8* up, long long rb, int nr,
+                                          const float* x, int k, int lane, float* acc,
+                                          float* acc_up) {
+    typedef Fmt<TY> F;
+    typedef Unit1<TY> U1;
+    // Gate/up launches hold twice the rows' bytes per unit: half the units in flight.
+    constexpr int NU = UP ? 1 : GD_U;
+    const int units = F::units(k);
+    for (int u0 = lane; u0 < units; u0 += 32 * NU) {
+        typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
+#pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int u = u0 + 32 * j;
+            if (u < units)
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        raw[j][i] = F::load(w + i * rb, u);
+                        if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u);
+                    }
+        }
+#pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int u = u0 + 32 * j;
+            if (u < units) {
+                float xv[U1::XN];
+                U1::load_x(x, u, xv);
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        acc[i] += U1::dot(raw[j][i], u, xv);
+                        if (UP) acc_up[i] += U1::dot(raw_up[UP ? j : 0][UP ? i : 0], u, xv);
+                    }
+            }
+        }
+    }
+}
+
+#define ROWS_DOT1_CASE(T)                                                                      \
+    case T:                                                                                    \
+        if (up) rows_dot1<T, true>(w, up, rb, nr, x, k, lane, acc, acc_up);                    \
+        else rows_dot1<T, false>(w, up, rb, nr, x, k, lane, acc, acc_up);                      \
+        return true;
+
+// `up` null: plain rows; otherwise gate (w) and up rows of the same format together.
+__device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up, long long rb,
+                                              int nr, const float* x, int k, int lane,
+                                              float* acc, float* acc_up) {
+    switch (ty) {
+    ROWS_DOT1_CASE(T_Q4_K)
+    ROWS_DOT1_CASE(T_Q6_K)
+    ROWS_DOT1_CASE(T_Q8_0)
+    ROWS_DOT1_CASE(T_Q4_0)
+    ROWS_DOT1_CASE(T_Q5_0)
+    ROWS_DOT1_CASE(T_F16)
+    ROWS_DOT1_CASE(T_BF16)
+    ROWS_DOT1_CASE(T_F32)
+    default: return false;
+    }
+}
+
+// Same parameters as gemv (n and rpb ignored). Warps are assigned GD_R rows of one matrix
+// at a time: matrix 0's rows first, then matrix 1's, then matrix 2's (for gated launches,
+// rows of gate and up together). Grid: ceil(total warps / GD_WARPS) blocks of GD_WARPS warps,
+// where total warps = Σ ceil(rows_s / GD_R).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_dec(GEMV_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
+    const int rows2 = gated ? 0 : total - rows0 - rows1;
+    const int wa0 = (rows0 + GD_R - 1) / GD_R;
+    const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
+    const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
+    const u8* w;
+    long long rb;
+    int ty, rows, r0;
+    float* out;
+    const float* bias;
+    if (gw < wa0) {
+        w = w0; rb = rb0; ty = ty0; rows = rows0; out = out0; bias = bias0;
+        r0 = gw * GD_R;
+    } else if (gw < wa0 + wa1) {
+        w = w1; rb = rb1; ty = ty1; rows = rows1; out = out1; bias = bias1;
+        r0 = (gw - wa0) * GD_R;
+    } else if (gw < wa0 + wa1 + wa2) {
+        w = w2; rb = rb2; ty = ty2; rows = rows2; out = out2; bias = bias2;
+        r0 = (gw - wa0 - wa1) * GD_R;
+    } else {
+        return;
+    }
+
+    const int nr = min(GD_R, rows - r0);
+    float acc[GD_R], acc_up[GD_R];
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) acc[i] = acc_up[i] = 0.0f;
+    const u8* wr = w + (size_t)r0 * rb;
+    if (gated && ty0 == ty1 && rb0 == rb1) {
+        rows_dot1_any(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, x, k, lane, acc, acc_up);
+    } else {
+        rows_dot1_any(ty, wr, nullptr, rb, nr, x, k, lane, acc, acc_up);
+        if (gated)
+            rows_dot1_any(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, x, k, lane, acc_up,
+                          nullptr);
+    }
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) {
+        acc[i] = warp_sum(acc[i]);
+        if (gated) acc_up[i] = warp_sum(acc_up[i]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                const int r = r0 + i;
+                if (gated)
+                    out0[r] = gv_act(acc[i], act) * acc_up[i];
+                else
+                    out[r] = acc[i] + (bias ? bias[r] : 0.0f);
+            }
+}

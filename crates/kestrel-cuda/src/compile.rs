@@ -23,6 +23,7 @@ pub const KERNELS: &[&str] = &[
     "matmul",
     "gemv",
     "gemv1",
+    "gemv_dec",
     "scale_f32",
     "add_f32",
     "add_bias",

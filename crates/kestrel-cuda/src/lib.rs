@@ -65,6 +65,8 @@ pub fn device_count() -> anyhow::Result<usize> {
 
 /// Steps of at most this many tokens are recorded and replayed as CUDA graphs.
 pub const GRAPH_MAX_TOKENS: usize = 8;
+/// Rows per warp of the single-token GEMV (`gemv_dec`: GD_R in kernels/gemv.cu).
+const GEMV_DEC_ROWS: usize = 2;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -198,6 +200,9 @@ pub struct CudaBackend {
     /// cuBLAS, for prompt-sized matrix products on the tensor cores (None: library absent
     /// or `KESTREL_CUDA_CUBLAS=0`; the `matmul` kernel is used instead).
     blas: Option<cudarc::cublas::CudaBlas>,
+    /// `KESTREL_CUDA_GEMV=legacy`: single-token steps use the older `gemv1` kernel (for
+    /// comparisons).
+    legacy_gemv1: bool,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
 }
@@ -226,6 +231,9 @@ pub enum CudaWeight {
         rows: usize,
         cols: usize,
         row_bytes: usize,
+        /// A dequantized f16 copy (row-major, `cols` per row) for prompt-sized products,
+        /// kept when memory allows (see [`CudaBackend::keep_f16_copy`]).
+        f16: Option<CudaSlice<u16>>,
     },
     /// A vector (norm weights, biases) as f32.
     Vector {
@@ -372,6 +380,7 @@ impl CudaBackend {
             error: Mutex::new(None),
             freq_factors: Mutex::new(Vec::new()),
             blas,
+            legacy_gemv1: std::env::var("KESTREL_CUDA_GEMV").is_ok_and(|v| v == "legacy"),
             gemm_scratch: Mutex::default(),
         })
     }
@@ -406,6 +415,7 @@ impl CudaBackend {
             rows,
             cols,
             row_bytes,
+            f16: None,
         })
     }
 
@@ -651,6 +661,60 @@ impl CudaBackend {
         }
     }
 
+    /// Whether to keep an f16 copy of a `ty` matrix of `len` values next to its blocks, so
+    /// prompt-sized products skip dequantizing it each time. `KESTREL_CUDA_F16_WEIGHTS=1`
+    /// always, `=0` never; by default when cuBLAS is present and the copy leaves at least
+    /// 40% of the GPU's memory (and 8 GiB) free for the KV cache and activations. F16
+    /// weights need no copy.
+    fn keep_f16_copy(&self, ty: GgmlType, len: usize) -> bool {
+        if self.blas.is_none() || ty == GgmlType::F16 {
+            return false;
+        }
+        match std::env::var("KESTREL_CUDA_F16_WEIGHTS").as_deref() {
+            Ok("0") => false,
+            Ok("1") => true,
+            _ => match cudarc::driver::result::mem_get_info() {
+                Ok((free, total)) => {
+                    let reserve = (total / 10 * 4).max(8 << 30);
+                    free.saturating_sub(len * 2) >= reserve
+                }
+                Err(_) => false,
+            },
+        }
+    }
+
+    /// Adds the dequantized f16 copy to a matrix.
+    fn add_f16_copy(&self, w: &mut CudaWeight) -> anyhow::Result<()> {
+        let CudaWeight::Matrix {
+            ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            f16,
+            ..
+        } = w
+        else {
+            return Ok(());
+        };
+        let copy = self.alloc::<u16>(*rows * *cols, "an f16 weight copy")?;
+        self.launch(
+            "dequant_f16",
+            grid_1d(*rows * cols.div_ceil(32), 256),
+            256,
+            &[
+                Arg::P(*ptr),
+                Arg::I(ty.id() as i32),
+                Arg::L(*row_bytes as i64),
+                Arg::I(*cols as i32),
+                Arg::I(*rows as i32),
+                Arg::P(self.ptr(&copy)),
+            ],
+        );
+        *f16 = Some(copy);
+        self.check()
+    }
+
     /// Whether prompt-sized products go through cuBLAS.
     pub fn uses_cublas(&self) -> bool {
         self.blas.is_some()
@@ -680,22 +744,30 @@ impl CudaBackend {
     /// out[t][r] = W[r]·x[t] for `n` tokens on the tensor cores: W dequantized to f16 (F16
     /// weights are used in place), x converted to f16, products summed in f32 by cuBLAS.
     /// Returns false when cuBLAS is not available.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_f16(
-        &self,
-        x: &CudaTensor,
-        (w_ptr, ty, rows, cols, row_bytes): (u64, GgmlType, usize, usize, usize),
-        n: usize,
-        out: &CudaTensor,
-    ) -> bool {
+    fn gemm_f16(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &CudaTensor) -> bool {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
         };
         let Some(blas) = &self.blas else {
             return false;
         };
+        let CudaWeight::Matrix {
+            ptr: w_ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            f16,
+            ..
+        } = w
+        else {
+            return false;
+        };
+        let (w_ptr, ty, rows, cols, row_bytes) = (*w_ptr, *ty, *rows, *cols, *row_bytes);
         let a = if ty == GgmlType::F16 && row_bytes == cols * 2 {
             w_ptr
+        } else if let Some(copy) = f16 {
+            self.ptr(copy)
         } else {
             let Some(p) = self.scratch_ptr(|s| &mut s.w, rows * cols) else {
                 return true;
@@ -845,6 +917,16 @@ impl CudaBackend {
             args.push(Arg::I(s.ld as i32));
             args.push(Arg::P(s.bias));
         }
+        if n == 1 && !self.legacy_gemv1 {
+            // gemv_dec: GEMV_DEC_ROWS rows per warp, 4 warps per block, per matrix.
+            let warps: usize = if gated.is_some() {
+                segs[0].rows.div_ceil(GEMV_DEC_ROWS)
+            } else {
+                segs.iter().map(|s| s.rows.div_ceil(GEMV_DEC_ROWS)).sum()
+            };
+            self.launch("gemv_dec", grid_1d(warps, 4), 128, &args);
+            return;
+        }
         let kernel = if n == 1 { "gemv1" } else { "gemv" };
         self.launch(kernel, grid_1d(total, rpb), 128, &args);
     }
@@ -920,8 +1002,17 @@ impl kestrel_model::Backend for CudaBackend {
                 len: cols,
             });
         }
-        self.upload_matrix(info.ty, rows, cols, file.tensor_data(info))
-            .with_context(|| format!("tensor {}", info.name))
+        let mut w = self
+            .upload_matrix(info.ty, rows, cols, file.tensor_data(info))
+            .with_context(|| format!("tensor {}", info.name))?;
+        // The embedding table is only gathered from, unless it doubles as the LM head.
+        let gathered_only =
+            info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
+        if !gathered_only && self.keep_f16_copy(info.ty, rows * cols) {
+            self.add_f16_copy(&mut w)
+                .with_context(|| format!("tensor {}", info.name))?;
+        }
+        Ok(w)
     }
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<CudaTensor> {
@@ -1154,7 +1245,7 @@ impl kestrel_model::Backend for CudaBackend {
             self.gemv(x, n, &[seg], None);
             return;
         }
-        if n >= GEMM_MIN_TOKENS && self.gemm_f16(x, (*ptr, *ty, *rows, *cols, *row_bytes), n, out) {
+        if (n >= GEMM_MIN_TOKENS || w.has_f16()) && self.gemm_f16(x, w, n, out) {
             return;
         }
         const ROWS_PER_BLOCK: usize = 8;
@@ -1518,9 +1609,23 @@ impl CudaCache {
 
 impl CudaWeight {
     /// Bytes this weight holds on the device.
+    /// Whether prompt-sized products can read this matrix as f16 without dequantizing it.
+    fn has_f16(&self) -> bool {
+        matches!(self, CudaWeight::Matrix { f16: Some(_), .. })
+            || matches!(
+                self,
+                CudaWeight::Matrix {
+                    ty: GgmlType::F16,
+                    ..
+                }
+            )
+    }
+
     pub fn device_bytes(&self) -> usize {
         match self {
-            CudaWeight::Matrix { buf, .. } => buf.len(),
+            CudaWeight::Matrix { buf, f16, .. } => {
+                buf.len() + f16.as_ref().map_or(0, |c| c.len() * 2)
+            }
             CudaWeight::Vector { buf, len, .. } => {
                 debug_assert_eq!(buf.len(), *len);
                 len * 4

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Compile the CUDA kernels on a machine without a GPU: NVRTC from the nvidia-cuda-nvrtc
+wheel (PTX for sm_90, same source order and options as crates/kestrel-cuda/src/compile.rs),
+then ptxas from the nvidia-cuda-nvcc wheel for per-kernel registers and spills.
+
+    python3 scripts/kernel_check.py            # compile errors, then one line per kernel
+    python3 scripts/kernel_check.py gemv_dec   # only kernels whose name contains this
+
+The wheels are downloaded once into ~/.cache/kestrel/cuda-tools (pip download, no install).
+"""
+import ctypes, glob, os, re, subprocess, sys, zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.expanduser("~/.cache/kestrel/cuda-tools")
+
+
+def wheel_file(package, pattern):
+    hits = glob.glob(os.path.join(TOOLS, "**", pattern), recursive=True)
+    if hits:
+        return hits[0]
+    os.makedirs(TOOLS, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", TOOLS, package], check=True)
+    for whl in glob.glob(os.path.join(TOOLS, "*.whl")):
+        zipfile.ZipFile(whl).extractall(TOOLS)
+    hits = glob.glob(os.path.join(TOOLS, "**", pattern), recursive=True)
+    if not hits:
+        sys.exit(f"{pattern} not found in the {package} wheel")
+    return hits[0]
+
+
+def main():
+    src_files = re.findall(r'include_str!\("\.\./kernels/([^"]+)"\)',
+                           open(os.path.join(ROOT, "crates/kestrel-cuda/src/compile.rs")).read())
+    src = "\n".join(open(os.path.join(ROOT, "crates/kestrel-cuda/kernels", f)).read() for f in src_files)
+    lib = ctypes.CDLL(wheel_file("nvidia-cuda-nvrtc", "libnvrtc.so*"))
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kestrel.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=compute_90", b"--std=c++17"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if log.value.strip():
+        print(log.value.decode())
+    if rc != 0:
+        sys.exit(f"NVRTC failed ({rc})")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
+    ptx = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    ptx_path = os.path.join(TOOLS, "kestrel.ptx")
+    open(ptx_path, "w").write(ptx.value.decode())
+    ptxas = wheel_file("nvidia-cuda-nvcc", "ptxas")
+    os.chmod(ptxas, 0o755)
+    out = subprocess.run([ptxas, "-arch=sm_90", "-v", ptx_path, "-o", os.devnull],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(out.stderr)
+    want = sys.argv[1] if len(sys.argv) > 1 else ""
+    name = None
+    for line in out.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name and want in name:
+            spill = re.search(r"(\d+) bytes spill stores", prev) if prev else None
+            print(f"{name:<24} {m.group(1):>4} registers  {spill.group(0) if spill else ''}")
+        prev = line
+
+
+if __name__ == "__main__":
+    prev = None
+    main()
