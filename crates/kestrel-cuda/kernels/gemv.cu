@@ -541,8 +541,6 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS, 8) gemv1(GEMV_PARAMS) {
 // unit's activations are read once into registers and reused for the GD_R rows. A row's
 // sum is a warp shuffle reduction: no shared memory, no block barrier.
 
-#define GD_R 2
-#define GD_U 2
 #define GD_WARPS 4
 
 // Activations of unit u (the values Fmt<TY>::calc reads for one token) into registers.
@@ -764,7 +762,7 @@ template <> struct Unit1<T_F32> {
 
 // This lane's share of `nr` (<= GD_R) rows' dot products with x (rows `rb` bytes apart).
 // With `up` set the same rows of a second matrix are summed into acc_up too (gate/up).
-template <int TY, bool UP>
+template <int TY, bool UP, int GD_R, int GD_U>
 __device__ __forceinline__ void rows_dot1(const u8* w, const u8* up, long long rb, int nr,
                                           const float* x, int k, int lane, float* acc,
                                           float* acc_up) {
@@ -805,11 +803,12 @@ __device__ __forceinline__ void rows_dot1(const u8* w, const u8* up, long long r
 
 #define ROWS_DOT1_CASE(T)                                                                      \
     case T:                                                                                    \
-        if (up) rows_dot1<T, true>(w, up, rb, nr, x, k, lane, acc, acc_up);                    \
-        else rows_dot1<T, false>(w, up, rb, nr, x, k, lane, acc, acc_up);                      \
+        if (up) rows_dot1<T, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);        \
+        else rows_dot1<T, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);          \
         return true;
 
 // `up` null: plain rows; otherwise gate (w) and up rows of the same format together.
+template <int GD_R, int GD_U>
 __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up, long long rb,
                                               int nr, const float* x, int k, int lane,
                                               float* acc, float* acc_up) {
@@ -826,12 +825,13 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
     }
 }
 
-// Same parameters as gemv (n and rpb ignored). Warps are assigned GD_R rows of one matrix
+// Same parameters as gemv (n and rpb ignored; for plain launches act != 0 means add into
+// the outputs instead of overwriting them). Warps are assigned GD_R rows of one matrix
 // at a time: matrix 0's rows first, then matrix 1's, then matrix 2's (for gated launches,
 // rows of gate and up together). Grid: ceil(total warps / GD_WARPS) blocks of GD_WARPS warps,
 // where total warps = Σ ceil(rows_s / GD_R).
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
-gemv_dec(GEMV_PARAMS) {
+template <int GD_R, int GD_U>
+__device__ __forceinline__ void gemv_dec_body(GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
     const int rows2 = gated ? 0 : total - rows0 - rows1;
@@ -862,11 +862,11 @@ gemv_dec(GEMV_PARAMS) {
     for (int i = 0; i < GD_R; i++) acc[i] = acc_up[i] = 0.0f;
     const u8* wr = w + (size_t)r0 * rb;
     if (gated && ty0 == ty1 && rb0 == rb1) {
-        rows_dot1_any(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, x, k, lane, acc, acc_up);
+        rows_dot1_any<GD_R, GD_U>(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, x, k, lane, acc, acc_up);
     } else {
-        rows_dot1_any(ty, wr, nullptr, rb, nr, x, k, lane, acc, acc_up);
+        rows_dot1_any<GD_R, GD_U>(ty, wr, nullptr, rb, nr, x, k, lane, acc, acc_up);
         if (gated)
-            rows_dot1_any(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, x, k, lane, acc_up,
+            rows_dot1_any<GD_R, GD_U>(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, x, k, lane, acc_up,
                           nullptr);
     }
 #pragma unroll
@@ -881,7 +881,24 @@ gemv_dec(GEMV_PARAMS) {
                 const int r = r0 + i;
                 if (gated)
                     out0[r] = gv_act(acc[i], act) * acc_up[i];
+                else if (act)  // plain launches: act != 0 adds into out (residual)
+                    out[r] += acc[i] + (bias ? bias[r] : 0.0f);
                 else
                     out[r] = acc[i] + (bias ? bias[r] : 0.0f);
             }
+}
+
+#define GEMV_ARGS                                                                              \
+    x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,      \
+        rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2
+
+// Variants by rows per warp (the host's KESTREL_CUDA_GEMV picks one; r2 is the default).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec(GEMV_PARAMS) {
+    gemv_dec_body<2, 2>(GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r1(GEMV_PARAMS) {
+    gemv_dec_body<1, 4>(GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_PARAMS) {
+    gemv_dec_body<4, 1>(GEMV_ARGS);
 }

@@ -41,17 +41,15 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * scale * w[j];
 }
 
-// Rotary embedding in place, one block per token, as ggml computes the angles: f32
-// throughout, theta advanced by repeated multiplication with theta_scale.
-extern "C" __global__ void rope(float* x, const u32* positions, int cols, int head_dim, int n_rot,
-                                int neox, float theta_scale, float freq_scale, float ext_factor,
-                                float mscale, float corr_lo, float corr_hi,
-                                const float* freq_factors) {
-    const int i = blockIdx.x;
-    const float pos = (float)positions[i];
+// Rotary embedding in place of one token's row of heads, as ggml computes the angles: f32
+// throughout, theta advanced by repeated multiplication with theta_scale. The block's
+// threads stride over (head, pair).
+__device__ __forceinline__ void rope_row(float* row, float pos, int n_heads, int head_dim,
+                                         int n_rot, int neox, float theta_scale,
+                                         float freq_scale, float ext_factor, float mscale,
+                                         float corr_lo, float corr_hi,
+                                         const float* freq_factors) {
     const int half = n_rot / 2;
-    const int n_heads = cols / head_dim;
-    float* row = x + (size_t)i * cols;
     for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
         const int h = idx / half, p = idx % half;
         float theta_extrap = pos;
@@ -73,6 +71,19 @@ extern "C" __global__ void rope(float* x, const u32* positions, int cols, int he
         head[a] = x0 * c - x1 * s;
         head[b] = x0 * s + x1 * c;
     }
+}
+
+#define ROPE_PARAMS                                                                            \
+    int head_dim, int n_rot, int neox, float theta_scale, float freq_scale, float ext_factor,  \
+        float mscale, float corr_lo, float corr_hi, const float *freq_factors
+#define ROPE_ARGS                                                                              \
+    head_dim, n_rot, neox, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi,      \
+        freq_factors
+
+// Rotary embedding in place, one block per token.
+extern "C" __global__ void rope(float* x, const u32* positions, int cols, ROPE_PARAMS) {
+    const int i = blockIdx.x;
+    rope_row(x + (size_t)i * cols, (float)positions[i], cols / head_dim, ROPE_ARGS);
 }
 
 // Cache slot of position `pos` of the sequence whose block table starts at `table`.
@@ -419,5 +430,28 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
             const int d = lane + 32 * c;
             if (d < head_dim) o[d] = acc[j][c] * inv;
         }
+    }
+}
+
+// RoPE on a token's query and key heads, then its key and value into the cache (rope +
+// rope + store_kv in one launch; one block per token).
+extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16* kc, u16* vc,
+                                         const u32* positions, const u32* seq_of,
+                                         const u32* table_off, const u32* tables,
+                                         int block_size, int n_head, int n_head_kv,
+                                         ROPE_PARAMS) {
+    const int i = blockIdx.x;
+    const float pos = (float)positions[i];
+    const int kv_dim = n_head_kv * head_dim;
+    rope_row(q + (size_t)i * n_head * head_dim, pos, n_head, ROPE_ARGS);
+    float* kr = k + (size_t)i * kv_dim;
+    rope_row(kr, pos, n_head_kv, ROPE_ARGS);
+    __syncthreads();  // the roped keys (global memory) are visible to the whole block
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]);
+    const float* vr = v + (size_t)i * kv_dim;
+    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
+        kc[slot * kv_dim + d] = f2h(kr[d]);
+        vc[slot * kv_dim + d] = f2h(vr[d]);
     }
 }

@@ -65,8 +65,6 @@ pub fn device_count() -> anyhow::Result<usize> {
 
 /// Steps of at most this many tokens are recorded and replayed as CUDA graphs.
 pub const GRAPH_MAX_TOKENS: usize = 8;
-/// Rows per warp of the single-token GEMV (`gemv_dec`: GD_R in kernels/gemv.cu).
-const GEMV_DEC_ROWS: usize = 2;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -155,6 +153,8 @@ struct GemvSeg {
     out: u64,
     ld: usize,
     bias: u64,
+    /// Add into `out` instead of overwriting it (single-token `gemv_dec` only).
+    accumulate: bool,
 }
 
 /// Whether the GEMV kernels read `ty` with rows of `cols` values.
@@ -203,6 +203,11 @@ pub struct CudaBackend {
     /// `KESTREL_CUDA_GEMV=legacy`: single-token steps use the older `gemv1` kernel (for
     /// comparisons).
     legacy_gemv1: bool,
+    /// The single-token GEMV variant and its rows per warp (`KESTREL_CUDA_GEMV=r1|r2|r4`,
+    /// default r2).
+    gemv_dec: (&'static str, usize),
+    /// Whether any weight got an f16 copy.
+    f16_copies: std::sync::atomic::AtomicBool,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
 }
@@ -381,6 +386,12 @@ impl CudaBackend {
             freq_factors: Mutex::new(Vec::new()),
             blas,
             legacy_gemv1: std::env::var("KESTREL_CUDA_GEMV").is_ok_and(|v| v == "legacy"),
+            gemv_dec: match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
+                Ok("r1") => ("gemv_dec_r1", 1),
+                Ok("r4") => ("gemv_dec_r4", 4),
+                _ => ("gemv_dec", 2),
+            },
+            f16_copies: Default::default(),
             gemm_scratch: Mutex::default(),
         })
     }
@@ -712,7 +723,19 @@ impl CudaBackend {
             ],
         );
         *f16 = Some(copy);
+        self.f16_copies
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.check()
+    }
+
+    /// Whether a product of `n` tokens with `w` should go through cuBLAS: never while a
+    /// step is being recorded for graph replay (cuBLAS calls are not recorded launches);
+    /// from GEMM_MIN_TOKENS tokens, or from 2 when `w` needs no dequantizing (f16 copy or
+    /// F16 weights: one read of 2 bytes per weight beats the GEMV kernels' per-token cost).
+    fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        self.blas.is_some()
+            && !self.lock_recorder().deferring
+            && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16()))
     }
 
     /// Whether prompt-sized products go through cuBLAS.
@@ -865,6 +888,7 @@ impl CudaBackend {
             out: out.ptr,
             ld: out.cols,
             bias,
+            accumulate: false,
         })
     }
 
@@ -891,10 +915,13 @@ impl CudaBackend {
         } else {
             segs.iter().map(|s| s.rows).sum()
         };
+        // gemv_dec reads `act` of a plain (not gated) launch as "add into the output".
         let act = match gated {
             Some(Activation::GeluTanh) => 1,
-            _ => 0,
+            Some(_) => 0,
+            None => i32::from(segs.iter().any(|s| s.accumulate)),
         };
+        debug_assert!(n == 1 || segs.iter().all(|s| !s.accumulate));
         let mut args = vec![
             Arg::P(x.ptr),
             Arg::I(k as i32),
@@ -918,13 +945,14 @@ impl CudaBackend {
             args.push(Arg::P(s.bias));
         }
         if n == 1 && !self.legacy_gemv1 {
-            // gemv_dec: GEMV_DEC_ROWS rows per warp, 4 warps per block, per matrix.
+            // gemv_dec: `rows` rows per warp, 4 warps per block, per matrix.
+            let (kernel, rows) = self.gemv_dec;
             let warps: usize = if gated.is_some() {
-                segs[0].rows.div_ceil(GEMV_DEC_ROWS)
+                segs[0].rows.div_ceil(rows)
             } else {
-                segs.iter().map(|s| s.rows.div_ceil(GEMV_DEC_ROWS)).sum()
+                segs.iter().map(|s| s.rows.div_ceil(rows)).sum()
             };
-            self.launch("gemv_dec", grid_1d(warps, 4), 128, &args);
+            self.launch(kernel, grid_1d(warps, 4), 128, &args);
             return;
         }
         let kernel = if n == 1 { "gemv1" } else { "gemv" };
@@ -1006,6 +1034,10 @@ impl kestrel_model::Backend for CudaBackend {
             .upload_matrix(info.ty, rows, cols, file.tensor_data(info))
             .with_context(|| format!("tensor {}", info.name))?;
         // The embedding table is only gathered from, unless it doubles as the LM head.
+        if info.ty == GgmlType::F16 {
+            self.f16_copies
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let gathered_only =
             info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
         if !gathered_only && self.keep_f16_copy(info.ty, rows * cols) {
@@ -1123,7 +1155,14 @@ impl kestrel_model::Backend for CudaBackend {
             .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
         step.n_tokens = n;
         step.n_logit_rows = batch.logit_rows.len();
-        if n <= GRAPH_MAX_TOKENS && self.graphs.load(std::sync::atomic::Ordering::Relaxed) {
+        // Multi-token steps go through cuBLAS when the weights have f16 copies, so only
+        // single-token steps are recorded then.
+        let small_batches_use_cublas =
+            self.blas.is_some() && self.f16_copies.load(std::sync::atomic::Ordering::Relaxed);
+        if n <= GRAPH_MAX_TOKENS
+            && (n == 1 || !small_batches_use_cublas)
+            && self.graphs.load(std::sync::atomic::Ordering::Relaxed)
+        {
             self.lock_recorder().deferring = true;
         }
         Ok(())
@@ -1176,7 +1215,8 @@ impl kestrel_model::Backend for CudaBackend {
         let Some(w) = self.vector_ptr(weight, "rms_norm") else {
             return;
         };
-        let block = x.cols.next_multiple_of(32).min(256) as u32;
+        // About 4 values per thread: a single-token row is one block's latency.
+        let block = (x.cols / 4).next_multiple_of(32).clamp(32, 1024) as u32;
         self.launch(
             "rms_norm",
             (n as u32, 1, 1),
@@ -1239,13 +1279,13 @@ impl kestrel_model::Backend for CudaBackend {
             ));
             return;
         }
+        if self.prefer_gemm(w, n) && self.gemm_f16(x, w, n, out) {
+            return;
+        }
         if n <= GEMV_MAX_TOKENS
             && let Some(seg) = self.gemv_seg(x, w, out, None)
         {
             self.gemv(x, n, &[seg], None);
-            return;
-        }
-        if (n >= GEMM_MIN_TOKENS || w.has_f16()) && self.gemm_f16(x, w, n, out) {
             return;
         }
         const ROWS_PER_BLOCK: usize = 8;
@@ -1546,7 +1586,7 @@ impl kestrel_model::Backend for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) {
-        if n <= GEMV_MAX_TOKENS {
+        if n <= GEMV_MAX_TOKENS && !self.prefer_gemm(&layer.attn_q, n) {
             let segs = [
                 self.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
                 self.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
@@ -1571,7 +1611,7 @@ impl kestrel_model::Backend for CudaBackend {
         }
     }
 
-    fn feed_forward(
+    fn gate_up(
         &self,
         x: &CudaTensor,
         layer: &LayerWeights<CudaWeight>,
@@ -1579,9 +1619,9 @@ impl kestrel_model::Backend for CudaBackend {
         n: usize,
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
-        out: &mut CudaTensor,
     ) {
         let fused = n <= GEMV_MAX_TOKENS
+            && !self.prefer_gemm(&layer.ffn_gate, n)
             && match (
                 self.gemv_seg(x, &layer.ffn_gate, gate, None),
                 self.gemv_seg(x, &layer.ffn_up, up, None),
@@ -1597,7 +1637,86 @@ impl kestrel_model::Backend for CudaBackend {
             self.matmul(x, &layer.ffn_up, n, up);
             self.gated_activation(gate, up, act, n);
         }
-        self.matmul(gate, &layer.ffn_down, n, out);
+    }
+
+    fn matmul_add(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+        tmp: &mut CudaTensor,
+        residual: &mut CudaTensor,
+    ) {
+        // Single-token steps: the GEMV adds into the residual itself.
+        if n == 1
+            && !self.legacy_gemv1
+            && !self.prefer_gemm(w, n)
+            && let Some(mut seg) = self.gemv_seg(x, w, residual, None)
+        {
+            seg.accumulate = true;
+            self.gemv(x, n, &[seg], None);
+            return;
+        }
+        self.matmul(x, w, n, tmp);
+        self.add(residual, tmp, n);
+    }
+
+    fn rope_store_kv(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        head_dim: usize,
+        rope: &RopeParams,
+        cache: &mut CudaCache,
+        layer: usize,
+        step: &CudaStep,
+        n: usize,
+    ) {
+        if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
+            self.fail(format!(
+                "rope_store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
+                k.cols, v.cols, cache.kv_dim
+            ));
+            return;
+        }
+        let c = rope.constants();
+        let factors = match &rope.freq_factors {
+            Some(f) => match self.freq_factors_ptr(f) {
+                Some(p) => p,
+                None => return,
+            },
+            None => 0,
+        };
+        self.launch(
+            "rope_store_kv",
+            (n as u32, 1, 1),
+            256,
+            &[
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(cache.k_ptr[layer]),
+                Arg::P(cache.v_ptr[layer]),
+                Arg::P(step.positions()),
+                Arg::P(step.seq_of()),
+                Arg::P(step.table_off()),
+                Arg::P(step.tables()),
+                Arg::I(cache.block_size as i32),
+                Arg::I((q.cols / head_dim) as i32),
+                Arg::I((k.cols / head_dim) as i32),
+                Arg::I(head_dim as i32),
+                Arg::I(rope.n_rot as i32),
+                Arg::I(rope.neox as i32),
+                Arg::F(c.theta_scale),
+                Arg::F(c.freq_scale),
+                Arg::F(c.ext_factor),
+                Arg::F(c.mscale),
+                Arg::F(c.corr_lo),
+                Arg::F(c.corr_hi),
+                Arg::P(factors),
+            ],
+        );
     }
 }
 

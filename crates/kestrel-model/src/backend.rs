@@ -162,6 +162,22 @@ pub trait Backend: Sync {
         }
     }
 
+    /// The gated half of the feed-forward block: `gate = act(gate(x)) * up(x)`.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up(
+        &self,
+        x: &Self::Tensor,
+        layer: &LayerWeights<Self::Weight>,
+        act: Activation,
+        n: usize,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+    ) {
+        self.matmul(x, &layer.ffn_gate, n, gate);
+        self.matmul(x, &layer.ffn_up, n, up);
+        self.gated_activation(gate, up, act, n);
+    }
+
     /// The gated feed-forward block: `down(act(gate(x)) * up(x))`.
     #[allow(clippy::too_many_arguments)]
     fn feed_forward(
@@ -174,9 +190,39 @@ pub trait Backend: Sync {
         up: &mut Self::Tensor,
         out: &mut Self::Tensor,
     ) {
-        self.matmul(x, &layer.ffn_gate, n, gate);
-        self.matmul(x, &layer.ffn_up, n, up);
-        self.gated_activation(gate, up, act, n);
+        self.gate_up(x, layer, act, n, gate, up);
         self.matmul(gate, &layer.ffn_down, n, out);
+    }
+
+    /// `residual += x · wᵀ` (`tmp` receives the product where the backend needs it).
+    fn matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        tmp: &mut Self::Tensor,
+        residual: &mut Self::Tensor,
+    ) {
+        self.matmul(x, w, n, tmp);
+        self.add(residual, tmp, n);
+    }
+
+    /// RoPE on the query and key heads, then the keys and values into the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_kv(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        head_dim: usize,
+        rope: &RopeParams,
+        cache: &mut Self::Cache,
+        layer: usize,
+        step: &Self::Step,
+        n: usize,
+    ) {
+        self.rope(q, head_dim, rope, step, n);
+        self.rope(k, head_dim, rope, step, n);
+        self.store_kv(cache, layer, k, v, step, n);
     }
 }

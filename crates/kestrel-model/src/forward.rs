@@ -125,9 +125,17 @@ impl<B: Backend> Model<B> {
                 backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
             }
             let rope = cfg.layer_rope(il);
-            backend.rope(&mut s.q, cfg.head_dim, rope, &s.step, n);
-            backend.rope(&mut s.k, cfg.head_dim, rope, &s.step, n);
-            backend.store_kv(cache, il, &s.k, &s.v, &s.step, n);
+            backend.rope_store_kv(
+                &mut s.q,
+                &mut s.k,
+                &s.v,
+                cfg.head_dim,
+                rope,
+                cache,
+                il,
+                &s.step,
+                n,
+            );
             let params = AttnParams {
                 layer: il,
                 n_head: cfg.n_head,
@@ -137,30 +145,31 @@ impl<B: Backend> Model<B> {
                 window: cfg.layer_window(il),
             };
             backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn);
-            backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
             if let Some(pn) = &layer.post_attention_norm {
+                backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
                 backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
                 backend.add(&mut s.x, &s.h, n);
             } else {
-                backend.add(&mut s.x, &s.proj, n);
+                backend.matmul_add(&s.attn, &layer.attn_output, n, &mut s.proj, &mut s.x);
             }
 
             // Feed-forward block.
             backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
-            backend.feed_forward(
-                &s.h,
-                layer,
-                cfg.activation,
-                n,
-                &mut s.gate,
-                &mut s.up,
-                &mut s.proj,
-            );
             if let Some(pn) = &layer.post_ffw_norm {
+                backend.feed_forward(
+                    &s.h,
+                    layer,
+                    cfg.activation,
+                    n,
+                    &mut s.gate,
+                    &mut s.up,
+                    &mut s.proj,
+                );
                 backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
                 backend.add(&mut s.x, &s.h, n);
             } else {
-                backend.add(&mut s.x, &s.proj, n);
+                backend.gate_up(&s.h, layer, cfg.activation, n, &mut s.gate, &mut s.up);
+                backend.matmul_add(&s.gate, &layer.ffn_down, n, &mut s.proj, &mut s.x);
             }
         }
 
