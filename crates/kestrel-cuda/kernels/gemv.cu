@@ -547,18 +547,24 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS, 8) gemv1(GEMV_PARAMS) {
 template <int TY> struct Unit1;
 
 template <> struct Unit1<T_Q4_K> {
-    enum { XN = 32 };
+    // 32 activations, then the sums of each half (the minimum's term), shared by the rows.
+    enum { XN = 34 };
     static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
         const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
         const float4* a = (const float4*)(x + blk * 256 + 64 * c + l0);
         const float4* b = (const float4*)(x + blk * 256 + 64 * c + l0 + 32);
+        float xsa = 0.0f, xsb = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const float4 p = a[i], q = b[i];
             xv[4 * i] = p.x; xv[4 * i + 1] = p.y; xv[4 * i + 2] = p.z; xv[4 * i + 3] = p.w;
             xv[16 + 4 * i] = q.x; xv[16 + 4 * i + 1] = q.y;
             xv[16 + 4 * i + 2] = q.z; xv[16 + 4 * i + 3] = q.w;
+            xsa += (p.x + p.y) + (p.z + p.w);
+            xsb += (q.x + q.y) + (q.z + q.w);
         }
+        xv[32] = xsa;
+        xv[33] = xsb;
     }
     static __device__ __forceinline__ float dot(const Fmt<T_Q4_K>::Raw& raw, int u,
                                                 const float* xv) {
@@ -581,17 +587,15 @@ template <> struct Unit1<T_Q4_K> {
             mn1 = (float)(((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4));
         }
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
-        float sa = 0.0f, sb = 0.0f, xsa = 0.0f, xsb = 0.0f;
+        float sa = 0.0f, sb = 0.0f;
+        const float xsa = xv[32], xsb = xv[33];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const u32 l = qw[i] & 0x0F0F0F0Fu, hh = (qw[i] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const float xa = xv[4 * i + j], xb = xv[16 + 4 * i + j];
-                sa = fmaf(byte_f(l, j, MAGIC_0), xa, sa);
-                sb = fmaf(byte_f(hh, j, MAGIC_0), xb, sb);
-                xsa += xa;
-                xsb += xb;
+                sa = fmaf(byte_f(l, j, MAGIC_0), xv[4 * i + j], sa);
+                sb = fmaf(byte_f(hh, j, MAGIC_0), xv[16 + 4 * i + j], sb);
             }
         }
         return (d * sc0 * sa - dmin * mn0 * xsa) + (d * sc1 * sb - dmin * mn1 * xsb);

@@ -42,16 +42,14 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 }
 
 // Rotary embedding in place of one token's row of heads, as ggml computes the angles: f32
-// throughout, theta advanced by repeated multiplication with theta_scale. The block's
-// threads stride over (head, pair).
-__device__ __forceinline__ void rope_row(float* row, float pos, int n_heads, int head_dim,
-                                         int n_rot, int neox, float theta_scale,
-                                         float freq_scale, float ext_factor, float mscale,
-                                         float corr_lo, float corr_hi,
-                                         const float* freq_factors) {
-    const int half = n_rot / 2;
-    for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
-        const int h = idx / half, p = idx % half;
+// throughout, theta advanced by repeated multiplication with theta_scale. The cos/sin of
+// each pair are computed once per block into `cs` / `sn` (n_rot / 2 entries; the caller
+// syncs before the first use), then the block's threads stride over (head, pair).
+__device__ __forceinline__ void rope_angles(float pos, int n_rot, float theta_scale,
+                                            float freq_scale, float ext_factor, float mscale,
+                                            float corr_lo, float corr_hi,
+                                            const float* freq_factors, float* cs, float* sn) {
+    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
         float theta_extrap = pos;
         for (int j = 0; j < p; j++) theta_extrap *= theta_scale;
         const float factor = freq_factors ? freq_factors[p] : 1.0f;
@@ -63,7 +61,17 @@ __device__ __forceinline__ void rope_row(float* row, float pos, int n_heads, int
             const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
             theta = interp * (1.0f - ramp) + extrap * ramp;
         }
-        const float c = cosf(theta) * mscale, s = sinf(theta) * mscale;
+        cs[p] = cosf(theta) * mscale;
+        sn[p] = sinf(theta) * mscale;
+    }
+}
+
+__device__ __forceinline__ void rope_apply(float* row, int n_heads, int head_dim, int n_rot,
+                                           int neox, const float* cs, const float* sn) {
+    const int half = n_rot / 2;
+    for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
+        const int h = idx / half, p = idx % half;
+        const float c = cs[p], s = sn[p];
         float* head = row + h * head_dim;
         const int a = neox ? p : 2 * p;
         const int b = neox ? p + half : 2 * p + 1;
@@ -73,17 +81,21 @@ __device__ __forceinline__ void rope_row(float* row, float pos, int n_heads, int
     }
 }
 
+#define ROPE_MAX_HALF 128
+
 #define ROPE_PARAMS                                                                            \
     int head_dim, int n_rot, int neox, float theta_scale, float freq_scale, float ext_factor,  \
         float mscale, float corr_lo, float corr_hi, const float *freq_factors
-#define ROPE_ARGS                                                                              \
-    head_dim, n_rot, neox, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi,      \
-        freq_factors
+#define ROPE_ANGLE_ARGS                                                                        \
+    n_rot, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi, freq_factors
 
 // Rotary embedding in place, one block per token.
 extern "C" __global__ void rope(float* x, const u32* positions, int cols, ROPE_PARAMS) {
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int i = blockIdx.x;
-    rope_row(x + (size_t)i * cols, (float)positions[i], cols / head_dim, ROPE_ARGS);
+    rope_angles((float)positions[i], ROPE_ANGLE_ARGS, cs, sn);
+    __syncthreads();
+    rope_apply(x + (size_t)i * cols, cols / head_dim, head_dim, n_rot, neox, cs, sn);
 }
 
 // Cache slot of position `pos` of the sequence whose block table starts at `table`.
@@ -267,29 +279,39 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     }
 }
 
-// Merges the splits of attention_split: one block per (token, head).
+// Merges the splits of attention_split: one block per (token, head). Each split's weight
+// exp(max_s - max) is computed once into shared memory.
+#define MAX_SPLITS 64
 extern "C" __global__ void attention_combine(const float* part, float* out, int n_head,
                                              int head_dim, int splits) {
+    __shared__ float weight[MAX_SPLITS];
+    __shared__ float total_s;
     const int i = blockIdx.x, h = blockIdx.y;
     const float* p = part + ((size_t)i * n_head + h) * splits * (head_dim + 2);
-    float big = NEG_INF;
-    for (int s = 0; s < splits; s++) {
-        const float* ps = p + (size_t)s * (head_dim + 2);
-        if (ps[head_dim + 1] > 0.0f) big = fmaxf(big, ps[head_dim]);
+    if (threadIdx.x < 32) {
+        float big = NEG_INF;
+        for (int s = threadIdx.x; s < splits; s += 32) {
+            const float* ps = p + (size_t)s * (head_dim + 2);
+            if (ps[head_dim + 1] > 0.0f) big = fmaxf(big, ps[head_dim]);
+        }
+        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+        float total = 0.0f;
+        for (int s = threadIdx.x; s < splits; s += 32) {
+            const float* ps = p + (size_t)s * (head_dim + 2);
+            const float w = ps[head_dim + 1] > 0.0f ? expf(ps[head_dim] - big) : 0.0f;
+            weight[s] = w;
+            total += ps[head_dim + 1] * w;
+        }
+        total = warp_sum(total);
+        if (threadIdx.x == 0) total_s = total;
     }
-    float total = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float* ps = p + (size_t)s * (head_dim + 2);
-        if (ps[head_dim + 1] > 0.0f) total += ps[head_dim + 1] * expf(ps[head_dim] - big);
-    }
+    __syncthreads();
     float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float* ps = p + (size_t)s * (head_dim + 2);
-            if (ps[head_dim + 1] > 0.0f) a += ps[d] * expf(ps[head_dim] - big);
-        }
-        o[d] = a / total;
+        for (int s = 0; s < splits; s++)
+            if (weight[s] != 0.0f) a += p[(size_t)s * (head_dim + 2) + d] * weight[s];
+        o[d] = a / total_s;
     }
 }
 
@@ -443,9 +465,12 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16
     const int i = blockIdx.x;
     const float pos = (float)positions[i];
     const int kv_dim = n_head_kv * head_dim;
-    rope_row(q + (size_t)i * n_head * head_dim, pos, n_head, ROPE_ARGS);
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    rope_angles(pos, ROPE_ANGLE_ARGS, cs, sn);
+    __syncthreads();
+    rope_apply(q + (size_t)i * n_head * head_dim, n_head, head_dim, n_rot, neox, cs, sn);
     float* kr = k + (size_t)i * kv_dim;
-    rope_row(kr, pos, n_head_kv, ROPE_ARGS);
+    rope_apply(kr, n_head_kv, head_dim, n_rot, neox, cs, sn);
     __syncthreads();  // the roped keys (global memory) are visible to the whole block
     const u32* table = tables + table_off[seq_of[i]];
     const size_t slot = kv_slot(table, block_size, (int)positions[i]);

@@ -335,6 +335,8 @@ pub struct GemvReport {
     pub rel_err: f64,
     /// Outputs left unwritten (still the NaN poison) or non-finite.
     pub non_finite: usize,
+    /// Whether the product went through cuBLAS with f16 operands.
+    pub via_cublas: bool,
 }
 
 /// Largest relative error allowed for a GEMV (f32 arithmetic over up to a few thousand
@@ -348,7 +350,7 @@ pub const MAX_GEMM_REL_ERR: f64 = 2e-3;
 impl GemvReport {
     /// The bound this case is held to (f32 kernels, or f16 operands on the tensor cores).
     pub fn limit(&self) -> f64 {
-        if self.tokens >= crate::GEMM_MIN_TOKENS {
+        if self.via_cublas {
             MAX_GEMM_REL_ERR
         } else {
             MAX_GEMV_REL_ERR
@@ -401,6 +403,7 @@ pub fn compare_gemv(
     let weight = backend.upload_matrix(ty, rows, cols, &bytes)?;
     let xt = backend.upload_tensor(n, cols, &x)?;
     let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+    let via_cublas = backend.matmul_uses_cublas(&weight, n);
     backend.matmul(&xt, &weight, n, &mut out);
     let mut got = Vec::new();
     backend.read_rows(&out, n, &mut got)?;
@@ -428,6 +431,7 @@ pub fn compare_gemv(
         tokens: n,
         rel_err: (err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(),
         non_finite,
+        via_cublas,
     })
 }
 
