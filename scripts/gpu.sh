@@ -8,6 +8,9 @@
 #   scripts/gpu.sh run-here  run that command on this machine (the GPU host itself)
 #   scripts/gpu.sh bench     on the GPU host: the peer-table benchmarks (synthetic models of
 #                            llama.cpp's shapes, `kestrel bench --device cuda -p 512 -n 128`)
+#   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs 1,8,32,64` (llama-batched-
+#                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
+#                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +53,26 @@ bench)
         echo "$2 $3: $(grep -E '"(n_prompt|n_gen|avg_ts|stddev_ts|achieved_gb_s)"' "$out/bench-$2-$3.json" | tr -d ' \n')"
         # kept: a warm host reuses the files on the next call
     done
+    ;;
+batched)
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+    f=/tmp/llama3-8b-q4_k_m.gguf
+    [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m -o "$f" >/dev/null
+    .gpu/kestrel bench -m "$f" --device cuda --seqs 1,8,32,64 -p 512 -n 128 -r 1
+    .gpu/kestrel serve -m "$f" --device cuda --max-seqs 64 --ctx 700 --batch 2048 \
+        --max-prefill 1024 --port 8099 2>/tmp/serve.log &
+    server=$!
+    for _ in $(seq 120); do
+        .gpu/kestrel bench-serve --url http://127.0.0.1:8099 --concurrency 1 --requests 1 \
+            --prompt-len 8 --gen-len 1 >/dev/null 2>&1 && break
+        sleep 1
+    done
+    .gpu/kestrel bench-serve --url http://127.0.0.1:8099 --concurrency 1,64 --requests 64 \
+        --prompt-len 512 --gen-len 128 || true
+    kill "$server"
+    wait "$server" 2>/dev/null || true
+    tail -3 /tmp/serve.log
     ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)

@@ -127,11 +127,11 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
           const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
-          int n_head_kv, int head_dim, float scale, int window) {
+          int n_head_kv, int head_dim, float scale, int window, int tok0) {
     __shared__ float qs[ATT_MAX_HD];
     __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
     __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
-    const int i = blockIdx.x, h = blockIdx.y;
+    const int i = tok0 + blockIdx.x, h = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv_head = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;
@@ -207,11 +207,13 @@ extern "C" __global__ void gather_rows(const float* x, float* out, const u32* ro
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 attention_split(const float* q, const u16* kc, const u16* vc, float* part, const u32* positions,
                 const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
-                int n_head, int n_head_kv, int head_dim, float scale, int window, int splits) {
+                int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,
+                int tok0) {
     __shared__ float qs[ATT_MAX_HD];
     __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
     __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
-    const int i = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    // i: the token (from tok0); li: its slot in `part`.
+    const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv_head = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;
@@ -266,7 +268,7 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     float total = 0.0f;
     for (int w = 0; w < ATT_WARPS; w++)
         if (w_sum[w] > 0.0f) total += w_sum[w] * expf(w_max[w] - big);
-    float* o = part + (((size_t)i * n_head + h) * splits + s) * (head_dim + 2);
+    float* o = part + (((size_t)li * n_head + h) * splits + s) * (head_dim + 2);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
         for (int w = 0; w < ATT_WARPS; w++)
@@ -283,11 +285,11 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
 // exp(max_s - max) is computed once into shared memory.
 #define MAX_SPLITS 64
 extern "C" __global__ void attention_combine(const float* part, float* out, int n_head,
-                                             int head_dim, int splits) {
+                                             int head_dim, int splits, int tok0) {
     __shared__ float weight[MAX_SPLITS];
     __shared__ float total_s;
-    const int i = blockIdx.x, h = blockIdx.y;
-    const float* p = part + ((size_t)i * n_head + h) * splits * (head_dim + 2);
+    const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y;
+    const float* p = part + ((size_t)li * n_head + h) * splits * (head_dim + 2);
     if (threadIdx.x < 32) {
         float big = NEG_INF;
         for (int s = threadIdx.x; s < splits; s += 32) {
@@ -320,21 +322,23 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
 // running max, sum and output in registers (no score matrix in memory). K and V tiles are
 // read once per block from the paged f16 cache into shared memory as f32. Warp w owns the
 // block's tokens 4w..4w+3; in the score phase lane = key, in the P·V phase lane = dims.
-// The host uses it only when every tile's tokens share a sequence and head_dim <= FA_HD
-// (a multiple of 4).
+// The host launches it per run of one sequence's tokens, with head_dim <= FA_HD (a multiple
+// of 4).
 #define FA_Q 16
 #define FA_K 32
 #define FA_HD 128
 extern "C" __global__ void __launch_bounds__(128)
 attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
                   const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
-                  int n, int n_head, int n_head_kv, int head_dim, float scale, int window) {
+                  int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale,
+                  int window) {
     __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
     __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
     __shared__ float vs[FA_K][FA_HD];
     __shared__ float ps[4][4][FA_K];
-    const int t0 = blockIdx.x * FA_Q, h = blockIdx.y;
-    const int nq = min(FA_Q, n - t0);
+    // Tokens tok0 .. tok0 + n of the step (one sequence's run).
+    const int t0 = tok0 + blockIdx.x * FA_Q, h = blockIdx.y;
+    const int nq = min(FA_Q, tok0 + n - t0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv_head = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;

@@ -71,6 +71,8 @@ pub const GEMV_MAX_TOKENS: usize = 8;
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD).
 const PREFILL_ATTN_TOKENS: usize = 16;
 const PREFILL_ATTN_MAX_HEAD_DIM: usize = 128;
+/// Most tokens of a step the split (decode) attention handles.
+const SPLIT_ATTN_MAX_TOKENS: usize = 64;
 /// Most key ranges the decode attention splits a (token, head) into.
 const MAX_ATTN_SPLITS: usize = 64;
 /// Graphs kept (one per distinct launch list, e.g. per batch size).
@@ -144,6 +146,17 @@ struct Profiler {
     totals: HashMap<KernelKey, (f64, u64)>,
 }
 
+/// Buffers and sizes one layer's attention launches share.
+struct AttnLaunch {
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    block_size: usize,
+    cache_slots: usize,
+    window: i32,
+}
+
 /// One matrix of a GEMV launch.
 struct GemvSeg {
     ptr: u64,
@@ -206,6 +219,8 @@ pub struct CudaBackend {
     /// The single-token GEMV variant and its rows per warp (`KESTREL_CUDA_GEMV=r1|r2|r4`);
     /// None: by launch size (see `gemv`).
     gemv_dec: Option<(&'static str, usize)>,
+    /// Host buffer the results are read back through.
+    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Whether any weight got an f16 copy.
     f16_copies: std::sync::atomic::AtomicBool,
     /// f16 operands of those products, grown to the largest seen.
@@ -274,7 +289,7 @@ pub struct CudaCache {
 pub struct CudaStep {
     buf: CudaSlice<u32>,
     ptr: u64,
-    /// Partial results of the split decode attention: room for [`GEMV_MAX_TOKENS`] tokens ×
+    /// Partial results of the split decode attention: room for [`SPLIT_ATTN_MAX_TOKENS`] tokens ×
     /// `n_head` heads × [`MAX_ATTN_SPLITS`] splits × (head_dim + 2) floats.
     _attn_part: CudaSlice<f32>,
     attn_part_ptr: u64,
@@ -308,14 +323,19 @@ impl CudaStep {
     fn tables(&self) -> u64 {
         self.at(6)
     }
-    /// Whether every run of `tile` consecutive tokens of the step (the last may be shorter)
-    /// belongs to a single sequence.
-    fn tiles_share_sequences(&self, n: usize, tile: usize) -> bool {
+    /// (start, length) of each run of consecutive tokens of the same sequence among the
+    /// step's first `n` tokens.
+    fn sequence_runs(&self, n: usize) -> Vec<(usize, usize)> {
         let t = self.max_tokens;
-        let Some(seq_of) = self.host.get(2 * t..2 * t + n) else {
-            return false;
-        };
-        seq_of.chunks(tile).all(|c| c.iter().all(|&s| s == c[0]))
+        let seq_of = self.host.get(2 * t..2 * t + n).unwrap_or(&[]);
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (i, s) in seq_of.iter().enumerate() {
+            match runs.last_mut() {
+                Some((start, len)) if seq_of[*start] == *s => *len += 1,
+                _ => runs.push((i, 1)),
+            }
+        }
+        runs
     }
 }
 
@@ -393,6 +413,7 @@ impl CudaBackend {
                 _ => None,
             },
             f16_copies: Default::default(),
+            pinned: Mutex::new(None),
             gemm_scratch: Mutex::default(),
         })
     }
@@ -739,6 +760,111 @@ impl CudaBackend {
             && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16()))
     }
 
+    /// Attention of tokens `tok0 .. tok0 + n` of any sequences: split across key ranges
+    /// (sized so that a full cache gives each block ~16 keys; the split count depends only on
+    /// the cache size, so a captured graph serves every position), in ranges of at most
+    /// SPLIT_ATTN_MAX_TOKENS tokens; the one-block-per-(token, head) kernel when the
+    /// partials buffer is too small.
+    fn attention_short(
+        &self,
+        a: &AttnLaunch,
+        p: &AttnParams,
+        step: &CudaStep,
+        tok0: usize,
+        n: usize,
+    ) {
+        let splits = a.cache_slots.div_ceil(16).clamp(1, MAX_ATTN_SPLITS);
+        // The kernels' shared leading arguments, writing to `dest`.
+        let common = |dest: u64| {
+            vec![
+                Arg::P(a.q),
+                Arg::P(a.k),
+                Arg::P(a.v),
+                Arg::P(dest),
+                Arg::P(step.positions()),
+                Arg::P(step.seq_of()),
+                Arg::P(step.table_off()),
+                Arg::P(step.tables()),
+                Arg::I(a.block_size as i32),
+                Arg::I(p.n_head as i32),
+                Arg::I(p.n_head_kv as i32),
+                Arg::I(p.head_dim as i32),
+                Arg::F(p.scale),
+                Arg::I(a.window),
+            ]
+        };
+        let mut done = 0;
+        while done < n {
+            let m = (n - done).min(SPLIT_ATTN_MAX_TOKENS);
+            let t = tok0 + done;
+            let part_len = m * p.n_head * splits * (p.head_dim + 2);
+            if splits > 1 && part_len <= step.attn_part_len {
+                let mut args = common(step.attn_part_ptr);
+                args.push(Arg::I(splits as i32));
+                args.push(Arg::I(t as i32));
+                self.launch(
+                    "attention_split",
+                    (m as u32, p.n_head as u32, splits as u32),
+                    128,
+                    &args,
+                );
+                self.launch(
+                    "attention_combine",
+                    (m as u32, p.n_head as u32, 1),
+                    128,
+                    &[
+                        Arg::P(step.attn_part_ptr),
+                        Arg::P(a.out),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.head_dim as i32),
+                        Arg::I(splits as i32),
+                        Arg::I(t as i32),
+                    ],
+                );
+            } else {
+                let mut args = common(a.out);
+                args.push(Arg::I(t as i32));
+                self.launch("attention", (m as u32, p.n_head as u32, 1), 128, &args);
+            }
+            done += m;
+        }
+    }
+
+    /// Attention of one sequence's run of tokens `tok0 .. tok0 + n` (a prompt chunk),
+    /// flash style in tiles of PREFILL_ATTN_TOKENS.
+    fn attention_prefill(
+        &self,
+        a: &AttnLaunch,
+        p: &AttnParams,
+        step: &CudaStep,
+        tok0: usize,
+        n: usize,
+    ) {
+        self.launch(
+            "attention_prefill",
+            (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
+            128,
+            &[
+                Arg::P(a.q),
+                Arg::P(a.k),
+                Arg::P(a.v),
+                Arg::P(a.out),
+                Arg::P(step.positions()),
+                Arg::P(step.seq_of()),
+                Arg::P(step.table_off()),
+                Arg::P(step.tables()),
+                Arg::I(a.block_size as i32),
+                Arg::I(tok0 as i32),
+                Arg::I(n as i32),
+                Arg::I(p.n_head as i32),
+                Arg::I(p.n_head_kv as i32),
+                Arg::I(p.head_dim as i32),
+                Arg::F(p.scale),
+                Arg::I(a.window),
+            ],
+        );
+    }
+
     /// Whether `matmul` of `n` tokens with `w` goes through cuBLAS (f16 operands) when no
     /// step is being recorded.
     pub fn matmul_uses_cublas(&self, w: &CudaWeight, n: usize) -> bool {
@@ -953,12 +1079,14 @@ impl CudaBackend {
         }
         if n == 1 && !self.legacy_gemv1 {
             // gemv_dec: `rows` rows per warp, 4 warps per block, per matrix.
-            // Fewer rows than SMALL_GEMV_ROWS: one row per warp, for more warps in flight.
-            // Measured with one variant for every launch (tg128, H100): r1 413 vs r2 409 t/s
-            // on Qwen2.5-1.5B, r1 175 vs r2 201 on Llama-3-8B, whose big feed-forward
-            // launches dominate; this split by size is the guess that follows from that.
-            const SMALL_GEMV_ROWS: usize = 8192;
-            let (kernel, rows) = self.gemv_dec.unwrap_or(if total < SMALL_GEMV_ROWS {
+            // Rows of at most SHORT_ROW values: one row per warp (a lane then has one or two
+            // units of the row, so a second row adds latency instead of bytes in flight).
+            // Measured (tg128, H100) with one variant for every launch: r1 413 vs r2 409 t/s
+            // on Qwen2.5-1.5B (rows of 1536 but the down projection's 8960), r1 175 vs r2
+            // 201 on Llama-3-8B (rows of 4096 and 14336); splitting by launch size instead
+            // (< 8192 rows: r1) gave 448 and 192.
+            const SHORT_ROW: usize = 2048;
+            let (kernel, rows) = self.gemv_dec.unwrap_or(if k <= SHORT_ROW {
                 ("gemv_dec_r1", 1)
             } else {
                 ("gemv_dec", 2)
@@ -1111,8 +1239,10 @@ impl kestrel_model::Backend for CudaBackend {
         let table_capacity = config.context_length.div_ceil(16).max(64);
         let buf = self.alloc::<u32>(6 * max_tokens + table_capacity, "the step inputs")?;
         let ptr = self.ptr(&buf);
-        let attn_part_len =
-            GEMV_MAX_TOKENS * config.n_head * MAX_ATTN_SPLITS * (config.head_dim + 2);
+        let attn_part_len = max_tokens.min(SPLIT_ATTN_MAX_TOKENS)
+            * config.n_head
+            * MAX_ATTN_SPLITS
+            * (config.head_dim + 2);
         let attn_part = self.alloc::<f32>(attn_part_len, "the attention partials")?;
         let attn_part_ptr = self.ptr(&attn_part);
         Ok(CudaStep {
@@ -1440,100 +1570,45 @@ impl kestrel_model::Backend for CudaBackend {
             return;
         }
         let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        // Decode: split each (token, head) across key ranges, sized so that a full cache
-        // gives each block ~16 keys; the split count depends only on the cache size, so a
-        // captured graph serves every position.
-        let splits = (cache.n_blocks * cache.block_size)
-            .div_ceil(16)
-            .clamp(1, MAX_ATTN_SPLITS);
-        let part_len = n * p.n_head * splits * (p.head_dim + 2);
-        if n <= GEMV_MAX_TOKENS && splits > 1 && part_len <= step.attn_part_len {
-            self.launch(
-                "attention_split",
-                (n as u32, p.n_head as u32, splits as u32),
-                128,
-                &[
-                    Arg::P(q.ptr),
-                    Arg::P(cache.k_ptr[p.layer]),
-                    Arg::P(cache.v_ptr[p.layer]),
-                    Arg::P(step.attn_part_ptr),
-                    Arg::P(step.positions()),
-                    Arg::P(step.seq_of()),
-                    Arg::P(step.table_off()),
-                    Arg::P(step.tables()),
-                    Arg::I(cache.block_size as i32),
-                    Arg::I(p.n_head as i32),
-                    Arg::I(p.n_head_kv as i32),
-                    Arg::I(p.head_dim as i32),
-                    Arg::F(p.scale),
-                    Arg::I(window),
-                    Arg::I(splits as i32),
-                ],
-            );
-            self.launch(
-                "attention_combine",
-                (n as u32, p.n_head as u32, 1),
-                128,
-                &[
-                    Arg::P(step.attn_part_ptr),
-                    Arg::P(out.ptr),
-                    Arg::I(p.n_head as i32),
-                    Arg::I(p.head_dim as i32),
-                    Arg::I(splits as i32),
-                ],
-            );
+        let ctx = AttnLaunch {
+            q: q.ptr,
+            k: cache.k_ptr[p.layer],
+            v: cache.v_ptr[p.layer],
+            out: out.ptr,
+            block_size: cache.block_size,
+            cache_slots: cache.n_blocks * cache.block_size,
+            window,
+        };
+        if n <= GEMV_MAX_TOKENS {
+            // Decode: one launch list whatever the sequences (graph replay).
+            self.attention_short(&ctx, p, step, 0, n);
             return;
         }
-        if n > GEMV_MAX_TOKENS
-            && p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM
-            && p.head_dim.is_multiple_of(4)
-            && step.tiles_share_sequences(n, PREFILL_ATTN_TOKENS)
-        {
-            self.launch(
-                "attention_prefill",
-                (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
-                128,
-                &[
-                    Arg::P(q.ptr),
-                    Arg::P(cache.k_ptr[p.layer]),
-                    Arg::P(cache.v_ptr[p.layer]),
-                    Arg::P(out.ptr),
-                    Arg::P(step.positions()),
-                    Arg::P(step.seq_of()),
-                    Arg::P(step.table_off()),
-                    Arg::P(step.tables()),
-                    Arg::I(cache.block_size as i32),
-                    Arg::I(n as i32),
-                    Arg::I(p.n_head as i32),
-                    Arg::I(p.n_head_kv as i32),
-                    Arg::I(p.head_dim as i32),
-                    Arg::F(p.scale),
-                    Arg::I(window),
-                ],
-            );
-            return;
+        // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
+        // prompt chunks go to the tiled prefill kernel, the short runs between them (decode
+        // tokens of other sequences) to the split kernels, gathered into ranges.
+        let prefill_ok = p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM && p.head_dim.is_multiple_of(4);
+        let mut short: Option<(usize, usize)> = None;
+        for (start, len) in step.sequence_runs(n) {
+            if prefill_ok && len >= PREFILL_ATTN_TOKENS {
+                if let Some((a, b)) = short.take() {
+                    self.attention_short(&ctx, p, step, a, b - a);
+                }
+                self.attention_prefill(&ctx, p, step, start, len);
+            } else {
+                short = match short {
+                    Some((a, b)) if b == start => Some((a, start + len)),
+                    Some((a, b)) => {
+                        self.attention_short(&ctx, p, step, a, b - a);
+                        Some((start, start + len))
+                    }
+                    None => Some((start, start + len)),
+                };
+            }
         }
-        self.launch(
-            "attention",
-            (n as u32, p.n_head as u32, 1),
-            128,
-            &[
-                Arg::P(q.ptr),
-                Arg::P(cache.k_ptr[p.layer]),
-                Arg::P(cache.v_ptr[p.layer]),
-                Arg::P(out.ptr),
-                Arg::P(step.positions()),
-                Arg::P(step.seq_of()),
-                Arg::P(step.table_off()),
-                Arg::P(step.tables()),
-                Arg::I(cache.block_size as i32),
-                Arg::I(p.n_head as i32),
-                Arg::I(p.n_head_kv as i32),
-                Arg::I(p.head_dim as i32),
-                Arg::F(p.scale),
-                Arg::I(window),
-            ],
-        );
+        if let Some((a, b)) = short {
+            self.attention_short(&ctx, p, step, a, b - a);
+        }
     }
 
     fn gated_activation(&self, gate: &mut CudaTensor, up: &CudaTensor, act: Activation, n: usize) {
@@ -1584,13 +1659,32 @@ impl kestrel_model::Backend for CudaBackend {
         self.check()?;
         let len = n * x.cols;
         out.clear();
-        out.resize(len, 0.0);
-        if len > 0 {
-            self.stream
-                .memcpy_dtoh(&x.buf.slice(..len), &mut out[..])
-                .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
+        if len == 0 {
+            return Ok(());
         }
-        self.check()
+        // Through a pinned buffer: a copy into pageable memory is several times slower
+        // (batched decode reads a row of logits per sequence every step).
+        let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        if pinned.as_ref().is_none_or(|p| p.len() < len) {
+            *pinned = None;
+            // SAFETY: the buffer is only read after the copy into it has completed (the
+            // synchronize in `check`).
+            let buf = unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) }
+                .map_err(|e| anyhow::anyhow!("allocating a pinned host buffer: {e:?}"))?;
+            *pinned = Some(buf);
+        }
+        let Some(host) = pinned.as_mut() else {
+            bail!("no pinned host buffer");
+        };
+        self.stream
+            .memcpy_dtoh(&x.buf.slice(..len), host)
+            .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
+        self.check()?;
+        let values = host
+            .as_slice()
+            .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
+        out.extend_from_slice(&values[..len]);
+        Ok(())
     }
 
     fn qkv(
