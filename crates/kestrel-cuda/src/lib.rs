@@ -901,6 +901,31 @@ impl CudaBackend {
     /// weights are used in place), x converted to f16, products summed in f32 by cuBLAS.
     /// Returns false when cuBLAS is not available.
     fn gemm_f16(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &CudaTensor) -> bool {
+        if self.blas.is_none() {
+            return false;
+        }
+        match self.x_to_f16(x, n) {
+            Some(xh) => self.gemm_f16_from(xh, w, n, out),
+            None => true, // the failure is recorded
+        }
+    }
+
+    /// The first `n` rows of `x` as f16 in the activation scratch buffer (the B operand of
+    /// [`Self::gemm_f16_from`]; valid until the next conversion).
+    fn x_to_f16(&self, x: &CudaTensor, n: usize) -> Option<u64> {
+        let len = n * x.cols;
+        let b = self.scratch_ptr(|s| &mut s.x, len)?;
+        self.elementwise(
+            "f32_to_f16",
+            len,
+            &[Arg::P(x.ptr), Arg::P(b), Arg::L(len as i64)],
+        );
+        Some(b)
+    }
+
+    /// `out = x · wᵀ` through cuBLAS from x already converted to f16 (`xh`, `n` rows of
+    /// w's column count). Returns false when cuBLAS is not available.
+    fn gemm_f16_from(&self, xh: u64, w: &CudaWeight, n: usize, out: &CudaTensor) -> bool {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
         };
@@ -920,6 +945,13 @@ impl CudaBackend {
             return false;
         };
         let (w_ptr, ty, rows, cols, row_bytes) = (*w_ptr, *ty, *rows, *cols, *row_bytes);
+        if out.cols != rows || n > out.rows {
+            self.fail(format!(
+                "GEMM: output of {} columns for a {rows}×{cols} weight",
+                out.cols
+            ));
+            return true;
+        }
         let a = if ty == GgmlType::F16 && row_bytes == cols * 2 {
             w_ptr
         } else if let Some(copy) = f16 {
@@ -944,14 +976,7 @@ impl CudaBackend {
             );
             p
         };
-        let Some(b) = self.scratch_ptr(|s| &mut s.x, n * cols) else {
-            return true;
-        };
-        self.elementwise(
-            "f32_to_f16",
-            n * cols,
-            &[Arg::P(x.ptr), Arg::P(b), Arg::L((n * cols) as i64)],
-        );
+        let b = xh;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view: C (rows × n, ld out.cols) = Wᵀ-stored A (cols × rows)ᵀ · B
         // (cols × n).
@@ -1676,13 +1701,15 @@ impl kestrel_model::Backend for CudaBackend {
         let Some(host) = pinned.as_mut() else {
             bail!("no pinned host buffer");
         };
+        // The driver sees the page-locked address whatever the slice type; cudarc wants
+        // equal lengths, so copy into a plain sub-slice of it.
+        let values = host
+            .as_mut_slice()
+            .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
         self.stream
-            .memcpy_dtoh(&x.buf.slice(..len), host)
+            .memcpy_dtoh(&x.buf.slice(..len), &mut values[..len])
             .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
         self.check()?;
-        let values = host
-            .as_slice()
-            .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
         out.extend_from_slice(&values[..len]);
         Ok(())
     }
@@ -1707,9 +1734,22 @@ impl kestrel_model::Backend for CudaBackend {
                 return;
             }
         }
-        self.matmul(x, &layer.attn_q, n, q);
-        self.matmul(x, &layer.attn_k, n, k);
-        self.matmul(x, &layer.attn_v, n, v);
+        // Through cuBLAS: x converted to f16 once for the three products.
+        let shared = [&layer.attn_q, &layer.attn_k, &layer.attn_v]
+            .iter()
+            .all(|w| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
+        match shared.then(|| self.x_to_f16(x, n)).flatten() {
+            Some(xh) => {
+                self.gemm_f16_from(xh, &layer.attn_q, n, q);
+                self.gemm_f16_from(xh, &layer.attn_k, n, k);
+                self.gemm_f16_from(xh, &layer.attn_v, n, v);
+            }
+            None => {
+                self.matmul(x, &layer.attn_q, n, q);
+                self.matmul(x, &layer.attn_k, n, k);
+                self.matmul(x, &layer.attn_v, n, v);
+            }
+        }
         for (t, b) in [
             (q, &layer.attn_q_bias),
             (k, &layer.attn_k_bias),
@@ -1743,8 +1783,19 @@ impl kestrel_model::Backend for CudaBackend {
                 _ => false,
             };
         if !fused {
-            self.matmul(x, &layer.ffn_gate, n, gate);
-            self.matmul(x, &layer.ffn_up, n, up);
+            let shared = [&layer.ffn_gate, &layer.ffn_up]
+                .iter()
+                .all(|w| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
+            match shared.then(|| self.x_to_f16(x, n)).flatten() {
+                Some(xh) => {
+                    self.gemm_f16_from(xh, &layer.ffn_gate, n, gate);
+                    self.gemm_f16_from(xh, &layer.ffn_up, n, up);
+                }
+                None => {
+                    self.matmul(x, &layer.ffn_gate, n, gate);
+                    self.matmul(x, &layer.ffn_up, n, up);
+                }
+            }
             self.gated_activation(gate, up, act, n);
         }
     }
@@ -1838,6 +1889,14 @@ impl CudaCache {
 
 impl CudaWeight {
     /// Bytes this weight holds on the device.
+    /// Row length of a matrix.
+    fn cols(&self) -> Option<usize> {
+        match self {
+            CudaWeight::Matrix { cols, .. } => Some(*cols),
+            CudaWeight::Vector { .. } => None,
+        }
+    }
+
     /// Whether prompt-sized products can read this matrix as f16 without dequantizing it.
     fn has_f16(&self) -> bool {
         matches!(self, CudaWeight::Matrix { f16: Some(_), .. })
