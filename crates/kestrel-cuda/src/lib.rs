@@ -323,6 +323,15 @@ impl CudaStep {
     fn tables(&self) -> u64 {
         self.at(6)
     }
+    /// The longest sequence (cached positions after this step) among the step's.
+    fn max_kv_len(&self) -> usize {
+        let t = self.max_tokens;
+        self.host
+            .get(5 * t..6 * t)
+            .and_then(|l| l.iter().max())
+            .map_or(0, |&m| m as usize)
+    }
+
     /// (start, length) of each run of consecutive tokens of the same sequence among the
     /// step's first `n` tokens.
     fn sequence_runs(&self, n: usize) -> Vec<(usize, usize)> {
@@ -773,7 +782,16 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        let splits = a.cache_slots.div_ceil(16).clamp(1, MAX_ATTN_SPLITS);
+        let splits = if step.n_tokens <= GEMV_MAX_TOKENS {
+            a.cache_slots.div_ceil(16).clamp(1, MAX_ATTN_SPLITS)
+        } else {
+            // Not replayed from a graph: size by the longest sequence (~64 keys a split),
+            // and keep to ~16K blocks (many tokens already give thousands of blocks; each
+            // split's partial result is written and read back).
+            let by_len = step.max_kv_len().div_ceil(64);
+            let by_blocks = (16384 / (n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head).max(1)).max(2);
+            by_len.min(by_blocks).clamp(2, MAX_ATTN_SPLITS)
+        };
         // The kernels' shared leading arguments, writing to `dest`.
         let common = |dest: u64| {
             vec![
