@@ -906,3 +906,310 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r1(GEMV_
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_PARAMS) {
     gemv_dec_body<4, 1>(GEMV_ARGS);
 }
+
+// ---------------------------------------------------------------------------------------
+// Single-token GEMV on 8-bit activations: x is first quantized in blocks of 32 values
+// (quantize_x_q8: d = max|x| / 127, q = round(x / d)), then each weight unit is dotted with
+// the int8 activations by dp4a (4 multiply-adds per instruction) and scaled once per
+// group. Same warp layout as gemv_dec; about a quarter of its instructions per weight and
+// a quarter of its activation traffic. llama.cpp's GPU decode does the same (Q8_1).
+
+__device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// One warp per 32-value block of x (k a multiple of 32).
+extern "C" __global__ void quantize_x_q8(const float* x, int k, i8* q, float* d) {
+    const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (b * 32 >= k) return;
+    const float v = x[b * 32 + lane];
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax / 127.0f;
+    const int qi = scale > 0.0f ? __float2int_rn(v / scale) : 0;
+    q[b * 32 + lane] = (i8)max(-127, min(127, qi));
+    if (lane == 0) d[b] = scale;
+}
+
+// Activations of a unit as int8 words, their block scales and sums (shared by the rows).
+template <int TY> struct Unit8;
+
+// Q4_K unit: 16 values of sub-block 2c (low nibbles) and 16 of 2c+1 (high nibbles).
+template <> struct Unit8<T_Q4_K> {
+    struct X {
+        int a[4], b[4];
+        float da, db;
+        int sa, sb;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
+        const int base = blk * 256 + 64 * c + l0;
+        const int4 p = *(const int4*)(xq + base), r = *(const int4*)(xq + base + 32);
+        X x;
+        x.a[0] = p.x; x.a[1] = p.y; x.a[2] = p.z; x.a[3] = p.w;
+        x.b[0] = r.x; x.b[1] = r.y; x.b[2] = r.z; x.b[3] = r.w;
+        x.da = xd[blk * 8 + 2 * c];
+        x.db = xd[blk * 8 + 2 * c + 1];
+        x.sa = x.sb = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            x.sa = dp4a_ss(0x01010101, x.a[i], x.sa);
+            x.sb = dp4a_ss(0x01010101, x.b[i], x.sb);
+        }
+        return x;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K>::Raw& raw, int u, const X& x) {
+        const int v = u & 7, c = v >> 1;
+        const uint4 h = raw.h, q = raw.q;
+        const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+        const u32 s03 = h.y, s47 = h.z, s811 = h.w;
+        int sc0, mn0, sc1, mn1;
+        const int j0 = 2 * c, j1 = 2 * c + 1;
+        if (c < 2) {
+            sc0 = (s03 >> (8 * j0)) & 63;
+            mn0 = (s47 >> (8 * j0)) & 63;
+            sc1 = (s03 >> (8 * j1)) & 63;
+            mn1 = (s47 >> (8 * j1)) & 63;
+        } else {
+            const int a0 = j0 - 4, a1 = j1 - 4;
+            sc0 = ((s811 >> (8 * a0)) & 0xF) | (((s03 >> (8 * a0 + 6)) & 3) << 4);
+            mn0 = ((s811 >> (8 * a0 + 4)) & 0xF) | (((s47 >> (8 * a0 + 6)) & 3) << 4);
+            sc1 = ((s811 >> (8 * a1)) & 0xF) | (((s03 >> (8 * a1 + 6)) & 3) << 4);
+            mn1 = ((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4);
+        }
+        const u32 qw[4] = {q.x, q.y, q.z, q.w};
+        int ia = 0, ib = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            ia = dp4a_us(qw[i] & 0x0F0F0F0Fu, x.a[i], ia);
+            ib = dp4a_us((qw[i] >> 4) & 0x0F0F0F0Fu, x.b[i], ib);
+        }
+        return x.da * (d * (float)(sc0 * ia) - dmin * (float)(mn0 * x.sa)) +
+               x.db * (d * (float)(sc1 * ib) - dmin * (float)(mn1 * x.sb));
+    }
+};
+
+// Q6_K unit: 4 groups of 8 values, at +0, +32, +64, +96 from the unit's first position.
+template <> struct Unit8<T_Q6_K> {
+    struct X {
+        int w[4][2];
+        float dg[4];
+        int sg[4];
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
+        const int base = blk * 256 + 128 * hf + l0;
+        X x;
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int2 p = *(const int2*)(xq + base + 32 * g);
+            x.w[g][0] = p.x;
+            x.w[g][1] = p.y;
+            x.dg[g] = xd[(base >> 5) + g];
+            x.sg[g] = dp4a_ss(0x01010101, p.y, dp4a_ss(0x01010101, p.x, 0));
+        }
+        return x;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K>::Raw& raw, int, const X& x) {
+        int s[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int w = 0; w < 2; w++) {
+            const u32 qa = raw.qa[w], qb = raw.qb[w], hw = raw.hw[w];
+            s[0] = dp4a_us((qa & 0x0F0F0F0Fu) | ((hw << 4) & 0x30303030u), x.w[0][w], s[0]);
+            s[1] = dp4a_us((qb & 0x0F0F0F0Fu) | ((hw << 2) & 0x30303030u), x.w[1][w], s[1]);
+            s[2] = dp4a_us(((qa >> 4) & 0x0F0F0F0Fu) | (hw & 0x30303030u), x.w[2][w], s[2]);
+            s[3] = dp4a_us(((qb >> 4) & 0x0F0F0F0Fu) | ((hw >> 2) & 0x30303030u), x.w[3][w], s[3]);
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int g = 0; g < 4; g++)
+            acc += x.dg[g] * (float)(raw.sc[g] * (s[g] - 32 * x.sg[g]));
+        return h2f(raw.d) * acc;
+    }
+};
+
+// Q8_0 unit: half a block (16 values).
+template <> struct Unit8<T_Q8_0> {
+    struct X {
+        int w[4];
+        float d;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int4 p = *(const int4*)(xq + (u >> 1) * 32 + 16 * (u & 1));
+        X x;
+        x.w[0] = p.x; x.w[1] = p.y; x.w[2] = p.z; x.w[3] = p.w;
+        x.d = xd[u >> 1];
+        return x;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q8_0>::Raw& raw, int, const X& x) {
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) s = dp4a_ss((int)raw.q[i], x.w[i], s);
+        return h2f(raw.d) * x.d * (float)s;
+    }
+};
+
+// Q4_0 unit: values 8h..8h+7 (low nibbles) and 16+8h..16+8h+7 (high nibbles), minus 8.
+template <> struct Unit8<T_Q4_0> {
+    struct X {
+        int lo[2], hi[2];
+        float d;
+        int s;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const i8* xr = xq + (u >> 1) * 32 + 8 * (u & 1);
+        const int2 p = *(const int2*)xr, r = *(const int2*)(xr + 16);
+        X x;
+        x.lo[0] = p.x; x.lo[1] = p.y; x.hi[0] = r.x; x.hi[1] = r.y;
+        x.d = xd[u >> 1];
+        x.s = 0;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            x.s = dp4a_ss(0x01010101, x.lo[i], x.s);
+            x.s = dp4a_ss(0x01010101, x.hi[i], x.s);
+        }
+        return x;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_0>::Raw& raw, int, const X& x) {
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            s = dp4a_us(raw.q[i] & 0x0F0F0F0Fu, x.lo[i], s);
+            s = dp4a_us((raw.q[i] >> 4) & 0x0F0F0F0Fu, x.hi[i], s);
+        }
+        return h2f(raw.d) * x.d * (float)(s - 8 * x.s);
+    }
+};
+
+template <int TY, bool UP, int GD_R, int GD_U>
+__device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long rb, int nr,
+                                          const i8* xq, const float* xd, int k, int lane,
+                                          float* acc, float* acc_up) {
+    typedef Fmt<TY> F;
+    typedef Unit8<TY> U8;
+    constexpr int NU = UP ? 1 : GD_U;
+    const int units = F::units(k);
+    for (int u0 = lane; u0 < units; u0 += 32 * NU) {
+        typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
+#pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int u = u0 + 32 * j;
+            if (u < units)
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        raw[j][i] = F::load(w + i * rb, u);
+                        if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u);
+                    }
+        }
+#pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int u = u0 + 32 * j;
+            if (u < units) {
+                const typename U8::X xv = U8::load_x(xq, xd, u);
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        acc[i] += U8::dot(raw[j][i], u, xv);
+                        if (UP) acc_up[i] += U8::dot(raw_up[UP ? j : 0][UP ? i : 0], u, xv);
+                    }
+            }
+        }
+    }
+}
+
+#define ROWS_DOT8_CASE(T)                                                                      \
+    case T:                                                                                    \
+        if (up) rows_dot8<T, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);   \
+        else rows_dot8<T, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);     \
+        return;
+
+template <int GD_R, int GD_U>
+__device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up, long long rb,
+                                              int nr, const i8* xq, const float* xd, int k,
+                                              int lane, float* acc, float* acc_up) {
+    switch (ty) {
+    ROWS_DOT8_CASE(T_Q4_K)
+    ROWS_DOT8_CASE(T_Q6_K)
+    ROWS_DOT8_CASE(T_Q8_0)
+    ROWS_DOT8_CASE(T_Q4_0)
+    default: return;
+    }
+}
+
+// gemv_dec's launch on quantized activations (xq: k int8, xd: k/32 scales, from
+// quantize_x_q8); formats Q4_K, Q6_K, Q8_0, Q4_0 only (the host checks). `x` is unused.
+template <int GD_R, int GD_U>
+__device__ __forceinline__ void gemv_q8_body(const i8* xq, const float* xd, GEMV_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
+    const int rows2 = gated ? 0 : total - rows0 - rows1;
+    const int wa0 = (rows0 + GD_R - 1) / GD_R;
+    const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
+    const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
+    const u8* w;
+    long long rb;
+    int ty, rows, r0;
+    float* out;
+    const float* bias;
+    if (gw < wa0) {
+        w = w0; rb = rb0; ty = ty0; rows = rows0; out = out0; bias = bias0;
+        r0 = gw * GD_R;
+    } else if (gw < wa0 + wa1) {
+        w = w1; rb = rb1; ty = ty1; rows = rows1; out = out1; bias = bias1;
+        r0 = (gw - wa0) * GD_R;
+    } else if (gw < wa0 + wa1 + wa2) {
+        w = w2; rb = rb2; ty = ty2; rows = rows2; out = out2; bias = bias2;
+        r0 = (gw - wa0 - wa1) * GD_R;
+    } else {
+        return;
+    }
+    const int nr = min(GD_R, rows - r0);
+    float acc[GD_R], acc_up[GD_R];
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) acc[i] = acc_up[i] = 0.0f;
+    const u8* wr = w + (size_t)r0 * rb;
+    if (gated && ty0 == ty1 && rb0 == rb1) {
+        rows_dot8_any<GD_R, GD_U>(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, xq, xd, k, lane, acc,
+                                  acc_up);
+    } else {
+        rows_dot8_any<GD_R, GD_U>(ty, wr, nullptr, rb, nr, xq, xd, k, lane, acc, acc_up);
+        if (gated)
+            rows_dot8_any<GD_R, GD_U>(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, xq, xd, k,
+                                      lane, acc_up, nullptr);
+    }
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) {
+        acc[i] = warp_sum(acc[i]);
+        if (gated) acc_up[i] = warp_sum(acc_up[i]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                const int r = r0 + i;
+                if (gated)
+                    out0[r] = gv_act(acc[i], act) * acc_up[i];
+                else if (act)
+                    out[r] += acc[i] + (bias ? bias[r] : 0.0f);
+                else
+                    out[r] = acc[i] + (bias ? bias[r] : 0.0f);
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS) {
+    gemv_q8_body<2, 2>(xq, xd, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
+    gemv_q8_body<1, 4>(xq, xd, GEMV_ARGS);
+}

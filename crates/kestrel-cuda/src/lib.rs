@@ -219,12 +219,34 @@ pub struct CudaBackend {
     /// The single-token GEMV variant and its rows per warp (`KESTREL_CUDA_GEMV=r1|r2|r4`);
     /// None: by launch size (see `gemv`).
     gemv_dec: Option<(&'static str, usize)>,
+    /// Single-token GEMVs on 8-bit activations (`gemv_q8`; `KESTREL_CUDA_Q8=0` turns it
+    /// off: f32 activations everywhere, as the CPU backend computes).
+    q8_decode: std::sync::atomic::AtomicBool,
+    /// The quantized activations of those GEMVs: int8 values and a scale per 32, sized at
+    /// `new_step` for the model's widest input so that recorded graphs never see it move.
+    q8_scratch: Mutex<Option<Q8Scratch>>,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Whether any weight got an f16 copy.
     f16_copies: std::sync::atomic::AtomicBool,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
+}
+
+/// Int8 activations and their per-32 scales for `gemv_q8`.
+struct Q8Scratch {
+    q: CudaSlice<i8>,
+    d: CudaSlice<f32>,
+    /// Values it holds room for.
+    cap: usize,
+}
+
+/// Weight types `gemv_q8` reads.
+fn q8_supported(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::Q4_0
+    )
 }
 
 /// Device buffers holding a dequantized weight and the converted activations.
@@ -423,6 +445,10 @@ impl CudaBackend {
             },
             f16_copies: Default::default(),
             pinned: Mutex::new(None),
+            q8_decode: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
+            ),
+            q8_scratch: Mutex::new(None),
             gemm_scratch: Mutex::default(),
         })
     }
@@ -883,6 +909,62 @@ impl CudaBackend {
         );
     }
 
+    /// Whether single-token GEMVs run on 8-bit activations where the format allows.
+    pub fn q8_decode(&self) -> bool {
+        self.q8_decode.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns the 8-bit activation GEMVs on or off (the self-check covers both paths).
+    pub fn set_q8_decode(&self, on: bool) {
+        self.q8_decode
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Makes the Q8 activation buffers hold at least `k` values.
+    pub fn reserve_q8(&self, k: usize) -> anyhow::Result<()> {
+        let mut s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if s.as_ref().is_some_and(|s| s.cap >= k) {
+            return Ok(());
+        }
+        *s = None;
+        let cap = k.next_multiple_of(256);
+        *s = Some(Q8Scratch {
+            q: self.alloc::<i8>(cap, "the quantized activations")?,
+            d: self.alloc::<f32>(cap / 32, "the activation scales")?,
+            cap,
+        });
+        Ok(())
+    }
+
+    /// Whether a single-token product with these segments runs on 8-bit activations.
+    fn q8_applies(&self, k: usize, n: usize, segs: &[GemvSeg]) -> bool {
+        self.q8_decode()
+            && !self.legacy_gemv1
+            && n == 1
+            && k.is_multiple_of(32)
+            && segs.iter().all(|s| q8_supported(s.ty))
+            && self
+                .q8_scratch
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_some_and(|s| s.cap >= k)
+    }
+
+    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs the
+    /// single-token GEMV on 8-bit activations.
+    pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, .. } = w else {
+            return false;
+        };
+        self.q8_decode()
+            && !self.legacy_gemv1
+            && n == 1
+            && q8_supported(*ty)
+            && gemv_supported(*ty, *cols)
+            && !self.prefer_gemm(w, n)
+    }
+
     /// Whether `matmul` of `n` tokens with `w` goes through cuBLAS (f16 operands) when no
     /// step is being recorded.
     pub fn matmul_uses_cublas(&self, w: &CudaWeight, n: usize) -> bool {
@@ -1120,6 +1202,41 @@ impl CudaBackend {
             args.push(Arg::I(s.ld as i32));
             args.push(Arg::P(s.bias));
         }
+        if self.q8_applies(k, n, segs) {
+            let (q_ptr, d_ptr) = {
+                let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
+                match s.as_ref() {
+                    Some(s) => (self.ptr(&s.q), self.ptr(&s.d)),
+                    None => return,
+                }
+            };
+            self.launch(
+                "quantize_x_q8",
+                grid_1d(k / 32, 8),
+                256,
+                &[
+                    Arg::P(x.ptr),
+                    Arg::I(k as i32),
+                    Arg::P(q_ptr),
+                    Arg::P(d_ptr),
+                ],
+            );
+            let (kernel, rows) = match self.gemv_dec {
+                Some((_, 1)) => ("gemv_q8_r1", 1),
+                Some(_) => ("gemv_q8", 2),
+                None if k <= 2048 => ("gemv_q8_r1", 1),
+                None => ("gemv_q8", 2),
+            };
+            let warps: usize = if gated.is_some() {
+                segs[0].rows.div_ceil(rows)
+            } else {
+                segs.iter().map(|s| s.rows.div_ceil(rows)).sum()
+            };
+            let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
+            q8_args.extend_from_slice(&args);
+            self.launch(kernel, grid_1d(warps, 4), 128, &q8_args);
+            return;
+        }
         if n == 1 && !self.legacy_gemv1 {
             // gemv_dec: `rows` rows per warp, 4 warps per block, per matrix.
             // Rows of at most SHORT_ROW values: one row per warp (a lane then has one or two
@@ -1278,6 +1395,11 @@ impl kestrel_model::Backend for CudaBackend {
 
     fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<CudaStep> {
         let max_tokens = max_tokens.max(1);
+        let widest = config
+            .n_embd
+            .max(config.n_ff)
+            .max(config.n_head * config.head_dim);
+        self.reserve_q8(widest)?;
         // Room for one sequence at full context; grows if a step needs more.
         let table_capacity = config.context_length.div_ceil(16).max(64);
         let buf = self.alloc::<u32>(6 * max_tokens + table_capacity, "the step inputs")?;

@@ -337,6 +337,28 @@ pub struct GemvReport {
     pub non_finite: usize,
     /// Whether the product went through cuBLAS with f16 operands.
     pub via_cublas: bool,
+    /// Whether it ran on 8-bit activations (the reference then uses them too).
+    pub via_q8: bool,
+}
+
+/// `x` as the GPU's `quantize_x_q8` leaves it, back in f32: per block of 32, d = max|x| /
+/// 127 and q = round-half-even(x / d), clamped to ±127; value d · q.
+pub fn quantize_q8_like_gpu(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for block in x.chunks(32) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        for &v in block {
+            let q = if d > 0.0 {
+                (v / d).round_ties_even().clamp(-127.0, 127.0)
+            } else {
+                0.0
+            };
+            // Rounded to f32 (relative 6e-8, far below the GEMV bound).
+            out.push((d as f64 * q as f64) as f32);
+        }
+    }
+    out
 }
 
 /// Largest relative error allowed for a GEMV (f32 arithmetic over up to a few thousand
@@ -404,7 +426,12 @@ pub fn compare_gemv(
     let xt = backend.upload_tensor(n, cols, &x)?;
     let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
+    let via_q8 = backend.matmul_uses_q8(&weight, n);
+    backend.reserve_q8(cols)?;
     backend.matmul(&xt, &weight, n, &mut out);
+    // The 8-bit path's reference uses the activations it sees: x rounded as
+    // `quantize_x_q8` rounds it.
+    let x = if via_q8 { quantize_q8_like_gpu(&x) } else { x };
     let mut got = Vec::new();
     backend.read_rows(&out, n, &mut got)?;
     let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
@@ -432,6 +459,7 @@ pub fn compare_gemv(
         rel_err: (err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(),
         non_finite,
         via_cublas,
+        via_q8,
     })
 }
 

@@ -120,13 +120,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "; cuBLAS absent: matmul kernel"
         }
     );
+    // Single-token products of the Q8-capable formats run on 8-bit activations by default:
+    // check them with that path off too ("gemv-f32").
+    let q8_default = backend.q8_decode();
     let gemv = selfcheck::GEMV_TYPES.into_iter().map(|ty| ("gemv", ty));
+    let gemv_f32 = selfcheck::GEMV_TYPES
+        .into_iter()
+        .filter(|_| q8_default)
+        .map(|ty| ("gemv-f32", ty));
     let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
-    for (it, (kind, ty)) in gemv.chain(gemm).enumerate() {
+    for (it, (kind, ty)) in gemv.chain(gemv_f32).chain(gemm).enumerate() {
+        backend.set_q8_decode(q8_default && kind != "gemv-f32");
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
         let case_seed = seed.wrapping_add(500 + it as u64);
-        let cases = if kind == "gemv" {
+        let cases = if kind.starts_with("gemv") {
             selfcheck::gemv_cases(ty, case_seed)
         } else {
             selfcheck::gemm_cases(ty, case_seed)
@@ -150,11 +158,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             println!("{kind} {:<6} ERROR {e}", ty.name());
         } else if let Some(r) = worst {
             println!(
-                "{kind} {:<6} worst {}x{} n={}: rel err {:.2e}{}  {}",
+                "{kind} {:<6} worst {}x{} n={}{}: rel err {:.2e}{}  {}",
                 ty.name(),
                 r.rows,
                 r.cols,
                 r.tokens,
+                if r.via_q8 {
+                    " (8-bit activations)"
+                } else if r.via_cublas {
+                    " (cuBLAS, f16)"
+                } else {
+                    ""
+                },
                 r.rel_err,
                 if r.non_finite > 0 {
                     format!(" ({} non-finite)", r.non_finite)
