@@ -30,7 +30,8 @@ fn logits_match_cpu_for_every_arch_and_type() {
             // Awkward lengths: not a multiple of the block size or of the 100-token chunks.
             let n = rng.random_range(130..260);
             let seed = rng.random();
-            let r = selfcheck::compare_logits(arch, ty, n, seed, 0).expect("comparison runs");
+            let r =
+                selfcheck::compare_logits(arch, ty, n, seed, 0, false).expect("comparison runs");
             eprintln!(
                 "{arch:?} {ty}: max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
                 r.max_abs_diff,

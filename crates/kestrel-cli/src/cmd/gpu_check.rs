@@ -183,25 +183,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(backend);
     let positions = args.positions.clamp(1, 512);
     println!(
-        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|)",
+        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\")",
         selfcheck::TIE_REL,
-        MIN_TOP1_AGREEMENT * 100.0
+        MIN_TOP1_AGREEMENT * 100.0,
+        selfcheck::MAX_REL_DIFF_Q8,
     );
     println!(
-        "{:<8} {:<8} {:>12} {:>12} {:>9} {:>9}  result",
+        "{:<8} {:<9} {:>12} {:>12} {:>9} {:>9}  result",
         "arch", "type", "max|Δ|", "max|logit|", "top-1", "w/ ties"
     );
+    // Every type with the GPU held to f32 arithmetic, then the types whose single-token
+    // GEMVs run on 8-bit activations by default, that way (looser |Δ| bound).
+    let cases: Vec<(&str, bool)> = TYPES
+        .iter()
+        .map(|&t| (t, false))
+        .chain(selfcheck::Q8_TYPES.iter().map(|&t| (t, true)))
+        .collect();
     for (ia, arch) in ARCHS.into_iter().enumerate() {
-        for (it, ty) in TYPES.into_iter().enumerate() {
+        for (it, &(ty, q8)) in cases.iter().enumerate() {
             let case_seed = seed.wrapping_add((ia * 100 + it) as u64);
-            match selfcheck::compare_logits(arch, ty, positions, case_seed, args.gpu) {
+            let label = if q8 {
+                format!("{ty}+q8")
+            } else {
+                ty.to_string()
+            };
+            match selfcheck::compare_logits(arch, ty, positions, case_seed, args.gpu, q8) {
                 Ok(r) => {
                     let ok = r.passed();
                     failures += usize::from(!ok);
                     println!(
-                        "{:<8} {:<8} {:>12.3e} {:>12.3e} {:>8.2}% {:>8.2}%  {}{}",
+                        "{:<8} {:<9} {:>12.3e} {:>12.3e} {:>8.2}% {:>8.2}%  {}{}",
                         arch.name(),
-                        ty,
+                        label,
                         r.max_abs_diff,
                         r.max_abs_logit,
                         r.top1_agreement * 100.0,
@@ -216,7 +229,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 }
                 Err(e) => {
                     failures += 1;
-                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                    println!("{:<8} {:<9} ERROR {e:#}", arch.name(), label);
                 }
             }
         }
