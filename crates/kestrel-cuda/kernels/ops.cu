@@ -41,6 +41,31 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * scale * w[j];
 }
 
+// rms_norm of one row that also leaves the result quantized for gemv_q8 (as quantize_x_q8
+// would: blocks of 32, d = max|v| / 127, q = round(v / d)); cols a multiple of 32. Each
+// warp's 32 consecutive values of an iteration are one block.
+extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* out, int cols,
+                                       float eps, i8* q, float* d) {
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += x[j] * x[j];
+    ss = block_sum(ss);
+    const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
+    const int lane = threadIdx.x & 31;
+    for (int base = 0; base < cols; base += blockDim.x) {
+        const int j = base + threadIdx.x;
+        const float v = j < cols ? x[j] * scale * w[j] : 0.0f;
+        float amax = fabsf(v);
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float step = amax / 127.0f;
+        const int qi = step > 0.0f ? __float2int_rn(v / step) : 0;
+        if (j < cols) {
+            out[j] = v;
+            q[j] = (i8)max(-127, min(127, qi));
+            if (lane == 0) d[j >> 5] = step;
+        }
+    }
+}
+
 // Rotary embedding in place of one token's row of heads, as ggml computes the angles: f32
 // throughout, theta advanced by repeated multiplication with theta_scale. The cos/sin of
 // each pair are computed once per block into `cs` / `sn` (n_rot / 2 entries; the caller

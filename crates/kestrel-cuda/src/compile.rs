@@ -34,6 +34,7 @@ pub const KERNELS: &[&str] = &[
     "add_bias",
     "gated_act",
     "rms_norm",
+    "rms_norm_q8",
     "rope",
     "store_kv",
     "rope_store_kv",

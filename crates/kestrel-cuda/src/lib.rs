@@ -225,6 +225,9 @@ pub struct CudaBackend {
     /// The quantized activations of those GEMVs: int8 values and a scale per 32, sized at
     /// `new_step` for the model's widest input so that recorded graphs never see it move.
     q8_scratch: Mutex<Option<Q8Scratch>>,
+    /// The activation tensor whose first row the Q8 buffers hold (set by `rms_norm_q8`;
+    /// any other launch clears it).
+    q8_holds: Mutex<Option<u64>>,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Whether any weight got an f16 copy.
@@ -449,6 +452,7 @@ impl CudaBackend {
                 std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
             ),
             q8_scratch: Mutex::new(None),
+            q8_holds: Mutex::new(None),
             gemm_scratch: Mutex::default(),
         })
     }
@@ -677,6 +681,8 @@ impl CudaBackend {
     /// check.
     pub fn check(&self) -> anyhow::Result<()> {
         self.flush();
+        // A step ends here: the next one quantizes its activations afresh.
+        *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let sync = self.stream.synchronize();
         self.profile_collect();
         if let Some(msg) = self.lock_error().take() {
@@ -714,6 +720,10 @@ impl CudaBackend {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
+        // Only the GEMVs that read them keep the quantized activations valid.
+        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1") {
+            *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
         let l = Launch {
             func,
             grid,
@@ -934,6 +944,14 @@ impl CudaBackend {
             cap,
         });
         Ok(())
+    }
+
+    /// Device addresses of the Q8 activation buffers, if they hold `k` values.
+    fn q8_buffers(&self, k: usize) -> Option<(u64, u64)> {
+        let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        s.as_ref()
+            .filter(|s| s.cap >= k)
+            .map(|s| (self.ptr(&s.q), self.ptr(&s.d)))
     }
 
     /// Whether a single-token product with these segments runs on 8-bit activations.
@@ -1203,24 +1221,23 @@ impl CudaBackend {
             args.push(Arg::P(s.bias));
         }
         if self.q8_applies(k, n, segs) {
-            let (q_ptr, d_ptr) = {
-                let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
-                match s.as_ref() {
-                    Some(s) => (self.ptr(&s.q), self.ptr(&s.d)),
-                    None => return,
-                }
+            let Some((q_ptr, d_ptr)) = self.q8_buffers(k) else {
+                return;
             };
-            self.launch(
-                "quantize_x_q8",
-                grid_1d(k / 32, 8),
-                256,
-                &[
-                    Arg::P(x.ptr),
-                    Arg::I(k as i32),
-                    Arg::P(q_ptr),
-                    Arg::P(d_ptr),
-                ],
-            );
+            let quantized = *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some(x.ptr);
+            if !quantized {
+                self.launch(
+                    "quantize_x_q8",
+                    grid_1d(k / 32, 8),
+                    256,
+                    &[
+                        Arg::P(x.ptr),
+                        Arg::I(k as i32),
+                        Arg::P(q_ptr),
+                        Arg::P(d_ptr),
+                    ],
+                );
+            }
             let (kernel, rows) = match self.gemv_dec {
                 Some((_, 1)) => ("gemv_q8_r1", 1),
                 Some(_) => ("gemv_q8", 2),
@@ -1528,6 +1545,30 @@ impl kestrel_model::Backend for CudaBackend {
         };
         // About 4 values per thread: a single-token row is one block's latency.
         let block = (x.cols / 4).next_multiple_of(32).clamp(32, 1024) as u32;
+        // A single-token row whose consumer is a gemv_q8: quantize it on the way out.
+        if n == 1
+            && self.q8_decode()
+            && !self.legacy_gemv1
+            && x.cols.is_multiple_of(32)
+            && let Some((q_ptr, d_ptr)) = self.q8_buffers(x.cols)
+        {
+            self.launch(
+                "rms_norm_q8",
+                (1, 1, 1),
+                block,
+                &[
+                    Arg::P(x.ptr),
+                    Arg::P(w),
+                    Arg::P(out.ptr),
+                    Arg::I(x.cols as i32),
+                    Arg::F(eps),
+                    Arg::P(q_ptr),
+                    Arg::P(d_ptr),
+                ],
+            );
+            *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
+            return;
+        }
         self.launch(
             "rms_norm",
             (n as u32, 1, 1),
