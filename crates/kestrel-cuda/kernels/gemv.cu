@@ -1214,3 +1214,132 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
     gemv_q8_body<1, 4>(xq, xd, GEMV_ARGS);
 }
+
+// gemv_q8 for 2..T tokens (batched decode): each weight unit is loaded once and dotted with
+// every token's 8-bit activations (rows of k int8 values and k/32 scales, token after
+// token). acc[R][T] per lane; out rows have ld floats.
+template <int TY, bool UP, int GD_R, int T>
+__device__ __forceinline__ void rows_dot8_t(const u8* w, const u8* up, long long rb, int nr,
+                                            const i8* xq, const float* xd, int k, int n,
+                                            int lane, float (*acc)[T], float (*acc_up)[T]) {
+    typedef Fmt<TY> F;
+    typedef Unit8<TY> U8;
+    const int units = F::units(k);
+    for (int u = lane; u < units; u += 32) {
+        typename F::Raw raw[GD_R], raw_up[UP ? GD_R : 1];
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                raw[i] = F::load(w + i * rb, u);
+                if (UP) raw_up[UP ? i : 0] = F::load(up + i * rb, u);
+            }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            if (t < n) {
+                const typename U8::X xv =
+                    U8::load_x(xq + (size_t)t * k, xd + (size_t)t * (k / 32), u);
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        acc[i][t] += U8::dot(raw[i], u, xv);
+                        if (UP) acc_up[i][t] += U8::dot(raw_up[UP ? i : 0], u, xv);
+                    }
+            }
+        }
+    }
+}
+
+#define ROWS_DOT8T_CASE(TYP)                                                                   \
+    case TYP:                                                                                  \
+        if (up)                                                                                \
+            rows_dot8_t<TYP, true, GD_R, T>(w, up, rb, nr, xq, xd, k, n, lane, acc, acc_up);   \
+        else                                                                                   \
+            rows_dot8_t<TYP, false, GD_R, T>(w, up, rb, nr, xq, xd, k, n, lane, acc, acc_up);  \
+        return;
+
+template <int GD_R, int T>
+__device__ __forceinline__ void rows_dot8_t_any(int ty, const u8* w, const u8* up, long long rb,
+                                                int nr, const i8* xq, const float* xd, int k,
+                                                int n, int lane, float (*acc)[T],
+                                                float (*acc_up)[T]) {
+    switch (ty) {
+    ROWS_DOT8T_CASE(T_Q4_K)
+    ROWS_DOT8T_CASE(T_Q6_K)
+    ROWS_DOT8T_CASE(T_Q8_0)
+    ROWS_DOT8T_CASE(T_Q4_0)
+    default: return;
+    }
+}
+
+template <int GD_R, int T>
+__device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
+    const int rows2 = gated ? 0 : total - rows0 - rows1;
+    const int wa0 = (rows0 + GD_R - 1) / GD_R;
+    const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
+    const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
+    const u8* w;
+    long long rb;
+    int ty, rows, r0, ld;
+    float* out;
+    const float* bias;
+    if (gw < wa0) {
+        w = w0; rb = rb0; ty = ty0; rows = rows0; out = out0; bias = bias0; ld = ld0;
+        r0 = gw * GD_R;
+    } else if (gw < wa0 + wa1) {
+        w = w1; rb = rb1; ty = ty1; rows = rows1; out = out1; bias = bias1; ld = ld1;
+        r0 = (gw - wa0) * GD_R;
+    } else if (gw < wa0 + wa1 + wa2) {
+        w = w2; rb = rb2; ty = ty2; rows = rows2; out = out2; bias = bias2; ld = ld2;
+        r0 = (gw - wa0 - wa1) * GD_R;
+    } else {
+        return;
+    }
+    const int nr = min(GD_R, rows - r0);
+    float acc[GD_R][T], acc_up[GD_R][T];
+#pragma unroll
+    for (int i = 0; i < GD_R; i++)
+#pragma unroll
+        for (int t = 0; t < T; t++) acc[i][t] = acc_up[i][t] = 0.0f;
+    const u8* wr = w + (size_t)r0 * rb;
+    if (gated && ty0 == ty1 && rb0 == rb1) {
+        rows_dot8_t_any<GD_R, T>(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, xq, xd, k, n, lane, acc,
+                                 acc_up);
+    } else {
+        rows_dot8_t_any<GD_R, T>(ty, wr, nullptr, rb, nr, xq, xd, k, n, lane, acc, acc_up);
+        if (gated)
+            rows_dot8_t_any<GD_R, T>(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, xq, xd, k, n,
+                                     lane, acc_up, acc_up);
+    }
+#pragma unroll
+    for (int i = 0; i < GD_R; i++)
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            acc[i][t] = warp_sum(acc[i][t]);
+            if (gated) acc_up[i][t] = warp_sum(acc_up[i][t]);
+        }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                const int r = r0 + i;
+#pragma unroll
+                for (int t = 0; t < T; t++)
+                    if (t < n) {
+                        if (gated)
+                            out0[(size_t)t * ld0 + r] = gv_act(acc[i][t], act) * acc_up[i][t];
+                        else
+                            out[(size_t)t * ld + r] = acc[i][t] + (bias ? bias[r] : 0.0f);
+                    }
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_t4(const i8* xq, const float* xd, GEMV_PARAMS) {
+    gemv_q8_t_body<2, 4>(xq, xd, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
+    gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
+}

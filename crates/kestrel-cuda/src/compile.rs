@@ -29,6 +29,8 @@ pub const KERNELS: &[&str] = &[
     "quantize_x_q8",
     "gemv_q8",
     "gemv_q8_r1",
+    "gemv_q8_t4",
+    "gemv_q8_t8",
     "scale_f32",
     "add_f32",
     "add_bias",

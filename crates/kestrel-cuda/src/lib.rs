@@ -230,7 +230,8 @@ pub struct CudaBackend {
     q8_holds: Mutex<Option<u64>>,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
-    /// Whether any weight got an f16 copy.
+    /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
+    /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
     f16_copies: std::sync::atomic::AtomicBool,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
@@ -790,8 +791,11 @@ impl CudaBackend {
             ],
         );
         *f16 = Some(copy);
-        self.f16_copies
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // Small batches of this weight will use cuBLAS unless the 8-bit GEMVs read it.
+        if !q8_supported(*ty) {
+            self.f16_copies
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.check()
     }
 
@@ -800,9 +804,15 @@ impl CudaBackend {
     /// from GEMM_MIN_TOKENS tokens, or from 2 when `w` needs no dequantizing (f16 copy or
     /// F16 weights: one read of 2 bytes per weight beats the GEMV kernels' per-token cost).
     fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        // Small batches of Q8-capable weights stay on the 8-bit GEMVs (one read of the
+        // quantized rows for all tokens).
+        let q8_gemv = n <= GEMV_MAX_TOKENS
+            && self.q8_decode()
+            && !self.legacy_gemv1
+            && matches!(w, CudaWeight::Matrix { ty, .. } if q8_supported(*ty));
         self.blas.is_some()
             && !self.lock_recorder().deferring
-            && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16()))
+            && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16() && !q8_gemv))
     }
 
     /// Attention of tokens `tok0 .. tok0 + n` of any sequences: split across key ranges
@@ -958,15 +968,18 @@ impl CudaBackend {
     fn q8_applies(&self, k: usize, n: usize, segs: &[GemvSeg]) -> bool {
         self.q8_decode()
             && !self.legacy_gemv1
-            && n == 1
+            && (1..=GEMV_MAX_TOKENS).contains(&n)
             && k.is_multiple_of(32)
+            && segs
+                .iter()
+                .all(|s| q8_supported(s.ty) && !s.accumulate || n == 1)
             && segs.iter().all(|s| q8_supported(s.ty))
             && self
                 .q8_scratch
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .as_ref()
-                .is_some_and(|s| s.cap >= k)
+                .is_some_and(|s| s.cap >= n * k)
     }
 
     /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs the
@@ -977,7 +990,7 @@ impl CudaBackend {
         };
         self.q8_decode()
             && !self.legacy_gemv1
-            && n == 1
+            && (1..=GEMV_MAX_TOKENS).contains(&n)
             && q8_supported(*ty)
             && gemv_supported(*ty, *cols)
             && !self.prefer_gemm(w, n)
@@ -1221,28 +1234,32 @@ impl CudaBackend {
             args.push(Arg::P(s.bias));
         }
         if self.q8_applies(k, n, segs) {
-            let Some((q_ptr, d_ptr)) = self.q8_buffers(k) else {
+            let Some((q_ptr, d_ptr)) = self.q8_buffers(n * k) else {
                 return;
             };
-            let quantized = *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some(x.ptr);
+            let quantized =
+                n == 1 && *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some(x.ptr);
             if !quantized {
+                // Rows of k values back to back: n·k/32 blocks of 32.
                 self.launch(
                     "quantize_x_q8",
-                    grid_1d(k / 32, 8),
+                    grid_1d(n * k / 32, 8),
                     256,
                     &[
                         Arg::P(x.ptr),
-                        Arg::I(k as i32),
+                        Arg::I((n * k) as i32),
                         Arg::P(q_ptr),
                         Arg::P(d_ptr),
                     ],
                 );
             }
-            let (kernel, rows) = match self.gemv_dec {
-                Some((_, 1)) => ("gemv_q8_r1", 1),
-                Some(_) => ("gemv_q8", 2),
-                None if k <= 2048 => ("gemv_q8_r1", 1),
-                None => ("gemv_q8", 2),
+            let (kernel, rows) = match (n, self.gemv_dec) {
+                (2..=4, _) => ("gemv_q8_t4", 2),
+                (5.., _) => ("gemv_q8_t8", 2),
+                (_, Some((_, 1))) => ("gemv_q8_r1", 1),
+                (_, Some(_)) => ("gemv_q8", 2),
+                (_, None) if k <= 2048 => ("gemv_q8_r1", 1),
+                (_, None) => ("gemv_q8", 2),
             };
             let warps: usize = if gated.is_some() {
                 segs[0].rows.div_ceil(rows)
@@ -1416,7 +1433,7 @@ impl kestrel_model::Backend for CudaBackend {
             .n_embd
             .max(config.n_ff)
             .max(config.n_head * config.head_dim);
-        self.reserve_q8(widest)?;
+        self.reserve_q8(GEMV_MAX_TOKENS * widest)?;
         // Room for one sequence at full context; grows if a step needs more.
         let table_capacity = config.context_length.div_ceil(16).max(64);
         let buf = self.alloc::<u32>(6 * max_tokens + table_capacity, "the step inputs")?;

@@ -274,7 +274,10 @@ pub fn compare_batched(
         b.iter().all(|r| r.len() == vocab as usize),
         "a batched position returned no logits"
     );
-    Ok(logit_report(arch, ty, &a, &b))
+    let mut report = logit_report(arch, ty, &a, &b);
+    // Decode steps of several sequences run on 8-bit activations where the format allows.
+    report.q8 = gpu.backend.q8_decode();
+    Ok(report)
 }
 
 /// Greedy generation on both engines.
