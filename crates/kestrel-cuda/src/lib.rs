@@ -970,10 +970,9 @@ impl CudaBackend {
             && !self.legacy_gemv1
             && (1..=GEMV_MAX_TOKENS).contains(&n)
             && k.is_multiple_of(32)
-            && segs
-                .iter()
-                .all(|s| q8_supported(s.ty) && !s.accumulate || n == 1)
             && segs.iter().all(|s| q8_supported(s.ty))
+            // Only the single-token kernels add into their outputs.
+            && (n == 1 || segs.iter().all(|s| !s.accumulate))
             && self
                 .q8_scratch
                 .lock()
@@ -982,8 +981,8 @@ impl CudaBackend {
                 .is_some_and(|s| s.cap >= n * k)
     }
 
-    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs the
-    /// single-token GEMV on 8-bit activations.
+    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
+    /// 8-bit activations.
     pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
         let CudaWeight::Matrix { ty, cols, .. } = w else {
             return false;
