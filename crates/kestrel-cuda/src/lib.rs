@@ -65,6 +65,8 @@ pub fn device_count() -> anyhow::Result<usize> {
 
 /// Steps of at most this many tokens are recorded and replayed as CUDA graphs.
 pub const GRAPH_MAX_TOKENS: usize = 8;
+/// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
+const Q8_GEMV_MAX_TOKENS: usize = 4;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -233,6 +235,8 @@ pub struct CudaBackend {
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
     /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
     f16_copies: std::sync::atomic::AtomicBool,
+    /// Whether some Q8-capable weight has an f16 copy (cuBLAS above Q8_GEMV_MAX_TOKENS).
+    f16_copies_q8: std::sync::atomic::AtomicBool,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
 }
@@ -448,6 +452,7 @@ impl CudaBackend {
                 _ => None,
             },
             f16_copies: Default::default(),
+            f16_copies_q8: Default::default(),
             pinned: Mutex::new(None),
             q8_decode: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
@@ -792,10 +797,12 @@ impl CudaBackend {
         );
         *f16 = Some(copy);
         // Small batches of this weight will use cuBLAS unless the 8-bit GEMVs read it.
-        if !q8_supported(*ty) {
-            self.f16_copies
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        let flag = if q8_supported(*ty) {
+            &self.f16_copies_q8
+        } else {
+            &self.f16_copies
+        };
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
         self.check()
     }
 
@@ -805,8 +812,10 @@ impl CudaBackend {
     /// F16 weights: one read of 2 bytes per weight beats the GEMV kernels' per-token cost).
     fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
         // Small batches of Q8-capable weights stay on the 8-bit GEMVs (one read of the
-        // quantized rows for all tokens).
-        let q8_gemv = n <= GEMV_MAX_TOKENS
+        // quantized rows for all tokens) up to Q8_GEMV_MAX_TOKENS when an f16 copy exists
+        // (measured at 8 tokens, Llama-3-8B Q4_K_M: gemv_q8_t8 575 t/s, cuBLAS on the f16
+        // copies 705), up to GEMV_MAX_TOKENS otherwise.
+        let q8_gemv = n <= Q8_GEMV_MAX_TOKENS
             && self.q8_decode()
             && !self.legacy_gemv1
             && matches!(w, CudaWeight::Matrix { ty, .. } if q8_supported(*ty));
@@ -1499,12 +1508,16 @@ impl kestrel_model::Backend for CudaBackend {
             .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
         step.n_tokens = n;
         step.n_logit_rows = batch.logit_rows.len();
-        // Multi-token steps go through cuBLAS when the weights have f16 copies, so only
-        // single-token steps are recorded then.
-        let small_batches_use_cublas =
-            self.blas.is_some() && self.f16_copies.load(std::sync::atomic::Ordering::Relaxed);
+        // Steps of 2–8 tokens whose products go through cuBLAS (see `prefer_gemm`) are not
+        // recorded: cuBLAS calls are not launches the recorder can replay.
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let copies_q8 = self.f16_copies_q8.load(relaxed);
+        let uses_cublas = self.blas.is_some()
+            && n >= 2
+            && (self.f16_copies.load(relaxed)
+                || (copies_q8 && (n > Q8_GEMV_MAX_TOKENS || !self.q8_decode())));
         if n <= GRAPH_MAX_TOKENS
-            && (n == 1 || !small_batches_use_cublas)
+            && !uses_cublas
             && self.graphs.load(std::sync::atomic::Ordering::Relaxed)
         {
             self.lock_recorder().deferring = true;

@@ -455,7 +455,7 @@ pub fn compare_gemv(
     let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
-    backend.reserve_q8(cols)?;
+    backend.reserve_q8(n * cols)?;
     backend.matmul(&xt, &weight, n, &mut out);
     // The 8-bit path's reference uses the activations it sees: x rounded as
     // `quantize_x_q8` rounds it.
