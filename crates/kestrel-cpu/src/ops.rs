@@ -107,9 +107,12 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
     const GROUP: usize = 16;
     let out_ptr = SharedOut(out.data.as_mut_ptr());
     let n_groups = n_out.div_ceil(GROUP);
-    (0..n_groups).into_par_iter().for_each_init(
-        || vec![0f32; GROUP * k],
-        |scratch, g| {
+    (0..n_groups).into_par_iter().for_each(|g| {
+        // Per-thread dequantization scratch, grown once (no allocation per step).
+        DEQUANT_SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.len() < GROUP * k {
+                scratch.resize(GROUP * k, 0.0);
+            }
             let j0 = g * GROUP;
             let j1 = (j0 + GROUP).min(n_out);
             for j in j0..j1 {
@@ -165,8 +168,14 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
                     }
                 }
             }
-        },
-    );
+        })
+    });
+}
+
+thread_local! {
+    /// Dequantized weight rows of the grouped matmul on this thread.
+    static DEQUANT_SCRATCH: std::cell::RefCell<Vec<f32>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Up to this many tokens, matmul reads each weight row straight from its quantized
@@ -317,21 +326,33 @@ pub fn rope(x: &mut CpuTensor, head_dim: usize, rope: &RopeParams, positions: &[
     x.data[..n * c]
         .par_chunks_exact_mut(c)
         .zip(&positions[..n])
-        .for_each_init(Vec::new, |cs, (row, &pos)| {
-            rope_cache(rope, pos, cs);
-            for head in row.chunks_exact_mut(head_dim) {
-                for (i, &(cos, sin)) in cs.iter().enumerate() {
-                    let (a, b) = if rope.neox {
-                        (i, i + half)
-                    } else {
-                        (2 * i, 2 * i + 1)
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos - x1 * sin;
-                    head[b] = x0 * sin + x1 * cos;
+        .for_each(|(row, &pos)| {
+            // Per-thread angle table, grown once (no allocation per decode step).
+            ROPE_ANGLES.with_borrow_mut(|cs| {
+                rope_cache(rope, pos, cs);
+                for head in row.chunks_exact_mut(head_dim) {
+                    for (i, &(cos, sin)) in cs.iter().enumerate() {
+                        let (a, b) = if rope.neox {
+                            (i, i + half)
+                        } else {
+                            (2 * i, 2 * i + 1)
+                        };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * cos - x1 * sin;
+                        head[b] = x0 * sin + x1 * cos;
+                    }
                 }
-            }
+            })
         });
+}
+
+thread_local! {
+    /// (cos, sin) per rotated pair of the token being rotated.
+    static ROPE_ANGLES: std::cell::RefCell<Vec<(f32, f32)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+    /// Attention scratch of this thread, grown to the longest context once.
+    static ATTN_SCRATCH: std::cell::RefCell<AttnScratch> =
+        const { std::cell::RefCell::new(AttnScratch { kv_row: Vec::new(), scores: Vec::new() }) };
 }
 
 /// Cache slot of a position in a sequence's block table.
@@ -451,7 +472,7 @@ pub fn attention(
         out.data[..n * oc]
             .par_chunks_exact_mut(oc)
             .enumerate()
-            .for_each_init(AttnScratch::default, |scr, (i, o)| per_token(scr, i, o));
+            .for_each(|(i, o)| ATTN_SCRATCH.with_borrow_mut(|scr| per_token(scr, i, o)));
     }
 }
 

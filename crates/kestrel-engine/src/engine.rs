@@ -52,6 +52,8 @@ pub struct Engine<B: Backend> {
     pub ctx: usize,
     scratch: Scratch<B>,
     logits: Vec<f32>,
+    /// The batch `eval` fills and reuses.
+    batch: Batch,
 }
 
 impl<B: Backend> Engine<B> {
@@ -79,6 +81,7 @@ impl<B: Backend> Engine<B> {
             ctx,
             scratch,
             logits: Vec::new(),
+            batch: Batch::default(),
         })
     }
 
@@ -140,25 +143,37 @@ impl<B: Backend> Engine<B> {
         };
         let vocab = self.model.config.vocab_size;
         let mut done = 0;
+        // The engine's batch is refilled in place: a decode step allocates nothing.
+        let mut batch = std::mem::take(&mut self.batch);
         for part in tokens.chunks(chunk) {
             let start = seq.tokens.len();
-            let batch = Batch {
-                tokens: part.to_vec(),
-                positions: (start..start + part.len()).map(|p| p as u32).collect(),
-                seq_of: vec![0; part.len()],
-                seqs: vec![SeqSlot {
-                    block_table: seq.block_table.clone(),
-                    kv_len: start + part.len(),
-                }],
-                logit_rows: if all_logits {
-                    (0..part.len() as u32).collect()
-                } else if done + part.len() == tokens.len() {
-                    vec![part.len() as u32 - 1]
-                } else {
-                    vec![]
-                },
+            batch.tokens.clear();
+            batch.tokens.extend_from_slice(part);
+            batch.positions.clear();
+            batch
+                .positions
+                .extend((start..start + part.len()).map(|p| p as u32));
+            batch.seq_of.clear();
+            batch.seq_of.resize(part.len(), 0);
+            batch.seqs.resize_with(1, SeqSlot::default);
+            batch.seqs[0].block_table.clear();
+            batch.seqs[0]
+                .block_table
+                .extend_from_slice(&seq.block_table);
+            batch.seqs[0].kv_len = start + part.len();
+            batch.logit_rows.clear();
+            if all_logits {
+                batch.logit_rows.extend(0..part.len() as u32);
+            } else if done + part.len() == tokens.len() {
+                batch.logit_rows.push(part.len() as u32 - 1);
+            }
+            let logits = match self.step(&batch) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.batch = batch;
+                    return Err(e);
+                }
             };
-            let logits = self.step(&batch)?;
             for (r, row) in logits.chunks_exact(vocab).enumerate() {
                 let index = if all_logits {
                     done + r
@@ -170,6 +185,7 @@ impl<B: Backend> Engine<B> {
             seq.tokens.extend_from_slice(part);
             done += part.len();
         }
+        self.batch = batch;
         Ok(())
     }
 

@@ -3,7 +3,7 @@
 use crate::ModelError;
 
 /// One sequence's view of the paged KV cache during a step.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct SeqSlot {
     /// Cache blocks of this sequence, in position order.
     pub block_table: Vec<u32>,
@@ -16,7 +16,7 @@ pub struct SeqSlot {
 /// Token `i` has id `tokens[i]`, sits at `positions[i]` of sequence `seq_of[i]` (an index
 /// into `seqs`). Its key and value are written to the cache slot of that position, and it
 /// attends to every cached position of its sequence up to and including its own.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Batch {
     pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
@@ -24,6 +24,42 @@ pub struct Batch {
     pub seqs: Vec<SeqSlot>,
     /// Indices of the tokens whose logits are wanted, ascending.
     pub logit_rows: Vec<u32>,
+}
+
+// Clone by hand: `clone_from` reuses the vectors' capacity (the derived one reallocates
+// them all), so a backend copying each step's batch allocates nothing in steady state.
+impl Clone for SeqSlot {
+    fn clone(&self) -> SeqSlot {
+        SeqSlot {
+            block_table: self.block_table.clone(),
+            kv_len: self.kv_len,
+        }
+    }
+
+    fn clone_from(&mut self, source: &SeqSlot) {
+        self.block_table.clone_from(&source.block_table);
+        self.kv_len = source.kv_len;
+    }
+}
+
+impl Clone for Batch {
+    fn clone(&self) -> Batch {
+        Batch {
+            tokens: self.tokens.clone(),
+            positions: self.positions.clone(),
+            seq_of: self.seq_of.clone(),
+            seqs: self.seqs.clone(),
+            logit_rows: self.logit_rows.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Batch) {
+        self.tokens.clone_from(&source.tokens);
+        self.positions.clone_from(&source.positions);
+        self.seq_of.clone_from(&source.seq_of);
+        self.seqs.clone_from(&source.seqs);
+        self.logit_rows.clone_from(&source.logit_rows);
+    }
 }
 
 impl Batch {
