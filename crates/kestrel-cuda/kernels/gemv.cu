@@ -834,31 +834,55 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
 // at a time: matrix 0's rows first, then matrix 1's, then matrix 2's (for gated launches,
 // rows of gate and up together). Grid: ceil(total warps / GD_WARPS) blocks of GD_WARPS warps,
 // where total warps = Σ ceil(rows_s / GD_R).
-template <int GD_R, int GD_U>
-__device__ __forceinline__ void gemv_dec_body(GEMV_PARAMS) {
-    const int lane = threadIdx.x & 31;
+// The matrix and first row of the GD_R rows this warp owns in a gemv_dec / gemv_q8 launch:
+// matrix 0's rows first, then matrix 1's, then matrix 2's (gated launches: gate's rows,
+// read together with up's). False for warps past the last row.
+struct GvRows {
+    const u8* w;
+    long long rb;
+    int ty, rows, r0, ld;
+    float* out;
+    const float* bias;
+};
+
+template <int GD_R>
+__device__ __forceinline__ bool gv_pick_rows(int total, int gated, const u8* w0, long long rb0,
+                                             int ty0, int rows0, float* out0, int ld0,
+                                             const float* bias0, const u8* w1, long long rb1,
+                                             int ty1, int rows1, float* out1, int ld1,
+                                             const float* bias1, const u8* w2, long long rb2,
+                                             int ty2, float* out2, int ld2,
+                                             const float* bias2, GvRows& g) {
     const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
     const int rows2 = gated ? 0 : total - rows0 - rows1;
     const int wa0 = (rows0 + GD_R - 1) / GD_R;
     const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
     const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
-    const u8* w;
-    long long rb;
-    int ty, rows, r0;
-    float* out;
-    const float* bias;
     if (gw < wa0) {
-        w = w0; rb = rb0; ty = ty0; rows = rows0; out = out0; bias = bias0;
-        r0 = gw * GD_R;
+        g = {w0, rb0, ty0, rows0, gw * GD_R, ld0, out0, bias0};
     } else if (gw < wa0 + wa1) {
-        w = w1; rb = rb1; ty = ty1; rows = rows1; out = out1; bias = bias1;
-        r0 = (gw - wa0) * GD_R;
+        g = {w1, rb1, ty1, rows1, (gw - wa0) * GD_R, ld1, out1, bias1};
     } else if (gw < wa0 + wa1 + wa2) {
-        w = w2; rb = rb2; ty = ty2; rows = rows2; out = out2; bias = bias2;
-        r0 = (gw - wa0 - wa1) * GD_R;
+        g = {w2, rb2, ty2, rows2, (gw - wa0 - wa1) * GD_R, ld2, out2, bias2};
     } else {
-        return;
+        return false;
     }
+    return true;
+}
+
+template <int GD_R, int GD_U>
+__device__ __forceinline__ void gemv_dec_body(GEMV_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    GvRows g;
+    if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
+                            rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
+        return;
+    const u8* w = g.w;
+    const long long rb = g.rb;
+    const int ty = g.ty, rows = g.rows, r0 = g.r0, ld = g.ld;
+    float* out = g.out;
+    const float* bias = g.bias;
+    (void)ld;
 
     const int nr = min(GD_R, rows - r0);
     float acc[GD_R], acc_up[GD_R];
@@ -1150,28 +1174,16 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
 template <int GD_R, int GD_U>
 __device__ __forceinline__ void gemv_q8_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
-    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
-    const int rows2 = gated ? 0 : total - rows0 - rows1;
-    const int wa0 = (rows0 + GD_R - 1) / GD_R;
-    const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
-    const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
-    const u8* w;
-    long long rb;
-    int ty, rows, r0;
-    float* out;
-    const float* bias;
-    if (gw < wa0) {
-        w = w0; rb = rb0; ty = ty0; rows = rows0; out = out0; bias = bias0;
-        r0 = gw * GD_R;
-    } else if (gw < wa0 + wa1) {
-        w = w1; rb = rb1; ty = ty1; rows = rows1; out = out1; bias = bias1;
-        r0 = (gw - wa0) * GD_R;
-    } else if (gw < wa0 + wa1 + wa2) {
-        w = w2; rb = rb2; ty = ty2; rows = rows2; out = out2; bias = bias2;
-        r0 = (gw - wa0 - wa1) * GD_R;
-    } else {
+    GvRows g;
+    if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
+                            rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
         return;
-    }
+    const u8* w = g.w;
+    const long long rb = g.rb;
+    const int ty = g.ty, rows = g.rows, r0 = g.r0, ld = g.ld;
+    float* out = g.out;
+    const float* bias = g.bias;
+    (void)ld;
     const int nr = min(GD_R, rows - r0);
     float acc[GD_R], acc_up[GD_R];
 #pragma unroll
@@ -1274,28 +1286,16 @@ __device__ __forceinline__ void rows_dot8_t_any(int ty, const u8* w, const u8* u
 template <int GD_R, int T>
 __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
-    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
-    const int rows2 = gated ? 0 : total - rows0 - rows1;
-    const int wa0 = (rows0 + GD_R - 1) / GD_R;
-    const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
-    const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
-    const u8* w;
-    long long rb;
-    int ty, rows, r0, ld;
-    float* out;
-    const float* bias;
-    if (gw < wa0) {
-        w = w0; rb = rb0; ty = ty0; rows = rows0; out = out0; bias = bias0; ld = ld0;
-        r0 = gw * GD_R;
-    } else if (gw < wa0 + wa1) {
-        w = w1; rb = rb1; ty = ty1; rows = rows1; out = out1; bias = bias1; ld = ld1;
-        r0 = (gw - wa0) * GD_R;
-    } else if (gw < wa0 + wa1 + wa2) {
-        w = w2; rb = rb2; ty = ty2; rows = rows2; out = out2; bias = bias2; ld = ld2;
-        r0 = (gw - wa0 - wa1) * GD_R;
-    } else {
+    GvRows g;
+    if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
+                            rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
         return;
-    }
+    const u8* w = g.w;
+    const long long rb = g.rb;
+    const int ty = g.ty, rows = g.rows, r0 = g.r0, ld = g.ld;
+    float* out = g.out;
+    const float* bias = g.bias;
+    (void)ld;
     const int nr = min(GD_R, rows - r0);
     float acc[GD_R][T], acc_up[GD_R][T];
 #pragma unroll

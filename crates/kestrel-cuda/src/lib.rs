@@ -1004,6 +1004,28 @@ impl CudaBackend {
             && !self.prefer_gemm(w, n)
     }
 
+    /// The trailing `ROPE_PARAMS` arguments of the RoPE kernels (kernels/ops.cu), or None
+    /// when the frequency factors could not be uploaded (the failure is recorded).
+    fn rope_args(&self, head_dim: usize, rope: &RopeParams) -> Option<[Arg; 10]> {
+        let c = rope.constants();
+        let factors = match &rope.freq_factors {
+            Some(f) => self.freq_factors_ptr(f)?,
+            None => 0,
+        };
+        Some([
+            Arg::I(head_dim as i32),
+            Arg::I(rope.n_rot as i32),
+            Arg::I(rope.neox as i32),
+            Arg::F(c.theta_scale),
+            Arg::F(c.freq_scale),
+            Arg::F(c.ext_factor),
+            Arg::F(c.mscale),
+            Arg::F(c.corr_lo),
+            Arg::F(c.corr_hi),
+            Arg::P(factors),
+        ])
+    }
+
     /// Whether `matmul` of `n` tokens with `w` goes through cuBLAS (f16 operands) when no
     /// step is being recorded.
     pub fn matmul_uses_cublas(&self, w: &CudaWeight, n: usize) -> bool {
@@ -1718,35 +1740,16 @@ impl kestrel_model::Backend for CudaBackend {
         step: &CudaStep,
         n: usize,
     ) {
-        let n_rot = rope.n_rot;
-        let c = rope.constants();
-        let factors = match &rope.freq_factors {
-            Some(f) => match self.freq_factors_ptr(f) {
-                Some(p) => p,
-                None => return,
-            },
-            None => 0,
+        let Some(rope_args) = self.rope_args(head_dim, rope) else {
+            return;
         };
-        self.launch(
-            "rope",
-            (n as u32, 1, 1),
-            128,
-            &[
-                Arg::P(x.ptr),
-                Arg::P(step.positions()),
-                Arg::I(x.cols as i32),
-                Arg::I(head_dim as i32),
-                Arg::I(n_rot as i32),
-                Arg::I(rope.neox as i32),
-                Arg::F(c.theta_scale),
-                Arg::F(c.freq_scale),
-                Arg::F(c.ext_factor),
-                Arg::F(c.mscale),
-                Arg::F(c.corr_lo),
-                Arg::F(c.corr_hi),
-                Arg::P(factors),
-            ],
-        );
+        let mut args = vec![
+            Arg::P(x.ptr),
+            Arg::P(step.positions()),
+            Arg::I(x.cols as i32),
+        ];
+        args.extend_from_slice(&rope_args);
+        self.launch("rope", (n as u32, 1, 1), 128, &args);
     }
 
     fn store_kv(
@@ -2051,43 +2054,25 @@ impl kestrel_model::Backend for CudaBackend {
             ));
             return;
         }
-        let c = rope.constants();
-        let factors = match &rope.freq_factors {
-            Some(f) => match self.freq_factors_ptr(f) {
-                Some(p) => p,
-                None => return,
-            },
-            None => 0,
+        let Some(rope_args) = self.rope_args(head_dim, rope) else {
+            return;
         };
-        self.launch(
-            "rope_store_kv",
-            (n as u32, 1, 1),
-            256,
-            &[
-                Arg::P(q.ptr),
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::P(cache.k_ptr[layer]),
-                Arg::P(cache.v_ptr[layer]),
-                Arg::P(step.positions()),
-                Arg::P(step.seq_of()),
-                Arg::P(step.table_off()),
-                Arg::P(step.tables()),
-                Arg::I(cache.block_size as i32),
-                Arg::I((q.cols / head_dim) as i32),
-                Arg::I((k.cols / head_dim) as i32),
-                Arg::I(head_dim as i32),
-                Arg::I(rope.n_rot as i32),
-                Arg::I(rope.neox as i32),
-                Arg::F(c.theta_scale),
-                Arg::F(c.freq_scale),
-                Arg::F(c.ext_factor),
-                Arg::F(c.mscale),
-                Arg::F(c.corr_lo),
-                Arg::F(c.corr_hi),
-                Arg::P(factors),
-            ],
-        );
+        let mut args = vec![
+            Arg::P(q.ptr),
+            Arg::P(k.ptr),
+            Arg::P(v.ptr),
+            Arg::P(cache.k_ptr[layer]),
+            Arg::P(cache.v_ptr[layer]),
+            Arg::P(step.positions()),
+            Arg::P(step.seq_of()),
+            Arg::P(step.table_off()),
+            Arg::P(step.tables()),
+            Arg::I(cache.block_size as i32),
+            Arg::I((q.cols / head_dim) as i32),
+            Arg::I((k.cols / head_dim) as i32),
+        ];
+        args.extend_from_slice(&rope_args);
+        self.launch("rope_store_kv", (n as u32, 1, 1), 256, &args);
     }
 }
 
