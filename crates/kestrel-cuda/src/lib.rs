@@ -51,6 +51,15 @@ pub const SUPPORTED_TYPES: &[GgmlType] = &[
     GgmlType::Q6K,
 ];
 
+static PROFILE_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes backends created from now on time every launch and print a per-kernel table
+/// (time per step, share, GB/s of the GEMVs' weights) when dropped, as
+/// `KESTREL_CUDA_PROFILE=1` does; graphs are off while profiling.
+pub fn request_profile() {
+    PROFILE_REQUESTED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Number of CUDA devices, or an error saying why there are none usable.
 pub fn device_count() -> anyhow::Result<usize> {
     // SAFETY: only probes whether the shared library can be opened.
@@ -110,6 +119,8 @@ struct Launch {
     grid: (u32, u32, u32),
     block: u32,
     args: Vec<Arg>,
+    /// Weight bytes the launch streams (GEMVs; 0 otherwise), for the profiler's GB/s.
+    weight_bytes: u64,
 }
 
 /// A captured step.
@@ -137,6 +148,7 @@ type KernelKey = (usize, (u32, u32, u32));
 /// A launch bracketed by two timing events.
 type TimedLaunch = (
     KernelKey,
+    u64,
     cudarc::driver::CudaEvent,
     cudarc::driver::CudaEvent,
 );
@@ -144,8 +156,10 @@ type TimedLaunch = (
 #[derive(Default)]
 struct Profiler {
     pending: Vec<TimedLaunch>,
-    /// Milliseconds and calls per (kernel, grid).
-    totals: HashMap<KernelKey, (f64, u64)>,
+    /// Milliseconds, calls and weight bytes per (kernel, grid).
+    totals: HashMap<KernelKey, (f64, u64, u64)>,
+    /// Steps run (prepare_step calls), for per-step times.
+    steps: u64,
 }
 
 /// Buffers and sizes one layer's attention launches share.
@@ -416,7 +430,8 @@ impl CudaBackend {
             func_index.insert(name, funcs.len());
             funcs.push(f);
         }
-        let profile = std::env::var("KESTREL_CUDA_PROFILE").is_ok_and(|v| v == "1");
+        let profile = PROFILE_REQUESTED.load(std::sync::atomic::Ordering::Relaxed)
+            || std::env::var("KESTREL_CUDA_PROFILE").is_ok_and(|v| v == "1");
         let blas = if std::env::var("KESTREL_CUDA_CUBLAS").is_ok_and(|v| v == "0")
             // SAFETY: only probes whether the shared library can be opened.
             || !unsafe { cudarc::cublas::sys::is_culib_present() }
@@ -575,7 +590,7 @@ impl CudaBackend {
             && b.record(&self.stream).is_ok()
         {
             let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-            p.pending.push(((l.func, l.grid), a, b));
+            p.pending.push(((l.func, l.grid), l.weight_bytes, a, b));
         }
     }
 
@@ -584,11 +599,12 @@ impl CudaBackend {
         if let Some(p) = &self.profile {
             let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
             let pending = std::mem::take(&mut p.pending);
-            for (key, a, b) in pending {
+            for (key, bytes, a, b) in pending {
                 if let Ok(ms) = a.elapsed_ms(&b) {
                     let e = p.totals.entry(key).or_default();
                     e.0 += ms as f64;
                     e.1 += 1;
+                    e.2 += bytes;
                 }
             }
         }
@@ -719,6 +735,19 @@ impl CudaBackend {
     }
 
     fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: &[Arg]) {
+        self.launch_reading(name, grid, block, args, 0);
+    }
+
+    /// [`Self::launch`] of a kernel that streams `weight_bytes` of weights (the profiler
+    /// reports its GB/s).
+    fn launch_reading(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        weight_bytes: u64,
+    ) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
@@ -735,6 +764,7 @@ impl CudaBackend {
             grid,
             block,
             args: args.to_vec(),
+            weight_bytes,
         };
         let mut rec = self.lock_recorder();
         if rec.deferring {
@@ -1216,6 +1246,7 @@ impl CudaBackend {
     fn gemv(&self, x: &CudaTensor, n: usize, segs: &[GemvSeg], gated: Option<Activation>) {
         debug_assert!(!segs.is_empty() && segs.len() <= 3 && n <= GEMV_MAX_TOKENS);
         let k = x.cols;
+        let weight_bytes: u64 = segs.iter().map(|s| (s.rows * s.row_bytes) as u64).sum();
         let units = segs
             .iter()
             .map(|s| k / gemv_unit_values(s.ty))
@@ -1298,7 +1329,7 @@ impl CudaBackend {
             };
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
             q8_args.extend_from_slice(&args);
-            self.launch(kernel, grid_1d(warps, 4), 128, &q8_args);
+            self.launch_reading(kernel, grid_1d(warps, 4), 128, &q8_args, weight_bytes);
             return;
         }
         if n == 1 && !self.legacy_gemv1 {
@@ -1320,11 +1351,11 @@ impl CudaBackend {
             } else {
                 segs.iter().map(|s| s.rows.div_ceil(rows)).sum()
             };
-            self.launch(kernel, grid_1d(warps, 4), 128, &args);
+            self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
             return;
         }
         let kernel = if n == 1 { "gemv1" } else { "gemv" };
-        self.launch(kernel, grid_1d(total, rpb), 128, &args);
+        self.launch_reading(kernel, grid_1d(total, rpb), 128, &args, weight_bytes);
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -1491,6 +1522,9 @@ impl kestrel_model::Backend for CudaBackend {
     fn prepare_step(&self, batch: &Batch, step: &mut CudaStep) -> anyhow::Result<()> {
         // Errors of the previous step surface here at the latest.
         self.check()?;
+        if let Some(p) = &self.profile {
+            p.lock().unwrap_or_else(|e| e.into_inner()).steps += 1;
+        }
         let t = step.max_tokens;
         let n = batch.len();
         if n > t || batch.seqs.len() > t || batch.logit_rows.len() > t {
@@ -2128,20 +2162,33 @@ impl Drop for CudaBackend {
         let mut rows: Vec<_> = p.totals.iter().collect();
         rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
         let all: f64 = rows.iter().map(|r| r.1.0).sum();
-        eprintln!("kernel profile (KESTREL_CUDA_PROFILE=1): {all:.2} ms in kernels");
+        let steps = p.steps.max(1) as f64;
         eprintln!(
-            "{:<20} {:>18} {:>8} {:>10} {:>9} {:>6}",
-            "kernel", "grid", "calls", "total ms", "avg µs", "share"
+            "kernel profile (KESTREL_CUDA_PROFILE=1): {all:.2} ms in kernels over {} steps ({:.3} ms per step; events add a few µs per launch)",
+            p.steps,
+            all / steps
         );
-        for ((func, grid), (ms, calls)) in rows.into_iter().take(40) {
+        eprintln!(
+            "{:<20} {:>18} {:>8} {:>10} {:>9} {:>11} {:>6} {:>8}",
+            "kernel", "grid", "calls", "total ms", "avg µs", "µs / step", "share", "GB/s"
+        );
+        for ((func, grid), (ms, calls, bytes)) in rows.into_iter().take(40) {
+            // Weight bytes over kernel time: against the ~3.0 TB/s device-copy ceiling.
+            let gbs = if *bytes > 0 {
+                format!("{:.0}", *bytes as f64 / (ms * 1e6))
+            } else {
+                "-".into()
+            };
             eprintln!(
-                "{:<20} {:>18} {:>8} {:>10.3} {:>9.2} {:>5.1}%",
+                "{:<20} {:>18} {:>8} {:>10.3} {:>9.2} {:>11.2} {:>5.1}% {:>8}",
                 compile::KERNELS[*func],
                 format!("{}x{}x{}", grid.0, grid.1, grid.2),
                 calls,
                 ms,
                 ms * 1e3 / *calls as f64,
-                100.0 * ms / all.max(1e-12)
+                ms * 1e3 / steps,
+                100.0 * ms / all.max(1e-12),
+                gbs
             );
         }
     }

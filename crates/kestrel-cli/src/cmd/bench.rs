@@ -43,6 +43,11 @@ pub struct Args {
     /// Tokens per step in batched mode (prefill chunks mixing sequences).
     #[arg(long = "ubatch", default_value_t = 2048)]
     pub ubatch: usize,
+    /// CUDA: time every kernel launch and print, at exit, a per-kernel table (µs per step,
+    /// share, achieved GB/s of each GEMV's weights against the ~3.0 TB/s copy ceiling).
+    /// Graphs are off while profiling, and each launch carries a few µs of event overhead.
+    #[arg(long)]
+    pub profile: bool,
     /// Print a JSON array (llama-bench field names plus extras) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -158,6 +163,12 @@ fn mean_stddev(v: &[f64]) -> (f64, f64) {
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
+    }
+    if args.profile {
+        if args.model.device == "cpu" {
+            bail!("--profile times CUDA kernels: use it with --device cuda");
+        }
+        kestrel_cuda::request_profile();
     }
     if !args.seqs.is_empty() {
         return run_batched(args);
