@@ -98,19 +98,42 @@ mod avx512 {
         unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+    /// An f16 at byte `at` of `b`, by the F16C instruction.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    fn f16c_at(b: &[u8], at: usize) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            u16::from_le_bytes([b[at], b[at + 1]]) as i32,
+        )))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn q4_k(row: &[u8], x: &[f32]) -> f32 {
         let nb = x.len() / 256;
         let mut acc = _mm512_setzero_ps();
         let mut acc_min = _mm512_setzero_ps();
         let mask = _mm256_set1_epi8(0x0f);
         for (b, xb) in row.chunks_exact(144).take(nb).zip(x.chunks_exact(256)) {
-            let d = f16_at(b, 0);
-            let dmin = f16_at(b, 2);
+            // The block's 8 scales and 8 minimums, times d and dmin, converted to f32 in
+            // one vector each (scalar conversions per sub-block dominated this loop).
             let scales = &b[4..16];
+            let (mut sc, mut mn) = ([0i32; 8], [0i32; 8]);
+            for j in 0..8 {
+                let (s, m) = scale_min(j, scales);
+                sc[j] = s as i32;
+                mn[j] = m as i32;
+            }
+            let (mut ds, mut dm) = ([0f32; 8], [0f32; 8]);
+            // SAFETY: 8-lane loads and stores of 8-element arrays.
+            unsafe {
+                let d = _mm256_set1_ps(f16c_at(b, 0));
+                let dmin = _mm256_set1_ps(f16c_at(b, 2));
+                let scv = _mm256_cvtepi32_ps(_mm256_loadu_si256(sc.as_ptr().cast()));
+                let mnv = _mm256_cvtepi32_ps(_mm256_loadu_si256(mn.as_ptr().cast()));
+                _mm256_storeu_ps(ds.as_mut_ptr(), _mm256_mul_ps(d, scv));
+                _mm256_storeu_ps(dm.as_mut_ptr(), _mm256_mul_ps(dmin, mnv));
+            }
             for c in 0..4 {
-                let (sc1, m1) = scale_min(2 * c, scales);
-                let (sc2, m2) = scale_min(2 * c + 1, scales);
                 // SAFETY: 32 quant bytes at 16 + 32c < 144, x offsets below 256.
                 unsafe {
                     let q = ld256(b, 16 + 32 * c);
@@ -123,10 +146,10 @@ mod avx512 {
                     t1 = _mm512_fmadd_ps(u8x16_to_ps(_mm256_extracti128_si256(lo, 1)), x1, t1);
                     let mut t2 = _mm512_mul_ps(u8x16_to_ps(_mm256_castsi256_si128(hi)), x2);
                     t2 = _mm512_fmadd_ps(u8x16_to_ps(_mm256_extracti128_si256(hi, 1)), x3, t2);
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(d * sc1 as f32), t1, acc);
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(d * sc2 as f32), t2, acc);
-                    let m1v = _mm512_set1_ps(dmin * m1 as f32);
-                    let m2v = _mm512_set1_ps(dmin * m2 as f32);
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(ds[2 * c]), t1, acc);
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(ds[2 * c + 1]), t2, acc);
+                    let m1v = _mm512_set1_ps(dm[2 * c]);
+                    let m2v = _mm512_set1_ps(dm[2 * c + 1]);
                     acc_min = _mm512_fmadd_ps(m1v, _mm512_add_ps(x0, x1), acc_min);
                     acc_min = _mm512_fmadd_ps(m2v, _mm512_add_ps(x2, x3), acc_min);
                 }
@@ -148,7 +171,7 @@ mod avx512 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn q6_k(row: &[u8], x: &[f32]) -> f32 {
         let nb = x.len() / 256;
         let mut acc = _mm512_setzero_ps();
@@ -156,9 +179,16 @@ mod avx512 {
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi8(32);
         for (b, xb) in row.chunks_exact(210).take(nb).zip(x.chunks_exact(256)) {
-            let d = f16_at(b, 208);
+            // The block's 16 scales times d, converted in one vector.
+            let mut ds = [0f32; 16];
+            // SAFETY: 16 scale bytes at 192..208; a 16-lane store into a 16-element array.
+            unsafe {
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld128(b, 192)));
+                let d = _mm512_set1_ps(f16c_at(b, 208));
+                _mm512_storeu_ps(ds.as_mut_ptr(), _mm512_mul_ps(d, sc));
+            }
             for half in 0..2 {
-                let sc = &b[192 + 8 * half..200 + 8 * half];
+                let sc = &ds[8 * half..8 * half + 8];
                 // SAFETY: ql at 64·half (+32) and qh at 128 + 32·half hold 32 bytes each;
                 // x offsets stay below 256.
                 unsafe {
@@ -188,8 +218,7 @@ mod avx512 {
                             i8x16_to_ps(_mm256_extracti128_si256(qk, 1)),
                             ld(xb, o + 16),
                         );
-                        let s0 = d * sc[2 * k] as i8 as f32;
-                        let s1 = d * sc[2 * k + 1] as i8 as f32;
+                        let (s0, s1) = (sc[2 * k], sc[2 * k + 1]);
                         acc = _mm512_fmadd_ps(_mm512_set1_ps(s0), t0, acc);
                         acc = _mm512_fmadd_ps(_mm512_set1_ps(s1), t1, acc);
                     }
