@@ -99,6 +99,15 @@ impl<B: Backend> Engine<B> {
 
     /// Runs one step; returns the logits of `batch.logit_rows`, `vocab` values per row.
     pub fn step(&mut self, batch: &Batch) -> anyhow::Result<&[f32]> {
+        let mut logits = std::mem::take(&mut self.logits);
+        let result = self.step_into(batch, &mut logits);
+        self.logits = logits;
+        result.map(|()| &self.logits[..])
+    }
+
+    /// [`Self::step`] writing the logits into the caller's buffer (resized; its capacity is
+    /// reused, so a caller that keeps one buffer allocates nothing per step).
+    pub fn step_into(&mut self, batch: &Batch, logits: &mut Vec<f32>) -> anyhow::Result<()> {
         batch.validate(
             self.blocks.block_size(),
             self.blocks.n_blocks(),
@@ -106,12 +115,8 @@ impl<B: Backend> Engine<B> {
         )?;
         self.model
             .forward(&self.backend, &mut self.cache, batch, &mut self.scratch)?;
-        self.backend.read_rows(
-            &self.scratch.logits,
-            batch.logit_rows.len(),
-            &mut self.logits,
-        )?;
-        Ok(&self.logits)
+        self.backend
+            .read_rows(&self.scratch.logits, batch.logit_rows.len(), logits)
     }
 
     /// Appends `tokens` to `seq`, evaluating them in chunks. Returns the logits of the

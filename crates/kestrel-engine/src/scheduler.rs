@@ -435,6 +435,8 @@ struct Scheduler<B: Backend> {
     prefix: PrefixCache,
     tick: u64,
     disconnected: bool,
+    /// Logits of the current step (reused).
+    logits: Vec<f32>,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -465,6 +467,7 @@ impl<B: Backend> Scheduler<B> {
             stats,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            logits: Vec::new(),
             prefix: PrefixCache::new(block_hash),
             tick: 0,
             disconnected: false,
@@ -738,9 +741,13 @@ impl<B: Backend> Scheduler<B> {
         }
 
         let vocab = self.engine.config().vocab_size;
-        let logits = match self.engine.step(&batch) {
-            Ok(l) => l.to_vec(),
+        // The scheduler's own logits buffer (sampling needs `self` while reading them): the
+        // backend writes into it, no copy and no allocation per step.
+        let mut logits = std::mem::take(&mut self.logits);
+        match self.engine.step_into(&batch, &mut logits) {
+            Ok(()) => {}
             Err(err) => {
+                self.logits = logits;
                 let msg = format!("evaluation failed: {err:#}");
                 let mut failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
                 failed.sort_unstable();
@@ -751,7 +758,7 @@ impl<B: Backend> Scheduler<B> {
                 }
                 return true;
             }
-        };
+        }
         self.stats
             .tokens_evaluated
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
@@ -772,6 +779,7 @@ impl<B: Backend> Scheduler<B> {
                 finished.push((i, reason));
             }
         }
+        self.logits = logits;
         let mut running = std::mem::take(&mut self.running);
         for seq in &mut running {
             self.register_blocks(seq);
