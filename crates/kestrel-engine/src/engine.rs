@@ -52,8 +52,11 @@ pub struct Engine<B: Backend> {
     pub ctx: usize,
     scratch: Scratch<B>,
     logits: Vec<f32>,
-    /// The batch `eval` fills and reuses.
+    /// The batch `eval_batch` fills and reuses, with its per-sequence progress and the
+    /// parts of the current step.
     batch: Batch,
+    eval_done: Vec<usize>,
+    eval_parts: Vec<(usize, usize, usize, usize)>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -82,6 +85,8 @@ impl<B: Backend> Engine<B> {
             scratch,
             logits: Vec::new(),
             batch: Batch::default(),
+            eval_done: Vec::new(),
+            eval_parts: Vec::new(),
         })
     }
 
@@ -129,69 +134,12 @@ impl<B: Backend> Engine<B> {
         all_logits: bool,
         mut on_logits: impl FnMut(usize, &[f32]),
     ) -> anyhow::Result<()> {
-        if tokens.is_empty() {
-            bail!("nothing to evaluate");
-        }
-        let total = seq.tokens.len() + tokens.len();
-        if total > self.ctx {
-            bail!(
-                "{} tokens exceed the context size {} (prompt too long?)",
-                total,
-                self.ctx
-            );
-        }
-        self.blocks.ensure(&mut seq.block_table, total)?;
-        let chunk = if all_logits {
-            self.max_batch_tokens().min(self.max_logit_rows())
-        } else {
-            self.max_batch_tokens()
-        };
-        let vocab = self.model.config.vocab_size;
-        let mut done = 0;
-        // The engine's batch is refilled in place: a decode step allocates nothing.
-        let mut batch = std::mem::take(&mut self.batch);
-        for part in tokens.chunks(chunk) {
-            let start = seq.tokens.len();
-            batch.tokens.clear();
-            batch.tokens.extend_from_slice(part);
-            batch.positions.clear();
-            batch
-                .positions
-                .extend((start..start + part.len()).map(|p| p as u32));
-            batch.seq_of.clear();
-            batch.seq_of.resize(part.len(), 0);
-            batch.seqs.resize_with(1, SeqSlot::default);
-            batch.seqs[0].block_table.clear();
-            batch.seqs[0]
-                .block_table
-                .extend_from_slice(&seq.block_table);
-            batch.seqs[0].kv_len = start + part.len();
-            batch.logit_rows.clear();
-            if all_logits {
-                batch.logit_rows.extend(0..part.len() as u32);
-            } else if done + part.len() == tokens.len() {
-                batch.logit_rows.push(part.len() as u32 - 1);
-            }
-            let logits = match self.step(&batch) {
-                Ok(l) => l,
-                Err(e) => {
-                    self.batch = batch;
-                    return Err(e);
-                }
-            };
-            for (r, row) in logits.chunks_exact(vocab).enumerate() {
-                let index = if all_logits {
-                    done + r
-                } else {
-                    tokens.len() - 1
-                };
-                on_logits(index, row);
-            }
-            seq.tokens.extend_from_slice(part);
-            done += part.len();
-        }
-        self.batch = batch;
-        Ok(())
+        self.eval_batch(
+            std::slice::from_mut(seq),
+            &[tokens],
+            all_logits,
+            |_, index, row| on_logits(index, row),
+        )
     }
 
     /// Appends `tokens[i]` to `seqs[i]` for every `i`, the sequences sharing each step (a
@@ -208,28 +156,55 @@ impl<B: Backend> Engine<B> {
         if seqs.len() != tokens.len() {
             bail!("{} sequences but {} token lists", seqs.len(), tokens.len());
         }
-        for (i, (seq, toks)) in seqs.iter_mut().zip(tokens).enumerate() {
-            if toks.is_empty() {
-                bail!("sequence {i}: nothing to evaluate");
+        let several = seqs.len() > 1;
+        let which = |i: usize| {
+            if several {
+                format!("sequence {i}: ")
+            } else {
+                String::new()
             }
-            let total = seq.tokens.len() + toks.len();
+        };
+        for (i, toks) in tokens.iter().enumerate() {
+            if toks.is_empty() {
+                bail!("{}nothing to evaluate", which(i));
+            }
+            let total = seqs[i].tokens.len() + toks.len();
             if total > self.ctx {
                 bail!(
-                    "sequence {i}: {total} tokens exceed the context size {}",
+                    "{}{total} tokens exceed the context size {} (prompt too long?)",
+                    which(i),
                     self.ctx
                 );
             }
-            self.blocks
-                .ensure(&mut seq.block_table, total)
-                .with_context(|| format!("sequence {i}"))?;
+        }
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let total = seq.tokens.len() + tokens[i].len();
+            if let Err(e) = self.blocks.ensure(&mut seq.block_table, total) {
+                let e = anyhow::Error::from(e);
+                return Err(if several {
+                    e.context(format!("sequence {i}"))
+                } else {
+                    e
+                });
+            }
         }
         let vocab = self.model.config.vocab_size;
         let (max_tokens, max_rows) = (self.max_batch_tokens(), self.max_logit_rows());
-        let mut done = vec![0usize; seqs.len()];
+        // The engine's batch and bookkeeping are refilled in place: a decode step
+        // allocates nothing once they have grown.
+        let mut batch = std::mem::take(&mut self.batch);
+        let mut done = std::mem::take(&mut self.eval_done);
         // Per part of a step: (sequence, first new-token index, length, logit rows).
-        let mut parts: Vec<(usize, usize, usize, usize)> = Vec::new();
+        let mut parts = std::mem::take(&mut self.eval_parts);
+        done.clear();
+        done.resize(seqs.len(), 0);
+        let mut result = Ok(());
         while done.iter().zip(tokens).any(|(&d, t)| d < t.len()) {
-            let mut batch = Batch::default();
+            batch.tokens.clear();
+            batch.positions.clear();
+            batch.seq_of.clear();
+            batch.logit_rows.clear();
+            let mut n_slots = 0;
             parts.clear();
             for (i, toks) in tokens.iter().enumerate() {
                 let (room, rows_left) =
@@ -249,18 +224,23 @@ impl<B: Backend> Engine<B> {
                 // seqs[i].tokens grows by each finished step's part.
                 let start = seqs[i].tokens.len();
                 let first_row = batch.len() as u32;
-                let slot = batch.seqs.len() as u32;
                 batch
                     .tokens
                     .extend_from_slice(&toks[done[i]..done[i] + len]);
                 batch
                     .positions
                     .extend((start..start + len).map(|p| p as u32));
-                batch.seq_of.extend(std::iter::repeat_n(slot, len));
-                batch.seqs.push(SeqSlot {
-                    block_table: seqs[i].block_table.clone(),
-                    kv_len: start + len,
-                });
+                batch
+                    .seq_of
+                    .extend(std::iter::repeat_n(n_slots as u32, len));
+                if batch.seqs.len() == n_slots {
+                    batch.seqs.push(SeqSlot::default());
+                }
+                let slot = &mut batch.seqs[n_slots];
+                slot.block_table.clear();
+                slot.block_table.extend_from_slice(&seqs[i].block_table);
+                slot.kv_len = start + len;
+                n_slots += 1;
                 let rows = if all_logits {
                     batch.logit_rows.extend(first_row..first_row + len as u32);
                     len
@@ -272,12 +252,20 @@ impl<B: Backend> Engine<B> {
                 };
                 parts.push((i, done[i], len, rows));
             }
+            batch.seqs.truncate(n_slots);
             if batch.is_empty() {
-                bail!(
+                result = Err(anyhow::anyhow!(
                     "a step of {max_tokens} tokens and {max_rows} logit rows cannot make progress"
-                );
+                ));
+                break;
             }
-            let logits = self.step(&batch)?;
+            let logits = match self.step(&batch) {
+                Ok(l) => l,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
             let mut rows = logits.chunks_exact(vocab);
             for &(i, first, len, n_rows) in &parts {
                 for r in 0..n_rows {
@@ -295,7 +283,10 @@ impl<B: Backend> Engine<B> {
                 done[i] += len;
             }
         }
-        Ok(())
+        self.batch = batch;
+        self.eval_done = done;
+        self.eval_parts = parts;
+        result
     }
 
     /// Keeps only the first `n` tokens of `seq` (a later `eval` overwrites the rest of the
