@@ -49,6 +49,24 @@ __device__ __forceinline__ void dot_tokens(const float* w, const float* x, int k
     }
 }
 
+// Scales and minimums (6-bit packed in header bytes 4..15 = h.y, h.z, h.w) of sub-blocks
+// 2c and 2c + 1 of a Q4_K block whose first 16 bytes are `h`.
+__device__ __forceinline__ void q4k_scale_min_pair(const uint4& h, int c, int* sc, int* mn) {
+    const u32 s03 = h.y, s47 = h.z, s811 = h.w;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int j = 2 * c + i;
+        if (c < 2) {
+            sc[i] = (s03 >> (8 * j)) & 63;
+            mn[i] = (s47 >> (8 * j)) & 63;
+        } else {
+            const int a = j - 4;
+            sc[i] = ((s811 >> (8 * a)) & 0xF) | (((s03 >> (8 * a + 6)) & 3) << 4);
+            mn[i] = ((s811 >> (8 * a + 4)) & 0xF) | (((s47 >> (8 * a + 6)) & 3) << 4);
+        }
+    }
+}
+
 // Per format: values per unit (one lane's share per step), units per row, and the unit.
 template <int TY> struct Fmt;
 
@@ -72,24 +90,10 @@ template <> struct Fmt<T_Q4_K> {
         const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
         const uint4 h = raw.h, q = raw.q;
         const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
-        // Scales and minimums of sub-blocks j0 = 2c and j1 = 2c + 1 (6-bit packed).
-        const u32 s03 = h.y, s47 = h.z, s811 = h.w;
-        float sc0, mn0, sc1, mn1;
-        {
-            const int j0 = 2 * c, j1 = 2 * c + 1;
-            if (c < 2) {
-                sc0 = (float)((s03 >> (8 * j0)) & 63);
-                mn0 = (float)((s47 >> (8 * j0)) & 63);
-                sc1 = (float)((s03 >> (8 * j1)) & 63);
-                mn1 = (float)((s47 >> (8 * j1)) & 63);
-            } else {
-                const int a0 = j0 - 4, a1 = j1 - 4;
-                sc0 = (float)(((s811 >> (8 * a0)) & 0xF) | (((s03 >> (8 * a0 + 6)) & 3) << 4));
-                mn0 = (float)(((s811 >> (8 * a0 + 4)) & 0xF) | (((s47 >> (8 * a0 + 6)) & 3) << 4));
-                sc1 = (float)(((s811 >> (8 * a1)) & 0xF) | (((s03 >> (8 * a1 + 6)) & 3) << 4));
-                mn1 = (float)(((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4));
-            }
-        }
+        int sci[2], mni[2];
+        q4k_scale_min_pair(h, c, sci, mni);
+        const float sc0 = (float)sci[0], mn0 = (float)mni[0], sc1 = (float)sci[1],
+                    mn1 = (float)mni[1];
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
         float lo[16], hi[16];
 #pragma unroll
@@ -571,21 +575,10 @@ template <> struct Unit1<T_Q4_K> {
         const int v = u & 7, c = v >> 1;
         const uint4 h = raw.h, q = raw.q;
         const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
-        const u32 s03 = h.y, s47 = h.z, s811 = h.w;
-        float sc0, mn0, sc1, mn1;
-        const int j0 = 2 * c, j1 = 2 * c + 1;
-        if (c < 2) {
-            sc0 = (float)((s03 >> (8 * j0)) & 63);
-            mn0 = (float)((s47 >> (8 * j0)) & 63);
-            sc1 = (float)((s03 >> (8 * j1)) & 63);
-            mn1 = (float)((s47 >> (8 * j1)) & 63);
-        } else {
-            const int a0 = j0 - 4, a1 = j1 - 4;
-            sc0 = (float)(((s811 >> (8 * a0)) & 0xF) | (((s03 >> (8 * a0 + 6)) & 3) << 4));
-            mn0 = (float)(((s811 >> (8 * a0 + 4)) & 0xF) | (((s47 >> (8 * a0 + 6)) & 3) << 4));
-            sc1 = (float)(((s811 >> (8 * a1)) & 0xF) | (((s03 >> (8 * a1 + 6)) & 3) << 4));
-            mn1 = (float)(((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4));
-        }
+        int sci[2], mni[2];
+        q4k_scale_min_pair(h, c, sci, mni);
+        const float sc0 = (float)sci[0], mn0 = (float)mni[0], sc1 = (float)sci[1],
+                    mn1 = (float)mni[1];
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
         float sa = 0.0f, sb = 0.0f;
         const float xsa = xv[32], xsb = xv[33];
@@ -829,11 +822,6 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
     }
 }
 
-// Same parameters as gemv (n and rpb ignored; for plain launches act != 0 means add into
-// the outputs instead of overwriting them). Warps are assigned GD_R rows of one matrix
-// at a time: matrix 0's rows first, then matrix 1's, then matrix 2's (for gated launches,
-// rows of gate and up together). Grid: ceil(total warps / GD_WARPS) blocks of GD_WARPS warps,
-// where total warps = Σ ceil(rows_s / GD_R).
 // The matrix and first row of the GD_R rows this warp owns in a gemv_dec / gemv_q8 launch:
 // matrix 0's rows first, then matrix 1's, then matrix 2's (gated launches: gate's rows,
 // read together with up's). False for warps past the last row.
@@ -870,66 +858,6 @@ __device__ __forceinline__ bool gv_pick_rows(int total, int gated, const u8* w0,
     return true;
 }
 
-template <int GD_R, int GD_U>
-__device__ __forceinline__ void gemv_dec_body(GEMV_PARAMS) {
-    const int lane = threadIdx.x & 31;
-    GvRows g;
-    if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
-                            rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
-        return;
-    const u8* w = g.w;
-    const long long rb = g.rb;
-    const int ty = g.ty, rows = g.rows, r0 = g.r0, ld = g.ld;
-    float* out = g.out;
-    const float* bias = g.bias;
-    (void)ld;
-
-    const int nr = min(GD_R, rows - r0);
-    float acc[GD_R], acc_up[GD_R];
-#pragma unroll
-    for (int i = 0; i < GD_R; i++) acc[i] = acc_up[i] = 0.0f;
-    const u8* wr = w + (size_t)r0 * rb;
-    if (gated && ty0 == ty1 && rb0 == rb1) {
-        rows_dot1_any<GD_R, GD_U>(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, x, k, lane, acc, acc_up);
-    } else {
-        rows_dot1_any<GD_R, GD_U>(ty, wr, nullptr, rb, nr, x, k, lane, acc, acc_up);
-        if (gated)
-            rows_dot1_any<GD_R, GD_U>(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, x, k, lane, acc_up,
-                          nullptr);
-    }
-#pragma unroll
-    for (int i = 0; i < GD_R; i++) {
-        acc[i] = warp_sum(acc[i]);
-        if (gated) acc_up[i] = warp_sum(acc_up[i]);
-    }
-    if (lane == 0)
-#pragma unroll
-        for (int i = 0; i < GD_R; i++)
-            if (i < nr) {
-                const int r = r0 + i;
-                if (gated)
-                    out0[r] = gv_act(acc[i], act) * acc_up[i];
-                else if (act)  // plain launches: act != 0 adds into out (residual)
-                    out[r] += acc[i] + (bias ? bias[r] : 0.0f);
-                else
-                    out[r] = acc[i] + (bias ? bias[r] : 0.0f);
-            }
-}
-
-#define GEMV_ARGS                                                                              \
-    x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,      \
-        rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2
-
-// Variants by rows per warp (the host's KESTREL_CUDA_GEMV picks one; r2 is the default).
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec(GEMV_PARAMS) {
-    gemv_dec_body<2, 2>(GEMV_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r1(GEMV_PARAMS) {
-    gemv_dec_body<1, 4>(GEMV_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_PARAMS) {
-    gemv_dec_body<4, 1>(GEMV_ARGS);
-}
 
 // ---------------------------------------------------------------------------------------
 // Single-token GEMV on 8-bit activations: x is first quantized in blocks of 32 values
@@ -994,21 +922,9 @@ template <> struct Unit8<T_Q4_K> {
         const int v = u & 7, c = v >> 1;
         const uint4 h = raw.h, q = raw.q;
         const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
-        const u32 s03 = h.y, s47 = h.z, s811 = h.w;
-        int sc0, mn0, sc1, mn1;
-        const int j0 = 2 * c, j1 = 2 * c + 1;
-        if (c < 2) {
-            sc0 = (s03 >> (8 * j0)) & 63;
-            mn0 = (s47 >> (8 * j0)) & 63;
-            sc1 = (s03 >> (8 * j1)) & 63;
-            mn1 = (s47 >> (8 * j1)) & 63;
-        } else {
-            const int a0 = j0 - 4, a1 = j1 - 4;
-            sc0 = ((s811 >> (8 * a0)) & 0xF) | (((s03 >> (8 * a0 + 6)) & 3) << 4);
-            mn0 = ((s811 >> (8 * a0 + 4)) & 0xF) | (((s47 >> (8 * a0 + 6)) & 3) << 4);
-            sc1 = ((s811 >> (8 * a1)) & 0xF) | (((s03 >> (8 * a1 + 6)) & 3) << 4);
-            mn1 = ((s811 >> (8 * a1 + 4)) & 0xF) | (((s47 >> (8 * a1 + 6)) & 3) << 4);
-        }
+        int sc[2], mn[2];
+        q4k_scale_min_pair(h, c, sc, mn);
+        const int sc0 = sc[0], mn0 = mn[0], sc1 = sc[1], mn1 = mn[1];
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
         int ia = 0, ib = 0;
 #pragma unroll
@@ -1169,10 +1085,14 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
     }
 }
 
-// gemv_dec's launch on quantized activations (xq: k int8, xd: k/32 scales, from
-// quantize_x_q8); formats Q4_K, Q6_K, Q8_0, Q4_0 only (the host checks). `x` is unused.
-template <int GD_R, int GD_U>
-__device__ __forceinline__ void gemv_q8_body(const i8* xq, const float* xd, GEMV_PARAMS) {
+// The body of gemv_dec (Q8 false: f32 activations x) and gemv_q8 (Q8 true: activations
+// quantized to xq / xd by quantize_x_q8 or rms_norm_q8; formats Q4_K, Q6_K, Q8_0, Q4_0
+// only, the host checks). Same parameters as gemv (n and rpb ignored; for plain launches
+// act != 0 means add into the outputs instead of overwriting them). Warps are assigned
+// GD_R rows of one matrix at a time (gv_pick_rows). Grid: ceil(total warps / GD_WARPS)
+// blocks of GD_WARPS warps, where total warps = Σ ceil(rows_s / GD_R).
+template <int GD_R, int GD_U, bool Q8>
+__device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
     if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
@@ -1184,19 +1104,25 @@ __device__ __forceinline__ void gemv_q8_body(const i8* xq, const float* xd, GEMV
     float* out = g.out;
     const float* bias = g.bias;
     (void)ld;
+
     const int nr = min(GD_R, rows - r0);
     float acc[GD_R], acc_up[GD_R];
 #pragma unroll
     for (int i = 0; i < GD_R; i++) acc[i] = acc_up[i] = 0.0f;
     const u8* wr = w + (size_t)r0 * rb;
+    // `up` null: plain rows; otherwise the same rows of up, read together.
+    auto rows_dot = [&](int t, const u8* rows_w, const u8* up, long long stride, float* a,
+                        float* a_up) {
+        if constexpr (Q8)
+            rows_dot8_any<GD_R, GD_U>(t, rows_w, up, stride, nr, xq, xd, k, lane, a, a_up);
+        else
+            rows_dot1_any<GD_R, GD_U>(t, rows_w, up, stride, nr, x, k, lane, a, a_up);
+    };
     if (gated && ty0 == ty1 && rb0 == rb1) {
-        rows_dot8_any<GD_R, GD_U>(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, xq, xd, k, lane, acc,
-                                  acc_up);
+        rows_dot(ty, wr, w1 + (size_t)r0 * rb1, rb, acc, acc_up);
     } else {
-        rows_dot8_any<GD_R, GD_U>(ty, wr, nullptr, rb, nr, xq, xd, k, lane, acc, acc_up);
-        if (gated)
-            rows_dot8_any<GD_R, GD_U>(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, xq, xd, k,
-                                      lane, acc_up, nullptr);
+        rows_dot(ty, wr, nullptr, rb, acc, acc_up);
+        if (gated) rows_dot(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, acc_up, nullptr);
     }
 #pragma unroll
     for (int i = 0; i < GD_R; i++) {
@@ -1210,21 +1136,36 @@ __device__ __forceinline__ void gemv_q8_body(const i8* xq, const float* xd, GEMV
                 const int r = r0 + i;
                 if (gated)
                     out0[r] = gv_act(acc[i], act) * acc_up[i];
-                else if (act)
+                else if (act)  // plain launches: act != 0 adds into out (residual)
                     out[r] += acc[i] + (bias ? bias[r] : 0.0f);
                 else
                     out[r] = acc[i] + (bias ? bias[r] : 0.0f);
             }
 }
 
+#define GEMV_ARGS                                                                              \
+    x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,      \
+        rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2
+
+// Variants by rows per warp (the host's KESTREL_CUDA_GEMV picks one; r2 is the default).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec(GEMV_PARAMS) {
+    gemv_rows_body<2, 2, false>(nullptr, nullptr, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r1(GEMV_PARAMS) {
+    gemv_rows_body<1, 4, false>(nullptr, nullptr, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_PARAMS) {
+    gemv_rows_body<4, 1, false>(nullptr, nullptr, GEMV_ARGS);
+}
+
 // 5 blocks per SM: 96 registers, no spills (6 spills).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS) {
-    gemv_q8_body<2, 2>(xq, xd, GEMV_ARGS);
+    gemv_rows_body<2, 2, true>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
-    gemv_q8_body<1, 4>(xq, xd, GEMV_ARGS);
+    gemv_rows_body<1, 4, true>(xq, xd, GEMV_ARGS);
 }
 
 // gemv_q8 for 2..T tokens (batched decode): each weight unit is loaded once and dotted with

@@ -146,17 +146,19 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
 #define ATT_MAX_HD 256
 #define ATT_PER_LANE (ATT_MAX_HD / 32)
 
-// Attention of token blockIdx.x, head blockIdx.y over its sequence's cached positions
-// (causal, optionally a sliding window). Each warp walks every ATT_WARPS-th key with an
-// online softmax; the warps' partial results are merged at the end.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
-          const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
-          int n_head_kv, int head_dim, float scale, int window, int tok0) {
+// Attention of token i, head h over the keys [k_begin, k_end) of its sequence: each warp
+// walks every ATT_WARPS-th key with an online softmax, then the warps are merged. Leaves
+// in `res` the sum of exp(score - *big) · value over those keys (unnormalized), with the
+// largest score in *big and the sum of exp(score - *big) in *total (0 when the range is
+// empty). The caller's block has ATT_WARPS warps; `res` holds head_dim floats (shared).
+__device__ __forceinline__ void attn_range(const float* q, const u16* kc, const u16* vc,
+                                           int i, int h, int k_begin, int k_end,
+                                           const u32* table, int block_size, int n_head,
+                                           int n_head_kv, int head_dim, float scale,
+                                           float* res, float* big_out, float* total_out) {
     __shared__ float qs[ATT_MAX_HD];
     __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
     __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
-    const int i = tok0 + blockIdx.x, h = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kv_head = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;
@@ -164,93 +166,6 @@ attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* p
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
     __syncthreads();
 
-    const int pos = (int)positions[i];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const u32* table = tables + table_off[seq_of[i]];
-    float m = NEG_INF, l = 0.0f;
-    float acc[ATT_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < ATT_PER_LANE; j++) acc[j] = 0.0f;
-
-    for (int kp = lo + warp; kp <= pos; kp += ATT_WARPS) {
-        const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim;
-        float dot = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ATT_PER_LANE; j++) {
-            const int d = lane + 32 * j;
-            if (d < head_dim) dot += qs[d] * h2f(kc[base + d]);
-        }
-        const float score = warp_sum(dot) * scale;
-        const float m_new = fmaxf(m, score);
-        const float corr = expf(m - m_new);
-        const float p = expf(score - m_new);
-        l = l * corr + p;
-#pragma unroll
-        for (int j = 0; j < ATT_PER_LANE; j++) {
-            const int d = lane + 32 * j;
-            if (d < head_dim) acc[j] = acc[j] * corr + p * h2f(vc[base + d]);
-        }
-        m = m_new;
-    }
-
-    if (lane == 0) {
-        w_max[warp] = m;
-        w_sum[warp] = l;
-    }
-#pragma unroll
-    for (int j = 0; j < ATT_PER_LANE; j++) {
-        const int d = lane + 32 * j;
-        if (d < head_dim) w_acc[warp][d] = acc[j];
-    }
-    __syncthreads();
-    float big = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; w++) big = fmaxf(big, w_max[w]);
-    float total = 0.0f;
-    for (int w = 0; w < ATT_WARPS; w++)
-        if (w_sum[w] > 0.0f) total += w_sum[w] * expf(w_max[w] - big);
-    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float s = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++)
-            if (w_sum[w] > 0.0f) s += w_acc[w][d] * expf(w_max[w] - big);
-        o[d] = s / total;
-    }
-}
-
-// out[j] = x[rows[j]], one block per output row.
-extern "C" __global__ void gather_rows(const float* x, float* out, const u32* rows, int cols) {
-    const float* src = x + (size_t)rows[blockIdx.x] * cols;
-    float* dst = out + (size_t)blockIdx.x * cols;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
-}
-
-// Decode attention split across keys ("flash decoding"): block (token, head, split z)
-// covers one of `splits` equal ranges of the token's visible keys and writes its
-// unnormalized partial result (acc[head_dim], running max, running sum) to `part`;
-// attention_combine merges the splits. Spreads a long context over many blocks instead of
-// one block per head walking every key.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_split(const float* q, const u16* kc, const u16* vc, float* part, const u32* positions,
-                const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
-                int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,
-                int tok0) {
-    __shared__ float qs[ATT_MAX_HD];
-    __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
-    __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
-    // i: the token (from tok0); li: its slot in `part`.
-    const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kv_head = h / (n_head / n_head_kv);
-    const int kv_dim = n_head_kv * head_dim;
-    const float* qr = q + (size_t)i * n_head * head_dim + h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
-    __syncthreads();
-
-    const int pos = (int)positions[i];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int per = (pos + 1 - lo + splits - 1) / splits;
-    const int k_begin = lo + s * per, k_end = min(pos + 1, k_begin + per);
-    const u32* table = tables + table_off[seq_of[i]];
     float m = NEG_INF, l = 0.0f;
     float acc[ATT_PER_LANE];
 #pragma unroll
@@ -293,13 +208,61 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     float total = 0.0f;
     for (int w = 0; w < ATT_WARPS; w++)
         if (w_sum[w] > 0.0f) total += w_sum[w] * expf(w_max[w] - big);
-    float* o = part + (((size_t)li * n_head + h) * splits + s) * (head_dim + 2);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
         for (int w = 0; w < ATT_WARPS; w++)
             if (w_sum[w] > 0.0f) a += w_acc[w][d] * expf(w_max[w] - big);
-        o[d] = a;
+        res[d] = a;
     }
+    *big_out = big;
+    *total_out = total;
+}
+
+// Attention of token tok0 + blockIdx.x, head blockIdx.y over its sequence's cached
+// positions (causal, optionally a sliding window).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+          const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
+          int n_head_kv, int head_dim, float scale, int window, int tok0) {
+    __shared__ float res[ATT_MAX_HD];
+    const int i = tok0 + blockIdx.x, h = blockIdx.y;
+    const int pos = (int)positions[i];
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    float big, total;
+    attn_range(q, kc, vc, i, h, lo, pos + 1, tables + table_off[seq_of[i]], block_size, n_head,
+               n_head_kv, head_dim, scale, res, &big, &total);
+    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = res[d] / total;
+}
+
+// out[j] = x[rows[j]], one block per output row.
+extern "C" __global__ void gather_rows(const float* x, float* out, const u32* rows, int cols) {
+    const float* src = x + (size_t)rows[blockIdx.x] * cols;
+    float* dst = out + (size_t)blockIdx.x * cols;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
+}
+
+// Decode attention split across keys ("flash decoding"): block (token, head, split z)
+// covers one of `splits` equal ranges of the token's visible keys and writes its
+// unnormalized partial result (acc[head_dim], running max, running sum) to `part`;
+// attention_combine merges the splits. Spreads a long context over many blocks instead of
+// one block per head walking every key.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split(const float* q, const u16* kc, const u16* vc, float* part, const u32* positions,
+                const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+                int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,
+                int tok0) {
+    // i: the token (from tok0); li: its slot in `part`.
+    const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
+    const int pos = (int)positions[i];
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int per = (pos + 1 - lo + splits - 1) / splits;
+    const int k_begin = lo + s * per, k_end = min(pos + 1, k_begin + per);
+    float* o = part + (((size_t)li * n_head + h) * splits + s) * (head_dim + 2);
+    float big, total;
+    // The partial sums go straight to `part`: each thread writes its own dims.
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size,
+               n_head, n_head_kv, head_dim, scale, o, &big, &total);
     if (threadIdx.x == 0) {
         o[head_dim] = big;
         o[head_dim + 1] = total;

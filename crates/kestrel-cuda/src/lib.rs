@@ -197,6 +197,16 @@ fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
     }
 }
 
+/// Warps of a `gemv_dec` / `gemv_q8` launch at `rows_per_warp`: each matrix's rows in
+/// groups (gated launches: gate's rows, each warp reading up's too).
+fn gemv_warps(segs: &[GemvSeg], gated: bool, rows_per_warp: usize) -> usize {
+    if gated {
+        segs[0].rows.div_ceil(rows_per_warp)
+    } else {
+        segs.iter().map(|s| s.rows.div_ceil(rows_per_warp)).sum()
+    }
+}
+
 /// Values one lane handles per step of the GEMV loop (see `Fmt<..>::units`).
 fn gemv_unit_values(ty: GgmlType) -> usize {
     match ty {
@@ -846,9 +856,7 @@ impl CudaBackend {
         // (measured at 8 tokens, Llama-3-8B Q4_K_M: gemv_q8_t8 575 t/s, cuBLAS on the f16
         // copies 705), up to GEMV_MAX_TOKENS otherwise.
         let q8_gemv = n <= Q8_GEMV_MAX_TOKENS
-            && self.q8_decode()
-            && !self.legacy_gemv1
-            && matches!(w, CudaWeight::Matrix { ty, .. } if q8_supported(*ty));
+            && matches!(w, CudaWeight::Matrix { ty, .. } if self.q8_gemv_reads(*ty, n));
         self.blas.is_some()
             && !self.lock_recorder().deferring
             && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16() && !q8_gemv))
@@ -1003,13 +1011,18 @@ impl CudaBackend {
             .map(|s| (self.ptr(&s.q), self.ptr(&s.d)))
     }
 
-    /// Whether a single-token product with these segments runs on 8-bit activations.
-    fn q8_applies(&self, k: usize, n: usize, segs: &[GemvSeg]) -> bool {
+    /// Whether the 8-bit GEMVs (`gemv_q8*`) are on and read `ty` for `n` tokens.
+    fn q8_gemv_reads(&self, ty: GgmlType, n: usize) -> bool {
         self.q8_decode()
             && !self.legacy_gemv1
             && (1..=GEMV_MAX_TOKENS).contains(&n)
-            && k.is_multiple_of(32)
-            && segs.iter().all(|s| q8_supported(s.ty))
+            && q8_supported(ty)
+    }
+
+    /// Whether a single-token product with these segments runs on 8-bit activations.
+    fn q8_applies(&self, k: usize, n: usize, segs: &[GemvSeg]) -> bool {
+        k.is_multiple_of(32)
+            && segs.iter().all(|s| self.q8_gemv_reads(s.ty, n))
             // Only the single-token kernels add into their outputs.
             && (n == 1 || segs.iter().all(|s| !s.accumulate))
             && self
@@ -1026,12 +1039,7 @@ impl CudaBackend {
         let CudaWeight::Matrix { ty, cols, .. } = w else {
             return false;
         };
-        self.q8_decode()
-            && !self.legacy_gemv1
-            && (1..=GEMV_MAX_TOKENS).contains(&n)
-            && q8_supported(*ty)
-            && gemv_supported(*ty, *cols)
-            && !self.prefer_gemm(w, n)
+        self.q8_gemv_reads(*ty, n) && gemv_supported(*ty, *cols) && !self.prefer_gemm(w, n)
     }
 
     /// The trailing `ROPE_PARAMS` arguments of the RoPE kernels (kernels/ops.cu), or None
@@ -1112,6 +1120,31 @@ impl CudaBackend {
             &[Arg::P(x.ptr), Arg::P(b), Arg::L(len as i64)],
         );
         Some(b)
+    }
+
+    /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
+    /// conversion of x when every product goes there, one `matmul` each otherwise.
+    fn matmuls_of(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        products: &mut [(&CudaWeight, &mut CudaTensor)],
+    ) {
+        let shared = products
+            .iter()
+            .all(|(w, _)| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
+        match shared.then(|| self.x_to_f16(x, n)).flatten() {
+            Some(xh) => {
+                for (w, out) in products.iter() {
+                    self.gemm_f16_from(xh, w, n, out);
+                }
+            }
+            None => {
+                for (w, out) in products.iter_mut() {
+                    kestrel_model::Backend::matmul(self, x, w, n, out);
+                }
+            }
+        }
     }
 
     /// `out = x · wᵀ` through cuBLAS from x already converted to f16 (`xh`, `n` rows of
@@ -1322,11 +1355,7 @@ impl CudaBackend {
                 (_, None) if k <= 2048 => ("gemv_q8_r1", 1),
                 (_, None) => ("gemv_q8", 2),
             };
-            let warps: usize = if gated.is_some() {
-                segs[0].rows.div_ceil(rows)
-            } else {
-                segs.iter().map(|s| s.rows.div_ceil(rows)).sum()
-            };
+            let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
             q8_args.extend_from_slice(&args);
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &q8_args, weight_bytes);
@@ -1346,11 +1375,7 @@ impl CudaBackend {
             } else {
                 ("gemv_dec", 2)
             });
-            let warps: usize = if gated.is_some() {
-                segs[0].rows.div_ceil(rows)
-            } else {
-                segs.iter().map(|s| s.rows.div_ceil(rows)).sum()
-            };
+            let warps = gemv_warps(segs, gated.is_some(), rows);
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
             return;
         }
@@ -1982,21 +2007,15 @@ impl kestrel_model::Backend for CudaBackend {
             }
         }
         // Through cuBLAS: x converted to f16 once for the three products.
-        let shared = [&layer.attn_q, &layer.attn_k, &layer.attn_v]
-            .iter()
-            .all(|w| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
-        match shared.then(|| self.x_to_f16(x, n)).flatten() {
-            Some(xh) => {
-                self.gemm_f16_from(xh, &layer.attn_q, n, q);
-                self.gemm_f16_from(xh, &layer.attn_k, n, k);
-                self.gemm_f16_from(xh, &layer.attn_v, n, v);
-            }
-            None => {
-                self.matmul(x, &layer.attn_q, n, q);
-                self.matmul(x, &layer.attn_k, n, k);
-                self.matmul(x, &layer.attn_v, n, v);
-            }
-        }
+        self.matmuls_of(
+            x,
+            n,
+            &mut [
+                (&layer.attn_q, &mut *q),
+                (&layer.attn_k, &mut *k),
+                (&layer.attn_v, &mut *v),
+            ],
+        );
         for (t, b) in [
             (q, &layer.attn_q_bias),
             (k, &layer.attn_k_bias),
@@ -2030,19 +2049,11 @@ impl kestrel_model::Backend for CudaBackend {
                 _ => false,
             };
         if !fused {
-            let shared = [&layer.ffn_gate, &layer.ffn_up]
-                .iter()
-                .all(|w| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
-            match shared.then(|| self.x_to_f16(x, n)).flatten() {
-                Some(xh) => {
-                    self.gemm_f16_from(xh, &layer.ffn_gate, n, gate);
-                    self.gemm_f16_from(xh, &layer.ffn_up, n, up);
-                }
-                None => {
-                    self.matmul(x, &layer.ffn_gate, n, gate);
-                    self.matmul(x, &layer.ffn_up, n, up);
-                }
-            }
+            self.matmuls_of(
+                x,
+                n,
+                &mut [(&layer.ffn_gate, &mut *gate), (&layer.ffn_up, &mut *up)],
+            );
             self.gated_activation(gate, up, act, n);
         }
     }
