@@ -8,6 +8,8 @@
 #   scripts/gpu.sh run-here  run that command on this machine (the GPU host itself)
 #   scripts/gpu.sh bench     on the GPU host: the peer-table benchmarks (synthetic models of
 #                            llama.cpp's shapes, `kestrel bench --device cuda -p 512 -n 128`)
+#   scripts/gpu.sh serve-profile  on the GPU host: the server at 64 clients with every kernel
+#                            timed (per-kernel table when it stops)
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs 1,8,32,64` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -70,9 +72,37 @@ batched)
     done
     .gpu/kestrel bench-serve --url http://127.0.0.1:8099 --concurrency 1,64 --requests 64 \
         --prompt-len 512 --gen-len 128 || true
+    # Where the scheduler's time went (forward steps vs its own work), over both runs.
+    curl -s http://127.0.0.1:8099/metrics | grep -E '^kestrel_(scheduler_seconds|steps|tokens_evaluated)' || true
     kill "$server"
     wait "$server" 2>/dev/null || true
     tail -3 /tmp/serve.log
+    ;;
+serve-profile)
+    # The server at 64 clients with one log line per step (KESTREL_STEP_LOG=1), summed by
+    # step kind: decode-only steps vs steps carrying prompt tokens.
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+    f=/tmp/llama3-8b-q4_k_m.gguf
+    [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m -o "$f" >/dev/null
+    KESTREL_STEP_LOG=1 .gpu/kestrel serve -m "$f" --device cuda --max-seqs 64 --ctx 700 \
+        --batch 2048 --max-prefill 1024 --port 8098 2>/tmp/serve-profile.log &
+    server=$!
+    for _ in $(seq 120); do
+        .gpu/kestrel bench-serve --url http://127.0.0.1:8098 --concurrency 1 --requests 1 \
+            --prompt-len 8 --gen-len 1 >/dev/null 2>&1 && break
+        sleep 1
+    done
+    .gpu/kestrel bench-serve --url http://127.0.0.1:8098 --concurrency 64 --requests 64 \
+        --prompt-len 512 --gen-len 128 || true
+    curl -s http://127.0.0.1:8098/metrics | grep -E '^kestrel_(scheduler_seconds|steps|tokens_evaluated)' || true
+    kill -INT "$server"
+    wait "$server" 2>/dev/null || true
+    grep '^step ' /tmp/serve-profile.log | awk '{k = ($7 > 0) ? "with-prompt" : "decode-only";
+        n[k]++; t[k] += $9; tok[k] += $3; s[k] += $5}
+        END {for (k in n) printf "%s steps %d, forward %.3f s, %.2f ms/step, %.1f tokens/step, %.1f seqs/step\n",
+            k, n[k], t[k] / 1e6, t[k] / n[k] / 1e3, tok[k] / n[k], s[k] / n[k]}'
+    grep '^step ' /tmp/serve-profile.log | tail -3
     ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)

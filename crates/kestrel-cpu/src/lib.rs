@@ -5,6 +5,7 @@
 //! fast path is tested against.
 
 pub mod gemm;
+pub mod numerics;
 mod ops;
 pub mod qdot;
 pub mod qdot8;
@@ -17,6 +18,7 @@ use half::f16;
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{Batch, ModelConfig};
 
+pub use numerics::Numerics;
 pub use simd::Isa;
 
 /// Which kernels the backend runs.
@@ -31,15 +33,29 @@ pub enum Kernels {
 pub struct CpuBackend {
     kernels: Kernels,
     isa: Isa,
+    numerics: Numerics,
 }
 
 impl CpuBackend {
+    /// A backend with the default numerics (or `KESTREL_CPU_NUMERICS`'s).
     pub fn new(kernels: Kernels) -> CpuBackend {
+        CpuBackend::with_numerics(kernels, Numerics::from_env())
+    }
+
+    pub fn with_numerics(kernels: Kernels, numerics: Numerics) -> CpuBackend {
         let isa = match kernels {
             Kernels::Scalar => Isa::Scalar,
             Kernels::Fast => Isa::detect(),
         };
-        CpuBackend { kernels, isa }
+        CpuBackend {
+            kernels,
+            isa,
+            numerics,
+        }
+    }
+
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
     }
 
     pub fn kernels(&self) -> Kernels {
@@ -109,15 +125,11 @@ impl kestrel_model::Backend for CpuBackend {
 
     fn name(&self) -> String {
         match self.kernels {
-            Kernels::Scalar => "cpu (scalar reference)".into(),
+            Kernels::Scalar => format!("cpu (scalar reference, {})", self.numerics.name()),
             Kernels::Fast => format!(
-                "cpu ({}{}, {} threads)",
+                "cpu ({}, {}, {} threads)",
                 self.isa.name(),
-                if ops::q8_activations() {
-                    ", q8_k activations"
-                } else {
-                    ""
-                },
+                self.numerics.name(),
                 rayon::current_num_threads()
             ),
         }
@@ -265,7 +277,7 @@ impl kestrel_model::Backend for CpuBackend {
         act: kestrel_model::Activation,
         n: usize,
     ) {
-        ops::gated_activation(gate, up, act, n);
+        ops::gated_activation(self.numerics, gate, up, act, n);
     }
 
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor, n: usize) {

@@ -4,6 +4,7 @@ use half::f16;
 use kestrel_model::{Activation, AttnParams, Batch, RopeParams};
 use rayon::prelude::*;
 
+use crate::numerics::{self, Numerics};
 use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
 use crate::{gemm, qdot, qdot8, simd};
 
@@ -81,31 +82,114 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
     debug_assert_eq!(x.cols, k);
     let row_bytes = ty.bytes_for(k as u64).unwrap_or(0) as usize;
     let x = &x.data[..n * k];
-    if be.kernels == Kernels::Scalar {
-        for i in 0..n {
-            let xi = &x[i * k..(i + 1) * k];
-            for j in 0..n_out {
-                out.data[i * n_out + j] =
-                    kestrel_quant::vec_dot(ty, &data[j * row_bytes..(j + 1) * row_bytes], xi);
-            }
+    let m = Matmul {
+        be,
+        ty,
+        data,
+        row_bytes,
+        k,
+        n,
+        n_out,
+    };
+    if be.numerics == Numerics::Ggml {
+        if be.kernels == Kernels::Fast && k % 256 == 0 && qdot8::supported(ty) {
+            matmul_q8(ty, data, row_bytes, x, k, n, n_out, &mut out.data);
+            return;
         }
-        return;
+        if let Some(act) = numerics::activation_type(ty) {
+            ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
+                numerics::round_trip(act, x, bytes, rounded);
+                m.run(rounded, &mut out.data);
+            });
+            return;
+        }
     }
+    m.run(x, &mut out.data);
+}
 
-    let isa = be.isa;
-    if q8_activations() && k % 256 == 0 && qdot8::supported(ty) {
-        matmul_q8(ty, data, row_bytes, x, k, n, n_out, &mut out.data);
-        return;
-    }
-    if n <= FUSED_MAX_TOKENS && qdot::supported(isa, ty) {
-        matmul_fused(isa, ty, data, row_bytes, x, k, n, n_out, &mut out.data);
-        return;
-    }
+thread_local! {
+    /// The current matmul's input rounded as llama.cpp rounds it (`Numerics::Ggml`), and
+    /// its quantized form; grown once, then reused.
+    static ROUNDED_X: std::cell::RefCell<(Vec<u8>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
 
-    // Each task takes a group of weight rows, dequantizes them once and multiplies them
-    // with every token, writing its own columns of the output.
+/// One matmul's shape and weight bytes, run on f32 activations.
+struct Matmul<'a> {
+    be: &'a CpuBackend,
+    ty: kestrel_gguf::GgmlType,
+    data: &'a [u8],
+    row_bytes: usize,
+    k: usize,
+    n: usize,
+    n_out: usize,
+}
+
+impl Matmul<'_> {
+    /// `out[i][j] = row_j · x_i` with f32 activations.
+    fn run(&self, x: &[f32], out: &mut [f32]) {
+        let Matmul {
+            be,
+            ty,
+            data,
+            row_bytes,
+            k,
+            n,
+            n_out,
+        } = *self;
+        if be.kernels == Kernels::Scalar {
+            for i in 0..n {
+                let xi = &x[i * k..(i + 1) * k];
+                for j in 0..n_out {
+                    out[i * n_out + j] =
+                        kestrel_quant::vec_dot(ty, &data[j * row_bytes..(j + 1) * row_bytes], xi);
+                }
+            }
+            return;
+        }
+        let isa = be.isa;
+        // With llama.cpp's rounding, a last-bit difference in one token's product can flip
+        // a later 8-bit rounding and grow, so a token's result must not depend on how
+        // many tokens share the step: one kernel, one order of additions, for any batch.
+        let batch_invariant = be.numerics == Numerics::Ggml;
+        if (n <= FUSED_MAX_TOKENS || batch_invariant) && qdot::supported(isa, ty) {
+            matmul_fused(isa, ty, data, row_bytes, x, k, n, n_out, out);
+            return;
+        }
+        matmul_grouped(
+            isa,
+            ty,
+            data,
+            row_bytes,
+            x,
+            k,
+            n,
+            n_out,
+            out,
+            batch_invariant,
+        );
+    }
+}
+
+/// Each task takes a group of weight rows, dequantizes them once and multiplies them
+/// with every token, writing its own columns of the output. `batch_invariant` computes
+/// every (row, token) pair with the same one-row, one-token kernel (no register tiles,
+/// whose order of additions differs).
+#[allow(clippy::too_many_arguments)]
+fn matmul_grouped(
+    isa: simd::Isa,
+    ty: kestrel_gguf::GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    k: usize,
+    n: usize,
+    n_out: usize,
+    out: &mut [f32],
+    batch_invariant: bool,
+) {
     const GROUP: usize = 16;
-    let out_ptr = SharedOut(out.data.as_mut_ptr());
+    let out_ptr = SharedOut(out.as_mut_ptr());
     let n_groups = n_out.div_ceil(GROUP);
     (0..n_groups).into_par_iter().for_each(|g| {
         // Per-thread dequantization scratch, grown once (no allocation per step).
@@ -125,7 +209,11 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
             }
             let r = |jj: usize| &scratch[(jj - j0) * k..(jj - j0 + 1) * k];
             // Full 4-token × 4-row tiles first; the rest of the tokens below.
-            let n_tiled = if j1 - j0 >= 4 { n / 4 * 4 } else { 0 };
+            let n_tiled = if j1 - j0 >= 4 && !batch_invariant {
+                n / 4 * 4
+            } else {
+                0
+            };
             for i in (0..n_tiled).step_by(4) {
                 let xs = [0, 1, 2, 3].map(|t| &x[(i + t) * k..(i + t + 1) * k]);
                 let mut j = j0;
@@ -153,7 +241,7 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
                 let xi = &x[i * k..(i + 1) * k];
                 let mut j = j0;
                 while j < j1 {
-                    if j + 4 <= j1 {
+                    if j + 4 <= j1 && !batch_invariant {
                         let d = simd::dot4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xi);
                         for (t, v) in d.into_iter().enumerate() {
                             // SAFETY: column j + t of row i belongs to this task alone.
@@ -215,15 +303,6 @@ fn matmul_fused(
             }
         }
     });
-}
-
-/// Whether K-quant matmuls round the activations to Q8_K and use integer dot products
-/// (llama.cpp's numerics, faster): set `KESTREL_Q8_ACTIVATIONS=1`.
-pub(crate) fn q8_activations() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("KESTREL_Q8_ACTIVATIONS").is_ok_and(|v| !v.is_empty() && v != "0")
-    })
 }
 
 /// Weight bytes of one row sub-tile in the integer matmul (half of a 32 KiB L1D).
@@ -352,7 +431,11 @@ thread_local! {
         const { std::cell::RefCell::new(Vec::new()) };
     /// Attention scratch of this thread, grown to the longest context once.
     static ATTN_SCRATCH: std::cell::RefCell<AttnScratch> =
-        const { std::cell::RefCell::new(AttnScratch { kv_row: Vec::new(), scores: Vec::new() }) };
+        const { std::cell::RefCell::new(AttnScratch {
+            kv_row: Vec::new(),
+            scores: Vec::new(),
+            q_row: Vec::new(),
+        }) };
 }
 
 /// Cache slot of a position in a sequence's block table.
@@ -396,6 +479,8 @@ pub fn store_kv(
 struct AttnScratch {
     kv_row: Vec<f32>,
     scores: Vec<f32>,
+    /// The query rounded to f16 (`Numerics::Ggml`).
+    q_row: Vec<f32>,
 }
 
 pub fn attention(
@@ -413,12 +498,20 @@ pub fn attention(
     let q_cols = q.cols;
     let kv_dim = cache.kv_dim;
     let (kc, vc) = (&cache.k[p.layer], &cache.v[p.layer]);
+    // llama.cpp multiplies the f16 cache with the query and the probabilities rounded to
+    // f16 (its matmuls convert the f32 operand to the f16 one's type).
+    let ggml = be.numerics == Numerics::Ggml;
     let per_token = |scr: &mut AttnScratch, i: usize, o: &mut [f32]| {
         let seq = &batch.seqs[batch.seq_of[i] as usize];
         let pos = batch.positions[i] as usize;
         let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let len = pos + 1 - lo;
-        let qi = &q.data[i * q_cols..(i + 1) * q_cols];
+        let mut qi = &q.data[i * q_cols..(i + 1) * q_cols];
+        if ggml {
+            scr.q_row.clear();
+            scr.q_row.extend(qi.iter().map(|&v| numerics::round_f16(v)));
+            qi = &scr.q_row;
+        }
         o.fill(0.0);
         scr.kv_row.resize(hd, 0.0);
         scr.scores.resize(group * len, 0.0);
@@ -446,7 +539,12 @@ pub fn attention(
                     sum += *v;
                 });
                 let inv = 1.0 / sum;
-                sc.iter_mut().for_each(|v| *v *= inv);
+                if ggml {
+                    sc.iter_mut()
+                        .for_each(|v| *v = numerics::round_f16(*v * inv));
+                } else {
+                    sc.iter_mut().for_each(|v| *v *= inv);
+                }
             }
             for (t, kp) in (lo..=pos).enumerate() {
                 let s = slot(&seq.block_table, cache.block_size, kp);
@@ -476,23 +574,28 @@ pub fn attention(
     }
 }
 
-pub fn gated_activation(gate: &mut CpuTensor, up: &CpuTensor, act: Activation, n: usize) {
+pub fn gated_activation(
+    numerics: Numerics,
+    gate: &mut CpuTensor,
+    up: &CpuTensor,
+    act: Activation,
+    n: usize,
+) {
     let len = n * gate.cols;
     let g = &mut gate.data[..len];
     let u = &up.data[..len];
-    match act {
-        Activation::Silu => g
+    match (act, numerics) {
+        (Activation::Silu, _) => g
             .iter_mut()
             .zip(u)
             .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u),
-        Activation::GeluTanh => {
-            const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-            const COEF_A: f32 = 0.044_715;
-            g.iter_mut().zip(u).for_each(|(g, u)| {
-                let x = *g;
-                let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-                *g = gelu * u;
-            })
-        }
+        (Activation::GeluTanh, Numerics::F32) => g
+            .iter_mut()
+            .zip(u)
+            .for_each(|(g, u)| *g = numerics::gelu_f32(*g) * u),
+        (Activation::GeluTanh, Numerics::Ggml) => g
+            .iter_mut()
+            .zip(u)
+            .for_each(|(g, u)| *g = numerics::gelu_ggml(*g) * u),
     }
 }

@@ -2,8 +2,8 @@
 //! quantized once per matmul to Q8_K (one f32 scale per 256 values, i8 quants and sums
 //! of 16), and each Q4_K/Q6_K block is multiplied with `vpdpbusd` (AVX-512 VNNI).
 //!
-//! This rounds the activations to 8 bits, which changes the numerics (llama.cpp does the
-//! same); it is opt-in (`KESTREL_Q8_ACTIVATIONS=1`), see BENCHMARKS.md.
+//! This is the path of `Numerics::Ggml` (the default, see `numerics.rs`); with
+//! `KESTREL_CPU_NUMERICS=f32` the f32 kernels of `qdot.rs` run instead.
 
 use kestrel_gguf::GgmlType;
 

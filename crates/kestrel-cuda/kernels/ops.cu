@@ -269,6 +269,128 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     }
 }
 
+// attention_split for grouped-query attention: block (token, kv head, split z) computes
+// every query head sharing that kv head, so each key and value row is read once for the
+// group instead of once per head. Lane l holds dims [l*PER, l*PER + PER) of the head
+// (head_dim = 32 * PER, PER <= 4) and each warp prefetches its next key's rows while it
+// computes the current one. Same partial-result layout as attention_split.
+#define GQA_MAX_GROUP 8
+#define GQA_MAX_PER 4
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
+                    const u32* positions, const u32* seq_of, const u32* table_off,
+                    const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
+                    float scale, int window, int splits, int tok0) {
+    __shared__ float w_max[ATT_WARPS][GQA_MAX_GROUP], w_sum[ATT_WARPS][GQA_MAX_GROUP];
+    __shared__ float w_acc[ATT_WARPS][GQA_MAX_GROUP][GQA_MAX_PER * 32];
+    const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int group = n_head / n_head_kv, per = head_dim / 32;
+    const int kv_dim = n_head_kv * head_dim;
+    const int pos = (int)positions[i];
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int span = (pos + 1 - lo + splits - 1) / splits;
+    const int k_begin = lo + s * span, k_end = min(pos + 1, k_begin + span);
+    const u32* table = tables + table_off[seq_of[i]];
+
+    // This lane's slice of each query head, pre-scaled.
+    float qr[GQA_MAX_GROUP][GQA_MAX_PER];
+    float acc[GQA_MAX_GROUP][GQA_MAX_PER];
+    float m[GQA_MAX_GROUP], l[GQA_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < GQA_MAX_GROUP; g++) {
+        const float* qh = q + (size_t)i * n_head * head_dim + (size_t)(kvh * group + g) * head_dim;
+#pragma unroll
+        for (int e = 0; e < GQA_MAX_PER; e++) {
+            qr[g][e] = (g < group && e < per) ? qh[lane * per + e] * scale : 0.0f;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+
+    float kn[GQA_MAX_PER], vn[GQA_MAX_PER];
+    auto load = [&](int kp, float* kr, float* vr) {
+        const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kvh * head_dim + lane * per;
+        if (per == 4) {
+            // 8-byte loads: base is a multiple of 4 halves (head_dim = 128).
+            const uint2 kw = *reinterpret_cast<const uint2*>(kc + base);
+            const uint2 vw = *reinterpret_cast<const uint2*>(vc + base);
+            kr[0] = h2f((u16)(kw.x & 0xffff)); kr[1] = h2f((u16)(kw.x >> 16));
+            kr[2] = h2f((u16)(kw.y & 0xffff)); kr[3] = h2f((u16)(kw.y >> 16));
+            vr[0] = h2f((u16)(vw.x & 0xffff)); vr[1] = h2f((u16)(vw.x >> 16));
+            vr[2] = h2f((u16)(vw.y & 0xffff)); vr[3] = h2f((u16)(vw.y >> 16));
+            return;
+        }
+#pragma unroll
+        for (int e = 0; e < GQA_MAX_PER; e++) {
+            kr[e] = e < per ? h2f(kc[base + e]) : 0.0f;
+            vr[e] = e < per ? h2f(vc[base + e]) : 0.0f;
+        }
+    };
+    int kp = k_begin + warp;
+    if (kp < k_end) load(kp, kn, vn);
+    for (; kp < k_end; kp += ATT_WARPS) {
+        float kr[GQA_MAX_PER], vr[GQA_MAX_PER];
+#pragma unroll
+        for (int e = 0; e < GQA_MAX_PER; e++) {
+            kr[e] = kn[e];
+            vr[e] = vn[e];
+        }
+        if (kp + ATT_WARPS < k_end) load(kp + ATT_WARPS, kn, vn);
+#pragma unroll
+        for (int g = 0; g < GQA_MAX_GROUP; g++) {
+            if (g < group) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < GQA_MAX_PER; e++) dot += qr[g][e] * kr[e];
+                const float score = warp_sum(dot);
+                const float m_new = fmaxf(m[g], score);
+                const float corr = expf(m[g] - m_new);
+                const float p = expf(score - m_new);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int e = 0; e < GQA_MAX_PER; e++) acc[g][e] = acc[g][e] * corr + p * vr[e];
+                m[g] = m_new;
+            }
+        }
+    }
+
+    // Merge the warps, head by head.
+#pragma unroll
+    for (int g = 0; g < GQA_MAX_GROUP; g++) {
+        if (g < group) {
+            if (lane == 0) {
+                w_max[warp][g] = m[g];
+                w_sum[warp][g] = l[g];
+            }
+#pragma unroll
+            for (int e = 0; e < GQA_MAX_PER; e++)
+                if (e < per) w_acc[warp][g][lane * per + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    for (int g = warp; g < group; g += ATT_WARPS) {
+        float big = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (w_sum[w][g] > 0.0f) big = fmaxf(big, w_max[w][g]);
+        float total = 0.0f;
+        float* o = part + (((size_t)li * n_head + kvh * group + g) * splits + s) * (head_dim + 2);
+        for (int d = lane; d < head_dim; d += 32) {
+            float a = 0.0f;
+            for (int w = 0; w < ATT_WARPS; w++)
+                if (w_sum[w][g] > 0.0f) a += w_acc[w][g][d] * expf(w_max[w][g] - big);
+            o[d] = a;
+        }
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (w_sum[w][g] > 0.0f) total += w_sum[w][g] * expf(w_max[w][g] - big);
+        if (lane == 0) {
+            o[head_dim] = big;
+            o[head_dim + 1] = total;
+        }
+    }
+}
+
 // Merges the splits of attention_split: one block per (token, head). Each split's weight
 // exp(max_s - max) is computed once into shared memory.
 #define MAX_SPLITS 64

@@ -42,6 +42,7 @@ pub const KERNELS: &[&str] = &[
     "rope_store_kv",
     "attention",
     "attention_split",
+    "attention_split_gqa",
     "attention_combine",
     "attention_prefill",
     "gather_rows",

@@ -89,6 +89,20 @@ const MAX_ATTN_SPLITS: usize = 64;
 /// Graphs kept (one per distinct launch list, e.g. per batch size).
 const MAX_GRAPHS: usize = 8;
 
+/// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
+/// query heads together: each key and value row read once per group): grouped heads, a
+/// head of 32 · (1 to 4) dims, at most 8 heads per group. `KESTREL_CUDA_ATTN_GQA=0` keeps
+/// the one-block-per-head kernel (for measurements).
+fn gqa_split_attention(p: &AttnParams) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_GQA").map_or(true, |v| v != "0"));
+    let group = p.n_head / p.n_head_kv.max(1);
+    on && (2..=8).contains(&group)
+        && p.n_head % p.n_head_kv == 0
+        && p.head_dim % 32 == 0
+        && p.head_dim <= 128
+}
+
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
 enum Arg {
@@ -913,12 +927,21 @@ impl CudaBackend {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
-                self.launch(
-                    "attention_split",
-                    (m as u32, p.n_head as u32, splits as u32),
-                    128,
-                    &args,
-                );
+                if gqa_split_attention(p) {
+                    self.launch(
+                        "attention_split_gqa",
+                        (m as u32, p.n_head_kv as u32, splits as u32),
+                        128,
+                        &args,
+                    );
+                } else {
+                    self.launch(
+                        "attention_split",
+                        (m as u32, p.n_head as u32, splits as u32),
+                        128,
+                        &args,
+                    );
+                }
                 self.launch(
                     "attention_combine",
                     (m as u32, p.n_head as u32, 1),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use kestrel_cpu::{CpuBackend, Kernels};
+use kestrel_cpu::{CpuBackend, Kernels, Numerics};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::{GgmlType, GgufFile};
 use kestrel_model::Arch;
@@ -33,7 +33,21 @@ pub const Q8_TYPES: [&str; 4] = ["q8_0", "q4_0", "q4_k_m", "q6_k"];
 
 /// A tiny random-weight model of `arch` with weights of type `ty`, in memory.
 pub fn tiny_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
-    let cfg = SynthConfig::tiny(arch);
+    model_of(SynthConfig::tiny(arch), ty, seed)
+}
+
+/// The tiny model with real models' attention shape: 128-dim heads, 4 query heads per kv
+/// head (the vectorized path of `attention_split_gqa`, which 64-dim heads do not take).
+pub fn tiny_model_wide_heads(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
+    cfg.n_embd = 512;
+    cfg.n_head = 4;
+    cfg.n_head_kv = 1;
+    cfg.head_dim = 128;
+    model_of(cfg, ty, seed)
+}
+
+fn model_of(cfg: SynthConfig, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
     let ty: WeightType = ty
         .parse()
         .map_err(|e| anyhow::anyhow!("weight type {ty}: {e}"))?;
@@ -53,8 +67,11 @@ fn options(max_batch_tokens: usize) -> EngineOptions {
     }
 }
 
+/// The oracle computes on f32 activations: the CUDA paths round differently from
+/// llama.cpp's CPU path (or not at all), and f32 is the arithmetic they approximate.
 fn cpu_engine(file: &Arc<GgufFile>) -> anyhow::Result<Engine<CpuBackend>> {
-    Engine::new(CpuBackend::new(Kernels::Fast), file.clone(), &options(256))
+    let backend = CpuBackend::with_numerics(Kernels::Fast, Numerics::F32);
+    Engine::new(backend, file.clone(), &options(256))
 }
 
 /// The CUDA engine evaluates in chunks of an awkward size (100 tokens), so later chunks
@@ -119,9 +136,11 @@ pub struct LogitReport {
     pub max_abs_diff: f32,
     pub max_abs_logit: f32,
     pub top1_agreement: f64,
-    /// Agreement counting a different top-1 as agreeing when the CPU's logits of the two
-    /// choices are within [`TIE_REL`] · max(1, max |logit|): random-weight models have many
-    /// near-ties, and f16 GEMM operands (prefill) reorder those.
+    /// Agreement counting a different top-1 as agreeing when the reference's logits of the
+    /// two choices are within [`TIE_REL`] · max(1, max |logit|), or within twice the largest
+    /// |Δ logit| measured (two logits each off by that much can swap; the |Δ| itself is
+    /// bounded separately): random-weight models have many near-ties, and f16 GEMM
+    /// operands (prefill) and 8-bit activations (decode) reorder those.
     pub top1_agreement_ties: f64,
     pub non_finite: usize,
     /// Whether the GPU ran single-token GEMVs on 8-bit activations.
@@ -160,7 +179,30 @@ pub fn compare_logits(
     ordinal: usize,
     q8: bool,
 ) -> anyhow::Result<LogitReport> {
-    let file = tiny_model(arch, ty, seed)?;
+    compare_logits_of(tiny_model(arch, ty, seed)?, arch, ty, n, seed, ordinal, q8)
+}
+
+/// [`compare_logits`] on [`tiny_model_wide_heads`].
+pub fn compare_logits_wide_heads(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_wide_heads(arch, ty, seed)?;
+    compare_logits_of(file, arch, ty, n, seed, ordinal, true)
+}
+
+fn compare_logits_of(
+    file: Arc<GgufFile>,
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+    q8: bool,
+) -> anyhow::Result<LogitReport> {
     let mut cpu = cpu_engine(&file)?;
     let mut gpu = cuda_engine(&file, ordinal)?;
     gpu.backend.set_q8_decode(q8);
@@ -194,8 +236,6 @@ fn logit_report(arch: Arch, ty: &str, a: &[Vec<f32>], b: &[Vec<f32>]) -> LogitRe
         non_finite: 0,
         q8: false,
     };
-    let mut agree = 0usize;
-    let mut near_ties = 0usize;
     for (ra, rb) in a.iter().zip(b) {
         for (x, y) in ra.iter().zip(rb) {
             if !y.is_finite() {
@@ -205,10 +245,15 @@ fn logit_report(arch: Arch, ty: &str, a: &[Vec<f32>], b: &[Vec<f32>]) -> LogitRe
             report.max_abs_diff = report.max_abs_diff.max((x - y).abs());
             report.max_abs_logit = report.max_abs_logit.max(x.abs());
         }
+    }
+    let tie = (TIE_REL * report.max_abs_logit.max(1.0)).max(2.0 * report.max_abs_diff);
+    let mut agree = 0usize;
+    let mut near_ties = 0usize;
+    for (ra, rb) in a.iter().zip(b) {
         let (ia, ib) = (argmax(ra), argmax(rb));
         if ia == ib {
             agree += 1;
-        } else if ra[ia] - ra[ib] <= TIE_REL * report.max_abs_logit.max(1.0) {
+        } else if ra[ia] - ra[ib] <= tie {
             near_ties += 1;
         }
     }

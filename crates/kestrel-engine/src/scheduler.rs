@@ -31,7 +31,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kestrel_model::{Backend, Batch, SeqSlot};
 
@@ -177,6 +177,11 @@ pub struct SchedulerStats {
     pub tokens_generated: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
+    /// Microseconds spent in the model's forward steps (backend work and the logits read).
+    pub forward_us: AtomicU64,
+    /// Microseconds of the scheduler's own work around them: admission, batch building,
+    /// sampling, sending tokens, releasing blocks.
+    pub host_us: AtomicU64,
     pub requests_finished: AtomicU64,
     pub requests_cancelled: AtomicU64,
 }
@@ -437,6 +442,8 @@ struct Scheduler<B: Backend> {
     disconnected: bool,
     /// Logits of the current step (reused).
     logits: Vec<f32>,
+    /// Microseconds the last step spent in the forward pass.
+    last_forward_us: u64,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -468,6 +475,7 @@ impl<B: Backend> Scheduler<B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             logits: Vec::new(),
+            last_forward_us: 0,
             prefix: PrefixCache::new(block_hash),
             tick: 0,
             disconnected: false,
@@ -510,10 +518,16 @@ impl<B: Backend> Scheduler<B> {
                     }
                 }
             }
+            let started = Instant::now();
             self.drop_cancelled();
             self.admit();
             let worked = self.step();
             self.publish();
+            let total = started.elapsed().as_micros() as u64;
+            let forward = std::mem::take(&mut self.last_forward_us);
+            self.stats
+                .host_us
+                .fetch_add(total.saturating_sub(forward), Ordering::Relaxed);
             if !worked && !self.waiting.is_empty() {
                 // Nothing could run (should not happen: a lone sequence always fits). Wait
                 // for new requests instead of spinning.
@@ -744,7 +758,22 @@ impl<B: Backend> Scheduler<B> {
         // The scheduler's own logits buffer (sampling needs `self` while reading them): the
         // backend writes into it, no copy and no allocation per step.
         let mut logits = std::mem::take(&mut self.logits);
-        match self.engine.step_into(&batch, &mut logits) {
+        let forward_started = Instant::now();
+        let result = self.engine.step_into(&batch, &mut logits);
+        self.last_forward_us = forward_started.elapsed().as_micros() as u64;
+        if step_log() {
+            let prefill: usize = plan.iter().filter(|p| p.1 > 1).map(|p| p.1).sum();
+            eprintln!(
+                "step tokens {} seqs {} prefill_tokens {prefill} forward_us {}",
+                batch.len(),
+                plan.len(),
+                self.last_forward_us
+            );
+        }
+        self.stats
+            .forward_us
+            .fetch_add(self.last_forward_us, Ordering::Relaxed);
+        match result {
             Ok(()) => {}
             Err(err) => {
                 self.logits = logits;
@@ -874,6 +903,13 @@ impl<B: Backend> Scheduler<B> {
             Ordering::Relaxed,
         );
     }
+}
+
+/// `KESTREL_STEP_LOG=1`: one stderr line per step (tokens, sequences, prompt tokens,
+/// forward time), to see where a server's time goes.
+fn step_log() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KESTREL_STEP_LOG").is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
 /// Hash of a block's token ids chained with the hash of the blocks before it.

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kestrel_cpu::{CpuBackend, Kernels};
+use kestrel_cpu::{CpuBackend, Kernels, Numerics};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
@@ -20,6 +20,15 @@ fn tiny_model(arch: Arch, ty: &str, seed: u64) -> Arc<GgufFile> {
 }
 
 fn engine(file: &Arc<GgufFile>, kernels: Kernels, max_seqs: usize) -> Engine<CpuBackend> {
+    engine_with(file, kernels, Numerics::from_env(), max_seqs)
+}
+
+fn engine_with(
+    file: &Arc<GgufFile>,
+    kernels: Kernels,
+    numerics: Numerics,
+    max_seqs: usize,
+) -> Engine<CpuBackend> {
     let opts = EngineOptions {
         ctx: 512,
         max_batch_tokens: 256,
@@ -27,7 +36,12 @@ fn engine(file: &Arc<GgufFile>, kernels: Kernels, max_seqs: usize) -> Engine<Cpu
         block_size: 16,
         max_seqs,
     };
-    Engine::new(CpuBackend::new(kernels), file.clone(), &opts).expect("engine")
+    Engine::new(
+        CpuBackend::with_numerics(kernels, numerics),
+        file.clone(),
+        &opts,
+    )
+    .expect("engine")
 }
 
 fn all_logits(engine: &mut Engine<CpuBackend>, tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -44,16 +58,26 @@ fn random_tokens(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
 
-#[test]
-fn fast_path_matches_scalar_reference_for_every_arch_and_type() {
+/// How one arch and weight type compared: the largest |Δ logit| relative to
+/// max(1, max |logit|), the mean |Δ logit|, and the share of positions whose top-1 differs.
+struct Comparison {
+    what: String,
+    max_rel: f32,
+    mean: f32,
+    flips: f32,
+}
+
+/// Fast kernels against the scalar path, with `numerics` on both sides.
+fn fast_against_scalar(numerics: Numerics) -> Vec<Comparison> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let mut results = Vec::new();
     for arch in ARCHS {
         for ty in [
             "f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_m", "q6_k",
         ] {
             let file = tiny_model(arch, ty, rng.random());
-            let mut fast = engine(&file, Kernels::Fast, 1);
-            let mut scalar = engine(&file, Kernels::Scalar, 1);
+            let mut fast = engine_with(&file, Kernels::Fast, numerics, 1);
+            let mut scalar = engine_with(&file, Kernels::Scalar, numerics, 1);
             let vocab = fast.config().vocab_size;
             // Longer than Gemma's tiny sliding window (128) so the window is exercised.
             let n = rng.random_range(140..200);
@@ -61,21 +85,73 @@ fn fast_path_matches_scalar_reference_for_every_arch_and_type() {
             let a = all_logits(&mut fast, &tokens);
             let b = all_logits(&mut scalar, &tokens);
             assert_eq!(a.len(), n);
-            let mut max_diff = 0f32;
-            let mut max_abs = 0f32;
+            let (mut max_diff, mut max_abs, mut sum) = (0f32, 0f32, 0f64);
+            let mut top1_differs = 0usize;
+            let argmax =
+                |r: &[f32]| (0..r.len()).fold(0, |best, i| if r[i] > r[best] { i } else { best });
             for (ra, rb) in a.iter().zip(&b) {
                 for (x, y) in ra.iter().zip(rb) {
                     assert!(x.is_finite(), "{arch:?} {ty}: non-finite logit");
                     max_diff = max_diff.max((x - y).abs());
                     max_abs = max_abs.max(y.abs());
+                    sum += (x - y).abs() as f64;
                 }
+                top1_differs += usize::from(argmax(ra) != argmax(rb));
             }
-            eprintln!("{arch:?} {ty}: max |Δ logit| {max_diff:.2e} (max |logit| {max_abs:.2e})");
-            assert!(
-                max_diff <= 5e-4 * max_abs.max(1.0),
-                "{arch:?} {ty}: fast and scalar differ by {max_diff}"
+            let count = (n * vocab) as f64;
+            let cmp = Comparison {
+                what: format!("{arch:?} {ty}"),
+                max_rel: max_diff / max_abs.max(1.0),
+                mean: (sum / count) as f32,
+                flips: top1_differs as f32 / n as f32,
+            };
+            eprintln!(
+                "{} ({}): max |Δ logit| {max_diff:.2e} (max |logit| {max_abs:.2e}), mean \
+                 {:.2e}, top-1 differs at {top1_differs} of {n}",
+                cmp.what,
+                numerics.name(),
+                cmp.mean,
             );
+            results.push(cmp);
         }
+    }
+    results
+}
+
+#[test]
+fn fast_path_matches_scalar_reference_for_every_arch_and_type() {
+    // f32 activations: the kernels alone, so differences are f32 rounding.
+    for c in fast_against_scalar(Numerics::F32) {
+        assert!(
+            c.max_rel <= 5e-4,
+            "{}: fast and scalar differ by {}",
+            c.what,
+            c.max_rel
+        );
+    }
+}
+
+#[test]
+fn fast_path_matches_scalar_reference_with_llama_cpp_rounding() {
+    // llama.cpp's rounding on both sides. A last-bit difference just before a rounding
+    // can move a value by a whole 8-bit step, and on these tiny random models that grows
+    // to ~2.5% of the largest logit (about as far as f32 numerics are from these), so
+    // this end-to-end check only catches gross errors on every arch. The rounding itself
+    // is checked exactly per matmul (kestrel-cpu tests/numerics.rs), and the numerics
+    // against llama.cpp on the real models (tests/fidelity.rs).
+    for c in fast_against_scalar(Numerics::Ggml) {
+        assert!(
+            c.max_rel <= 0.1,
+            "{}: fast and scalar differ by {}",
+            c.what,
+            c.max_rel
+        );
+        assert!(
+            c.flips <= 0.05,
+            "{}: top-1 differs at {} of positions",
+            c.what,
+            c.flips
+        );
     }
 }
 

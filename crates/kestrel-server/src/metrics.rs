@@ -120,6 +120,17 @@ impl Metrics {
             load(&s.requests_cancelled),
         );
         counter("kestrel_steps_total", "Forward steps run.", load(&s.steps));
+        // Where the scheduler thread's time goes (µs counters, reported in seconds).
+        let _ = writeln!(
+            out,
+            "# HELP kestrel_scheduler_seconds_total Scheduler thread time: the model's \
+             forward steps, and its own work around them (admission, batching, sampling, \
+             sending).\n# TYPE kestrel_scheduler_seconds_total counter\n\
+             kestrel_scheduler_seconds_total{{phase=\"forward\"}} {:.6}\n\
+             kestrel_scheduler_seconds_total{{phase=\"host\"}} {:.6}",
+            load(&s.forward_us) as f64 / 1e6,
+            load(&s.host_us) as f64 / 1e6
+        );
         let mut gauge = |name: &str, help: &str, v: u64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };
