@@ -98,8 +98,8 @@ fn gqa_split_attention(p: &AttnParams) -> bool {
     let on = *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_GQA").map_or(true, |v| v != "0"));
     let group = p.n_head / p.n_head_kv.max(1);
     on && (2..=8).contains(&group)
-        && p.n_head % p.n_head_kv == 0
-        && p.head_dim % 32 == 0
+        && p.n_head.is_multiple_of(p.n_head_kv)
+        && p.head_dim.is_multiple_of(32)
         && p.head_dim <= 128
 }
 
