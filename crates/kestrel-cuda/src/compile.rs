@@ -46,6 +46,7 @@ pub const KERNELS: &[&str] = &[
     "attention_combine",
     "attention_prefill",
     "gather_rows",
+    "argmax_rows",
     "dequant_f16",
     "f32_to_f16",
 ];

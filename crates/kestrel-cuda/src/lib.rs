@@ -270,6 +270,8 @@ pub struct CudaBackend {
     q8_holds: Mutex<Option<u64>>,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+    /// Token ids of `argmax_rows`, on the device (grown to the most rows asked).
+    argmax_ids: Mutex<Option<CudaSlice<u32>>>,
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
     /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
     f16_copies: std::sync::atomic::AtomicBool,
@@ -493,6 +495,7 @@ impl CudaBackend {
             f16_copies: Default::default(),
             f16_copies_q8: Default::default(),
             pinned: Mutex::new(None),
+            argmax_ids: Mutex::new(None),
             q8_decode: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
             ),
@@ -2007,6 +2010,41 @@ impl kestrel_model::Backend for CudaBackend {
         self.check()?;
         out.extend_from_slice(&values[..len]);
         Ok(())
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        _scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if n > x.rows {
+            bail!("argmax_rows: {n} rows asked, tensor has {}", x.rows);
+        }
+        out.clear();
+        if n == 0 {
+            return self.check();
+        }
+        let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.as_ref().is_none_or(|b| b.len() < n) {
+            *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "argmax ids")?);
+        }
+        let Some(buf) = ids.as_ref() else {
+            bail!("no argmax buffer");
+        };
+        self.launch(
+            "argmax_rows",
+            (n as u32, 1, 1),
+            256,
+            &[Arg::P(x.ptr), Arg::P(self.ptr(buf)), Arg::I(x.cols as i32)],
+        );
+        self.check()?;
+        out.resize(n, 0);
+        self.stream
+            .memcpy_dtoh(&buf.slice(..n), &mut out[..])
+            .map_err(|e| anyhow::anyhow!("copying token ids from the GPU: {e:?}"))?;
+        self.check()
     }
 
     fn qkv(

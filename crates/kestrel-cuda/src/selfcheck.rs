@@ -7,8 +7,8 @@ use anyhow::Context;
 use kestrel_cpu::{CpuBackend, Kernels, Numerics};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::{GgmlType, GgufFile};
-use kestrel_model::Arch;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+use kestrel_model::{Arch, Batch, SeqSlot};
 use rand::{Rng, SeedableRng};
 
 use crate::CudaBackend;
@@ -639,4 +639,55 @@ pub fn compare_graph_replay(
         replays: replays.load(std::sync::atomic::Ordering::Relaxed),
         identical,
     })
+}
+
+/// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,
+/// for a prompt-sized step (eager) and a decode-sized one run three times (recorded into
+/// a CUDA graph, then replayed). Returns (rows compared, rows that differ).
+pub fn compare_argmax(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<(usize, usize)> {
+    let file = tiny_model(arch, ty, seed)?;
+    let mut gpu = cuda_engine(&file, ordinal)?;
+    let vocab = gpu.config().vocab_size;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xa7a7);
+    let n = 40;
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let mut table = Vec::new();
+    gpu.blocks.ensure(&mut table, n)?;
+    let batch_of = |from: usize| Batch {
+        tokens: tokens[from..].to_vec(),
+        positions: (from as u32..n as u32).collect(),
+        seq_of: vec![0; n - from],
+        seqs: vec![SeqSlot {
+            block_table: table.clone(),
+            kv_len: n,
+        }],
+        logit_rows: (0..(n - from) as u32).collect(),
+    };
+    let (mut compared, mut differ) = (0, 0);
+    let mut logits = Vec::new();
+    let mut ids = Vec::new();
+    for (from, repeats) in [(0, 1), (n - 4, 3)] {
+        let batch = batch_of(from);
+        gpu.step_into(&batch, &mut logits)?;
+        for _ in 0..repeats {
+            gpu.step_argmax(&batch, &mut ids)?;
+            anyhow::ensure!(
+                ids.len() == n - from,
+                "{} ids for {} rows",
+                ids.len(),
+                n - from
+            );
+            for (row, &id) in logits.chunks_exact(vocab).zip(&ids) {
+                compared += 1;
+                differ += usize::from(kestrel_model::argmax(row) != id);
+            }
+        }
+    }
+    gpu.blocks.release(&mut table);
+    Ok((compared, differ))
 }

@@ -124,6 +124,24 @@ impl<B: Backend> Engine<B> {
             .read_rows(&self.scratch.logits, batch.logit_rows.len(), logits)
     }
 
+    /// [`Engine::step_into`], keeping only each logit row's argmax (greedy sampling): the
+    /// backend reduces the rows where they are instead of returning them.
+    pub fn step_argmax(&mut self, batch: &Batch, ids: &mut Vec<u32>) -> anyhow::Result<()> {
+        batch.validate(
+            self.blocks.block_size(),
+            self.blocks.n_blocks(),
+            self.model.config.vocab_size,
+        )?;
+        self.model
+            .forward(&self.backend, &mut self.cache, batch, &mut self.scratch)?;
+        self.backend.argmax_rows(
+            &self.scratch.logits,
+            batch.logit_rows.len(),
+            &mut self.logits,
+            ids,
+        )
+    }
+
     /// Appends `tokens` to `seq`, evaluating them in chunks. Returns the logits of the
     /// last token, or of every new token when `all_logits` (then `tokens` must fit the
     /// logit rows of one step per chunk; chunks shrink to `max_logit_rows`).

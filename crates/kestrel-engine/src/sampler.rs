@@ -10,6 +10,7 @@
 //!   (cheaply, by a logit threshold) and then top-p with the normaliser of the pre-min-p set gives
 //!   exactly the set llama.cpp's top-p-then-min-p gives, while sorting only the survivors.
 
+pub use kestrel_model::argmax;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::cmp::Ordering;
@@ -156,7 +157,7 @@ impl Sampler {
         if logits.is_empty() {
             return 0;
         }
-        if self.params.is_greedy() && !self.params.penalties_active() {
+        if self.is_argmax() {
             return argmax(logits);
         }
         self.filter(logits, history);
@@ -174,6 +175,12 @@ impl Sampler {
         }
         // Rounding left the cumulative sum just under u: take the last (least likely) survivor.
         self.candidates.last().map_or(0, |c| c.id)
+    }
+
+    /// Whether [`Sampler::sample`] is the plain [`argmax`] of the logits (greedy, no
+    /// penalties): callers may then compute it themselves, e.g. for many rows in parallel.
+    pub fn is_argmax(&self) -> bool {
+        self.params.is_greedy() && !self.params.penalties_active()
     }
 
     /// The tokens that survive penalties and filters, best first, with their probabilities
@@ -318,22 +325,6 @@ fn apply_penalties(
         }
         c.logit -= count * p.frequency_penalty + p.presence_penalty;
     }
-}
-
-/// Index of the largest logit, the lowest index among ties; NaN never wins unless every value
-/// is NaN (then 0).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_val = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &l) in logits.iter().enumerate() {
-        if !l.is_nan() && (!found || l > best_val) {
-            best = i;
-            best_val = l;
-            found = true;
-        }
-    }
-    best as u32
 }
 
 /// Log-probabilities of every token: `logits - logsumexp(logits)`, accumulated in f64.
@@ -531,6 +522,38 @@ mod tests {
             }
             assert_eq!(s.sample(&logits, &[]), imax as u32);
             assert_eq!(argmax(&logits), imax as u32);
+        }
+    }
+
+    #[test]
+    fn argmax_matches_a_plain_scan_with_nan_infinities_and_ties() {
+        // The first index of the largest non-NaN value; 0 when every value is NaN.
+        fn plain(v: &[f32]) -> u32 {
+            let mut best: Option<usize> = None;
+            for (i, &x) in v.iter().enumerate() {
+                if !x.is_nan() && best.is_none_or(|b| x > v[b]) {
+                    best = Some(i);
+                }
+            }
+            best.unwrap_or(0) as u32
+        }
+        let mut rng = StdRng::seed_from_u64(rand::random());
+        for n in [1usize, 5, 15, 16, 17, 31, 33, 100, 1027] {
+            for _ in 0..50 {
+                let mut v: Vec<f32> = (0..n)
+                    .map(|_| match rng.random_range(0..10) {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 => 3.0, // ties
+                        _ => rng.random_range(-5.0..3.0),
+                    })
+                    .collect();
+                assert_eq!(argmax(&v), plain(&v), "{v:?}");
+                v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+                assert_eq!(argmax(&v), 0);
+                v.iter_mut().for_each(|x| *x = f32::NAN);
+                assert_eq!(argmax(&v), 0);
+            }
         }
     }
 

@@ -34,9 +34,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kestrel_model::{Backend, Batch, SeqSlot};
+use rayon::prelude::*;
 
 use crate::engine::Engine;
-use crate::sampler::{Sampler, SamplerParams, log_softmax, top_n};
+use crate::sampler::{Sampler, SamplerParams, argmax, log_softmax, top_n};
 
 /// Where a request's events go. Implemented for `std::sync::mpsc::Sender<Event>`; the server
 /// wraps its async channel in one.
@@ -444,6 +445,8 @@ struct Scheduler<B: Backend> {
     logits: Vec<f32>,
     /// Microseconds the last step spent in the forward pass.
     last_forward_us: u64,
+    /// Token ids of the current step when every row is plain greedy (reused).
+    argmax_ids: Vec<u32>,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -476,6 +479,7 @@ impl<B: Backend> Scheduler<B> {
             running: Vec::new(),
             logits: Vec::new(),
             last_forward_us: 0,
+            argmax_ids: Vec::new(),
             prefix: PrefixCache::new(block_hash),
             tick: 0,
             disconnected: false,
@@ -737,6 +741,9 @@ impl<B: Backend> Scheduler<B> {
         plan.sort_unstable_by_key(|&(i, _)| i);
 
         let mut batch = Batch::default();
+        // Whether every sequence sampling this step takes the plain argmax: then the
+        // backend reduces the logit rows itself and returns token ids only.
+        let mut all_plain = true;
         for (slot, &(i, n)) in plan.iter().enumerate() {
             let seq = &self.running[i];
             let start = seq.n_cached;
@@ -751,6 +758,7 @@ impl<B: Backend> Scheduler<B> {
             });
             if start + n == seq.tokens.len() {
                 batch.logit_rows.push(batch.tokens.len() as u32 - 1);
+                all_plain &= seq.sampler.is_argmax() && seq.logprobs.is_none();
             }
         }
 
@@ -759,7 +767,12 @@ impl<B: Backend> Scheduler<B> {
         // backend writes into it, no copy and no allocation per step.
         let mut logits = std::mem::take(&mut self.logits);
         let forward_started = Instant::now();
-        let result = self.engine.step_into(&batch, &mut logits);
+        let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
+        let result = if all_plain {
+            self.engine.step_argmax(&batch, &mut argmax_ids)
+        } else {
+            self.engine.step_into(&batch, &mut logits)
+        };
         self.last_forward_us = forward_started.elapsed().as_micros() as u64;
         if step_log() {
             let prefill: usize = plan.iter().filter(|p| p.1 > 1).map(|p| p.1).sum();
@@ -777,6 +790,7 @@ impl<B: Backend> Scheduler<B> {
             Ok(()) => {}
             Err(err) => {
                 self.logits = logits;
+                self.argmax_ids = argmax_ids;
                 let msg = format!("evaluation failed: {err:#}");
                 let mut failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
                 failed.sort_unstable();
@@ -793,21 +807,43 @@ impl<B: Backend> Scheduler<B> {
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
 
-        let mut rows = logits.chunks_exact(vocab);
-        let mut finished = Vec::new();
+        // The sequences sampling this step, in logit-row order. Plain greedy rows are
+        // reduced to their argmax on all cores first (a large vocabulary times dozens of
+        // rows is the bulk of the scheduler's own time otherwise).
+        let mut sampling = Vec::with_capacity(batch.logit_rows.len());
         for &(i, n) in &plan {
             let seq = &mut self.running[i];
             seq.n_cached += n;
-            if seq.n_cached < seq.tokens.len() {
-                continue;
+            if seq.n_cached == seq.tokens.len() {
+                sampling.push(i);
             }
-            let Some(row) = rows.next() else {
-                break; // cannot happen: one row per sequence reaching its end
-            };
-            if let Some(reason) = self.sample_into(i, row) {
+        }
+        let (rows, picks): (Vec<&[f32]>, Vec<Option<u32>>) = if all_plain {
+            (
+                vec![&[][..]; sampling.len()],
+                argmax_ids.iter().map(|&id| Some(id)).collect(),
+            )
+        } else {
+            let rows: Vec<&[f32]> = logits.chunks_exact(vocab).take(sampling.len()).collect();
+            let plain: Vec<bool> = sampling
+                .iter()
+                .map(|&i| self.running[i].sampler.is_argmax() && self.running[i].logprobs.is_none())
+                .collect();
+            let picks = plain
+                .par_iter()
+                .zip(rows.par_iter())
+                .map(|(&plain, row)| plain.then(|| argmax(row)))
+                .collect();
+            (rows, picks)
+        };
+        let mut finished = Vec::new();
+        for ((&i, row), pick) in sampling.iter().zip(&rows).zip(picks) {
+            if let Some(reason) = self.sample_into(i, row, pick) {
                 finished.push((i, reason));
             }
         }
+        drop(rows);
+        self.argmax_ids = argmax_ids;
         self.logits = logits;
         let mut running = std::mem::take(&mut self.running);
         for seq in &mut running {
@@ -837,11 +873,17 @@ impl<B: Backend> Scheduler<B> {
 
     /// Samples the next token of running sequence `i` from its logits and sends it. Returns
     /// `Some(Some(reason))` when the sequence is done, `Some(None)` when its client is gone.
-    fn sample_into(&mut self, i: usize, row: &[f32]) -> Option<Option<FinishReason>> {
+    /// `pick`: the token already chosen (a plain greedy row's argmax), if any.
+    fn sample_into(
+        &mut self,
+        i: usize,
+        row: &[f32],
+        pick: Option<u32>,
+    ) -> Option<Option<FinishReason>> {
         let ctx = self.engine.ctx;
         let eog = &self.opts.eog;
         let seq = &mut self.running[i];
-        let id = seq.sampler.sample(row, &seq.tokens);
+        let id = pick.unwrap_or_else(|| seq.sampler.sample(row, &seq.tokens));
         seq.generated += 1;
         self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
         if eog.contains(&id) {

@@ -135,6 +135,23 @@ pub trait Backend: Sync {
     /// Reads the first `n` rows back to the host.
     fn read_rows(&self, x: &Self::Tensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()>;
 
+    /// The [`argmax`] of each of the first `n` rows (greedy sampling without reading the
+    /// rows back; a GPU reduces them where they are). `scratch` may receive the rows.
+    fn argmax_rows(
+        &self,
+        x: &Self::Tensor,
+        n: usize,
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        self.read_rows(x, n, scratch)?;
+        out.clear();
+        if let Some(cols) = scratch.len().checked_div(n).filter(|&c| c > 0) {
+            out.extend(scratch.chunks_exact(cols).map(argmax));
+        }
+        Ok(())
+    }
+
     // ---- fused operations; the defaults compose the basic ones ----
 
     /// Q, K and V projections (with bias where the layer has one).
@@ -225,4 +242,29 @@ pub trait Backend: Sync {
         self.rope(k, head_dim, rope, step, n);
         self.store_kv(cache, layer, k, v, step, n);
     }
+}
+
+/// Index of the largest logit, the lowest index among ties; NaN never wins unless every value
+/// is NaN (then 0).
+pub fn argmax(logits: &[f32]) -> u32 {
+    // Two passes the compiler vectorizes (a 128K vocabulary per row, dozens of rows per
+    // server step): the largest non-NaN value (`v > m` is false for NaN), then its first
+    // index. All NaN: no index matches, 0.
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut max = lanes
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+    for &v in rest {
+        max = if v > max { v } else { max };
+    }
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
 }

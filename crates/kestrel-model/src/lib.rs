@@ -7,7 +7,7 @@ pub mod config;
 pub mod forward;
 pub mod weights;
 
-pub use backend::{AttnParams, Backend};
+pub use backend::{AttnParams, Backend, argmax};
 pub use batch::{Batch, SeqSlot};
 pub use config::{Activation, Arch, ModelConfig, RopeConstants, RopeParams, RopeScaling};
 pub use forward::{Model, Scratch};

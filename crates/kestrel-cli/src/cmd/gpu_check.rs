@@ -292,6 +292,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    println!(
+        "on-device argmax of logit rows vs the rows read back (eager and graph-replayed steps):"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(800 + ia as u64);
+        match selfcheck::compare_argmax(arch, "q4_k_m", case_seed, args.gpu) {
+            Ok((compared, differ)) => {
+                let ok = differ == 0;
+                failures += usize::from(!ok);
+                println!(
+                    "argmax   {:<8} {compared} rows, {differ} differ  {}",
+                    arch.name(),
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("argmax   {:<8} ERROR {e:#}", arch.name());
+            }
+        }
+    }
     println!("greedy generation, {} tokens:", args.generate);
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for ty in ["f32", "f16"] {
