@@ -67,30 +67,31 @@ pub fn activation_type(ty: GgmlType) -> Option<GgmlType> {
 /// is not reproduced (it moves results by ~1e-4 relative; no reference model uses it).
 pub fn round_trip(act: GgmlType, x: &[f32], bytes: &mut Vec<u8>, out: &mut Vec<f32>) {
     out.resize(x.len(), 0.0);
-    if act == GgmlType::Q8_0 {
-        round_trip_q8_0(x, out);
-        return;
-    }
     let n_bytes = act.bytes_for(x.len() as u64).unwrap_or(0) as usize;
     bytes.resize(n_bytes, 0);
     // Row lengths were checked against the weight's block size at load, and every
     // activation format here has the same or a dividing block size: these cannot fail.
-    let ok = kestrel_quant::quantize_row(act, x, bytes).is_ok()
-        && kestrel_quant::dequantize_row(act, bytes, out).is_ok();
-    if !ok {
+    let quantized = if act == GgmlType::Q8_0 {
+        quantize_q8_0(x, bytes);
+        true
+    } else {
+        kestrel_quant::quantize_row(act, x, bytes).is_ok()
+    };
+    if !(quantized && kestrel_quant::dequantize_row(act, bytes, out).is_ok()) {
         out.copy_from_slice(x);
     }
 }
 
-/// Q8_0 as ggml's x86 code quantizes activations: scale `amax / 127` stored as f16,
-/// quants `round_half_even(x · 127 / amax)` (its AVX path, not the reference `roundf`).
-fn round_trip_q8_0(x: &[f32], out: &mut [f32]) {
-    for (xb, ob) in x.chunks(32).zip(out.chunks_mut(32)) {
+/// Quantizes activations (whole 32-value blocks) to Q8_0 as ggml's x86 code does: scale
+/// `amax / 127` stored as f16, quants `round_half_even(x · 127 / amax)` (its AVX path, not
+/// the reference `roundf`). `out` holds 34 bytes per block.
+pub fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
+    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let d = round_f16(amax / 127.0);
-        for (o, v) in ob.iter_mut().zip(xb) {
-            *o = (v * id).round_ties_even() * d;
+        ob[..2].copy_from_slice(&f16::from_f32(amax / 127.0).to_bits().to_le_bytes());
+        for (q, v) in ob[2..].iter_mut().zip(xb) {
+            *q = ((v * id).round_ties_even() as i32).clamp(-127, 127) as i8 as u8;
         }
     }
 }

@@ -92,7 +92,11 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
         n_out,
     };
     if be.numerics == Numerics::Ggml {
-        if be.kernels == Kernels::Fast && k % 256 == 0 && qdot8::supported(ty) {
+        let int_block = match qdot8::activation_type(ty) {
+            kestrel_gguf::GgmlType::Q8K => 256,
+            _ => 32,
+        };
+        if be.kernels == Kernels::Fast && k % int_block == 0 && qdot8::supported(ty) {
             matmul_q8(ty, data, row_bytes, x, k, n, n_out, &mut out.data);
             return;
         }
@@ -309,12 +313,13 @@ fn matmul_fused(
 const Q8_TILE_BYTES: usize = 16 * 1024;
 
 thread_local! {
-    /// The activations of the current matmul quantized to Q8_K; grows to the largest
+    /// The activations of the current matmul quantized to Q8_K or Q8_0; grows to the largest
     /// batch once, then is reused (no allocation per decode step).
     static Q8_X: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `out[i][j] = row_j · q8k(x_i)` with the integer kernels (`qdot8`).
+/// `out[i][j] = row_j · q8(x_i)` with the integer kernels (`qdot8`), the activations
+/// quantized to the weight type's format (Q8_K or Q8_0).
 #[allow(clippy::too_many_arguments)]
 fn matmul_q8(
     ty: kestrel_gguf::GgmlType,
@@ -326,18 +331,26 @@ fn matmul_q8(
     n_out: usize,
     out: &mut [f32],
 ) {
-    let xq_row = k / 256 * qdot8::Q8K_BLOCK;
+    let act = qdot8::activation_type(ty);
+    let xq_row = match act {
+        kestrel_gguf::GgmlType::Q8K => k / 256 * qdot8::Q8K_BLOCK,
+        _ => k / 32 * qdot8::Q8_0_BLOCK,
+    };
     Q8_X.with_borrow_mut(|xq| {
         if xq.len() < n * xq_row {
             xq.resize(n * xq_row, 0);
         }
         for i in 0..n {
-            // k is a multiple of 256 (checked by the caller): this cannot fail.
-            let _ = kestrel_quant::quantize_row(
-                kestrel_gguf::GgmlType::Q8K,
+            let (src, dst) = (
                 &x[i * k..(i + 1) * k],
                 &mut xq[i * xq_row..(i + 1) * xq_row],
             );
+            if act == kestrel_gguf::GgmlType::Q8_0 {
+                numerics::quantize_q8_0(src, dst);
+            } else {
+                // k is a multiple of 256 (checked by the caller): this cannot fail.
+                let _ = kestrel_quant::quantize_row(act, src, dst);
+            }
         }
         let xq = &xq[..n * xq_row];
         let out_ptr = SharedOut(out.as_mut_ptr());

@@ -10,13 +10,28 @@ use kestrel_gguf::GgmlType;
 /// Bytes of one Q8_K block: d f32, qs[256] i8, bsums[16] i16.
 pub const Q8K_BLOCK: usize = 292;
 
+/// Bytes of one Q8_0 block: d f16, qs[32] i8.
+pub const Q8_0_BLOCK: usize = 34;
+
+/// The activation format the integer kernels take for weights of `ty`: Q8_K for the
+/// K-quants here, Q8_0 for the 32-value formats.
+pub fn activation_type(ty: GgmlType) -> GgmlType {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => GgmlType::Q8K,
+        _ => GgmlType::Q8_0,
+    }
+}
+
 /// Whether the integer kernels can run on this CPU for weights of `ty`.
 pub fn supported(ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
-            && std::arch::is_x86_feature_detected!("avx512f")
+        matches!(
+            ty,
+            GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_0
+        ) && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -26,8 +41,8 @@ pub fn supported(ty: GgmlType) -> bool {
     }
 }
 
-/// `row · x` where `xq` is `x` quantized to Q8_K (`row.len()` and `xq.len()` must hold
-/// the same number of 256-value blocks). Only call where [`supported`] is true.
+/// `row · x` where `xq` is `x` quantized to [`activation_type`]`(ty)` (`row` and `xq`
+/// must hold the same number of blocks). Only call where [`supported`] is true.
 #[inline]
 pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -38,6 +53,9 @@ pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
             match ty {
                 GgmlType::Q4K => vnni::q4_k(row, [xq])[0],
                 GgmlType::Q6K => vnni::q6_k(row, [xq])[0],
+                GgmlType::Q8_0 => vnni::q32::<{ vnni::Q8_0 }, 1>(row, [xq])[0],
+                GgmlType::Q5_0 => vnni::q32::<{ vnni::Q5_0 }, 1>(row, [xq])[0],
+                GgmlType::Q4_0 => vnni::q32::<{ vnni::Q4_0 }, 1>(row, [xq])[0],
                 _ => f32::NAN,
             }
         }
@@ -59,6 +77,9 @@ pub fn dot_row_x4(ty: GgmlType, row: &[u8], ys: [&[u8]; 4]) -> [f32; 4] {
             match ty {
                 GgmlType::Q4K => vnni::q4_k(row, ys),
                 GgmlType::Q6K => vnni::q6_k(row, ys),
+                GgmlType::Q8_0 => vnni::q32::<{ vnni::Q8_0 }, 4>(row, ys),
+                GgmlType::Q5_0 => vnni::q32::<{ vnni::Q5_0 }, 4>(row, ys),
+                GgmlType::Q4_0 => vnni::q32::<{ vnni::Q4_0 }, 4>(row, ys),
                 _ => [f32::NAN; 4],
             }
         }
@@ -151,6 +172,118 @@ mod vnni {
         let mut out = [0f32; N];
         for t in 0..N {
             out[t] = _mm512_reduce_add_ps(acc[t]) - hsum256(acc_min[t]);
+        }
+        out
+    }
+
+    /// f16 → f32 with one F16C instruction.
+    #[inline(always)]
+    unsafe fn h2f(b: &[u8], at: usize) -> f32 {
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        // SAFETY: the callers enable F16C.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+    }
+
+    /// The 32 signed values of weight block `b` (format `KIND`) in one 256-bit register.
+    #[inline(always)]
+    unsafe fn q32_values<const KIND: u8>(b: &[u8]) -> __m256i {
+        // SAFETY: the loads read inside the block (its length is checked by the caller).
+        unsafe {
+            let mask = _mm_set1_epi8(0x0f);
+            match KIND {
+                Q8_0 => ld256(b, 2),
+                Q5_0 => {
+                    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                    let nib = _mm_loadu_si128(b[6..22].as_ptr().cast());
+                    let lo = _mm_and_si128(nib, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16(nib, 4), mask);
+                    let v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                    // Bit j of qh is the fifth bit of value j; values are q - 16.
+                    let high = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
+                    _mm256_sub_epi8(_mm256_or_si256(v, high), _mm256_set1_epi8(16))
+                }
+                _ => {
+                    let nib = _mm_loadu_si128(b[2..18].as_ptr().cast());
+                    let lo = _mm_and_si128(nib, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16(nib, 4), mask);
+                    let v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                    _mm256_sub_epi8(v, _mm256_set1_epi8(8))
+                }
+            }
+        }
+    }
+
+    /// Weight formats of [`q32`] (its const parameter).
+    pub const Q8_0: u8 = 0;
+    pub const Q5_0: u8 = 1;
+    pub const Q4_0: u8 = 2;
+
+    /// Q8_0 / Q5_0 / Q4_0 (32-value blocks) · Q8_0 activations for `N` tokens. Weight
+    /// blocks go in pairs, decoded once to 64 signed bytes; each token's pair is multiplied
+    /// by `vpdpbusd` on |w| and y negated where w < 0, and the 16 integer lane sums (8 per
+    /// block) are scaled by d_w · d_y into 16 float lanes. Every token's result takes the
+    /// same operations in the same order whatever `N` is (batch-invariant).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q32<const KIND: u8, const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
+        const YB: usize = super::Q8_0_BLOCK;
+        let block_bytes = match KIND {
+            Q8_0 => 34,
+            Q5_0 => 22,
+            _ => 18,
+        };
+        let mut acc = [_mm512_setzero_ps(); N];
+        let n_blocks = ys
+            .iter()
+            .map(|y| y.len() / YB)
+            .fold(row.len() / block_bytes, usize::min);
+        let yp = ys.map(|y| y.as_ptr());
+        let mut blk = 0;
+        while blk < n_blocks {
+            // A pair of blocks, or the last one alone (upper half zero).
+            let pair = blk + 1 < n_blocks;
+            let b0 = &row[block_bytes * blk..block_bytes * (blk + 1)];
+            // SAFETY: every load reads inside weight blocks blk (and blk + 1 when `pair`)
+            // and inside each token's activation blocks of the same indices (n_blocks
+            // bounds them all).
+            unsafe {
+                let (q, dw0, dw1) = if pair {
+                    let b1 = &row[block_bytes * (blk + 1)..block_bytes * (blk + 2)];
+                    let q = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(q32_values::<KIND>(b0)),
+                        q32_values::<KIND>(b1),
+                        1,
+                    );
+                    (q, h2f(b0, 0), h2f(b1, 0))
+                } else {
+                    let q = _mm512_zextsi256_si512(q32_values::<KIND>(b0));
+                    (q, h2f(b0, 0), 0.0)
+                };
+                let aq = _mm512_abs_epi8(q);
+                let negative = _mm512_movepi8_mask(q);
+                for t in 0..N {
+                    let y0 = yp[t].add(YB * blk);
+                    let ylo = _mm256_loadu_si256(y0.add(2).cast());
+                    let dy0 = h2f(std::slice::from_raw_parts(y0, 2), 0);
+                    let (yv, dy1) = if pair {
+                        let y1 = y0.add(YB);
+                        let yhi = _mm256_loadu_si256(y1.add(2).cast());
+                        let yv = _mm512_inserti64x4(_mm512_castsi256_si512(ylo), yhi, 1);
+                        (yv, h2f(std::slice::from_raw_parts(y1, 2), 0))
+                    } else {
+                        (_mm512_zextsi256_si512(ylo), 0.0)
+                    };
+                    let sy = _mm512_mask_sub_epi8(yv, negative, _mm512_setzero_si512(), yv);
+                    let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sy);
+                    let scale =
+                        _mm512_insertf32x8(_mm512_set1_ps(dw0 * dy0), _mm256_set1_ps(dw1 * dy1), 1);
+                    acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dp), acc[t]);
+                }
+            }
+            blk += 2;
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
         }
         out
     }
@@ -269,23 +402,55 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// Oracle: the scalar dot of the weight row with the dequantized Q8_K activations
-    /// (exactly the values the integer kernels multiply).
+    /// Activations quantized to the format the kernels take for `ty`.
+    fn quantize_x(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+        match activation_type(ty) {
+            GgmlType::Q8_0 => {
+                let mut out = vec![0u8; x.len() / 32 * Q8_0_BLOCK];
+                crate::numerics::quantize_q8_0(x, &mut out);
+                out
+            }
+            act => kestrel_quant::quantize(act, x, x.len()).expect("quantize x"),
+        }
+    }
+
+    /// Oracle: the scalar dot of the weight row with the dequantized activations (exactly
+    /// the values the integer kernels multiply).
     #[test]
     fn integer_dots_match_the_dequantized_oracle() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
-        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+        for ty in [
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q4_0,
+        ] {
             if !supported(ty) {
                 continue;
             }
-            for blocks in [1, 2, 5] {
-                let k = 256 * blocks;
+            let block = if activation_type(ty) == GgmlType::Q8K {
+                256
+            } else {
+                32
+            };
+            for blocks in [1, 2, 5, 19] {
+                let k = block * blocks;
                 for _ in 0..5 {
                     let w: Vec<f32> = (0..k).map(|_| rng.random_range(-2.0..2.0)).collect();
-                    let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3.0..3.0)).collect();
+                    // Mixed magnitudes, some exact zeros.
+                    let x: Vec<f32> = (0..k)
+                        .map(|i| {
+                            if i % 13 == 0 {
+                                0.0
+                            } else {
+                                rng.random_range(-3.0..3.0)
+                            }
+                        })
+                        .collect();
                     let row = kestrel_quant::quantize(ty, &w, k).expect("quantize w");
-                    let xq = kestrel_quant::quantize(GgmlType::Q8K, &x, k).expect("quantize x");
-                    let xd = kestrel_quant::dequantize(GgmlType::Q8K, &xq).expect("deq x");
+                    let xq = quantize_x(ty, &x);
+                    let xd = kestrel_quant::dequantize(activation_type(ty), &xq).expect("deq x");
                     let want = kestrel_quant::vec_dot(ty, &row, &xd);
                     let wd = kestrel_quant::dequantize(ty, &row).expect("deq w");
                     let mag: f32 = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
@@ -298,7 +463,7 @@ mod tests {
                     let others: Vec<Vec<u8>> = (0..3)
                         .map(|_| {
                             let o: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
-                            kestrel_quant::quantize(GgmlType::Q8K, &o, k).expect("quantize")
+                            quantize_x(ty, &o)
                         })
                         .collect();
                     for slot in 0..4 {
