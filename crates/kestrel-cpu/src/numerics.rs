@@ -87,13 +87,23 @@ pub fn round_trip(act: GgmlType, x: &[f32], bytes: &mut Vec<u8>, out: &mut Vec<f
 /// the reference `roundf`). `out` holds 34 bytes per block.
 pub fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        ob[..2].copy_from_slice(&f16::from_f32(amax / 127.0).to_bits().to_le_bytes());
-        for (q, v) in ob[2..].iter_mut().zip(xb) {
-            *q = ((v * id).round_ties_even() as i32).clamp(-127, 127) as i8 as u8;
-        }
+        let d = q8_0_block(xb, &mut ob[2..]);
+        ob[..2].copy_from_slice(&d.to_bits().to_le_bytes());
     }
+}
+
+/// One block of [`quantize_q8_0`]: writes the 32 quants, returns the scale.
+pub fn q8_0_block(xb: &[f32], qs: &mut [u8]) -> f16 {
+    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    // Round half to even by the f32 magic number (exact for |v| < 2^22; |x · id| <= 127),
+    // which compiles to adds where `round_ties_even` calls libm without SSE4.1.
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    for (q, v) in qs.iter_mut().zip(xb) {
+        let r = (v * id + MAGIC) - MAGIC;
+        *q = (r as i32).clamp(-127, 127) as i8 as u8;
+    }
+    f16::from_f32(amax / 127.0)
 }
 
 /// Rounds to the nearest f16 (ties to even, as F16C does) and back.

@@ -334,7 +334,7 @@ fn matmul_q8(
     let act = qdot8::activation_type(ty);
     let xq_row = match act {
         kestrel_gguf::GgmlType::Q8K => k / 256 * qdot8::Q8K_BLOCK,
-        _ => k / 32 * qdot8::Q8_0_BLOCK,
+        _ => k / 32 * qdot8::Q8_0X_BLOCK,
     };
     Q8_X.with_borrow_mut(|xq| {
         if xq.len() < n * xq_row {
@@ -346,7 +346,7 @@ fn matmul_q8(
                 &mut xq[i * xq_row..(i + 1) * xq_row],
             );
             if act == kestrel_gguf::GgmlType::Q8_0 {
-                numerics::quantize_q8_0(src, dst);
+                qdot8::quantize_q8_0x(src, dst);
             } else {
                 // k is a multiple of 256 (checked by the caller): this cannot fail.
                 let _ = kestrel_quant::quantize_row(act, src, dst);

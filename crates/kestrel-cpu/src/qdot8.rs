@@ -10,11 +10,21 @@ use kestrel_gguf::GgmlType;
 /// Bytes of one Q8_K block: d f32, qs[256] i8, bsums[16] i16.
 pub const Q8K_BLOCK: usize = 292;
 
-/// Bytes of one Q8_0 block: d f16, qs[32] i8.
-pub const Q8_0_BLOCK: usize = 34;
+/// Bytes of one activation block of the 32-value kernels: Q8_0's quants with its (f16)
+/// scale widened to f32, so kernels need not convert it per row: d f32, qs[32] i8.
+pub const Q8_0X_BLOCK: usize = 36;
+
+/// Quantizes activations (whole 32-value blocks) to [`Q8_0X_BLOCK`] blocks: the values of
+/// `numerics::quantize_q8_0`, the scale stored as the f32 of its f16.
+pub fn quantize_q8_0x(x: &[f32], out: &mut [u8]) {
+    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_0X_BLOCK)) {
+        let d = crate::numerics::q8_0_block(xb, &mut ob[4..]);
+        ob[..4].copy_from_slice(&d.to_f32().to_le_bytes());
+    }
+}
 
 /// The activation format the integer kernels take for weights of `ty`: Q8_K for the
-/// K-quants here, Q8_0 for the 32-value formats.
+/// K-quants here, Q8_0 for the 32-value formats (laid out as [`Q8_0X_BLOCK`] blocks).
 pub fn activation_type(ty: GgmlType) -> GgmlType {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => GgmlType::Q8K,
@@ -225,7 +235,7 @@ mod vnni {
     /// same operations in the same order whatever `N` is (batch-invariant).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q32<const KIND: u8, const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
-        const YB: usize = super::Q8_0_BLOCK;
+        const YB: usize = super::Q8_0X_BLOCK;
         let block_bytes = match KIND {
             Q8_0 => 34,
             Q5_0 => 22,
@@ -262,13 +272,13 @@ mod vnni {
                 let negative = _mm512_movepi8_mask(q);
                 for t in 0..N {
                     let y0 = yp[t].add(YB * blk);
-                    let ylo = _mm256_loadu_si256(y0.add(2).cast());
-                    let dy0 = h2f(std::slice::from_raw_parts(y0, 2), 0);
+                    let ylo = _mm256_loadu_si256(y0.add(4).cast());
+                    let dy0 = std::ptr::read_unaligned(y0.cast::<f32>());
                     let (yv, dy1) = if pair {
                         let y1 = y0.add(YB);
-                        let yhi = _mm256_loadu_si256(y1.add(2).cast());
+                        let yhi = _mm256_loadu_si256(y1.add(4).cast());
                         let yv = _mm512_inserti64x4(_mm512_castsi256_si512(ylo), yhi, 1);
-                        (yv, h2f(std::slice::from_raw_parts(y1, 2), 0))
+                        (yv, std::ptr::read_unaligned(y1.cast::<f32>()))
                     } else {
                         (_mm512_zextsi256_si512(ylo), 0.0)
                     };
@@ -406,12 +416,19 @@ mod tests {
     fn quantize_x(ty: GgmlType, x: &[f32]) -> Vec<u8> {
         match activation_type(ty) {
             GgmlType::Q8_0 => {
-                let mut out = vec![0u8; x.len() / 32 * Q8_0_BLOCK];
-                crate::numerics::quantize_q8_0(x, &mut out);
+                let mut out = vec![0u8; x.len() / 32 * Q8_0X_BLOCK];
+                quantize_q8_0x(x, &mut out);
                 out
             }
             act => kestrel_quant::quantize(act, x, x.len()).expect("quantize x"),
         }
+    }
+
+    /// The values the kernels multiply for activations `x` (as `numerics::round_trip`).
+    fn dequantized_x(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+        let (mut bytes, mut out) = (Vec::new(), Vec::new());
+        crate::numerics::round_trip(activation_type(ty), x, &mut bytes, &mut out);
+        out
     }
 
     /// Oracle: the scalar dot of the weight row with the dequantized activations (exactly
@@ -450,7 +467,7 @@ mod tests {
                         .collect();
                     let row = kestrel_quant::quantize(ty, &w, k).expect("quantize w");
                     let xq = quantize_x(ty, &x);
-                    let xd = kestrel_quant::dequantize(activation_type(ty), &xq).expect("deq x");
+                    let xd = dequantized_x(ty, &x);
                     let want = kestrel_quant::vec_dot(ty, &row, &xd);
                     let wd = kestrel_quant::dequantize(ty, &row).expect("deq w");
                     let mag: f32 = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
