@@ -113,27 +113,27 @@ impl<B: Backend> Engine<B> {
     /// [`Self::step`] writing the logits into the caller's buffer (resized; its capacity is
     /// reused, so a caller that keeps one buffer allocates nothing per step).
     pub fn step_into(&mut self, batch: &Batch, logits: &mut Vec<f32>) -> anyhow::Result<()> {
+        self.forward(batch)?;
+        self.backend
+            .read_rows(&self.scratch.logits, batch.logit_rows.len(), logits)
+    }
+
+    /// Checks `batch` against the cache and runs the model over it; the logits stay in
+    /// the scratch on the backend.
+    fn forward(&mut self, batch: &Batch) -> anyhow::Result<()> {
         batch.validate(
             self.blocks.block_size(),
             self.blocks.n_blocks(),
             self.model.config.vocab_size,
         )?;
         self.model
-            .forward(&self.backend, &mut self.cache, batch, &mut self.scratch)?;
-        self.backend
-            .read_rows(&self.scratch.logits, batch.logit_rows.len(), logits)
+            .forward(&self.backend, &mut self.cache, batch, &mut self.scratch)
     }
 
     /// [`Engine::step_into`], keeping only each logit row's argmax (greedy sampling): the
     /// backend reduces the rows where they are instead of returning them.
     pub fn step_argmax(&mut self, batch: &Batch, ids: &mut Vec<u32>) -> anyhow::Result<()> {
-        batch.validate(
-            self.blocks.block_size(),
-            self.blocks.n_blocks(),
-            self.model.config.vocab_size,
-        )?;
-        self.model
-            .forward(&self.backend, &mut self.cache, batch, &mut self.scratch)?;
+        self.forward(batch)?;
         self.backend.argmax_rows(
             &self.scratch.logits,
             batch.logit_rows.len(),
