@@ -92,22 +92,20 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
         n,
         n_out,
     };
-    if be.numerics == Numerics::Ggml {
-        let int_block = match qdot8::activation_type(ty) {
-            kestrel_gguf::GgmlType::Q8K => 256,
-            _ => 32,
-        };
-        if be.kernels == Kernels::Fast && k % int_block == 0 && qdot8::supported(ty) {
-            matmul_q8(ty, data, row_bytes, x, k, n, n_out, &mut out.data);
-            return;
-        }
-        if let Some(act) = numerics::activation_type(ty) {
+    // llama.cpp's numerics: the input rounded to the weight's activation format, then
+    // integer kernels where there are some, else f32 kernels on the rounded values.
+    if be.numerics == Numerics::Ggml
+        && let Some(act) = numerics::activation_type(ty)
+    {
+        if be.kernels == Kernels::Fast && qdot8::supported(ty) && k % act.block_size() == 0 {
+            m.integer(act, x, &mut out.data);
+        } else {
             ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
                 numerics::round_trip(act, x, bytes, rounded);
                 m.run(rounded, &mut out.data);
             });
-            return;
         }
+        return;
     }
     m.run(x, &mut out.data);
 }
@@ -119,7 +117,7 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// One matmul's shape and weight bytes, run on f32 activations.
+/// One matmul's shape and weight bytes.
 struct Matmul<'a> {
     be: &'a CpuBackend,
     ty: kestrel_gguf::GgmlType,
@@ -158,111 +156,128 @@ impl Matmul<'_> {
         // many tokens share the step: one kernel, one order of additions, for any batch.
         let batch_invariant = be.numerics == Numerics::Ggml;
         if (n <= FUSED_MAX_TOKENS || batch_invariant) && qdot::supported(isa, ty) {
-            matmul_fused(isa, ty, data, row_bytes, x, k, n, n_out, out);
-            return;
+            self.fused(x, out);
+        } else {
+            self.grouped(x, out, batch_invariant);
         }
-        matmul_grouped(
-            isa,
+    }
+
+    /// Each task takes a group of weight rows, dequantizes them once and multiplies them
+    /// with every token, writing its own columns of the output. `batch_invariant`
+    /// computes every (row, token) pair with the same one-row, one-token kernel (no
+    /// register tiles, whose order of additions differs).
+    fn grouped(&self, x: &[f32], out: &mut [f32], batch_invariant: bool) {
+        let Matmul {
+            be,
             ty,
             data,
             row_bytes,
-            x,
             k,
             n,
             n_out,
-            out,
-            batch_invariant,
-        );
-    }
-}
-
-/// Each task takes a group of weight rows, dequantizes them once and multiplies them
-/// with every token, writing its own columns of the output. `batch_invariant` computes
-/// every (row, token) pair with the same one-row, one-token kernel (no register tiles,
-/// whose order of additions differs).
-#[allow(clippy::too_many_arguments)]
-fn matmul_grouped(
-    isa: simd::Isa,
-    ty: kestrel_gguf::GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    x: &[f32],
-    k: usize,
-    n: usize,
-    n_out: usize,
-    out: &mut [f32],
-    batch_invariant: bool,
-) {
-    const GROUP: usize = 16;
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    let n_groups = n_out.div_ceil(GROUP);
-    (0..n_groups).into_par_iter().for_each(|g| {
-        // Per-thread dequantization scratch, grown once (no allocation per step).
-        DEQUANT_SCRATCH.with_borrow_mut(|scratch| {
-            if scratch.len() < GROUP * k {
-                scratch.resize(GROUP * k, 0.0);
-            }
-            let j0 = g * GROUP;
-            let j1 = (j0 + GROUP).min(n_out);
-            for j in j0..j1 {
-                let dst = &mut scratch[(j - j0) * k..(j - j0 + 1) * k];
-                let _ = kestrel_quant::dequantize_row(
-                    ty,
-                    &data[j * row_bytes..(j + 1) * row_bytes],
-                    dst,
-                );
-            }
-            let r = |jj: usize| &scratch[(jj - j0) * k..(jj - j0 + 1) * k];
-            // Full 4-token × 4-row tiles first; the rest of the tokens below.
-            let n_tiled = if j1 - j0 >= 4 && !batch_invariant {
-                n / 4 * 4
-            } else {
-                0
-            };
-            for i in (0..n_tiled).step_by(4) {
-                let xs = [0, 1, 2, 3].map(|t| &x[(i + t) * k..(i + t + 1) * k]);
-                let mut j = j0;
-                while j < j1 {
-                    if j + 4 <= j1 {
-                        let d = gemm::tile4x4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xs);
-                        for (t, row) in d.iter().enumerate() {
-                            for (c, &v) in row.iter().enumerate() {
-                                // SAFETY: column j + c of token i + t belongs to this task.
-                                unsafe { *out_ptr.at((i + t) * n_out + j + c) = v };
+        } = *self;
+        let isa = be.isa;
+        const GROUP: usize = 16;
+        let out_ptr = SharedOut(out.as_mut_ptr());
+        let n_groups = n_out.div_ceil(GROUP);
+        (0..n_groups).into_par_iter().for_each(|g| {
+            // Per-thread dequantization scratch, grown once (no allocation per step).
+            DEQUANT_SCRATCH.with_borrow_mut(|scratch| {
+                if scratch.len() < GROUP * k {
+                    scratch.resize(GROUP * k, 0.0);
+                }
+                let j0 = g * GROUP;
+                let j1 = (j0 + GROUP).min(n_out);
+                for j in j0..j1 {
+                    let dst = &mut scratch[(j - j0) * k..(j - j0 + 1) * k];
+                    let _ = kestrel_quant::dequantize_row(
+                        ty,
+                        &data[j * row_bytes..(j + 1) * row_bytes],
+                        dst,
+                    );
+                }
+                let r = |jj: usize| &scratch[(jj - j0) * k..(jj - j0 + 1) * k];
+                // Full 4-token × 4-row tiles first; the rest of the tokens below.
+                let n_tiled = if j1 - j0 >= 4 && !batch_invariant {
+                    n / 4 * 4
+                } else {
+                    0
+                };
+                for i in (0..n_tiled).step_by(4) {
+                    let xs = [0, 1, 2, 3].map(|t| &x[(i + t) * k..(i + t + 1) * k]);
+                    let mut j = j0;
+                    while j < j1 {
+                        if j + 4 <= j1 {
+                            let d = gemm::tile4x4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xs);
+                            for (t, row) in d.iter().enumerate() {
+                                for (c, &v) in row.iter().enumerate() {
+                                    // SAFETY: column j + c of token i + t belongs to this task.
+                                    unsafe { *out_ptr.at((i + t) * n_out + j + c) = v };
+                                }
                             }
+                            j += 4;
+                        } else {
+                            for (t, xt) in xs.iter().enumerate() {
+                                let v = simd::dot(isa, r(j), xt);
+                                // SAFETY: as above.
+                                unsafe { *out_ptr.at((i + t) * n_out + j) = v };
+                            }
+                            j += 1;
                         }
-                        j += 4;
-                    } else {
-                        for (t, xt) in xs.iter().enumerate() {
-                            let v = simd::dot(isa, r(j), xt);
+                    }
+                }
+                for i in n_tiled..n {
+                    let xi = &x[i * k..(i + 1) * k];
+                    let mut j = j0;
+                    while j < j1 {
+                        if j + 4 <= j1 && !batch_invariant {
+                            let d = simd::dot4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xi);
+                            for (t, v) in d.into_iter().enumerate() {
+                                // SAFETY: column j + t of row i belongs to this task alone.
+                                unsafe { *out_ptr.at(i * n_out + j + t) = v };
+                            }
+                            j += 4;
+                        } else {
+                            let v = simd::dot(isa, r(j), xi);
                             // SAFETY: as above.
-                            unsafe { *out_ptr.at((i + t) * n_out + j) = v };
+                            unsafe { *out_ptr.at(i * n_out + j) = v };
+                            j += 1;
                         }
-                        j += 1;
                     }
                 }
-            }
-            for i in n_tiled..n {
-                let xi = &x[i * k..(i + 1) * k];
-                let mut j = j0;
-                while j < j1 {
-                    if j + 4 <= j1 && !batch_invariant {
-                        let d = simd::dot4(isa, [r(j), r(j + 1), r(j + 2), r(j + 3)], xi);
-                        for (t, v) in d.into_iter().enumerate() {
-                            // SAFETY: column j + t of row i belongs to this task alone.
-                            unsafe { *out_ptr.at(i * n_out + j + t) = v };
-                        }
-                        j += 4;
-                    } else {
-                        let v = simd::dot(isa, r(j), xi);
-                        // SAFETY: as above.
-                        unsafe { *out_ptr.at(i * n_out + j) = v };
-                        j += 1;
-                    }
+            })
+        });
+    }
+
+    /// `out[i][j] = row_j · x_i` with the fused quantized dot kernels, rows split into
+    /// tasks across the thread pool. Allocates nothing.
+    fn fused(&self, x: &[f32], out: &mut [f32]) {
+        let Matmul {
+            be,
+            ty,
+            data,
+            row_bytes,
+            k,
+            n,
+            n_out,
+        } = *self;
+        let isa = be.isa;
+        let out_ptr = SharedOut(out.as_mut_ptr());
+        let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
+        (0..n_tasks).into_par_iter().for_each(|t| {
+            let j0 = t * FUSED_ROWS_PER_TASK;
+            let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
+            for j in j0..j1 {
+                let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                for i in 0..n {
+                    let v = qdot::dot_row(isa, ty, row, &x[i * k..(i + 1) * k]);
+                    // SAFETY: column j of every row belongs to this task alone, and
+                    // i * n_out + j < n * n_out = the output's used length.
+                    unsafe { *out_ptr.at(i * n_out + j) = v };
                 }
             }
-        })
-    });
+        });
+    }
 }
 
 thread_local! {
@@ -279,37 +294,6 @@ const FUSED_MAX_TOKENS: usize = 4;
 /// task writes span whole cache lines for most of its range.
 const FUSED_ROWS_PER_TASK: usize = 32;
 
-/// `out[i][j] = row_j · x_i` with the fused quantized dot kernels, rows split into
-/// tasks across the thread pool. Allocates nothing.
-#[allow(clippy::too_many_arguments)]
-fn matmul_fused(
-    isa: simd::Isa,
-    ty: kestrel_gguf::GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    x: &[f32],
-    k: usize,
-    n: usize,
-    n_out: usize,
-    out: &mut [f32],
-) {
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
-    (0..n_tasks).into_par_iter().for_each(|t| {
-        let j0 = t * FUSED_ROWS_PER_TASK;
-        let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
-        for j in j0..j1 {
-            let row = &data[j * row_bytes..(j + 1) * row_bytes];
-            for i in 0..n {
-                let v = qdot::dot_row(isa, ty, row, &x[i * k..(i + 1) * k]);
-                // SAFETY: column j of every row belongs to this task alone, and
-                // i * n_out + j < n * n_out = the output's used length.
-                unsafe { *out_ptr.at(i * n_out + j) = v };
-            }
-        }
-    });
-}
-
 /// Weight bytes of one row sub-tile in the integer matmul (half of a 32 KiB L1D).
 const Q8_TILE_BYTES: usize = 16 * 1024;
 
@@ -319,76 +303,76 @@ thread_local! {
     static Q8_X: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `out[i][j] = row_j · q8(x_i)` with the integer kernels (`qdot8`), the activations
-/// quantized to the weight type's format (Q8_K or Q8_0).
-#[allow(clippy::too_many_arguments)]
-fn matmul_q8(
-    ty: kestrel_gguf::GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    x: &[f32],
-    k: usize,
-    n: usize,
-    n_out: usize,
-    out: &mut [f32],
-) {
-    let act = qdot8::activation_type(ty);
-    let xq_row = match act {
-        kestrel_gguf::GgmlType::Q8K => k / 256 * qdot8::Q8K_BLOCK,
-        _ => k / 32 * qdot8::Q8_0X_BLOCK,
-    };
-    Q8_X.with_borrow_mut(|xq| {
-        if xq.len() < n * xq_row {
-            xq.resize(n * xq_row, 0);
-        }
-        for i in 0..n {
-            let (src, dst) = (
-                &x[i * k..(i + 1) * k],
-                &mut xq[i * xq_row..(i + 1) * xq_row],
-            );
-            if act == kestrel_gguf::GgmlType::Q8_0 {
-                qdot8::quantize_q8_0x(src, dst);
-            } else {
-                // k is a multiple of 256 (checked by the caller): this cannot fail.
-                let _ = kestrel_quant::quantize_row(act, src, dst);
+impl Matmul<'_> {
+    /// `out[i][j] = row_j · q8(x_i)` with the integer kernels (`qdot8`), the activations
+    /// quantized to `act`, the weight type's format (Q8_K or Q8_0).
+    fn integer(&self, act: kestrel_gguf::GgmlType, x: &[f32], out: &mut [f32]) {
+        let Matmul {
+            ty,
+            data,
+            row_bytes,
+            k,
+            n,
+            n_out,
+            ..
+        } = *self;
+        let xq_row = match act {
+            kestrel_gguf::GgmlType::Q8K => k / 256 * qdot8::Q8K_BLOCK,
+            _ => k / 32 * qdot8::Q8_0X_BLOCK,
+        };
+        Q8_X.with_borrow_mut(|xq| {
+            if xq.len() < n * xq_row {
+                xq.resize(n * xq_row, 0);
             }
-        }
-        let xq = &xq[..n * xq_row];
-        let out_ptr = SharedOut(out.as_mut_ptr());
-        let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
-        (0..n_tasks).into_par_iter().for_each(|t| {
-            let j0 = t * FUSED_ROWS_PER_TASK;
-            let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
-            // Sub-tiles of rows small enough to stay in L1 while every token passes over
-            // them, so each token's activations are read once per sub-tile, not per row.
-            let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
-            for t0 in (j0..j1).step_by(tile) {
-                let t1 = (t0 + tile).min(j1);
-                let y = |i: usize| &xq[i * xq_row..(i + 1) * xq_row];
-                let n4 = n / 4 * 4;
-                for i in (0..n4).step_by(4) {
-                    let ys = [y(i), y(i + 1), y(i + 2), y(i + 3)];
-                    for j in t0..t1 {
-                        let row = &data[j * row_bytes..(j + 1) * row_bytes];
-                        let v = qdot8::dot_row_x4(ty, row, ys);
-                        for (t, v) in v.into_iter().enumerate() {
+            for i in 0..n {
+                let (src, dst) = (
+                    &x[i * k..(i + 1) * k],
+                    &mut xq[i * xq_row..(i + 1) * xq_row],
+                );
+                if act == kestrel_gguf::GgmlType::Q8_0 {
+                    qdot8::quantize_q8_0x(src, dst);
+                } else {
+                    // k is a multiple of 256 (checked by the caller): this cannot fail.
+                    let _ = kestrel_quant::quantize_row(act, src, dst);
+                }
+            }
+            let xq = &xq[..n * xq_row];
+            let out_ptr = SharedOut(out.as_mut_ptr());
+            let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
+            (0..n_tasks).into_par_iter().for_each(|t| {
+                let j0 = t * FUSED_ROWS_PER_TASK;
+                let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
+                // Sub-tiles of rows small enough to stay in L1 while every token passes over
+                // them, so each token's activations are read once per sub-tile, not per row.
+                let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
+                for t0 in (j0..j1).step_by(tile) {
+                    let t1 = (t0 + tile).min(j1);
+                    let y = |i: usize| &xq[i * xq_row..(i + 1) * xq_row];
+                    let n4 = n / 4 * 4;
+                    for i in (0..n4).step_by(4) {
+                        let ys = [y(i), y(i + 1), y(i + 2), y(i + 3)];
+                        for j in t0..t1 {
+                            let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                            let v = qdot8::dot_row_x4(ty, row, ys);
+                            for (t, v) in v.into_iter().enumerate() {
+                                // SAFETY: column j of every row belongs to this task alone.
+                                unsafe { *out_ptr.at((i + t) * n_out + j) = v };
+                            }
+                        }
+                    }
+                    for i in n4..n {
+                        let y = y(i);
+                        for j in t0..t1 {
+                            let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                            let v = qdot8::dot_row(ty, row, y);
                             // SAFETY: column j of every row belongs to this task alone.
-                            unsafe { *out_ptr.at((i + t) * n_out + j) = v };
+                            unsafe { *out_ptr.at(i * n_out + j) = v };
                         }
                     }
                 }
-                for i in n4..n {
-                    let y = y(i);
-                    for j in t0..t1 {
-                        let row = &data[j * row_bytes..(j + 1) * row_bytes];
-                        let v = qdot8::dot_row(ty, row, y);
-                        // SAFETY: column j of every row belongs to this task alone.
-                        unsafe { *out_ptr.at(i * n_out + j) = v };
-                    }
-                }
-            }
+            });
         });
-    });
+    }
 }
 
 /// cos/sin of each rotated pair at one position, as ggml computes them (f32 throughout,

@@ -23,15 +23,6 @@ pub fn quantize_q8_0x(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// The activation format the integer kernels take for weights of `ty`: Q8_K for the
-/// K-quants here, Q8_0 for the 32-value formats (laid out as [`Q8_0X_BLOCK`] blocks).
-pub fn activation_type(ty: GgmlType) -> GgmlType {
-    match ty {
-        GgmlType::Q4K | GgmlType::Q6K => GgmlType::Q8K,
-        _ => GgmlType::Q8_0,
-    }
-}
-
 /// Whether the integer kernels can run on this CPU for weights of `ty`.
 pub fn supported(ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -51,8 +42,9 @@ pub fn supported(ty: GgmlType) -> bool {
     }
 }
 
-/// `row · x` where `xq` is `x` quantized to [`activation_type`]`(ty)` (`row` and `xq`
-/// must hold the same number of blocks). Only call where [`supported`] is true.
+/// `row · x` where `xq` is `x` quantized to `numerics::activation_type(ty)` (Q8_K, or
+/// Q8_0 laid out as [`Q8_0X_BLOCK`] blocks; `row` and `xq` must hold the same number of
+/// blocks). Only call where [`supported`] is true.
 #[inline]
 pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -412,6 +404,10 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    fn activation_type(ty: GgmlType) -> GgmlType {
+        crate::numerics::activation_type(ty).expect("a quantized type")
+    }
+
     /// Activations quantized to the format the kernels take for `ty`.
     fn quantize_x(ty: GgmlType, x: &[f32]) -> Vec<u8> {
         match activation_type(ty) {
@@ -446,11 +442,7 @@ mod tests {
             if !supported(ty) {
                 continue;
             }
-            let block = if activation_type(ty) == GgmlType::Q8K {
-                256
-            } else {
-                32
-            };
+            let block = activation_type(ty).block_size();
             for blocks in [1, 2, 5, 19] {
                 let k = block * blocks;
                 for _ in 0..5 {
