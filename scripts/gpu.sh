@@ -28,6 +28,40 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 CMD
 }
 
+# Environment of the commands run on the GPU host.
+gpu_env() {
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+}
+
+# Synthetic Llama-3-8B Q4_K_M (made once per warm host); prints its path.
+llama3_8b() {
+    local f=/tmp/llama3-8b-q4_k_m.gguf
+    [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m -o "$f" >/dev/null
+    echo "$f"
+}
+
+# `serve_start PORT LOG [VAR=VALUE ...]`: the server the batched runs use, on MODEL, in the
+# background (its pid in $server); returns once it answers.
+serve_start() {
+    local port=$1 log=$2
+    shift 2
+    env "$@" .gpu/kestrel serve -m "$model" --device cuda --max-seqs 64 --ctx 700 \
+        --batch 2048 --max-prefill 1024 --port "$port" 2>"$log" &
+    server=$!
+    for _ in $(seq 120); do
+        .gpu/kestrel bench-serve --url "http://127.0.0.1:$port" --concurrency 1 --requests 1 \
+            --prompt-len 8 --gen-len 1 >/dev/null 2>&1 && break
+        sleep 1
+    done
+}
+
+# Where the scheduler's time went (forward steps vs its own work), from /metrics.
+scheduler_time() {
+    curl -s "http://127.0.0.1:$1/metrics" |
+        grep -E '^kestrel_(scheduler_seconds|steps|tokens_evaluated)' || true
+}
+
 case "${1:-build}" in
 build)
     cargo build --release -p kestrel-cli
@@ -43,8 +77,7 @@ build)
     ;;
 remote) remote_cmd ;;
 bench)
-    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+    gpu_env
     out=${OUT:-/tmp}
     for spec in "qwen2 qwen2.5-1.5b q4_k_m" "llama llama3-8b q4_k_m" "llama llama3-8b q4_0" \
         "llama llama3-8b q8_0" "llama llama3-8b f16"; do
@@ -57,23 +90,13 @@ bench)
     done
     ;;
 batched)
-    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
-    f=/tmp/llama3-8b-q4_k_m.gguf
-    [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m -o "$f" >/dev/null
-    .gpu/kestrel bench -m "$f" --device cuda --seqs 1,8,32,64 -p 512 -n 128 -r 1
-    .gpu/kestrel serve -m "$f" --device cuda --max-seqs 64 --ctx 700 --batch 2048 \
-        --max-prefill 1024 --port 8099 2>/tmp/serve.log &
-    server=$!
-    for _ in $(seq 120); do
-        .gpu/kestrel bench-serve --url http://127.0.0.1:8099 --concurrency 1 --requests 1 \
-            --prompt-len 8 --gen-len 1 >/dev/null 2>&1 && break
-        sleep 1
-    done
+    gpu_env
+    model=$(llama3_8b)
+    .gpu/kestrel bench -m "$model" --device cuda --seqs 1,8,32,64 -p 512 -n 128 -r 1
+    serve_start 8099 /tmp/serve.log
     .gpu/kestrel bench-serve --url http://127.0.0.1:8099 --concurrency 1,64 --requests 64 \
         --prompt-len 512 --gen-len 128 || true
-    # Where the scheduler's time went (forward steps vs its own work), over both runs.
-    curl -s http://127.0.0.1:8099/metrics | grep -E '^kestrel_(scheduler_seconds|steps|tokens_evaluated)' || true
+    scheduler_time 8099 # over both runs
     kill "$server"
     wait "$server" 2>/dev/null || true
     tail -3 /tmp/serve.log
@@ -81,21 +104,12 @@ batched)
 serve-profile)
     # The server at 64 clients with one log line per step (KESTREL_STEP_LOG=1), summed by
     # step kind: decode-only steps vs steps carrying prompt tokens.
-    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-    export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
-    f=/tmp/llama3-8b-q4_k_m.gguf
-    [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m -o "$f" >/dev/null
-    KESTREL_STEP_LOG=1 .gpu/kestrel serve -m "$f" --device cuda --max-seqs 64 --ctx 700 \
-        --batch 2048 --max-prefill 1024 --port 8098 2>/tmp/serve-profile.log &
-    server=$!
-    for _ in $(seq 120); do
-        .gpu/kestrel bench-serve --url http://127.0.0.1:8098 --concurrency 1 --requests 1 \
-            --prompt-len 8 --gen-len 1 >/dev/null 2>&1 && break
-        sleep 1
-    done
+    gpu_env
+    model=$(llama3_8b)
+    serve_start 8098 /tmp/serve-profile.log KESTREL_STEP_LOG=1
     .gpu/kestrel bench-serve --url http://127.0.0.1:8098 --concurrency 64 --requests 64 \
         --prompt-len 512 --gen-len 128 || true
-    curl -s http://127.0.0.1:8098/metrics | grep -E '^kestrel_(scheduler_seconds|steps|tokens_evaluated)' || true
+    scheduler_time 8098
     kill -INT "$server"
     wait "$server" 2>/dev/null || true
     grep '^step ' /tmp/serve-profile.log | awk '{k = ($7 > 0) ? "with-prompt" : "decode-only";
@@ -106,7 +120,7 @@ serve-profile)
     ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|remote|run-here]" >&2
+    echo "usage: $0 [build|remote|run-here|bench|batched|serve-profile]" >&2
     exit 2
     ;;
 esac

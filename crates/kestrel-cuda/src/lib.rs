@@ -393,6 +393,16 @@ impl CudaStep {
     fn tables(&self) -> u64 {
         self.at(6)
     }
+    /// What a kernel needs to find each token's KV slot: positions, owning sequence,
+    /// each sequence's block-table offset, the block tables.
+    fn slot_args(&self) -> [Arg; 4] {
+        [
+            Arg::P(self.positions()),
+            Arg::P(self.seq_of()),
+            Arg::P(self.table_off()),
+            Arg::P(self.tables()),
+        ]
+    }
     /// The longest sequence (cached positions after this step) among the step's.
     fn max_kv_len(&self) -> usize {
         let t = self.max_tokens;
@@ -904,22 +914,19 @@ impl CudaBackend {
         };
         // The kernels' shared leading arguments, writing to `dest`.
         let common = |dest: u64| {
-            vec![
-                Arg::P(a.q),
-                Arg::P(a.k),
-                Arg::P(a.v),
-                Arg::P(dest),
-                Arg::P(step.positions()),
-                Arg::P(step.seq_of()),
-                Arg::P(step.table_off()),
-                Arg::P(step.tables()),
-                Arg::I(a.block_size as i32),
-                Arg::I(p.n_head as i32),
-                Arg::I(p.n_head_kv as i32),
-                Arg::I(p.head_dim as i32),
-                Arg::F(p.scale),
-                Arg::I(a.window),
+            [
+                &[Arg::P(a.q), Arg::P(a.k), Arg::P(a.v), Arg::P(dest)][..],
+                &step.slot_args(),
+                &[
+                    Arg::I(a.block_size as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::F(p.scale),
+                    Arg::I(a.window),
+                ],
             ]
+            .concat()
         };
         let mut done = 0;
         while done < n {
@@ -982,23 +989,20 @@ impl CudaBackend {
             (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
             128,
             &[
-                Arg::P(a.q),
-                Arg::P(a.k),
-                Arg::P(a.v),
-                Arg::P(a.out),
-                Arg::P(step.positions()),
-                Arg::P(step.seq_of()),
-                Arg::P(step.table_off()),
-                Arg::P(step.tables()),
-                Arg::I(a.block_size as i32),
-                Arg::I(tok0 as i32),
-                Arg::I(n as i32),
-                Arg::I(p.n_head as i32),
-                Arg::I(p.n_head_kv as i32),
-                Arg::I(p.head_dim as i32),
-                Arg::F(p.scale),
-                Arg::I(a.window),
-            ],
+                &[Arg::P(a.q), Arg::P(a.k), Arg::P(a.v), Arg::P(a.out)][..],
+                &step.slot_args(),
+                &[
+                    Arg::I(a.block_size as i32),
+                    Arg::I(tok0 as i32),
+                    Arg::I(n as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::F(p.scale),
+                    Arg::I(a.window),
+                ],
+            ]
+            .concat(),
         );
     }
 
@@ -1858,17 +1862,16 @@ impl kestrel_model::Backend for CudaBackend {
             (n as u32, 1, 1),
             128,
             &[
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::P(cache.k_ptr[layer]),
-                Arg::P(cache.v_ptr[layer]),
-                Arg::P(step.positions()),
-                Arg::P(step.seq_of()),
-                Arg::P(step.table_off()),
-                Arg::P(step.tables()),
-                Arg::I(cache.block_size as i32),
-                Arg::I(cache.kv_dim as i32),
-            ],
+                &[
+                    Arg::P(k.ptr),
+                    Arg::P(v.ptr),
+                    Arg::P(cache.k_ptr[layer]),
+                    Arg::P(cache.v_ptr[layer]),
+                ][..],
+                &step.slot_args(),
+                &[Arg::I(cache.block_size as i32), Arg::I(cache.kv_dim as i32)],
+            ]
+            .concat(),
         );
     }
 
@@ -2163,21 +2166,23 @@ impl kestrel_model::Backend for CudaBackend {
         let Some(rope_args) = self.rope_args(head_dim, rope) else {
             return;
         };
-        let mut args = vec![
-            Arg::P(q.ptr),
-            Arg::P(k.ptr),
-            Arg::P(v.ptr),
-            Arg::P(cache.k_ptr[layer]),
-            Arg::P(cache.v_ptr[layer]),
-            Arg::P(step.positions()),
-            Arg::P(step.seq_of()),
-            Arg::P(step.table_off()),
-            Arg::P(step.tables()),
-            Arg::I(cache.block_size as i32),
-            Arg::I((q.cols / head_dim) as i32),
-            Arg::I((k.cols / head_dim) as i32),
-        ];
-        args.extend_from_slice(&rope_args);
+        let args = [
+            &[
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(cache.k_ptr[layer]),
+                Arg::P(cache.v_ptr[layer]),
+            ][..],
+            &step.slot_args(),
+            &[
+                Arg::I(cache.block_size as i32),
+                Arg::I((q.cols / head_dim) as i32),
+                Arg::I((k.cols / head_dim) as i32),
+            ],
+            &rope_args,
+        ]
+        .concat();
         self.launch("rope_store_kv", (n as u32, 1, 1), 256, &args);
     }
 }

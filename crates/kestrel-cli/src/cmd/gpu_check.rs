@@ -94,6 +94,29 @@ fn bench(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints one comparison's line (`label`, then max |Δ|, top-1 agreement and ok / FAIL, or
+/// the error); true when it passed.
+fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport>) -> bool {
+    match result {
+        Ok(r) => {
+            let ok = r.passed();
+            println!(
+                "{label} max|Δ| {:.3e} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                r.max_abs_diff,
+                r.max_abs_logit,
+                r.top1_agreement * 100.0,
+                r.top1_agreement_ties * 100.0,
+                if ok { "ok" } else { "FAIL" }
+            );
+            ok
+        }
+        Err(e) => {
+            println!("{label} ERROR {e:#}");
+            false
+        }
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.bench {
         return bench(&args, path);
@@ -240,26 +263,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for ty in ["f16", "q4_k_m"] {
             let case_seed = seed.wrapping_add(700 + ia as u64);
-            match selfcheck::compare_logits_wide_heads(arch, ty, positions, case_seed, args.gpu) {
-                Ok(r) => {
-                    let ok = r.passed();
-                    failures += usize::from(!ok);
-                    println!(
-                        "wide     {:<8} {:<8} max|Δ| {:.3e} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
-                        arch.name(),
-                        ty,
-                        r.max_abs_diff,
-                        r.max_abs_logit,
-                        r.top1_agreement * 100.0,
-                        r.top1_agreement_ties * 100.0,
-                        if ok { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("wide     {:<8} {:<8} ERROR {e:#}", arch.name(), ty);
-                }
-            }
+            let label = format!("wide     {:<8} {:<8}", arch.name(), ty);
+            let result =
+                selfcheck::compare_logits_wide_heads(arch, ty, positions, case_seed, args.gpu);
+            failures += usize::from(!print_logit_report(&label, result));
         }
     }
     println!(
@@ -269,26 +276,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         for ty in ["f16", "q4_k_m"] {
             for lens in [[48usize, 16, 36], [45, 9, 70]] {
                 let case_seed = seed.wrapping_add(900 + ia as u64);
-                match selfcheck::compare_batched(arch, ty, &lens, case_seed, args.gpu) {
-                    Ok(r) => {
-                        let ok = r.passed();
-                        failures += usize::from(!ok);
-                        println!(
-                            "batched {:<8} {:<8} {:?}: max|Δ| {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
-                            arch.name(),
-                            ty,
-                            lens,
-                            r.max_abs_diff,
-                            r.top1_agreement * 100.0,
-                            r.top1_agreement_ties * 100.0,
-                            if ok { "ok" } else { "FAIL" }
-                        );
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        println!("batched {:<8} {:<8} ERROR {e:#}", arch.name(), ty);
-                    }
-                }
+                let label = format!("batched {:<8} {:<8} {:?}:", arch.name(), ty, lens);
+                let result = selfcheck::compare_batched(arch, ty, &lens, case_seed, args.gpu);
+                failures += usize::from(!print_logit_report(&label, result));
             }
         }
     }
