@@ -757,6 +757,27 @@ template <> struct Unit1<T_F32> {
     }
 };
 
+// Loads units u0 + 32 j (j < NU, those below `units`) of `nr` rows `rb` bytes apart, and
+// with UP the same units of the up rows: all loads of a step issued before any math.
+template <int TY, bool UP, int GD_R, int NU>
+__device__ __forceinline__ void load_units(
+    const u8* w, const u8* up, long long rb, int nr, int u0, int units,
+    typename Fmt<TY>::Raw (&raw)[NU][GD_R],
+    typename Fmt<TY>::Raw (&raw_up)[UP ? NU : 1][UP ? GD_R : 1]) {
+    typedef Fmt<TY> F;
+#pragma unroll
+    for (int j = 0; j < NU; j++) {
+        const int u = u0 + 32 * j;
+        if (u < units)
+#pragma unroll
+            for (int i = 0; i < GD_R; i++)
+                if (i < nr) {
+                    raw[j][i] = F::load(w + i * rb, u);
+                    if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u);
+                }
+    }
+}
+
 // This lane's share of `nr` (<= GD_R) rows' dot products with x (rows `rb` bytes apart).
 // With `up` set the same rows of a second matrix are summed into acc_up too (gate/up).
 template <int TY, bool UP, int GD_R, int GD_U>
@@ -770,17 +791,7 @@ __device__ __forceinline__ void rows_dot1(const u8* w, const u8* up, long long r
     const int units = F::units(k);
     for (int u0 = lane; u0 < units; u0 += 32 * NU) {
         typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
-#pragma unroll
-        for (int j = 0; j < NU; j++) {
-            const int u = u0 + 32 * j;
-            if (u < units)
-#pragma unroll
-                for (int i = 0; i < GD_R; i++)
-                    if (i < nr) {
-                        raw[j][i] = F::load(w + i * rb, u);
-                        if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u);
-                    }
-        }
+        load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, raw, raw_up);
 #pragma unroll
         for (int j = 0; j < NU; j++) {
             const int u = u0 + 32 * j;
@@ -1039,17 +1050,7 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
     const int units = F::units(k);
     for (int u0 = lane; u0 < units; u0 += 32 * NU) {
         typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
-#pragma unroll
-        for (int j = 0; j < NU; j++) {
-            const int u = u0 + 32 * j;
-            if (u < units)
-#pragma unroll
-                for (int i = 0; i < GD_R; i++)
-                    if (i < nr) {
-                        raw[j][i] = F::load(w + i * rb, u);
-                        if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u);
-                    }
-        }
+        load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, raw, raw_up);
 #pragma unroll
         for (int j = 0; j < NU; j++) {
             const int u = u0 + 32 * j;
