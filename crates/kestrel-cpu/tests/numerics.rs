@@ -41,6 +41,13 @@ fn matmul(be: &CpuBackend, w: &CpuWeight, x: &[f32], k: usize, n_out: usize) -> 
     out.data
 }
 
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 #[test]
 fn ggml_matmul_is_the_f32_product_of_the_rounded_input_and_batch_invariant() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
@@ -74,11 +81,7 @@ fn ggml_matmul_is_the_f32_product_of_the_rounded_input_and_batch_invariant() {
                 };
                 let want = matmul(&scalar_f32, &w, &rounded, k, n_out);
                 let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs() / scale)
-                    .fold(0f32, f32::max);
+                let worst = largest_difference(&got, &want) / scale;
                 assert!(
                     worst <= 2e-6,
                     "{} ({}), {n} tokens: {worst:e} of the largest output off the rounded \
@@ -90,11 +93,7 @@ fn ggml_matmul_is_the_f32_product_of_the_rounded_input_and_batch_invariant() {
                 // tell whether the rounding happened (f32 weights take no rounding).
                 if activation_type(info.ty).is_some() {
                     let unrounded = matmul(&scalar_f32, &w, &x, k, n_out);
-                    let moved = unrounded
-                        .iter()
-                        .zip(&want)
-                        .map(|(a, b)| (a - b).abs() / scale)
-                        .fold(0f32, f32::max);
+                    let moved = largest_difference(&unrounded, &want) / scale;
                     assert!(
                         moved > 1e-5,
                         "{}: rounding changes nothing ({moved:e})",
