@@ -7,6 +7,7 @@
 pub mod gemm;
 pub mod numerics;
 mod ops;
+pub mod profile;
 pub mod qdot;
 pub mod qdot8;
 pub mod simd;
@@ -64,6 +65,14 @@ impl CpuBackend {
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+}
+
+impl Drop for CpuBackend {
+    fn drop(&mut self) {
+        if profile::enabled() {
+            profile::report();
+        }
     }
 }
 
@@ -202,7 +211,11 @@ impl kestrel_model::Backend for CpuBackend {
     }
 
     fn embed(&self, table: &CpuWeight, step: &CpuStep, out: &mut CpuTensor) {
-        ops::embed(table, &step.batch.tokens, out);
+        profile::timed(
+            || profile::op("embed", step.batch.tokens.len()),
+            0,
+            || ops::embed(table, &step.batch.tokens, out),
+        );
     }
 
     fn scale(&self, x: &mut CpuTensor, n: usize, factor: f32) {
@@ -210,7 +223,11 @@ impl kestrel_model::Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32, n: usize, out: &mut CpuTensor) {
-        ops::rms_norm(x, weight.vector(), eps, n, out);
+        profile::timed(
+            || profile::op("rms_norm", n),
+            0,
+            || ops::rms_norm(x, weight.vector(), eps, n, out),
+        );
     }
 
     fn rms_norm_heads(
@@ -225,14 +242,36 @@ impl kestrel_model::Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut CpuTensor) {
-        ops::matmul(self, x, w, n, out);
+        profile::timed(
+            || match w {
+                CpuWeight::Matrix { ty, rows, cols, .. } => profile::Key {
+                    op: "matmul",
+                    ty: ty.to_string(),
+                    rows: *rows,
+                    cols: *cols,
+                    n,
+                },
+                CpuWeight::Vector(_) => profile::op("matmul", n),
+            },
+            match w {
+                CpuWeight::Matrix { info, .. } => info.n_bytes(),
+                CpuWeight::Vector(_) => 0,
+            },
+            || ops::matmul(self, x, w, n, out),
+        );
     }
 
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuWeight, n: usize) {
-        let b = bias.vector();
-        for row in x.data[..n * x.cols].chunks_exact_mut(x.cols) {
-            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-        }
+        profile::timed(
+            || profile::op("add_bias", n),
+            0,
+            || {
+                let b = bias.vector();
+                for row in x.data[..n * x.cols].chunks_exact_mut(x.cols) {
+                    row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                }
+            },
+        );
     }
 
     fn rope(
@@ -243,7 +282,11 @@ impl kestrel_model::Backend for CpuBackend {
         step: &CpuStep,
         n: usize,
     ) {
-        ops::rope(x, head_dim, rope, &step.batch.positions, n);
+        profile::timed(
+            || profile::op("rope", n),
+            0,
+            || ops::rope(x, head_dim, rope, &step.batch.positions, n),
+        );
     }
 
     fn store_kv(
@@ -255,7 +298,11 @@ impl kestrel_model::Backend for CpuBackend {
         step: &CpuStep,
         n: usize,
     ) {
-        ops::store_kv(cache, layer, k, v, &step.batch, n);
+        profile::timed(
+            || profile::op("store_kv", n),
+            0,
+            || ops::store_kv(cache, layer, k, v, &step.batch, n),
+        );
     }
 
     fn attention(
@@ -267,7 +314,11 @@ impl kestrel_model::Backend for CpuBackend {
         n: usize,
         out: &mut CpuTensor,
     ) {
-        ops::attention(self, q, cache, params, &step.batch, n, out);
+        profile::timed(
+            || profile::op("attention", n),
+            0,
+            || ops::attention(self, q, cache, params, &step.batch, n, out),
+        );
     }
 
     fn gated_activation(
@@ -277,15 +328,25 @@ impl kestrel_model::Backend for CpuBackend {
         act: kestrel_model::Activation,
         n: usize,
     ) {
-        ops::gated_activation(self.numerics, gate, up, act, n);
+        profile::timed(
+            || profile::op("gated_act", n),
+            0,
+            || ops::gated_activation(self.numerics, gate, up, act, n),
+        );
     }
 
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor, n: usize) {
-        let len = n * x.cols;
-        x.data[..len]
-            .iter_mut()
-            .zip(&y.data[..len])
-            .for_each(|(a, b)| *a += b);
+        profile::timed(
+            || profile::op("add", n),
+            0,
+            || {
+                let len = n * x.cols;
+                x.data[..len]
+                    .iter_mut()
+                    .zip(&y.data[..len])
+                    .for_each(|(a, b)| *a += b);
+            },
+        );
     }
 
     fn gather_logit_rows(&self, x: &CpuTensor, step: &CpuStep, out: &mut CpuTensor) {

@@ -316,26 +316,20 @@ impl Matmul<'_> {
             n_out,
             ..
         } = *self;
-        let xq_row = match act {
-            kestrel_gguf::GgmlType::Q8K => k / 256 * qdot8::Q8K_BLOCK,
-            _ => k / 32 * qdot8::Q8_0X_BLOCK,
-        };
+        let xq_row = qdot8::activation_bytes(act, k);
         Q8_X.with_borrow_mut(|xq| {
             if xq.len() < n * xq_row {
                 xq.resize(n * xq_row, 0);
             }
-            for i in 0..n {
-                let (src, dst) = (
-                    &x[i * k..(i + 1) * k],
-                    &mut xq[i * xq_row..(i + 1) * xq_row],
-                );
-                if act == kestrel_gguf::GgmlType::Q8_0 {
-                    qdot8::quantize_q8_0x(src, dst);
-                } else {
-                    // k is a multiple of 256 (checked by the caller): this cannot fail.
-                    let _ = kestrel_quant::quantize_row(act, src, dst);
-                }
-            }
+            crate::profile::timed(
+                || crate::profile::op("quantize_x", n),
+                0,
+                || {
+                    for (src, dst) in x[..n * k].chunks_exact(k).zip(xq.chunks_exact_mut(xq_row)) {
+                        qdot8::quantize_activations(act, src, dst);
+                    }
+                },
+            );
             let xq = &xq[..n * xq_row];
             let out_ptr = SharedOut(out.as_mut_ptr());
             let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);

@@ -23,6 +23,27 @@ pub fn quantize_q8_0x(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Bytes of `k` activations (whole blocks) quantized to `act` (Q8_K or Q8_0) in the
+/// layout the kernels take.
+pub fn activation_bytes(act: GgmlType, k: usize) -> usize {
+    match act {
+        GgmlType::Q8K => k / 256 * Q8K_BLOCK,
+        _ => k / 32 * Q8_0X_BLOCK,
+    }
+}
+
+/// Quantizes one token's activations (whole blocks) to `act`, `numerics::activation_type`
+/// of the weight, in the layout the kernels take: [`Q8_0X_BLOCK`] blocks for Q8_0,
+/// [`Q8K_BLOCK`] blocks for Q8_K.
+pub fn quantize_activations(act: GgmlType, x: &[f32], out: &mut [u8]) {
+    if act == GgmlType::Q8_0 {
+        quantize_q8_0x(x, out);
+    } else {
+        // Whole 256-value blocks (checked by the callers): this cannot fail.
+        let _ = kestrel_quant::quantize_row(act, x, out);
+    }
+}
+
 /// Whether the integer kernels can run on this CPU for weights of `ty`.
 pub fn supported(ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -410,14 +431,10 @@ mod tests {
 
     /// Activations quantized to the format the kernels take for `ty`.
     fn quantize_x(ty: GgmlType, x: &[f32]) -> Vec<u8> {
-        match activation_type(ty) {
-            GgmlType::Q8_0 => {
-                let mut out = vec![0u8; x.len() / 32 * Q8_0X_BLOCK];
-                quantize_q8_0x(x, &mut out);
-                out
-            }
-            act => kestrel_quant::quantize(act, x, x.len()).expect("quantize x"),
-        }
+        let act = activation_type(ty);
+        let mut out = vec![0u8; activation_bytes(act, x.len())];
+        quantize_activations(act, x, &mut out);
+        out
     }
 
     /// The values the kernels multiply for activations `x` (as `numerics::round_trip`).
