@@ -41,6 +41,24 @@ pub fn quantize_activations(act: GgmlType, x: &[f32], out: &mut [u8]) {
     } else {
         // Whole 256-value blocks (checked by the callers): this cannot fail.
         let _ = kestrel_quant::quantize_row(act, x, out);
+        for block in out[..x.len() / 256 * Q8K_BLOCK].chunks_exact_mut(Q8K_BLOCK) {
+            interleave_q8k(block);
+        }
+    }
+}
+
+/// Reorders a Q8_K block's quants the way the kernels read them: in each group of 128
+/// values, the 32-value runs go 0, 2, 1, 3 (values 0..32, 64..96, 32..64, 96..128), so
+/// that one 64-byte load of Q4_K or Q6_K low nibbles (or high nibbles) meets the 64
+/// activations it multiplies. The scale and the sums of 16 keep their order.
+fn interleave_q8k(block: &mut [u8]) {
+    for g in 0..2 {
+        let qs = &mut block[4 + 128 * g..4 + 128 * (g + 1)];
+        let mut run = [0u8; 32];
+        // Swap runs 1 and 2.
+        run.copy_from_slice(&qs[32..64]);
+        qs.copy_within(64..96, 32);
+        qs[64..96].copy_from_slice(&run);
     }
 }
 
@@ -118,14 +136,7 @@ pub fn dot_row_x4(ty: GgmlType, row: &[u8], ys: [&[u8]; 4]) -> [f32; 4] {
 mod vnni {
     use std::arch::x86_64::*;
 
-    use kestrel_quant::f16_to_f32;
-
     use super::Q8K_BLOCK;
-
-    #[inline(always)]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
-    }
 
     #[inline(always)]
     unsafe fn ld256(b: &[u8], at: usize) -> __m256i {
@@ -134,15 +145,20 @@ mod vnni {
         unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
     }
 
-    /// Q4_K (144-byte blocks) · Q8_K, for `N` tokens at once (each weight block is
-    /// decoded once and multiplied with every token's activations).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    /// Q4_K (144-byte blocks) · Q8_K (interleaved, see `interleave_q8k`), for `N` tokens
+    /// at once (each weight block is decoded once and multiplied with every token's
+    /// activations). Per 128 values, one 64-byte load gives the low nibbles of two 32-value
+    /// runs and the high nibbles of the other two; `vpmaddubsw` multiplies them with the
+    /// activations into pairs of 16 bits and `vpdpwssd` scales and sums them into 32-bit
+    /// lanes (exact integers: the order of these additions does not matter).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q4_k<const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
-        let mask = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        // Lane permutations spreading scales 2c and 2c + 1 over 8 lanes each.
-        let spread = [0, 1, 2, 3]
-            .map(|c| _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1));
+        let m4 = _mm512_set1_epi8(0x0f);
+        // 32-bit lanes 0-7 take scale a, lanes 8-15 scale b.
+        let pick =
+            |a: i32, b: i32| _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
+        // Low nibbles of group g hold sub-blocks 4g and 4g + 2, high nibbles 4g + 1, 4g + 3.
+        let spread = [pick(0, 2), pick(1, 3), pick(4, 6), pick(5, 7)];
         let mut acc = [_mm512_setzero_ps(); N];
         let mut acc_min = [_mm256_setzero_ps(); N];
         let n_blocks = ys
@@ -153,28 +169,35 @@ mod vnni {
         for blk in 0..n_blocks {
             let b = &row[144 * blk..144 * (blk + 1)];
             let yo = Q8K_BLOCK * blk;
-            let dw = f16_at(b, 0);
-            let dmw = f16_at(b, 2);
             let (sc, mins) = scales_mins(&b[4..16]);
-            // SAFETY: the loads below read inside the 144-byte block and the 292-byte
-            // Q8_K blocks (quants at 4..260, sums at 260..292) of every token, which
-            // hold at least `n_blocks` blocks.
+            // SAFETY: the loads below read inside the 144-byte block (d and dmin at 0..4,
+            // quants at 16..144) and the 292-byte Q8_K blocks (quants at 4..260, sums at
+            // 260..292) of every token, which hold at least `n_blocks` blocks.
             unsafe {
+                let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                    b[0], b[1], b[2], b[3],
+                ])));
+                let dw = _mm_cvtss_f32(dd);
+                let dmw = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+                // Each 6-bit scale in both 16-bit halves of its 32-bit lane.
+                let sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64));
+                let sc = _mm512_castsi256_si512(_mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+                // Each min likewise, against the sums of 16 (pairs of which are a sub-block).
                 let mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
-                let sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
+                let mins = _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16));
                 let mut isum = [_mm512_setzero_si512(); N];
-                for (c, idx) in spread.iter().enumerate() {
-                    let q = ld256(b, 16 + 32 * c);
-                    let lo = _mm256_and_si256(q, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                    // Values 64c..64c+32 (low nibbles) then 64c+32..64c+64 (high).
-                    let qv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                    // Lanes 0-7 belong to sub-block 2c, lanes 8-15 to 2c + 1.
-                    let scv = _mm512_permutexvar_epi32(*idx, sc);
+                for g in 0..2 {
+                    let q = _mm512_loadu_si512(b.as_ptr().add(16 + 64 * g).cast());
+                    let lo = _mm512_and_si512(q, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                    let s_lo = _mm512_permutexvar_epi32(spread[2 * g], sc);
+                    let s_hi = _mm512_permutexvar_epi32(spread[2 * g + 1], sc);
                     for t in 0..N {
-                        let yv = _mm512_loadu_si512(yp[t].add(yo + 4 + 64 * c).cast());
-                        let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
-                        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dp, scv));
+                        let y = yp[t].add(yo + 4 + 128 * g);
+                        let p_lo = _mm512_maddubs_epi16(lo, _mm512_loadu_si512(y.cast()));
+                        let p_hi = _mm512_maddubs_epi16(hi, _mm512_loadu_si512(y.add(64).cast()));
+                        isum[t] = _mm512_dpwssd_epi32(isum[t], p_lo, s_lo);
+                        isum[t] = _mm512_dpwssd_epi32(isum[t], p_hi, s_hi);
                     }
                 }
                 for t in 0..N {
@@ -186,8 +209,7 @@ mod vnni {
                     );
                     // The min term: Σ_j m_j · Σ_{i in sub-block j} y_i, from the sums of 16.
                     let bsums = _mm256_loadu_si256(yp[t].add(yo + 260).cast());
-                    let ysums = _mm256_madd_epi16(bsums, ones);
-                    let msum = _mm256_cvtepi32_ps(_mm256_mullo_epi32(ysums, mins));
+                    let msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins));
                     acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmw * dy), msum, acc_min[t]);
                 }
             }
@@ -340,14 +362,34 @@ mod vnni {
         )
     }
 
-    /// Q6_K (210-byte blocks) · Q8_K for `N` tokens. The 6-bit quants are used unsigned
-    /// (q + 32) and 32 · Σ y comes off afterwards.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    /// Q6_K (210-byte blocks) · Q8_K (interleaved, see `interleave_q8k`) for `N` tokens.
+    /// The 6-bit quants are used unsigned (q + 32) and 32 · Σ y comes off afterwards. Per
+    /// 128 values, the low 32 bytes of `ql` give values 0..32 (low nibbles) and 64..96
+    /// (high nibbles), the next 32 give 32..64 and 96..128, each with two bits of `qh`;
+    /// products as in [`q4_k`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q6_k<const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
-        let m4 = _mm256_set1_epi8(0x0f);
-        let m2 = _mm256_set1_epi8(0x03);
-        // Four lanes (16 values) per scale: lane l takes scale l / 4 of its group of 4.
-        let spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let m4 = _mm512_set1_epi8(0x0f);
+        let m30 = _mm512_set1_epi8(0x30);
+        let halves =
+            |a: i16, b: i16| _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
+        // Low 256 bits: low nibbles / qh bits 0-1 (2-3 after the shift right by 2),
+        // high 256 bits: high nibbles / qh bits 4-5 (6-7), all moved to bits 4-5.
+        let ql_shift = halves(0, 4);
+        let qh_shift = halves(4, 0);
+        // 32-bit lanes 4i..4i + 4 take scale s[i] (16 values per scale).
+        let pick = |s: [i32; 4]| {
+            _mm512_set_epi32(
+                s[3], s[3], s[3], s[3], s[2], s[2], s[2], s[2], s[1], s[1], s[1], s[1], s[0], s[0],
+                s[0], s[0],
+            )
+        };
+        let spread = [
+            pick([0, 1, 4, 5]),
+            pick([2, 3, 6, 7]),
+            pick([8, 9, 12, 13]),
+            pick([10, 11, 14, 15]),
+        ];
         let mut acc = [_mm512_setzero_ps(); N];
         let mut acc_corr = [_mm256_setzero_ps(); N];
         let n_blocks = ys
@@ -358,49 +400,47 @@ mod vnni {
         for blk in 0..n_blocks {
             let b = &row[210 * blk..210 * (blk + 1)];
             let yo = Q8K_BLOCK * blk;
-            let dw = f16_at(b, 208);
-            let sc = &b[192..208];
-            let mut isum = [_mm512_setzero_si512(); N];
-            for half in 0..2 {
-                // SAFETY: ql (2 × 32 bytes at 64·half), qh (32 bytes at 128 + 32·half),
-                // the scales (16 bytes at 192) and y (2 × 64 bytes from 4 + 128·half) lie
-                // inside their blocks.
-                unsafe {
-                    let qla = ld256(b, 64 * half);
-                    let qlb = ld256(b, 64 * half + 32);
-                    let qh = ld256(b, 128 + 32 * half);
-                    let h = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m2), 4);
-                    let q1 = _mm256_or_si256(_mm256_and_si256(qla, m4), h(qh));
-                    let q2 =
-                        _mm256_or_si256(_mm256_and_si256(qlb, m4), h(_mm256_srli_epi16(qh, 2)));
-                    let q3 = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(qla, 4), m4),
-                        h(_mm256_srli_epi16(qh, 4)),
+            // SAFETY: ql (64 bytes at 64·half), qh (32 bytes at 128 + 32·half), the scales
+            // (16 bytes at 192) and d (208..210) lie inside the block; each token's Q8_K
+            // block `blk` exists (n_blocks bounds it): quants at 4..260, sums at 260..292.
+            unsafe {
+                let bp = b.as_ptr();
+                let dw = h2f(b, 208);
+                let sc8 = _mm_loadu_si128(bp.add(192).cast());
+                // Each signed scale in both 16-bit halves of its 32-bit lane.
+                let sc = _mm512_cvtepi8_epi32(sc8);
+                let sc = _mm512_or_si512(
+                    _mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
+                    _mm512_slli_epi32(sc, 16),
+                );
+                let mut isum = [_mm512_setzero_si512(); N];
+                for half in 0..2 {
+                    let qla = _mm512_broadcast_i64x4(_mm256_loadu_si256(bp.add(64 * half).cast()));
+                    let qlb =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(bp.add(64 * half + 32).cast()));
+                    let qh =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(bp.add(128 + 32 * half).cast()));
+                    let ha = _mm512_and_si512(_mm512_sllv_epi16(qh, qh_shift), m30);
+                    let hb = _mm512_and_si512(
+                        _mm512_sllv_epi16(_mm512_srli_epi16(qh, 2), qh_shift),
+                        m30,
                     );
-                    let q4 = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(qlb, 4), m4),
-                        h(_mm256_srli_epi16(qh, 6)),
-                    );
-                    for (p, (qa, qb)) in [(q1, q2), (q3, q4)].into_iter().enumerate() {
-                        let qv = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
-                        // Scales 8·half + 4p .. + 4, each over four lanes.
-                        let s4 = &sc[8 * half + 4 * p..8 * half + 4 * p + 4];
-                        let s4 = i32::from_le_bytes([s4[0], s4[1], s4[2], s4[3]]);
-                        let s4 = _mm512_cvtepi8_epi32(_mm_cvtsi32_si128(s4));
-                        let scv = _mm512_permutexvar_epi32(spread, s4);
-                        for t in 0..N {
-                            let yv =
-                                _mm512_loadu_si512(yp[t].add(yo + 4 + 128 * half + 64 * p).cast());
-                            let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, yv);
-                            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dp, scv));
-                        }
+                    // (ql >> shift) & 0x0f | h
+                    let qa =
+                        _mm512_ternarylogic_epi32(_mm512_srlv_epi16(qla, ql_shift), m4, ha, 0xea);
+                    let qb =
+                        _mm512_ternarylogic_epi32(_mm512_srlv_epi16(qlb, ql_shift), m4, hb, 0xea);
+                    let s_a = _mm512_permutexvar_epi32(spread[2 * half], sc);
+                    let s_b = _mm512_permutexvar_epi32(spread[2 * half + 1], sc);
+                    for t in 0..N {
+                        let y = yp[t].add(yo + 4 + 128 * half);
+                        let p_a = _mm512_maddubs_epi16(qa, _mm512_loadu_si512(y.cast()));
+                        let p_b = _mm512_maddubs_epi16(qb, _mm512_loadu_si512(y.add(64).cast()));
+                        isum[t] = _mm512_dpwssd_epi32(isum[t], p_a, s_a);
+                        isum[t] = _mm512_dpwssd_epi32(isum[t], p_b, s_b);
                     }
                 }
-            }
-            // SAFETY: the scales are 16 bytes at 192; each token's Q8_K block `blk`
-            // exists (n_blocks bounds it), its sums at 260..292.
-            unsafe {
-                let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr().cast()));
+                let sc16 = _mm256_cvtepi8_epi16(sc8);
                 for t in 0..N {
                     let d = dw * std::ptr::read_unaligned(yp[t].add(yo).cast::<f32>());
                     acc[t] =
