@@ -7,6 +7,7 @@
 pub mod gemm;
 pub mod numerics;
 mod ops;
+pub mod pool;
 pub mod profile;
 pub mod qdot;
 pub mod qdot8;

@@ -180,7 +180,7 @@ impl Matmul<'_> {
         const GROUP: usize = 16;
         let out_ptr = SharedOut(out.as_mut_ptr());
         let n_groups = n_out.div_ceil(GROUP);
-        (0..n_groups).into_par_iter().for_each(|g| {
+        crate::pool::pool().run(n_groups, &|g| {
             // Per-thread dequantization scratch, grown once (no allocation per step).
             DEQUANT_SCRATCH.with_borrow_mut(|scratch| {
                 if scratch.len() < GROUP * k {
@@ -264,7 +264,7 @@ impl Matmul<'_> {
         let isa = be.isa;
         let out_ptr = SharedOut(out.as_mut_ptr());
         let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
-        (0..n_tasks).into_par_iter().for_each(|t| {
+        crate::pool::pool().run(n_tasks, &|t| {
             let j0 = t * FUSED_ROWS_PER_TASK;
             let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
             for j in j0..j1 {
@@ -333,7 +333,7 @@ impl Matmul<'_> {
             let xq = &xq[..n * xq_row];
             let out_ptr = SharedOut(out.as_mut_ptr());
             let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
-            (0..n_tasks).into_par_iter().for_each(|t| {
+            crate::pool::pool().run(n_tasks, &|t| {
                 let j0 = t * FUSED_ROWS_PER_TASK;
                 let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
                 // Sub-tiles of rows small enough to stay in L1 while every token passes over
