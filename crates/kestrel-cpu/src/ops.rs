@@ -37,7 +37,17 @@ fn matrix(w: &CpuWeight) -> (kestrel_gguf::GgmlType, usize, usize, &[u8]) {
             ty,
             rows,
             cols,
-        } => (*ty, *rows, *cols, file.tensor_data(info)),
+            copy,
+        } => {
+            let data = file.tensor_data(info);
+            match copy {
+                Some(c) => {
+                    let at = data.as_ptr() as usize - file.as_bytes().as_ptr() as usize;
+                    (*ty, *rows, *cols, &c.bytes()[at..at + data.len()])
+                }
+                None => (*ty, *rows, *cols, data),
+            }
+        }
         // Shapes are checked when the model loads: 2-D tensors are always matrices.
         CpuWeight::Vector(_) => unreachable!("a vector weight used as a matrix"),
     }
