@@ -158,6 +158,14 @@ impl Drop for CpuBackend {
     }
 }
 
+/// Bytes of a matrix weight (0 for a vector).
+fn weight_bytes(w: &CpuWeight) -> u64 {
+    match w {
+        CpuWeight::Matrix { info, .. } => info.n_bytes(),
+        CpuWeight::Vector(_) => 0,
+    }
+}
+
 /// A weight as the CPU reads it.
 pub enum CpuWeight {
     /// A matrix left in its file format: `rows` rows of `cols` values, read in place.
@@ -357,12 +365,91 @@ impl kestrel_model::Backend for CpuBackend {
                 },
                 CpuWeight::Vector(_) => profile::op("matmul", n),
             },
-            match w {
-                CpuWeight::Matrix { info, .. } => info.n_bytes(),
-                CpuWeight::Vector(_) => 0,
-            },
+            weight_bytes(w),
             || ops::matmul(self, x, w, n, out),
         );
+    }
+
+    fn qkv(
+        &self,
+        x: &CpuTensor,
+        layer: &kestrel_model::LayerWeights<CpuWeight>,
+        n: usize,
+        q: &mut CpuTensor,
+        k: &mut CpuTensor,
+        v: &mut CpuTensor,
+    ) {
+        fn bias(b: &Option<CpuWeight>) -> Option<&[f32]> {
+            b.as_ref().map(|b| b.vector())
+        }
+        let bytes = [&layer.attn_q, &layer.attn_k, &layer.attn_v]
+            .iter()
+            .map(|w| weight_bytes(w))
+            .sum();
+        let fused = profile::timed(
+            || profile::op("qkv", n),
+            bytes,
+            || {
+                ops::integer_multi(
+                    self,
+                    x,
+                    n,
+                    &mut [
+                        (&layer.attn_q, &mut *q, bias(&layer.attn_q_bias)),
+                        (&layer.attn_k, &mut *k, bias(&layer.attn_k_bias)),
+                        (&layer.attn_v, &mut *v, bias(&layer.attn_v_bias)),
+                    ],
+                    None,
+                )
+            },
+        );
+        if !fused {
+            self.matmul(x, &layer.attn_q, n, q);
+            self.matmul(x, &layer.attn_k, n, k);
+            self.matmul(x, &layer.attn_v, n, v);
+            for (t, b) in [
+                (q, &layer.attn_q_bias),
+                (k, &layer.attn_k_bias),
+                (v, &layer.attn_v_bias),
+            ] {
+                if let Some(b) = b {
+                    self.add_bias(t, b, n);
+                }
+            }
+        }
+    }
+
+    fn gate_up(
+        &self,
+        x: &CpuTensor,
+        layer: &kestrel_model::LayerWeights<CpuWeight>,
+        act: kestrel_model::Activation,
+        n: usize,
+        gate: &mut CpuTensor,
+        up: &mut CpuTensor,
+    ) {
+        let bytes = weight_bytes(&layer.ffn_gate) + weight_bytes(&layer.ffn_up);
+        let fused = profile::timed(
+            || profile::op("gate_up", n),
+            bytes,
+            || {
+                ops::integer_multi(
+                    self,
+                    x,
+                    n,
+                    &mut [
+                        (&layer.ffn_gate, &mut *gate, None),
+                        (&layer.ffn_up, &mut *up, None),
+                    ],
+                    Some(act),
+                )
+            },
+        );
+        if !fused {
+            self.matmul(x, &layer.ffn_gate, n, gate);
+            self.matmul(x, &layer.ffn_up, n, up);
+            self.gated_activation(gate, up, act, n);
+        }
     }
 
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuWeight, n: usize) {
@@ -465,5 +552,122 @@ impl kestrel_model::Backend for CpuBackend {
         out.clear();
         out.extend_from_slice(x.rows(n));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+    use kestrel_model::{Activation, Arch, Backend, Model};
+    use rand::{Rng, SeedableRng};
+
+    fn tensor(data: Vec<f32>, cols: usize) -> CpuTensor {
+        CpuTensor { data, cols }
+    }
+
+    /// Q/K/V and gate/up as one loop (`ops::integer_multi`) give exactly the bits of the
+    /// separate products, biases and activation, for weight types with integer kernels
+    /// and row counts that do not fill whole tasks (or split evenly between threads).
+    #[test]
+    fn fused_products_match_the_separate_ones() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        let be = CpuBackend::with_numerics(Kernels::Fast, Numerics::Ggml);
+        let mut fused_runs = 0;
+        for (ty, n_ff) in [
+            (WeightType::Q4KM, 768),
+            (WeightType::Q4K, 512),
+            (WeightType::Q8_0, 800),
+            (WeightType::Q4_0, 736),
+            (WeightType::Q5_0, 800),
+        ] {
+            // 4 heads of 48 and one kv head: 192 query rows, 48 key and value rows (one
+            // and a half tasks), feed-forward rows in an odd number of tasks.
+            let cfg = SynthConfig {
+                n_head: 4,
+                n_head_kv: 1,
+                head_dim: 48,
+                n_ff,
+                ..SynthConfig::tiny(Arch::Qwen2)
+            };
+            let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, rng.random()).expect("synth");
+            let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
+            let model = Model::load(&be, file).expect("loads");
+            let c = &model.config;
+            let layer = &model.weights.layers[0];
+            for n in [1usize, 3, 6] {
+                let x: Vec<f32> = (0..n * c.n_embd)
+                    .map(|_| rng.random_range(-2.0f32..2.0))
+                    .collect();
+                let x = tensor(x, c.n_embd);
+                let new = |cols: usize| tensor(vec![0.0; n * cols], cols);
+                let (mut q, mut k, mut v) = (new(c.q_dim()), new(c.kv_dim()), new(c.kv_dim()));
+                let fused = ops::integer_multi(
+                    &be,
+                    &x,
+                    n,
+                    &mut [
+                        (
+                            &layer.attn_q,
+                            &mut q,
+                            layer.attn_q_bias.as_ref().map(|b| b.vector()),
+                        ),
+                        (
+                            &layer.attn_k,
+                            &mut k,
+                            layer.attn_k_bias.as_ref().map(|b| b.vector()),
+                        ),
+                        (
+                            &layer.attn_v,
+                            &mut v,
+                            layer.attn_v_bias.as_ref().map(|b| b.vector()),
+                        ),
+                    ],
+                    None,
+                );
+                let (mut q2, mut k2, mut v2) = (new(c.q_dim()), new(c.kv_dim()), new(c.kv_dim()));
+                be.matmul(&x, &layer.attn_q, n, &mut q2);
+                be.matmul(&x, &layer.attn_k, n, &mut k2);
+                be.matmul(&x, &layer.attn_v, n, &mut v2);
+                for (t, b) in [
+                    (&mut q2, &layer.attn_q_bias),
+                    (&mut k2, &layer.attn_k_bias),
+                    (&mut v2, &layer.attn_v_bias),
+                ] {
+                    be.add_bias(t, b.as_ref().expect("qwen2 has biases"), n);
+                }
+                if fused {
+                    fused_runs += 1;
+                    assert!(q.data == q2.data, "{ty:?} n={n}: q");
+                    assert!(k.data == k2.data, "{ty:?} n={n}: k");
+                    assert!(v.data == v2.data, "{ty:?} n={n}: v");
+                }
+                for act in [Activation::Silu, Activation::GeluTanh] {
+                    let (mut g, mut u) = (new(c.n_ff), new(c.n_ff));
+                    let fused = ops::integer_multi(
+                        &be,
+                        &x,
+                        n,
+                        &mut [
+                            (&layer.ffn_gate, &mut g, None),
+                            (&layer.ffn_up, &mut u, None),
+                        ],
+                        Some(act),
+                    );
+                    let (mut g2, mut u2) = (new(c.n_ff), new(c.n_ff));
+                    be.matmul(&x, &layer.ffn_gate, n, &mut g2);
+                    be.matmul(&x, &layer.ffn_up, n, &mut u2);
+                    be.gated_activation(&mut g2, &u2, act, n);
+                    if fused {
+                        fused_runs += 1;
+                        assert!(g.data == g2.data, "{ty:?} n={n} {act:?}: gate");
+                    }
+                }
+            }
+        }
+        // Every case above has integer kernels where the CPU has AVX-512 VNNI.
+        if qdot8::supported(GgmlType::Q4K) {
+            assert_eq!(fused_runs, 5 * 3 * 3);
+        }
     }
 }

@@ -88,26 +88,17 @@ pub fn rms_norm_heads(x: &mut CpuTensor, w: &[f32], head_dim: usize, eps: f32, n
 }
 
 pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut CpuTensor) {
-    let (ty, n_out, k, data) = matrix(w);
-    debug_assert_eq!(out.cols, n_out);
-    debug_assert_eq!(x.cols, k);
-    let row_bytes = ty.bytes_for(k as u64).unwrap_or(0) as usize;
+    let m = Matmul::new(be, w, n);
+    debug_assert_eq!(out.cols, m.n_out);
+    debug_assert_eq!(x.cols, m.k);
+    let (ty, k) = (m.ty, m.k);
     let x = &x.data[..n * k];
-    let m = Matmul {
-        be,
-        ty,
-        data,
-        row_bytes,
-        k,
-        n,
-        n_out,
-    };
     // llama.cpp's numerics: the input rounded to the weight's activation format, then
     // integer kernels where there are some, else f32 kernels on the rounded values.
     if be.numerics == Numerics::Ggml
         && let Some(act) = numerics::activation_type(ty)
     {
-        if be.kernels == Kernels::Fast && qdot8::supported(ty) && k % act.block_size() == 0 {
+        if m.integer_act() == Some(act) {
             m.integer(act, x, &mut out.data);
         } else {
             ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
@@ -127,6 +118,88 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// Several products of one input `x` (`[n × k]`) with the integer kernels, as one
+/// parallel loop over all their rows with the input quantized once: Q, K and V (with
+/// their biases), or gate and up with the gated activation applied in the same tasks.
+/// Each (row, token) value is computed exactly as [`matmul`] computes it. Returns false,
+/// having done nothing, where some weight cannot take the integer path with the same
+/// activation format as the others (the caller then runs the separate operations).
+pub fn integer_multi(
+    be: &CpuBackend,
+    x: &CpuTensor,
+    n: usize,
+    parts: &mut [(&CpuWeight, &mut CpuTensor, Option<&[f32]>)],
+    gated: Option<Activation>,
+) -> bool {
+    let mats: Vec<Matmul> = parts
+        .iter()
+        .map(|(w, _, _)| Matmul::new(be, w, n))
+        .collect();
+    let Some(act) = mats[0].integer_act() else {
+        return false;
+    };
+    if mats
+        .iter()
+        .any(|m| m.integer_act() != Some(act) || m.k != x.cols)
+        || (gated.is_some() && (mats.len() != 2 || mats[0].n_out != mats[1].n_out))
+    {
+        return false;
+    }
+    let k = x.cols;
+    let xq_row = qdot8::activation_bytes(act, k);
+    let outs: Vec<SharedOut> = parts
+        .iter_mut()
+        .map(|(_, o, _)| SharedOut(o.data.as_mut_ptr()))
+        .collect();
+    let numerics = be.numerics;
+    Q8_X.with_borrow_mut(|xq| {
+        quantize_x(act, &x.data[..n * k], k, xq);
+        let xq = &xq[..n * xq_row];
+        // Tasks of all the parts one after the other: each thread streams its own share
+        // of the rows (gate and up interleaved per task streamed 10% slower).
+        let tasks: Vec<usize> = mats
+            .iter()
+            .map(|m| m.n_out.div_ceil(FUSED_ROWS_PER_TASK))
+            .collect();
+        let total = tasks.iter().sum();
+        crate::pool::pool().run(total, &|mut t| {
+            let mut p = 0;
+            while t >= tasks[p] {
+                t -= tasks[p];
+                p += 1;
+            }
+            let m = &mats[p];
+            let j0 = t * FUSED_ROWS_PER_TASK;
+            let j1 = (j0 + FUSED_ROWS_PER_TASK).min(m.n_out);
+            m.integer_rows(xq, xq_row, j0, j1, outs[p]);
+        });
+    });
+    if let Some(activation) = gated {
+        let (g, u) = parts.split_at_mut(1);
+        let len = n * g[0].1.cols;
+        let (g, u) = (&mut g[0].1.data[..len], &u[0].1.data[..len]);
+        // In as many pieces as threads, each a multiple of 16 values.
+        let threads = crate::pool::pool().threads();
+        let piece = len.div_ceil(threads).next_multiple_of(16);
+        let gp = SharedOut(g.as_mut_ptr());
+        crate::pool::pool().run(len.div_ceil(piece), &|t| {
+            let (a, b) = (t * piece, ((t + 1) * piece).min(len));
+            // SAFETY: values a..b of the gate belong to this task alone.
+            let g = unsafe { std::slice::from_raw_parts_mut(gp.at(a), b - a) };
+            gate_values(numerics, g, &u[a..b], activation);
+        });
+    }
+    for (_, out, bias) in parts.iter_mut() {
+        if let Some(b) = bias {
+            let c = out.cols;
+            for row in out.data[..n * c].chunks_exact_mut(c) {
+                row.iter_mut().zip(*b).for_each(|(v, b)| *v += b);
+            }
+        }
+    }
+    true
+}
+
 /// One matmul's shape and weight bytes.
 struct Matmul<'a> {
     be: &'a CpuBackend,
@@ -138,7 +211,31 @@ struct Matmul<'a> {
     n_out: usize,
 }
 
-impl Matmul<'_> {
+impl<'a> Matmul<'a> {
+    fn new(be: &'a CpuBackend, w: &'a CpuWeight, n: usize) -> Matmul<'a> {
+        let (ty, n_out, k, data) = matrix(w);
+        Matmul {
+            be,
+            ty,
+            data,
+            row_bytes: ty.bytes_for(k as u64).unwrap_or(0) as usize,
+            k,
+            n,
+            n_out,
+        }
+    }
+
+    /// The activation format of this product's integer kernels, where it takes them
+    /// (llama.cpp's numerics, fast kernels, a supported type, whole activation blocks).
+    fn integer_act(&self) -> Option<kestrel_gguf::GgmlType> {
+        let act = numerics::activation_type(self.ty)?;
+        (self.be.numerics == Numerics::Ggml
+            && self.be.kernels == Kernels::Fast
+            && qdot8::supported(self.ty)
+            && self.k.is_multiple_of(act.block_size()))
+        .then_some(act)
+    }
+
     /// `out[i][j] = row_j · x_i` with f32 activations.
     fn run(&self, x: &[f32], out: &mut [f32]) {
         let Matmul {
@@ -317,66 +414,85 @@ impl Matmul<'_> {
     /// `out[i][j] = row_j · q8(x_i)` with the integer kernels (`qdot8`), the activations
     /// quantized to `act`, the weight type's format (Q8_K or Q8_0).
     fn integer(&self, act: kestrel_gguf::GgmlType, x: &[f32], out: &mut [f32]) {
+        let xq_row = qdot8::activation_bytes(act, self.k);
+        let n_out = self.n_out;
+        Q8_X.with_borrow_mut(|xq| {
+            quantize_x(act, x, self.k, xq);
+            let xq = &xq[..self.n * xq_row];
+            let out_ptr = SharedOut(out.as_mut_ptr());
+            crate::pool::pool().run(n_out.div_ceil(FUSED_ROWS_PER_TASK), &|t| {
+                let j0 = t * FUSED_ROWS_PER_TASK;
+                self.integer_rows(
+                    xq,
+                    xq_row,
+                    j0,
+                    (j0 + FUSED_ROWS_PER_TASK).min(n_out),
+                    out_ptr,
+                );
+            });
+        });
+    }
+
+    /// Rows `j0..j1` of the integer product for every token: `out[i][j] = row_j · xq_i`,
+    /// `xq` holding the tokens' quantized activations, `xq_row` bytes each. The caller
+    /// gives these columns of `out` (`[n × n_out]`) to this call alone.
+    fn integer_rows(&self, xq: &[u8], xq_row: usize, j0: usize, j1: usize, out: SharedOut) {
         let Matmul {
             ty,
             data,
             row_bytes,
-            k,
             n,
             n_out,
             ..
         } = *self;
-        let xq_row = qdot8::activation_bytes(act, k);
-        Q8_X.with_borrow_mut(|xq| {
-            if xq.len() < n * xq_row {
-                xq.resize(n * xq_row, 0);
-            }
-            crate::profile::timed(
-                || crate::profile::op("quantize_x", n),
-                0,
-                || {
-                    for (src, dst) in x[..n * k].chunks_exact(k).zip(xq.chunks_exact_mut(xq_row)) {
-                        qdot8::quantize_activations(act, src, dst);
-                    }
-                },
-            );
-            let xq = &xq[..n * xq_row];
-            let out_ptr = SharedOut(out.as_mut_ptr());
-            let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
-            crate::pool::pool().run(n_tasks, &|t| {
-                let j0 = t * FUSED_ROWS_PER_TASK;
-                let j1 = (j0 + FUSED_ROWS_PER_TASK).min(n_out);
-                // Sub-tiles of rows small enough to stay in L1 while every token passes over
-                // them, so each token's activations are read once per sub-tile, not per row.
-                let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
-                for t0 in (j0..j1).step_by(tile) {
-                    let t1 = (t0 + tile).min(j1);
-                    let y = |i: usize| &xq[i * xq_row..(i + 1) * xq_row];
-                    let n4 = n / 4 * 4;
-                    for i in (0..n4).step_by(4) {
-                        let ys = [y(i), y(i + 1), y(i + 2), y(i + 3)];
-                        for j in t0..t1 {
-                            let row = &data[j * row_bytes..(j + 1) * row_bytes];
-                            let v = qdot8::dot_row_x4(ty, row, ys);
-                            for (t, v) in v.into_iter().enumerate() {
-                                // SAFETY: column j of every row belongs to this task alone.
-                                unsafe { *out_ptr.at((i + t) * n_out + j) = v };
-                            }
-                        }
-                    }
-                    for i in n4..n {
-                        let y = y(i);
-                        for j in t0..t1 {
-                            let row = &data[j * row_bytes..(j + 1) * row_bytes];
-                            let v = qdot8::dot_row(ty, row, y);
-                            // SAFETY: column j of every row belongs to this task alone.
-                            unsafe { *out_ptr.at(i * n_out + j) = v };
-                        }
+        // Sub-tiles of rows small enough to stay in L1 while every token passes over
+        // them, so each token's activations are read once per sub-tile, not per row.
+        let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
+        for t0 in (j0..j1).step_by(tile) {
+            let t1 = (t0 + tile).min(j1);
+            let y = |i: usize| &xq[i * xq_row..(i + 1) * xq_row];
+            let n4 = n / 4 * 4;
+            for i in (0..n4).step_by(4) {
+                let ys = [y(i), y(i + 1), y(i + 2), y(i + 3)];
+                for j in t0..t1 {
+                    let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                    let v = qdot8::dot_row_x4(ty, row, ys);
+                    for (t, v) in v.into_iter().enumerate() {
+                        // SAFETY: column j of every row belongs to this call alone.
+                        unsafe { *out.at((i + t) * n_out + j) = v };
                     }
                 }
-            });
-        });
+            }
+            for i in n4..n {
+                let y = y(i);
+                for j in t0..t1 {
+                    let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                    let v = qdot8::dot_row(ty, row, y);
+                    // SAFETY: column j of every row belongs to this call alone.
+                    unsafe { *out.at(i * n_out + j) = v };
+                }
+            }
+        }
     }
+}
+
+/// Quantizes `n` tokens' activations (`x`, rows of `k`) to `act` into `xq` (grown as
+/// needed), one row of `qdot8::activation_bytes(act, k)` bytes per token.
+fn quantize_x(act: kestrel_gguf::GgmlType, x: &[f32], k: usize, xq: &mut Vec<u8>) {
+    let xq_row = qdot8::activation_bytes(act, k);
+    let n = x.len() / k;
+    if xq.len() < n * xq_row {
+        xq.resize(n * xq_row, 0);
+    }
+    crate::profile::timed(
+        || crate::profile::op("quantize_x", n),
+        0,
+        || {
+            for (src, dst) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xq_row)) {
+                qdot8::quantize_activations(act, src, dst);
+            }
+        },
+    );
 }
 
 /// cos/sin of each rotated pair at one position, as ggml computes them (f32 throughout,
@@ -580,8 +696,11 @@ pub fn gated_activation(
     n: usize,
 ) {
     let len = n * gate.cols;
-    let g = &mut gate.data[..len];
-    let u = &up.data[..len];
+    gate_values(numerics, &mut gate.data[..len], &up.data[..len], act);
+}
+
+/// `g = act(g) * u`, element by element.
+fn gate_values(numerics: Numerics, g: &mut [f32], u: &[f32], act: Activation) {
     match (act, numerics) {
         (Activation::Silu, _) => g
             .iter_mut()
