@@ -619,12 +619,15 @@ pub fn attention(
     // llama.cpp multiplies the f16 cache with the query and the probabilities rounded to
     // f16 (its matmuls convert the f32 operand to the f16 one's type).
     let ggml = be.numerics == Numerics::Ggml;
-    let per_token = |scr: &mut AttnScratch, i: usize, o: &mut [f32]| {
+    let oc = out.cols;
+    // Token i's heads sharing kv head g (`o`: their `group * hd` outputs).
+    let per_task = |scr: &mut AttnScratch, i: usize, g: usize, o: &mut [f32]| {
         let seq = &batch.seqs[batch.seq_of[i] as usize];
         let pos = batch.positions[i] as usize;
         let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let len = pos + 1 - lo;
-        let mut qi = &q.data[i * q_cols..(i + 1) * q_cols];
+        let heads = g * group * hd..(g + 1) * group * hd;
+        let mut qi = &q.data[i * q_cols..(i + 1) * q_cols][heads];
         if ggml {
             scr.q_row.clear();
             scr.q_row.extend(qi.iter().map(|&v| numerics::round_f16(v)));
@@ -633,58 +636,67 @@ pub fn attention(
         o.fill(0.0);
         scr.kv_row.resize(hd, 0.0);
         scr.scores.resize(group * len, 0.0);
-        for g in 0..p.n_head_kv {
-            // Scores of the heads sharing kv head g.
-            for (t, kp) in (lo..=pos).enumerate() {
-                let s = slot(&seq.block_table, cache.block_size, kp);
-                let src = &kc[s * kv_dim + g * hd..s * kv_dim + (g + 1) * hd];
-                // Exact conversion, vectorized (F16C) by `half` where the CPU has it.
-                src.convert_to_f32_slice(&mut scr.kv_row);
-                for h in 0..group {
-                    let head = g * group + h;
-                    let qh = &qi[head * hd..(head + 1) * hd];
-                    scr.scores[h * len + t] = simd::dot(isa, qh, &scr.kv_row) * p.scale;
-                }
-            }
+        // Scores of the heads sharing kv head g.
+        for (t, kp) in (lo..=pos).enumerate() {
+            let s = slot(&seq.block_table, cache.block_size, kp);
+            let src = &kc[s * kv_dim + g * hd..s * kv_dim + (g + 1) * hd];
+            // Exact conversion, vectorized (F16C) by `half` where the CPU has it.
+            src.convert_to_f32_slice(&mut scr.kv_row);
             for h in 0..group {
-                let sc = &mut scr.scores[h * len..(h + 1) * len];
-                let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                sc.iter_mut().for_each(|v| {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                });
-                let inv = 1.0 / sum;
-                if ggml {
-                    sc.iter_mut()
-                        .for_each(|v| *v = numerics::round_f16(*v * inv));
-                } else {
-                    sc.iter_mut().for_each(|v| *v *= inv);
-                }
+                let qh = &qi[h * hd..(h + 1) * hd];
+                scr.scores[h * len + t] = simd::dot(isa, qh, &scr.kv_row) * p.scale;
             }
-            for (t, kp) in (lo..=pos).enumerate() {
-                let s = slot(&seq.block_table, cache.block_size, kp);
-                let src = &vc[s * kv_dim + g * hd..s * kv_dim + (g + 1) * hd];
-                // Exact conversion, vectorized (F16C) by `half` where the CPU has it.
-                src.convert_to_f32_slice(&mut scr.kv_row);
-                for h in 0..group {
-                    let head = g * group + h;
-                    let w = scr.scores[h * len + t];
-                    simd::axpy(isa, w, &scr.kv_row, &mut o[head * hd..(head + 1) * hd]);
-                }
+        }
+        for h in 0..group {
+            let sc = &mut scr.scores[h * len..(h + 1) * len];
+            let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            sc.iter_mut().for_each(|v| {
+                *v = (*v - max).exp();
+                sum += *v;
+            });
+            let inv = 1.0 / sum;
+            if ggml {
+                sc.iter_mut()
+                    .for_each(|v| *v = numerics::round_f16(*v * inv));
+            } else {
+                sc.iter_mut().for_each(|v| *v *= inv);
+            }
+        }
+        for (t, kp) in (lo..=pos).enumerate() {
+            let s = slot(&seq.block_table, cache.block_size, kp);
+            let src = &vc[s * kv_dim + g * hd..s * kv_dim + (g + 1) * hd];
+            // Exact conversion, vectorized (F16C) by `half` where the CPU has it.
+            src.convert_to_f32_slice(&mut scr.kv_row);
+            for h in 0..group {
+                let w = scr.scores[h * len + t];
+                simd::axpy(isa, w, &scr.kv_row, &mut o[h * hd..(h + 1) * hd]);
             }
         }
     };
-    let oc = out.cols;
-    let rows = out.data[..n * oc].chunks_exact_mut(oc).enumerate();
+    let n_kv = p.n_head_kv;
     if be.kernels == Kernels::Scalar {
         let mut scr = AttnScratch::default();
-        rows.for_each(|(i, o)| per_token(&mut scr, i, o));
+        for (i, o) in out.data[..n * oc].chunks_exact_mut(oc).enumerate() {
+            for (g, og) in o[..n_kv * group * hd]
+                .chunks_exact_mut(group * hd)
+                .enumerate()
+            {
+                per_task(&mut scr, i, g, og);
+            }
+        }
     } else {
-        out.data[..n * oc]
-            .par_chunks_exact_mut(oc)
-            .enumerate()
-            .for_each(|(i, o)| ATTN_SCRATCH.with_borrow_mut(|scr| per_token(scr, i, o)));
+        // One task per token and kv head: a decode step's heads spread over the threads.
+        let out_ptr = SharedOut(out.data.as_mut_ptr());
+        crate::pool::pool().run(n * n_kv, &|task| {
+            let (i, g) = (task / n_kv, task % n_kv);
+            // SAFETY: the outputs of token i's heads sharing kv head g belong to this
+            // task alone, inside the output's first n rows.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.at(i * oc + g * group * hd), group * hd)
+            };
+            ATTN_SCRATCH.with_borrow_mut(|scr| per_task(scr, i, g, o));
+        });
     }
 }
 
