@@ -10,7 +10,10 @@
 #                            llama.cpp's shapes, `kestrel bench --device cuda -p 512 -n 128`)
 #   scripts/gpu.sh serve-profile  on the GPU host: the server at 64 clients with every kernel
 #                            timed (per-kernel table when it stops)
-#   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs 1,8,32,64` (llama-batched-
+#   scripts/gpu.sh seqs-ab   on the GPU host: `kestrel bench --seqs $SEQS` on synthetic
+#                            Llama-3-8B Q4_K_M with the tensor-core kernels for 2..64-token
+#                            steps (mmq) on, then off (KESTREL_CUDA_MMQ_MAX=0)
+#   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
 set -euo pipefail
@@ -92,7 +95,7 @@ bench)
 batched)
     gpu_env
     model=$(llama3_8b)
-    .gpu/kestrel bench -m "$model" --device cuda --seqs 1,8,32,64 -p 512 -n 128 -r 1
+    .gpu/kestrel bench -m "$model" --device cuda --seqs "${SEQS:-1,8,32,64}" -p 512 -n 128 -r 1
     serve_start 8099 /tmp/serve.log
     .gpu/kestrel bench-serve --url http://127.0.0.1:8099 --concurrency 1,64 --requests 64 \
         --prompt-len 512 --gen-len 128 || true
@@ -100,6 +103,15 @@ batched)
     kill "$server"
     wait "$server" 2>/dev/null || true
     tail -3 /tmp/serve.log
+    ;;
+seqs-ab)
+    gpu_env
+    model=$(llama3_8b)
+    for max in 64 0; do
+        echo "KESTREL_CUDA_MMQ_MAX=$max"
+        KESTREL_CUDA_MMQ_MAX=$max .gpu/kestrel bench -m "$model" --device cuda \
+            --seqs "${SEQS:-1,4,8,16,32,64}" -p 512 -n 128 -r 1
+    done
     ;;
 serve-profile)
     # The server at 64 clients with one log line per step (KESTREL_STEP_LOG=1), summed by
@@ -120,7 +132,7 @@ serve-profile)
     ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|remote|run-here|bench|batched|serve-profile]" >&2
+    echo "usage: $0 [build|remote|run-here|bench|seqs-ab|batched|serve-profile]" >&2
     exit 2
     ;;
 esac

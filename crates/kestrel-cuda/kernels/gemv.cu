@@ -833,9 +833,10 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
     }
 }
 
-// The matrix and first row of the GD_R rows this warp owns in a gemv_dec / gemv_q8 launch:
-// matrix 0's rows first, then matrix 1's, then matrix 2's (gated launches: gate's rows,
-// read together with up's). False for warps past the last row.
+// The matrix and first row of the GD_R rows that work item `gw` (a warp of a gemv_dec /
+// gemv_q8 launch, a block of an mmq launch) owns: matrix 0's rows first, then matrix 1's,
+// then matrix 2's (gated launches: gate's rows, read together with up's). False for items
+// past the last row.
 struct GvRows {
     const u8* w;
     long long rb;
@@ -845,14 +846,13 @@ struct GvRows {
 };
 
 template <int GD_R>
-__device__ __forceinline__ bool gv_pick_rows(int total, int gated, const u8* w0, long long rb0,
+__device__ __forceinline__ bool gv_pick_rows(int gw, int total, int gated, const u8* w0, long long rb0,
                                              int ty0, int rows0, float* out0, int ld0,
                                              const float* bias0, const u8* w1, long long rb1,
                                              int ty1, int rows1, float* out1, int ld1,
                                              const float* bias1, const u8* w2, long long rb2,
                                              int ty2, float* out2, int ld2,
                                              const float* bias2, GvRows& g) {
-    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
     const int rows2 = gated ? 0 : total - rows0 - rows1;
     const int wa0 = (rows0 + GD_R - 1) / GD_R;
     const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
@@ -1096,7 +1096,8 @@ template <int GD_R, int GD_U, bool Q8>
 __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
-    if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
+    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
+    if (!gv_pick_rows<GD_R>(gw, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
                             rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
         return;
     const u8* w = g.w;
@@ -1229,7 +1230,8 @@ template <int GD_R, int T>
 __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
-    if (!gv_pick_rows<GD_R>(total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
+    const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
+    if (!gv_pick_rows<GD_R>(gw, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
                             rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
         return;
     const u8* w = g.w;

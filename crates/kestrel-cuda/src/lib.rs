@@ -10,7 +10,8 @@
 //! Backend operations cannot return errors (the trait's shape), so a failed launch is
 //! remembered and reported by the next `prepare_step` or `read_rows`.
 //!
-//! Decode steps (at most [`GRAPH_MAX_TOKENS`] tokens) are replayed as CUDA graphs: their
+//! Decode steps (at most [`GRAPH_MAX_TOKENS`] tokens, or as many as the tensor-core kernels
+//! for quantized weights take) are replayed as CUDA graphs: their
 //! launches are recorded, not issued, until the step's results are needed (`read_rows`,
 //! `check`, the next `prepare_step`). A recorded list identical to the previous one (same
 //! kernels, grids and arguments, pointers included) is captured once as a graph and
@@ -78,6 +79,16 @@ pub const GRAPH_MAX_TOKENS: usize = 8;
 const Q8_GEMV_MAX_TOKENS: usize = 4;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
+/// Most tokens of a step the tensor-core kernels for quantized weights can take
+/// (`kernels/mmq.cu`; `KESTREL_CUDA_MMQ_MAX` sets the limit in use, 0 turns them off).
+pub const MMQ_MAX_TOKENS: usize = 64;
+/// The limit in use by default, and the fewest tokens they take. Measured on the H100
+/// (Llama-3-8B Q4_K_M, `bench --seqs`, decode t/s, mmq vs the previous paths): B = 2 349
+/// vs 368 (gemv_q8_t4), 4: 632 vs 499, 8: 1,057 vs 777, 16: 1,376 vs 1,448 (cuBLAS on
+/// f16 copies), 32: 1,511 vs 2,162, 64: 1,523 vs 3,085. Beyond 8 tokens each warp's
+/// activation loads (one per 8 tokens and 32 values) outweigh the weight bytes it saves.
+const MMQ_DEFAULT_MAX_TOKENS: usize = 8;
+const MMQ_MIN_TOKENS: usize = 3;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD).
 const PREFILL_ATTN_TOKENS: usize = 16;
@@ -183,7 +194,6 @@ struct AttnLaunch {
     v: u64,
     out: u64,
     block_size: usize,
-    cache_slots: usize,
     window: i32,
 }
 
@@ -268,6 +278,9 @@ pub struct CudaBackend {
     /// The activation tensor whose first row the Q8 buffers hold (set by `rms_norm_q8`;
     /// any other launch clears it).
     q8_holds: Mutex<Option<u64>>,
+    /// Steps of MMQ_MIN_TOKENS up to this many tokens multiply Q8-capable weights through `mmq_t*`
+    /// (0: never).
+    mmq_max: std::sync::atomic::AtomicUsize,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Token ids of `argmax_rows`, on the device (grown to the most rows asked).
@@ -281,10 +294,12 @@ pub struct CudaBackend {
     gemm_scratch: Mutex<GemmScratch>,
 }
 
-/// Int8 activations and their per-32 scales for `gemv_q8`.
+/// Int8 activations and their per-32 scales for `gemv_q8` (and for `mmq_t*`: scales with
+/// the block sums, token-minor).
 struct Q8Scratch {
     q: CudaSlice<i8>,
     d: CudaSlice<f32>,
+    ds: CudaSlice<f32>,
     /// Values it holds room for.
     cap: usize,
 }
@@ -510,6 +525,12 @@ impl CudaBackend {
                 std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
             ),
             q8_scratch: Mutex::new(None),
+            mmq_max: std::sync::atomic::AtomicUsize::new(
+                std::env::var("KESTREL_CUDA_MMQ_MAX")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .map_or(MMQ_DEFAULT_MAX_TOKENS, |v| v.min(MMQ_MAX_TOKENS)),
+            ),
             q8_holds: Mutex::new(None),
             gemm_scratch: Mutex::default(),
         })
@@ -878,6 +899,12 @@ impl CudaBackend {
     /// from GEMM_MIN_TOKENS tokens, or from 2 when `w` needs no dequantizing (f16 copy or
     /// F16 weights: one read of 2 bytes per weight beats the GEMV kernels' per-token cost).
     fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        if let CudaWeight::Matrix { ty, cols, .. } = w
+            && self.mmq_reads(*ty, n)
+            && gemv_supported(*ty, *cols)
+        {
+            return false;
+        }
         // Small batches of Q8-capable weights stay on the 8-bit GEMVs (one read of the
         // quantized rows for all tokens) up to Q8_GEMV_MAX_TOKENS when an f16 copy exists
         // (measured at 8 tokens, Llama-3-8B Q4_K_M: gemv_q8_t8 575 t/s, cuBLAS on the f16
@@ -890,8 +917,7 @@ impl CudaBackend {
     }
 
     /// Attention of tokens `tok0 .. tok0 + n` of any sequences: split across key ranges
-    /// (sized so that a full cache gives each block ~16 keys; the split count depends only on
-    /// the cache size, so a captured graph serves every position), in ranges of at most
+    /// (the count below), in ranges of at most
     /// SPLIT_ATTN_MAX_TOKENS tokens; the one-block-per-(token, head) kernel when the
     /// partials buffer is too small.
     fn attention_short(
@@ -902,16 +928,35 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        let splits = if step.n_tokens <= GEMV_MAX_TOKENS {
-            a.cache_slots.div_ceil(16).clamp(1, MAX_ATTN_SPLITS)
-        } else {
-            // Not replayed from a graph: size by the longest sequence (~64 keys a split),
-            // and keep to ~16K blocks (many tokens already give thousands of blocks; each
-            // split's partial result is written and read back).
-            let by_len = step.max_kv_len().div_ceil(64);
-            let by_blocks = (16384 / (n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head).max(1)).max(2);
-            by_len.min(by_blocks).clamp(2, MAX_ATTN_SPLITS)
-        };
+        // About ATTN_SPLIT_BLOCKS blocks in all, and at least ~16 keys a split of the
+        // longest sequence (its length rounded up to a power of two, so that a recorded graph
+        // serves every step until it doubles). Measured on the H100, Llama-3-8B Q4_K_M, ~600
+        // keys, decode t/s with 4 / 8 / 16 / 32 / 64 splits: 1 sequence 210 / 242 / 255 /
+        // 264 / 265, 8 sequences 1,207 / 1,341 / 1,287 / 1,228 / 1,144: both best at ~512
+        // blocks. (Splits used to follow the cache size: 64 for 8 sequences.)
+        // `KESTREL_CUDA_ATTN_SPLITS=N` fixes the count (for such measurements).
+        const ATTN_SPLIT_BLOCKS: usize = 512;
+        static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let fixed = *FIXED.get_or_init(|| {
+            std::env::var("KESTREL_CUDA_ATTN_SPLITS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        });
+        let splits = match fixed {
+            Some(s) => s,
+            None => {
+                let heads = if gqa_split_attention(p) {
+                    p.n_head_kv
+                } else {
+                    p.n_head
+                };
+                let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
+                let by_blocks =
+                    ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
+                by_len.min(by_blocks)
+            }
+        }
+        .clamp(2, MAX_ATTN_SPLITS);
         // The kernels' shared leading arguments, writing to `dest`.
         let common = |dest: u64| {
             [
@@ -1028,6 +1073,7 @@ impl CudaBackend {
         *s = Some(Q8Scratch {
             q: self.alloc::<i8>(cap, "the quantized activations")?,
             d: self.alloc::<f32>(cap / 32, "the activation scales")?,
+            ds: self.alloc::<f32>(cap / 16, "the activation scales and sums")?,
             cap,
         });
         Ok(())
@@ -1039,6 +1085,51 @@ impl CudaBackend {
         s.as_ref()
             .filter(|s| s.cap >= k)
             .map(|s| (self.ptr(&s.q), self.ptr(&s.d)))
+    }
+
+    /// Addresses of the int8 activations and the scale-and-sum pairs of an `mmq_t*` launch,
+    /// if the buffers hold `values` values.
+    fn mmq_buffers(&self, values: usize) -> Option<(u64, u64)> {
+        let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        s.as_ref()
+            .filter(|s| s.cap >= values)
+            .map(|s| (self.ptr(&s.q), self.ptr(&s.ds)))
+    }
+
+    /// Whether products of `n` tokens with `ty` weights go through the tensor-core kernels
+    /// `mmq_t*` (8-bit activations, MMQ_MIN_TOKENS..=mmq_max tokens).
+    fn mmq_reads(&self, ty: GgmlType, n: usize) -> bool {
+        self.q8_decode()
+            && !self.legacy_gemv1
+            && (MMQ_MIN_TOKENS..=self.mmq_max()).contains(&n)
+            && q8_supported(ty)
+    }
+
+    /// Whether one `mmq_t*` launch computes these segments for `n` tokens (gated: gate and
+    /// up of one format and row length).
+    fn mmq_applies(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
+        k.is_multiple_of(32)
+            && segs
+                .iter()
+                .all(|s| self.mmq_reads(s.ty, n) && !s.accumulate)
+            && (!gated || (segs[0].ty == segs[1].ty && segs[0].row_bytes == segs[1].row_bytes))
+            && self.mmq_buffers(n.next_multiple_of(8) * k).is_some()
+    }
+
+    /// Whether [`Self::gemv`] takes these segments for `n` tokens.
+    fn gemv_takes(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
+        n <= GEMV_MAX_TOKENS || self.mmq_applies(k, n, segs, gated)
+    }
+
+    /// The most tokens of a step the tensor-core kernels take (0: none).
+    pub fn mmq_max(&self) -> usize {
+        self.mmq_max.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets that limit (at most MMQ_MAX_TOKENS; the self-check covers every tile size).
+    pub fn set_mmq_max(&self, n: usize) {
+        self.mmq_max
+            .store(n.min(MMQ_MAX_TOKENS), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the 8-bit GEMVs (`gemv_q8*`) are on and read `ty` for `n` tokens.
@@ -1069,7 +1160,9 @@ impl CudaBackend {
         let CudaWeight::Matrix { ty, cols, .. } = w else {
             return false;
         };
-        self.q8_gemv_reads(*ty, n) && gemv_supported(*ty, *cols) && !self.prefer_gemm(w, n)
+        (self.q8_gemv_reads(*ty, n) || self.mmq_reads(*ty, n))
+            && gemv_supported(*ty, *cols)
+            && !self.prefer_gemm(w, n)
     }
 
     /// The trailing `ROPE_PARAMS` arguments of the RoPE kernels (kernels/ops.cu), or None
@@ -1307,7 +1400,7 @@ impl CudaBackend {
     /// One GEMV launch over up to three matrices sharing `x` (`gated`: two matrices, gate
     /// and up, producing `act(gate·x) * (up·x)` in the first's output).
     fn gemv(&self, x: &CudaTensor, n: usize, segs: &[GemvSeg], gated: Option<Activation>) {
-        debug_assert!(!segs.is_empty() && segs.len() <= 3 && n <= GEMV_MAX_TOKENS);
+        debug_assert!(!segs.is_empty() && segs.len() <= 3);
         let k = x.cols;
         let weight_bytes: u64 = segs.iter().map(|s| (s.rows * s.row_bytes) as u64).sum();
         let units = segs
@@ -1357,6 +1450,11 @@ impl CudaBackend {
             args.push(Arg::I(s.ld as i32));
             args.push(Arg::P(s.bias));
         }
+        if self.mmq_applies(k, n, segs, gated.is_some()) {
+            self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes);
+            return;
+        }
+        debug_assert!(n <= GEMV_MAX_TOKENS);
         if self.q8_applies(k, n, segs) {
             let Some((q_ptr, d_ptr)) = self.q8_buffers(n * k) else {
                 return;
@@ -1411,6 +1509,51 @@ impl CudaBackend {
         }
         let kernel = if n == 1 { "gemv1" } else { "gemv" };
         self.launch_reading(kernel, grid_1d(total, rpb), 128, &args, weight_bytes);
+    }
+
+    /// The GEMV launch `args` (see [`Self::gemv`]) on the tensor cores: x quantized to 8 bits
+    /// for a multiple of 8 tokens, then one block per 16 rows.
+    fn mmq(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        segs: &[GemvSeg],
+        gated: bool,
+        args: &[Arg],
+        weight_bytes: u64,
+    ) {
+        let k = x.cols;
+        let npad = n.next_multiple_of(8);
+        let Some((q_ptr, ds_ptr)) = self.mmq_buffers(npad * k) else {
+            return;
+        };
+        self.launch(
+            "quantize_x_mmq",
+            grid_1d(npad * k / 32, 8),
+            256,
+            &[
+                Arg::P(x.ptr),
+                Arg::I(k as i32),
+                Arg::I(n as i32),
+                Arg::I(npad as i32),
+                Arg::P(q_ptr),
+                Arg::P(ds_ptr),
+            ],
+        );
+        let kernel = match (npad, gated) {
+            (8, false) => "mmq_t8",
+            (16, false) => "mmq_t16",
+            (24 | 32, false) => "mmq_t32",
+            (_, false) => "mmq_t64",
+            (8, true) => "mmq_t8_gated",
+            (16, true) => "mmq_t16_gated",
+            (24 | 32, true) => "mmq_t32_gated",
+            (_, true) => "mmq_t64_gated",
+        };
+        let blocks = gemv_warps(segs, gated, 16);
+        let mut mmq_args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
+        mmq_args.extend_from_slice(args);
+        self.launch_reading(kernel, (blocks as u32, 1, 1), 128, &mmq_args, weight_bytes);
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -1549,7 +1692,8 @@ impl kestrel_model::Backend for CudaBackend {
             .n_embd
             .max(config.n_ff)
             .max(config.n_head * config.head_dim);
-        self.reserve_q8(GEMV_MAX_TOKENS * widest)?;
+        // Room for the widest input of the largest step the 8-bit kernels take.
+        self.reserve_q8(GEMV_MAX_TOKENS.max(MMQ_MAX_TOKENS) * widest)?;
         // Room for one sequence at full context; grows if a step needs more.
         let table_capacity = config.context_length.div_ceil(16).max(64);
         let buf = self.alloc::<u32>(6 * max_tokens + table_capacity, "the step inputs")?;
@@ -1619,17 +1763,24 @@ impl kestrel_model::Backend for CudaBackend {
             .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
         step.n_tokens = n;
         step.n_logit_rows = batch.logit_rows.len();
-        // Steps of 2–8 tokens whose products go through cuBLAS (see `prefer_gemm`) are not
-        // recorded: cuBLAS calls are not launches the recorder can replay.
+        // Steps whose products go through cuBLAS (see `prefer_gemm`) are not recorded:
+        // cuBLAS calls are not launches the recorder can replay.
         let relaxed = std::sync::atomic::Ordering::Relaxed;
         let copies_q8 = self.f16_copies_q8.load(relaxed);
+        let q8_kernels = if self.mmq_reads(GgmlType::Q4K, n) {
+            true
+        } else {
+            n <= Q8_GEMV_MAX_TOKENS && self.q8_decode()
+        };
         let uses_cublas = self.blas.is_some()
             && n >= 2
-            && (self.f16_copies.load(relaxed)
-                || (copies_q8 && (n > Q8_GEMV_MAX_TOKENS || !self.q8_decode())));
-        if n <= GRAPH_MAX_TOKENS
-            && !uses_cublas
-            && self.graphs.load(std::sync::atomic::Ordering::Relaxed)
+            && (self.f16_copies.load(relaxed) || (copies_q8 && !q8_kernels));
+        let graph_max = if self.mmq_max() >= MMQ_MIN_TOKENS {
+            GRAPH_MAX_TOKENS.max(self.mmq_max())
+        } else {
+            GRAPH_MAX_TOKENS
+        };
+        if n <= graph_max && !uses_cublas && self.graphs.load(std::sync::atomic::Ordering::Relaxed)
         {
             self.lock_recorder().deferring = true;
         }
@@ -1774,8 +1925,8 @@ impl kestrel_model::Backend for CudaBackend {
         if self.prefer_gemm(w, n) && self.gemm_f16(x, w, n, out) {
             return;
         }
-        if n <= GEMV_MAX_TOKENS
-            && let Some(seg) = self.gemv_seg(x, w, out, None)
+        if let Some(seg) = self.gemv_seg(x, w, out, None)
+            && self.gemv_takes(x.cols, n, std::slice::from_ref(&seg), false)
         {
             self.gemv(x, n, &[seg], None);
             return;
@@ -1902,7 +2053,6 @@ impl kestrel_model::Backend for CudaBackend {
             v: cache.v_ptr[p.layer],
             out: out.ptr,
             block_size: cache.block_size,
-            cache_slots: cache.n_blocks * cache.block_size,
             window,
         };
         if n <= GEMV_MAX_TOKENS {
@@ -2059,15 +2209,18 @@ impl kestrel_model::Backend for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) {
-        if n <= GEMV_MAX_TOKENS && !self.prefer_gemm(&layer.attn_q, n) {
+        if !self.prefer_gemm(&layer.attn_q, n) {
             let segs = [
                 self.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
                 self.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
                 self.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
             ];
             if let [Some(a), Some(b), Some(c)] = segs {
-                self.gemv(x, n, &[a, b, c], None);
-                return;
+                let segs = [a, b, c];
+                if self.gemv_takes(x.cols, n, &segs, false) {
+                    self.gemv(x, n, &segs, None);
+                    return;
+                }
             }
         }
         // Through cuBLAS: x converted to f16 once for the three products.
@@ -2100,15 +2253,18 @@ impl kestrel_model::Backend for CudaBackend {
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
     ) {
-        let fused = n <= GEMV_MAX_TOKENS
-            && !self.prefer_gemm(&layer.ffn_gate, n)
+        let fused = !self.prefer_gemm(&layer.ffn_gate, n)
             && match (
                 self.gemv_seg(x, &layer.ffn_gate, gate, None),
                 self.gemv_seg(x, &layer.ffn_up, up, None),
             ) {
                 (Some(g), Some(u)) if g.rows == u.rows => {
-                    self.gemv(x, n, &[g, u], Some(act));
-                    true
+                    let segs = [g, u];
+                    let takes = self.gemv_takes(x.cols, n, &segs, true);
+                    if takes {
+                        self.gemv(x, n, &segs, Some(act));
+                    }
+                    takes
                 }
                 _ => false,
             };

@@ -500,7 +500,8 @@ pub fn compare_gemv(
     let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
-    backend.reserve_q8(n * cols)?;
+    // The tensor-core kernels quantize a multiple of 8 tokens.
+    backend.reserve_q8(n.next_multiple_of(8) * cols)?;
     backend.matmul(&xt, &weight, n, &mut out);
     // The 8-bit path's reference uses the activations it sees: x rounded as
     // `quantize_x_q8` rounds it.
@@ -558,6 +559,30 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
                 rng.random_range(1..=crate::GEMV_MAX_TOKENS)
             };
             (rows, blocks * unit, n, rng.random())
+        })
+        .collect()
+}
+
+/// Types the tensor-core kernels for 2..=MMQ_MAX_TOKENS tokens read (`kernels/mmq.cu`).
+pub const MMQ_TYPES: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0];
+
+/// Random cases for the tensor-core kernels (with their limit raised to MMQ_MAX_TOKENS):
+/// token counts from each of their four tile sizes (3..=8, 9..=16, 17..=32, 33..=64), awkward row counts (not multiples of 16), and
+/// for the 32-value formats row lengths that are not multiples of 256.
+pub fn mmq_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let lengths: [usize; 4] = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+        [256, 768, 1536, 3584]
+    } else {
+        [32, 224, 800, 2080]
+    };
+    [(3, 8), (9, 16), (17, 32), (33, 64), (64, 64)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(lo, hi))| {
+            let rows = rng.random_range(1..300);
+            let cols = lengths[i % lengths.len()];
+            (rows, cols, rng.random_range(lo..=hi), rng.random())
         })
         .collect()
 }

@@ -151,20 +151,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .into_iter()
         .filter(|_| q8_default)
         .map(|ty| ("gemv-f32", ty));
+    // Steps of 2..=64 tokens of those formats run on the tensor cores ("mmq").
+    let mmq = selfcheck::MMQ_TYPES
+        .into_iter()
+        .filter(|_| q8_default)
+        .map(|ty| ("mmq", ty));
     let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
-    for (it, (kind, ty)) in gemv.chain(gemv_f32).chain(gemm).enumerate() {
+    for (it, (kind, ty)) in gemv.chain(gemv_f32).chain(mmq).chain(gemm).enumerate() {
         backend.set_q8_decode(q8_default && kind != "gemv-f32");
+        let mmq_default = backend.mmq_max();
+        if kind == "mmq" {
+            backend.set_mmq_max(kestrel_cuda::MMQ_MAX_TOKENS);
+        }
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
         let case_seed = seed.wrapping_add(500 + it as u64);
         let cases = if kind.starts_with("gemv") {
             selfcheck::gemv_cases(ty, case_seed)
+        } else if kind == "mmq" {
+            selfcheck::mmq_cases(ty, case_seed)
         } else {
             selfcheck::gemm_cases(ty, case_seed)
         };
         for (rows, cols, n, s) in cases {
             match selfcheck::compare_gemv(&backend, ty, rows, cols, n, s) {
                 Ok(r) => {
+                    // An mmq case that took another path tests nothing it names.
+                    if kind == "mmq" && !r.via_q8 {
+                        error = Some(format!(
+                            "{rows}x{cols} n={n} did not run on 8-bit activations"
+                        ));
+                    }
                     failures += usize::from(!r.passed());
                     if worst
                         .as_ref()
@@ -176,6 +193,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Err(e) => error = Some(format!("{e:#}")),
             }
         }
+        backend.set_mmq_max(mmq_default);
         if let Some(e) = error {
             failures += 1;
             println!("{kind} {:<6} ERROR {e}", ty.name());

@@ -1,0 +1,422 @@
+// ---------------------------------------------------------------------------------------
+// Batched decode on the tensor cores: steps of 2..64 tokens (sequences decoding together,
+// short prompt chunks). The activations are quantized to 8 bits per block of 32 values
+// (quantize_x_mmq: the rounding of quantize_x_q8), the weight blocks are read once per step
+// in their GGUF layout, expanded to int8 in registers and multiplied with int8 mma.sync
+// (m16n8k32, int32 sums); each 32-value block's integer sums are then scaled into f32
+// accumulators (llama.cpp's MMQ does the same).
+//
+// Tiling: a block of MQ_WARPS warps owns 16 rows of one matrix (gated launches: the same
+// 16 rows of gate and of up) for all the step's tokens. Its warps split the row length in
+// steps of 256 values (warp w takes steps w, w + MQ_WARPS, ...) and sum their partial
+// results in shared memory, in a fixed order. In a warp, lane (g = lane / 4, c = lane % 4)
+// holds rows g and g + 8 and, of every 32-value block, values 8c .. 8c + 7 of those rows and
+// of token g of each 8-token tile. That permutes the mma's k order (k = 4c + i holds value
+// 8c + i, k = 16 + 4c + i holds value 8c + 4 + i): the same dot product, with every
+// operand in one 8-byte load.
+
+#define MQ_WARPS 4
+
+// Activations of an mmq launch: xq[t][k] int8 for npad token rows (rows >= n zero) and
+// xds[kb][t] = {d, d·Σq} per 32-value block kb, token-minor (a lane's two tokens of the
+// accumulator fragment are one 16-byte load). One warp per block of 32 values.
+extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad, i8* q,
+                                          float* xds) {
+    const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int kbs = k >> 5;
+    if (b >= npad * kbs) return;
+    const int t = b / kbs, kb = b - t * kbs;
+    const float v = t < n ? x[(size_t)t * k + kb * 32 + lane] : 0.0f;
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax / 127.0f;
+    const int qi = scale > 0.0f ? max(-127, min(127, __float2int_rn(v / scale))) : 0;
+    int sum = qi;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    q[(size_t)t * k + kb * 32 + lane] = (i8)qi;
+    if (lane == 0) {
+        xds[2 * ((size_t)kb * npad + t)] = scale;
+        xds[2 * ((size_t)kb * npad + t) + 1] = scale * (float)sum;
+    }
+}
+
+// c = A·B for one 16×32 tile of weights (a0, a2: row g; a1, a3: row g + 8) and one 32×8
+// tile of activations (b: token g).
+__device__ __forceinline__ void mq_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, uint2 b) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
+}
+
+// 8 bytes from a 2-byte aligned address.
+__device__ __forceinline__ uint2 ld_u2_a2(const u8* p) {
+    uint2 r;
+    r.x = ld_u32_a2(p);
+    r.y = ld_u32_a2(p + 4);
+    return r;
+}
+
+// Bytes of 0..63 minus 32, as signed bytes (no borrow between the bytes).
+__device__ __forceinline__ u32 sub32_bytes(u32 v) {
+    return ((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+}
+
+// A lane's view of the quantized activations.
+struct MqX {
+    const i8* q;
+    const float* ds;
+    int k, npad, g, c;
+    // B fragment of 8-token tile j for 32-value block kb: token 8j + g, values 8c .. 8c + 7.
+    __device__ __forceinline__ uint2 b(int j, int kb) const {
+        return *(const uint2*)(q + (size_t)(j * 8 + g) * k + kb * 32 + c * 8);
+    }
+    // {d, d·Σq} of tokens 8j + 2c and 8j + 2c + 1 (the lane's accumulator columns).
+    __device__ __forceinline__ float4 scales(int j, int kb) const {
+        return *(const float4*)(ds + 2 * ((size_t)kb * npad + j * 8 + 2 * c));
+    }
+};
+
+// acc += fs·d_t·C − fm·(d_t·Σq_t) for the fragment's rows (g: fs0/fm0; g + 8: fs1/fm1) and
+// its two tokens.
+__device__ __forceinline__ void mq_acc(float (&a)[4], const int (&cc)[4], float fs0, float fm0,
+                                       float fs1, float fm1, float4 ds) {
+    a[0] += fs0 * ds.x * (float)cc[0] - fm0 * ds.y;
+    a[1] += fs0 * ds.z * (float)cc[1] - fm0 * ds.w;
+    a[2] += fs1 * ds.x * (float)cc[2] - fm1 * ds.y;
+    a[3] += fs1 * ds.z * (float)cc[3] - fm1 * ds.w;
+}
+
+// One 32-value block kb of the rows held in a[r][0..1] (r = 0, 1: rows g, g + 8 of the
+// first matrix; 2, 3: of up) against every active token tile.
+template <int J, bool UP>
+__device__ __forceinline__ void mq_block(const u32 (&a)[4][2], const float (&fs)[4],
+                                         const float (&fm)[4], int kb, int nt, const MqX& x,
+                                         float (&acc)[J][4], float (&acc_up)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        if (j < nt) {
+            const uint2 b = x.b(j, kb);
+            const float4 ds = x.scales(j, kb);
+            int cc[4];
+            mq_mma(cc, a[0][0], a[1][0], a[0][1], a[1][1], b);
+            mq_acc(acc[j], cc, fs[0], fm[0], fs[1], fm[1], ds);
+            if (UP) {
+                mq_mma(cc, a[2][0], a[3][0], a[2][1], a[3][1], b);
+                mq_acc(acc_up[j], cc, fs[2], fm[2], fs[3], fm[3], ds);
+            }
+        }
+    }
+}
+
+// Per format: the 256-value step `st` of rows rw[0..NR) (NR = 2, or 4 with up).
+template <int TY> struct Mq;
+
+// Q4_K (144-byte blocks, 16-byte aligned): a lane reads the block header and, of each
+// 32-byte quant chunk ch, bytes 8c .. 8c + 7: values 8c.. of sub-block 2ch (low nibbles) and
+// of 2ch + 1 (high nibbles).
+template <> struct Mq<T_Q4_K> {
+    template <int J, bool UP>
+    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int,
+                                                const MqX& x, float (&acc)[J][4],
+                                                float (&acc_up)[J][4]) {
+        constexpr int NR = UP ? 4 : 2;
+        uint4 h[NR];
+        uint2 q[NR][4];
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const u8* b = rw[r] + (size_t)st * 144;
+            h[r] = *(const uint4*)b;
+#pragma unroll
+            for (int ch = 0; ch < 4; ch++) q[r][ch] = *(const uint2*)(b + 16 + 32 * ch + 8 * x.c);
+        }
+#pragma unroll
+        for (int ch = 0; ch < 4; ch++) {
+            float fs[2][4], fm[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int rr = r < NR ? r : 0;
+                const float d = h2f((u16)(h[rr].x & 0xFFFF)), dmin = h2f((u16)(h[rr].x >> 16));
+                int sc[2], mn[2];
+                q4k_scale_min_pair(h[rr], ch, sc, mn);
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    fs[i][r] = d * (float)sc[i];
+                    fm[i][r] = dmin * (float)mn[i];
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                u32 a[4][2];
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int rr = r < NR ? r : 0;
+                    a[r][0] = (q[rr][ch].x >> (4 * i)) & 0x0F0F0F0Fu;
+                    a[r][1] = (q[rr][ch].y >> (4 * i)) & 0x0F0F0F0Fu;
+                }
+                mq_block<J, UP>(a, fs[i], fm[i], st * 8 + 2 * ch + i, nt, x, acc, acc_up);
+            }
+        }
+    }
+};
+
+// Q6_K (210-byte blocks, 2-byte aligned): 32-value block s of a step is quarter s % 4 of
+// half s / 4; a lane's values 8c.. take one of the block's two 16-value scales (c < 2: the
+// first), so each block is two mma with the other half of the lanes' weights zeroed.
+template <> struct Mq<T_Q6_K> {
+    template <int J, bool UP>
+    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int,
+                                                const MqX& x, float (&acc)[J][4],
+                                                float (&acc_up)[J][4]) {
+        constexpr int NR = UP ? 4 : 2;
+        uint2 ql[NR][2][2], qh[NR][2];
+        u32 sw[NR][4];
+        float d[4];
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const u8* b = rw[r] + (size_t)st * 210;
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+#pragma unroll
+                for (int p = 0; p < 2; p++) ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * x.c);
+                qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * x.c);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
+            d[r] = ld_f16(b + 208);
+        }
+        const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const bool low = x.c < 2;
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            const int hf = s >> 2, qq = s & 3, kb = st * 8 + s;
+            u32 v[NR][2];
+            int sc[NR][2];
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                const uint2 l = ql[r][hf][qq & 1], hb = qh[r][hf];
+                const int sl = 4 * (qq >> 1), sh = 2 * qq;
+                v[r][0] = sub32_bytes(((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4));
+                v[r][1] = sub32_bytes(((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4));
+                const int si = 8 * hf + 2 * qq;  // even: both scales in one word
+                const u32 w = sw[r][si >> 2] >> (8 * (si & 3));
+                sc[r][0] = (int)(signed char)(w & 0xFF);
+                sc[r][1] = (int)(signed char)((w >> 8) & 0xFF);
+            }
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                if (j < nt) {
+                    const uint2 b = x.b(j, kb);
+                    const float4 ds = x.scales(j, kb);
+#pragma unroll
+                    for (int m = 0; m < (UP ? 2 : 1); m++) {
+                        const int r0 = 2 * m, r1 = 2 * m + 1;
+                        int lo[4], hi[4];
+                        mq_mma(lo, low ? v[r0][0] : 0u, low ? v[r1][0] : 0u,
+                               low ? v[r0][1] : 0u, low ? v[r1][1] : 0u, b);
+                        mq_mma(hi, low ? 0u : v[r0][0], low ? 0u : v[r1][0],
+                               low ? 0u : v[r0][1], low ? 0u : v[r1][1], b);
+                        int cc[4];
+                        cc[0] = sc[r0][0] * lo[0] + sc[r0][1] * hi[0];
+                        cc[1] = sc[r0][0] * lo[1] + sc[r0][1] * hi[1];
+                        cc[2] = sc[r1][0] * lo[2] + sc[r1][1] * hi[2];
+                        cc[3] = sc[r1][0] * lo[3] + sc[r1][1] * hi[3];
+                        mq_acc(m == 0 ? acc[j] : acc_up[j], cc, d[r0], zero[0], d[r1], zero[1],
+                               ds);
+                    }
+                }
+            }
+        }
+    }
+};
+
+// Q8_0 (34-byte blocks) and Q4_0 (18-byte blocks), 2-byte aligned: eight 32-value blocks
+// per step, in two halves of four (loads first); blocks past the row's end (k a multiple
+// of 32 only) are skipped.
+template <> struct Mq<T_Q8_0> {
+    template <int J, bool UP>
+    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
+                                                const MqX& x, float (&acc)[J][4],
+                                                float (&acc_up)[J][4]) {
+        constexpr int NR = UP ? 4 : 2;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int kb0 = st * 8 + 4 * half;
+            uint2 q[4][NR];
+            float d[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int rr = r < NR ? r : 0;
+                    const u8* b = rw[rr] + (size_t)min(kb0 + i, kbs - 1) * 34;
+                    if (r < NR) q[i][rr] = ld_u2_a2(b + 2 + 8 * x.c);
+                    d[i][r] = ld_f16(b);
+                }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (kb0 + i < kbs) {
+                    u32 a[4][2];
+                    float fm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        const int rr = r < NR ? r : 0;
+                        a[r][0] = q[i][rr].x;
+                        a[r][1] = q[i][rr].y;
+                    }
+                    mq_block<J, UP>(a, d[i], fm, kb0 + i, nt, x, acc, acc_up);
+                }
+            }
+        }
+    }
+};
+
+// Q4_0: lane c's values 8c .. 8c + 7 are the low (c < 2) or high nibbles of quant bytes
+// 8 (c & 1) ..; the −8 offset comes off through the activation sums.
+template <> struct Mq<T_Q4_0> {
+    template <int J, bool UP>
+    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
+                                                const MqX& x, float (&acc)[J][4],
+                                                float (&acc_up)[J][4]) {
+        constexpr int NR = UP ? 4 : 2;
+        const int shift = 4 * (x.c >> 1);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int kb0 = st * 8 + 4 * half;
+            uint2 q[4][NR];
+            float d[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int rr = r < NR ? r : 0;
+                    const u8* b = rw[rr] + (size_t)min(kb0 + i, kbs - 1) * 18;
+                    if (r < NR) q[i][rr] = ld_u2_a2(b + 2 + 8 * (x.c & 1));
+                    d[i][r] = ld_f16(b);
+                }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (kb0 + i < kbs) {
+                    u32 a[4][2];
+                    float fm[4];
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        const int rr = r < NR ? r : 0;
+                        a[r][0] = (q[i][rr].x >> shift) & 0x0F0F0F0Fu;
+                        a[r][1] = (q[i][rr].y >> shift) & 0x0F0F0F0Fu;
+                        fm[r] = 8.0f * d[i][r];
+                    }
+                    mq_block<J, UP>(a, d[i], fm, kb0 + i, nt, x, acc, acc_up);
+                }
+            }
+        }
+    }
+};
+
+// A warp's steps of the row length for format TY.
+template <int TY, int J, bool UP>
+__device__ __forceinline__ void mq_rows(const u8* const (&rw)[4], int warp, int steps, int nt,
+                                        int kbs, const MqX& x, float (&acc)[J][4],
+                                        float (&acc_up)[J][4]) {
+    for (int st = warp; st < steps; st += MQ_WARPS)
+        Mq<TY>::template step<J, UP>(rw, st, nt, kbs, x, acc, acc_up);
+}
+
+template <int J, bool UP>
+__device__ __forceinline__ void mq_rows_any(int ty, const u8* const (&rw)[4], int warp,
+                                            int steps, int nt, int kbs, const MqX& x,
+                                            float (&acc)[J][4], float (&acc_up)[J][4]) {
+    switch (ty) {
+    case T_Q4_K: mq_rows<T_Q4_K, J, UP>(rw, warp, steps, nt, kbs, x, acc, acc_up); return;
+    case T_Q6_K: mq_rows<T_Q6_K, J, UP>(rw, warp, steps, nt, kbs, x, acc, acc_up); return;
+    case T_Q8_0: mq_rows<T_Q8_0, J, UP>(rw, warp, steps, nt, kbs, x, acc, acc_up); return;
+    case T_Q4_0: mq_rows<T_Q4_0, J, UP>(rw, warp, steps, nt, kbs, x, acc, acc_up); return;
+    default: return;
+    }
+}
+
+// out_s[t][r] = W_s[r]·x[t] (+ bias) for n tokens (2 ≤ n ≤ 8J) with the GEMV launches'
+// parameters (rpb unused; UP: a gated launch, act(gate·x) * (up·x) into out0, gate and up of
+// one format and row length, the host checks). Grid: one block per 16 rows
+// (Σ ceil(rows_s / 16)).
+template <int J, bool UP>
+__device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npad, GEMV_PARAMS) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    GvRows t;
+    if (!gv_pick_rows<16>(blockIdx.x, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1,
+                          rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, t))
+        return;
+    (void)x;
+    (void)rpb;
+    const int nr = min(16, t.rows - t.r0);
+    const int g = lane >> 2;
+    const MqX xx{xq, xds, k, npad, g, lane & 3};
+    const int nt = (n + 7) >> 3;
+    // Rows past the matrix's end read its last row; their results are dropped.
+    const int ra = t.r0 + min(g, nr - 1), rb = t.r0 + min(g + 8, nr - 1);
+    const u8* rw[4] = {t.w + (size_t)ra * t.rb, t.w + (size_t)rb * t.rb,
+                       UP ? w1 + (size_t)ra * rb1 : nullptr,
+                       UP ? w1 + (size_t)rb * rb1 : nullptr};
+    float acc[J][4], acc_up[J][4];
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = acc_up[j][e] = 0.0f;
+    const int steps = (k + 255) >> 8, kbs = k >> 5;
+    mq_rows_any<J, UP>(t.ty, rw, warp, steps, nt, kbs, xx, acc, acc_up);
+
+    // Warps 1.. hand their partial sums to warp 0 (lane-minor: no bank conflicts).
+    __shared__ float red[MQ_WARPS - 1][(UP ? 2 : 1) * J * 4][32];
+    if (warp > 0) {
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                red[warp - 1][4 * j + e][lane] = acc[j][e];
+                if (UP) red[warp - 1][UP ? 4 * (J + j) + e : 0][lane] = acc_up[j][e];
+            }
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int w = 0; w < MQ_WARPS - 1; w++)
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc[j][e] += red[w][4 * j + e][lane];
+                if (UP) acc_up[j][e] += red[w][UP ? 4 * (J + j) + e : 0][lane];
+            }
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
+            if (r < nr && tok < n) {
+                const int row = t.r0 + r;
+                if (UP)
+                    out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
+                else
+                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
+            }
+        }
+}
+
+// By tokens: up to 8, 16, 32 and 64 (the host picks the smallest that holds the step); plain
+// and gated (`_gated`: gate and up) launches apart, so that the plain kernels keep fewer
+// registers; at least BLOCKS blocks per SM (a register cap).
+#define MMQ_KERNEL(NAME, J, UP, BLOCKS)                                                        \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * 32, BLOCKS)                        \
+        NAME(const i8* xq, const float* xds, int npad, GEMV_PARAMS) {                          \
+        mmq_body<J, UP>(xq, xds, npad, GEMV_ARGS);                                             \
+    }
+MMQ_KERNEL(mmq_t8, 1, false, 5)
+MMQ_KERNEL(mmq_t16, 2, false, 5)
+MMQ_KERNEL(mmq_t32, 4, false, 4)
+MMQ_KERNEL(mmq_t64, 8, false, 3)
+MMQ_KERNEL(mmq_t8_gated, 1, true, 4)
+MMQ_KERNEL(mmq_t16_gated, 2, true, 4)
+MMQ_KERNEL(mmq_t32_gated, 4, true, 3)
+MMQ_KERNEL(mmq_t64_gated, 8, true, 2)
