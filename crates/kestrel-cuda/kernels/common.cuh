@@ -6,6 +6,18 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef signed char i8;
 
+// Programmatic dependent launch (Hopper): the host launches every kernel with programmatic
+// stream serialization, so its blocks may be scheduled while the previous kernel still
+// runs. Each kernel first waits until that kernel has completed and its writes are visible
+// (before touching global memory at all: it may overwrite what that kernel still reads),
+// then allows the next one to be scheduled. A no-op for plain launches.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));

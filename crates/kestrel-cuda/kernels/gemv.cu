@@ -526,6 +526,7 @@ gemv_body(const float* x, int k, int n, int rpb, int total, int gated, int act,
 
 // Up to GV_MAX_T tokens.
 extern "C" __global__ void __launch_bounds__(GV_THREADS) gemv(GEMV_PARAMS) {
+    pdl_enter();
     __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
     gemv_body(x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
               ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
@@ -533,6 +534,7 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS) gemv(GEMV_PARAMS) {
 
 // Exactly one token (decode of one sequence); `n` is ignored.
 extern "C" __global__ void __launch_bounds__(GV_THREADS, 8) gemv1(GEMV_PARAMS) {
+    pdl_enter();
     __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
     gemv_body(x, k, 1, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
               ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
@@ -890,6 +892,7 @@ __device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
 
 // One warp per 32-value block of x (k a multiple of 32).
 extern "C" __global__ void quantize_x_q8(const float* x, int k, i8* q, float* d) {
+    pdl_enter();
     const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (b * 32 >= k) return;
@@ -1151,22 +1154,27 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
 
 // Variants by rows per warp (the host's KESTREL_CUDA_GEMV picks one; r2 is the default).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec(GEMV_PARAMS) {
+    pdl_enter();
     gemv_rows_body<2, 2, false>(nullptr, nullptr, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r1(GEMV_PARAMS) {
+    pdl_enter();
     gemv_rows_body<1, 4, false>(nullptr, nullptr, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_PARAMS) {
+    pdl_enter();
     gemv_rows_body<4, 1, false>(nullptr, nullptr, GEMV_ARGS);
 }
 
 // 5 blocks per SM: 96 registers, no spills (6 spills).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
     gemv_rows_body<2, 2, true>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
     gemv_rows_body<1, 4, true>(xq, xd, GEMV_ARGS);
 }
 
@@ -1281,9 +1289,11 @@ __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GE
 
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_t4(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
     gemv_q8_t_body<2, 4>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
     gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
 }

@@ -22,6 +22,7 @@
 // accumulator fragment are one 16-byte load). One warp per block of 32 values.
 extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad, i8* q,
                                           float* xds) {
+    pdl_enter();
     const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     const int kbs = k >> 5;
@@ -410,6 +411,7 @@ __device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npa
 #define MMQ_KERNEL(NAME, J, UP, BLOCKS)                                                        \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * 32, BLOCKS)                        \
         NAME(const i8* xq, const float* xds, int npad, GEMV_PARAMS) {                          \
+        pdl_enter();                                                                           \
         mmq_body<J, UP>(xq, xds, npad, GEMV_ARGS);                                             \
     }
 MMQ_KERNEL(mmq_t8, 1, false, 5)

@@ -1,22 +1,26 @@
 // Element-wise operations, norms, RoPE, the paged KV cache and attention.
 
 extern "C" __global__ void scale_f32(float* x, int len, float factor) {
+    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] *= factor;
 }
 
 extern "C" __global__ void add_f32(float* x, const float* y, int len) {
+    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += y[i];
 }
 
 extern "C" __global__ void add_bias(float* x, const float* bias, int len, int cols) {
+    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += bias[i % cols];
 }
 
 // gate = act(gate) * up; act 0 = SiLU, 1 = GELU (tanh approximation).
 extern "C" __global__ void gated_act(float* gate, const float* up, int len, int act) {
+    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     const float g = gate[i];
@@ -32,6 +36,7 @@ extern "C" __global__ void gated_act(float* gate, const float* up, int len, int 
 
 // One block per row: out = x / sqrt(mean(x²) + eps) * w. In place is fine (out == x).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
+    pdl_enter();
     const float* xr = x + (size_t)blockIdx.x * cols;
     float* o = out + (size_t)blockIdx.x * cols;
     float ss = 0.0f;
@@ -46,6 +51,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 // warp's 32 consecutive values of an iteration are one block.
 extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* out, int cols,
                                        float eps, i8* q, float* d) {
+    pdl_enter();
     float ss = 0.0f;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += x[j] * x[j];
     ss = block_sum(ss);
@@ -116,6 +122,7 @@ __device__ __forceinline__ void rope_apply(float* row, int n_heads, int head_dim
 
 // Rotary embedding in place, one block per token.
 extern "C" __global__ void rope(float* x, const u32* positions, int cols, ROPE_PARAMS) {
+    pdl_enter();
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int i = blockIdx.x;
     rope_angles((float)positions[i], ROPE_ANGLE_ARGS, cs, sn);
@@ -132,6 +139,7 @@ __device__ __forceinline__ size_t kv_slot(const u32* table, int block_size, int 
 extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16* vc,
                                     const u32* positions, const u32* seq_of, const u32* table_off,
                                     const u32* tables, int block_size, int kv_dim) {
+    pdl_enter();
     const int i = blockIdx.x;
     const u32* table = tables + table_off[seq_of[i]];
     const size_t slot = kv_slot(table, block_size, (int)positions[i]);
@@ -224,6 +232,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
           const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
           int n_head_kv, int head_dim, float scale, int window, int tok0) {
+    pdl_enter();
     __shared__ float res[ATT_MAX_HD];
     const int i = tok0 + blockIdx.x, h = blockIdx.y;
     const int pos = (int)positions[i];
@@ -237,6 +246,7 @@ attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* p
 
 // out[j] = x[rows[j]], one block per output row.
 extern "C" __global__ void gather_rows(const float* x, float* out, const u32* rows, int cols) {
+    pdl_enter();
     const float* src = x + (size_t)rows[blockIdx.x] * cols;
     float* dst = out + (size_t)blockIdx.x * cols;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
@@ -252,6 +262,7 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
                 const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
                 int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,
                 int tok0) {
+    pdl_enter();
     // i: the token (from tok0); li: its slot in `part`.
     const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
     const int pos = (int)positions[i];
@@ -281,6 +292,7 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
                     const u32* positions, const u32* seq_of, const u32* table_off,
                     const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
                     float scale, int window, int splits, int tok0) {
+    pdl_enter();
     __shared__ float w_max[ATT_WARPS][GQA_MAX_GROUP], w_sum[ATT_WARPS][GQA_MAX_GROUP];
     __shared__ float w_acc[ATT_WARPS][GQA_MAX_GROUP][GQA_MAX_PER * 32];
     const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
@@ -396,6 +408,7 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
 #define MAX_SPLITS 64
 extern "C" __global__ void attention_combine(const float* part, float* out, int n_head,
                                              int head_dim, int splits, int tok0) {
+    pdl_enter();
     __shared__ float weight[MAX_SPLITS];
     __shared__ float total_s;
     const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y;
@@ -442,6 +455,7 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
                   const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
                   int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale,
                   int window) {
+    pdl_enter();
     __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
     __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
     __shared__ float vs[FA_K][FA_HD];
@@ -576,6 +590,7 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16
                                          const u32* table_off, const u32* tables,
                                          int block_size, int n_head, int n_head_kv,
                                          ROPE_PARAMS) {
+    pdl_enter();
     const int i = blockIdx.x;
     const float pos = (float)positions[i];
     const int kv_dim = n_head_kv * head_dim;
@@ -609,6 +624,7 @@ __device__ __forceinline__ void argmax_merge(float& v, u32& i, float ov, u32 oi)
 }
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_rows(const float* x, u32* out, int cols) {
+    pdl_enter();
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ u32 si[ARGMAX_THREADS / 32];
     const float* row = x + (size_t)blockIdx.x * cols;

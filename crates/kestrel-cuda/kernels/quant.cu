@@ -161,6 +161,7 @@ __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim,
 // out[i] = table[tokens[i]] (dequantized); one block per token.
 extern "C" __global__ void embed(const u8* table, int ty, long long row_bytes, int k,
                                  const u32* tokens, float* out) {
+    pdl_enter();
     const int i = blockIdx.x;
     const u8* row = table + (size_t)tokens[i] * (size_t)row_bytes;
     const int n_groups = (k + 31) / 32;
@@ -181,6 +182,7 @@ extern "C" __global__ void embed(const u8* table, int ty, long long row_bytes, i
 // MM_TOK tokens, so each group of weights is expanded once per MM_TOK tokens.
 extern "C" __global__ void matmul(const u8* w, int ty, long long row_bytes, int k, int n_out,
                                   const float* x, float* out, int n) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n_out) return;
@@ -218,6 +220,7 @@ extern "C" __global__ void matmul(const u8* w, int ty, long long row_bytes, int 
 // tensor-core GEMM (prefill). One thread per 32-value group.
 extern "C" __global__ void dequant_f16(const u8* w, int ty, long long row_bytes, int k,
                                        int rows, u16* out) {
+    pdl_enter();
     const int gpr = (k + 31) / 32;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * gpr) return;
@@ -244,6 +247,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int ty, long long row_bytes,
 
 // out[i] = f16(x[i]): the activation operand of a tensor-core GEMM.
 extern "C" __global__ void f32_to_f16(const float* x, u16* out, long long len) {
+    pdl_enter();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) out[i] = f2h(x[i]);
 }

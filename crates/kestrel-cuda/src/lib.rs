@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg, sys,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
+    sys,
 };
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams};
@@ -278,6 +278,8 @@ pub struct CudaBackend {
     /// The activation tensor whose first row the Q8 buffers hold (set by `rms_norm_q8`;
     /// any other launch clears it).
     q8_holds: Mutex<Option<u64>>,
+    /// Whether launches allow programmatic dependent launch (`KESTREL_CUDA_PDL=0`: no).
+    pdl: bool,
     /// Steps of MMQ_MIN_TOKENS up to this many tokens multiply Q8-capable weights through `mmq_t*`
     /// (0: never).
     mmq_max: std::sync::atomic::AtomicUsize,
@@ -525,6 +527,7 @@ impl CudaBackend {
                 std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
             ),
             q8_scratch: Mutex::new(None),
+            pdl: std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0") && major >= 9,
             mmq_max: std::sync::atomic::AtomicUsize::new(
                 std::env::var("KESTREL_CUDA_MMQ_MAX")
                     .ok()
@@ -668,25 +671,65 @@ impl CudaBackend {
         }
     }
 
+    /// Issues one launch on the stream, with programmatic stream serialization unless
+    /// `KESTREL_CUDA_PDL=0`: the kernel may be scheduled while the previous one runs, and
+    /// waits for it in `pdl_enter` (kernels/common.cuh), which hides the launch latency
+    /// between the step's kernels.
     fn launch_raw(&self, l: &Launch) {
-        let mut b = self.stream.launch_builder(&self.funcs[l.func]);
-        for a in &l.args {
-            match a {
-                Arg::P(v) => b.arg(v),
-                Arg::I(v) => b.arg(v),
-                Arg::L(v) => b.arg(v),
-                Arg::F(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: l.grid,
-            block_dim: (l.block, 1, 1),
-            shared_mem_bytes: 0,
+        use cudarc::driver::sys;
+        // Each argument in an 8-byte slot (little-endian: a 4-byte argument is the low
+        // half); the driver reads each parameter's size from the kernel's signature.
+        let mut slots: Vec<u64> = l
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::P(v) => v,
+                Arg::I(v) => u64::from(v as u32),
+                Arg::L(v) => v as u64,
+                Arg::F(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = slots
+            .iter_mut()
+            .map(|s| (s as *mut u64).cast())
+            .collect();
+        // SAFETY: the union is plain data; all-zero is a valid value of every member.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
         };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: l.grid.0,
+            gridDimY: l.grid.1,
+            gridDimZ: l.grid.2,
+            blockDimX: l.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("binding the CUDA context: {e:?}"));
+            return;
+        }
         // SAFETY: every kernel's arguments are built by the matching method below, with
-        // pointers to live buffers sized by the same geometry the kernel uses.
-        if let Err(e) = unsafe { b.launch(cfg) } {
-            self.fail(format!("launching {}: {e:?}", compile::KERNELS[l.func]));
+        // pointers to live buffers sized by the same geometry the kernel uses; `params`
+        // points into `slots`, both alive across the call (the driver copies them).
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.funcs[l.func].cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            self.fail(format!("launching {}: {r:?}", compile::KERNELS[l.func]));
         }
     }
 
