@@ -3,7 +3,6 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kestrel_model::{Activation, AttnParams, Batch, RopeParams};
-use rayon::prelude::*;
 
 use crate::numerics::{self, Numerics};
 use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
@@ -488,11 +487,38 @@ fn quantize_x(act: kestrel_gguf::GgmlType, x: &[f32], k: usize, xq: &mut Vec<u8>
         || crate::profile::op("quantize_x", n),
         0,
         || {
-            for (src, dst) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xq_row)) {
-                qdot8::quantize_activations(act, src, dst);
+            if n < 8 {
+                for (src, dst) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xq_row)) {
+                    qdot8::quantize_activations(act, src, dst);
+                }
+                return;
             }
+            // A prompt's tokens on all threads (each token's bytes are the same either way).
+            let dst = SharedU8(xq.as_mut_ptr());
+            crate::pool::pool().run(n, &|i| {
+                // SAFETY: row i of the buffer (which holds n rows) is written by this task
+                // alone.
+                let d = unsafe { std::slice::from_raw_parts_mut(dst.at(i * xq_row), xq_row) };
+                qdot8::quantize_activations(act, &x[i * k..(i + 1) * k], d);
+            });
         },
     );
+}
+
+/// A byte pointer that tasks writing disjoint bytes of one buffer may share.
+#[derive(Clone, Copy)]
+struct SharedU8(*mut u8);
+// SAFETY: only used to write disjoint bytes from different tasks.
+unsafe impl Send for SharedU8 {}
+unsafe impl Sync for SharedU8 {}
+
+impl SharedU8 {
+    /// # Safety
+    /// `offset` must lie inside the buffer.
+    unsafe fn at(self, offset: usize) -> *mut u8 {
+        // SAFETY: by the caller's guarantee.
+        unsafe { self.0.add(offset) }
+    }
 }
 
 /// cos/sin of each rotated pair at one position, as ggml computes them (f32 throughout,
@@ -520,27 +546,29 @@ fn rope_cache(rope: &RopeParams, pos: u32, cache: &mut Vec<(f32, f32)>) {
 pub fn rope(x: &mut CpuTensor, head_dim: usize, rope: &RopeParams, positions: &[u32], n: usize) {
     let c = x.cols;
     let half = rope.n_rot / 2;
-    x.data[..n * c]
-        .par_chunks_exact_mut(c)
-        .zip(&positions[..n])
-        .for_each(|(row, &pos)| {
-            // Per-thread angle table, grown once (no allocation per decode step).
-            ROPE_ANGLES.with_borrow_mut(|cs| {
-                rope_cache(rope, pos, cs);
-                for head in row.chunks_exact_mut(head_dim) {
-                    for (i, &(cos, sin)) in cs.iter().enumerate() {
-                        let (a, b) = if rope.neox {
-                            (i, i + half)
-                        } else {
-                            (2 * i, 2 * i + 1)
-                        };
-                        let (x0, x1) = (head[a], head[b]);
-                        head[a] = x0 * cos - x1 * sin;
-                        head[b] = x0 * sin + x1 * cos;
-                    }
+    let rows = SharedOut(x.data[..n * c].as_mut_ptr());
+    let positions = &positions[..n];
+    crate::pool::pool().run(n, &|t| {
+        // SAFETY: row t of the first n rows belongs to this task alone.
+        let row = unsafe { std::slice::from_raw_parts_mut(rows.at(t * c), c) };
+        let pos = positions[t];
+        // Per-thread angle table, grown once (no allocation per decode step).
+        ROPE_ANGLES.with_borrow_mut(|cs| {
+            rope_cache(rope, pos, cs);
+            for head in row.chunks_exact_mut(head_dim) {
+                for (i, &(cos, sin)) in cs.iter().enumerate() {
+                    let (a, b) = if rope.neox {
+                        (i, i + half)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos - x1 * sin;
+                    head[b] = x0 * sin + x1 * cos;
                 }
-            })
-        });
+            }
+        })
+    });
 }
 
 thread_local! {
