@@ -130,36 +130,42 @@ pub fn integer_multi(
     parts: &mut [(&CpuWeight, &mut CpuTensor, Option<&[f32]>)],
     gated: Option<Activation>,
 ) -> bool {
-    let mats: Vec<Matmul> = parts
-        .iter()
-        .map(|(w, _, _)| Matmul::new(be, w, n))
-        .collect();
-    let Some(act) = mats[0].integer_act() else {
+    // Fixed-size arrays: a decode step allocates nothing (tests/decode_alloc.rs).
+    const MAX_PARTS: usize = 3;
+    assert!(
+        (1..=MAX_PARTS).contains(&parts.len()),
+        "1 to 3 products at once"
+    );
+    let mats: [Option<Matmul>; MAX_PARTS] =
+        std::array::from_fn(|p| parts.get(p).map(|(w, _, _)| Matmul::new(be, w, n)));
+    let part = |p: usize| mats[p].as_ref().expect("a part below parts.len()");
+    let Some(act) = part(0).integer_act() else {
         return false;
     };
     if mats
         .iter()
+        .flatten()
         .any(|m| m.integer_act() != Some(act) || m.k != x.cols)
-        || (gated.is_some() && (mats.len() != 2 || mats[0].n_out != mats[1].n_out))
+        || (gated.is_some() && (parts.len() != 2 || part(0).n_out != part(1).n_out))
     {
         return false;
     }
     let k = x.cols;
     let xq_row = qdot8::activation_bytes(act, k);
-    let outs: Vec<SharedOut> = parts
-        .iter_mut()
-        .map(|(_, o, _)| SharedOut(o.data.as_mut_ptr()))
-        .collect();
+    let mut outs = [SharedOut(std::ptr::null_mut()); MAX_PARTS];
+    for (o, (_, t, _)) in outs.iter_mut().zip(parts.iter_mut()) {
+        *o = SharedOut(t.data.as_mut_ptr());
+    }
     let numerics = be.numerics;
     Q8_X.with_borrow_mut(|xq| {
         quantize_x(act, &x.data[..n * k], k, xq);
         let xq = &xq[..n * xq_row];
         // Tasks of all the parts one after the other: each thread streams its own share
         // of the rows (gate and up interleaved per task streamed 10% slower).
-        let tasks: Vec<usize> = mats
-            .iter()
-            .map(|m| m.n_out.div_ceil(FUSED_ROWS_PER_TASK))
-            .collect();
+        let mut tasks = [0usize; MAX_PARTS];
+        for (t, m) in tasks.iter_mut().zip(mats.iter().flatten()) {
+            *t = m.n_out.div_ceil(FUSED_ROWS_PER_TASK);
+        }
         let total = tasks.iter().sum();
         crate::pool::pool().run(total, &|mut t| {
             let mut p = 0;
@@ -167,7 +173,7 @@ pub fn integer_multi(
                 t -= tasks[p];
                 p += 1;
             }
-            let m = &mats[p];
+            let m = part(p);
             let j0 = t * FUSED_ROWS_PER_TASK;
             let j1 = (j0 + FUSED_ROWS_PER_TASK).min(m.n_out);
             m.integer_rows(xq, xq_row, j0, j1, outs[p]);
