@@ -15,7 +15,7 @@
 // 8c + i, k = 16 + 4c + i holds value 8c + 4 + i): the same dot product, with every
 // operand in one 8-byte load.
 
-#define MQ_WARPS 4
+#define MQ_WARPS 8
 
 // Activations of an mmq launch: xq[t][k] int8 for npad token rows (rows >= n zero) and
 // xds[kb][t] = {d, d·Σq} per 32-value block kb, token-minor (a lane's two tokens of the
@@ -368,28 +368,33 @@ __device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npa
     const int steps = (k + 255) >> 8, kbs = k >> 5;
     mq_rows_any<J, UP>(t.ty, rw, warp, steps, nt, kbs, xx, acc, acc_up);
 
-    // Warps 1.. hand their partial sums to warp 0 (lane-minor: no bank conflicts).
-    __shared__ float red[MQ_WARPS - 1][(UP ? 2 : 1) * J * 4][32];
-    if (warp > 0) {
+    // The warps' partial sums meet in warp 0, halving the warps each round (fixed order;
+    // lane-minor: no bank conflicts).
+    __shared__ float red[MQ_WARPS / 2][(UP ? 2 : 1) * J * 4][32];
 #pragma unroll
-        for (int j = 0; j < J; j++)
+    for (int half = MQ_WARPS / 2; half > 0; half >>= 1) {
+        if (warp >= half && warp < 2 * half) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                red[warp - 1][4 * j + e][lane] = acc[j][e];
-                if (UP) red[warp - 1][UP ? 4 * (J + j) + e : 0][lane] = acc_up[j][e];
-            }
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    red[warp - half][4 * j + e][lane] = acc[j][e];
+                    if (UP) red[warp - half][UP ? 4 * (J + j) + e : 0][lane] = acc_up[j][e];
+                }
+        }
+        __syncthreads();
+        if (warp < half) {
+#pragma unroll
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    acc[j][e] += red[warp][4 * j + e][lane];
+                    if (UP) acc_up[j][e] += red[warp][UP ? 4 * (J + j) + e : 0][lane];
+                }
+        }
+        __syncthreads();
     }
-    __syncthreads();
     if (warp != 0) return;
-#pragma unroll
-    for (int w = 0; w < MQ_WARPS - 1; w++)
-#pragma unroll
-        for (int j = 0; j < J; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                acc[j][e] += red[w][4 * j + e][lane];
-                if (UP) acc_up[j][e] += red[w][UP ? 4 * (J + j) + e : 0][lane];
-            }
 #pragma unroll
     for (int j = 0; j < J; j++)
 #pragma unroll
@@ -414,11 +419,11 @@ __device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npa
         pdl_enter();                                                                           \
         mmq_body<J, UP>(xq, xds, npad, GEMV_ARGS);                                             \
     }
-MMQ_KERNEL(mmq_t8, 1, false, 5)
-MMQ_KERNEL(mmq_t16, 2, false, 5)
-MMQ_KERNEL(mmq_t32, 4, false, 4)
-MMQ_KERNEL(mmq_t64, 8, false, 3)
-MMQ_KERNEL(mmq_t8_gated, 1, true, 4)
-MMQ_KERNEL(mmq_t16_gated, 2, true, 4)
-MMQ_KERNEL(mmq_t32_gated, 4, true, 3)
-MMQ_KERNEL(mmq_t64_gated, 8, true, 2)
+MMQ_KERNEL(mmq_t8, 1, false, 3)
+MMQ_KERNEL(mmq_t16, 2, false, 2)
+MMQ_KERNEL(mmq_t32, 4, false, 2)
+MMQ_KERNEL(mmq_t64, 8, false, 1)
+MMQ_KERNEL(mmq_t8_gated, 1, true, 2)
+MMQ_KERNEL(mmq_t16_gated, 2, true, 2)
+MMQ_KERNEL(mmq_t32_gated, 4, true, 1)
+MMQ_KERNEL(mmq_t64_gated, 8, true, 1)

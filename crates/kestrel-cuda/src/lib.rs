@@ -25,10 +25,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
-    sys,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams};
 
@@ -689,10 +686,8 @@ impl CudaBackend {
                 Arg::F(v) => u64::from(v.to_bits()),
             })
             .collect();
-        let mut params: Vec<*mut std::ffi::c_void> = slots
-            .iter_mut()
-            .map(|s| (s as *mut u64).cast())
-            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> =
+            slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
         // SAFETY: the union is plain data; all-zero is a valid value of every member.
         let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
         value.programmaticStreamSerializationAllowed = 1;
@@ -1596,7 +1591,15 @@ impl CudaBackend {
         let blocks = gemv_warps(segs, gated, 16);
         let mut mmq_args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
         mmq_args.extend_from_slice(args);
-        self.launch_reading(kernel, (blocks as u32, 1, 1), 128, &mmq_args, weight_bytes);
+        // MQ_WARPS (kernels/mmq.cu) warps a block.
+        const MMQ_THREADS: u32 = 8 * 32;
+        self.launch_reading(
+            kernel,
+            (blocks as u32, 1, 1),
+            MMQ_THREADS,
+            &mmq_args,
+            weight_bytes,
+        );
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
