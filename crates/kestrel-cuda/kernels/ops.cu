@@ -285,51 +285,13 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
 // group instead of once per head. Lane l holds dims [l*PER, l*PER + PER) of the head
 // (head_dim = 32 * PER, PER <= 4) and each warp prefetches its next key's rows while it
 // computes the current one. Same partial-result layout as attention_split.
-// Most splits of one (token, head) that the merges handle (MAX_ATTN_SPLITS on the host).
-#define MAX_SPLITS 64
-
-// One warp merges the `splits` partial results p of one (token, head) — each head_dim
-// weighted sums, the split's max score and its sum of weights — into o. Other blocks wrote
-// p: it is read through L2 (ld.global.cg), never from a possibly stale L1 line.
-__device__ __forceinline__ float ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-__device__ void combine_splits_warp(const float* p, float* o, int head_dim, int splits,
-                                    float* weight) {
-    const int lane = threadIdx.x & 31;
-    float big = NEG_INF;
-    for (int s = lane; s < splits; s += 32) {
-        const float* ps = p + (size_t)s * (head_dim + 2);
-        if (ld_cg(ps + head_dim + 1) > 0.0f) big = fmaxf(big, ld_cg(ps + head_dim));
-    }
-    for (int d = 16; d > 0; d >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, d));
-    float total = 0.0f;
-    for (int s = lane; s < splits; s += 32) {
-        const float* ps = p + (size_t)s * (head_dim + 2);
-        const float l = ld_cg(ps + head_dim + 1);
-        const float w = l > 0.0f ? expf(ld_cg(ps + head_dim) - big) : 0.0f;
-        weight[s] = w;
-        total += l * w;
-    }
-    total = warp_sum(total);
-    __syncwarp();
-    for (int d = lane; d < head_dim; d += 32) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++)
-            if (weight[s] != 0.0f) a += ld_cg(p + (size_t)s * (head_dim + 2) + d) * weight[s];
-        o[d] = a / total;
-    }
-}
-
 #define GQA_MAX_GROUP 8
 #define GQA_MAX_PER 4
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
                     const u32* positions, const u32* seq_of, const u32* table_off,
                     const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
-                    float scale, int window, int splits, int tok0, float* out, u32* arrived) {
+                    float scale, int window, int splits, int tok0) {
     pdl_enter();
     __shared__ float w_max[ATT_WARPS][GQA_MAX_GROUP], w_sum[ATT_WARPS][GQA_MAX_GROUP];
     __shared__ float w_acc[ATT_WARPS][GQA_MAX_GROUP][GQA_MAX_PER * 32];
@@ -439,30 +401,11 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
             o[head_dim + 1] = total;
         }
     }
-    if (out == nullptr) return;  // attention_combine merges the splits
-
-    // The last block of this (token, kv head) to finish merges every split of its heads
-    // into `out` (as attention_combine would) and resets the arrival count for the next
-    // launch or graph replay.
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&arrived[li * n_head_kv + kvh], 1u) == (u32)splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    __shared__ float weight[ATT_WARPS][MAX_SPLITS];
-    for (int g = warp; g < group; g += ATT_WARPS) {
-        const int h = kvh * group + g;
-        combine_splits_warp(part + ((size_t)li * n_head + h) * splits * (head_dim + 2),
-                            out + (size_t)i * n_head * head_dim + h * head_dim, head_dim, splits,
-                            weight[warp]);
-    }
-    if (threadIdx.x == 0) arrived[li * n_head_kv + kvh] = 0;
 }
 
 // Merges the splits of attention_split: one block per (token, head). Each split's weight
 // exp(max_s - max) is computed once into shared memory.
+#define MAX_SPLITS 64
 extern "C" __global__ void attention_combine(const float* part, float* out, int n_head,
                                              int head_dim, int splits, int tok0) {
     pdl_enter();

@@ -111,13 +111,6 @@ fn gqa_split_attention(p: &AttnParams) -> bool {
         && p.head_dim <= 128
 }
 
-/// Whether `attention_split_gqa`'s last block per (token, kv head) merges the splits
-/// (`KESTREL_CUDA_ATTN_MERGED=0`: a separate `attention_combine` launch, for measurements).
-fn gqa_merges_splits() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_MERGED").map_or(true, |v| v != "0"))
-}
-
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
 enum Arg {
@@ -385,10 +378,6 @@ pub struct CudaStep {
     _attn_part: CudaSlice<f32>,
     attn_part_ptr: u64,
     attn_part_len: usize,
-    /// Per (token, kv head): split blocks of `attention_split_gqa` done so far (the last
-    /// merges them and resets it to 0), room for SPLIT_ATTN_MAX_TOKENS tokens.
-    _attn_arrived: CudaSlice<u32>,
-    attn_arrived_ptr: u64,
     max_tokens: usize,
     table_capacity: usize,
     host: Vec<u32>,
@@ -1032,20 +1021,12 @@ impl CudaBackend {
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
                 if gqa_split_attention(p) {
-                    // Its last block of each (token, kv head) merges the splits itself.
-                    let merged = gqa_merges_splits();
-                    args.push(Arg::P(if merged { a.out } else { 0 }));
-                    args.push(Arg::P(step.attn_arrived_ptr));
                     self.launch(
                         "attention_split_gqa",
                         (m as u32, p.n_head_kv as u32, splits as u32),
                         128,
                         &args,
                     );
-                    if merged {
-                        done += m;
-                        continue;
-                    }
                 } else {
                     self.launch(
                         "attention_split",
@@ -1769,19 +1750,12 @@ impl kestrel_model::Backend for CudaBackend {
             * (config.head_dim + 2);
         let attn_part = self.alloc::<f32>(attn_part_len, "the attention partials")?;
         let attn_part_ptr = self.ptr(&attn_part);
-        let attn_arrived = self.alloc::<u32>(
-            SPLIT_ATTN_MAX_TOKENS * config.n_head_kv.max(1),
-            "the attention arrival counts",
-        )?;
-        let attn_arrived_ptr = self.ptr(&attn_arrived);
         Ok(CudaStep {
             buf,
             ptr,
             _attn_part: attn_part,
             attn_part_ptr,
             attn_part_len,
-            _attn_arrived: attn_arrived,
-            attn_arrived_ptr,
             max_tokens,
             table_capacity,
             host: Vec::new(),
