@@ -407,15 +407,7 @@ impl kestrel_model::Backend for CpuBackend {
             self.matmul(x, &layer.attn_q, n, q);
             self.matmul(x, &layer.attn_k, n, k);
             self.matmul(x, &layer.attn_v, n, v);
-            for (t, b) in [
-                (q, &layer.attn_q_bias),
-                (k, &layer.attn_k_bias),
-                (v, &layer.attn_v_bias),
-            ] {
-                if let Some(b) = b {
-                    self.add_bias(t, b, n);
-                }
-            }
+            self.add_qkv_biases(layer, n, q, k, v);
         }
     }
 

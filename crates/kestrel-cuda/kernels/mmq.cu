@@ -235,13 +235,16 @@ template <> struct Mq<T_Q6_K> {
 
 // Q8_0 (34-byte blocks) and Q4_0 (18-byte blocks), 2-byte aligned: eight 32-value blocks
 // per step, in two halves of four (loads first); blocks past the row's end (k a multiple
-// of 32 only) are skipped.
-template <> struct Mq<T_Q8_0> {
+// of 32 only) are skipped. Q8_0: lane c's values 8c .. 8c + 7 are quant bytes 8c ..;
+// Q4_0 (NIBBLES): the low (c < 2) or high nibbles of quant bytes 8 (c & 1) .., their −8
+// offset taken off through the activation sums.
+template <int BYTES, bool NIBBLES> struct MqBlocks32 {
     template <int J, bool UP>
     static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
                                                 const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
+        const int off = 2 + 8 * (NIBBLES ? (x.c & 1) : x.c), shift = NIBBLES ? 4 * (x.c >> 1) : 0;
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int kb0 = st * 8 + 4 * half;
@@ -252,49 +255,8 @@ template <> struct Mq<T_Q8_0> {
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     const int rr = r < NR ? r : 0;
-                    const u8* b = rw[rr] + (size_t)min(kb0 + i, kbs - 1) * 34;
-                    if (r < NR) q[i][rr] = ld_u2_a2(b + 2 + 8 * x.c);
-                    d[i][r] = ld_f16(b);
-                }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                if (kb0 + i < kbs) {
-                    u32 a[4][2];
-                    float fm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        const int rr = r < NR ? r : 0;
-                        a[r][0] = q[i][rr].x;
-                        a[r][1] = q[i][rr].y;
-                    }
-                    mq_block<J, UP>(a, d[i], fm, kb0 + i, nt, x, acc, acc_up);
-                }
-            }
-        }
-    }
-};
-
-// Q4_0: lane c's values 8c .. 8c + 7 are the low (c < 2) or high nibbles of quant bytes
-// 8 (c & 1) ..; the −8 offset comes off through the activation sums.
-template <> struct Mq<T_Q4_0> {
-    template <int J, bool UP>
-    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
-                                                const MqX& x, float (&acc)[J][4],
-                                                float (&acc_up)[J][4]) {
-        constexpr int NR = UP ? 4 : 2;
-        const int shift = 4 * (x.c >> 1);
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int kb0 = st * 8 + 4 * half;
-            uint2 q[4][NR];
-            float d[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const int rr = r < NR ? r : 0;
-                    const u8* b = rw[rr] + (size_t)min(kb0 + i, kbs - 1) * 18;
-                    if (r < NR) q[i][rr] = ld_u2_a2(b + 2 + 8 * (x.c & 1));
+                    const u8* b = rw[rr] + (size_t)min(kb0 + i, kbs - 1) * BYTES;
+                    if (r < NR) q[i][rr] = ld_u2_a2(b + off);
                     d[i][r] = ld_f16(b);
                 }
 #pragma unroll
@@ -305,9 +267,9 @@ template <> struct Mq<T_Q4_0> {
 #pragma unroll
                     for (int r = 0; r < 4; r++) {
                         const int rr = r < NR ? r : 0;
-                        a[r][0] = (q[i][rr].x >> shift) & 0x0F0F0F0Fu;
-                        a[r][1] = (q[i][rr].y >> shift) & 0x0F0F0F0Fu;
-                        fm[r] = 8.0f * d[i][r];
+                        a[r][0] = NIBBLES ? (q[i][rr].x >> shift) & 0x0F0F0F0Fu : q[i][rr].x;
+                        a[r][1] = NIBBLES ? (q[i][rr].y >> shift) & 0x0F0F0F0Fu : q[i][rr].y;
+                        fm[r] = NIBBLES ? 8.0f * d[i][r] : 0.0f;
                     }
                     mq_block<J, UP>(a, d[i], fm, kb0 + i, nt, x, acc, acc_up);
                 }
@@ -315,6 +277,8 @@ template <> struct Mq<T_Q4_0> {
         }
     }
 };
+template <> struct Mq<T_Q8_0> : MqBlocks32<34, false> {};
+template <> struct Mq<T_Q4_0> : MqBlocks32<18, true> {};
 
 // A warp's steps of the row length for format TY.
 template <int TY, int J, bool UP>

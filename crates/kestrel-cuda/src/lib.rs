@@ -2279,15 +2279,7 @@ impl kestrel_model::Backend for CudaBackend {
                 (&layer.attn_v, &mut *v),
             ],
         );
-        for (t, b) in [
-            (q, &layer.attn_q_bias),
-            (k, &layer.attn_k_bias),
-            (v, &layer.attn_v_bias),
-        ] {
-            if let Some(b) = b {
-                self.add_bias(t, b, n);
-            }
-        }
+        self.add_qkv_biases(layer, n, q, k, v);
     }
 
     fn gate_up(

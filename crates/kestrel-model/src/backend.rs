@@ -168,14 +168,26 @@ pub trait Backend: Sync {
         self.matmul(x, &layer.attn_q, n, q);
         self.matmul(x, &layer.attn_k, n, k);
         self.matmul(x, &layer.attn_v, n, v);
-        if let Some(b) = &layer.attn_q_bias {
-            self.add_bias(q, b, n);
-        }
-        if let Some(b) = &layer.attn_k_bias {
-            self.add_bias(k, b, n);
-        }
-        if let Some(b) = &layer.attn_v_bias {
-            self.add_bias(v, b, n);
+        self.add_qkv_biases(layer, n, q, k, v);
+    }
+
+    /// Adds the layer's Q, K and V biases (those it has) to the first `n` rows of q, k, v.
+    fn add_qkv_biases(
+        &self,
+        layer: &LayerWeights<Self::Weight>,
+        n: usize,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+    ) {
+        for (t, b) in [
+            (q, &layer.attn_q_bias),
+            (k, &layer.attn_k_bias),
+            (v, &layer.attn_v_bias),
+        ] {
+            if let Some(b) = b {
+                self.add_bias(t, b, n);
+            }
         }
     }
 
