@@ -79,7 +79,10 @@ pub const GEMV_MAX_TOKENS: usize = 8;
 /// Most tokens of a step the tensor-core kernels for quantized weights can take
 /// (`kernels/mmq.cu`; `KESTREL_CUDA_MMQ_MAX` sets the limit in use, 0 turns them off).
 pub const MMQ_MAX_TOKENS: usize = 64;
-/// The limit in use by default, and the fewest tokens they take. Measured on the H100
+/// The limit in use by default, and the fewest tokens they take. By default they take Q4_K
+/// and Q6_K weights only: on Llama-3-8B Q4_0 at B = 8 they gave 696 t/s against 882 for
+/// cuBLAS on the f16 copies (the 18- and 34-byte blocks are only 2-byte aligned: four
+/// 2-byte loads per 8 bytes). Measured on the H100
 /// (Llama-3-8B Q4_K_M, `bench --seqs`, decode t/s, mmq vs the previous paths): B = 2 349
 /// vs 368 (gemv_q8_t4), 4: 632 vs 499, 8: 1,057 vs 777, 16: 1,376 vs 1,448 (cuBLAS on
 /// f16 copies), 32: 1,511 vs 2,162, 64: 1,523 vs 3,085. Beyond 8 tokens each warp's
@@ -280,6 +283,8 @@ pub struct CudaBackend {
     /// Steps of MMQ_MIN_TOKENS up to this many tokens multiply Q8-capable weights through `mmq_t*`
     /// (0: never).
     mmq_max: std::sync::atomic::AtomicUsize,
+    /// Whether they also take Q8_0 and Q4_0 weights (see [`CudaBackend::mmq_all_formats`]).
+    mmq_all_formats: std::sync::atomic::AtomicBool,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Token ids of `argmax_rows`, on the device (grown to the most rows asked).
@@ -287,8 +292,9 @@ pub struct CudaBackend {
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
     /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
     f16_copies: std::sync::atomic::AtomicBool,
-    /// Whether some Q8-capable weight has an f16 copy (cuBLAS above Q8_GEMV_MAX_TOKENS).
-    f16_copies_q8: std::sync::atomic::AtomicBool,
+    /// The Q8-capable types (bit `GgmlType::id()`) of which some weight has an f16 copy:
+    /// cuBLAS takes their steps that the 8-bit kernels do not.
+    f16_copies_q8: std::sync::atomic::AtomicU64,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
 }
@@ -525,6 +531,9 @@ impl CudaBackend {
             ),
             q8_scratch: Mutex::new(None),
             pdl: std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0") && major >= 9,
+            mmq_all_formats: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_CUDA_MMQ_FORMATS").is_ok_and(|v| v == "all"),
+            ),
             mmq_max: std::sync::atomic::AtomicUsize::new(
                 std::env::var("KESTREL_CUDA_MMQ_MAX")
                     .ok()
@@ -923,12 +932,13 @@ impl CudaBackend {
         );
         *f16 = Some(copy);
         // Small batches of this weight will use cuBLAS unless the 8-bit GEMVs read it.
-        let flag = if q8_supported(*ty) {
-            &self.f16_copies_q8
+        if q8_supported(*ty) {
+            self.f16_copies_q8
+                .fetch_or(1 << ty.id(), std::sync::atomic::Ordering::Relaxed);
         } else {
-            &self.f16_copies
-        };
-        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+            self.f16_copies
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.check()
     }
 
@@ -1140,7 +1150,11 @@ impl CudaBackend {
         self.q8_decode()
             && !self.legacy_gemv1
             && (MMQ_MIN_TOKENS..=self.mmq_max()).contains(&n)
-            && q8_supported(ty)
+            && match ty {
+                GgmlType::Q4K | GgmlType::Q6K => true,
+                GgmlType::Q8_0 | GgmlType::Q4_0 => self.mmq_all_formats(),
+                _ => false,
+            }
     }
 
     /// Whether one `mmq_t*` launch computes these segments for `n` tokens (gated: gate and
@@ -1162,6 +1176,19 @@ impl CudaBackend {
     /// The most tokens of a step the tensor-core kernels take (0: none).
     pub fn mmq_max(&self) -> usize {
         self.mmq_max.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether the tensor-core kernels also take Q8_0 and Q4_0 weights (off by default:
+    /// slower there than the previous paths; `KESTREL_CUDA_MMQ_FORMATS=all` turns it on).
+    pub fn mmq_all_formats(&self) -> bool {
+        self.mmq_all_formats
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns that on or off (the self-check covers every format).
+    pub fn set_mmq_all_formats(&self, on: bool) {
+        self.mmq_all_formats
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Sets that limit (at most MMQ_MAX_TOKENS; the self-check covers every tile size).
@@ -1813,14 +1840,14 @@ impl kestrel_model::Backend for CudaBackend {
         // cuBLAS calls are not launches the recorder can replay.
         let relaxed = std::sync::atomic::Ordering::Relaxed;
         let copies_q8 = self.f16_copies_q8.load(relaxed);
-        let q8_kernels = if self.mmq_reads(GgmlType::Q4K, n) {
-            true
-        } else {
-            n <= Q8_GEMV_MAX_TOKENS && self.q8_decode()
-        };
+        let q8_kernels_take =
+            |ty: GgmlType| self.mmq_reads(ty, n) || (n <= Q8_GEMV_MAX_TOKENS && self.q8_decode());
         let uses_cublas = self.blas.is_some()
             && n >= 2
-            && (self.f16_copies.load(relaxed) || (copies_q8 && !q8_kernels));
+            && (self.f16_copies.load(relaxed)
+                || [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0]
+                    .into_iter()
+                    .any(|ty| copies_q8 & (1 << ty.id()) != 0 && !q8_kernels_take(ty)));
         let graph_max = if self.mmq_max() >= MMQ_MIN_TOKENS {
             GRAPH_MAX_TOKENS.max(self.mmq_max())
         } else {

@@ -159,9 +159,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
     for (it, (kind, ty)) in gemv.chain(gemv_f32).chain(mmq).chain(gemm).enumerate() {
         backend.set_q8_decode(q8_default && kind != "gemv-f32");
-        let mmq_default = backend.mmq_max();
+        let mmq_default = (backend.mmq_max(), backend.mmq_all_formats());
         if kind == "mmq" {
             backend.set_mmq_max(kestrel_cuda::MMQ_MAX_TOKENS);
+            backend.set_mmq_all_formats(true);
         }
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
@@ -193,7 +194,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Err(e) => error = Some(format!("{e:#}")),
             }
         }
-        backend.set_mmq_max(mmq_default);
+        backend.set_mmq_max(mmq_default.0);
+        backend.set_mmq_all_formats(mmq_default.1);
         if let Some(e) = error {
             failures += 1;
             println!("{kind} {:<6} ERROR {e}", ty.name());
