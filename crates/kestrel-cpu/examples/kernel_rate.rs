@@ -58,8 +58,22 @@ fn main() {
         };
         let (l2, ns) = rate((256 * 1024 / row_bytes).min(rows), 200);
         let (whole, _) = rate(rows, 5);
+        // Prefill's kernel: four tokens per decoded weight block, rows from L1/L2.
+        let ys = [&xq[..], &xq[..], &xq[..], &xq[..]];
+        let n_rows = (16 * 1024 / row_bytes).clamp(1, rows);
+        let reps = 4000;
+        let t0 = Instant::now();
+        let mut s = 0f32;
+        for _ in 0..reps {
+            for j in 0..n_rows {
+                s += qdot8::dot_row_x4(info.ty, &data[j * row_bytes..(j + 1) * row_bytes], ys)[3];
+            }
+        }
+        std::hint::black_box(s);
+        let macs = (reps * n_rows * cols * 4) as f64;
+        let x4 = macs / t0.elapsed().as_secs_f64() / 1e9;
         println!(
-            "{name:24} {:5} {rows:6} x {cols:5}  L2-resident {l2:6.2} GB/s ({ns:.1} ns per 256 values)  whole {whole:6.2} GB/s",
+            "{name:24} {:5} {rows:6} x {cols:5}  L2-resident {l2:6.2} GB/s ({ns:.1} ns per 256 values)  whole {whole:6.2} GB/s  x4 {x4:6.2} GMAC/s",
             info.ty.to_string()
         );
     }

@@ -338,8 +338,13 @@ mod vnni {
                     };
                     let sy = _mm512_mask_sub_epi8(yv, negative, _mm512_setzero_si512(), yv);
                     let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sy);
-                    let scale =
-                        _mm512_insertf32x8(_mm512_set1_ps(dw0 * dy0), _mm256_set1_ps(dw1 * dy1), 1);
+                    // (`_mm512_insertf32x8` is AVX-512DQ, not enabled here: it was
+                    // compiled as a call per token.)
+                    let scale = _mm512_castpd_ps(_mm512_insertf64x4(
+                        _mm512_castps_pd(_mm512_set1_ps(dw0 * dy0)),
+                        _mm256_castps_pd(_mm256_set1_ps(dw1 * dy1)),
+                        1,
+                    ));
                     acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dp), acc[t]);
                 }
             }
