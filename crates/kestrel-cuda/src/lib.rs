@@ -280,8 +280,8 @@ pub struct CudaBackend {
     q8_holds: Mutex<Option<u64>>,
     /// Whether launches allow programmatic dependent launch (`KESTREL_CUDA_PDL=0`: no).
     pdl: bool,
-    /// Steps of MMQ_MIN_TOKENS up to this many tokens multiply Q8-capable weights through `mmq_t*`
-    /// (0: never).
+    /// Steps of MMQ_MIN_TOKENS up to this many tokens multiply Q4_K / Q6_K weights (all
+    /// Q8-capable ones with `mmq_all_formats`) through `mmq_t*` (0: never).
     mmq_max: std::sync::atomic::AtomicUsize,
     /// Whether they also take Q8_0 and Q4_0 weights (see [`CudaBackend::mmq_all_formats`]).
     mmq_all_formats: std::sync::atomic::AtomicBool,
@@ -682,7 +682,6 @@ impl CudaBackend {
     /// waits for it in `pdl_enter` (kernels/common.cuh), which hides the launch latency
     /// between the step's kernels.
     fn launch_raw(&self, l: &Launch) {
-        use cudarc::driver::sys;
         // Each argument in an 8-byte slot (little-endian: a 4-byte argument is the low
         // half); the driver reads each parameter's size from the kernel's signature.
         let mut slots: Vec<u64> = l
