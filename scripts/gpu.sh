@@ -10,6 +10,8 @@
 #                            llama.cpp's shapes, `kestrel bench --device cuda -p 512 -n 128`)
 #   scripts/gpu.sh serve-profile  on the GPU host: the server at 64 clients with every kernel
 #                            timed (per-kernel table when it stops)
+#   scripts/gpu.sh verify    on the GPU host: gpu-check, then `bench --seqs 4,8` on synthetic
+#                            Llama-3-8B Q4_K_M and Q4_0 (the small-batch routing by format)
 #   scripts/gpu.sh seqs-ab   on the GPU host: `kestrel bench --seqs $SEQS` on synthetic
 #                            Llama-3-8B Q4_K_M with the tensor-core kernels for 2..64-token
 #                            steps (mmq) on, then off (KESTREL_CUDA_MMQ_MAX=0)
@@ -104,6 +106,17 @@ batched)
     wait "$server" 2>/dev/null || true
     tail -3 /tmp/serve.log
     ;;
+verify)
+    gpu_env
+    q4_0=/tmp/llama3-8b-q4_0.gguf
+    [ -f "$q4_0" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_0 -o "$q4_0" >/dev/null &
+    .gpu/kestrel gpu-check | grep -vE " ok$"
+    model=$(llama3_8b)
+    wait
+    for m in "$model" "$q4_0"; do
+        .gpu/kestrel bench -m "$m" --device cuda --seqs 4,8 -p 512 -n 128 -r 1
+    done
+    ;;
 seqs-ab)
     gpu_env
     model=$(llama3_8b)
@@ -132,7 +145,7 @@ serve-profile)
     ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|remote|run-here|bench|seqs-ab|batched|serve-profile]" >&2
+    echo "usage: $0 [build|remote|run-here|bench|verify|seqs-ab|batched|serve-profile]" >&2
     exit 2
     ;;
 esac
