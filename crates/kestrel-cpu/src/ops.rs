@@ -406,6 +406,9 @@ const FUSED_MAX_TOKENS: usize = 4;
 /// task writes span whole cache lines for most of its range.
 const FUSED_ROWS_PER_TASK: usize = 32;
 
+/// Whether the integer matmul takes tokens eight at a time (else four).
+const TOKENS8: bool = true;
+
 /// Weight bytes of one row sub-tile in the integer matmul (half of a 32 KiB L1D).
 const Q8_TILE_BYTES: usize = 16 * 1024;
 
@@ -456,8 +459,20 @@ impl Matmul<'_> {
         for t0 in (j0..j1).step_by(tile) {
             let t1 = (t0 + tile).min(j1);
             let y = |i: usize| &xq[i * xq_row..(i + 1) * xq_row];
-            let n4 = n / 4 * 4;
-            for i in (0..n4).step_by(4) {
+            let n8 = if TOKENS8 { n / 8 * 8 } else { 0 };
+            for i in (0..n8).step_by(8) {
+                let ys: [&[u8]; 8] = std::array::from_fn(|t| y(i + t));
+                for j in t0..t1 {
+                    let row = &data[j * row_bytes..(j + 1) * row_bytes];
+                    let v = qdot8::dot_rows(ty, row, ys);
+                    for (t, v) in v.into_iter().enumerate() {
+                        // SAFETY: column j of every row belongs to this call alone.
+                        unsafe { *out.at((i + t) * n_out + j) = v };
+                    }
+                }
+            }
+            let n4 = n8 + (n - n8) / 4 * 4;
+            for i in (n8..n4).step_by(4) {
                 let ys = [y(i), y(i + 1), y(i + 2), y(i + 3)];
                 for j in t0..t1 {
                     let row = &data[j * row_bytes..(j + 1) * row_bytes];

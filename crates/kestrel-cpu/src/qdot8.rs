@@ -10,16 +10,26 @@ use kestrel_gguf::GgmlType;
 /// Bytes of one Q8_K block: d f32, qs[256] i8, bsums[16] i16.
 pub const Q8K_BLOCK: usize = 292;
 
-/// Bytes of one activation block of the 32-value kernels: Q8_0's quants with its (f16)
-/// scale widened to f32, so kernels need not convert it per row: d f32, qs[32] i8.
-pub const Q8_0X_BLOCK: usize = 36;
+/// Bytes of one activation pair of the 32-value kernels: two Q8_0 blocks with their (f16)
+/// scales widened to f32, so kernels need not convert them per row, and their quants
+/// stored as unsigned bytes y + 128 (the kernels take the weights as the signed operand
+/// of `vpdpbusd` and subtract 128 · Σ w once per weight block): d0 f32, d1 f32, u[64].
+/// An odd last block has d1 = 0 and y = 0 in the second half.
+pub const Q8_0X_PAIR: usize = 72;
 
-/// Quantizes activations (whole 32-value blocks) to [`Q8_0X_BLOCK`] blocks: the values of
-/// `numerics::quantize_q8_0`, the scale stored as the f32 of its f16.
+/// Quantizes activations (whole 32-value blocks) to [`Q8_0X_PAIR`] pairs: the values of
+/// `numerics::quantize_q8_0`, each scale stored as the f32 of its f16.
 pub fn quantize_q8_0x(x: &[f32], out: &mut [u8]) {
-    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(Q8_0X_BLOCK)) {
-        let d = crate::numerics::q8_0_block(xb, &mut ob[4..]);
-        ob[..4].copy_from_slice(&d.to_f32().to_le_bytes());
+    for (xp, op) in x.chunks(64).zip(out.chunks_exact_mut(Q8_0X_PAIR)) {
+        op[4..8].copy_from_slice(&0f32.to_le_bytes());
+        op[40..].fill(0);
+        for (h, xb) in xp.chunks_exact(32).enumerate() {
+            let d = crate::numerics::q8_0_block(xb, &mut op[8 + 32 * h..8 + 32 * (h + 1)]);
+            op[4 * h..4 * (h + 1)].copy_from_slice(&d.to_f32().to_le_bytes());
+        }
+        for q in &mut op[8..] {
+            *q ^= 0x80;
+        }
     }
 }
 
@@ -28,12 +38,12 @@ pub fn quantize_q8_0x(x: &[f32], out: &mut [u8]) {
 pub fn activation_bytes(act: GgmlType, k: usize) -> usize {
     match act {
         GgmlType::Q8K => k / 256 * Q8K_BLOCK,
-        _ => k / 32 * Q8_0X_BLOCK,
+        _ => (k / 32).div_ceil(2) * Q8_0X_PAIR,
     }
 }
 
 /// Quantizes one token's activations (whole blocks) to `act`, `numerics::activation_type`
-/// of the weight, in the layout the kernels take: [`Q8_0X_BLOCK`] blocks for Q8_0,
+/// of the weight, in the layout the kernels take: [`Q8_0X_PAIR`] pairs for Q8_0,
 /// [`Q8K_BLOCK`] blocks for Q8_K.
 pub fn quantize_activations(act: GgmlType, x: &[f32], out: &mut [u8]) {
     if act == GgmlType::Q8_0 {
@@ -82,7 +92,7 @@ pub fn supported(ty: GgmlType) -> bool {
 }
 
 /// `row · x` where `xq` is `x` quantized to `numerics::activation_type(ty)` (Q8_K, or
-/// Q8_0 laid out as [`Q8_0X_BLOCK`] blocks; `row` and `xq` must hold the same number of
+/// Q8_0 laid out as [`Q8_0X_PAIR`] pairs; `row` and `xq` must hold the same number of
 /// blocks). Only call where [`supported`] is true.
 #[inline]
 pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
@@ -108,9 +118,16 @@ pub fn dot_row(ty: GgmlType, row: &[u8], xq: &[u8]) -> f32 {
     }
 }
 
-/// `[row · x_t]` for four tokens' Q8_K activations (see [`dot_row`]).
+/// `[row · x_t]` for four tokens' activations (see [`dot_row`]).
 #[inline]
 pub fn dot_row_x4(ty: GgmlType, row: &[u8], ys: [&[u8]; 4]) -> [f32; 4] {
+    dot_rows(ty, row, ys)
+}
+
+/// `[row · x_t]` for `N` tokens' activations (see [`dot_row`]), each weight block decoded
+/// once for all of them. Each token's result is bitwise the same as [`dot_row`]'s.
+#[inline]
+pub fn dot_rows<const N: usize>(ty: GgmlType, row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: as in `dot_row`.
@@ -118,17 +135,17 @@ pub fn dot_row_x4(ty: GgmlType, row: &[u8], ys: [&[u8]; 4]) -> [f32; 4] {
             match ty {
                 GgmlType::Q4K => vnni::q4_k(row, ys),
                 GgmlType::Q6K => vnni::q6_k(row, ys),
-                GgmlType::Q8_0 => vnni::q32::<{ vnni::Q8_0 }, 4>(row, ys),
-                GgmlType::Q5_0 => vnni::q32::<{ vnni::Q5_0 }, 4>(row, ys),
-                GgmlType::Q4_0 => vnni::q32::<{ vnni::Q4_0 }, 4>(row, ys),
-                _ => [f32::NAN; 4],
+                GgmlType::Q8_0 => vnni::q32::<{ vnni::Q8_0 }, N>(row, ys),
+                GgmlType::Q5_0 => vnni::q32::<{ vnni::Q5_0 }, N>(row, ys),
+                GgmlType::Q4_0 => vnni::q32::<{ vnni::Q4_0 }, N>(row, ys),
+                _ => [f32::NAN; N],
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (ty, row, ys);
-        [f32::NAN; 4]
+        [f32::NAN; N]
     }
 }
 
@@ -283,13 +300,15 @@ mod vnni {
     pub const Q4_0: u8 = 2;
 
     /// Q8_0 / Q5_0 / Q4_0 (32-value blocks) · Q8_0 activations for `N` tokens. Weight
-    /// blocks go in pairs, decoded once to 64 signed bytes; each token's pair is multiplied
-    /// by `vpdpbusd` on |w| and y negated where w < 0, and the 16 integer lane sums (8 per
-    /// block) are scaled by d_w · d_y into 16 float lanes. Every token's result takes the
-    /// same operations in the same order whatever `N` is (batch-invariant).
+    /// blocks go in pairs, decoded once to 64 signed bytes w; each token's pair, stored as
+    /// u = y + 128 (see [`super::Q8_0X_PAIR`]), is multiplied by one `vpdpbusd` that starts
+    /// from -128 · Σ w (computed once per pair for all tokens), giving Σ y · w per 32-bit
+    /// lane, and the 16 lane sums (8 per block) are scaled by d_w · d_y into 16 float
+    /// lanes. Every token's result takes the same operations in the same order whatever
+    /// `N` is (batch-invariant).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q32<const KIND: u8, const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
-        const YB: usize = super::Q8_0X_BLOCK;
+        const YP: usize = super::Q8_0X_PAIR;
         let block_bytes = match KIND {
             Q8_0 => 34,
             Q5_0 => 22,
@@ -298,17 +317,18 @@ mod vnni {
         let mut acc = [_mm512_setzero_ps(); N];
         let n_blocks = ys
             .iter()
-            .map(|y| y.len() / YB)
+            .map(|y| y.len() / YP * 2)
             .fold(row.len() / block_bytes, usize::min);
         let yp = ys.map(|y| y.as_ptr());
+        let zero = _mm512_setzero_si512();
+        let offset = _mm512_set1_epi8(-128);
         let mut blk = 0;
         while blk < n_blocks {
             // A pair of blocks, or the last one alone (upper half zero).
             let pair = blk + 1 < n_blocks;
             let b0 = &row[block_bytes * blk..block_bytes * (blk + 1)];
             // SAFETY: every load reads inside weight blocks blk (and blk + 1 when `pair`)
-            // and inside each token's activation blocks of the same indices (n_blocks
-            // bounds them all).
+            // and inside each token's activation pair blk / 2 (n_blocks bounds them all).
             unsafe {
                 let (q, dw0, dw1) = if pair {
                     let b1 = &row[block_bytes * (blk + 1)..block_bytes * (blk + 2)];
@@ -322,29 +342,25 @@ mod vnni {
                     let q = _mm512_zextsi256_si512(q32_values::<KIND>(b0));
                     (q, h2f(b0, 0), 0.0)
                 };
-                let aq = _mm512_abs_epi8(q);
-                let negative = _mm512_movepi8_mask(q);
+                // -128 · Σ w over each lane's four weights.
+                let corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, q));
+                // (`_mm512_insertf32x8` is AVX-512DQ, not enabled here.)
+                let dw = _mm512_castpd_ps(_mm512_insertf64x4(
+                    _mm512_castps_pd(_mm512_set1_ps(dw0)),
+                    _mm256_castps_pd(_mm256_set1_ps(dw1)),
+                    1,
+                ));
                 for t in 0..N {
-                    let y0 = yp[t].add(YB * blk);
-                    let ylo = _mm256_loadu_si256(y0.add(4).cast());
-                    let dy0 = std::ptr::read_unaligned(y0.cast::<f32>());
-                    let (yv, dy1) = if pair {
-                        let y1 = y0.add(YB);
-                        let yhi = _mm256_loadu_si256(y1.add(4).cast());
-                        let yv = _mm512_inserti64x4(_mm512_castsi256_si512(ylo), yhi, 1);
-                        (yv, std::ptr::read_unaligned(y1.cast::<f32>()))
-                    } else {
-                        (_mm512_zextsi256_si512(ylo), 0.0)
-                    };
-                    let sy = _mm512_mask_sub_epi8(yv, negative, _mm512_setzero_si512(), yv);
-                    let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sy);
-                    // (`_mm512_insertf32x8` is AVX-512DQ, not enabled here: it was
-                    // compiled as a call per token.)
-                    let scale = _mm512_castpd_ps(_mm512_insertf64x4(
-                        _mm512_castps_pd(_mm512_set1_ps(dw0 * dy0)),
-                        _mm256_castps_pd(_mm256_set1_ps(dw1 * dy1)),
-                        1,
-                    ));
+                    let y = yp[t].add(YP * (blk / 2));
+                    let u = _mm512_loadu_si512(y.add(8).cast());
+                    let dp = _mm512_dpbusd_epi32(corr, u, q);
+                    let dy = _mm512_mask_broadcastss_ps(
+                        _mm512_set1_ps(std::ptr::read_unaligned(y.cast::<f32>())),
+                        0xff00,
+                        _mm_set_ss(std::ptr::read_unaligned(y.add(4).cast::<f32>())),
+                    );
+                    // d_w · d_y per lane: the same products the scalar code formed.
+                    let scale = _mm512_mul_ps(dw, dy);
                     acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dp), acc[t]);
                 }
             }
@@ -524,7 +540,7 @@ mod tests {
                 continue;
             }
             let block = activation_type(ty).block_size();
-            for blocks in [1, 2, 5, 19] {
+            for blocks in [1, 2, 3, 5, 19, 20] {
                 let k = block * blocks;
                 for _ in 0..5 {
                     let w: Vec<f32> = (0..k).map(|_| rng.random_range(-2.0..2.0)).collect();
@@ -562,6 +578,16 @@ mod tests {
                         let got4 = dot_row_x4(ty, &row, ys);
                         for (t, y) in ys.iter().enumerate() {
                             assert_eq!(got4[t], dot_row(ty, &row, y), "{ty} x4 slot {t}");
+                        }
+                    }
+                    // Eight at once: this one in each slot.
+                    for slot in 0..8 {
+                        let mut ys: [&[u8]; 8] = std::array::from_fn(|i| &others[i % 3][..]);
+                        ys[slot] = &xq;
+                        let got8 = dot_rows(ty, &row, ys);
+                        assert_eq!(got8[slot], dot_row(ty, &row, &xq), "{ty} x8 slot {slot}");
+                        for (t, y) in ys.iter().enumerate() {
+                            assert_eq!(got8[t], dot_row(ty, &row, y), "{ty} x8 slot {t}");
                         }
                     }
                 }
