@@ -171,11 +171,12 @@ mod vnni {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q4_k<const N: usize>(row: &[u8], ys: [&[u8]; N]) -> [f32; N] {
         let m4 = _mm512_set1_epi8(0x0f);
-        // 32-bit lanes 0-7 take scale a, lanes 8-15 scale b.
-        let pick =
-            |a: i32, b: i32| _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
-        // Low nibbles of group g hold sub-blocks 4g and 4g + 2, high nibbles 4g + 1, 4g + 3.
-        let spread = [pick(0, 2), pick(1, 3), pick(4, 6), pick(5, 7)];
+        // Low nibbles of group g hold sub-blocks 4g and 4g + 2 (32-bit lanes 0-7, 8-15 of
+        // their sums), high nibbles 4g + 1, 4g + 3.
+        // After `pack_sums`, 32-bit lane r of group g holds values of sub-block
+        // 4g + 2·(r / 8) + (r % 4) / 2: these lanes of `sc` give each its scale.
+        let spread: [__m512i; 2] =
+            std::array::from_fn(|g| lanes(|r| 4 * g as i32 + 2 * (r / 8) + (r % 4) / 2));
         let mut acc = [_mm512_setzero_ps(); N];
         let mut acc_min = [_mm256_setzero_ps(); N];
         let n_blocks = ys
@@ -203,18 +204,16 @@ mod vnni {
                 let mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
                 let mins = _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16));
                 let mut isum = [_mm512_setzero_si512(); N];
-                for g in 0..2 {
+                for (g, &spread) in spread.iter().enumerate() {
                     let q = _mm512_loadu_si512(b.as_ptr().add(16 + 64 * g).cast());
                     let lo = _mm512_and_si512(q, m4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-                    let s_lo = _mm512_permutexvar_epi32(spread[2 * g], sc);
-                    let s_hi = _mm512_permutexvar_epi32(spread[2 * g + 1], sc);
+                    let s = _mm512_permutexvar_epi32(spread, sc);
                     for t in 0..N {
                         let y = yp[t].add(yo + 4 + 128 * g);
-                        let p_lo = _mm512_maddubs_epi16(lo, _mm512_loadu_si512(y.cast()));
-                        let p_hi = _mm512_maddubs_epi16(hi, _mm512_loadu_si512(y.add(64).cast()));
-                        isum[t] = dpwssd(isum[t], p_lo, s_lo);
-                        isum[t] = dpwssd(isum[t], p_hi, s_hi);
+                        let y_lo = _mm512_loadu_si512(y.cast());
+                        let y_hi = _mm512_loadu_si512(y.add(64).cast());
+                        isum[t] = dpwssd(isum[t], pack_sums(lo, y_lo, hi, y_hi), s);
                     }
                 }
                 for t in 0..N {
@@ -255,6 +254,30 @@ mod vnni {
             );
         }
         acc
+    }
+
+    /// The sums of four products (unsigned × signed bytes, `vpdpbusd`) of each 32-bit lane
+    /// of `a · ya` and of `b · yb`, packed to 16 bits (`vpackssdw`: 128-bit lane k holds
+    /// lanes 4k..4k + 4 of the first, then those of the second) for `vpmaddwd` to scale:
+    /// three multiplying instructions where two `vpmaddubsw` + two `vpdpwssd` were four.
+    /// Each sum must fit 16 bits: 4 · 63 · 128 does (Q6_K's 6-bit quants, Q4_K's 4-bit),
+    /// so the packing never saturates and the integers are exact.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pack_sums(a: __m512i, ya: __m512i, b: __m512i, yb: __m512i) -> __m512i {
+        let zero = _mm512_setzero_si512();
+        _mm512_packs_epi32(
+            _mm512_dpbusd_epi32(zero, a, ya),
+            _mm512_dpbusd_epi32(zero, b, yb),
+        )
+    }
+
+    /// A vector of 16 lane indices (`f(r)` in lane r).
+    #[inline(always)]
+    fn lanes(f: impl Fn(i32) -> i32) -> __m512i {
+        let v: [i32; 16] = std::array::from_fn(|r| f(r as i32));
+        // SAFETY: `v` holds 64 bytes; AVX-512F is enabled by every caller.
+        unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
     }
 
     /// f16 → f32 with one F16C instruction.
@@ -417,19 +440,21 @@ mod vnni {
         // high 256 bits: high nibbles / qh bits 4-5 (6-7), all moved to bits 4-5.
         let ql_shift = halves(0, 4);
         let qh_shift = halves(4, 0);
-        // 32-bit lanes 4i..4i + 4 take scale s[i] (16 values per scale).
-        let pick = |s: [i32; 4]| {
-            _mm512_set_epi32(
-                s[3], s[3], s[3], s[3], s[2], s[2], s[2], s[2], s[1], s[1], s[1], s[1], s[0], s[0],
-                s[0], s[0],
-            )
-        };
-        let spread = [
-            pick([0, 1, 4, 5]),
-            pick([2, 3, 6, 7]),
-            pick([8, 9, 12, 13]),
-            pick([10, 11, 14, 15]),
-        ];
+        // `qa` of half h holds the 16-value groups 8h + [0, 1, 4, 5] (4 lanes of sums
+        // each), `qb` 8h + [2, 3, 6, 7]; after `pack_sums`, 32-bit lane r holds values of
+        // `qa`'s group r / 4 where r % 4 < 2, else `qb`'s: these lanes of `sc` give the
+        // scales.
+        let spread: [__m512i; 2] = std::array::from_fn(|h| {
+            lanes(|r| {
+                let k = (r / 4) as usize;
+                8 * h as i32
+                    + if r % 4 < 2 {
+                        [0, 1, 4, 5][k]
+                    } else {
+                        [2, 3, 6, 7][k]
+                    }
+            })
+        });
         let mut acc = [_mm512_setzero_ps(); N];
         let mut acc_corr = [_mm256_setzero_ps(); N];
         let n_blocks = ys
@@ -454,7 +479,7 @@ mod vnni {
                     _mm512_slli_epi32(sc, 16),
                 );
                 let mut isum = [_mm512_setzero_si512(); N];
-                for half in 0..2 {
+                for (half, &spread) in spread.iter().enumerate() {
                     let qla = _mm512_broadcast_i64x4(_mm256_loadu_si256(bp.add(64 * half).cast()));
                     let qlb =
                         _mm512_broadcast_i64x4(_mm256_loadu_si256(bp.add(64 * half + 32).cast()));
@@ -470,14 +495,12 @@ mod vnni {
                         _mm512_ternarylogic_epi32(_mm512_srlv_epi16(qla, ql_shift), m4, ha, 0xea);
                     let qb =
                         _mm512_ternarylogic_epi32(_mm512_srlv_epi16(qlb, ql_shift), m4, hb, 0xea);
-                    let s_a = _mm512_permutexvar_epi32(spread[2 * half], sc);
-                    let s_b = _mm512_permutexvar_epi32(spread[2 * half + 1], sc);
+                    let s = _mm512_permutexvar_epi32(spread, sc);
                     for t in 0..N {
                         let y = yp[t].add(yo + 4 + 128 * half);
-                        let p_a = _mm512_maddubs_epi16(qa, _mm512_loadu_si512(y.cast()));
-                        let p_b = _mm512_maddubs_epi16(qb, _mm512_loadu_si512(y.add(64).cast()));
-                        isum[t] = dpwssd(isum[t], p_a, s_a);
-                        isum[t] = dpwssd(isum[t], p_b, s_b);
+                        let y_a = _mm512_loadu_si512(y.cast());
+                        let y_b = _mm512_loadu_si512(y.add(64).cast());
+                        isum[t] = dpwssd(isum[t], pack_sums(qa, y_a, qb, y_b), s);
                     }
                 }
                 let sc16 = _mm256_cvtepi8_epi16(sc8);
