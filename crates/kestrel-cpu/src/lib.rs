@@ -64,7 +64,7 @@ impl HugeCopy {
         map.advise(memmap2::Advice::HugePage)?;
         let start = (HUGE - map.as_ptr() as usize % HUGE) % HUGE;
         // Faulting the pages in is most of the time: on all the pool's threads.
-        let dst = SharedBytes(map[start..].as_mut_ptr());
+        let dst = ops::SharedMut(map[start..].as_mut_ptr());
         pool::pool().run(bytes.len().div_ceil(HUGE), &|c| {
             let src = &bytes[c * HUGE..((c + 1) * HUGE).min(bytes.len())];
             // SAFETY: chunk c of the destination (inside the mapping, which holds
@@ -80,22 +80,6 @@ impl HugeCopy {
 
     fn bytes(&self) -> &[u8] {
         &self.map[self.start..self.start + self.len]
-    }
-}
-
-/// A pointer that tasks writing disjoint bytes of one buffer may share.
-#[derive(Clone, Copy)]
-struct SharedBytes(*mut u8);
-// SAFETY: only used to write disjoint bytes from different tasks.
-unsafe impl Send for SharedBytes {}
-unsafe impl Sync for SharedBytes {}
-
-impl SharedBytes {
-    /// # Safety
-    /// `offset` must lie inside the buffer.
-    unsafe fn at(self, offset: usize) -> *mut u8 {
-        // SAFETY: by the caller's guarantee.
-        unsafe { self.0.add(offset) }
     }
 }
 

@@ -9,19 +9,24 @@ use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
 use crate::{gemm, qdot, qdot8, simd};
 
 /// A pointer that tasks writing disjoint elements of one buffer may share.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
 // SAFETY: only used to write disjoint elements from different tasks.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
 
-impl SharedOut {
+impl<T> SharedMut<T> {
     /// The element pointer at `offset` (a method, so closures capture the whole
-    /// `SharedOut`, which is `Send`, not its raw pointer field).
+    /// `SharedMut`, which is `Send`, not its raw pointer field).
     ///
     /// # Safety
     /// `offset` must lie inside the buffer.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut T {
         // SAFETY: in bounds by the caller's guarantee.
         unsafe { self.0.add(offset) }
     }
@@ -152,9 +157,9 @@ pub fn integer_multi(
     }
     let k = x.cols;
     let xq_row = qdot8::activation_bytes(act, k);
-    let mut outs = [SharedOut(std::ptr::null_mut()); MAX_PARTS];
+    let mut outs = [SharedMut(std::ptr::null_mut()); MAX_PARTS];
     for (o, (_, t, _)) in outs.iter_mut().zip(parts.iter_mut()) {
-        *o = SharedOut(t.data.as_mut_ptr());
+        *o = SharedMut(t.data.as_mut_ptr());
     }
     let numerics = be.numerics;
     Q8_X.with_borrow_mut(|xq| {
@@ -186,7 +191,7 @@ pub fn integer_multi(
         // In as many pieces as threads, each a multiple of 16 values.
         let threads = crate::pool::pool().threads();
         let piece = len.div_ceil(threads).next_multiple_of(16);
-        let gp = SharedOut(g.as_mut_ptr());
+        let gp = SharedMut(g.as_mut_ptr());
         crate::pool::pool().run(len.div_ceil(piece), &|t| {
             let (a, b) = (t * piece, ((t + 1) * piece).min(len));
             // SAFETY: values a..b of the gate belong to this task alone.
@@ -290,7 +295,7 @@ impl<'a> Matmul<'a> {
         } = *self;
         let isa = be.isa;
         const GROUP: usize = 16;
-        let out_ptr = SharedOut(out.as_mut_ptr());
+        let out_ptr = SharedMut(out.as_mut_ptr());
         let n_groups = n_out.div_ceil(GROUP);
         crate::pool::pool().run(n_groups, &|g| {
             // Per-thread dequantization scratch, grown once (no allocation per step).
@@ -374,7 +379,7 @@ impl<'a> Matmul<'a> {
             n_out,
         } = *self;
         let isa = be.isa;
-        let out_ptr = SharedOut(out.as_mut_ptr());
+        let out_ptr = SharedMut(out.as_mut_ptr());
         let n_tasks = n_out.div_ceil(FUSED_ROWS_PER_TASK);
         crate::pool::pool().run(n_tasks, &|t| {
             let j0 = t * FUSED_ROWS_PER_TASK;
@@ -424,7 +429,7 @@ impl Matmul<'_> {
         Q8_X.with_borrow_mut(|xq| {
             quantize_x(act, x, self.k, xq);
             let xq = &xq[..self.n * xq_row];
-            let out_ptr = SharedOut(out.as_mut_ptr());
+            let out_ptr = SharedMut(out.as_mut_ptr());
             crate::pool::pool().run(n_out.div_ceil(FUSED_ROWS_PER_TASK), &|t| {
                 let j0 = t * FUSED_ROWS_PER_TASK;
                 self.integer_rows(
@@ -441,7 +446,7 @@ impl Matmul<'_> {
     /// Rows `j0..j1` of the integer product for every token: `out[i][j] = row_j · xq_i`,
     /// `xq` holding the tokens' quantized activations, `xq_row` bytes each. The caller
     /// gives these columns of `out` (`[n × n_out]`) to this call alone.
-    fn integer_rows(&self, xq: &[u8], xq_row: usize, j0: usize, j1: usize, out: SharedOut) {
+    fn integer_rows(&self, xq: &[u8], xq_row: usize, j0: usize, j1: usize, out: SharedMut<f32>) {
         let row_bytes = self.row_bytes;
         // Sub-tiles of rows small enough to stay in L1 while every token passes over
         // them, so each token's activations are read once per sub-tile, not per row.
@@ -464,7 +469,7 @@ impl Matmul<'_> {
         xq_row: usize,
         i0: usize,
         rows: std::ops::Range<usize>,
-        out: SharedOut,
+        out: SharedMut<f32>,
     ) -> usize {
         let Matmul {
             ty,
@@ -511,7 +516,7 @@ fn quantize_x(act: kestrel_gguf::GgmlType, x: &[f32], k: usize, xq: &mut Vec<u8>
                 return;
             }
             // A prompt's tokens on all threads (each token's bytes are the same either way).
-            let dst = SharedU8(xq.as_mut_ptr());
+            let dst = SharedMut(xq.as_mut_ptr());
             crate::pool::pool().run(n, &|i| {
                 // SAFETY: row i of the buffer (which holds n rows) is written by this task
                 // alone.
@@ -520,22 +525,6 @@ fn quantize_x(act: kestrel_gguf::GgmlType, x: &[f32], k: usize, xq: &mut Vec<u8>
             });
         },
     );
-}
-
-/// A byte pointer that tasks writing disjoint bytes of one buffer may share.
-#[derive(Clone, Copy)]
-struct SharedU8(*mut u8);
-// SAFETY: only used to write disjoint bytes from different tasks.
-unsafe impl Send for SharedU8 {}
-unsafe impl Sync for SharedU8 {}
-
-impl SharedU8 {
-    /// # Safety
-    /// `offset` must lie inside the buffer.
-    unsafe fn at(self, offset: usize) -> *mut u8 {
-        // SAFETY: by the caller's guarantee.
-        unsafe { self.0.add(offset) }
-    }
 }
 
 /// cos/sin of each rotated pair at one position, as ggml computes them (f32 throughout,
@@ -563,7 +552,7 @@ fn rope_cache(rope: &RopeParams, pos: u32, cache: &mut Vec<(f32, f32)>) {
 pub fn rope(x: &mut CpuTensor, head_dim: usize, rope: &RopeParams, positions: &[u32], n: usize) {
     let c = x.cols;
     let half = rope.n_rot / 2;
-    let rows = SharedOut(x.data[..n * c].as_mut_ptr());
+    let rows = SharedMut(x.data[..n * c].as_mut_ptr());
     let positions = &positions[..n];
     crate::pool::pool().run(n, &|t| {
         // SAFETY: row t of the first n rows belongs to this task alone.
@@ -732,7 +721,7 @@ pub fn attention(
         }
     } else {
         // One task per token and kv head: a decode step's heads spread over the threads.
-        let out_ptr = SharedOut(out.data.as_mut_ptr());
+        let out_ptr = SharedMut(out.data.as_mut_ptr());
         crate::pool::pool().run(n * n_kv, &|task| {
             let (i, g) = (task / n_kv, task % n_kv);
             // SAFETY: the outputs of token i's heads sharing kv head g belong to this

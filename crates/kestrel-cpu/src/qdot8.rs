@@ -209,12 +209,7 @@ mod vnni {
                     let lo = _mm512_and_si512(q, m4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
                     let s = _mm512_permutexvar_epi32(spread, sc);
-                    for t in 0..N {
-                        let y = yp[t].add(yo + 4 + 128 * g);
-                        let y_lo = _mm512_loadu_si512(y.cast());
-                        let y_hi = _mm512_loadu_si512(y.add(64).cast());
-                        isum[t] = dpwssd(isum[t], pack_sums(lo, y_lo, hi, y_hi), s);
-                    }
+                    dot128_tokens(&mut isum, &yp, yo + 4 + 128 * g, lo, hi, s);
                 }
                 for t in 0..N {
                     let dy = std::ptr::read_unaligned(yp[t].add(yo).cast::<f32>());
@@ -270,6 +265,33 @@ mod vnni {
             _mm512_dpbusd_epi32(zero, a, ya),
             _mm512_dpbusd_epi32(zero, b, yb),
         )
+    }
+
+    /// For each token t: `isum[t] += s ·` the packed sums (see [`pack_sums`]) of weights `a`
+    /// and `b` with the token's 128 activation bytes at `off` of its row (`a` meets the first
+    /// 64, `b` the next 64).
+    ///
+    /// # Safety
+    /// Each `yp[t]` must point to at least `off + 128` readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn dot128_tokens<const N: usize>(
+        isum: &mut [__m512i; N],
+        yp: &[*const u8; N],
+        off: usize,
+        a: __m512i,
+        b: __m512i,
+        s: __m512i,
+    ) {
+        for t in 0..N {
+            // SAFETY: in bounds by the caller's guarantee; AVX-512 enabled above.
+            unsafe {
+                let y = yp[t].add(off);
+                let ya = _mm512_loadu_si512(y.cast());
+                let yb = _mm512_loadu_si512(y.add(64).cast());
+                isum[t] = dpwssd(isum[t], pack_sums(a, ya, b, yb), s);
+            }
+        }
     }
 
     /// A vector of 16 lane indices (`f(r)` in lane r).
@@ -496,12 +518,7 @@ mod vnni {
                     let qb =
                         _mm512_ternarylogic_epi32(_mm512_srlv_epi16(qlb, ql_shift), m4, hb, 0xea);
                     let s = _mm512_permutexvar_epi32(spread, sc);
-                    for t in 0..N {
-                        let y = yp[t].add(yo + 4 + 128 * half);
-                        let y_a = _mm512_loadu_si512(y.cast());
-                        let y_b = _mm512_loadu_si512(y.add(64).cast());
-                        isum[t] = dpwssd(isum[t], pack_sums(qa, y_a, qb, y_b), s);
-                    }
+                    dot128_tokens(&mut isum, &yp, yo + 4 + 128 * half, qa, qb, s);
                 }
                 let sc16 = _mm256_cvtepi8_epi16(sc8);
                 for t in 0..N {
