@@ -41,6 +41,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// llama.cpp's 8-bit rounding of a 32-value block held one value per lane of a warp:
+// step = max|v| / 127 over the warp, and the returned q = round(v / step) within ±127.
+__device__ __forceinline__ int warp_q8(float v, float& step) {
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    step = amax / 127.0f;
+    const int qi = step > 0.0f ? __float2int_rn(v / step) : 0;
+    return max(-127, min(127, qi));
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ float block_sum(float v) {
     __shared__ float partial[32];

@@ -896,12 +896,8 @@ extern "C" __global__ void quantize_x_q8(const float* x, int k, i8* q, float* d)
     const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (b * 32 >= k) return;
-    const float v = x[b * 32 + lane];
-    float amax = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax / 127.0f;
-    const int qi = scale > 0.0f ? __float2int_rn(v / scale) : 0;
-    q[b * 32 + lane] = (i8)max(-127, min(127, qi));
+    float scale;
+    q[b * 32 + lane] = (i8)warp_q8(x[b * 32 + lane], scale);
     if (lane == 0) d[b] = scale;
 }
 

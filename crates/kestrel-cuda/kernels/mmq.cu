@@ -29,10 +29,8 @@ extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad
     if (b >= npad * kbs) return;
     const int t = b / kbs, kb = b - t * kbs;
     const float v = t < n ? x[(size_t)t * k + kb * 32 + lane] : 0.0f;
-    float amax = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax / 127.0f;
-    const int qi = scale > 0.0f ? max(-127, min(127, __float2int_rn(v / scale))) : 0;
+    float scale;
+    const int qi = warp_q8(v, scale);
     int sum = qi;
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     q[(size_t)t * k + kb * 32 + lane] = (i8)qi;

@@ -60,13 +60,11 @@ extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* ou
     for (int base = 0; base < cols; base += blockDim.x) {
         const int j = base + threadIdx.x;
         const float v = j < cols ? x[j] * scale * w[j] : 0.0f;
-        float amax = fabsf(v);
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float step = amax / 127.0f;
-        const int qi = step > 0.0f ? __float2int_rn(v / step) : 0;
+        float step;
+        const int qi = warp_q8(v, step);
         if (j < cols) {
             out[j] = v;
-            q[j] = (i8)max(-127, min(127, qi));
+            q[j] = (i8)qi;
             if (lane == 0) d[j >> 5] = step;
         }
     }

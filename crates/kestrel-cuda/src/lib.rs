@@ -309,6 +309,13 @@ struct Q8Scratch {
     cap: usize,
 }
 
+/// Device addresses of a [`Q8Scratch`]'s buffers.
+struct Q8Ptrs {
+    q: u64,
+    d: u64,
+    ds: u64,
+}
+
 /// Weight types `gemv_q8` reads.
 fn q8_supported(ty: GgmlType) -> bool {
     matches!(
@@ -1126,21 +1133,15 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Device addresses of the Q8 activation buffers, if they hold `k` values.
-    fn q8_buffers(&self, k: usize) -> Option<(u64, u64)> {
+    /// Device addresses of the Q8 activation buffers — the int8 values, the per-32 scales
+    /// (`gemv_q8`) and the scale-and-sum pairs (`mmq_t*`) — if they hold `values` values.
+    fn q8_buffers(&self, values: usize) -> Option<Q8Ptrs> {
         let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
-        s.as_ref()
-            .filter(|s| s.cap >= k)
-            .map(|s| (self.ptr(&s.q), self.ptr(&s.d)))
-    }
-
-    /// Addresses of the int8 activations and the scale-and-sum pairs of an `mmq_t*` launch,
-    /// if the buffers hold `values` values.
-    fn mmq_buffers(&self, values: usize) -> Option<(u64, u64)> {
-        let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
-        s.as_ref()
-            .filter(|s| s.cap >= values)
-            .map(|s| (self.ptr(&s.q), self.ptr(&s.ds)))
+        s.as_ref().filter(|s| s.cap >= values).map(|s| Q8Ptrs {
+            q: self.ptr(&s.q),
+            d: self.ptr(&s.d),
+            ds: self.ptr(&s.ds),
+        })
     }
 
     /// Whether products of `n` tokens with `ty` weights go through the tensor-core kernels
@@ -1164,7 +1165,7 @@ impl CudaBackend {
                 .iter()
                 .all(|s| self.mmq_reads(s.ty, n) && !s.accumulate)
             && (!gated || (segs[0].ty == segs[1].ty && segs[0].row_bytes == segs[1].row_bytes))
-            && self.mmq_buffers(n.next_multiple_of(8) * k).is_some()
+            && self.q8_buffers(n.next_multiple_of(8) * k).is_some()
     }
 
     /// Whether [`Self::gemv`] takes these segments for `n` tokens.
@@ -1210,12 +1211,7 @@ impl CudaBackend {
             && segs.iter().all(|s| self.q8_gemv_reads(s.ty, n))
             // Only the single-token kernels add into their outputs.
             && (n == 1 || segs.iter().all(|s| !s.accumulate))
-            && self
-                .q8_scratch
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .is_some_and(|s| s.cap >= n * k)
+            && self.q8_buffers(n * k).is_some()
     }
 
     /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
@@ -1520,7 +1516,10 @@ impl CudaBackend {
         }
         debug_assert!(n <= GEMV_MAX_TOKENS);
         if self.q8_applies(k, n, segs) {
-            let Some((q_ptr, d_ptr)) = self.q8_buffers(n * k) else {
+            let Some(Q8Ptrs {
+                q: q_ptr, d: d_ptr, ..
+            }) = self.q8_buffers(n * k)
+            else {
                 return;
             };
             let quantized =
@@ -1588,7 +1587,12 @@ impl CudaBackend {
     ) {
         let k = x.cols;
         let npad = n.next_multiple_of(8);
-        let Some((q_ptr, ds_ptr)) = self.mmq_buffers(npad * k) else {
+        let Some(Q8Ptrs {
+            q: q_ptr,
+            ds: ds_ptr,
+            ..
+        }) = self.q8_buffers(npad * k)
+        else {
             return;
         };
         self.launch(
@@ -1913,7 +1917,9 @@ impl kestrel_model::Backend for CudaBackend {
             && self.q8_decode()
             && !self.legacy_gemv1
             && x.cols.is_multiple_of(32)
-            && let Some((q_ptr, d_ptr)) = self.q8_buffers(x.cols)
+            && let Some(Q8Ptrs {
+                q: q_ptr, d: d_ptr, ..
+            }) = self.q8_buffers(x.cols)
         {
             self.launch(
                 "rms_norm_q8",
