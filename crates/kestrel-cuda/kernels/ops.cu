@@ -582,29 +582,36 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
 }
 
 // RoPE on a token's query and key heads, then its key and value into the cache (rope +
-// rope + store_kv in one launch; one block per token).
+// rope + store_kv in one launch). Block (token, head): heads 0 .. n_head - 1 are the query
+// heads, the next n_head_kv the key heads, whose block also stores that head's key and
+// value rows. (One block per token walked every head serially: ~7 µs a step.)
 extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16* kc, u16* vc,
                                          const u32* positions, const u32* seq_of,
                                          const u32* table_off, const u32* tables,
                                          int block_size, int n_head, int n_head_kv,
                                          ROPE_PARAMS) {
     pdl_enter();
-    const int i = blockIdx.x;
+    const int i = blockIdx.x, h = blockIdx.y;
     const float pos = (float)positions[i];
     const int kv_dim = n_head_kv * head_dim;
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     rope_angles(pos, ROPE_ANGLE_ARGS, cs, sn);
     __syncthreads();
-    rope_apply(q + (size_t)i * n_head * head_dim, n_head, head_dim, n_rot, neox, cs, sn);
-    float* kr = k + (size_t)i * kv_dim;
-    rope_apply(kr, n_head_kv, head_dim, n_rot, neox, cs, sn);
-    __syncthreads();  // the roped keys (global memory) are visible to the whole block
+    if (h < n_head) {
+        rope_apply(q + (size_t)i * n_head * head_dim + (size_t)h * head_dim, 1, head_dim, n_rot,
+                   neox, cs, sn);
+        return;
+    }
+    const int off = (h - n_head) * head_dim;
+    float* kr = k + (size_t)i * kv_dim + off;
+    rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
+    __syncthreads();  // the roped key (global memory) is visible to the whole block
     const u32* table = tables + table_off[seq_of[i]];
-    const size_t slot = kv_slot(table, block_size, (int)positions[i]);
-    const float* vr = v + (size_t)i * kv_dim;
-    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
-        kc[slot * kv_dim + d] = f2h(kr[d]);
-        vc[slot * kv_dim + d] = f2h(vr[d]);
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
+    const float* vr = v + (size_t)i * kv_dim + off;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        kc[slot + d] = f2h(kr[d]);
+        vc[slot + d] = f2h(vr[d]);
     }
 }
 

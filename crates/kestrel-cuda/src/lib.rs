@@ -89,6 +89,14 @@ pub const MMQ_MAX_TOKENS: usize = 64;
 /// activation loads (one per 8 tokens and 32 values) outweigh the weight bytes it saves.
 const MMQ_DEFAULT_MAX_TOKENS: usize = 8;
 const MMQ_MIN_TOKENS: usize = 3;
+/// Rows a block of the staged kernels `mmqs_*` owns (MS_ROWS in kernels/mmq.cu), its
+/// threads, and the room for their split partial sums and arrival counters.
+const MMQS_ROWS: usize = 64;
+const MMQS_THREADS: u32 = 4 * 32;
+const MMQS_WORK_FLOATS: usize = 8 << 20;
+/// Steps of at least this many tokens multiply Q4_K / Q6_K weights in f16 (`mmh_*`).
+const MMH_DEFAULT_MIN_TOKENS: usize = 9;
+const MMQS_MAX_TILES: usize = 1 << 16;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD).
 const PREFILL_ATTN_TOKENS: usize = 16;
@@ -223,6 +231,39 @@ fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
 
 /// Warps of a `gemv_dec` / `gemv_q8` launch at `rows_per_warp`: each matrix's rows in
 /// groups (gated launches: gate's rows, each warp reading up's too).
+/// The tensor-core kernel families of steps of several tokens (see `CudaBackend::mmq_plan`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum MmqKind {
+    /// `mmq_t*`: int8, every warp loading its own activation fragments.
+    Int8,
+    /// `mmqs_*`: int8, activations staged in shared memory.
+    Staged,
+    /// `mmh_*`: f16, activations staged in shared memory.
+    Half,
+}
+
+/// How many blocks of a staged mmq launch (`mmqs_*`, `tiles` tiles of MMQS_ROWS rows, rows of
+/// `steps` 256-value steps, `npad` tokens) share each tile's row length: enough blocks for
+/// about two per SM, at least two steps each, and room for the partial sums. Every split
+/// gets at least one step (the count is recomputed from the steps per split).
+fn mmqs_splits(tiles: usize, steps: usize, npad: usize, gated: bool, sms: usize) -> usize {
+    if tiles == 0 || steps < 4 || tiles > MMQS_MAX_TILES {
+        return 1;
+    }
+    let want = (2 * sms).div_ceil(tiles).min(steps / 2);
+    if want <= 1 {
+        return 1;
+    }
+    let per = steps.div_ceil(want);
+    let splits = steps.div_ceil(per);
+    // Floats of partial sums per block: MMQS_ROWS rows × npad tokens (× 2 gated).
+    let per_block = MMQS_ROWS * npad * if gated { 2 } else { 1 };
+    if tiles * splits * per_block > MMQS_WORK_FLOATS {
+        return 1;
+    }
+    splits
+}
+
 fn gemv_warps(segs: &[GemvSeg], gated: bool, rows_per_warp: usize) -> usize {
     if gated {
         segs[0].rows.div_ceil(rows_per_warp)
@@ -297,6 +338,14 @@ pub struct CudaBackend {
     f16_copies_q8: std::sync::atomic::AtomicU64,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
+    /// Streaming multiprocessors of the device (the staged mmq kernels' split rule).
+    sm_count: usize,
+    /// Whether steps of 9..=64 tokens take the staged kernels `mmqs_*` rather than `mmq_t*`
+    /// (`KESTREL_CUDA_MMQS=0`: off).
+    mmq_staged: bool,
+    /// Fewest tokens of a step whose Q4_K / Q6_K products go to the f16 tensor-core kernels
+    /// `mmh_*` instead of the int8 ones (`KESTREL_CUDA_MMH_MIN`; above MMQ_MAX_TOKENS: never).
+    mmh_min: std::sync::atomic::AtomicUsize,
 }
 
 /// Int8 activations and their per-32 scales for `gemv_q8` (and for `mmq_t*`: scales with
@@ -305,6 +354,12 @@ struct Q8Scratch {
     q: CudaSlice<i8>,
     d: CudaSlice<f32>,
     ds: CudaSlice<f32>,
+    /// The f16 activations of `mmh_*` (as many values as `q`).
+    xh: CudaSlice<u16>,
+    /// Split partial sums of the staged mmq kernels (MMQS_WORK_FLOATS) and their per-tile
+    /// arrival counters (MMQS_MAX_TILES, zero between launches).
+    work: CudaSlice<f32>,
+    count: CudaSlice<u32>,
     /// Values it holds room for.
     cap: usize,
 }
@@ -314,6 +369,9 @@ struct Q8Ptrs {
     q: u64,
     d: u64,
     ds: u64,
+    xh: u64,
+    work: u64,
+    count: u64,
 }
 
 /// Weight types `gemv_q8` reads.
@@ -507,6 +565,9 @@ impl CudaBackend {
             )
         };
         let graphs = !profile && std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |c| c.max(1) as usize);
         Ok(CudaBackend {
             ctx,
             stream,
@@ -549,6 +610,14 @@ impl CudaBackend {
             ),
             q8_holds: Mutex::new(None),
             gemm_scratch: Mutex::default(),
+            sm_count,
+            mmq_staged: std::env::var("KESTREL_CUDA_MMQS").map_or(true, |v| v != "0"),
+            mmh_min: std::sync::atomic::AtomicUsize::new(
+                std::env::var("KESTREL_CUDA_MMH_MIN")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(MMH_DEFAULT_MIN_TOKENS),
+            ),
         })
     }
 
@@ -1128,6 +1197,9 @@ impl CudaBackend {
             q: self.alloc::<i8>(cap, "the quantized activations")?,
             d: self.alloc::<f32>(cap / 32, "the activation scales")?,
             ds: self.alloc::<f32>(cap / 16, "the activation scales and sums")?,
+            xh: self.alloc::<u16>(cap, "the f16 activations")?,
+            work: self.alloc::<f32>(MMQS_WORK_FLOATS, "the split partial sums")?,
+            count: self.alloc::<u32>(MMQS_MAX_TILES, "the split arrival counters")?,
             cap,
         });
         Ok(())
@@ -1141,6 +1213,9 @@ impl CudaBackend {
             q: self.ptr(&s.q),
             d: self.ptr(&s.d),
             ds: self.ptr(&s.ds),
+            xh: self.ptr(&s.xh),
+            work: self.ptr(&s.work),
+            count: self.ptr(&s.count),
         })
     }
 
@@ -1165,7 +1240,49 @@ impl CudaBackend {
                 .iter()
                 .all(|s| self.mmq_reads(s.ty, n) && !s.accumulate)
             && (!gated || (segs[0].ty == segs[1].ty && segs[0].row_bytes == segs[1].row_bytes))
-            && self.q8_buffers(n.next_multiple_of(8) * k).is_some()
+            && self.q8_buffers(self.mmq_plan(n, k, segs).1 * k).is_some()
+    }
+
+    /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
+    /// f16 tensor-core kernels `mmh_*` (a subset of [`Self::mmq_reads`]).
+    fn mmh_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
+        self.mmq_reads(ty, n)
+            && n >= self.mmh_min.load(std::sync::atomic::Ordering::Relaxed)
+            && k.is_multiple_of(256)
+            && matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
+    }
+
+    /// Which tensor-core kernels take an mmq launch of `n` tokens, and the tokens their tile
+    /// holds (the activations are converted or quantized for that many rows): `mmh_*` when
+    /// they read every segment (tiles of 8, 16, 32 or 64), else for more than 8 tokens on
+    /// whole 256-value steps the staged int8 `mmqs_*` (16, 32 or 64), else `mmq_t*` (a
+    /// multiple of 8).
+    fn mmq_plan(&self, n: usize, k: usize, segs: &[GemvSeg]) -> (MmqKind, usize) {
+        if segs.iter().all(|s| self.mmh_reads(s.ty, n, k)) {
+            (MmqKind::Half, n.next_power_of_two().max(8))
+        } else if self.mmq_staged && n > 8 && k.is_multiple_of(256) {
+            (MmqKind::Staged, n.next_power_of_two().max(16))
+        } else {
+            (MmqKind::Int8, n.next_multiple_of(8))
+        }
+    }
+
+    /// Sets the fewest tokens that take `mmh_*` (the self-check covers both families).
+    pub fn set_mmh_min(&self, n: usize) {
+        self.mmh_min.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The fewest tokens that take `mmh_*`.
+    pub fn mmh_min(&self) -> usize {
+        self.mmh_min.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `matmul` of `n` tokens with `w` runs on the f16 tensor-core kernels.
+    pub fn matmul_uses_mmh(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, .. } = w else {
+            return false;
+        };
+        self.mmh_reads(*ty, n, *cols) && gemv_supported(*ty, *cols) && !self.prefer_gemm(w, n)
     }
 
     /// Whether [`Self::gemv`] takes these segments for `n` tokens.
@@ -1221,6 +1338,7 @@ impl CudaBackend {
             return false;
         };
         (self.q8_gemv_reads(*ty, n) || self.mmq_reads(*ty, n))
+            && !self.mmh_reads(*ty, n, *cols)
             && gemv_supported(*ty, *cols)
             && !self.prefer_gemm(w, n)
     }
@@ -1586,15 +1704,60 @@ impl CudaBackend {
         weight_bytes: u64,
     ) {
         let k = x.cols;
-        let npad = n.next_multiple_of(8);
+        let (kind, npad) = self.mmq_plan(n, k, segs);
         let Some(Q8Ptrs {
             q: q_ptr,
             ds: ds_ptr,
+            xh,
+            work,
+            count,
             ..
         }) = self.q8_buffers(npad * k)
         else {
             return;
         };
+        if kind == MmqKind::Half {
+            self.launch(
+                "convert_x_mmh",
+                grid_1d(npad * k / 8, 256),
+                256,
+                &[
+                    Arg::P(x.ptr),
+                    Arg::I(k as i32),
+                    Arg::I(n as i32),
+                    Arg::I(npad as i32),
+                    Arg::P(xh),
+                ],
+            );
+            let tiles = gemv_warps(segs, gated, MMQS_ROWS);
+            let splits = mmqs_splits(tiles, k / 256, npad, gated, self.sm_count);
+            let kernel = match (npad, gated) {
+                (8, false) => "mmh_t8",
+                (16, false) => "mmh_t16",
+                (32, false) => "mmh_t32",
+                (_, false) => "mmh_t64",
+                (8, true) => "mmh_t8_gated",
+                (16, true) => "mmh_t16_gated",
+                (32, true) => "mmh_t32_gated",
+                (_, true) => "mmh_t64_gated",
+            };
+            let mut mmh_args = vec![
+                Arg::P(xh),
+                Arg::I(splits as i32),
+                Arg::P(work),
+                Arg::P(count),
+            ];
+            mmh_args.extend_from_slice(args);
+            self.launch_reading(
+                kernel,
+                ((tiles * splits) as u32, 1, 1),
+                MMQS_THREADS,
+                &mmh_args,
+                weight_bytes,
+            );
+            return;
+        }
+        let staged = kind == MmqKind::Staged;
         self.launch(
             "quantize_x_mmq",
             grid_1d(npad * k / 32, 8),
@@ -1608,6 +1771,34 @@ impl CudaBackend {
                 Arg::P(ds_ptr),
             ],
         );
+        if staged {
+            let tiles = gemv_warps(segs, gated, MMQS_ROWS);
+            let splits = mmqs_splits(tiles, k / 256, npad, gated, self.sm_count);
+            let kernel = match (npad, gated) {
+                (16, false) => "mmqs_t16",
+                (32, false) => "mmqs_t32",
+                (_, false) => "mmqs_t64",
+                (16, true) => "mmqs_t16_gated",
+                (32, true) => "mmqs_t32_gated",
+                (_, true) => "mmqs_t64_gated",
+            };
+            let mut mmq_args = vec![
+                Arg::P(q_ptr),
+                Arg::P(ds_ptr),
+                Arg::I(splits as i32),
+                Arg::P(work),
+                Arg::P(count),
+            ];
+            mmq_args.extend_from_slice(args);
+            self.launch_reading(
+                kernel,
+                ((tiles * splits) as u32, 1, 1),
+                MMQS_THREADS,
+                &mmq_args,
+                weight_bytes,
+            );
+            return;
+        }
         let kernel = match (npad, gated) {
             (8, false) => "mmq_t8",
             (16, false) => "mmq_t16",
@@ -1630,6 +1821,41 @@ impl CudaBackend {
             &mmq_args,
             weight_bytes,
         );
+    }
+
+    /// `gate = act(gate_w·x) * (up_w·x)`: one gated launch where the GEMV or tensor-core
+    /// kernels take both matrices, else two products and the activation (the backend's
+    /// `gate_up`; public for the self-check).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gate_up_of(
+        &self,
+        x: &CudaTensor,
+        gate_w: &CudaWeight,
+        up_w: &CudaWeight,
+        act: Activation,
+        n: usize,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+    ) {
+        let fused = !self.prefer_gemm(gate_w, n)
+            && match (
+                self.gemv_seg(x, gate_w, gate, None),
+                self.gemv_seg(x, up_w, up, None),
+            ) {
+                (Some(g), Some(u)) if g.rows == u.rows => {
+                    let segs = [g, u];
+                    let takes = self.gemv_takes(x.cols, n, &segs, true);
+                    if takes {
+                        self.gemv(x, n, &segs, Some(act));
+                    }
+                    takes
+                }
+                _ => false,
+            };
+        if !fused {
+            self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+            kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+        }
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -2323,29 +2549,7 @@ impl kestrel_model::Backend for CudaBackend {
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
     ) {
-        let fused = !self.prefer_gemm(&layer.ffn_gate, n)
-            && match (
-                self.gemv_seg(x, &layer.ffn_gate, gate, None),
-                self.gemv_seg(x, &layer.ffn_up, up, None),
-            ) {
-                (Some(g), Some(u)) if g.rows == u.rows => {
-                    let segs = [g, u];
-                    let takes = self.gemv_takes(x.cols, n, &segs, true);
-                    if takes {
-                        self.gemv(x, n, &segs, Some(act));
-                    }
-                    takes
-                }
-                _ => false,
-            };
-        if !fused {
-            self.matmuls_of(
-                x,
-                n,
-                &mut [(&layer.ffn_gate, &mut *gate), (&layer.ffn_up, &mut *up)],
-            );
-            self.gated_activation(gate, up, act, n);
-        }
+        self.gate_up_of(x, &layer.ffn_gate, &layer.ffn_up, act, n, gate, up);
     }
 
     fn matmul_add(
@@ -2409,7 +2613,10 @@ impl kestrel_model::Backend for CudaBackend {
             &rope_args,
         ]
         .concat();
-        self.launch("rope_store_kv", (n as u32, 1, 1), 256, &args);
+        // One block per (token, query or key head); a thread per rotated pair.
+        let heads = q.cols / head_dim + k.cols / head_dim;
+        let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
+        self.launch("rope_store_kv", (n as u32, heads as u32, 1), threads, &args);
     }
 }
 

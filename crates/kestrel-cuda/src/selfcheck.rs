@@ -412,6 +412,9 @@ pub struct GemvReport {
     pub via_cublas: bool,
     /// Whether it ran on 8-bit activations (the reference then uses them too).
     pub via_q8: bool,
+    /// Whether it ran on the f16 tensor-core kernels `mmh_*` (f16 operands, as cuBLAS;
+    /// the reference uses x rounded to f16).
+    pub via_mmh: bool,
 }
 
 /// `x` as the GPU's `quantize_x_q8` leaves it, back in f32: per block of 32, d = max|x| /
@@ -445,7 +448,7 @@ pub const MAX_GEMM_REL_ERR: f64 = 2e-3;
 impl GemvReport {
     /// The bound this case is held to (f32 kernels, or f16 operands on the tensor cores).
     pub fn limit(&self) -> f64 {
-        if self.via_cublas {
+        if self.via_cublas || self.via_mmh {
             MAX_GEMM_REL_ERR
         } else {
             MAX_GEMV_REL_ERR
@@ -469,18 +472,14 @@ pub const GEMV_TYPES: [GgmlType; 8] = [
     GgmlType::F32,
 ];
 
-/// `out = x · Wᵀ` on the GPU for a random `rows × cols` matrix of type `ty` and `n` random
-/// token rows, compared with f64 dot products of the dequantized rows.
-pub fn compare_gemv(
+/// A random `rows × cols` matrix of type `ty`, uploaded, and its dequantized values.
+fn random_matrix(
     backend: &CudaBackend,
+    rng: &mut rand::rngs::StdRng,
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    n: usize,
-    seed: u64,
-) -> anyhow::Result<GemvReport> {
-    use kestrel_model::Backend;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+) -> anyhow::Result<(crate::CudaWeight, Vec<f32>)> {
     let w: Vec<f32> = (0..rows * cols)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
@@ -489,33 +488,86 @@ pub fn compare_gemv(
         _ => kestrel_quant::quantize(ty, &w, cols).with_context(|| format!("quantizing {ty}"))?,
     };
     let wq = match ty {
-        GgmlType::F32 => w.clone(),
+        GgmlType::F32 => w,
         _ => kestrel_quant::dequantize(ty, &bytes).with_context(|| format!("dequantizing {ty}"))?,
+    };
+    Ok((backend.upload_matrix(ty, rows, cols, &bytes)?, wq))
+}
+
+/// `out = x · Wᵀ` on the GPU for a random `rows × cols` matrix of type `ty` and `n` random
+/// token rows, compared with f64 dot products of the dequantized rows. `gated`: the gated
+/// product of two such matrices instead, `silu(x · Gᵀ) * (x · Uᵀ)` (the feed-forward
+/// block's gate and up).
+pub fn compare_gemv(
+    backend: &CudaBackend,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+    gated: bool,
+) -> anyhow::Result<GemvReport> {
+    use kestrel_model::Backend;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (weight, wq) = random_matrix(backend, &mut rng, ty, rows, cols)?;
+    let up = if gated {
+        Some(random_matrix(backend, &mut rng, ty, rows, cols)?)
+    } else {
+        None
     };
     let x: Vec<f32> = (0..n * cols)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
-    let weight = backend.upload_matrix(ty, rows, cols, &bytes)?;
     let xt = backend.upload_tensor(n, cols, &x)?;
     let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
-    // The tensor-core kernels quantize a multiple of 8 tokens.
-    backend.reserve_q8(n.next_multiple_of(8) * cols)?;
-    backend.matmul(&xt, &weight, n, &mut out);
+    let via_mmh = backend.matmul_uses_mmh(&weight, n);
+    // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16, 32 or 64).
+    backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
+    match &up {
+        Some((up_w, _)) => {
+            let mut up_out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+            backend.gate_up_of(
+                &xt,
+                &weight,
+                up_w,
+                kestrel_model::Activation::Silu,
+                n,
+                &mut out,
+                &mut up_out,
+            );
+        }
+        None => backend.matmul(&xt, &weight, n, &mut out),
+    }
     // The 8-bit path's reference uses the activations it sees: x rounded as
     // `quantize_x_q8` rounds it.
-    let x = if via_q8 { quantize_q8_like_gpu(&x) } else { x };
+    let x = if via_q8 {
+        quantize_q8_like_gpu(&x)
+    } else if via_mmh {
+        x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+    } else {
+        x
+    };
     let mut got = Vec::new();
     backend.read_rows(&out, n, &mut got)?;
+    let dot = |m: &[f32], t: usize, r: usize| -> f64 {
+        m[r * cols..(r + 1) * cols]
+            .iter()
+            .zip(&x[t * cols..(t + 1) * cols])
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum()
+    };
     let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
     for t in 0..n {
         for r in 0..rows {
-            let want: f64 = wq[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(&x[t * cols..(t + 1) * cols])
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum();
+            let want = match &up {
+                Some((_, uq)) => {
+                    let g = dot(&wq, t, r);
+                    g / (1.0 + (-g).exp()) * dot(uq, t, r)
+                }
+                None => dot(&wq, t, r),
+            };
             let g = got[t * rows + r];
             if !g.is_finite() {
                 non_finite += 1;
@@ -534,6 +586,7 @@ pub fn compare_gemv(
         non_finite,
         via_cublas,
         via_q8,
+        via_mmh,
     })
 }
 
@@ -567,14 +620,16 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
 pub const MMQ_TYPES: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0];
 
 /// Random cases for the tensor-core kernels (with their limit raised to MMQ_MAX_TOKENS):
-/// token counts from each of their four tile sizes (3..=8, 9..=16, 17..=32, 33..=64), awkward row counts (not multiples of 16), and
-/// for the 32-value formats row lengths that are not multiples of 256.
+/// token counts from each of their four tile sizes (3..=8, 9..=16, 17..=32, 33..=64), awkward
+/// row counts (not multiples of 16), row lengths of 6 and 14 steps of 256 (the staged kernels
+/// split those across blocks), and for the 32-value formats row lengths that are not
+/// multiples of 256 (the unstaged kernels) as well as one that is.
 pub fn mmq_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let lengths: [usize; 4] = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
         [256, 768, 1536, 3584]
     } else {
-        [32, 224, 800, 2080]
+        [32, 224, 2048, 2080]
     };
     [(3, 8), (9, 16), (17, 32), (33, 64), (64, 64)]
         .iter()

@@ -151,36 +151,62 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .into_iter()
         .filter(|_| q8_default)
         .map(|ty| ("gemv-f32", ty));
-    // Steps of 2..=64 tokens of those formats run on the tensor cores ("mmq").
+    // Steps of 3..=64 tokens of those formats run on the tensor cores: int8 ("mmq"), or
+    // for Q4_K / Q6_K on f16 operands ("mmh"); "-gated": the gate and up matrices of a
+    // feed-forward block in one launch.
     let mmq = selfcheck::MMQ_TYPES
         .into_iter()
         .filter(|_| q8_default)
-        .map(|ty| ("mmq", ty));
+        .flat_map(|ty| {
+            let mut kinds = vec![("mmq", ty), ("mmq-gated", ty)];
+            if matches!(
+                ty,
+                kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
+            ) {
+                kinds.extend([("mmh", ty), ("mmh-gated", ty)]);
+            }
+            kinds
+        });
     let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
     for (it, (kind, ty)) in gemv.chain(gemv_f32).chain(mmq).chain(gemm).enumerate() {
         backend.set_q8_decode(q8_default && kind != "gemv-f32");
-        let mmq_default = (backend.mmq_max(), backend.mmq_all_formats());
-        if kind == "mmq" {
+        let mmq_default = (
+            backend.mmq_max(),
+            backend.mmq_all_formats(),
+            backend.mmh_min(),
+        );
+        if kind.starts_with("mm") {
             backend.set_mmq_max(kestrel_cuda::MMQ_MAX_TOKENS);
             backend.set_mmq_all_formats(true);
+            backend.set_mmh_min(if kind.starts_with("mmh") {
+                1
+            } else {
+                usize::MAX
+            });
         }
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
         let case_seed = seed.wrapping_add(500 + it as u64);
         let cases = if kind.starts_with("gemv") {
             selfcheck::gemv_cases(ty, case_seed)
-        } else if kind == "mmq" {
+        } else if kind.starts_with("mm") {
             selfcheck::mmq_cases(ty, case_seed)
         } else {
             selfcheck::gemm_cases(ty, case_seed)
         };
         for (rows, cols, n, s) in cases {
-            match selfcheck::compare_gemv(&backend, ty, rows, cols, n, s) {
+            match selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"))
+            {
                 Ok(r) => {
                     // An mmq case that took another path tests nothing it names.
-                    if kind == "mmq" && !r.via_q8 {
+                    if kind.starts_with("mmq") && !r.via_q8 {
                         error = Some(format!(
                             "{rows}x{cols} n={n} did not run on 8-bit activations"
+                        ));
+                    }
+                    if kind.starts_with("mmh") && !r.via_mmh {
+                        error = Some(format!(
+                            "{rows}x{cols} n={n} did not run on the f16 tensor-core kernels"
                         ));
                     }
                     failures += usize::from(!r.passed());
@@ -196,6 +222,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         backend.set_mmq_max(mmq_default.0);
         backend.set_mmq_all_formats(mmq_default.1);
+        backend.set_mmh_min(mmq_default.2);
         if let Some(e) = error {
             failures += 1;
             println!("{kind} {:<6} ERROR {e}", ty.name());
@@ -208,6 +235,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 r.tokens,
                 if r.via_q8 {
                     " (8-bit activations)"
+                } else if r.via_mmh {
+                    " (f16 tensor cores)"
                 } else if r.via_cublas {
                     " (cuBLAS, f16)"
                 } else {
