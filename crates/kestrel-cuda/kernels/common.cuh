@@ -68,3 +68,27 @@ __device__ float block_sum(float v) {
     __syncthreads();
     return total;
 }
+
+// Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), committed in groups.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+// The same to a shared-space address, writing zeros when !valid.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :
+                 : "r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most one of this thread's committed groups is still in flight.
+__device__ __forceinline__ void cp_async_wait_prev() {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+// Waits until all of them have landed.
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}

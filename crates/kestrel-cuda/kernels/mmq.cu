@@ -90,9 +90,9 @@ __device__ __forceinline__ void mq_acc(float (&a)[4], const int (&cc)[4], float 
 
 // One 32-value block kb of the rows held in a[r][0..1] (r = 0, 1: rows g, g + 8 of the
 // first matrix; 2, 3: of up) against every active token tile.
-template <int J, bool UP, class X>
+template <int J, bool UP>
 __device__ __forceinline__ void mq_block(const u32 (&a)[4][2], const float (&fs)[4],
-                                         const float (&fm)[4], int kb, int nt, const X& x,
+                                         const float (&fm)[4], int kb, int nt, const MqX& x,
                                          float (&acc)[J][4], float (&acc_up)[J][4]) {
 #pragma unroll
     for (int j = 0; j < J; j++) {
@@ -117,9 +117,9 @@ template <int TY> struct Mq;
 // 32-byte quant chunk ch, bytes 8c .. 8c + 7: values 8c.. of sub-block 2ch (low nibbles) and
 // of 2ch + 1 (high nibbles).
 template <> struct Mq<T_Q4_K> {
-    template <int J, bool UP, class X>
+    template <int J, bool UP>
     static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int,
-                                                const X& x, float (&acc)[J][4],
+                                                const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
         uint4 h[NR];
@@ -155,7 +155,7 @@ template <> struct Mq<T_Q4_K> {
                     a[r][0] = (q[rr][ch].x >> (4 * i)) & 0x0F0F0F0Fu;
                     a[r][1] = (q[rr][ch].y >> (4 * i)) & 0x0F0F0F0Fu;
                 }
-                mq_block<J, UP, X>(a, fs[i], fm[i], st * 8 + 2 * ch + i, nt, x, acc, acc_up);
+                mq_block<J, UP>(a, fs[i], fm[i], st * 8 + 2 * ch + i, nt, x, acc, acc_up);
             }
         }
     }
@@ -165,9 +165,9 @@ template <> struct Mq<T_Q4_K> {
 // half s / 4; a lane's values 8c.. take one of the block's two 16-value scales (c < 2: the
 // first), so each block is two mma with the other half of the lanes' weights zeroed.
 template <> struct Mq<T_Q6_K> {
-    template <int J, bool UP, class X>
+    template <int J, bool UP>
     static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int,
-                                                const X& x, float (&acc)[J][4],
+                                                const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
         uint2 ql[NR][2][2], qh[NR][2];
@@ -237,9 +237,9 @@ template <> struct Mq<T_Q6_K> {
 // Q4_0 (NIBBLES): the low (c < 2) or high nibbles of quant bytes 8 (c & 1) .., their −8
 // offset taken off through the activation sums.
 template <int BYTES, bool NIBBLES> struct MqBlocks32 {
-    template <int J, bool UP, class X>
+    template <int J, bool UP>
     static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
-                                                const X& x, float (&acc)[J][4],
+                                                const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
         const int off = 2 + 8 * (NIBBLES ? (x.c & 1) : x.c), shift = NIBBLES ? 4 * (x.c >> 1) : 0;
@@ -269,7 +269,7 @@ template <int BYTES, bool NIBBLES> struct MqBlocks32 {
                         a[r][1] = NIBBLES ? (q[i][rr].y >> shift) & 0x0F0F0F0Fu : q[i][rr].y;
                         fm[r] = NIBBLES ? 8.0f * d[i][r] : 0.0f;
                     }
-                    mq_block<J, UP, X>(a, d[i], fm, kb0 + i, nt, x, acc, acc_up);
+                    mq_block<J, UP>(a, d[i], fm, kb0 + i, nt, x, acc, acc_up);
                 }
             }
         }
@@ -391,206 +391,20 @@ MMQ_KERNEL(mmq_t32_gated, 4, true, 1)
 MMQ_KERNEL(mmq_t64_gated, 8, true, 1)
 
 // ---------------------------------------------------------------------------------------
-// Staged variant for steps of 9..64 tokens (mmqs_*). In mmq_t* every warp loads its own
-// activation fragments from global memory for each 16 rows it owns; at 32–64 tokens those
-// loads outweigh the weight bytes. Here a block of MS_WARPS warps owns MS_ROWS rows (16 a
-// warp: one m16 tile) and walks the row length in 256-value steps; each step's activations
-// (all tokens, with their {d, d·Σq} pairs) are copied once into shared memory by the whole
-// block (cp.async, two buffers: the next step's copy overlaps this step's math), and every
-// warp reads its B fragments and scales from there. Narrow matrices split the row length
-// across `splits` blocks; their partial sums meet in `work`, added in split order by the
-// block that finishes last (a per-tile arrival counter, reset by that block): the result
-// does not depend on which block finishes first.
-
-#define MS_WARPS 4
-#define MS_ROWS (16 * MS_WARPS)
-// Bytes per token row of a staged step: 256 values + 32 of padding, so that a half-warp's
-// 8-byte B-fragment loads (tokens g = 0..3, bytes 8c..) fall in distinct banks.
-#define MS_XROW 288
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;"); }
-
-// A lane's view of one staged 256-value step (shared memory): q[token][MS_XROW] and
-// ds[block of 32][token][2]; `kb` may be the row-global block index (only kb % 8 is used).
-struct MqXs {
-    const i8* q;
-    const float* ds;
-    int nt8, g, c;
-    __device__ __forceinline__ uint2 b(int j, int kb) const {
-        return *(const uint2*)(q + (j * 8 + g) * MS_XROW + (kb & 7) * 32 + c * 8);
-    }
-    __device__ __forceinline__ float4 scales(int j, int kb) const {
-        return *(const float4*)(ds + 2 * ((kb & 7) * nt8 + j * 8 + 2 * c));
-    }
-};
-
-// Steps [s0, s1) of format TY for this warp's rows, the activations staged per step.
-template <int TY, int J, bool UP>
-__device__ __forceinline__ void ms_rows(const u8* const (&rw)[4], int s0, int s1, int k,
-                                        const i8* xq, const float* xds, i8 (*sq)[8 * J * MS_XROW],
-                                        float (*sds)[8 * 8 * J * 2], float (&acc)[J][4],
-                                        float (&acc_up)[J][4]) {
-    constexpr int NT = 8 * J;
-    const int lane = threadIdx.x & 31;
-    // Copy step st's activations into buffer `buf`: NT rows of 16 chunks, then for each of
-    // the 8 blocks of 32 the NT {d, d·Σq} pairs (NT / 2 chunks).
-    auto stage = [&](int buf, int st) {
-        for (int i = threadIdx.x; i < NT * 16; i += MS_WARPS * 32) {
-            const int tok = i >> 4, ch = i & 15;
-            cp_async16(sq[buf] + tok * MS_XROW + ch * 16, xq + (size_t)tok * k + st * 256 + ch * 16);
-        }
-        for (int i = threadIdx.x; i < 8 * (NT / 2); i += MS_WARPS * 32) {
-            const int kb = i / (NT / 2), tp = i - kb * (NT / 2);
-            cp_async16(sds[buf] + 2 * (kb * NT + 2 * tp),
-                       xds + 2 * ((size_t)(st * 8 + kb) * NT + 2 * tp));
-        }
-        cp_async_commit();
-    };
-    if (s0 < s1) stage(0, s0);
-    for (int st = s0, it = 0; st < s1; st++, it++) {
-        if (st + 1 < s1)
-            stage((it + 1) & 1, st + 1);
-        else
-            cp_async_commit();  // an empty group: "all but the newest" is then this step's
-        cp_async_wait_prev();
-        __syncthreads();
-        const MqXs xs{sq[it & 1], sds[it & 1], NT, lane >> 2, lane & 3};
-        Mq<TY>::template step<J, UP>(rw, st, J, k >> 5, xs, acc, acc_up);
-        __syncthreads();  // the buffer is refilled two steps on
-    }
-}
-
-// The end of a staged launch's block (mmqs_*, mmh_*): with splits, this block's partial
-// sums go to `work` (work[block][e][thread], coalesced) and the tile's last block to arrive
-// adds every split's partials in split order and goes on; then each warp stores its 16 rows
-// (r0: its first row, maybe past the end) for the n tokens: act(gate) * up into out0 (UP),
-// else plus the bias into the segment's output.
-template <int J, bool UP>
-__device__ __forceinline__ void mq_finish(float (&acc)[J][4], float (&acc_up)[J][4], int splits,
-                                          float* work, u32* count, int tile, const GvRows& t,
-                                          int r0, int n, int act, float* out0, int ld0) {
-    __shared__ int ms_last;
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    const int nr = t.rows - r0;
-    if (splits > 1) {
-        // work[block][e][thread]: this block's partial sums (coalesced), then the arrival.
-        constexpr int PER = (UP ? 2 : 1) * J * 4;
-        float* mine = work + (size_t)blockIdx.x * PER * (MS_WARPS * 32) + threadIdx.x;
-#pragma unroll
-        for (int j = 0; j < J; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                __stcg(mine + (4 * j + e) * (MS_WARPS * 32), acc[j][e]);
-                if (UP) __stcg(mine + (4 * (J + j) + e) * (MS_WARPS * 32), acc_up[j][e]);
-            }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) ms_last = atomicAdd(count + tile, 1u) == (u32)(splits - 1);
-        __syncthreads();
-        if (!ms_last) return;
-        __threadfence();
-        // The last block adds every split's partials in split order.
-        const float* first = work + (size_t)tile * splits * PER * (MS_WARPS * 32) + threadIdx.x;
-#pragma unroll
-        for (int j = 0; j < J; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float a = 0.0f, u = 0.0f;
-                for (int s = 0; s < splits; s++) {
-                    const float* p = first + (size_t)s * PER * (MS_WARPS * 32);
-                    a += __ldcg(p + (4 * j + e) * (MS_WARPS * 32));
-                    if (UP) u += __ldcg(p + (4 * (J + j) + e) * (MS_WARPS * 32));
-                }
-                acc[j][e] = a;
-                acc_up[j][e] = u;
-            }
-        if (threadIdx.x == 0) count[tile] = 0;
-    }
-#pragma unroll
-    for (int j = 0; j < J; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
-            if (r < nr && tok < n) {
-                const int row = r0 + r;
-                if (UP)
-                    out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
-                else
-                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
-            }
-        }
-}
-
-// out_s[t][r] = W_s[r]·x[t] (+ bias) for n tokens (n ≤ 8J; the activations quantized for
-// npad = 8J tokens) with the GEMV launches' parameters (UP: gated, as mmq_body). k a
-// multiple of 256. Grid: (Σ ceil(rows_s / MS_ROWS)) × splits blocks, block b taking tile
-// b / splits and the split b % splits of the row's steps.
-template <int J, bool UP>
-__device__ __forceinline__ void mmqs_body(const i8* xq, const float* xds, int splits,
-                                          float* work, u32* count, GEMV_PARAMS) {
-    constexpr int NT = 8 * J;
-    __shared__ __align__(16) i8 sq[2][NT * MS_XROW];
-    __shared__ __align__(16) float sds[2][8 * NT * 2];
-    const int tile = blockIdx.x / splits, split = blockIdx.x - tile * splits;
-    GvRows t;
-    if (!gv_pick_rows<MS_ROWS>(tile, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1,
-                               rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2,
-                               t))
-        return;  // the whole block: the tile is the block's
-    (void)x;
-    (void)rpb;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-    const int r0 = t.r0 + 16 * warp;  // this warp's first row (may be past the end)
-    // Rows past the matrix's end read its last row; their results are dropped.
-    const int ra = min(r0 + g, t.rows - 1), rb = min(r0 + g + 8, t.rows - 1);
-    const u8* rw[4] = {t.w + (size_t)ra * t.rb, t.w + (size_t)rb * t.rb,
-                       UP ? w1 + (size_t)ra * rb1 : nullptr,
-                       UP ? w1 + (size_t)rb * rb1 : nullptr};
-    float acc[J][4], acc_up[J][4];
-#pragma unroll
-    for (int j = 0; j < J; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[j][e] = acc_up[j][e] = 0.0f;
-    const int steps = k >> 8, per = (steps + splits - 1) / splits;
-    const int s0 = split * per, s1 = min(steps, s0 + per);
-    switch (t.ty) {
-    case T_Q4_K: ms_rows<T_Q4_K, J, UP>(rw, s0, s1, k, xq, xds, sq, sds, acc, acc_up); break;
-    case T_Q6_K: ms_rows<T_Q6_K, J, UP>(rw, s0, s1, k, xq, xds, sq, sds, acc, acc_up); break;
-    case T_Q8_0: ms_rows<T_Q8_0, J, UP>(rw, s0, s1, k, xq, xds, sq, sds, acc, acc_up); break;
-    case T_Q4_0: ms_rows<T_Q4_0, J, UP>(rw, s0, s1, k, xq, xds, sq, sds, acc, acc_up); break;
-    default: break;
-    }
-
-    mq_finish<J, UP>(acc, acc_up, splits, work, count, tile, t, r0, n, act, out0, ld0);
-}
-
-#define MMQS_KERNEL(NAME, J, UP)                                                               \
-    extern "C" __global__ void __launch_bounds__(MS_WARPS * 32)                                \
-        NAME(const i8* xq, const float* xds, int splits, float* work, u32* count,              \
-             GEMV_PARAMS) {                                                                    \
-        pdl_enter();                                                                           \
-        mmqs_body<J, UP>(xq, xds, splits, work, count, GEMV_ARGS);                             \
-    }
-MMQS_KERNEL(mmqs_t16, 2, false)
-MMQS_KERNEL(mmqs_t32, 4, false)
-MMQS_KERNEL(mmqs_t64, 8, false)
-MMQS_KERNEL(mmqs_t16_gated, 2, true)
-MMQS_KERNEL(mmqs_t32_gated, 4, true)
-MMQS_KERNEL(mmqs_t64_gated, 8, true)
-
-// ---------------------------------------------------------------------------------------
 // Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to
 // f16 in registers, scales applied, and multiplied with mma.sync m16n8k16 (f16 operands,
 // f32 accumulators) — no per-block scale arithmetic after the multiply, which is what
-// bounds the int8 kernels above at 32–64 tokens (~20 instructions per mma). Tiling and
-// staging as mmqs_* (64 rows a block, 16 a warp; each 256-value step's activations of all
-// tokens copied once into shared memory; split row lengths). Numerically it is the f16
-// cuBLAS path's product (f16 weights and activations, f32 sums) without the f16 copies.
+// bounds the int8 kernels above at 16–64 tokens (~20 instructions per mma). Numerically it
+// is the f16 cuBLAS path's product (f16 weights and activations, f32 sums) without the f16
+// copies of the weights.
+//
+// Tiling: a block of MH_WARPS warps owns MH_ROWS rows, 16 a warp (gated launches: 32 rows
+// of gate and the same 32 of up, warps 0-1 gate's and 2-3 up's), and walks the row length
+// in 256-value steps. Each step's activations (all tokens) are copied once into shared
+// memory by the whole block and every warp reads its B fragments from there. Narrow
+// matrices split the row length across `splits` blocks; their partial sums meet in
+// `work`, added in split order by the block that finishes last (a per-tile arrival
+// counter, reset by that block): the result does not depend on which block finishes first.
 //
 // Fragments (PTX m16n8k16): lane (g, c) holds A rows g and g + 8 at k = 2c, 2c+1 (a0, a1)
 // and 2c+8, 2c+9 (a2, a3), and B column (token) g at k = 2c, 2c+1 (b0) and 2c+8, 2c+9 (b1).
@@ -663,22 +477,17 @@ __device__ __forceinline__ void mh_expand(u32 v, u32 bias2, u32& p02, u32& p13) 
     p13 = h2_sub(((v >> 8) & 0x003F003Fu) | 0x64006400u, bias2);
 }
 
-// One 32-value block of rows g, g + 8 (and of up's, UP): w[r][h] holds the block's 8
-// values of row r at this lane, f16 pairs (h = 0: values 0 2, 1: 1 3, 2: 4 6, 3: 5 7),
-// multiplied with every token tile; `xs` is the lane's token-g row of the stage at the
-// block's values 8c.. (tile j at xs + j * 8 * MH_XROW).
-template <int J, bool UP>
-__device__ __forceinline__ void mh_block(const u32 (&w)[4][4], const u8* xs, float (&acc)[J][4],
-                                         float (&acc_up)[J][4]) {
+// One 32-value block of rows g, g + 8: w[r][h] holds the block's 8 values of row r (0: g,
+// 1: g + 8) at this lane, f16 pairs (h = 0: values 0 2, 1: 1 3, 2: 4 6, 3: 5 7), multiplied
+// with every token tile; `xs` is the lane's token-g row of the stage at the block's values
+// 8c.. (tile j at xs + j * 8 * MH_XROW).
+template <int J>
+__device__ __forceinline__ void mh_block(const u32 (&w)[2][4], const u8* xs, float (&acc)[J][4]) {
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const uint4 b = *(const uint4*)(xs + j * 8 * MH_XROW);
         mh_mma(acc[j], w[0][0], w[1][0], w[0][1], w[1][1], b.x, b.y);
         mh_mma(acc[j], w[0][2], w[1][2], w[0][3], w[1][3], b.z, b.w);
-        if (UP) {
-            mh_mma(acc_up[j], w[2][0], w[3][0], w[2][1], w[3][1], b.x, b.y);
-            mh_mma(acc_up[j], w[2][2], w[3][2], w[2][3], w[3][3], b.z, b.w);
-        }
     }
 }
 
@@ -687,29 +496,33 @@ template <int TY> struct Mh;
 // Q4_K: per row the block header (d, dmin, 6-bit scales and minimums) and of each 32-byte
 // quant chunk ch the lane's bytes 8c .. 8c + 7 (values 8c.. of blocks 2ch and 2ch + 1).
 template <> struct Mh<T_Q4_K> {
-    template <int J, bool UP>
-    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, const u8* xs,
-                                                float (&acc)[J][4], float (&acc_up)[J][4]) {
-        constexpr int NR = UP ? 4 : 2;
+    struct Raw {
+        uint4 h[2];
+        uint2 q[2][4];
+    };
+    static __device__ __forceinline__ void load(const u8* const (&rw)[2], int st, Raw& w) {
         const int c = threadIdx.x & 3;
-        uint4 h[NR];
-        uint2 q[NR][4];
 #pragma unroll
-        for (int r = 0; r < NR; r++) {
+        for (int r = 0; r < 2; r++) {
             const u8* b = rw[r] + (size_t)st * 144;
-            h[r] = *(const uint4*)b;
+            w.h[r] = *(const uint4*)b;
 #pragma unroll
-            for (int ch = 0; ch < 4; ch++) q[r][ch] = *(const uint2*)(b + 16 + 32 * ch + 8 * c);
+            for (int ch = 0; ch < 4; ch++) w.q[r][ch] = *(const uint2*)(b + 16 + 32 * ch + 8 * c);
         }
+    }
+    template <int J>
+    static __device__ __forceinline__ void compute(const Raw& raw, const u8* xs,
+                                                   float (&acc)[J][4]) {
         const u32 bias2 = 0x64006400u;  // 1024: nibbles have no offset (minimums apart)
 #pragma unroll
         for (int ch = 0; ch < 4; ch++) {
-            u32 scale[4][2], minus[4][2];
+            u32 scale[2][2], minus[2][2];
 #pragma unroll
-            for (int r = 0; r < NR; r++) {
-                const float d = h2f((u16)(h[r].x & 0xFFFF)), dmin = h2f((u16)(h[r].x >> 16));
+            for (int r = 0; r < 2; r++) {
+                const float d = h2f((u16)(raw.h[r].x & 0xFFFF));
+                const float dmin = h2f((u16)(raw.h[r].x >> 16));
                 int sc[2], mn[2];
-                q4k_scale_min_pair(h[r], ch, sc, mn);
+                q4k_scale_min_pair(raw.h[r], ch, sc, mn);
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     scale[r][i] = h2_dup(d * (float)sc[i]);
@@ -718,17 +531,16 @@ template <> struct Mh<T_Q4_K> {
             }
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                u32 w[4][4];
+                u32 w[2][4];
 #pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const int rr = r < NR ? r : 0;
+                for (int r = 0; r < 2; r++) {
                     u32 p[4];
-                    mh_expand((q[rr][ch].x >> (4 * i)) & 0x0F0F0F0Fu, bias2, p[0], p[1]);
-                    mh_expand((q[rr][ch].y >> (4 * i)) & 0x0F0F0F0Fu, bias2, p[2], p[3]);
+                    mh_expand((raw.q[r][ch].x >> (4 * i)) & 0x0F0F0F0Fu, bias2, p[0], p[1]);
+                    mh_expand((raw.q[r][ch].y >> (4 * i)) & 0x0F0F0F0Fu, bias2, p[2], p[3]);
 #pragma unroll
-                    for (int e = 0; e < 4; e++) w[r][e] = h2_fma(p[e], scale[rr][i], minus[rr][i]);
+                    for (int e = 0; e < 4; e++) w[r][e] = h2_fma(p[e], scale[r][i], minus[r][i]);
                 }
-                mh_block<J, UP>(w, xs + (2 * ch + i) * 64, acc, acc_up);
+                mh_block<J>(w, xs + (2 * ch + i) * 64, acc);
             }
         }
     }
@@ -737,62 +549,125 @@ template <> struct Mh<T_Q4_K> {
 // Q6_K: block s of a step is quarter s % 4 of half s / 4; the lane's values 8c.. of it take
 // one 16-value scale (c < 2: the block's first).
 template <> struct Mh<T_Q6_K> {
-    template <int J, bool UP>
-    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, const u8* xs,
-                                                float (&acc)[J][4], float (&acc_up)[J][4]) {
-        constexpr int NR = UP ? 4 : 2;
+    struct Raw {
+        uint2 ql[2][2][2], qh[2][2];
+        u32 sw[2][4];
+        float d[2];
+    };
+    static __device__ __forceinline__ void load(const u8* const (&rw)[2], int st, Raw& w) {
         const int c = threadIdx.x & 3;
-        uint2 ql[NR][2][2], qh[NR][2];
-        u32 sw[NR][4];
-        float d[NR];
 #pragma unroll
-        for (int r = 0; r < NR; r++) {
+        for (int r = 0; r < 2; r++) {
             const u8* b = rw[r] + (size_t)st * 210;
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
 #pragma unroll
-                for (int p = 0; p < 2; p++) ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * c);
-                qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * c);
+                for (int p = 0; p < 2; p++)
+                    w.ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * c);
+                w.qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * c);
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++) sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
-            d[r] = ld_f16(b + 208);
+            for (int i = 0; i < 4; i++) w.sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
+            w.d[r] = ld_f16(b + 208);
         }
+    }
+    template <int J>
+    static __device__ __forceinline__ void compute(const Raw& raw, const u8* xs,
+                                                   float (&acc)[J][4]) {
+        const int c = threadIdx.x & 3;
         const u32 bias2 = 0x64206420u;  // 1024 + 32
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             const int hf = s >> 2, qq = s & 3;
             const int sl = 4 * (qq >> 1), sh = 2 * qq;
             const int si = 8 * hf + 2 * qq + (c >> 1);  // this lane's 16-value scale
-            u32 w[4][4];
+            u32 w[2][4];
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const int rr = r < NR ? r : 0;
-                const uint2 l = ql[rr][hf][qq & 1], hb = qh[rr][hf];
+            for (int r = 0; r < 2; r++) {
+                const uint2 l = raw.ql[r][hf][qq & 1], hb = raw.qh[r][hf];
                 const u32 v0 = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
                 const u32 v1 = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
-                const int sc = (int)(signed char)((sw[rr][si >> 2] >> (8 * (si & 3))) & 0xFF);
-                const u32 scale = h2_dup(d[rr] * (float)sc);
+                const int sc = (int)(signed char)((raw.sw[r][si >> 2] >> (8 * (si & 3))) & 0xFF);
+                const u32 scale = h2_dup(raw.d[r] * (float)sc);
                 u32 p[4];
                 mh_expand(v0, bias2, p[0], p[1]);
                 mh_expand(v1, bias2, p[2], p[3]);
 #pragma unroll
                 for (int e = 0; e < 4; e++) w[r][e] = h2_mul(p[e], scale);
             }
-            mh_block<J, UP>(w, xs + s * 64, acc, acc_up);
+            mh_block<J>(w, xs + s * 64, acc);
         }
     }
 };
 
-// Steps [s0, s1) of format TY for this warp's rows; each step's activations staged into
-// `sx` (one buffer: the block's other warps and the SM's other blocks cover the copy).
-template <int TY, int J, bool UP>
-__device__ __forceinline__ void mh_rows(const u8* const (&rw)[4], int s0, int s1, int k,
-                                        const u16* xh, u8* sx, float (&acc)[J][4],
-                                        float (&acc_up)[J][4]) {
+// With splits, a block's partial sums go to `work` (work[block][e][thread], coalesced)
+// and the tile's last block to arrive adds every split's partials in split order; false
+// for the other blocks (they are done).
+template <int J>
+__device__ __forceinline__ bool mq_split_sum(float (&acc)[J][4], int splits, float* work,
+                                             u32* count, int tile) {
+    __shared__ int ms_last;
+    if (splits <= 1) return true;
+    constexpr int PER = J * 4, T = MH_WARPS * 32;
+    float* mine = work + (size_t)blockIdx.x * PER * T + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) __stcg(mine + (4 * j + e) * T, acc[j][e]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ms_last = atomicAdd(count + tile, 1u) == (u32)(splits - 1);
+    __syncthreads();
+    if (!ms_last) return false;
+    __threadfence();
+    const float* first = work + (size_t)tile * splits * PER * T + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float a = 0.0f;
+            for (int s = 0; s < splits; s++) a += __ldcg(first + ((size_t)s * PER + 4 * j + e) * T);
+            acc[j][e] = a;
+        }
+    if (threadIdx.x == 0) count[tile] = 0;
+    return true;
+}
+
+// A warp's 16 rows from r0 (maybe past the end) for the n tokens: act(gate) * up into out0
+// (UP), else plus the bias into the segment's output.
+template <int J, bool UP>
+__device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (&acc_up)[J][4],
+                                         const GvRows& t, int r0, int n, int act, float* out0,
+                                         int ld0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const int nr = t.rows - r0;
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
+            if (r < nr && tok < n) {
+                const int row = r0 + r;
+                if (UP)
+                    out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
+                else
+                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
+            }
+        }
+}
+
+// Steps [s0, s1) of format TY for this warp's rows. Each step's activations are copied
+// into `sx` (one buffer) while the next step's weights are loaded into registers, so the
+// weights' DRAM latency is hidden behind a step of math; the block's other warps and the
+// SM's other blocks cover the copy.
+template <int TY, int J>
+__device__ __forceinline__ void mh_rows(const u8* const (&rw)[2], int s0, int s1, int k,
+                                        const u16* xh, u8* sx, float (&acc)[J][4]) {
     constexpr int NT = 8 * J;
     const int lane = threadIdx.x & 31;
     const u8* xs = sx + (lane >> 2) * MH_XROW + (lane & 3) * 16;
+    typename Mh<TY>::Raw cur, next;
+    if (s0 < s1) Mh<TY>::load(rw, s0, cur);
     for (int st = s0; st < s1; st++) {
         // NT rows of 32 chunks of 16 bytes.
         for (int i = threadIdx.x; i < NT * 32; i += MH_WARPS * 32) {
@@ -800,47 +675,75 @@ __device__ __forceinline__ void mh_rows(const u8* const (&rw)[4], int s0, int s1
             cp_async16(sx + tok * MH_XROW + ch * 16, xh + (size_t)tok * k + st * 256 + ch * 8);
         }
         cp_async_commit();
-        asm volatile("cp.async.wait_group 0;");
+        if (st + 1 < s1) Mh<TY>::load(rw, st + 1, next);
+        cp_async_wait_all();
         __syncthreads();
-        Mh<TY>::template step<J, UP>(rw, st, xs, acc, acc_up);
+        Mh<TY>::template compute<J>(cur, xs, acc);
         __syncthreads();  // before the next step's copy overwrites the stage
+        cur = next;
     }
 }
 
-// As mmqs_body, on f16 activations xh (convert_x_mmh, npad = 8J rows).
+// out_s[t][r] = W_s[r]·x[t] (+ bias) for n tokens with the GEMV launches' parameters, on
+// f16 activations xh (convert_x_mmh, 8J token rows); UP: a gated launch, act(gate·x) *
+// (up·x) into out0 (gate and up of one format and row length, the host checks). k a
+// multiple of 256. Grid: (Σ ceil(rows_s / MH_ROWS), gated: ceil(rows / (MH_ROWS / 2))) ×
+// splits blocks, block b taking tile b / splits and the split b % splits of the steps.
 template <int J, bool UP>
 __device__ __forceinline__ void mmh_body(const u16* xh, int splits, float* work, u32* count,
                                          GEMV_PARAMS) {
-    constexpr int NT = 8 * J;
+    constexpr int NT = 8 * J, TILE_ROWS = UP ? MH_ROWS / 2 : MH_ROWS;
     __shared__ __align__(16) u8 sx[NT * MH_XROW];
     const int tile = blockIdx.x / splits, split = blockIdx.x - tile * splits;
     GvRows t;
-    if (!gv_pick_rows<MH_ROWS>(tile, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1,
-                               rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2,
-                               t))
+    if (!gv_pick_rows<TILE_ROWS>(tile, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1,
+                                 rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2,
+                                 bias2, t))
         return;  // the whole block: the tile is the block's
     (void)x;
     (void)rpb;
-    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-    const int r0 = t.r0 + 16 * warp;  // this warp's first row (may be past the end)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    const int up = UP ? warp >> 1 : 0, wr = UP ? warp & 1 : warp;
+    const int r0 = t.r0 + 16 * wr;  // this warp's first row (may be past the end)
+    const u8* w = up ? w1 : t.w;
+    const long long rbytes = up ? rb1 : t.rb;
     // Rows past the matrix's end read its last row; their results are dropped.
     const int ra = min(r0 + g, t.rows - 1), rb = min(r0 + g + 8, t.rows - 1);
-    const u8* rw[4] = {t.w + (size_t)ra * t.rb, t.w + (size_t)rb * t.rb,
-                       UP ? w1 + (size_t)ra * rb1 : nullptr,
-                       UP ? w1 + (size_t)rb * rb1 : nullptr};
-    float acc[J][4], acc_up[J][4];
+    const u8* rw[2] = {w + (size_t)ra * rbytes, w + (size_t)rb * rbytes};
+    float acc[J][4];
 #pragma unroll
     for (int j = 0; j < J; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[j][e] = acc_up[j][e] = 0.0f;
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
     const int steps = k >> 8, per = (steps + splits - 1) / splits;
     const int s0 = split * per, s1 = min(steps, s0 + per);
     switch (t.ty) {
-    case T_Q4_K: mh_rows<T_Q4_K, J, UP>(rw, s0, s1, k, xh, sx, acc, acc_up); break;
-    case T_Q6_K: mh_rows<T_Q6_K, J, UP>(rw, s0, s1, k, xh, sx, acc, acc_up); break;
+    case T_Q4_K: mh_rows<T_Q4_K, J>(rw, s0, s1, k, xh, sx, acc); break;
+    case T_Q6_K: mh_rows<T_Q6_K, J>(rw, s0, s1, k, xh, sx, acc); break;
     default: break;
     }
-    mq_finish<J, UP>(acc, acc_up, splits, work, count, tile, t, r0, n, act, out0, ld0);
+    if (!mq_split_sum<J>(acc, splits, work, count, tile)) return;
+    if (!UP) {
+        mq_store<J, false>(acc, acc, t, r0, n, act, out0, ld0);
+        return;
+    }
+    // Up's warps hand their sums to gate's through shared memory (the stage is free).
+    float(*ex)[J * 4][32] = reinterpret_cast<float(*)[J * 4][32]>(sx);
+    __syncthreads();
+    if (up) {
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) ex[wr][4 * j + e][lane] = acc[j][e];
+    }
+    __syncthreads();
+    if (up) return;
+    float acc_up[J][4];
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc_up[j][e] = ex[wr][4 * j + e][lane];
+    mq_store<J, true>(acc, acc_up, t, r0, n, act, out0, ld0);
 }
 
 #define MMH_KERNEL(NAME, J, UP)                                                                \

@@ -581,6 +581,331 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
     }
 }
 
+// Prefill attention on the tensor cores (FlashAttention-2 style): block (tile of FM_Q = 64
+// consecutive tokens of one sequence's run, query head), 4 warps of 16 query rows each. The
+// queries are rounded to f16 once into mma fragments held in registers; K and V tiles of
+// FM_K = 64 keys come from the paged f16 cache into shared memory (cp.async: V of a tile
+// and K of the next one load while the previous phase computes). S = Q·Kᵀ and O += P·V are
+// mma.sync m16n8k16 (f16 operands, f32 sums); the online softmax runs on S in registers
+// (base 2, scale folded in), P is rounded to f16 for the second product. Same arguments
+// and masking as attention_prefill (causal, sliding window); one kernel per head size.
+//
+// Fragments of mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16 with floating point type"), lane = 4g + c (g = lane >> 2,
+// c = lane & 3); each .b32 register holds two f16, the lower column (or k) in the low half:
+//   A (16×16, row): a0 = (row g, cols 2c, 2c+1)    a1 = (row g+8, cols 2c, 2c+1)
+//                   a2 = (row g, cols 2c+8, 2c+9)  a3 = (row g+8, cols 2c+8, 2c+9)
+//   B (16×8, col):  b0 = (k 2c, 2c+1; col g)       b1 = (k 2c+8, 2c+9; col g)
+//   C/D (16×8 f32): d0, d1 = (row g, cols 2c, 2c+1)  d2, d3 = (row g+8, cols 2c, 2c+1)
+// Here: A of S is Q (rows = the warp's queries, k = dims); B of S is Kᵀ (k = dims, col = key),
+// i.e. K rows as stored: ldmatrix (no .trans) of 8 keys × 8 dims gives lane (key g, dims 2c,
+// 2c+1) = b0. The S accumulator of keys 8j..8j+7 (d0..d3 above) is already the A layout of
+// P for keys 16kk..16kk+15: a0 = S-tile 2kk (d0, d1), a1 = 2kk (d2, d3), a2 = 2kk+1 (d0, d1),
+// a3 = 2kk+1 (d2, d3). B of O is V (k = keys, col = dims), stored key-major: ldmatrix.trans
+// of 8 keys × 8 dims gives lane (keys 2c, 2c+1; dim g) = b0.
+#define FM_Q 64
+#define FM_K 64
+#define FM_WARPS 4
+// Halves of padding per shared row: rows 16 bytes apart modulo 128, so the 8 row addresses
+// of each ldmatrix phase hit distinct banks.
+#define FM_PAD 8
+
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// Two floats as f16x2, `lo` in the low half (cvt.rn.f16x2.f32 d, a, b puts a in the high half).
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+    return r;
+}
+
+// d += A·B, m16n8k16, f16 operands, f32 accumulators.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8×8 f16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix
+// i; register i of lane 4g + c holds matrix i's (row g, cols 2c, 2c+1), or with .trans its
+// (rows 2c, 2c+1; col g). Volatile + memory: the same addresses are read again after every
+// __syncthreads, with new contents.
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+template <int HD>
+__device__ __forceinline__ void
+attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
+                      const u32* positions, const u32* seq_of, const u32* table_off,
+                      const u32* tables, int block_size, int tok0, int n, int n_head,
+                      int n_head_kv, float scale, int window) {
+    constexpr int LD = HD + FM_PAD;  // shared row length, halves
+    constexpr int CH = HD / 8;       // 16-byte chunks per key row
+    constexpr int KS = HD / 16;      // k-steps of S = Q·Kᵀ
+    constexpr int NT = HD / 8;       // 8-dim column tiles of O
+    __shared__ __align__(16) u16 ks[FM_K * LD];
+    __shared__ __align__(16) u16 vs[FM_K * LD];
+    __shared__ int w_range[FM_WARPS][2];
+    __shared__ u32 slots[2][FM_K];  // cache slot of each key of a tile, by tile parity
+    pdl_enter();
+    const int h = blockIdx.x;
+    // The latest tokens see the most keys: their tiles are scheduled first.
+    const int t0 = tok0 + (gridDim.y - 1 - blockIdx.y) * FM_Q;
+    const int nq = min(FM_Q, tok0 + n - t0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int kv_head = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * HD;
+    const size_t q_stride = (size_t)n_head * HD;
+
+    // The lane's two query rows (g and g + 8 of the warp's 16): position and first visible
+    // key; rows past the run's end see nothing (pos -1).
+    const int r0 = warp * 16 + g, r1 = r0 + 8;
+    const int pos0 = r0 < nq ? (int)positions[t0 + r0] : -1;
+    const int pos1 = r1 < nq ? (int)positions[t0 + r1] : -1;
+    const int lo0 = window > 0 ? max(0, pos0 + 1 - window) : 0;
+    const int lo1 = window > 0 ? max(0, pos1 + 1 - window) : 0;
+    // The warp's key range (union of its rows'), and the range every one of its rows sees
+    // (tiles inside it need no mask).
+    int w_lo = min(pos0 >= 0 ? lo0 : 0x7fffffff, pos1 >= 0 ? lo1 : 0x7fffffff);
+    int w_hi = max(pos0, pos1);
+    int all_lo = max(lo0, lo1), all_hi = min(pos0, pos1);
+    for (int o = 16; o > 0; o >>= 1) {
+        w_lo = min(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
+        w_hi = max(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, o));
+        all_lo = max(all_lo, __shfl_xor_sync(0xffffffffu, all_lo, o));
+        all_hi = min(all_hi, __shfl_xor_sync(0xffffffffu, all_hi, o));
+    }
+    if (lane == 0) {
+        w_range[warp][0] = w_lo;
+        w_range[warp][1] = w_hi;
+    }
+
+    // Q fragments (A layout), rounded to f16: qf[s] covers dims 16s .. 16s + 15.
+    u32 qf[KS][4];
+    {
+        const float* qr0 = q + (size_t)(t0 + r0) * q_stride + h * HD + 2 * c;
+        const float* qr1 = qr0 + 8 * q_stride;
+        const float2 zero = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int s = 0; s < KS; s++) {
+            const float2 x0 = r0 < nq ? *(const float2*)(qr0 + 16 * s) : zero;
+            const float2 x1 = r1 < nq ? *(const float2*)(qr1 + 16 * s) : zero;
+            const float2 x2 = r0 < nq ? *(const float2*)(qr0 + 16 * s + 8) : zero;
+            const float2 x3 = r1 < nq ? *(const float2*)(qr1 + 16 * s + 8) : zero;
+            qf[s][0] = pack_f16x2(x0.x, x0.y);
+            qf[s][1] = pack_f16x2(x1.x, x1.y);
+            qf[s][2] = pack_f16x2(x2.x, x2.y);
+            qf[s][3] = pack_f16x2(x3.x, x3.y);
+        }
+    }
+    __syncthreads();  // w_range
+    int lo_all = 0x7fffffff, hi_all = -1;
+#pragma unroll
+    for (int w = 0; w < FM_WARPS; w++) {
+        lo_all = min(lo_all, w_range[w][0]);
+        hi_all = max(hi_all, w_range[w][1]);
+    }
+
+    // Cache slot of key kt + threadIdx.x (threads 0 .. FM_K - 1; 0 past hi_all): each
+    // tile's slots are looked up once, by one thread per key, into slots[parity].
+    const u32* table = tables + table_off[seq_of[t0]];
+    auto slot_of = [&](int kt) -> u32 {
+        const int kp = kt + (int)threadIdx.x;
+        return threadIdx.x < FM_K && kp <= hi_all ? (u32)kv_slot(table, block_size, kp) : 0u;
+    };
+    // Keys kt .. kt + FM_K - 1 of one cache (K or V) into shared memory as one cp.async
+    // group; keys past hi_all (never a valid slot) are zero-filled.
+    // (Unrolled 2 at a time: ptxas keeps every row's addresses of a full unroll in
+    // registers, 236 instead of 165 for 128-dim heads.)
+    const u32 ks_base = smem_u32(ks), vs_base = smem_u32(vs);
+    auto load_tile = [&](u32 dst, const u16* cache, int kt, const u32* tile_slots) {
+#pragma unroll 2
+        for (int it = 0; it < FM_K * CH / (FM_WARPS * 32); it++) {
+            const int i = threadIdx.x + it * FM_WARPS * 32;
+            const int key = i / CH, ch = i % CH;
+            const bool ok = kt + key <= hi_all;
+            const u16* src = cache + (size_t)tile_slots[key] * kv_dim + kv_head * HD + ch * 8;
+            cp_async16(dst + (u32)(key * LD + ch * 8) * 2, src, ok);
+        }
+        cp_async_commit();
+    };
+    // Per-lane ldmatrix row addresses (halves). K: matrices (keys +0..7, dims +0..7),
+    // (keys +0..7, dims +8..15), (keys +8..15, dims +0..7), (keys +8..15, dims +8..15) =
+    // b0, b1 of key tile j and b0, b1 of key tile j + 1. V (.trans): (keys +0..7, dims +0..7),
+    // (keys +8..15, dims +0..7), (keys +0..7, dims +8..15), (keys +8..15, dims +8..15) =
+    // b0, b1 of dim tile d and b0, b1 of dim tile d + 1.
+    const int r8 = lane & 7, m_lo = (lane >> 3) & 1, m_hi = lane >> 4;  // row, matrix bits
+    const u32 k_lane = ks_base + 2 * ((r8 + 8 * m_hi) * LD + 8 * m_lo);
+    const u32 v_lane = vs_base + 2 * ((r8 + 8 * m_lo) * LD + 8 * m_hi);
+
+    float o[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    // Running max (base-2 units, scale folded in) and this lane's part of the row sums.
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    const float sl2 = scale * 1.4426950408889634f;
+
+    {
+        const u32 first = slot_of(lo_all);
+        if (threadIdx.x < FM_K) slots[0][threadIdx.x] = first;
+    }
+    __syncthreads();
+    load_tile(ks_base, kc, lo_all, slots[0]);
+    for (int kt = lo_all, par = 0; kt <= hi_all; kt += FM_K, par ^= 1) {
+        load_tile(vs_base, vc, kt, slots[par]);  // lands while S is computed
+        // The next tile's slots: looked up now, stored after S (slots[par ^ 1] was last read
+        // by the previous tile's V load, before the barrier below).
+        const u32 next_slot = slot_of(kt + FM_K);
+        cp_async_wait_prev();  // this tile's K (all but the newest group)
+        __syncthreads();
+        // Warp-uniform: whether any of the warp's rows sees a key of this tile.
+        const bool active = kt <= w_hi && kt + FM_K - 1 >= w_lo;
+        u32 pf[FM_K / 16][4];  // P in A layout, keys 16kk .. 16kk + 15
+        if (active) {
+            float s[FM_K / 8][4];
+#pragma unroll
+            for (int j = 0; j < FM_K / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < KS; k++) {
+#pragma unroll
+                for (int j = 0; j < FM_K / 8; j += 2) {
+                    u32 b[4];
+                    ldsm_x4(b, k_lane + 2 * (8 * j * LD + 16 * k));
+                    mma_f16(s[j], qf[k], b[0], b[1]);
+                    mma_f16(s[j + 1], qf[k], b[2], b[3]);
+                }
+            }
+            // Scale to base 2 and mask: s[j][e] is key kt + 8j + 2c + (e & 1) of row
+            // r0 (e < 2) or r1 (e >= 2).
+            const bool full = kt >= all_lo && kt + FM_K - 1 <= all_hi;
+            float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < FM_K / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int kp = kt + 8 * j + 2 * c + e;
+                    float x0 = s[j][e] * sl2, x1 = s[j][2 + e] * sl2;
+                    if (!full) {
+                        if (kp < lo0 || kp > pos0) x0 = NEG_INF;
+                        if (kp < lo1 || kp > pos1) x1 = NEG_INF;
+                    }
+                    s[j][e] = x0;
+                    s[j][2 + e] = x1;
+                    mx0 = fmaxf(mx0, x0);
+                    mx1 = fmaxf(mx1, x1);
+                }
+            }
+            // A row's 64 scores sit in the 4 lanes of its quad.
+#pragma unroll
+            for (int o2 = 1; o2 < 4; o2 <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+            }
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            // Rows with no visible key yet: subtract 0 (every p is exp2(-inf) = 0).
+            const float base0 = mn0 == NEG_INF ? 0.0f : mn0;
+            const float base1 = mn1 == NEG_INF ? 0.0f : mn1;
+            const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
+            m0 = mn0;
+            m1 = mn1;
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < FM_K / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    s[j][e] = exp2f(s[j][e] - base0);
+                    s[j][2 + e] = exp2f(s[j][2 + e] - base1);
+                    sum0 += s[j][e];
+                    sum1 += s[j][2 + e];
+                }
+            }
+            l0 = l0 * corr0 + sum0;
+            l1 = l1 * corr1 + sum1;
+#pragma unroll
+            for (int d = 0; d < NT; d++) {
+                o[d][0] *= corr0;
+                o[d][1] *= corr0;
+                o[d][2] *= corr1;
+                o[d][3] *= corr1;
+            }
+#pragma unroll
+            for (int kk = 0; kk < FM_K / 16; kk++) {
+                pf[kk][0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
+                pf[kk][1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
+                pf[kk][2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pf[kk][3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
+        }
+        if (threadIdx.x < FM_K) slots[par ^ 1][threadIdx.x] = next_slot;
+        __syncthreads();  // every warp is done with ks; the next slots are in place
+        if (kt + FM_K <= hi_all) {
+            load_tile(ks_base, kc, kt + FM_K, slots[par ^ 1]);  // lands while P·V is computed
+        } else {
+            cp_async_commit();  // an empty group keeps the wait counts uniform
+        }
+        cp_async_wait_prev();  // this tile's V
+        __syncthreads();
+        if (active) {
+#pragma unroll
+            for (int kk = 0; kk < FM_K / 16; kk++) {
+#pragma unroll
+                for (int d = 0; d < NT; d += 2) {
+                    u32 b[4];
+                    ldsm_x4_trans(b, v_lane + 2 * (16 * kk * LD + 8 * d));
+                    mma_f16(o[d], pf[kk], b[0], b[1]);
+                    mma_f16(o[d + 1], pf[kk], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with vs
+    }
+
+    // Whole-row sums (the quad's lanes), then O / l: lane holds dims 8d + 2c, 8d + 2c + 1.
+#pragma unroll
+    for (int o2 = 1; o2 < 4; o2 <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+    }
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    float* out0 = out + (size_t)(t0 + r0) * q_stride + h * HD + 2 * c;
+    float* out1 = out0 + 8 * q_stride;
+#pragma unroll
+    for (int d = 0; d < NT; d++) {
+        if (r0 < nq) *(float2*)(out0 + 8 * d) = make_float2(o[d][0] * inv0, o[d][1] * inv0);
+        if (r1 < nq) *(float2*)(out1 + 8 * d) = make_float2(o[d][2] * inv1, o[d][3] * inv1);
+    }
+}
+
+// Grid (n_head, ceil(n / FM_Q)), FM_WARPS * 32 threads; the arguments of attention_prefill
+// (head_dim must be the HD of the name: the host picks the kernel by it).
+#define ATTN_PREFILL_MMA(HD)                                                                  \
+    extern "C" __global__ void __launch_bounds__(FM_WARPS * 32) attention_prefill_mma##HD(  \
+        const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
+        const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
+        int n, int n_head, int n_head_kv, int head_dim, float scale, int window) {            \
+        attention_prefill_mma<HD>(q, kc, vc, out, positions, seq_of, table_off, tables,       \
+                                  block_size, tok0, n, n_head, n_head_kv, scale, window);     \
+    }
+ATTN_PREFILL_MMA(64)
+ATTN_PREFILL_MMA(128)
+
 // RoPE on a token's query and key heads, then its key and value into the cache (rope +
 // rope + store_kv in one launch). Block (token, head): heads 0 .. n_head - 1 are the query
 // heads, the next n_head_kv the key heads, whose block also stores that head's key and

@@ -89,18 +89,23 @@ pub const MMQ_MAX_TOKENS: usize = 64;
 /// activation loads (one per 8 tokens and 32 values) outweigh the weight bytes it saves.
 const MMQ_DEFAULT_MAX_TOKENS: usize = 8;
 const MMQ_MIN_TOKENS: usize = 3;
-/// Rows a block of the staged kernels `mmqs_*` owns (MS_ROWS in kernels/mmq.cu), its
-/// threads, and the room for their split partial sums and arrival counters.
-const MMQS_ROWS: usize = 64;
-const MMQS_THREADS: u32 = 4 * 32;
-const MMQS_WORK_FLOATS: usize = 8 << 20;
+/// Rows a block of the f16 tensor-core kernels `mmh_*` owns (MH_ROWS in kernels/mmq.cu;
+/// gated launches: half of them of gate, half of up), its threads, and the room for their
+/// split partial sums and arrival counters.
+const MMH_ROWS: usize = 64;
+const MMH_THREADS: u32 = 4 * 32;
+const MMH_WORK_FLOATS: usize = 8 << 20;
 /// Steps of at least this many tokens multiply Q4_K / Q6_K weights in f16 (`mmh_*`).
 const MMH_DEFAULT_MIN_TOKENS: usize = 9;
-const MMQS_MAX_TILES: usize = 1 << 16;
+const MMH_MAX_TILES: usize = 1 << 16;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
-/// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD).
+/// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD); runs of fewer tokens take the
+/// split kernels.
 const PREFILL_ATTN_TOKENS: usize = 16;
 const PREFILL_ATTN_MAX_HEAD_DIM: usize = 128;
+/// Tokens per block of the tensor-core prefill attention (`attention_prefill_mma64` and
+/// `attention_prefill_mma128` in kernels/ops.cu: FM_Q).
+const PREFILL_MMA_TOKENS: usize = 64;
 /// Most tokens of a step the split (decode) attention handles.
 const SPLIT_ATTN_MAX_TOKENS: usize = 64;
 /// Most key ranges the decode attention splits a (token, head) into.
@@ -120,6 +125,22 @@ fn gqa_split_attention(p: &AttnParams) -> bool {
         && p.n_head.is_multiple_of(p.n_head_kv)
         && p.head_dim.is_multiple_of(32)
         && p.head_dim <= 128
+}
+
+/// The tensor-core prefill attention kernel for `p`'s heads: 64- or 128-dim heads, whole
+/// groups of query heads per kv head; `None` keeps `attention_prefill` (as does
+/// `KESTREL_CUDA_ATTN_MMA=0`, for measurements).
+fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_MMA").map_or(true, |v| v != "0"));
+    if !on || p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
+        return None;
+    }
+    match p.head_dim {
+        64 => Some("attention_prefill_mma64"),
+        128 => Some("attention_prefill_mma128"),
+        _ => None,
+    }
 }
 
 /// A kernel argument.
@@ -234,20 +255,18 @@ fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
 /// The tensor-core kernel families of steps of several tokens (see `CudaBackend::mmq_plan`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum MmqKind {
-    /// `mmq_t*`: int8, every warp loading its own activation fragments.
+    /// `mmq_t*`: int8 activations, every warp loading its own activation fragments.
     Int8,
-    /// `mmqs_*`: int8, activations staged in shared memory.
-    Staged,
-    /// `mmh_*`: f16, activations staged in shared memory.
+    /// `mmh_*`: f16 activations staged in shared memory.
     Half,
 }
 
-/// How many blocks of a staged mmq launch (`mmqs_*`, `tiles` tiles of MMQS_ROWS rows, rows of
-/// `steps` 256-value steps, `npad` tokens) share each tile's row length: enough blocks for
-/// about two per SM, at least two steps each, and room for the partial sums. Every split
-/// gets at least one step (the count is recomputed from the steps per split).
-fn mmqs_splits(tiles: usize, steps: usize, npad: usize, gated: bool, sms: usize) -> usize {
-    if tiles == 0 || steps < 4 || tiles > MMQS_MAX_TILES {
+/// How many blocks of an `mmh_*` launch (`tiles` tiles, rows of `steps` 256-value steps,
+/// `npad` tokens) share each tile's row length: enough blocks for about two per SM, at
+/// least two steps each, and room for the partial sums. Every split gets at least one step
+/// (the count is recomputed from the steps per split).
+fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
+    if tiles == 0 || steps < 4 || tiles > MMH_MAX_TILES {
         return 1;
     }
     let want = (2 * sms).div_ceil(tiles).min(steps / 2);
@@ -256,9 +275,9 @@ fn mmqs_splits(tiles: usize, steps: usize, npad: usize, gated: bool, sms: usize)
     }
     let per = steps.div_ceil(want);
     let splits = steps.div_ceil(per);
-    // Floats of partial sums per block: MMQS_ROWS rows × npad tokens (× 2 gated).
-    let per_block = MMQS_ROWS * npad * if gated { 2 } else { 1 };
-    if tiles * splits * per_block > MMQS_WORK_FLOATS {
+    // Floats of partial sums per block: MMH_ROWS rows × npad tokens.
+    let per_block = MMH_ROWS * npad;
+    if tiles * splits * per_block > MMH_WORK_FLOATS {
         return 1;
     }
     splits
@@ -338,11 +357,8 @@ pub struct CudaBackend {
     f16_copies_q8: std::sync::atomic::AtomicU64,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
-    /// Streaming multiprocessors of the device (the staged mmq kernels' split rule).
+    /// Streaming multiprocessors of the device (the `mmh_*` kernels' split rule).
     sm_count: usize,
-    /// Whether steps of 9..=64 tokens take the staged kernels `mmqs_*` rather than `mmq_t*`
-    /// (`KESTREL_CUDA_MMQS=0`: off).
-    mmq_staged: bool,
     /// Fewest tokens of a step whose Q4_K / Q6_K products go to the f16 tensor-core kernels
     /// `mmh_*` instead of the int8 ones (`KESTREL_CUDA_MMH_MIN`; above MMQ_MAX_TOKENS: never).
     mmh_min: std::sync::atomic::AtomicUsize,
@@ -356,8 +372,8 @@ struct Q8Scratch {
     ds: CudaSlice<f32>,
     /// The f16 activations of `mmh_*` (as many values as `q`).
     xh: CudaSlice<u16>,
-    /// Split partial sums of the staged mmq kernels (MMQS_WORK_FLOATS) and their per-tile
-    /// arrival counters (MMQS_MAX_TILES, zero between launches).
+    /// Split partial sums of the `mmh_*` kernels (MMH_WORK_FLOATS) and their per-tile
+    /// arrival counters (MMH_MAX_TILES, zero between launches).
     work: CudaSlice<f32>,
     count: CudaSlice<u32>,
     /// Values it holds room for.
@@ -611,7 +627,6 @@ impl CudaBackend {
             q8_holds: Mutex::new(None),
             gemm_scratch: Mutex::default(),
             sm_count,
-            mmq_staged: std::env::var("KESTREL_CUDA_MMQS").map_or(true, |v| v != "0"),
             mmh_min: std::sync::atomic::AtomicUsize::new(
                 std::env::var("KESTREL_CUDA_MMH_MIN")
                     .ok()
@@ -1143,7 +1158,9 @@ impl CudaBackend {
     }
 
     /// Attention of one sequence's run of tokens `tok0 .. tok0 + n` (a prompt chunk),
-    /// flash style in tiles of PREFILL_ATTN_TOKENS.
+    /// flash style: on the tensor cores in tiles of PREFILL_MMA_TOKENS (grid: heads, then
+    /// tiles) where [`prefill_mma_kernel`] has a kernel, else in tiles of
+    /// PREFILL_ATTN_TOKENS (grid: tiles, then heads). Same arguments for both.
     fn attention_prefill(
         &self,
         a: &AttnLaunch,
@@ -1152,9 +1169,19 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
+        let (name, grid) = match prefill_mma_kernel(p) {
+            Some(name) => (
+                name,
+                (p.n_head as u32, n.div_ceil(PREFILL_MMA_TOKENS) as u32, 1),
+            ),
+            None => (
+                "attention_prefill",
+                (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
+            ),
+        };
         self.launch(
-            "attention_prefill",
-            (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
+            name,
+            grid,
             128,
             &[
                 &[Arg::P(a.q), Arg::P(a.k), Arg::P(a.v), Arg::P(a.out)][..],
@@ -1198,8 +1225,8 @@ impl CudaBackend {
             d: self.alloc::<f32>(cap / 32, "the activation scales")?,
             ds: self.alloc::<f32>(cap / 16, "the activation scales and sums")?,
             xh: self.alloc::<u16>(cap, "the f16 activations")?,
-            work: self.alloc::<f32>(MMQS_WORK_FLOATS, "the split partial sums")?,
-            count: self.alloc::<u32>(MMQS_MAX_TILES, "the split arrival counters")?,
+            work: self.alloc::<f32>(MMH_WORK_FLOATS, "the split partial sums")?,
+            count: self.alloc::<u32>(MMH_MAX_TILES, "the split arrival counters")?,
             cap,
         });
         Ok(())
@@ -1254,14 +1281,10 @@ impl CudaBackend {
 
     /// Which tensor-core kernels take an mmq launch of `n` tokens, and the tokens their tile
     /// holds (the activations are converted or quantized for that many rows): `mmh_*` when
-    /// they read every segment (tiles of 8, 16, 32 or 64), else for more than 8 tokens on
-    /// whole 256-value steps the staged int8 `mmqs_*` (16, 32 or 64), else `mmq_t*` (a
-    /// multiple of 8).
+    /// they read every segment (tiles of 8, 16, 32 or 64), else `mmq_t*` (a multiple of 8).
     fn mmq_plan(&self, n: usize, k: usize, segs: &[GemvSeg]) -> (MmqKind, usize) {
         if segs.iter().all(|s| self.mmh_reads(s.ty, n, k)) {
             (MmqKind::Half, n.next_power_of_two().max(8))
-        } else if self.mmq_staged && n > 8 && k.is_multiple_of(256) {
-            (MmqKind::Staged, n.next_power_of_two().max(16))
         } else {
             (MmqKind::Int8, n.next_multiple_of(8))
         }
@@ -1729,8 +1752,8 @@ impl CudaBackend {
                     Arg::P(xh),
                 ],
             );
-            let tiles = gemv_warps(segs, gated, MMQS_ROWS);
-            let splits = mmqs_splits(tiles, k / 256, npad, gated, self.sm_count);
+            let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
+            let splits = mmh_splits(tiles, k / 256, npad, self.sm_count);
             let kernel = match (npad, gated) {
                 (8, false) => "mmh_t8",
                 (16, false) => "mmh_t16",
@@ -1751,50 +1774,8 @@ impl CudaBackend {
             self.launch_reading(
                 kernel,
                 ((tiles * splits) as u32, 1, 1),
-                MMQS_THREADS,
+                MMH_THREADS,
                 &mmh_args,
-                weight_bytes,
-            );
-            return;
-        }
-        let staged = kind == MmqKind::Staged;
-        self.launch(
-            "quantize_x_mmq",
-            grid_1d(npad * k / 32, 8),
-            256,
-            &[
-                Arg::P(x.ptr),
-                Arg::I(k as i32),
-                Arg::I(n as i32),
-                Arg::I(npad as i32),
-                Arg::P(q_ptr),
-                Arg::P(ds_ptr),
-            ],
-        );
-        if staged {
-            let tiles = gemv_warps(segs, gated, MMQS_ROWS);
-            let splits = mmqs_splits(tiles, k / 256, npad, gated, self.sm_count);
-            let kernel = match (npad, gated) {
-                (16, false) => "mmqs_t16",
-                (32, false) => "mmqs_t32",
-                (_, false) => "mmqs_t64",
-                (16, true) => "mmqs_t16_gated",
-                (32, true) => "mmqs_t32_gated",
-                (_, true) => "mmqs_t64_gated",
-            };
-            let mut mmq_args = vec![
-                Arg::P(q_ptr),
-                Arg::P(ds_ptr),
-                Arg::I(splits as i32),
-                Arg::P(work),
-                Arg::P(count),
-            ];
-            mmq_args.extend_from_slice(args);
-            self.launch_reading(
-                kernel,
-                ((tiles * splits) as u32, 1, 1),
-                MMQS_THREADS,
-                &mmq_args,
                 weight_bytes,
             );
             return;
@@ -2365,7 +2346,7 @@ impl kestrel_model::Backend for CudaBackend {
             return;
         }
         // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
-        // prompt chunks go to the tiled prefill kernel, the short runs between them (decode
+        // prompt chunks go to the tiled prefill kernels, the short runs between them (decode
         // tokens of other sequences) to the split kernels, gathered into ranges.
         let prefill_ok = p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM && p.head_dim.is_multiple_of(4);
         let mut short: Option<(usize, usize)> = None;
