@@ -92,3 +92,45 @@ __device__ __forceinline__ void cp_async_wait_prev() {
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
+
+// Shared-space address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// Two floats as f16x2, `lo` in the low half (cvt.rn.f16x2.f32 d, a, b puts a in the high half).
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+    return r;
+}
+
+// d += A·B, mma.sync m16n8k16, f16 operands, f32 accumulators (sm_80+). Lane (g, c) = (lane
+// / 4, lane % 4) holds A rows g, g + 8 at k = 2c, 2c+1 (a[0], a[1]) and 2c+8, 2c+9 (a[2],
+// a[3]); B column g at k = 2c, 2c+1 (b0) and 2c+8, 2c+9 (b1); D rows g (d[0], d[1]) and
+// g + 8 (d[2], d[3]) at columns 2c, 2c+1.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8×8 f16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix
+// i; register i of lane 4g + c holds matrix i's (row g, cols 2c, 2c+1), or with .trans its
+// (rows 2c, 2c+1; col g). Volatile + memory: the same addresses are read again after every
+// __syncthreads, with new contents.
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}

@@ -442,14 +442,6 @@ extern "C" __global__ void convert_x_mmh(const float* x, int k, int n, int npad,
     *(uint4*)(xh + e) = o;
 }
 
-__device__ __forceinline__ void mh_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                       u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
     u32 d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -486,8 +478,8 @@ __device__ __forceinline__ void mh_block(const u32 (&w)[2][4], const u8* xs, flo
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const uint4 b = *(const uint4*)(xs + j * 8 * MH_XROW);
-        mh_mma(acc[j], w[0][0], w[1][0], w[0][1], w[1][1], b.x, b.y);
-        mh_mma(acc[j], w[0][2], w[1][2], w[0][3], w[1][3], b.z, b.w);
+        mma_f16(acc[j], {w[0][0], w[1][0], w[0][1], w[1][1]}, b.x, b.y);
+        mma_f16(acc[j], {w[0][2], w[1][2], w[0][3], w[1][3]}, b.z, b.w);
     }
 }
 

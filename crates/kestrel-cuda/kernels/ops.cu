@@ -401,6 +401,281 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
     }
 }
 
+// Decode attention on the tensor cores, for grouped (or single) heads of 64 or 128 dims:
+// block (token, kv head, split z) computes the split's keys for every query head of the
+// group (at most 8) and writes the same partials as attention_split (or, with one split,
+// the normalized output itself: no attention_combine). Each of the block's 4 warps walks
+// its own chunks of TA_KEYS = 16 consecutive keys (warp w: chunks w, w + 4, ...): the
+// chunk's K and V rows are copied from the paged cache into the warp's shared rows with
+// 16-byte cp.async (K and V in separate groups, so the next chunk's K streams in during
+// this chunk's P·V and its V during the next scores), then
+//   scores S = Q·Kᵀ: mma m16n8k16, A = the group's queries (row h < 8: head h rounded to
+//     f16, row h + 8: the rounding's remainder, also f16, so S_hi + S_lo keeps q to ~22
+//     bits at no extra mma), B = the K rows via ldmatrix;
+//   one online-softmax update per chunk and head (lane 4h..4h+3 hold head h's scores);
+//   O += P·V: A = P (again rows h / h + 8: f16 p and its remainder), B = the V rows via
+//     ldmatrix.trans, f32 accumulators (64 or 32 per lane).
+// Scores are kept in log2 units (q pre-scaled by scale · log2 e); the partial's max is
+// stored in natural units as attention_combine expects. The warps are merged at the end
+// through shared memory (the K/V rows' space). Rows are padded by 16 bytes: the 8 rows an
+// ldmatrix reads hit distinct banks. Needs sm_80 (cp.async, ldmatrix, f16 mma.sync).
+#define TA_WARPS 4
+#define TA_KEYS 16
+#define TA_MAX_GROUP 8
+#define TA_LOG2E 1.4426950408889634f
+#define TA_LN2 0.6931471805599453f
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// x0, x1 as two f16 pairs: hi = (f16(x0), f16(x1)) (x0 in the low half), lo = the
+// remainders x - hi rounded to f16, so hi + lo holds each value to ~22 bits.
+__device__ __forceinline__ void split_f16x2(float x0, float x1, u32& hi, u32& lo) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(x1), "f"(x0));
+    const float r0 = x0 - h2f((u16)(hi & 0xffffu)), r1 = x1 - h2f((u16)(hi >> 16));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const u16* vc,
+                                           float* dest, const u32* positions,
+                                           const u32* seq_of, const u32* table_off,
+                                           const u32* tables, int block_size, int n_head,
+                                           int n_head_kv, float scale, int window, int splits,
+                                           int tok0) {
+    constexpr int ROW = HD + 8;                 // halves per shared row (16 bytes of padding)
+    constexpr int SEGS = HD / 8;                // 16-byte pieces per row
+    constexpr int LOADS = TA_KEYS * SEGS / 32;  // cp.async per lane per chunk of K (or of V)
+    constexpr int NT = HD / 8;                  // 8-dim tiles of the output
+    // [0]: K rows, [1]: V rows, per warp; reused as the warps' outputs (f32) at the end.
+    __shared__ __align__(16) u16 rows[2][TA_WARPS][TA_KEYS][ROW];
+    __shared__ __align__(16) u16 qrows[16][ROW];
+    __shared__ float w_m[TA_WARPS][TA_MAX_GROUP], w_l[TA_WARPS][TA_MAX_GROUP];
+    __shared__ float w_wt[TA_WARPS][TA_MAX_GROUP], h_big[TA_MAX_GROUP], h_tot[TA_MAX_GROUP];
+    const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int group = n_head / n_head_kv;
+    const int kv_dim = n_head_kv * HD;
+    const int pos = (int)positions[i];
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int span = (pos + 1 - lo + splits - 1) / splits;
+    const int k_begin = lo + s * span, k_end = min(pos + 1, k_begin + span);
+    const u32* table = tables + table_off[seq_of[i]];
+    // mma fragment coordinates: this lane's row (head) h and first column pair qd.
+    const int h = lane >> 2, qd = (lane & 3) * 2;
+
+    const u32 ks = smem_u32(&rows[0][warp][0][0]), vs = smem_u32(&rows[1][warp][0][0]);
+    const u32 qa = smem_u32(&qrows[0][0]);
+    // Cache slot of key c + (lane & 15) of the chunk starting at c (0 past the split).
+    auto chunk_slot = [&](int c) -> u32 {
+        const int kp = c + (lane & 15);
+        return kp < k_end ? (u32)kv_slot(table, block_size, kp) : 0u;
+    };
+    // The chunk's rows of `cache` into the warp's shared rows at `base` (zeros past the
+    // split: their scores are masked, and p = 0 must not meet a NaN).
+    auto issue = [&](u32 base, const u16* cache, int c, u32 slot) {
+#pragma unroll
+        for (int it = 0; it < LOADS; it++) {
+            const int f = it * 32 + lane, kl = f / SEGS, seg = f % SEGS;
+            const u32 sl = __shfl_sync(0xffffffffu, slot, kl);
+            const bool ok = c + kl < k_end;
+            const u16* src =
+                ok ? cache + (size_t)sl * kv_dim + (size_t)kvh * HD + seg * 8 : cache;
+            cp_async16(base + (u32)(kl * ROW + seg * 8) * 2u, src, ok);
+        }
+    };
+
+    constexpr int STRIDE = TA_WARPS * TA_KEYS;
+    int c = k_begin + warp * TA_KEYS;
+    u32 slot = 0;
+    if (c < k_end) {
+        slot = chunk_slot(c);
+        issue(ks, kc, c, slot);
+    }
+    cp_async_commit();
+    if (c < k_end) issue(vs, vc, c, slot);
+    cp_async_commit();
+    // Groups committed so far, oldest first: K(c), V(c). Each iteration commits K(next)
+    // after the scores and V(next) after P·V (empty groups past the end), so "all but the
+    // newest group done" is K(c) at the top and V(c) before P·V.
+
+    // While the first chunk streams in: the group's queries as the A operand of the scores,
+    // pre-scaled into log2 units. Row g < 8 holds head g rounded to f16, row g + 8 the
+    // remainder (zeros past the group); 4 values per thread and step.
+#pragma unroll
+    for (int r = 0; r < TA_MAX_GROUP * HD / 4 / (TA_WARPS * 32); r++) {
+        const int idx = r * TA_WARPS * 32 + threadIdx.x;
+        const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (g < group)
+            x = *reinterpret_cast<const float4*>(q + (size_t)i * n_head * HD +
+                                                 (size_t)(kvh * group + g) * HD + d);
+        const float qs = scale * TA_LOG2E;
+        uint2 xh, xl;
+        split_f16x2(x.x * qs, x.y * qs, xh.x, xl.x);
+        split_f16x2(x.z * qs, x.w * qs, xh.y, xl.y);
+        *reinterpret_cast<uint2*>(&qrows[g][d]) = xh;
+        *reinterpret_cast<uint2*>(&qrows[g + 8][d]) = xl;
+    }
+    __syncthreads();
+
+    float m = NEG_INF, l = 0.0f;  // head h: running max (log2 units), this lane's sum
+    float acc[NT][4];             // [nt][0..1]: rows h, [nt][2..3]: rows h + 8 (remainders)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+
+    for (; c < k_end; c += STRIDE) {
+        const int cn = c + STRIDE;
+        const bool more = cn < k_end;
+        // The next chunk's slots (a block-table read) while K(c) lands.
+        const u32 slot_n = more ? chunk_slot(cn) : 0u;
+        cp_async_wait_prev();
+        __syncwarp();
+        // sc[j]: keys 8j + qd, 8j + qd + 1 of the chunk; [0..1] from rows h, [2..3] from h + 8.
+        float sc[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+        for (int k2 = 0; k2 < HD / 32; k2++) {
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                // A: matrix lane / 8 = rows 8·((lane / 8) & 1) .. + 7, dims kk + 8·(lane / 16).
+                const int kk = k2 * 32 + half * 16;
+                u32 a[4];
+                ldsm_x4(a, qa + (u32)((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + kk +
+                                      (lane >> 4) * 8) *
+                               2u);
+                // B: matrix lane / 8 = keys 8·(lane / 16) .. + 7, dims kk + 8·((lane / 8) & 1):
+                // b0, b1 for keys 0..7 (sc[0]), b2, b3 for keys 8..15 (sc[1]).
+                u32 b[4];
+                ldsm_x4(b, ks + (u32)(((lane >> 4) * 8 + (lane & 7)) * ROW + kk +
+                                      ((lane >> 3) & 1) * 8) *
+                               2u);
+                mma_f16(sc[0], a, b[0], b[1]);
+                mma_f16(sc[1], a, b[2], b[3]);
+            }
+        }
+        __syncwarp();  // every lane has read the K rows: refill them
+        if (more) issue(ks, kc, cn, slot_n);
+        cp_async_commit();
+
+        // One online-softmax step for the chunk: head h's 16 scores are spread over lanes
+        // 4h..4h+3 (4 each). Key c is always in the split, so the chunk max is finite.
+        float x[4];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                x[2 * j + e] = c + 8 * j + qd + e < k_end ? sc[j][e] + sc[j][e + 2] : NEG_INF;
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m, mx);
+        const float corr = ex2(m - m_new);  // 0 while m is still -inf
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) p[e] = x[e] == NEG_INF ? 0.0f : ex2(x[e] - m_new);
+        l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
+        m = m_new;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            acc[nt][0] *= corr;
+            acc[nt][1] *= corr;
+            acc[nt][2] *= corr;
+            acc[nt][3] *= corr;
+        }
+        // A fragments of P: keys qd, qd + 1 (pa[0]: f16, pa[1]: remainder) and 8 + qd, 9 + qd.
+        u32 pa[4];
+        split_f16x2(p[0], p[1], pa[0], pa[1]);
+        split_f16x2(p[2], p[3], pa[2], pa[3]);
+
+        cp_async_wait_prev();
+        __syncwarp();
+#pragma unroll
+        for (int n2 = 0; n2 < HD / 16; n2++) {
+            // Matrix lane / 8: keys 8·((lane / 8) & 1) .. + 7, dims n2*16 + 8·(lane / 16) .. + 7,
+            // transposed: B fragments of output tiles 2·n2 (b0, b1) and 2·n2 + 1 (b2, b3).
+            u32 b[4];
+            ldsm_x4_trans(b, vs + (u32)((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + n2 * 16 +
+                                        (lane >> 4) * 8) *
+                                 2u);
+            mma_f16(acc[2 * n2], pa, b[0], b[1]);
+            mma_f16(acc[2 * n2 + 1], pa, b[2], b[3]);
+        }
+        __syncwarp();  // every lane has read the V rows: refill them
+        if (more) issue(vs, vc, cn, slot_n);
+        cp_async_commit();
+    }
+    cp_async_wait_all();
+
+    // Merge the warps: weights exp2(m_w - max) per head, then the outputs.
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    __syncthreads();  // every warp is done with its rows: reuse them
+    float* w_o = reinterpret_cast<float*>(&rows[0][0][0][0]);  // [TA_WARPS][TA_MAX_GROUP][HD]
+    if ((lane & 3) == 0) {
+        w_m[warp][h] = m;
+        w_l[warp][h] = l;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        *reinterpret_cast<float2*>(&w_o[(warp * TA_MAX_GROUP + h) * HD + nt * 8 + qd]) =
+            make_float2(acc[nt][0] + acc[nt][2], acc[nt][1] + acc[nt][3]);
+    __syncthreads();
+    if (threadIdx.x < group) {
+        const int g = threadIdx.x;
+        float big = NEG_INF;
+        for (int w = 0; w < TA_WARPS; w++)
+            if (w_l[w][g] > 0.0f) big = fmaxf(big, w_m[w][g]);
+        float total = 0.0f;
+        for (int w = 0; w < TA_WARPS; w++) {
+            const float wt = w_l[w][g] > 0.0f ? ex2(w_m[w][g] - big) : 0.0f;
+            w_wt[w][g] = wt;
+            total += w_l[w][g] * wt;
+        }
+        h_big[g] = big;
+        h_tot[g] = total;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * HD; idx += TA_WARPS * 32) {
+        const int g = idx / HD, d = idx % HD;
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TA_WARPS; w++) a += w_o[(w * TA_MAX_GROUP + g) * HD + d] * w_wt[w][g];
+        const int head = kvh * group + g;
+        if (splits == 1) {
+            dest[(size_t)i * n_head * HD + (size_t)head * HD + d] =
+                h_tot[g] > 0.0f ? a / h_tot[g] : 0.0f;
+        } else {
+            dest[(((size_t)li * n_head + head) * splits + s) * (HD + 2) + d] = a;
+        }
+    }
+    if (splits > 1 && threadIdx.x < group) {
+        const int g = threadIdx.x;
+        float* o = dest + (((size_t)li * n_head + kvh * group + g) * splits + s) * (HD + 2);
+        o[HD] = h_tot[g] > 0.0f ? h_big[g] * TA_LN2 : NEG_INF;
+        o[HD + 1] = h_tot[g];
+    }
+}
+
+// attn_tiled for 64- and 128-dim heads. Same arguments as attention_split_gqa; `dest` is
+// the partials buffer, or with splits = 1 the attention output (normalized).
+#define ATTN_TILED_KERNEL(NAME, HD, MIN_BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
+    NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
+         const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
+         int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
+         int tok0) {                                                                          \
+        pdl_enter();                                                                          \
+        attn_tiled<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,     \
+                       n_head, n_head_kv, scale, window, splits, tok0);                       \
+    }
+ATTN_TILED_KERNEL(attention_split_tiled64, 64, 4)
+ATTN_TILED_KERNEL(attention_split_tiled128, 128, 4)
+
 // Merges the splits of attention_split: one block per (token, head). Each split's weight
 // exp(max_s - max) is computed once into shared memory.
 #define MAX_SPLITS 64
@@ -609,45 +884,6 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
 // Halves of padding per shared row: rows 16 bytes apart modulo 128, so the 8 row addresses
 // of each ldmatrix phase hit distinct banks.
 #define FM_PAD 8
-
-// Shared-memory address of a generic pointer into shared memory.
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// Two floats as f16x2, `lo` in the low half (cvt.rn.f16x2.f32 d, a, b puts a in the high half).
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-    return r;
-}
-
-// d += A·B, m16n8k16, f16 operands, f32 accumulators.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8×8 f16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix
-// i; register i of lane 4g + c holds matrix i's (row g, cols 2c, 2c+1), or with .trans its
-// (rows 2c, 2c+1; col g). Volatile + memory: the same addresses are read again after every
-// __syncthreads, with new contents.
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
 
 template <int HD>
 __device__ __forceinline__ void

@@ -63,6 +63,8 @@ pub const KERNELS: &[&str] = &[
     "attention",
     "attention_split",
     "attention_split_gqa",
+    "attention_split_tiled64",
+    "attention_split_tiled128",
     "attention_combine",
     "attention_prefill",
     "attention_prefill_mma64",

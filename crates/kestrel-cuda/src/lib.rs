@@ -110,13 +110,18 @@ const PREFILL_MMA_TOKENS: usize = 64;
 const SPLIT_ATTN_MAX_TOKENS: usize = 64;
 /// Most key ranges the decode attention splits a (token, head) into.
 const MAX_ATTN_SPLITS: usize = 64;
+/// Most query heads per kv head the tiled decode attention takes (TA_MAX_GROUP).
+const TILED_ATTN_MAX_GROUP: usize = 8;
+/// Keys one block of the tiled decode attention covers per round (4 warps × 16).
+const TILED_ATTN_KEYS_PER_ROUND: usize = 64;
 /// Graphs kept (one per distinct launch list, e.g. per batch size).
 const MAX_GRAPHS: usize = 8;
 
 /// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
-/// query heads together: each key and value row read once per group): grouped heads, a
-/// head of 32 · (1 to 4) dims, at most 8 heads per group. `KESTREL_CUDA_ATTN_GQA=0` keeps
-/// the one-block-per-head kernel (for measurements).
+/// query heads together: each key and value row read once per group) where the tiled
+/// kernels ([`tiled_split_attention`]) do not: grouped heads, a head of 32 · (1 to 4) dims,
+/// at most 8 heads per group. `KESTREL_CUDA_ATTN_GQA=0` keeps the one-block-per-head
+/// kernel (for measurements).
 fn gqa_split_attention(p: &AttnParams) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_GQA").map_or(true, |v| v != "0"));
@@ -141,6 +146,21 @@ fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
         128 => Some("attention_prefill_mma128"),
         _ => None,
     }
+}
+
+/// Whether split decode attention runs `attention_split_tiled64` / `attention_split_tiled128`
+/// (tensor cores; one block per kv head and key range, the keys in 16-key chunks through
+/// shared memory): heads of 64 or 128 dims, 1 to 8 query heads per kv head.
+/// `KESTREL_CUDA_ATTN_TILED=0` keeps `attention_split_gqa` / `attention_split` (for
+/// measurements). The kernels need sm_80, as the `mmq_*` kernels of the same module do.
+fn tiled_split_attention(p: &AttnParams) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on =
+        *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_TILED").map_or(true, |v| v != "0"));
+    on && p.n_head_kv > 0
+        && p.n_head.is_multiple_of(p.n_head_kv)
+        && (1..=TILED_ATTN_MAX_GROUP).contains(&(p.n_head / p.n_head_kv))
+        && matches!(p.head_dim, 64 | 128)
 }
 
 /// A kernel argument.
@@ -1072,6 +1092,18 @@ impl CudaBackend {
         // keys, decode t/s with 4 / 8 / 16 / 32 / 64 splits: 1 sequence 210 / 242 / 255 /
         // 264 / 265, 8 sequences 1,207 / 1,341 / 1,287 / 1,228 / 1,144: both best at ~512
         // blocks. (Splits used to follow the cache size: 64 for 8 sequences.)
+        //
+        // The tiled kernels instead take at most ATTN_SPLIT_BLOCKS blocks (about one wave on
+        // the H100: 132 SMs × 4 resident blocks of the 128-dim kernel, 5 of the 64-dim one;
+        // a block's warps stream 16-key chunks with the next chunk in flight, so one wave
+        // already keeps enough bytes in flight), the count rounded down to a power of two,
+        // and splits of TILED_ATTN_KEYS_PER_ROUND keys or more of the longest length rounded
+        // up to a power of two (32 to 64 keys of the longest sequence: a 16-key chunk for
+        // 2 to 4 of the block's 4 warps; more, shorter splits would not shorten a block's one
+        // round of loads, and each split is one more partial to write and merge). One split
+        // (e.g. 64 sequences × 8 kv heads, or no sequence longer than 64) writes the output
+        // directly, without attention_combine. The count is a power of two and changes only
+        // when the longest length crosses one.
         // `KESTREL_CUDA_ATTN_SPLITS=N` fixes the count (for such measurements).
         const ATTN_SPLIT_BLOCKS: usize = 512;
         static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
@@ -1080,8 +1112,17 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
         });
+        let tiled = tiled_split_attention(p);
         let splits = match fixed {
             Some(s) => s,
+            None if tiled => {
+                let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
+                let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
+                let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
+                    .checked_ilog2()
+                    .map_or(1, |e| 1 << e);
+                by_len.min(by_blocks)
+            }
             None => {
                 let heads = if gqa_split_attention(p) {
                     p.n_head_kv
@@ -1094,7 +1135,7 @@ impl CudaBackend {
                 by_len.min(by_blocks)
             }
         }
-        .clamp(2, MAX_ATTN_SPLITS);
+        .clamp(if tiled { 1 } else { 2 }, MAX_ATTN_SPLITS);
         // The kernels' shared leading arguments, writing to `dest`.
         let common = |dest: u64| {
             [
@@ -1111,12 +1152,52 @@ impl CudaBackend {
             ]
             .concat()
         };
+        let combine = |m: usize, t: usize| {
+            self.launch(
+                "attention_combine",
+                (m as u32, p.n_head as u32, 1),
+                128,
+                &[
+                    Arg::P(step.attn_part_ptr),
+                    Arg::P(a.out),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::I(splits as i32),
+                    Arg::I(t as i32),
+                ],
+            );
+        };
         let mut done = 0;
         while done < n {
             let m = (n - done).min(SPLIT_ATTN_MAX_TOKENS);
             let t = tok0 + done;
             let part_len = m * p.n_head * splits * (p.head_dim + 2);
-            if splits > 1 && part_len <= step.attn_part_len {
+            let fits = part_len <= step.attn_part_len;
+            if tiled && (splits == 1 || fits) {
+                let name = if p.head_dim == 64 {
+                    "attention_split_tiled64"
+                } else {
+                    "attention_split_tiled128"
+                };
+                // One split: the output itself (normalized); otherwise the partials.
+                let dest = if splits == 1 {
+                    a.out
+                } else {
+                    step.attn_part_ptr
+                };
+                let mut args = common(dest);
+                args.push(Arg::I(splits as i32));
+                args.push(Arg::I(t as i32));
+                self.launch(
+                    name,
+                    (m as u32, p.n_head_kv as u32, splits as u32),
+                    128,
+                    &args,
+                );
+                if splits > 1 {
+                    combine(m, t);
+                }
+            } else if splits > 1 && fits {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
@@ -1135,19 +1216,7 @@ impl CudaBackend {
                         &args,
                     );
                 }
-                self.launch(
-                    "attention_combine",
-                    (m as u32, p.n_head as u32, 1),
-                    128,
-                    &[
-                        Arg::P(step.attn_part_ptr),
-                        Arg::P(a.out),
-                        Arg::I(p.n_head as i32),
-                        Arg::I(p.head_dim as i32),
-                        Arg::I(splits as i32),
-                        Arg::I(t as i32),
-                    ],
-                );
+                combine(m, t);
             } else {
                 let mut args = common(a.out);
                 args.push(Arg::I(t as i32));

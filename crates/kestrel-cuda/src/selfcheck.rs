@@ -37,13 +37,35 @@ pub fn tiny_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFil
 }
 
 /// The tiny model with real models' attention shape: 128-dim heads, 4 query heads per kv
-/// head (the vectorized path of `attention_split_gqa`, which 64-dim heads do not take).
+/// head (`attention_split_tiled128`; with `KESTREL_CUDA_ATTN_TILED=0` the vectorized path
+/// of `attention_split_gqa`, which 64-dim heads do not take).
 pub fn tiny_model_wide_heads(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    tiny_model_heads(arch, ty, seed, WIDE_HEADS)
+}
+
+/// (query heads, kv heads, head size) of [`tiny_model_wide_heads`].
+pub const WIDE_HEADS: (usize, usize, usize) = (4, 1, 128);
+
+/// Attention shapes (query heads, kv heads, head size) the decode-attention check covers:
+/// one query head per kv head, 8 per kv head (the most the tiled kernels take) at both head
+/// sizes, and an odd group of 3.
+pub const ATTN_SHAPES: [(usize, usize, usize); 4] =
+    [(4, 4, 64), (8, 1, 64), (6, 2, 128), (8, 1, 128)];
+
+/// The tiny model with `heads` = (query heads, kv heads, head size), the embedding as wide
+/// as the query heads together.
+pub fn tiny_model_heads(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    heads: (usize, usize, usize),
+) -> anyhow::Result<Arc<GgufFile>> {
+    let (n_head, n_head_kv, head_dim) = heads;
     let mut cfg = SynthConfig::tiny(arch);
-    cfg.n_embd = 512;
-    cfg.n_head = 4;
-    cfg.n_head_kv = 1;
-    cfg.head_dim = 128;
+    cfg.n_embd = (n_head * head_dim) as u32;
+    cfg.n_head = n_head as u32;
+    cfg.n_head_kv = n_head_kv as u32;
+    cfg.head_dim = head_dim as u32;
     model_of(cfg, ty, seed)
 }
 
@@ -91,6 +113,12 @@ fn all_logits<B: kestrel_model::Backend>(
 /// (the GEMV kernels and graph replay: runs of equal sizes repeat launch lists), then
 /// prefill-sized again.
 const PARTS: [usize; 16] = [100, 1, 1, 1, 3, 8, 8, 8, 5, 1, 2, 7, 1, 1, 40, 6];
+
+/// Chunk sizes of the decode-attention check: mostly decode-sized steps (1 to 8 tokens,
+/// through the split decode attention) at lengths from 3 to 256, nearly all mid-chunk:
+/// short sequences (one split: the tiled kernel writes the output itself), 2 and 4
+/// splits, partial last chunks, Gemma's 128-key window; two prompt-sized parts between.
+const ATTN_PARTS: [usize; 16] = [3, 1, 1, 8, 5, 1, 2, 40, 1, 7, 1, 3, 100, 1, 1, 8];
 
 /// Teacher-forced logits of every position, evaluating `tokens` in parts of the sizes in
 /// `parts` (cycled).
@@ -194,6 +222,20 @@ pub fn compare_logits_wide_heads(
     compare_logits_of(file, arch, ty, n, seed, ordinal, true)
 }
 
+/// [`compare_logits`] on [`tiny_model_heads`], in the decode-heavy parts of
+/// [`ATTN_PARTS`], with the GPU on f32 activations (the strict |Δ| bound).
+pub fn compare_logits_heads(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    compare_logits_in(file, arch, ty, n, seed, ordinal, false, &ATTN_PARTS)
+}
+
 fn compare_logits_of(
     file: Arc<GgufFile>,
     arch: Arch,
@@ -203,6 +245,22 @@ fn compare_logits_of(
     ordinal: usize,
     q8: bool,
 ) -> anyhow::Result<LogitReport> {
+    compare_logits_in(file, arch, ty, n, seed, ordinal, q8, &PARTS)
+}
+
+/// The CPU engine on all of `n` random tokens at once against the CUDA engine on them in
+/// parts of the sizes in `parts`.
+#[allow(clippy::too_many_arguments)]
+fn compare_logits_in(
+    file: Arc<GgufFile>,
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+    q8: bool,
+    parts: &[usize],
+) -> anyhow::Result<LogitReport> {
     let mut cpu = cpu_engine(&file)?;
     let mut gpu = cuda_engine(&file, ordinal)?;
     gpu.backend.set_q8_decode(q8);
@@ -210,7 +268,7 @@ fn compare_logits_of(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let a = all_logits(&mut cpu, &tokens)?;
-    let b = all_logits_in_parts(&mut gpu, &tokens, &PARTS)?;
+    let b = all_logits_in_parts(&mut gpu, &tokens, parts)?;
     anyhow::ensure!(
         a.len() == n && b.len() == n,
         "expected {n} rows of logits, got {} (cpu) and {} (cuda)",
@@ -273,7 +331,30 @@ pub fn compare_batched(
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
-    let file = tiny_model(arch, ty, seed)?;
+    compare_batched_of(tiny_model(arch, ty, seed)?, arch, ty, lens, seed, ordinal)
+}
+
+/// [`compare_batched`] on [`tiny_model_heads`].
+pub fn compare_batched_heads(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    lens: &[usize],
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    compare_batched_of(file, arch, ty, lens, seed, ordinal)
+}
+
+fn compare_batched_of(
+    file: Arc<GgufFile>,
+    arch: Arch,
+    ty: &str,
+    lens: &[usize],
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
     let opts = EngineOptions {
         max_seqs: lens.len() + 1,
         ..options(100)

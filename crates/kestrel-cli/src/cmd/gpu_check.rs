@@ -319,6 +319,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
+        "decode attention shapes (query heads/kv heads/head size), f16, f32 activations, steps of 1-8 tokens at lengths 3-{positions}:"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
+            let case_seed = seed.wrapping_add(1_000 + (ia * 10 + is) as u64);
+            let (h, kv, d) = heads;
+            let label = format!("attn     {:<8} {h}/{kv}/{d:<10}", arch.name());
+            let result =
+                selfcheck::compare_logits_heads(arch, "f16", heads, positions, case_seed, args.gpu);
+            failures += usize::from(!print_logit_report(&label, result));
+        }
+    }
+    println!(
         "several sequences per step (prompts of 48+16+36 and 45+9+70 tokens, then 4 decode steps) vs each alone, same criteria:"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
@@ -329,6 +342,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let result = selfcheck::compare_batched(arch, ty, &lens, case_seed, args.gpu);
                 failures += usize::from(!print_logit_report(&label, result));
             }
+        }
+    }
+    println!(
+        "several sequences per step, 128-dim heads, 4 query heads per kv head: a long and two short prompts (empty key ranges), and 10 sequences (decode steps of 10 tokens):"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        let lens_all: [&[usize]; 2] = [&[150, 2, 33], &[1, 2, 3, 5, 8, 13, 21, 34, 55, 89]];
+        for lens in lens_all {
+            let case_seed = seed.wrapping_add(950 + ia as u64);
+            let label = format!("batched {:<8} wide f16 {:?}:", arch.name(), lens);
+            let result = selfcheck::compare_batched_heads(
+                arch,
+                "f16",
+                selfcheck::WIDE_HEADS,
+                lens,
+                case_seed,
+                args.gpu,
+            );
+            failures += usize::from(!print_logit_report(&label, result));
         }
     }
     println!(
