@@ -80,14 +80,15 @@ pub const GEMV_MAX_TOKENS: usize = 8;
 /// (`kernels/mmq.cu`; `KESTREL_CUDA_MMQ_MAX` sets the limit in use, 0 turns them off).
 pub const MMQ_MAX_TOKENS: usize = 64;
 /// The limit in use by default, and the fewest tokens they take. By default they take Q4_K
-/// and Q6_K weights only: on Llama-3-8B Q4_0 at B = 8 they gave 696 t/s against 882 for
-/// cuBLAS on the f16 copies (the 18- and 34-byte blocks are only 2-byte aligned: four
-/// 2-byte loads per 8 bytes). Measured on the H100
-/// (Llama-3-8B Q4_K_M, `bench --seqs`, decode t/s, mmq vs the previous paths): B = 2 349
-/// vs 368 (gemv_q8_t4), 4: 632 vs 499, 8: 1,057 vs 777, 16: 1,376 vs 1,448 (cuBLAS on
-/// f16 copies), 32: 1,511 vs 2,162, 64: 1,523 vs 3,085. Beyond 8 tokens each warp's
-/// activation loads (one per 8 tokens and 32 values) outweigh the weight bytes it saves.
-const MMQ_DEFAULT_MAX_TOKENS: usize = 8;
+/// and Q6_K weights only: on Llama-3-8B Q4_0 at B = 8 the int8 kernels gave 696 t/s against
+/// 882 for cuBLAS on the f16 copies (the 18- and 34-byte blocks are only 2-byte aligned:
+/// four 2-byte loads per 8 bytes). Steps of 3..=8 tokens run the int8 kernels `mmq_t*`,
+/// 9..=64 the f16 ones `mmh_*` (MMH_DEFAULT_MIN_TOKENS). Measured on the H100 (Llama-3-8B
+/// Q4_K_M, `bench --seqs`, decode t/s, with the tiled decode attention): B = 4 778, 8 1,452
+/// (mmh there: 772, 1,440), 16 2,317, 32 2,969, 64 3,725; cuBLAS on the f16 copies at 64:
+/// 3,259 (before the tiled attention; the int8 kernels at 64: 1,523, staged in shared
+/// memory 2,349).
+const MMQ_DEFAULT_MAX_TOKENS: usize = 64;
 const MMQ_MIN_TOKENS: usize = 3;
 /// Rows a block of the f16 tensor-core kernels `mmh_*` owns (MH_ROWS in kernels/mmq.cu;
 /// gated launches: half of them of gate, half of up), its threads, and the room for their
@@ -1849,6 +1850,19 @@ impl CudaBackend {
             );
             return;
         }
+        self.launch(
+            "quantize_x_mmq",
+            grid_1d(npad * k / 32, 8),
+            256,
+            &[
+                Arg::P(x.ptr),
+                Arg::I(k as i32),
+                Arg::I(n as i32),
+                Arg::I(npad as i32),
+                Arg::P(q_ptr),
+                Arg::P(ds_ptr),
+            ],
+        );
         let kernel = match (npad, gated) {
             (8, false) => "mmq_t8",
             (16, false) => "mmq_t16",
