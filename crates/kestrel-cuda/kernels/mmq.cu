@@ -398,8 +398,9 @@ MMQ_KERNEL(mmq_t64_gated, 8, true, 1)
 // is the f16 cuBLAS path's product (f16 weights and activations, f32 sums) without the f16
 // copies of the weights.
 //
-// Tiling: a block of MH_WARPS warps owns MH_ROWS rows, 16 a warp (gated launches: 32 rows
-// of gate and the same 32 of up, warps 0-1 gate's and 2-3 up's), and walks the row length
+// Tiling: a block of MH_WARPS warps owns MH_ROWS rows, 16 a warp (gated launches: the first
+// half of the warps take MH_ROWS / 2 rows of gate, the others the same rows of up), and
+// walks the row length
 // in 256-value steps. Each step's activations (all tokens) are copied once into shared
 // memory by the whole block and every warp reads its B fragments from there. Narrow
 // matrices split the row length across `splits` blocks; their partial sums meet in
@@ -695,7 +696,7 @@ __device__ __forceinline__ void mmh_body(const u16* xh, int splits, float* work,
     (void)x;
     (void)rpb;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-    const int up = UP ? warp >> 1 : 0, wr = UP ? warp & 1 : warp;
+    const int up = UP ? warp / (MH_WARPS / 2) : 0, wr = UP ? warp % (MH_WARPS / 2) : warp;
     const int r0 = t.r0 + 16 * wr;  // this warp's first row (may be past the end)
     const u8* w = up ? w1 : t.w;
     const long long rbytes = up ? rb1 : t.rb;
@@ -739,7 +740,7 @@ __device__ __forceinline__ void mmh_body(const u16* xh, int splits, float* work,
 }
 
 #define MMH_KERNEL(NAME, J, UP)                                                                \
-    extern "C" __global__ void __launch_bounds__(MH_WARPS * 32)                                \
+    extern "C" __global__ void __launch_bounds__(MH_WARPS * 32, 4)                             \
         NAME(const u16* xh, int splits, float* work, u32* count, GEMV_PARAMS) {                \
         pdl_enter();                                                                           \
         mmh_body<J, UP>(xh, splits, work, count, GEMV_ARGS);                                   \

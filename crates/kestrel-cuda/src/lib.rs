@@ -99,6 +99,8 @@ const MMH_WORK_FLOATS: usize = 8 << 20;
 /// Steps of at least this many tokens multiply Q4_K / Q6_K weights in f16 (`mmh_*`).
 const MMH_DEFAULT_MIN_TOKENS: usize = 9;
 const MMH_MAX_TILES: usize = 1 << 16;
+/// Blocks of `mmh_*` resident per SM (their `__launch_bounds__`): the split rule's aim.
+const MMH_BLOCKS_PER_SM: usize = 4;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD); runs of fewer tokens take the
 /// split kernels.
@@ -283,14 +285,23 @@ enum MmqKind {
 }
 
 /// How many blocks of an `mmh_*` launch (`tiles` tiles, rows of `steps` 256-value steps,
-/// `npad` tokens) share each tile's row length: enough blocks for about two per SM, at
+/// `npad` tokens) share each tile's row length: enough blocks for MMH_BLOCKS_PER_SM per SM
+/// (as many as are resident at once), at
 /// least two steps each, and room for the partial sums. Every split gets at least one step
 /// (the count is recomputed from the steps per split).
 fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
     if tiles == 0 || steps < 4 || tiles > MMH_MAX_TILES {
         return 1;
     }
-    let want = (2 * sms).div_ceil(tiles).min(steps / 2);
+    // KESTREL_CUDA_MMH_BLOCKS_PER_SM overrides the aim (for measurements).
+    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let per_sm = *PER_SM.get_or_init(|| {
+        std::env::var("KESTREL_CUDA_MMH_BLOCKS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(MMH_BLOCKS_PER_SM)
+    });
+    let want = (per_sm * sms).div_ceil(tiles).min(steps / 2);
     if want <= 1 {
         return 1;
     }
