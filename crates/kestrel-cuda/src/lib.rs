@@ -83,12 +83,12 @@ pub const MMQ_MAX_TOKENS: usize = 64;
 /// and Q6_K weights only: on Llama-3-8B Q4_0 at B = 8 the int8 kernels gave 696 t/s against
 /// 882 for cuBLAS on the f16 copies (the 18- and 34-byte blocks are only 2-byte aligned:
 /// four 2-byte loads per 8 bytes). Steps of 3..=8 tokens run the int8 kernels `mmq_t*`,
-/// 9..=64 the f16 ones `mmh_*` (MMH_DEFAULT_MIN_TOKENS). Measured on the H100 (Llama-3-8B
-/// Q4_K_M, `bench --seqs`, decode t/s, with the tiled decode attention): B = 4 778, 8 1,452
-/// (mmh there: 772, 1,440), 16 2,317, 32 2,969, 64 3,725; cuBLAS on the f16 copies at 64:
-/// 3,259 (before the tiled attention; the int8 kernels at 64: 1,523, staged in shared
+/// 9..=32 the f16 ones `mmh_*` (MMH_DEFAULT_MIN_TOKENS), larger steps cuBLAS on the f16
+/// copies. Measured on the H100 (Llama-3-8B Q4_K_M, `bench --seqs`, decode t/s, tiled
+/// decode attention): B = 8 1,452 (mmh there: 1,440); 16: mmh 2,334 vs cuBLAS 1,783; 32:
+/// 3,012 vs 2,911; 64: 3,621 vs 4,249 (the int8 kernels at 64: 1,523, staged in shared
 /// memory 2,349).
-const MMQ_DEFAULT_MAX_TOKENS: usize = 64;
+const MMQ_DEFAULT_MAX_TOKENS: usize = 32;
 const MMQ_MIN_TOKENS: usize = 3;
 /// Rows a block of the f16 tensor-core kernels `mmh_*` owns (MH_ROWS in kernels/mmq.cu;
 /// gated launches: half of them of gate, half of up), its threads, and the room for their
