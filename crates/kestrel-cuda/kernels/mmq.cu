@@ -300,6 +300,29 @@ __device__ __forceinline__ void mq_rows_any(int ty, const u8* const (&rw)[4], in
     }
 }
 
+// A warp's 16 rows from r0 (maybe past the end) for the n tokens: act(gate) * up into out0
+// (UP), else plus the bias into the segment's output.
+template <int J, bool UP>
+__device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (&acc_up)[J][4],
+                                         const GvRows& t, int r0, int n, int act, float* out0,
+                                         int ld0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const int nr = t.rows - r0;
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
+            if (r < nr && tok < n) {
+                const int row = r0 + r;
+                if (UP)
+                    out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
+                else
+                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
+            }
+        }
+}
+
 // out_s[t][r] = W_s[r]·x[t] (+ bias) for n tokens (2 ≤ n ≤ 8J) with the GEMV launches'
 // parameters (rpb unused; UP: a gated launch, act(gate·x) * (up·x) into out0, gate and up of
 // one format and row length, the host checks). Grid: one block per 16 rows
@@ -356,20 +379,7 @@ __device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npa
         }
         __syncthreads();
     }
-    if (warp != 0) return;
-#pragma unroll
-    for (int j = 0; j < J; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
-            if (r < nr && tok < n) {
-                const int row = t.r0 + r;
-                if (UP)
-                    out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
-                else
-                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
-            }
-        }
+    if (warp == 0) mq_store<J, UP>(acc, acc_up, t, t.r0, n, act, out0, ld0);
 }
 
 // By tokens: up to 8, 16, 32 and 64 (the host picks the smallest that holds the step); plain
@@ -624,29 +634,6 @@ __device__ __forceinline__ bool mq_split_sum(float (&acc)[J][4], int splits, flo
         }
     if (threadIdx.x == 0) count[tile] = 0;
     return true;
-}
-
-// A warp's 16 rows from r0 (maybe past the end) for the n tokens: act(gate) * up into out0
-// (UP), else plus the bias into the segment's output.
-template <int J, bool UP>
-__device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (&acc_up)[J][4],
-                                         const GvRows& t, int r0, int n, int act, float* out0,
-                                         int ld0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    const int nr = t.rows - r0;
-#pragma unroll
-    for (int j = 0; j < J; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
-            if (r < nr && tok < n) {
-                const int row = r0 + r;
-                if (UP)
-                    out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
-                else
-                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
-            }
-        }
 }
 
 // Steps [s0, s1) of format TY for this warp's rows. Each step's activations are copied
