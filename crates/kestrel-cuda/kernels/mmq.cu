@@ -110,6 +110,46 @@ __device__ __forceinline__ void mq_block(const u32 (&a)[4][2], const float (&fs)
     }
 }
 
+// A lane's bytes of the 256-value step `st` of rows rw[0..NR): lane c = lane % 4 takes values
+// 8c .. 8c + 7 of every 32-value block (the int8 and the f16 kernels read them alike).
+// Q4_K (144-byte blocks, 16-byte aligned): the block header and, of each 32-byte quant chunk
+// ch, bytes 8c .. 8c + 7 (sub-block 2ch in the low nibbles, 2ch + 1 in the high ones).
+template <int NR> struct Q4kStep {
+    uint4 h[NR];
+    uint2 q[NR][4];
+    __device__ __forceinline__ void load(const u8* const* rw, int st, int c) {
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const u8* b = rw[r] + (size_t)st * 144;
+            h[r] = *(const uint4*)b;
+#pragma unroll
+            for (int ch = 0; ch < 4; ch++) q[r][ch] = *(const uint2*)(b + 16 + 32 * ch + 8 * c);
+        }
+    }
+};
+// Q6_K (210-byte blocks, 2-byte aligned): of each half hf, bytes 8c.. of the two 32-byte
+// low-bit chunks and of the 32-byte high-bit chunk; the 16 scales and d.
+template <int NR> struct Q6kStep {
+    uint2 ql[NR][2][2], qh[NR][2];
+    u32 sw[NR][4];
+    float d[NR];
+    __device__ __forceinline__ void load(const u8* const* rw, int st, int c) {
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const u8* b = rw[r] + (size_t)st * 210;
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+#pragma unroll
+                for (int p = 0; p < 2; p++) ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * c);
+                qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * c);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
+            d[r] = ld_f16(b + 208);
+        }
+    }
+};
+
 // Per format: the 256-value step `st` of rows rw[0..NR) (NR = 2, or 4 with up).
 template <int TY> struct Mq;
 
@@ -122,24 +162,18 @@ template <> struct Mq<T_Q4_K> {
                                                 const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
-        uint4 h[NR];
-        uint2 q[NR][4];
-#pragma unroll
-        for (int r = 0; r < NR; r++) {
-            const u8* b = rw[r] + (size_t)st * 144;
-            h[r] = *(const uint4*)b;
-#pragma unroll
-            for (int ch = 0; ch < 4; ch++) q[r][ch] = *(const uint2*)(b + 16 + 32 * ch + 8 * x.c);
-        }
+        Q4kStep<NR> raw;
+        raw.load(rw, st, x.c);
 #pragma unroll
         for (int ch = 0; ch < 4; ch++) {
             float fs[2][4], fm[2][4];
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 const int rr = r < NR ? r : 0;
-                const float d = h2f((u16)(h[rr].x & 0xFFFF)), dmin = h2f((u16)(h[rr].x >> 16));
+                const float d = h2f((u16)(raw.h[rr].x & 0xFFFF));
+                const float dmin = h2f((u16)(raw.h[rr].x >> 16));
                 int sc[2], mn[2];
-                q4k_scale_min_pair(h[rr], ch, sc, mn);
+                q4k_scale_min_pair(raw.h[rr], ch, sc, mn);
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     fs[i][r] = d * (float)sc[i];
@@ -152,8 +186,8 @@ template <> struct Mq<T_Q4_K> {
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     const int rr = r < NR ? r : 0;
-                    a[r][0] = (q[rr][ch].x >> (4 * i)) & 0x0F0F0F0Fu;
-                    a[r][1] = (q[rr][ch].y >> (4 * i)) & 0x0F0F0F0Fu;
+                    a[r][0] = (raw.q[rr][ch].x >> (4 * i)) & 0x0F0F0F0Fu;
+                    a[r][1] = (raw.q[rr][ch].y >> (4 * i)) & 0x0F0F0F0Fu;
                 }
                 mq_block<J, UP>(a, fs[i], fm[i], st * 8 + 2 * ch + i, nt, x, acc, acc_up);
             }
@@ -170,22 +204,8 @@ template <> struct Mq<T_Q6_K> {
                                                 const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
-        uint2 ql[NR][2][2], qh[NR][2];
-        u32 sw[NR][4];
-        float d[4];
-#pragma unroll
-        for (int r = 0; r < NR; r++) {
-            const u8* b = rw[r] + (size_t)st * 210;
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-#pragma unroll
-                for (int p = 0; p < 2; p++) ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * x.c);
-                qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * x.c);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
-            d[r] = ld_f16(b + 208);
-        }
+        Q6kStep<NR> raw;
+        raw.load(rw, st, x.c);
         const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const bool low = x.c < 2;
 #pragma unroll
@@ -195,12 +215,12 @@ template <> struct Mq<T_Q6_K> {
             int sc[NR][2];
 #pragma unroll
             for (int r = 0; r < NR; r++) {
-                const uint2 l = ql[r][hf][qq & 1], hb = qh[r][hf];
+                const uint2 l = raw.ql[r][hf][qq & 1], hb = raw.qh[r][hf];
                 const int sl = 4 * (qq >> 1), sh = 2 * qq;
                 v[r][0] = sub32_bytes(((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4));
                 v[r][1] = sub32_bytes(((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4));
                 const int si = 8 * hf + 2 * qq;  // even: both scales in one word
-                const u32 w = sw[r][si >> 2] >> (8 * (si & 3));
+                const u32 w = raw.sw[r][si >> 2] >> (8 * (si & 3));
                 sc[r][0] = (int)(signed char)(w & 0xFF);
                 sc[r][1] = (int)(signed char)((w >> 8) & 0xFF);
             }
@@ -222,7 +242,7 @@ template <> struct Mq<T_Q6_K> {
                         cc[1] = sc[r0][0] * lo[1] + sc[r0][1] * hi[1];
                         cc[2] = sc[r1][0] * lo[2] + sc[r1][1] * hi[2];
                         cc[3] = sc[r1][0] * lo[3] + sc[r1][1] * hi[3];
-                        mq_acc(m == 0 ? acc[j] : acc_up[j], cc, d[r0], zero[0], d[r1], zero[1],
+                        mq_acc(m == 0 ? acc[j] : acc_up[j], cc, raw.d[r0], zero[0], raw.d[r1], zero[1],
                                ds);
                     }
                 }
@@ -496,23 +516,9 @@ __device__ __forceinline__ void mh_block(const u32 (&w)[2][4], const u8* xs, flo
 
 template <int TY> struct Mh;
 
-// Q4_K: per row the block header (d, dmin, 6-bit scales and minimums) and of each 32-byte
-// quant chunk ch the lane's bytes 8c .. 8c + 7 (values 8c.. of blocks 2ch and 2ch + 1).
+// Q4_K: each 32-value block's nibbles (Q4kStep) expanded with its 6-bit scale and minimum.
 template <> struct Mh<T_Q4_K> {
-    struct Raw {
-        uint4 h[2];
-        uint2 q[2][4];
-    };
-    static __device__ __forceinline__ void load(const u8* const (&rw)[2], int st, Raw& w) {
-        const int c = threadIdx.x & 3;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const u8* b = rw[r] + (size_t)st * 144;
-            w.h[r] = *(const uint4*)b;
-#pragma unroll
-            for (int ch = 0; ch < 4; ch++) w.q[r][ch] = *(const uint2*)(b + 16 + 32 * ch + 8 * c);
-        }
-    }
+    using Raw = Q4kStep<2>;
     template <int J>
     static __device__ __forceinline__ void compute(const Raw& raw, const u8* xs,
                                                    float (&acc)[J][4]) {
@@ -552,28 +558,7 @@ template <> struct Mh<T_Q4_K> {
 // Q6_K: block s of a step is quarter s % 4 of half s / 4; the lane's values 8c.. of it take
 // one 16-value scale (c < 2: the block's first).
 template <> struct Mh<T_Q6_K> {
-    struct Raw {
-        uint2 ql[2][2][2], qh[2][2];
-        u32 sw[2][4];
-        float d[2];
-    };
-    static __device__ __forceinline__ void load(const u8* const (&rw)[2], int st, Raw& w) {
-        const int c = threadIdx.x & 3;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const u8* b = rw[r] + (size_t)st * 210;
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-#pragma unroll
-                for (int p = 0; p < 2; p++)
-                    w.ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * c);
-                w.qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * c);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) w.sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
-            w.d[r] = ld_f16(b + 208);
-        }
-    }
+    using Raw = Q6kStep<2>;
     template <int J>
     static __device__ __forceinline__ void compute(const Raw& raw, const u8* xs,
                                                    float (&acc)[J][4]) {
@@ -647,7 +632,8 @@ __device__ __forceinline__ void mh_rows(const u8* const (&rw)[2], int s0, int s1
     const int lane = threadIdx.x & 31;
     const u8* xs = sx + (lane >> 2) * MH_XROW + (lane & 3) * 16;
     typename Mh<TY>::Raw cur, next;
-    if (s0 < s1) Mh<TY>::load(rw, s0, cur);
+    const int c = threadIdx.x & 3;
+    if (s0 < s1) cur.load(rw, s0, c);
     for (int st = s0; st < s1; st++) {
         // NT rows of 32 chunks of 16 bytes.
         for (int i = threadIdx.x; i < NT * 32; i += MH_WARPS * 32) {
@@ -655,7 +641,7 @@ __device__ __forceinline__ void mh_rows(const u8* const (&rw)[2], int s0, int s1
             cp_async16(sx + tok * MH_XROW + ch * 16, xh + (size_t)tok * k + st * 256 + ch * 8);
         }
         cp_async_commit();
-        if (st + 1 < s1) Mh<TY>::load(rw, st + 1, next);
+        if (st + 1 < s1) next.load(rw, st + 1, c);
         cp_async_wait_all();
         __syncthreads();
         Mh<TY>::template compute<J>(cur, xs, acc);

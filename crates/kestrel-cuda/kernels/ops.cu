@@ -224,6 +224,16 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
     *total_out = total;
 }
 
+// Split s of `splits` equal ranges of the keys a token at `pos` sees (causal; with window >
+// 0 only the last `window` positions): [begin, end), empty for splits past the end.
+__device__ __forceinline__ void split_key_range(int pos, int window, int splits, int s,
+                                                int& begin, int& end) {
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int span = (pos + 1 - lo + splits - 1) / splits;
+    begin = lo + s * span;
+    end = min(pos + 1, begin + span);
+}
+
 // Attention of token tok0 + blockIdx.x, head blockIdx.y over its sequence's cached
 // positions (causal, optionally a sliding window).
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
@@ -233,10 +243,10 @@ attention(const float* q, const u16* kc, const u16* vc, float* out, const u32* p
     pdl_enter();
     __shared__ float res[ATT_MAX_HD];
     const int i = tok0 + blockIdx.x, h = blockIdx.y;
-    const int pos = (int)positions[i];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, 1, 0, k_begin, k_end);
     float big, total;
-    attn_range(q, kc, vc, i, h, lo, pos + 1, tables + table_off[seq_of[i]], block_size, n_head,
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size, n_head,
                n_head_kv, head_dim, scale, res, &big, &total);
     float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = res[d] / total;
@@ -263,10 +273,8 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     pdl_enter();
     // i: the token (from tok0); li: its slot in `part`.
     const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
-    const int pos = (int)positions[i];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int per = (pos + 1 - lo + splits - 1) / splits;
-    const int k_begin = lo + s * per, k_end = min(pos + 1, k_begin + per);
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
     float* o = part + (((size_t)li * n_head + h) * splits + s) * (head_dim + 2);
     float big, total;
     // The partial sums go straight to `part`: each thread writes its own dims.
@@ -297,10 +305,8 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_head / n_head_kv, per = head_dim / 32;
     const int kv_dim = n_head_kv * head_dim;
-    const int pos = (int)positions[i];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int span = (pos + 1 - lo + splits - 1) / splits;
-    const int k_begin = lo + s * span, k_end = min(pos + 1, k_begin + span);
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
     const u32* table = tables + table_off[seq_of[i]];
 
     // This lane's slice of each query head, pre-scaled.
@@ -459,10 +465,8 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_head / n_head_kv;
     const int kv_dim = n_head_kv * HD;
-    const int pos = (int)positions[i];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int span = (pos + 1 - lo + splits - 1) / splits;
-    const int k_begin = lo + s * span, k_end = min(pos + 1, k_begin + span);
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
     const u32* table = tables + table_off[seq_of[i]];
     // mma fragment coordinates: this lane's row (head) h and first column pair qd.
     const int h = lane >> 2, qd = (lane & 3) * 2;
