@@ -1820,80 +1820,77 @@ impl CudaBackend {
         else {
             return;
         };
-        if kind == MmqKind::Half {
-            self.launch(
-                "convert_x_mmh",
-                grid_1d(npad * k / 8, 256),
-                256,
-                &[
-                    Arg::P(x.ptr),
-                    Arg::I(k as i32),
-                    Arg::I(n as i32),
-                    Arg::I(npad as i32),
-                    Arg::P(xh),
-                ],
-            );
-            let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
-            let splits = mmh_splits(tiles, k / 256, npad, self.sm_count);
-            let kernel = match (npad, gated) {
-                (8, false) => "mmh_t8",
-                (16, false) => "mmh_t16",
-                (32, false) => "mmh_t32",
-                (_, false) => "mmh_t64",
-                (8, true) => "mmh_t8_gated",
-                (16, true) => "mmh_t16_gated",
-                (32, true) => "mmh_t32_gated",
-                (_, true) => "mmh_t64_gated",
-            };
-            let mut mmh_args = vec![
-                Arg::P(xh),
-                Arg::I(splits as i32),
-                Arg::P(work),
-                Arg::P(count),
-            ];
-            mmh_args.extend_from_slice(args);
-            self.launch_reading(
-                kernel,
-                ((tiles * splits) as u32, 1, 1),
-                MMH_THREADS,
-                &mmh_args,
-                weight_bytes,
-            );
-            return;
-        }
-        self.launch(
-            "quantize_x_mmq",
-            grid_1d(npad * k / 32, 8),
-            256,
-            &[
-                Arg::P(x.ptr),
-                Arg::I(k as i32),
-                Arg::I(n as i32),
-                Arg::I(npad as i32),
-                Arg::P(q_ptr),
-                Arg::P(ds_ptr),
-            ],
-        );
-        let kernel = match (npad, gated) {
-            (8, false) => "mmq_t8",
-            (16, false) => "mmq_t16",
-            (24 | 32, false) => "mmq_t32",
-            (_, false) => "mmq_t64",
-            (8, true) => "mmq_t8_gated",
-            (16, true) => "mmq_t16_gated",
-            (24 | 32, true) => "mmq_t32_gated",
-            (_, true) => "mmq_t64_gated",
+        // Kernel names by tile (8, 16, 32, 64 tokens) and gated.
+        const MMH: [[&str; 2]; 4] = [
+            ["mmh_t8", "mmh_t8_gated"],
+            ["mmh_t16", "mmh_t16_gated"],
+            ["mmh_t32", "mmh_t32_gated"],
+            ["mmh_t64", "mmh_t64_gated"],
+        ];
+        const MMQ: [[&str; 2]; 4] = [
+            ["mmq_t8", "mmq_t8_gated"],
+            ["mmq_t16", "mmq_t16_gated"],
+            ["mmq_t32", "mmq_t32_gated"],
+            ["mmq_t64", "mmq_t64_gated"],
+        ];
+        let tile = match npad {
+            8 => 0,
+            16 => 1,
+            24 | 32 => 2,
+            _ => 3,
         };
-        let blocks = gemv_warps(segs, gated, 16);
-        let mut mmq_args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
-        mmq_args.extend_from_slice(args);
-        // MQ_WARPS (kernels/mmq.cu) warps a block.
-        const MMQ_THREADS: u32 = 8 * 32;
+        // The activations as the kernels read them (f16, or 8 bits with the block sums; npad
+        // rows), then the product: its kernel, grid, block and leading arguments.
+        let prep_args = [
+            Arg::P(x.ptr),
+            Arg::I(k as i32),
+            Arg::I(n as i32),
+            Arg::I(npad as i32),
+        ];
+        let (kernel, blocks, threads, mut kernel_args) = match kind {
+            MmqKind::Half => {
+                let outs = [Arg::P(xh)];
+                self.launch(
+                    "convert_x_mmh",
+                    grid_1d(npad * k / 8, 256),
+                    256,
+                    &[&prep_args[..], &outs].concat(),
+                );
+                let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
+                let splits = mmh_splits(tiles, k / 256, npad, self.sm_count);
+                let args = vec![
+                    Arg::P(xh),
+                    Arg::I(splits as i32),
+                    Arg::P(work),
+                    Arg::P(count),
+                ];
+                (MMH[tile][gated as usize], tiles * splits, MMH_THREADS, args)
+            }
+            MmqKind::Int8 => {
+                let outs = [Arg::P(q_ptr), Arg::P(ds_ptr)];
+                self.launch(
+                    "quantize_x_mmq",
+                    grid_1d(npad * k / 32, 8),
+                    256,
+                    &[&prep_args[..], &outs].concat(),
+                );
+                // MQ_WARPS (kernels/mmq.cu) warps a block, one block per 16 rows.
+                const MMQ_THREADS: u32 = 8 * 32;
+                let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
+                (
+                    MMQ[tile][gated as usize],
+                    gemv_warps(segs, gated, 16),
+                    MMQ_THREADS,
+                    args,
+                )
+            }
+        };
+        kernel_args.extend_from_slice(args);
         self.launch_reading(
             kernel,
             (blocks as u32, 1, 1),
-            MMQ_THREADS,
-            &mmq_args,
+            threads,
+            &kernel_args,
             weight_bytes,
         );
     }

@@ -207,7 +207,8 @@ pub fn compare_logits(
     ordinal: usize,
     q8: bool,
 ) -> anyhow::Result<LogitReport> {
-    compare_logits_of(tiny_model(arch, ty, seed)?, arch, ty, n, seed, ordinal, q8)
+    let file = tiny_model(arch, ty, seed)?;
+    compare_logits_in(file, arch, ty, n, seed, ordinal, q8, &PARTS)
 }
 
 /// [`compare_logits`] on [`tiny_model_wide_heads`].
@@ -219,7 +220,7 @@ pub fn compare_logits_wide_heads(
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
     let file = tiny_model_wide_heads(arch, ty, seed)?;
-    compare_logits_of(file, arch, ty, n, seed, ordinal, true)
+    compare_logits_in(file, arch, ty, n, seed, ordinal, true, &PARTS)
 }
 
 /// [`compare_logits`] on [`tiny_model_heads`], in the decode-heavy parts of
@@ -234,18 +235,6 @@ pub fn compare_logits_heads(
 ) -> anyhow::Result<LogitReport> {
     let file = tiny_model_heads(arch, ty, seed, heads)?;
     compare_logits_in(file, arch, ty, n, seed, ordinal, false, &ATTN_PARTS)
-}
-
-fn compare_logits_of(
-    file: Arc<GgufFile>,
-    arch: Arch,
-    ty: &str,
-    n: usize,
-    seed: u64,
-    ordinal: usize,
-    q8: bool,
-) -> anyhow::Result<LogitReport> {
-    compare_logits_in(file, arch, ty, n, seed, ordinal, q8, &PARTS)
 }
 
 /// The CPU engine on all of `n` random tokens at once against the CUDA engine on them in
