@@ -15,6 +15,8 @@
 #   scripts/gpu.sh seqs-ab   on the GPU host: `kestrel bench --seqs $SEQS` on synthetic
 #                            Llama-3-8B Q4_K_M with the tensor-core kernels for 2..64-token
 #                            steps (mmq) on, then off (KESTREL_CUDA_MMQ_MAX=0)
+#   scripts/gpu.sh decode-ab on the GPU host: tg128 of synthetic Qwen2.5-1.5B and Llama-3-8B
+#                            Q4_K_M (and `--seqs $SEQS` if set) under each env set of $AB
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -143,9 +145,28 @@ serve-profile)
             k, n[k], t[k] / 1e6, t[k] / n[k] / 1e3, tok[k] / n[k], s[k] / n[k]}'
     grep '^step ' /tmp/serve-profile.log | tail -3
     ;;
+decode-ab)
+    # Single-token decode (tg128) and `--seqs $SEQS` under each setting of $AB (space-
+    # separated VAR=VALUE[,VAR=VALUE] sets; "-" for the defaults), on synthetic Qwen2.5-1.5B
+    # and Llama-3-8B Q4_K_M: A/B comparisons of kernel switches in one call.
+    gpu_env
+    qwen=/tmp/qwen2.5-1.5b-q4_k_m.gguf
+    [ -f "$qwen" ] || .gpu/kestrel synth --arch qwen2 --preset qwen2.5-1.5b --type q4_k_m -o "$qwen" >/dev/null
+    model=$(llama3_8b)
+    for set in ${AB:--}; do
+        vars=()
+        [ "$set" = - ] || IFS=, read -ra vars <<<"$set"
+        for m in "$qwen" "$model"; do
+            echo "$set $(basename "$m"): $(env "${vars[@]}" .gpu/kestrel bench -m "$m" --device cuda \
+                -p 0 -n 128 -r 3 | grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+')"
+        done
+        [ -z "${SEQS:-}" ] || env "${vars[@]}" .gpu/kestrel bench -m "$model" --device cuda \
+            --seqs "$SEQS" -p 512 -n 128 -r 1 | grep -E '^\|' | tail -n +3
+    done
+    ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|remote|run-here|bench|verify|seqs-ab|batched|serve-profile]" >&2
+    echo "usage: $0 [build|remote|run-here|bench|verify|seqs-ab|decode-ab|batched|serve-profile]" >&2
     exit 2
     ;;
 esac
