@@ -8,6 +8,7 @@
 pub mod gemm;
 pub mod numerics;
 mod ops;
+mod packed;
 pub mod pool;
 pub mod profile;
 pub mod qdot;
@@ -161,6 +162,10 @@ pub enum CpuWeight {
         cols: usize,
         /// The file's bytes copied into huge pages, if they were.
         copy: Option<Arc<HugeCopy>>,
+        /// The whole groups of 16 rows repacked for the integer kernels (`packed.rs`),
+        /// where that layout applies; the original bytes still serve the other rows and
+        /// row lookups (embeddings).
+        packed: Option<Arc<HugeCopy>>,
     },
     /// A vector (norm weights, biases) converted to f32.
     Vector(Vec<f32>),
@@ -255,8 +260,20 @@ impl kestrel_model::Backend for CpuBackend {
         } else {
             None
         };
+        let packed = if self.kernels == Kernels::Fast
+            && self.numerics == Numerics::Ggml
+            && packed::applies(info.ty, rows, cols)
+        {
+            let bytes = packed::pack_q4k(file.tensor_data(info), rows, cols);
+            Some(Arc::new(
+                HugeCopy::of(&bytes).context("copying the repacked weights")?,
+            ))
+        } else {
+            None
+        };
         Ok(CpuWeight::Matrix {
             copy,
+            packed,
             file: file.clone(),
             info: info.clone(),
             ty: info.ty,

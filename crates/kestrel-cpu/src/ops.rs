@@ -6,7 +6,7 @@ use kestrel_model::{Activation, AttnParams, Batch, RopeParams};
 
 use crate::numerics::{self, Numerics};
 use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
-use crate::{gemm, qdot, qdot8, simd};
+use crate::{gemm, packed, qdot, qdot8, simd};
 
 /// A pointer that tasks writing disjoint elements of one buffer may share.
 pub(crate) struct SharedMut<T>(pub(crate) *mut T);
@@ -42,6 +42,7 @@ fn matrix(w: &CpuWeight) -> (kestrel_gguf::GgmlType, usize, usize, &[u8]) {
             rows,
             cols,
             copy,
+            ..
         } => {
             let data = file.tensor_data(info);
             match copy {
@@ -215,6 +216,8 @@ struct Matmul<'a> {
     be: &'a CpuBackend,
     ty: kestrel_gguf::GgmlType,
     data: &'a [u8],
+    /// The rows' whole groups of 16 repacked (`packed.rs`), where the weight has them.
+    packed: Option<&'a [u8]>,
     row_bytes: usize,
     k: usize,
     n: usize,
@@ -224,10 +227,17 @@ struct Matmul<'a> {
 impl<'a> Matmul<'a> {
     fn new(be: &'a CpuBackend, w: &'a CpuWeight, n: usize) -> Matmul<'a> {
         let (ty, n_out, k, data) = matrix(w);
+        let packed = match w {
+            CpuWeight::Matrix {
+                packed: Some(p), ..
+            } => Some(p.bytes()),
+            _ => None,
+        };
         Matmul {
             be,
             ty,
             data,
+            packed,
             row_bytes: ty.bytes_for(k as u64).unwrap_or(0) as usize,
             k,
             n,
@@ -256,6 +266,7 @@ impl<'a> Matmul<'a> {
             k,
             n,
             n_out,
+            ..
         } = *self;
         if be.kernels == Kernels::Scalar {
             for i in 0..n {
@@ -292,6 +303,7 @@ impl<'a> Matmul<'a> {
             k,
             n,
             n_out,
+            ..
         } = *self;
         let isa = be.isa;
         const GROUP: usize = 16;
@@ -377,6 +389,7 @@ impl<'a> Matmul<'a> {
             k,
             n,
             n_out,
+            ..
         } = *self;
         let isa = be.isa;
         let out_ptr = SharedMut(out.as_mut_ptr());
@@ -448,6 +461,17 @@ impl Matmul<'_> {
     /// gives these columns of `out` (`[n × n_out]`) to this call alone.
     fn integer_rows(&self, xq: &[u8], xq_row: usize, j0: usize, j1: usize, out: SharedMut<f32>) {
         let row_bytes = self.row_bytes;
+        let mut j0 = j0;
+        if let Some(packed) = self.packed {
+            // Whole groups of 16 repacked rows (tasks start at multiples of 16).
+            let group_bytes = self.k / 256 * packed::GROUP_BLOCK;
+            while j0.is_multiple_of(packed::ROWS) && j0 + packed::ROWS <= j1.min(self.n_out) {
+                let group = &packed[j0 / packed::ROWS * group_bytes..][..group_bytes];
+                let i = self.packed_tokens::<4>(group, xq, xq_row, 0, j0, out);
+                self.packed_tokens::<1>(group, xq, xq_row, i, j0, out);
+                j0 += packed::ROWS;
+            }
+        }
         // Sub-tiles of rows small enough to stay in L1 while every token passes over
         // them, so each token's activations are read once per sub-tile, not per row.
         let tile = (Q8_TILE_BYTES / row_bytes.max(1)).max(1);
@@ -458,6 +482,38 @@ impl Matmul<'_> {
             let i = self.token_groups::<4>(xq, xq_row, i, t0..t1, out);
             self.token_groups::<1>(xq, xq_row, i, t0..t1, out);
         }
+    }
+
+    /// The 16 rows `j..j + 16` of the integer product, repacked as `group`, for tokens
+    /// `i0..` in whole groups of `N`, as many as fit; returns the first token left.
+    fn packed_tokens<const N: usize>(
+        &self,
+        group: &[u8],
+        xq: &[u8],
+        xq_row: usize,
+        i0: usize,
+        j: usize,
+        out: SharedMut<f32>,
+    ) -> usize {
+        let (n, n_out) = (self.n, self.n_out);
+        let i1 = i0 + (n - i0) / N * N;
+        for i in (i0..i1).step_by(N) {
+            let ys: [&[u8]; N] =
+                std::array::from_fn(|t| &xq[(i + t) * xq_row..(i + t + 1) * xq_row]);
+            let v = packed::q4k_rows(group, ys);
+            for (t, rows) in v.iter().enumerate() {
+                // SAFETY: columns j..j + 16 of every row belong to this call alone (the
+                // caller's guarantee), j + 16 <= n_out and token i + t < n.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        rows.as_ptr(),
+                        out.at((i + t) * n_out + j),
+                        packed::ROWS,
+                    )
+                };
+            }
+        }
+        i1
     }
 
     /// Rows `rows` of the integer product for tokens `i0..` in whole groups of `N`

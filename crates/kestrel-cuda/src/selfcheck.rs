@@ -673,19 +673,25 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     // Single-token steps have their own kernels: always cover them, with short rows (one
     // row per warp) and rows past 2,048 values (two rows per warp).
     let long = if unit == 256 { [11, 35] } else { [70, 301] };
-    [(1usize, true), (3, true), (6, false), (11, false), (35, false)]
-        .into_iter()
-        .chain(long.map(|blocks| (blocks, true)))
-        .map(|(blocks, single)| {
-            let rows = rng.random_range(1..300);
-            let n = if single {
-                1
-            } else {
-                rng.random_range(1..=crate::GEMV_MAX_TOKENS)
-            };
-            (rows, blocks * unit, n, rng.random())
-        })
-        .collect()
+    [
+        (1usize, true),
+        (3, true),
+        (6, false),
+        (11, false),
+        (35, false),
+    ]
+    .into_iter()
+    .chain(long.map(|blocks| (blocks, true)))
+    .map(|(blocks, single)| {
+        let rows = rng.random_range(1..300);
+        let n = if single {
+            1
+        } else {
+            rng.random_range(1..=crate::GEMV_MAX_TOKENS)
+        };
+        (rows, blocks * unit, n, rng.random())
+    })
+    .collect()
 }
 
 /// Types the tensor-core kernels for 2..=MMQ_MAX_TOKENS tokens read (`kernels/mmq.cu`).

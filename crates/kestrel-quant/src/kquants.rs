@@ -40,7 +40,7 @@ fn nearest_int(x: f32) -> i32 {
 
 /// Scale and min number `j` (0..8) of a Q4_K/Q5_K block's 12 packed scale bytes.
 #[inline(always)]
-pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

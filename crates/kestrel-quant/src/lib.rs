@@ -19,6 +19,7 @@ mod types;
 
 pub use error::QuantError;
 pub use float::{bf16, bf16_to_f32, f16, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use kquants::scale_min_k4;
 pub use types::GgmlType;
 
 use GgmlType as T;

@@ -1,0 +1,244 @@
+//! Q4_K weights repacked 16 rows at a time, and the integer kernel that reads them.
+//!
+//! The row-by-row kernels of `qdot8` put 64 values of one row in a 512-bit register, so
+//! every (row, token) pair ends in a horizontal reduction, and the sub-block scales take
+//! extra integer work per token. Here each 32-bit lane is one row: a 64-byte load holds 4
+//! quant bytes (8 values: low and high nibbles) of 16 rows, and one `vpdpbusd` against 4
+//! activation bytes broadcast to every lane performs 16 rows × 4 multiply-adds. The sums
+//! of a 32-value sub-block are scaled in f32 (one convert and one FMA for 16 rows), and
+//! nothing is reduced across lanes: a token's 16 results are one vector. The row scales
+//! and minimums are unpacked at load so that a whole group shares their conversion.
+//!
+//! Layout of one group block (16 rows × one 256-value Q4_K block), [`GROUP_BLOCK`] bytes:
+//! - d (f16) of the 16 rows, then dmin (f16) of the 16 rows: 64 bytes;
+//! - the 6-bit scales as bytes, `[sub-block j][row]`: 128 bytes; the minimums likewise;
+//! - the quants: for each 4-byte column c of the 128 quant bytes, the 16 rows' 4 bytes
+//!   (row-major within the column): 32 × 64 bytes.
+//!
+//! Groups follow each other; a group holds all blocks of its 16 rows.
+
+use kestrel_gguf::GgmlType;
+
+/// Rows per group.
+pub const ROWS: usize = 16;
+
+/// Bytes of one group block (see the module documentation).
+pub const GROUP_BLOCK: usize = 64 + 2 * 128 + 2048;
+
+const Q4K_BLOCK: usize = 144;
+
+/// Whether matrices of `ty` (`rows` rows of `k` values) are repacked for this CPU.
+pub fn applies(ty: GgmlType, rows: usize, k: usize) -> bool {
+    ty == GgmlType::Q4K
+        && rows >= ROWS
+        && k.is_multiple_of(256)
+        && crate::qdot8::supported(ty)
+        && std::env::var("KESTREL_CPU_PACKED").map_or(true, |v| v != "0")
+}
+
+/// Repacks the whole groups of 16 rows of a Q4_K matrix (`rows` rows of `k` values, rows
+/// `row_bytes` apart in `data`); the last `rows % 16` rows are left out (the caller keeps
+/// the original layout for them).
+pub fn pack_q4k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
+    let blocks = k / 256;
+    let groups = rows / ROWS;
+    let mut out = vec![0u8; groups * blocks * GROUP_BLOCK];
+    for (g, dst_group) in out.chunks_exact_mut(blocks * GROUP_BLOCK).enumerate() {
+        for (b, dst) in dst_group.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+            for r in 0..ROWS {
+                let row = g * ROWS + r;
+                let src = &data[(row * blocks + b) * Q4K_BLOCK..][..Q4K_BLOCK];
+                dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                for j in 0..8 {
+                    let (sc, m) = kestrel_quant::scale_min_k4(j, &src[4..16]);
+                    dst[64 + ROWS * j + r] = sc;
+                    dst[192 + ROWS * j + r] = m;
+                }
+                for c in 0..32 {
+                    let at = 320 + 64 * c + 4 * r;
+                    dst[at..at + 4].copy_from_slice(&src[16 + 4 * c..16 + 4 * c + 4]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The 16 rows of `group` (one group of [`pack_q4k`]'s output, `k / 256` group blocks)
+/// times the activations of `N` tokens (`ys[t]`: Q8_K blocks as `qdot8` lays them out):
+/// `out[t][r] = row_r · x_t`. Each token's results are the same whatever `N` is, and
+/// are the row-by-row kernel's products up to the order of the float additions. Only call
+/// where [`applies`] is true.
+#[inline]
+pub fn q4k_rows<const N: usize>(group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `applies` checked AVX-512F/BW and VNNI (through `qdot8::supported`);
+        // the kernel bounds its reads by the slices.
+        unsafe { vnni::q4k_rows(group, ys) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (group, ys);
+        [[f32::NAN; ROWS]; N]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::{GROUP_BLOCK, ROWS};
+    use crate::qdot8::Q8K_BLOCK;
+
+    /// Offset in a Q8_K block (as `qdot8` interleaves it: runs of 32 values in the order
+    /// 0, 2, 1, 3 within each 128) of value `v`.
+    const fn y_offset(v: usize) -> usize {
+        let run = (v % 128) / 32;
+        let stored = [0, 2, 1, 3][run];
+        4 + 128 * (v / 128) + 32 * stored + v % 32
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q4k_rows<const N: usize>(group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N] {
+        let n_blocks = ys
+            .iter()
+            .map(|y| y.len() / Q8K_BLOCK)
+            .fold(group.len() / GROUP_BLOCK, usize::min);
+        let yp = ys.map(|y| y.as_ptr());
+        let m4 = _mm512_set1_epi8(0x0f);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..n_blocks {
+            let gb = &group[GROUP_BLOCK * blk..GROUP_BLOCK * (blk + 1)];
+            let yo = Q8K_BLOCK * blk;
+            // SAFETY: every load below reads inside this group block (GROUP_BLOCK bytes)
+            // or inside block `blk` of each token's activations (Q8K_BLOCK bytes: d at 0,
+            // quants at 4..260, sums of 16 at 260..292); n_blocks bounds both.
+            unsafe {
+                let p = gb.as_ptr();
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32).cast()));
+                // Per-row scales and minimums of the 8 sub-blocks as f32 vectors.
+                let row_f32 = |at: usize| {
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(at).cast())))
+                };
+                let sc: [__m512; 8] = std::array::from_fn(|j| row_f32(64 + ROWS * j));
+                let mut sums = [_mm512_setzero_ps(); N];
+                for j in 0..4 {
+                    let mut lo = [_mm512_setzero_si512(); N];
+                    let mut hi = [_mm512_setzero_si512(); N];
+                    for c in 0..8 {
+                        let w = _mm512_loadu_si512(p.add(320 + 64 * (8 * j + c)).cast());
+                        let wl = _mm512_and_si512(w, m4);
+                        let wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+                        // Low nibbles are values 64j + 4c .. + 4 (sub-block 2j), high
+                        // nibbles the same + 32 (sub-block 2j + 1).
+                        let (ol, oh) = (y_offset(64 * j + 4 * c), y_offset(64 * j + 32 + 4 * c));
+                        for t in 0..N {
+                            let y = yp[t].add(yo);
+                            let yl = _mm512_set1_epi32(std::ptr::read_unaligned(y.add(ol).cast()));
+                            let yh = _mm512_set1_epi32(std::ptr::read_unaligned(y.add(oh).cast()));
+                            lo[t] = _mm512_dpbusd_epi32(lo[t], wl, yl);
+                            hi[t] = _mm512_dpbusd_epi32(hi[t], wh, yh);
+                        }
+                    }
+                    for t in 0..N {
+                        sums[t] = _mm512_fmadd_ps(sc[2 * j], _mm512_cvtepi32_ps(lo[t]), sums[t]);
+                        sums[t] =
+                            _mm512_fmadd_ps(sc[2 * j + 1], _mm512_cvtepi32_ps(hi[t]), sums[t]);
+                    }
+                }
+                let mins: [__m512; 8] = std::array::from_fn(|j| row_f32(192 + ROWS * j));
+                for t in 0..N {
+                    let y = yp[t].add(yo);
+                    // Σ_j min_j · (sum of the 32 y of sub-block j): exact in f32 (each
+                    // product < 2^18, the total < 2^21).
+                    let bsums = _mm256_loadu_si256(y.add(260).cast());
+                    let pair_sums = _mm256_madd_epi16(bsums, _mm256_set1_epi16(1));
+                    let mut ysum = [0i32; 8];
+                    _mm256_storeu_si256(ysum.as_mut_ptr().cast(), pair_sums);
+                    let mut m = _mm512_setzero_ps();
+                    for j in 0..8 {
+                        m = _mm512_fmadd_ps(mins[j], _mm512_set1_ps(ysum[j] as f32), m);
+                    }
+                    let dy = _mm512_set1_ps(std::ptr::read_unaligned(y.cast::<f32>()));
+                    let block = _mm512_fmsub_ps(d, sums[t], _mm512_mul_ps(dmin, m));
+                    acc[t] = _mm512_fmadd_ps(dy, block, acc[t]);
+                }
+            }
+        }
+        let mut out = [[0f32; ROWS]; N];
+        for t in 0..N {
+            // SAFETY: out[t] holds 16 floats.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Against the scalar dot of each row with the dequantized activations (the values
+    /// the integer kernels multiply), and every token alone against the same token among
+    /// others (batch invariance).
+    #[test]
+    fn packed_q4k_matches_the_oracle_and_is_batch_invariant() {
+        if !crate::qdot8::supported(GgmlType::Q4K) {
+            eprintln!("no AVX-512 VNNI here: packed kernel not tested");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        for blocks in [1usize, 2, 3, 7] {
+            let k = 256 * blocks;
+            let rows = ROWS * rng.random_range(1..4) + rng.random_range(0..ROWS);
+            let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let data = kestrel_quant::quantize(GgmlType::Q4K, &w, k).expect("quantize w");
+            let packed = pack_q4k(&data, rows, k);
+            assert_eq!(packed.len(), rows / ROWS * blocks * GROUP_BLOCK);
+            let xs: Vec<Vec<f32>> = (0..5)
+                .map(|_| (0..k).map(|_| rng.random_range(-3.0..3.0)).collect())
+                .collect();
+            let xq: Vec<Vec<u8>> = xs
+                .iter()
+                .map(|x| {
+                    let mut q = vec![0u8; crate::qdot8::activation_bytes(GgmlType::Q8K, k)];
+                    crate::qdot8::quantize_activations(GgmlType::Q8K, x, &mut q);
+                    q
+                })
+                .collect();
+            let xd: Vec<Vec<f32>> = xs
+                .iter()
+                .map(|x| {
+                    let (mut bytes, mut out) = (Vec::new(), Vec::new());
+                    crate::numerics::round_trip(GgmlType::Q8K, x, &mut bytes, &mut out);
+                    out
+                })
+                .collect();
+            let row_bytes = 144 * blocks;
+            for (g, group) in packed.chunks_exact(blocks * GROUP_BLOCK).enumerate() {
+                let four = q4k_rows(group, [&xq[0][..], &xq[1], &xq[2], &xq[3]]);
+                for t in 0..5 {
+                    let one = q4k_rows(group, [&xq[t][..]])[0];
+                    if t < 4 {
+                        assert_eq!(one, four[t], "k={k} group {g} token {t}: N=1 vs N=4");
+                    }
+                    for (r, &got) in one.iter().enumerate() {
+                        let row = &data[(g * ROWS + r) * row_bytes..][..row_bytes];
+                        let want = kestrel_quant::vec_dot(GgmlType::Q4K, row, &xd[t]);
+                        let wd = kestrel_quant::dequantize(GgmlType::Q4K, row).expect("deq");
+                        let mag: f32 = wd.iter().zip(&xd[t]).map(|(a, b)| (a * b).abs()).sum();
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag + 1e-6,
+                            "k={k} row {} token {t}: got {got}, want {want}",
+                            g * ROWS + r
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
