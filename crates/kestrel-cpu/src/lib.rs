@@ -8,7 +8,7 @@
 pub mod gemm;
 pub mod numerics;
 mod ops;
-mod packed;
+pub mod packed;
 pub mod pool;
 pub mod profile;
 pub mod qdot;
@@ -264,7 +264,7 @@ impl kestrel_model::Backend for CpuBackend {
             && self.numerics == Numerics::Ggml
             && packed::applies(info.ty, rows, cols)
         {
-            let bytes = packed::pack_q4k(file.tensor_data(info), rows, cols);
+            let bytes = packed::pack(info.ty, file.tensor_data(info), rows, cols);
             Some(Arc::new(
                 HugeCopy::of(&bytes).context("copying the repacked weights")?,
             ))

@@ -464,7 +464,7 @@ impl Matmul<'_> {
         let mut j0 = j0;
         if let Some(packed) = self.packed {
             // Whole groups of 16 repacked rows (tasks start at multiples of 16).
-            let group_bytes = self.k / 256 * packed::GROUP_BLOCK;
+            let group_bytes = self.k / 256 * packed::group_block(self.ty);
             while j0.is_multiple_of(packed::ROWS) && j0 + packed::ROWS <= j1.min(self.n_out) {
                 let group = &packed[j0 / packed::ROWS * group_bytes..][..group_bytes];
                 let i = self.packed_tokens::<4>(group, xq, xq_row, 0, j0, out);
@@ -500,7 +500,7 @@ impl Matmul<'_> {
         for i in (i0..i1).step_by(N) {
             let ys: [&[u8]; N] =
                 std::array::from_fn(|t| &xq[(i + t) * xq_row..(i + t + 1) * xq_row]);
-            let v = packed::q4k_rows(group, ys);
+            let v = packed::dot_rows(self.ty, group, ys);
             for (t, rows) in v.iter().enumerate() {
                 // SAFETY: columns j..j + 16 of every row belong to this call alone (the
                 // caller's guarantee), j + 16 <= n_out and token i + t < n.

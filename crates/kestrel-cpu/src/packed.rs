@@ -1,4 +1,5 @@
-//! Q4_K weights repacked 16 rows at a time, and the integer kernel that reads them.
+//! Q4_K and Q6_K weights repacked 16 rows at a time, and the integer kernels that read
+//! them.
 //!
 //! The row-by-row kernels of `qdot8` put 64 values of one row in a 512-bit register, so
 //! every (row, token) pair ends in a horizontal reduction, and the sub-block scales take
@@ -9,11 +10,19 @@
 //! nothing is reduced across lanes: a token's 16 results are one vector. The row scales
 //! and minimums are unpacked at load so that a whole group shares their conversion.
 //!
-//! Layout of one group block (16 rows × one 256-value Q4_K block), [`GROUP_BLOCK`] bytes:
+//! Layout of one Q4_K group block (16 rows × one 256-value block), [`group_block`] bytes:
 //! - d (f16) of the 16 rows, then dmin (f16) of the 16 rows: 64 bytes;
 //! - the 6-bit scales as bytes, `[sub-block j][row]`: 128 bytes; the minimums likewise;
 //! - the quants: for each 4-byte column c of the 128 quant bytes, the 16 rows' 4 bytes
 //!   (row-major within the column): 32 × 64 bytes.
+//!
+//! A Q6_K group block keeps the format's 210 bytes per row: d (f16) of the 16 rows (32
+//! bytes), the 16 signed scales `[sub-block][row]` (256), then 16 steps of 192 bytes in
+//! the order the kernel reads them (streaming one block front to back: with the low-bit
+//! and high-bit bytes in two regions the hardware prefetchers fell behind, 8.6 against
+//! 22 GB/s on one core). Step (h, half, c) holds three 4-byte columns of the 16 rows:
+//! quant bytes 64h + l .. + 4 and 64h + 32 + l .. + 4, then high-bit bytes 32h + l .. + 4,
+//! where l = 16 half + 4c.
 //!
 //! Groups follow each other; a group holds all blocks of its 16 rows.
 
@@ -22,29 +31,77 @@ use kestrel_gguf::GgmlType;
 /// Rows per group.
 pub const ROWS: usize = 16;
 
-/// Bytes of one group block (see the module documentation).
-pub const GROUP_BLOCK: usize = 64 + 2 * 128 + 2048;
+/// Bytes of one Q4_K group block (see the module documentation).
+const Q4K_GROUP_BLOCK: usize = 64 + 2 * 128 + 2048;
+/// Bytes of one Q6_K group block.
+const Q6K_GROUP_BLOCK: usize = ROWS * Q6K_BLOCK;
 
 const Q4K_BLOCK: usize = 144;
+const Q6K_BLOCK: usize = 210;
+
+/// Bytes of one group block (16 rows × 256 values) of a repacked `ty` matrix.
+pub fn group_block(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q6K {
+        Q6K_GROUP_BLOCK
+    } else {
+        Q4K_GROUP_BLOCK
+    }
+}
 
 /// Whether matrices of `ty` (`rows` rows of `k` values) are repacked for this CPU.
 pub fn applies(ty: GgmlType, rows: usize, k: usize) -> bool {
-    ty == GgmlType::Q4K
+    matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
         && rows >= ROWS
         && k.is_multiple_of(256)
         && crate::qdot8::supported(ty)
         && std::env::var("KESTREL_CPU_PACKED").map_or(true, |v| v != "0")
 }
 
-/// Repacks the whole groups of 16 rows of a Q4_K matrix (`rows` rows of `k` values, rows
-/// `row_bytes` apart in `data`); the last `rows % 16` rows are left out (the caller keeps
-/// the original layout for them).
-pub fn pack_q4k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
+/// Repacks the whole groups of 16 rows of a Q4_K or Q6_K matrix (`rows` rows of `k`
+/// values); the last `rows % 16` rows are left out (the caller keeps the original layout
+/// for them). Only for matrices where [`applies`] holds.
+pub fn pack(ty: GgmlType, data: &[u8], rows: usize, k: usize) -> Vec<u8> {
+    if ty == GgmlType::Q6K {
+        pack_q6k(data, rows, k)
+    } else {
+        pack_q4k(data, rows, k)
+    }
+}
+
+fn pack_q6k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
     let blocks = k / 256;
     let groups = rows / ROWS;
-    let mut out = vec![0u8; groups * blocks * GROUP_BLOCK];
-    for (g, dst_group) in out.chunks_exact_mut(blocks * GROUP_BLOCK).enumerate() {
-        for (b, dst) in dst_group.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+    let mut out = vec![0u8; groups * blocks * Q6K_GROUP_BLOCK];
+    for (g, dst_group) in out.chunks_exact_mut(blocks * Q6K_GROUP_BLOCK).enumerate() {
+        for (b, dst) in dst_group.chunks_exact_mut(Q6K_GROUP_BLOCK).enumerate() {
+            for r in 0..ROWS {
+                let row = g * ROWS + r;
+                // ggml's Q6_K block: ql[128], qh[64], scales[16] (i8), d (f16).
+                let src = &data[(row * blocks + b) * Q6K_BLOCK..][..Q6K_BLOCK];
+                dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+                for s in 0..16 {
+                    dst[32 + ROWS * s + r] = src[192 + s];
+                }
+                for step in 0..16 {
+                    let (h, l) = (step / 8, 4 * (step % 8));
+                    let at = 288 + 192 * step + 4 * r;
+                    let columns = [64 * h + l, 64 * h + 32 + l, 128 + 32 * h + l];
+                    for (i, col) in columns.into_iter().enumerate() {
+                        dst[at + 64 * i..at + 64 * i + 4].copy_from_slice(&src[col..col + 4]);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn pack_q4k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
+    let blocks = k / 256;
+    let groups = rows / ROWS;
+    let mut out = vec![0u8; groups * blocks * Q4K_GROUP_BLOCK];
+    for (g, dst_group) in out.chunks_exact_mut(blocks * Q4K_GROUP_BLOCK).enumerate() {
+        for (b, dst) in dst_group.chunks_exact_mut(Q4K_GROUP_BLOCK).enumerate() {
             for r in 0..ROWS {
                 let row = g * ROWS + r;
                 let src = &data[(row * blocks + b) * Q4K_BLOCK..][..Q4K_BLOCK];
@@ -65,22 +122,28 @@ pub fn pack_q4k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
     out
 }
 
-/// The 16 rows of `group` (one group of [`pack_q4k`]'s output, `k / 256` group blocks)
-/// times the activations of `N` tokens (`ys[t]`: Q8_K blocks as `qdot8` lays them out):
-/// `out[t][r] = row_r · x_t`. Each token's results are the same whatever `N` is, and
-/// are the row-by-row kernel's products up to the order of the float additions. Only call
-/// where [`applies`] is true.
+/// The 16 rows of `group` (one group of [`pack`]'s output for `ty`, `k / 256` group
+/// blocks) times the activations of `N` tokens (`ys[t]`: Q8_K blocks as `qdot8` lays them
+/// out): `out[t][r] = row_r · x_t`. Each token's results are the same whatever `N` is,
+/// and are the row-by-row kernel's products up to the order of the float additions. Only
+/// call where [`applies`] is true.
 #[inline]
-pub fn q4k_rows<const N: usize>(group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N] {
+pub fn dot_rows<const N: usize>(ty: GgmlType, group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N] {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: `applies` checked AVX-512F/BW and VNNI (through `qdot8::supported`);
-        // the kernel bounds its reads by the slices.
-        unsafe { vnni::q4k_rows(group, ys) }
+        // the kernels bound their reads by the slices.
+        unsafe {
+            if ty == GgmlType::Q6K {
+                vnni::q6k_rows(group, ys)
+            } else {
+                vnni::q4k_rows(group, ys)
+            }
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (group, ys);
+        let _ = (ty, group, ys);
         [[f32::NAN; ROWS]; N]
     }
 }
@@ -89,7 +152,7 @@ pub fn q4k_rows<const N: usize>(group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{GROUP_BLOCK, ROWS};
+    use super::{Q4K_GROUP_BLOCK as GROUP_BLOCK, Q6K_GROUP_BLOCK, ROWS};
     use crate::qdot8::Q8K_BLOCK;
 
     /// Offset in a Q8_K block (as `qdot8` interleaves it: runs of 32 values in the order
@@ -129,7 +192,12 @@ mod vnni {
                     let mut lo = [_mm512_setzero_si512(); N];
                     let mut hi = [_mm512_setzero_si512(); N];
                     for c in 0..8 {
-                        let w = _mm512_loadu_si512(p.add(320 + 64 * (8 * j + c)).cast());
+                        let at = p.add(320 + 64 * (8 * j + c));
+                        if N == 1 {
+                            // As in q6k_half.
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(2 * GROUP_BLOCK).cast());
+                        }
+                        let w = _mm512_loadu_si512(at.cast());
                         let wl = _mm512_and_si512(w, m4);
                         let wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
                         // Low nibbles are values 64j + 4c .. + 4 (sub-block 2j), high
@@ -168,12 +236,156 @@ mod vnni {
                 }
             }
         }
+        store_rows(acc)
+    }
+
+    fn store_rows<const N: usize>(acc: [__m512; N]) -> [[f32; ROWS]; N] {
         let mut out = [[0f32; ROWS]; N];
         for t in 0..N {
-            // SAFETY: out[t] holds 16 floats.
+            // SAFETY: out[t] holds 16 floats; AVX-512F is enabled by every caller.
             unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
         }
         out
+    }
+
+    /// Q6_K: value 128h + 32f + l (h < 2, f < 4, l < 32) is the low (f < 2) or high
+    /// nibble of quant byte 64h + 32 (f % 2) + l, with bits 2f, 2f + 1 of high-bit byte
+    /// 32h + l above them, minus 32. Each 16-value sub-block's sums take the unsigned 6-bit
+    /// values (`vpdpbusd`); the 32 · Σ scale · (sum of 16 y) comes off once per block, in
+    /// f32 (exact: each product < 2^18, the total < 2^22).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q6k_rows<const N: usize>(group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N] {
+        let n_blocks = ys
+            .iter()
+            .map(|y| y.len() / Q8K_BLOCK)
+            .fold(group.len() / Q6K_GROUP_BLOCK, usize::min);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..n_blocks {
+            let gb = &group[Q6K_GROUP_BLOCK * blk..Q6K_GROUP_BLOCK * (blk + 1)];
+            // SAFETY: every load below reads inside this group block or inside block
+            // `blk` of each token's activations; n_blocks bounds both.
+            unsafe {
+                let p = gb.as_ptr();
+                let y: [*const u8; N] =
+                    std::array::from_fn(|t| ys[t].as_ptr().add(Q8K_BLOCK * blk));
+                let mut sums = [_mm512_setzero_ps(); N];
+                for h in 0..2 {
+                    q6k_half::<0, N>(p, &y, h, &mut sums);
+                    q6k_half::<1, N>(p, &y, h, &mut sums);
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+                for t in 0..N {
+                    let bsums = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                        y[t].add(260).cast(),
+                    )));
+                    let mut ysum = [0f32; 16];
+                    _mm512_storeu_ps(ysum.as_mut_ptr(), bsums);
+                    let mut corr = _mm512_setzero_ps();
+                    for (s, &ys) in ysum.iter().enumerate() {
+                        corr = _mm512_fmadd_ps(q6k_scale(p, s), _mm512_set1_ps(ys), corr);
+                    }
+                    let block =
+                        _mm512_mul_ps(d, _mm512_fnmadd_ps(_mm512_set1_ps(32.0), corr, sums[t]));
+                    let dy = _mm512_set1_ps(std::ptr::read_unaligned(y[t].cast::<f32>()));
+                    acc[t] = _mm512_fmadd_ps(dy, block, acc[t]);
+                }
+            }
+        }
+        store_rows(acc)
+    }
+
+    /// The 16 rows' scales of Q6_K sub-block `s` as f32.
+    ///
+    /// # Safety
+    /// `p` must point to a Q6_K group block.
+    #[inline(always)]
+    unsafe fn q6k_scale(p: *const u8, s: usize) -> __m512 {
+        // SAFETY: the scales lie at 32..288 of the group block.
+        unsafe {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                p.add(32 + ROWS * s).cast(),
+            )))
+        }
+    }
+
+    /// `sums[t] += Σ` over the four sub-blocks 8h + 2f + HALF (f < 4: values 128h + 32f +
+    /// 16 HALF .. + 16) of their scale · (6-bit values · token t's activations), for the 16
+    /// rows of group block `p`: the four steps (h, HALF, c), each three loads decoded into
+    /// the four sub-blocks' 4 values.
+    ///
+    /// # Safety
+    /// `p` must point to a Q6_K group block and each `y[t]` to a Q8_K block.
+    #[inline(always)]
+    unsafe fn q6k_half<const HALF: usize, const N: usize>(
+        p: *const u8,
+        y: &[*const u8; N],
+        h: usize,
+        sums: &mut [__m512; N],
+    ) {
+        // SAFETY: the loads read inside the group block (steps at 288..3360) and inside
+        // each token's Q8_K block (quants at 4..260).
+        unsafe {
+            let m4 = _mm512_set1_epi8(0x0f);
+            let m30 = _mm512_set1_epi8(0x30);
+            let mut dp = [[_mm512_setzero_si512(); N]; 4];
+            for c in 0..4 {
+                let l = 16 * HALF + 4 * c;
+                let at = p.add(288 + 192 * (8 * h + 4 * HALF + c));
+                if N == 1 {
+                    // Decode streams from memory: ask for two group blocks ahead (maybe
+                    // past the group: a prefetch never faults). Prefill, compute-bound,
+                    // measured slower with it.
+                    let ahead = at.wrapping_add(2 * Q6K_GROUP_BLOCK);
+                    for i in 0..3 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * i).cast());
+                    }
+                }
+                let qa = _mm512_loadu_si512(at.cast());
+                let qb = _mm512_loadu_si512(at.add(64).cast());
+                let qh = _mm512_loadu_si512(at.add(128).cast());
+                // (nibble & 0x0f) | (high bits moved to 4, 5 & 0x30), for f = 0..3.
+                let w = [
+                    _mm512_ternarylogic_epi32(
+                        _mm512_and_si512(qa, m4),
+                        _mm512_slli_epi16(qh, 4),
+                        m30,
+                        0xf8,
+                    ),
+                    _mm512_ternarylogic_epi32(
+                        _mm512_and_si512(qb, m4),
+                        _mm512_slli_epi16(qh, 2),
+                        m30,
+                        0xf8,
+                    ),
+                    _mm512_ternarylogic_epi32(
+                        _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4),
+                        qh,
+                        m30,
+                        0xf8,
+                    ),
+                    _mm512_ternarylogic_epi32(
+                        _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4),
+                        _mm512_srli_epi16(qh, 2),
+                        m30,
+                        0xf8,
+                    ),
+                ];
+                for (f, &wf) in w.iter().enumerate() {
+                    // Run f of 32 values in an interleaved Q8_K block (see `y_offset`).
+                    let off = 4 + 128 * h + 32 * [0, 2, 1, 3][f] + l;
+                    for t in 0..N {
+                        let yv = std::ptr::read_unaligned(y[t].add(off).cast::<i32>());
+                        dp[f][t] = _mm512_dpbusd_epi32(dp[f][t], wf, _mm512_set1_epi32(yv));
+                    }
+                }
+            }
+            for (f, dpf) in dp.iter().enumerate() {
+                let sc = q6k_scale(p, 8 * h + 2 * f + HALF);
+                for t in 0..N {
+                    sums[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dpf[t]), sums[t]);
+                }
+            }
+        }
     }
 }
 
@@ -186,19 +398,22 @@ mod tests {
     /// the integer kernels multiply), and every token alone against the same token among
     /// others (batch invariance).
     #[test]
-    fn packed_q4k_matches_the_oracle_and_is_batch_invariant() {
+    fn packed_kernels_match_the_oracle_and_are_batch_invariant() {
         if !crate::qdot8::supported(GgmlType::Q4K) {
-            eprintln!("no AVX-512 VNNI here: packed kernel not tested");
+            eprintln!("no AVX-512 VNNI here: packed kernels not tested");
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
-        for blocks in [1usize, 2, 3, 7] {
+        for (ty, blocks) in [GgmlType::Q4K, GgmlType::Q6K]
+            .into_iter()
+            .flat_map(|ty| [1usize, 2, 3, 7].map(|b| (ty, b)))
+        {
             let k = 256 * blocks;
             let rows = ROWS * rng.random_range(1..4) + rng.random_range(0..ROWS);
             let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let data = kestrel_quant::quantize(GgmlType::Q4K, &w, k).expect("quantize w");
-            let packed = pack_q4k(&data, rows, k);
-            assert_eq!(packed.len(), rows / ROWS * blocks * GROUP_BLOCK);
+            let data = kestrel_quant::quantize(ty, &w, k).expect("quantize w");
+            let packed = pack(ty, &data, rows, k);
+            assert_eq!(packed.len(), rows / ROWS * blocks * group_block(ty));
             let xs: Vec<Vec<f32>> = (0..5)
                 .map(|_| (0..k).map(|_| rng.random_range(-3.0..3.0)).collect())
                 .collect();
@@ -218,22 +433,22 @@ mod tests {
                     out
                 })
                 .collect();
-            let row_bytes = 144 * blocks;
-            for (g, group) in packed.chunks_exact(blocks * GROUP_BLOCK).enumerate() {
-                let four = q4k_rows(group, [&xq[0][..], &xq[1], &xq[2], &xq[3]]);
+            let row_bytes = data.len() / rows;
+            for (g, group) in packed.chunks_exact(blocks * group_block(ty)).enumerate() {
+                let four = dot_rows(ty, group, [&xq[0][..], &xq[1], &xq[2], &xq[3]]);
                 for t in 0..5 {
-                    let one = q4k_rows(group, [&xq[t][..]])[0];
+                    let one = dot_rows(ty, group, [&xq[t][..]])[0];
                     if t < 4 {
-                        assert_eq!(one, four[t], "k={k} group {g} token {t}: N=1 vs N=4");
+                        assert_eq!(one, four[t], "{ty} k={k} group {g} token {t}: N=1 vs N=4");
                     }
                     for (r, &got) in one.iter().enumerate() {
                         let row = &data[(g * ROWS + r) * row_bytes..][..row_bytes];
-                        let want = kestrel_quant::vec_dot(GgmlType::Q4K, row, &xd[t]);
-                        let wd = kestrel_quant::dequantize(GgmlType::Q4K, row).expect("deq");
+                        let want = kestrel_quant::vec_dot(ty, row, &xd[t]);
+                        let wd = kestrel_quant::dequantize(ty, row).expect("deq");
                         let mag: f32 = wd.iter().zip(&xd[t]).map(|(a, b)| (a * b).abs()).sum();
                         assert!(
                             (got - want).abs() <= 1e-5 * mag + 1e-6,
-                            "k={k} row {} token {t}: got {got}, want {want}",
+                            "{ty} k={k} row {} token {t}: got {got}, want {want}",
                             g * ROWS + r
                         );
                     }
