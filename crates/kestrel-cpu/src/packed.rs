@@ -157,10 +157,16 @@ mod vnni {
 
     /// Offset in a Q8_K block (as `qdot8` interleaves it: runs of 32 values in the order
     /// 0, 2, 1, 3 within each 128) of value `v`.
+    #[inline(always)]
     const fn y_offset(v: usize) -> usize {
-        let run = (v % 128) / 32;
-        let stored = [0, 2, 1, 3][run];
-        4 + 128 * (v / 128) + 32 * stored + v % 32
+        4 + 128 * (v / 128) + 32 * stored_run((v % 128) / 32) + v % 32
+    }
+
+    /// Where run `run` (< 4) of a group of 128 values is stored: 0, 2, 1, 3 (arithmetic,
+    /// not a table: LLVM rebuilt a table on the stack at every use).
+    #[inline(always)]
+    const fn stored_run(run: usize) -> usize {
+        ((run & 1) << 1) | (run >> 1)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -372,7 +378,7 @@ mod vnni {
                 ];
                 for (f, &wf) in w.iter().enumerate() {
                     // Run f of 32 values in an interleaved Q8_K block (see `y_offset`).
-                    let off = 4 + 128 * h + 32 * [0, 2, 1, 3][f] + l;
+                    let off = 4 + 128 * h + 32 * stored_run(f) + l;
                     for t in 0..N {
                         let yv = std::ptr::read_unaligned(y[t].add(off).cast::<i32>());
                         dp[f][t] = _mm512_dpbusd_epi32(dp[f][t], wf, _mm512_set1_epi32(yv));
