@@ -7,7 +7,10 @@
 use std::time::Instant;
 
 fn main() {
-    let threads: usize = std::env::args().nth(1).and_then(|t| t.parse().ok()).unwrap_or(2);
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(2);
     let len = 512 << 20;
     let bufs: Vec<memmap2::MmapMut> = (0..threads)
         .map(|i| {
@@ -24,7 +27,9 @@ fn main() {
         std::thread::scope(|s| {
             for b in &bufs {
                 s.spawn(move || {
-                    let words = b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap()));
+                    let words = b
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().unwrap()));
                     std::hint::black_box(words.fold(0u64, |a, v| a.wrapping_add(v)))
                 });
             }

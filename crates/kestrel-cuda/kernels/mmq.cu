@@ -40,6 +40,42 @@ extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad
     }
 }
 
+// rms_norm of n rows (as `rms_norm`) that also leaves them quantized as quantize_x_mmq
+// would (npad rows, rows >= n zero): the mmq launch that follows skips its own quantization.
+// Grid (ceil(cols / blockDim.x), npad); each block sums the squares of its token's whole row
+// and writes blockDim.x values of it; cols a multiple of 32.
+extern "C" __global__ void rms_norm_mmq(const float* x, const float* w, float* out, int cols,
+                                        float eps, int n, int npad, i8* q, float* xds) {
+    pdl_enter();
+    const int t = blockIdx.y, lane = threadIdx.x & 31;
+    const float* xr = x + (size_t)t * cols;
+    float scale = 0.0f;
+    if (t < n) {  // uniform across the block
+        float ss = 0.0f;
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+        ss = block_sum(ss);
+        scale = 1.0f / sqrtf(ss / (float)cols + eps);
+    }
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = 0.0f;
+    if (t < n && j < cols) {
+        v = xr[j] * scale * w[j];
+        out[(size_t)t * cols + j] = v;
+    }
+    float step;
+    const int qi = warp_q8(v, step);
+    int sum = qi;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (j < cols) {
+        q[(size_t)t * cols + j] = (i8)qi;
+        if (lane == 0) {
+            const int kb = j >> 5;
+            xds[2 * ((size_t)kb * npad + t)] = step;
+            xds[2 * ((size_t)kb * npad + t) + 1] = step * (float)sum;
+        }
+    }
+}
+
 // c = A·B for one 16×32 tile of weights (a0, a2: row g; a1, a3: row g + 8) and one 32×8
 // tile of activations (b: token g).
 __device__ __forceinline__ void mq_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, uint2 b) {
@@ -335,10 +371,14 @@ __device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (
             const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
             if (r < nr && tok < n) {
                 const int row = r0 + r;
-                if (UP)
+                if (UP) {
                     out0[(size_t)tok * ld0 + row] = gv_act(acc[j][e], act) * acc_up[j][e];
-                else
-                    t.out[(size_t)tok * t.ld + row] = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
+                } else {
+                    // Plain launches: act != 0 adds into the output (the residual).
+                    float* o = t.out + (size_t)tok * t.ld + row;
+                    const float v = acc[j][e] + (t.bias ? t.bias[row] : 0.0f);
+                    *o = act ? *o + v : v;
+                }
             }
         }
 }

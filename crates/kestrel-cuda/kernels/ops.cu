@@ -48,7 +48,10 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 
 // rms_norm of one row that also leaves the result quantized for gemv_q8 (as quantize_x_q8
 // would: blocks of 32, d = max|v| / 127, q = round(v / d)); cols a multiple of 32. Each
-// warp's 32 consecutive values of an iteration are one block.
+// block sums the squares of the whole row (every block the same sum, in the same order)
+// and writes its own blockDim.x values (grid-strided): a single-token row is one step of
+// latency on many SMs instead of several on one. Each warp's 32 consecutive values are one
+// 8-bit block.
 extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* out, int cols,
                                        float eps, i8* q, float* d) {
     pdl_enter();
@@ -57,7 +60,7 @@ extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* ou
     ss = block_sum(ss);
     const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
     const int lane = threadIdx.x & 31;
-    for (int base = 0; base < cols; base += blockDim.x) {
+    for (int base = blockIdx.x * blockDim.x; base < cols; base += gridDim.x * blockDim.x) {
         const int j = base + threadIdx.x;
         const float v = j < cols ? x[j] * scale * w[j] : 0.0f;
         float step;
