@@ -58,24 +58,29 @@ pub struct HugeCopy {
 }
 
 impl HugeCopy {
-    fn of(bytes: &[u8]) -> std::io::Result<HugeCopy> {
-        const HUGE: usize = 2 << 20;
-        let mut map = memmap2::MmapMut::map_anon(bytes.len() + HUGE)?;
+    const HUGE: usize = 2 << 20;
+
+    /// `len` bytes written by `fill` (given the whole buffer, zeroed).
+    fn filled(len: usize, fill: impl FnOnce(&mut [u8])) -> std::io::Result<HugeCopy> {
+        let mut map = memmap2::MmapMut::map_anon(len + Self::HUGE)?;
         #[cfg(target_os = "linux")]
         map.advise(memmap2::Advice::HugePage)?;
-        let start = (HUGE - map.as_ptr() as usize % HUGE) % HUGE;
-        // Faulting the pages in is most of the time: on all the pool's threads.
-        let dst = ops::SharedMut(map[start..].as_mut_ptr());
-        pool::pool().run(bytes.len().div_ceil(HUGE), &|c| {
-            let src = &bytes[c * HUGE..((c + 1) * HUGE).min(bytes.len())];
-            // SAFETY: chunk c of the destination (inside the mapping, which holds
-            // `bytes.len()` bytes from `start`) is written by this task alone.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.at(c * HUGE), src.len()) };
-        });
-        Ok(HugeCopy {
-            map,
-            start,
-            len: bytes.len(),
+        let start = (Self::HUGE - map.as_ptr() as usize % Self::HUGE) % Self::HUGE;
+        fill(&mut map[start..start + len]);
+        Ok(HugeCopy { map, start, len })
+    }
+
+    fn of(bytes: &[u8]) -> std::io::Result<HugeCopy> {
+        const HUGE: usize = HugeCopy::HUGE;
+        HugeCopy::filled(bytes.len(), |out| {
+            // Faulting the pages in is most of the time: on all the pool's threads.
+            let dst = ops::SharedMut(out.as_mut_ptr());
+            pool::pool().run(bytes.len().div_ceil(HUGE), &|c| {
+                let src = &bytes[c * HUGE..((c + 1) * HUGE).min(bytes.len())];
+                // SAFETY: chunk c of the destination (which holds `bytes.len()` bytes) is
+                // written by this task alone.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.at(c * HUGE), src.len()) };
+            });
         })
     }
 
@@ -264,10 +269,12 @@ impl kestrel_model::Backend for CpuBackend {
             && self.numerics == Numerics::Ggml
             && packed::applies(info.ty, rows, cols)
         {
-            let bytes = packed::pack(info.ty, file.tensor_data(info), rows, cols);
-            Some(Arc::new(
-                HugeCopy::of(&bytes).context("copying the repacked weights")?,
-            ))
+            let len = packed::packed_len(info.ty, rows, cols);
+            let data = file.tensor_data(info);
+            let packed =
+                HugeCopy::filled(len, |out| packed::pack_into(info.ty, data, rows, cols, out))
+                    .context("allocating the repacked weights")?;
+            Some(Arc::new(packed))
         } else {
             None
         };

@@ -61,65 +61,79 @@ pub fn applies(ty: GgmlType, rows: usize, k: usize) -> bool {
 /// values); the last `rows % 16` rows are left out (the caller keeps the original layout
 /// for them). Only for matrices where [`applies`] holds.
 pub fn pack(ty: GgmlType, data: &[u8], rows: usize, k: usize) -> Vec<u8> {
-    if ty == GgmlType::Q6K {
-        pack_q6k(data, rows, k)
-    } else {
-        pack_q4k(data, rows, k)
-    }
+    let mut out = vec![0u8; packed_len(ty, rows, k)];
+    pack_into(ty, data, rows, k, &mut out);
+    out
 }
 
-fn pack_q6k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
+/// Bytes of [`pack`]'s output.
+pub fn packed_len(ty: GgmlType, rows: usize, k: usize) -> usize {
+    rows / ROWS * (k / 256) * group_block(ty)
+}
+
+/// [`pack`] into `out` ([`packed_len`] bytes), on the backend's thread pool.
+pub fn pack_into(ty: GgmlType, data: &[u8], rows: usize, k: usize, out: &mut [u8]) {
     let blocks = k / 256;
-    let groups = rows / ROWS;
-    let mut out = vec![0u8; groups * blocks * Q6K_GROUP_BLOCK];
-    for (g, dst_group) in out.chunks_exact_mut(blocks * Q6K_GROUP_BLOCK).enumerate() {
-        for (b, dst) in dst_group.chunks_exact_mut(Q6K_GROUP_BLOCK).enumerate() {
-            for r in 0..ROWS {
-                let row = g * ROWS + r;
-                // ggml's Q6_K block: ql[128], qh[64], scales[16] (i8), d (f16).
-                let src = &data[(row * blocks + b) * Q6K_BLOCK..][..Q6K_BLOCK];
-                dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
-                for s in 0..16 {
-                    dst[32 + ROWS * s + r] = src[192 + s];
-                }
-                for step in 0..16 {
-                    let (h, l) = (step / 8, 4 * (step % 8));
-                    let at = 288 + 192 * step + 4 * r;
-                    let columns = [64 * h + l, 64 * h + 32 + l, 128 + 32 * h + l];
-                    for (i, col) in columns.into_iter().enumerate() {
-                        dst[at + 64 * i..at + 64 * i + 4].copy_from_slice(&src[col..col + 4]);
-                    }
+    let group_bytes = blocks * group_block(ty);
+    assert!(
+        out.len() >= rows / ROWS * group_bytes,
+        "packed output too small"
+    );
+    let dst = crate::ops::SharedMut(out.as_mut_ptr());
+    crate::pool::pool().run(rows / ROWS, &|g| {
+        // SAFETY: group g's bytes of `out` (which holds rows / 16 groups) are written by
+        // this task alone.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.at(g * group_bytes), group_bytes) };
+        if ty == GgmlType::Q6K {
+            pack_q6k_group(data, g, blocks, dst);
+        } else {
+            pack_q4k_group(data, g, blocks, dst);
+        }
+    });
+}
+
+/// Group `g` (rows 16g .. 16g + 16) of a Q6_K matrix of `blocks` blocks per row.
+fn pack_q6k_group(data: &[u8], g: usize, blocks: usize, dst_group: &mut [u8]) {
+    for (b, dst) in dst_group.chunks_exact_mut(Q6K_GROUP_BLOCK).enumerate() {
+        for r in 0..ROWS {
+            let row = g * ROWS + r;
+            // ggml's Q6_K block: ql[128], qh[64], scales[16] (i8), d (f16).
+            let src = &data[(row * blocks + b) * Q6K_BLOCK..][..Q6K_BLOCK];
+            dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+            for s in 0..16 {
+                dst[32 + ROWS * s + r] = src[192 + s];
+            }
+            for step in 0..16 {
+                let (h, l) = (step / 8, 4 * (step % 8));
+                let at = 288 + 192 * step + 4 * r;
+                let columns = [64 * h + l, 64 * h + 32 + l, 128 + 32 * h + l];
+                for (i, col) in columns.into_iter().enumerate() {
+                    dst[at + 64 * i..at + 64 * i + 4].copy_from_slice(&src[col..col + 4]);
                 }
             }
         }
     }
-    out
 }
 
-fn pack_q4k(data: &[u8], rows: usize, k: usize) -> Vec<u8> {
-    let blocks = k / 256;
-    let groups = rows / ROWS;
-    let mut out = vec![0u8; groups * blocks * Q4K_GROUP_BLOCK];
-    for (g, dst_group) in out.chunks_exact_mut(blocks * Q4K_GROUP_BLOCK).enumerate() {
-        for (b, dst) in dst_group.chunks_exact_mut(Q4K_GROUP_BLOCK).enumerate() {
-            for r in 0..ROWS {
-                let row = g * ROWS + r;
-                let src = &data[(row * blocks + b) * Q4K_BLOCK..][..Q4K_BLOCK];
-                dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
-                for j in 0..8 {
-                    let (sc, m) = kestrel_quant::scale_min_k4(j, &src[4..16]);
-                    dst[64 + ROWS * j + r] = sc;
-                    dst[192 + ROWS * j + r] = m;
-                }
-                for c in 0..32 {
-                    let at = 320 + 64 * c + 4 * r;
-                    dst[at..at + 4].copy_from_slice(&src[16 + 4 * c..16 + 4 * c + 4]);
-                }
+/// Group `g` of a Q4_K matrix of `blocks` blocks per row.
+fn pack_q4k_group(data: &[u8], g: usize, blocks: usize, dst_group: &mut [u8]) {
+    for (b, dst) in dst_group.chunks_exact_mut(Q4K_GROUP_BLOCK).enumerate() {
+        for r in 0..ROWS {
+            let row = g * ROWS + r;
+            let src = &data[(row * blocks + b) * Q4K_BLOCK..][..Q4K_BLOCK];
+            dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+            dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
+            for j in 0..8 {
+                let (sc, m) = kestrel_quant::scale_min_k4(j, &src[4..16]);
+                dst[64 + ROWS * j + r] = sc;
+                dst[192 + ROWS * j + r] = m;
+            }
+            for c in 0..32 {
+                let at = 320 + 64 * c + 4 * r;
+                dst[at..at + 4].copy_from_slice(&src[16 + 4 * c..16 + 4 * c + 4]);
             }
         }
     }
-    out
 }
 
 /// The 16 rows of `group` (one group of [`pack`]'s output for `ty`, `k / 256` group
