@@ -361,6 +361,9 @@ pub struct CudaBackend {
     /// The single-token GEMV variant and its rows per warp (`KESTREL_CUDA_GEMV=r1|r2|r4`);
     /// None: by launch size (see `gemv`).
     gemv_dec: Option<(&'static str, usize)>,
+    /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0: by launch, see
+    /// `gemv`); `KESTREL_CUDA_GEMV=r1|r2` sets it, the self-check runs each.
+    gemv_q8_rows: std::sync::atomic::AtomicUsize,
     /// Single-token GEMVs on 8-bit activations (`gemv_q8`; `KESTREL_CUDA_Q8=0` turns it
     /// off: f32 activations everywhere, as the CPU backend computes).
     q8_decode: std::sync::atomic::AtomicBool,
@@ -646,6 +649,13 @@ impl CudaBackend {
                 Ok("r4") => Some(("gemv_dec_r4", 4)),
                 _ => None,
             },
+            gemv_q8_rows: std::sync::atomic::AtomicUsize::new(
+                match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
+                    Ok("r1") => 1,
+                    Ok("r2") => 2,
+                    _ => 0,
+                },
+            ),
             f16_copies: Default::default(),
             f16_copies_q8: Default::default(),
             pinned: Mutex::new(None),
@@ -1382,6 +1392,18 @@ impl CudaBackend {
         }
     }
 
+    /// Forces the rows per warp of single-token `gemv_q8` launches (1 or 2; 0: by
+    /// launch). The self-check runs every variant.
+    pub fn set_gemv_q8_rows(&self, rows: usize) {
+        self.gemv_q8_rows
+            .store(rows.min(2), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The forced rows per warp of single-token `gemv_q8` launches (0: by launch).
+    pub fn gemv_q8_rows(&self) -> usize {
+        self.gemv_q8_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Sets the fewest tokens that take `mmh_*` (the self-check covers both families).
     pub fn set_mmh_min(&self, n: usize) {
         self.mmh_min.store(n, std::sync::atomic::Ordering::Relaxed);
@@ -1785,22 +1807,21 @@ impl CudaBackend {
                     ],
                 );
             }
-            let (kernel, rows) = match (n, self.gemv_dec) {
+            let forced = self.gemv_q8_rows();
+            let (kernel, rows) = match (n, forced) {
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
-                (_, Some((_, 1))) => ("gemv_q8_r1", 1),
-                (_, Some(_)) => ("gemv_q8", 2),
+                (_, 1) => ("gemv_q8_r1", 1),
+                (_, 2) => ("gemv_q8", 2),
                 // One row per warp for short rows, and where one row per warp still fits
                 // in one wave of resident warps (5 blocks of 4 per SM): tg128 Qwen2.5-1.5B
                 // (down: 1,536 rows of 8,960) 635 / 636 -> 674 / 680 t/s; Llama-3-8B, whose
                 // 4,096-row launches would take 1.6 waves, stays on two (309 / 311 against
                 // 282 / 286 with one).
-                (_, None)
-                    if k <= 2048 || gemv_warps(segs, gated.is_some(), 1) <= self.sm_count * 20 =>
-                {
+                _ if k <= 2048 || gemv_warps(segs, gated.is_some(), 1) <= self.sm_count * 20 => {
                     ("gemv_q8_r1", 1)
                 }
-                (_, None) => ("gemv_q8", 2),
+                _ => ("gemv_q8", 2),
             };
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];

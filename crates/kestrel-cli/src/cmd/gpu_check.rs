@@ -194,9 +194,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         } else {
             selfcheck::gemm_cases(ty, case_seed)
         };
-        for (rows, cols, n, s) in cases {
-            match selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"))
-            {
+        // Single-token 8-bit products: each rows-per-warp variant of gemv_q8 (small test
+        // launches would otherwise all take one row a warp).
+        let gemv_rows_default = backend.gemv_q8_rows();
+        let row_variants: &[usize] = if kind == "gemv" { &[0, 1, 2] } else { &[0] };
+        let runs = cases
+            .into_iter()
+            .flat_map(|case| row_variants.iter().map(move |&v| (case, v)));
+        for ((rows, cols, n, s), variant) in runs {
+            if variant != 0 {
+                backend.set_gemv_q8_rows(variant);
+            }
+            let result =
+                selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"));
+            backend.set_gemv_q8_rows(gemv_rows_default);
+            match result {
                 Ok(r) => {
                     // An mmq case that took another path tests nothing it names.
                     if kind.starts_with("mmq") && !r.via_q8 {
