@@ -39,20 +39,28 @@ const Q6K_GROUP_BLOCK: usize = ROWS * Q6K_BLOCK;
 const Q4K_BLOCK: usize = 144;
 const Q6K_BLOCK: usize = 210;
 
-/// Bytes of one group block (16 rows × 256 values) of a repacked `ty` matrix.
-pub fn group_block(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q6K {
-        Q6K_GROUP_BLOCK
-    } else {
-        Q4K_GROUP_BLOCK
+/// Bytes of one group block (16 rows × one block of the format) of a repacked `ty`
+/// matrix: the format's bytes for 16 rows.
+fn group_block(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q6K => Q6K_GROUP_BLOCK,
+        GgmlType::Q4K => Q4K_GROUP_BLOCK,
+        _ => ROWS * ty.type_size(),
     }
+}
+
+/// Bytes of one group (16 rows of `k` values) of a repacked `ty` matrix.
+pub fn group_bytes(ty: GgmlType, k: usize) -> usize {
+    k / ty.block_size() * group_block(ty)
 }
 
 /// Whether matrices of `ty` (`rows` rows of `k` values) are repacked for this CPU.
 pub fn applies(ty: GgmlType, rows: usize, k: usize) -> bool {
-    matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
-        && rows >= ROWS
-        && k.is_multiple_of(256)
+    matches!(
+        ty,
+        GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_0
+    ) && rows >= ROWS
+        && k.is_multiple_of(ty.block_size())
         && crate::qdot8::supported(ty)
         && std::env::var("KESTREL_CPU_PACKED").map_or(true, |v| v != "0")
 }
@@ -68,13 +76,13 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, k: usize) -> Vec<u8> {
 
 /// Bytes of [`pack`]'s output.
 pub fn packed_len(ty: GgmlType, rows: usize, k: usize) -> usize {
-    rows / ROWS * (k / 256) * group_block(ty)
+    rows / ROWS * group_bytes(ty, k)
 }
 
 /// [`pack`] into `out` ([`packed_len`] bytes), on the backend's thread pool.
 pub fn pack_into(ty: GgmlType, data: &[u8], rows: usize, k: usize, out: &mut [u8]) {
-    let blocks = k / 256;
-    let group_bytes = blocks * group_block(ty);
+    let blocks = k / ty.block_size();
+    let group_bytes = group_bytes(ty, k);
     assert!(
         out.len() >= rows / ROWS * group_bytes,
         "packed output too small"
@@ -84,10 +92,10 @@ pub fn pack_into(ty: GgmlType, data: &[u8], rows: usize, k: usize, out: &mut [u8
         // SAFETY: group g's bytes of `out` (which holds rows / 16 groups) are written by
         // this task alone.
         let dst = unsafe { std::slice::from_raw_parts_mut(dst.at(g * group_bytes), group_bytes) };
-        if ty == GgmlType::Q6K {
-            pack_q6k_group(data, g, blocks, dst);
-        } else {
-            pack_q4k_group(data, g, blocks, dst);
+        match ty {
+            GgmlType::Q6K => pack_q6k_group(data, g, blocks, dst),
+            GgmlType::Q4K => pack_q4k_group(data, g, blocks, dst),
+            _ => pack_q32_group(ty, data, g, blocks, dst),
         }
     });
 }
@@ -115,6 +123,42 @@ fn pack_q6k_group(data: &[u8], g: usize, blocks: usize, dst_group: &mut [u8]) {
     }
 }
 
+/// Group `g` of a Q8_0, Q5_0 or Q4_0 matrix (32-value blocks: d, then for Q5_0 the 32
+/// fifth bits, then the quants). Group block layout: d (f16) of the 16 rows; for Q5_0 the
+/// fifth bits of each row rearranged so that byte b holds, in bit j, the fifth bit of value
+/// 4j + b (the kernel then moves a column's four bits into place with one shift); then the
+/// quants in 4-byte columns of the 16 rows (Q8_0: 8 columns, values 4c..; Q5_0 / Q4_0: 4
+/// columns, low nibbles values 4c.., high nibbles 16 + 4c..).
+fn pack_q32_group(ty: GgmlType, data: &[u8], g: usize, blocks: usize, dst_group: &mut [u8]) {
+    let bytes = ty.type_size();
+    let (qs, columns) = match ty {
+        GgmlType::Q8_0 => (2, 8),
+        GgmlType::Q5_0 => (6, 4),
+        _ => (2, 4),
+    };
+    // Where the quant columns start in a group block.
+    let at_qs = if ty == GgmlType::Q5_0 { 96 } else { 32 };
+    for (b, dst) in dst_group.chunks_exact_mut(ROWS * bytes).enumerate() {
+        for r in 0..ROWS {
+            let src = &data[((g * ROWS + r) * blocks + b) * bytes..][..bytes];
+            dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+            if ty == GgmlType::Q5_0 {
+                let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+                let mut spread = 0u32;
+                for v in 0..32 {
+                    let (j, byte) = (v / 4, v % 4);
+                    spread |= ((qh >> v) & 1) << (8 * byte + j);
+                }
+                dst[32 + 4 * r..32 + 4 * r + 4].copy_from_slice(&spread.to_le_bytes());
+            }
+            for c in 0..columns {
+                let at = at_qs + 64 * c + 4 * r;
+                dst[at..at + 4].copy_from_slice(&src[qs + 4 * c..qs + 4 * c + 4]);
+            }
+        }
+    }
+}
+
 /// Group `g` of a Q4_K matrix of `blocks` blocks per row.
 fn pack_q4k_group(data: &[u8], g: usize, blocks: usize, dst_group: &mut [u8]) {
     for (b, dst) in dst_group.chunks_exact_mut(Q4K_GROUP_BLOCK).enumerate() {
@@ -136,11 +180,11 @@ fn pack_q4k_group(data: &[u8], g: usize, blocks: usize, dst_group: &mut [u8]) {
     }
 }
 
-/// The 16 rows of `group` (one group of [`pack`]'s output for `ty`, `k / 256` group
-/// blocks) times the activations of `N` tokens (`ys[t]`: Q8_K blocks as `qdot8` lays them
-/// out): `out[t][r] = row_r · x_t`. Each token's results are the same whatever `N` is,
-/// and are the row-by-row kernel's products up to the order of the float additions. Only
-/// call where [`applies`] is true.
+/// The 16 rows of `group` (one group of [`pack`]'s output for `ty`: a group block per
+/// block of the rows) times the activations of `N` tokens (`ys[t]`, as `qdot8` lays them
+/// out for `ty`: Q8_K blocks, or Q8_0 pairs): `out[t][r] = row_r · x_t`. Each token's
+/// results are the same whatever `N` is, and are the row-by-row kernels' products up to
+/// the order of the float additions. Only call where [`applies`] is true.
 #[inline]
 pub fn dot_rows<const N: usize>(ty: GgmlType, group: &[u8], ys: [&[u8]; N]) -> [[f32; ROWS]; N] {
     #[cfg(target_arch = "x86_64")]
@@ -148,10 +192,12 @@ pub fn dot_rows<const N: usize>(ty: GgmlType, group: &[u8], ys: [&[u8]; N]) -> [
         // SAFETY: `applies` checked AVX-512F/BW and VNNI (through `qdot8::supported`);
         // the kernels bound their reads by the slices.
         unsafe {
-            if ty == GgmlType::Q6K {
-                vnni::q6k_rows(group, ys)
-            } else {
-                vnni::q4k_rows(group, ys)
+            match ty {
+                GgmlType::Q6K => vnni::q6k_rows(group, ys),
+                GgmlType::Q4K => vnni::q4k_rows(group, ys),
+                GgmlType::Q8_0 => vnni::q32_rows::<{ vnni::Q8_0 }, N>(group, ys),
+                GgmlType::Q5_0 => vnni::q32_rows::<{ vnni::Q5_0 }, N>(group, ys),
+                _ => vnni::q32_rows::<{ vnni::Q4_0 }, N>(group, ys),
             }
         }
     }
@@ -253,6 +299,111 @@ mod vnni {
                     let dy = _mm512_set1_ps(std::ptr::read_unaligned(y.cast::<f32>()));
                     let block = _mm512_fmsub_ps(d, sums[t], _mm512_mul_ps(dmin, m));
                     acc[t] = _mm512_fmadd_ps(dy, block, acc[t]);
+                }
+            }
+        }
+        store_rows(acc)
+    }
+
+    /// Formats of [`q32_rows`] (its const parameter).
+    pub const Q8_0: u8 = 0;
+    pub const Q5_0: u8 = 1;
+    pub const Q4_0: u8 = 2;
+
+    /// Q8_0 / Q5_0 / Q4_0 group blocks (see `pack_q32_group`) · Q8_0 activations laid out
+    /// as `qdot8::Q8_0X_PAIR` pairs (unsigned bytes u = y + 128). The block's 32 weights
+    /// of the 16 rows are decoded once to signed bytes w (8 vectors of 4 per row); each
+    /// token's sum starts from −128 · Σ w (one set of `vpdpbusd` per block, shared by the
+    /// tokens) and takes 8 `vpdpbusd` of 4 broadcast bytes of u against w: Σ y · w exactly,
+    /// then scaled by d_w · d_y in f32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q32_rows<const KIND: u8, const N: usize>(
+        group: &[u8],
+        ys: [&[u8]; N],
+    ) -> [[f32; ROWS]; N] {
+        const YP: usize = crate::qdot8::Q8_0X_PAIR;
+        let gb_bytes = ROWS
+            * match KIND {
+                Q8_0 => 34,
+                Q5_0 => 22,
+                _ => 18,
+            };
+        let n_blocks = ys
+            .iter()
+            .map(|y| y.len() / YP * 2)
+            .fold(group.len() / gb_bytes, usize::min);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let m4 = _mm512_set1_epi8(0x0f);
+        let m10 = _mm512_set1_epi8(0x10);
+        let offset = _mm512_set1_epi8(-128);
+        for blk in 0..n_blocks {
+            let gb = &group[gb_bytes * blk..gb_bytes * (blk + 1)];
+            // SAFETY: the loads read inside this group block and inside each token's
+            // activation pair blk / 2 (n_blocks bounds both).
+            unsafe {
+                let p = gb.as_ptr();
+                if N == 1 {
+                    // As in q6k_half: decode streams, so ask for two group blocks ahead.
+                    for i in 0..gb_bytes.div_ceil(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * gb_bytes + 64 * i).cast());
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()));
+                // w[i]: the signed weights of column i (Q8_0), or of the low (i < 4) and
+                // high (i >= 4) nibbles of column i % 4.
+                let w: [__m512i; 8] = std::array::from_fn(|i| {
+                    let ld = |c: usize, at: usize| _mm512_loadu_si512(p.add(at + 64 * c).cast());
+                    match KIND {
+                        Q8_0 => ld(i, 32),
+                        _ => {
+                            let (c, high) = (i % 4, i >= 4);
+                            let q = ld(c, if KIND == Q5_0 { 96 } else { 32 });
+                            let nib = if high {
+                                _mm512_and_si512(_mm512_srli_epi16(q, 4), m4)
+                            } else {
+                                _mm512_and_si512(q, m4)
+                            };
+                            if KIND == Q5_0 {
+                                // Fifth bits: bit c (low) or 4 + c (high) of each byte,
+                                // moved to bit 4.
+                                let h = _mm512_loadu_si512(p.add(32).cast());
+                                let h = if high {
+                                    _mm512_srlv_epi32(h, _mm512_set1_epi32(c as i32))
+                                } else {
+                                    _mm512_sllv_epi32(h, _mm512_set1_epi32(4 - c as i32))
+                                };
+                                _mm512_sub_epi8(
+                                    _mm512_ternarylogic_epi32(nib, h, m10, 0xf8),
+                                    _mm512_set1_epi8(16),
+                                )
+                            } else {
+                                _mm512_sub_epi8(nib, _mm512_set1_epi8(8))
+                            }
+                        }
+                    }
+                });
+                let mut corr = _mm512_setzero_si512();
+                for wi in &w {
+                    corr = _mm512_dpbusd_epi32(corr, offset, *wi);
+                }
+                let start = _mm512_sub_epi32(_mm512_setzero_si512(), corr);
+                for t in 0..N {
+                    let y = ys[t].as_ptr().add(YP * (blk / 2));
+                    let u = y.add(8 + 32 * (blk % 2));
+                    let mut dp = start;
+                    for (i, wi) in w.iter().enumerate() {
+                        // Values 4i.. (Q8_0); low nibbles 4i.., high 16 + 4(i - 4)..
+                        let off = if KIND == Q8_0 || i < 4 {
+                            4 * i
+                        } else {
+                            16 + 4 * (i - 4)
+                        };
+                        let ub = _mm512_set1_epi32(std::ptr::read_unaligned(u.add(off).cast()));
+                        dp = _mm512_dpbusd_epi32(dp, ub, *wi);
+                    }
+                    let dy = std::ptr::read_unaligned(y.add(4 * (blk % 2)).cast::<f32>());
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dy));
+                    acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dp), acc[t]);
                 }
             }
         }
@@ -424,11 +575,19 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
-        for (ty, blocks) in [GgmlType::Q4K, GgmlType::Q6K]
+        let types = [
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q4_0,
+        ];
+        for (ty, blocks) in types
             .into_iter()
             .flat_map(|ty| [1usize, 2, 3, 7].map(|b| (ty, b)))
         {
-            let k = 256 * blocks;
+            let k = ty.block_size() * blocks;
+            let act = crate::numerics::activation_type(ty).expect("a quantized type");
             let rows = ROWS * rng.random_range(1..4) + rng.random_range(0..ROWS);
             let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-2.0..2.0)).collect();
             let data = kestrel_quant::quantize(ty, &w, k).expect("quantize w");
@@ -440,8 +599,8 @@ mod tests {
             let xq: Vec<Vec<u8>> = xs
                 .iter()
                 .map(|x| {
-                    let mut q = vec![0u8; crate::qdot8::activation_bytes(GgmlType::Q8K, k)];
-                    crate::qdot8::quantize_activations(GgmlType::Q8K, x, &mut q);
+                    let mut q = vec![0u8; crate::qdot8::activation_bytes(act, k)];
+                    crate::qdot8::quantize_activations(act, x, &mut q);
                     q
                 })
                 .collect();
@@ -449,7 +608,7 @@ mod tests {
                 .iter()
                 .map(|x| {
                     let (mut bytes, mut out) = (Vec::new(), Vec::new());
-                    crate::numerics::round_trip(GgmlType::Q8K, x, &mut bytes, &mut out);
+                    crate::numerics::round_trip(act, x, &mut bytes, &mut out);
                     out
                 })
                 .collect();
