@@ -95,17 +95,16 @@ fn hugepages(len: usize) -> bool {
         Ok("0") => false,
         Ok("1") => cfg!(target_os = "linux"),
         // Where at least twice the file is available (Linux only).
-        _ => {
-            cfg!(target_os = "linux")
-                && std::fs::read_to_string("/proc/meminfo")
-                    .ok()
-                    .and_then(|m| {
-                        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
-                        line.split_whitespace().nth(1)?.parse::<u64>().ok()
-                    })
-                    .is_some_and(|kib| kib * 1024 >= 2 * len as u64)
-        }
+        _ => cfg!(target_os = "linux") && mem_available().is_some_and(|b| b >= 2 * len as u64),
     }
+}
+
+/// Bytes of memory available to new allocations (Linux's MemAvailable), if known.
+fn mem_available() -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib = line.split_whitespace().nth(1)?.parse::<u64>().ok()?;
+    Some(kib * 1024)
 }
 
 impl CpuBackend {
@@ -265,11 +264,15 @@ impl kestrel_model::Backend for CpuBackend {
         } else {
             None
         };
+        // Repacked where the layout applies and memory allows (the repacked bytes stay
+        // beside the file's): a matrix is left in its file layout, and the row-by-row
+        // kernels, when less than twice its repacked size is available.
+        let len = packed::packed_len(info.ty, rows, cols);
         let packed = if self.kernels == Kernels::Fast
             && self.numerics == Numerics::Ggml
             && packed::applies(info.ty, rows, cols)
+            && mem_available().is_none_or(|b| b >= 2 * len as u64)
         {
-            let len = packed::packed_len(info.ty, rows, cols);
             let data = file.tensor_data(info);
             let packed =
                 HugeCopy::filled(len, |out| packed::pack_into(info.ty, data, rows, cols, out))

@@ -14,14 +14,19 @@ use kestrel_model::{Arch, Backend};
 use rand::{Rng, SeedableRng};
 
 fn matrices(ty: &str, seed: u64) -> (Arc<GgufFile>, Vec<kestrel_gguf::TensorInfo>) {
-    let cfg = SynthConfig::tiny(Arch::Llama);
+    let mut cfg = SynthConfig::tiny(Arch::Llama);
+    // An output matrix of 520 rows: whole groups of 16 repacked rows and 8 rows left in
+    // the file's layout (`packed.rs`), in one product.
+    cfg.n_vocab = 520;
     let wt: WeightType = ty.parse().expect("weight type");
     let (bytes, _) = write_synth_to(Vec::new(), &cfg, wt, seed).expect("synth");
     let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
     let infos = file
         .tensors()
         .iter()
-        .filter(|t| t.dims.len() == 2 && t.name.starts_with("blk.0."))
+        .filter(|t| {
+            t.dims.len() == 2 && (t.name.starts_with("blk.0.") || t.name == "output.weight")
+        })
         .cloned()
         .collect();
     (file, infos)
