@@ -245,7 +245,28 @@ impl kestrel_model::Backend for CpuBackend {
                 info.ty
             );
         }
-        let copy = if self.kernels == Kernels::Fast {
+        // Repacked where the layout applies and memory allows (the repacked bytes stay
+        // beside the file's): a matrix is left in its file layout, and the row-by-row
+        // kernels, when less than twice its repacked size is available.
+        let len = packed::packed_len(info.ty, rows, cols);
+        let packed = if self.kernels == Kernels::Fast
+            && self.numerics == Numerics::Ggml
+            && packed::applies(info.ty, rows, cols)
+            && mem_available().is_none_or(|b| b >= 2 * len as u64)
+        {
+            let data = file.tensor_data(info);
+            let packed =
+                HugeCopy::filled(len, |out| packed::pack_into(info.ty, data, rows, cols, out))
+                    .context("allocating the repacked weights")?;
+            Some(Arc::new(packed))
+        } else {
+            None
+        };
+        // The file's huge-page copy serves the matrices read in their file layout: made
+        // when the first of them loads, never for a model whose matrices are all repacked
+        // (the embedding rows are then read from the mapped file).
+        let file_layout = packed.is_none() || !rows.is_multiple_of(packed::ROWS);
+        let copy = if self.kernels == Kernels::Fast && file_layout {
             let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
             copies.retain(|(f, c)| f.strong_count() > 0 && c.strong_count() > 0);
             let known = copies
@@ -261,23 +282,6 @@ impl kestrel_model::Backend for CpuBackend {
                 }
                 None => None,
             }
-        } else {
-            None
-        };
-        // Repacked where the layout applies and memory allows (the repacked bytes stay
-        // beside the file's): a matrix is left in its file layout, and the row-by-row
-        // kernels, when less than twice its repacked size is available.
-        let len = packed::packed_len(info.ty, rows, cols);
-        let packed = if self.kernels == Kernels::Fast
-            && self.numerics == Numerics::Ggml
-            && packed::applies(info.ty, rows, cols)
-            && mem_available().is_none_or(|b| b >= 2 * len as u64)
-        {
-            let data = file.tensor_data(info);
-            let packed =
-                HugeCopy::filled(len, |out| packed::pack_into(info.ty, data, rows, cols, out))
-                    .context("allocating the repacked weights")?;
-            Some(Arc::new(packed))
         } else {
             None
         };
