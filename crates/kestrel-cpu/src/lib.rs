@@ -72,7 +72,7 @@ impl HugeCopy {
 
     fn of(bytes: &[u8]) -> std::io::Result<HugeCopy> {
         const HUGE: usize = HugeCopy::HUGE;
-        HugeCopy::filled(bytes.len(), |out| {
+        Self::filled(bytes.len(), |out| {
             // Faulting the pages in is most of the time: on all the pool's threads.
             let dst = ops::SharedMut(out.as_mut_ptr());
             pool::pool().run(bytes.len().div_ceil(HUGE), &|c| {
@@ -245,9 +245,9 @@ impl kestrel_model::Backend for CpuBackend {
                 info.ty
             );
         }
-        // Repacked where the layout applies and memory allows (the repacked bytes stay
-        // beside the file's): a matrix is left in its file layout, and the row-by-row
-        // kernels, when less than twice its repacked size is available.
+        // Repacked where the layout applies and memory allows: a matrix is left in its
+        // file layout, and the row-by-row kernels, when less than twice its repacked size
+        // is available.
         let len = packed::packed_len(info.ty, rows, cols);
         let packed = if self.kernels == Kernels::Fast
             && self.numerics == Numerics::Ggml

@@ -465,7 +465,7 @@ impl Matmul<'_> {
         if let Some(packed) = self.packed {
             // Whole groups of 16 repacked rows (tasks start at multiples of 16).
             let group_bytes = packed::group_bytes(self.ty, self.k);
-            while j0.is_multiple_of(packed::ROWS) && j0 + packed::ROWS <= j1.min(self.n_out) {
+            while j0.is_multiple_of(packed::ROWS) && j0 + packed::ROWS <= j1 {
                 let group = &packed[j0 / packed::ROWS * group_bytes..][..group_bytes];
                 let i = self.packed_tokens::<4>(group, xq, xq_row, 0, j0, out);
                 self.packed_tokens::<1>(group, xq, xq_row, i, j0, out);

@@ -1,5 +1,5 @@
-//! Q4_K and Q6_K weights repacked 16 rows at a time, and the integer kernels that read
-//! them.
+//! Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 weights repacked 16 rows at a time, and the integer
+//! kernels that read them.
 //!
 //! The row-by-row kernels of `qdot8` put 64 values of one row in a 512-bit register, so
 //! every (row, token) pair ends in a horizontal reduction, and the sub-block scales take
@@ -8,7 +8,8 @@
 //! activation bytes broadcast to every lane performs 16 rows × 4 multiply-adds. The sums
 //! of a 32-value sub-block are scaled in f32 (one convert and one FMA for 16 rows), and
 //! nothing is reduced across lanes: a token's 16 results are one vector. The row scales
-//! and minimums are unpacked at load so that a whole group shares their conversion.
+//! and minimums are unpacked at load so that a whole group shares their conversion. (The
+//! 32-value formats' layout is described at `pack_q32_group`.)
 //!
 //! Layout of one Q4_K group block (16 rows × one 256-value block), [`group_block`] bytes:
 //! - d (f16) of the 16 rows, then dmin (f16) of the 16 rows: 64 bytes;
@@ -56,17 +57,14 @@ pub fn group_bytes(ty: GgmlType, k: usize) -> usize {
 
 /// Whether matrices of `ty` (`rows` rows of `k` values) are repacked for this CPU.
 pub fn applies(ty: GgmlType, rows: usize, k: usize) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_0
-    ) && rows >= ROWS
+    // `qdot8::supported`: the five formats, on a CPU with AVX-512 VNNI.
+    crate::qdot8::supported(ty)
+        && rows >= ROWS
         && k.is_multiple_of(ty.block_size())
-        && crate::qdot8::supported(ty)
         && std::env::var("KESTREL_CPU_PACKED").map_or(true, |v| v != "0")
 }
 
-/// Repacks the whole groups of 16 rows of a Q4_K or Q6_K matrix (`rows` rows of `k`
-/// values); the last `rows % 16` rows are left out (the caller keeps the original layout
+/// Repacks the whole groups of 16 rows of a matrix (`rows` rows of `k` values); the last `rows % 16` rows are left out (the caller keeps the original layout
 /// for them). Only for matrices where [`applies`] holds.
 pub fn pack(ty: GgmlType, data: &[u8], rows: usize, k: usize) -> Vec<u8> {
     let mut out = vec![0u8; packed_len(ty, rows, k)];

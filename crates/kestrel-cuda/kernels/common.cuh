@@ -69,6 +69,15 @@ __device__ float block_sum(float v) {
     return total;
 }
 
+// 1 / sqrt(mean(x²) + eps) of the row xr of `cols` values, summed by the whole block (every
+// block of a launch gets the same sum, in the same order). All threads must call it.
+__device__ __forceinline__ float rms_scale(const float* xr, int cols, float eps) {
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+    ss = block_sum(ss);
+    return 1.0f / sqrtf(ss / (float)cols + eps);
+}
+
 // Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), committed in groups.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);

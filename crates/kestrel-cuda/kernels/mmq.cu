@@ -19,7 +19,22 @@
 
 // Activations of an mmq launch: xq[t][k] int8 for npad token rows (rows >= n zero) and
 // xds[kb][t] = {d, d·Σq} per 32-value block kb, token-minor (a lane's two tokens of the
-// accumulator fragment are one 16-byte load). One warp per block of 32 values.
+// accumulator fragment are one 16-byte load). A warp's values v (one a lane) are block kb
+// of token t; `q_at` is this lane's byte. The whole warp calls it.
+__device__ __forceinline__ void mmq_store_q8(float v, i8* q_at, float* xds, int kb, int t,
+                                             int npad) {
+    float scale;
+    const int qi = warp_q8(v, scale);
+    int sum = qi;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    *q_at = (i8)qi;
+    if ((threadIdx.x & 31) == 0) {
+        xds[2 * ((size_t)kb * npad + t)] = scale;
+        xds[2 * ((size_t)kb * npad + t) + 1] = scale * (float)sum;
+    }
+}
+
+// One warp per block of 32 values.
 extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad, i8* q,
                                           float* xds) {
     pdl_enter();
@@ -28,16 +43,8 @@ extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad
     const int kbs = k >> 5;
     if (b >= npad * kbs) return;
     const int t = b / kbs, kb = b - t * kbs;
-    const float v = t < n ? x[(size_t)t * k + kb * 32 + lane] : 0.0f;
-    float scale;
-    const int qi = warp_q8(v, scale);
-    int sum = qi;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[(size_t)t * k + kb * 32 + lane] = (i8)qi;
-    if (lane == 0) {
-        xds[2 * ((size_t)kb * npad + t)] = scale;
-        xds[2 * ((size_t)kb * npad + t) + 1] = scale * (float)sum;
-    }
+    const size_t at = (size_t)t * k + kb * 32 + lane;
+    mmq_store_q8(t < n ? x[at] : 0.0f, q + at, xds, kb, t, npad);
 }
 
 // rms_norm of n rows (as `rms_norm`) that also leaves them quantized as quantize_x_mmq
@@ -47,33 +54,17 @@ extern "C" __global__ void quantize_x_mmq(const float* x, int k, int n, int npad
 extern "C" __global__ void rms_norm_mmq(const float* x, const float* w, float* out, int cols,
                                         float eps, int n, int npad, i8* q, float* xds) {
     pdl_enter();
-    const int t = blockIdx.y, lane = threadIdx.x & 31;
+    const int t = blockIdx.y;
     const float* xr = x + (size_t)t * cols;
-    float scale = 0.0f;
-    if (t < n) {  // uniform across the block
-        float ss = 0.0f;
-        for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
-        ss = block_sum(ss);
-        scale = 1.0f / sqrtf(ss / (float)cols + eps);
-    }
+    const float scale = t < n ? rms_scale(xr, cols, eps) : 0.0f;  // t: uniform in the block
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;  // whole warps (cols a multiple of 32)
     float v = 0.0f;
-    if (t < n && j < cols) {
+    if (t < n) {
         v = xr[j] * scale * w[j];
         out[(size_t)t * cols + j] = v;
     }
-    float step;
-    const int qi = warp_q8(v, step);
-    int sum = qi;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (j < cols) {
-        q[(size_t)t * cols + j] = (i8)qi;
-        if (lane == 0) {
-            const int kb = j >> 5;
-            xds[2 * ((size_t)kb * npad + t)] = step;
-            xds[2 * ((size_t)kb * npad + t) + 1] = step * (float)sum;
-        }
-    }
+    mmq_store_q8(v, q + (size_t)t * cols + j, xds, j >> 5, t, npad);
 }
 
 // c = A·B for one 16×32 tile of weights (a0, a2: row g; a1, a3: row g + 8) and one 32×8

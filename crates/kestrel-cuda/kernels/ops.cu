@@ -39,10 +39,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     pdl_enter();
     const float* xr = x + (size_t)blockIdx.x * cols;
     float* o = out + (size_t)blockIdx.x * cols;
-    float ss = 0.0f;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
-    ss = block_sum(ss);
-    const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
+    const float scale = rms_scale(xr, cols, eps);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * scale * w[j];
 }
 
@@ -55,10 +52,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* out, int cols,
                                        float eps, i8* q, float* d) {
     pdl_enter();
-    float ss = 0.0f;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) ss += x[j] * x[j];
-    ss = block_sum(ss);
-    const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
+    const float scale = rms_scale(x, cols, eps);
     const int lane = threadIdx.x & 31;
     for (int base = blockIdx.x * blockDim.x; base < cols; base += gridDim.x * blockDim.x) {
         const int j = base + threadIdx.x;

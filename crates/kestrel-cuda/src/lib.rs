@@ -273,8 +273,6 @@ fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
     }
 }
 
-/// Warps of a `gemv_dec` / `gemv_q8` launch at `rows_per_warp`: each matrix's rows in
-/// groups (gated launches: gate's rows, each warp reading up's too).
 /// The tensor-core kernel families of steps of several tokens (see `CudaBackend::mmq_plan`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum MmqKind {
@@ -315,6 +313,14 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
     splits
 }
 
+/// Token rows the int8 `mmq_*` kernels' activations take for a step of `n` tokens (whole
+/// 8-token tiles; `quantize_x_mmq` / `rms_norm_mmq` zero the padding).
+fn mmq_int8_rows(n: usize) -> usize {
+    n.next_multiple_of(8)
+}
+
+/// Warps of a `gemv_dec` / `gemv_q8` launch at `rows_per_warp`: each matrix's rows in
+/// groups (gated launches: gate's rows, each warp reading up's too).
 fn gemv_warps(segs: &[GemvSeg], gated: bool, rows_per_warp: usize) -> usize {
     if gated {
         segs[0].rows.div_ceil(rows_per_warp)
@@ -358,11 +364,11 @@ pub struct CudaBackend {
     /// `KESTREL_CUDA_GEMV=legacy`: single-token steps use the older `gemv1` kernel (for
     /// comparisons).
     legacy_gemv1: bool,
-    /// The single-token GEMV variant and its rows per warp (`KESTREL_CUDA_GEMV=r1|r2|r4`);
-    /// None: by launch size (see `gemv`).
+    /// The single-token f32-activation GEMV variant and its rows per warp
+    /// (`KESTREL_CUDA_GEMV=r1|r2|r4`); None: by launch size (see `gemv`).
     gemv_dec: Option<(&'static str, usize)>,
     /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0: by launch, see
-    /// `gemv`); `KESTREL_CUDA_GEMV=r1|r2` sets it, the self-check runs each.
+    /// `gemv`): `KESTREL_CUDA_GEMV`'s (r4 takes two), the self-check runs each.
     gemv_q8_rows: std::sync::atomic::AtomicUsize,
     /// Single-token GEMVs on 8-bit activations (`gemv_q8`; `KESTREL_CUDA_Q8=0` turns it
     /// off: f32 activations everywhere, as the CPU backend computes).
@@ -624,6 +630,12 @@ impl CudaBackend {
             )
         };
         let graphs = !profile && std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let gemv_dec = match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
+            Ok("r1") => Some(("gemv_dec_r1", 1)),
+            Ok("r2") => Some(("gemv_dec", 2)),
+            Ok("r4") => Some(("gemv_dec_r4", 4)),
+            _ => None,
+        };
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_or(132, |c| c.max(1) as usize);
@@ -643,18 +655,9 @@ impl CudaBackend {
             freq_factors: Mutex::new(Vec::new()),
             blas,
             legacy_gemv1: std::env::var("KESTREL_CUDA_GEMV").is_ok_and(|v| v == "legacy"),
-            gemv_dec: match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
-                Ok("r1") => Some(("gemv_dec_r1", 1)),
-                Ok("r2") => Some(("gemv_dec", 2)),
-                Ok("r4") => Some(("gemv_dec_r4", 4)),
-                _ => None,
-            },
+            gemv_dec,
             gemv_q8_rows: std::sync::atomic::AtomicUsize::new(
-                match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
-                    Ok("r1") => 1,
-                    Ok("r2") => 2,
-                    _ => 0,
-                },
+                gemv_dec.map_or(0, |(_, rows)| rows.min(2)),
             ),
             f16_copies: Default::default(),
             f16_copies_q8: Default::default(),
@@ -1388,7 +1391,7 @@ impl CudaBackend {
         if segs.iter().all(|s| self.mmh_reads(s.ty, n, k)) {
             (MmqKind::Half, n.next_power_of_two().max(8))
         } else {
-            (MmqKind::Int8, n.next_multiple_of(8))
+            (MmqKind::Int8, mmq_int8_rows(n))
         }
     }
 
@@ -2300,7 +2303,7 @@ impl kestrel_model::Backend for CudaBackend {
         }
         // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
         // the mmh threshold): quantize them on the way out, in that kernel's layout.
-        let npad = n.next_multiple_of(8);
+        let npad = mmq_int8_rows(n);
         if self.fuse_multi
             && n >= MMQ_MIN_TOKENS
             && n <= self.mmq_max()
