@@ -2,7 +2,10 @@
 # Build the release binary here (no CUDA needed), stage it in .gpu/ (git-ignored through
 # .git/info/exclude), and print or run the command for the GPU host.
 #
-#   scripts/gpu.sh build     build + strip + copy to .gpu/kestrel
+#   scripts/gpu.sh build     build + strip + copy to .gpu/kestrel, and the kernels' sm_90 cubin
+#                            (scripts/kernel_check.py --cubin) into .gpu/cuda-cache, which the
+#                            commands below put in the backend's disk cache: the GPU host then
+#                            compiles nothing (~100 s a fresh host saves)
 #   scripts/gpu.sh remote    the command to run on the GPU host, from the repository root
 #                            (self-check, then a smoke benchmark on a synthetic Qwen2.5-1.5B)
 #   scripts/gpu.sh run-here  run that command on this machine (the GPU host itself)
@@ -28,6 +31,7 @@ remote_cmd() {
 set -e
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+mkdir -p "$KESTREL_HOME/cuda-cache" && cp .gpu/cuda-cache/*.cubin "$KESTREL_HOME/cuda-cache/" 2>/dev/null || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 .gpu/kestrel gpu-check
 .gpu/kestrel synth --arch qwen2 --preset qwen2.5-1.5b --type q4_k_m -o /tmp/q.gguf
@@ -39,6 +43,8 @@ CMD
 gpu_env() {
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
     export KESTREL_HOME=${KESTREL_HOME:-/tmp/kestrel-home}
+    mkdir -p "$KESTREL_HOME/cuda-cache"
+    cp .gpu/cuda-cache/*.cubin "$KESTREL_HOME/cuda-cache/" 2>/dev/null || true
 }
 
 # Synthetic Llama-3-8B Q4_K_M (made once per warm host); prints its path.
@@ -79,6 +85,7 @@ build)
     cp target/release/kestrel .gpu/kestrel
     strip .gpu/kestrel
     ls -l .gpu/kestrel
+    python3 scripts/kernel_check.py --cubin .gpu/cuda-cache
     echo "on the GPU host, from the repository root:"
     remote_cmd
     ;;

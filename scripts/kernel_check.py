@@ -5,6 +5,8 @@ then ptxas from the nvidia-cuda-nvcc wheel for per-kernel registers and spills.
 
     python3 scripts/kernel_check.py            # compile errors, then one line per kernel
     python3 scripts/kernel_check.py gemv_dec   # only kernels whose name contains this
+    python3 scripts/kernel_check.py --cubin DIR  # the sm_90 cubin, named as the backend's
+                                                 # disk cache names it (see gpu.sh build)
 
 The wheels are downloaded once into ~/.cache/kestrel/cuda-tools (pip download, no install).
 """
@@ -28,11 +30,35 @@ def wheel_file(package, pattern):
     return hits[0]
 
 
+def compile_cubin(lib, src, out_dir):
+    """The cubin for sm_90 under the name compile.rs's cache_path gives it."""
+    import hashlib
+    arch = "sm_90"
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kestrel.cu", 0, None, None) == 0
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+    if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
+        sys.exit("NVRTC failed (run without --cubin for the log)")
+    n = ctypes.c_size_t()
+    assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)) == 0
+    buf = ctypes.create_string_buffer(n.value)
+    assert lib.nvrtcGetCUBIN(prog, buf) == 0
+    key = hashlib.sha256(src.encode() + b"\0" + arch.encode()).digest()[:12].hex()
+    os.makedirs(out_dir, exist_ok=True)
+    for old in glob.glob(os.path.join(out_dir, f"kestrel-{arch}-*.cubin")):
+        os.remove(old)
+    path = os.path.join(out_dir, f"kestrel-{arch}-{key}.cubin")
+    open(path, "wb").write(buf.raw)
+    print(path, n.value, "bytes")
+
+
 def main():
     src_files = re.findall(r'include_str!\("\.\./kernels/([^"]+)"\)',
                            open(os.path.join(ROOT, "crates/kestrel-cuda/src/compile.rs")).read())
     src = "\n".join(open(os.path.join(ROOT, "crates/kestrel-cuda/kernels", f)).read() for f in src_files)
     lib = ctypes.CDLL(wheel_file("nvidia-cuda-nvrtc", "libnvrtc.so*"))
+    if len(sys.argv) > 2 and sys.argv[1] == "--cubin":
+        return compile_cubin(lib, src, sys.argv[2])
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kestrel.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=compute_90", b"--std=c++17"]

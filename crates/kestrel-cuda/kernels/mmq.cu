@@ -452,6 +452,366 @@ MMQ_KERNEL(mmq_t32_gated, 4, true, 1)
 MMQ_KERNEL(mmq_t64_gated, 8, true, 1)
 
 // ---------------------------------------------------------------------------------------
+// Steps of up to 8 tokens on K-quant weights (mmk_t8*): the int8 mma of mmq_t8 with the
+// activations quantized per 256 values (one step per token and super-block, as the CPU's
+// Q8_K), so that each super-block's products stay integers: the 32-value blocks' sums are
+// scaled by the weights' 6- or 8-bit scales in integer arithmetic and converted to f32 once
+// per super-block instead of once per 32-value block. The weights' offsets (Q4_K's minimums,
+// Q6_K's 32) come off through one more mma per super-block against the activations'
+// 16-value group sums. About a third of mmq_t8's instructions per weight byte, which ncu
+// showed to be issue- and latency-bound (1.1–1.7 instructions per cycle a SM, 1.0–1.3 TB/s).
+//
+// Activations (quantize_x_mmk / rms_norm_mmk), for npad token rows (rows >= n zero): xq[t][k]
+// int8 as for mmq; per 256-value block kb and token t the step xk[kb * npad + t] and, at
+// xb[(kb * npad + t) * 32], the sums s of the 16 groups of 16 values split as s = 128 hi + lo
+// (lo in 0..127: bytes 0..15; hi: bytes 16..31), so that both are int8 mma operands.
+//
+// Tiling as mmq_t8: a block of MK_WARPS warps owns 16 rows (gated: of gate and of up), its
+// warps split the row length in 256-value steps; lane (g, c) holds rows g and g + 8 and
+// values 8c .. 8c + 7 of every 32-value block (the same k permutation as mmq).
+
+#define MK_WARPS 8
+
+// The whole block (256 threads, one value each: the 256-value block kb of token t) calls it.
+__device__ __forceinline__ void mmk_store_q8(float v, i8* q_at, float* xk, i8* xb, int kb, int t,
+                                             int npad) {
+    __shared__ float wmax[MK_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) wmax[warp] = amax;
+    __syncthreads();
+    amax = wmax[0];
+#pragma unroll
+    for (int w = 1; w < MK_WARPS; w++) amax = fmaxf(amax, wmax[w]);
+    const float step = amax / 127.0f;
+    const int qi = step > 0.0f ? max(-127, min(127, __float2int_rn(v / step))) : 0;
+    *q_at = (i8)qi;
+    int s = qi;
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const size_t at = (size_t)kb * npad + t;
+    if ((lane & 15) == 0) {
+        const int grp = 2 * warp + (lane >> 4);
+        xb[at * 32 + grp] = (i8)(s & 127);
+        xb[at * 32 + 16 + grp] = (i8)(s >> 7);
+    }
+    if (threadIdx.x == 0) xk[at] = step;
+}
+
+// One block of 256 threads per (256-value block, token row); k a multiple of 256.
+extern "C" __global__ void __launch_bounds__(256) quantize_x_mmk(const float* x, int k, int n,
+                                                                 int npad, i8* q, float* xk,
+                                                                 i8* xb) {
+    pdl_enter();
+    const int kb = blockIdx.x, t = blockIdx.y;
+    const size_t at = (size_t)t * k + kb * 256 + threadIdx.x;
+    mmk_store_q8(t < n ? x[at] : 0.0f, q + at, xk, xb, kb, t, npad);
+}
+
+// rms_norm of n rows that also leaves them quantized as quantize_x_mmk would. Grid
+// (cols / 256, npad), 256 threads; cols a multiple of 256.
+extern "C" __global__ void __launch_bounds__(256) rms_norm_mmk(const float* x, const float* w,
+                                                               float* out, int cols, float eps,
+                                                               int n, int npad, i8* q, float* xk,
+                                                               i8* xb) {
+    pdl_enter();
+    const int t = blockIdx.y;
+    const float* xr = x + (size_t)t * cols;
+    const float scale = t < n ? rms_scale(xr, cols, eps) : 0.0f;  // t: uniform in the block
+    const int j = blockIdx.x * 256 + threadIdx.x;
+    float v = 0.0f;
+    if (t < n) {
+        v = xr[j] * scale * w[j];
+        out[(size_t)t * cols + j] = v;
+    }
+    mmk_store_q8(v, q + (size_t)t * cols + j, xk, xb, blockIdx.x, t, npad);
+}
+
+// c = A·B, unsigned 8-bit weights (a0, a2: row g; a1, a3: row g + 8), signed activations.
+__device__ __forceinline__ void mk_mma_u8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                          u32 b1) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mk_mma_s8(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(0u), "r"(0u), "r"(b0), "r"(0u));
+}
+
+// Σ_groups w[row][grp] · sums[tok][grp] over a super-block's 16 groups for the lane's 4
+// accumulator entries: wg0 / wg1 are groups 4c .. 4c + 3 of rows g / g + 8 as bytes (SIGNED:
+// Q6_K's scales; else unsigned below 128), blo / bhi the lane's token-g words of the sums.
+__device__ __forceinline__ void mk_group_dot(int (&m)[4], u32 wg0, u32 wg1, u32 blo, u32 bhi) {
+    int lo[4], hi[4];
+    mk_mma_s8(lo, wg0, wg1, blo);
+    mk_mma_s8(hi, wg0, wg1, bhi);
+#pragma unroll
+    for (int e = 0; e < 4; e++) m[e] = lo[e] + 128 * hi[e];
+}
+
+// The activations of a step st as a lane reads them.
+struct MkX {
+    const i8* xs;  // token g's values of the step, at the lane's 8c
+    float2 dx;     // steps of tokens 2c, 2c + 1
+    u32 blo, bhi;  // token g's group sums, groups 4c .. 4c + 3
+    __device__ __forceinline__ void load(const i8* xq, const float* xk, const i8* xb, int k,
+                                         int npad, int st, int g, int c) {
+        xs = xq + (size_t)g * k + st * 256 + 8 * c;
+        const size_t kt = (size_t)st * npad;
+        dx = *(const float2*)(xk + kt + 2 * c);
+        blo = *(const u32*)(xb + (kt + g) * 32 + 4 * c);
+        bhi = *(const u32*)(xb + (kt + g) * 32 + 16 + 4 * c);
+    }
+    __device__ __forceinline__ uint2 b(int blk) const { return *(const uint2*)(xs + 32 * blk); }
+};
+
+// Byte i of w as a signed / unsigned int.
+__device__ __forceinline__ int byte_s(u32 w, int i) { return (int)(signed char)(w >> (8 * i)); }
+__device__ __forceinline__ int byte_u(u32 w, int i) { return (int)((w >> (8 * i)) & 0xFF); }
+
+template <int TY, bool UP> struct Mk;
+
+// Q4_K: value = d·sc·q − dmin·mn per 32-value block (6-bit sc, mn).
+template <bool UP> struct Mk<T_Q4_K, UP> {
+    static constexpr int NR = UP ? 4 : 2;
+    using Raw = Q4kStep<NR>;
+    static __device__ __forceinline__ void step(const Raw& raw, const MkX& x, int c,
+                                                float (&acc)[2][4]) {
+        u32 sc[NR][2], mg[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const u32 s03 = raw.h[r].y, s47 = raw.h[r].z, s811 = raw.h[r].w;
+            sc[r][0] = s03 & 0x3F3F3F3Fu;
+            sc[r][1] = (s811 & 0x0F0F0F0Fu) | ((s03 >> 2) & 0x30303030u);
+            const u32 mn = c < 2 ? s47 & 0x3F3F3F3Fu
+                                 : ((s811 >> 4) & 0x0F0F0F0Fu) | ((s47 >> 2) & 0x30303030u);
+            // Groups 4c .. 4c + 3 are the 32-value blocks 2c, 2c, 2c + 1, 2c + 1.
+            mg[r] = __byte_perm(mn, 0, (c & 1) ? 0x3322 : 0x1100);
+        }
+        int is[NR / 2][4];
+#pragma unroll
+        for (int m = 0; m < NR / 2; m++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) is[m][e] = 0;
+#pragma unroll
+        for (int ch = 0; ch < 4; ch++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int blk = 2 * ch + i;
+                const uint2 b = x.b(blk);
+#pragma unroll
+                for (int m = 0; m < NR / 2; m++) {
+                    const int r0 = 2 * m, r1 = 2 * m + 1;
+                    int cc[4];
+                    mk_mma_u8(cc, (raw.q[r0][ch].x >> (4 * i)) & 0x0F0F0F0Fu,
+                              (raw.q[r1][ch].x >> (4 * i)) & 0x0F0F0F0Fu,
+                              (raw.q[r0][ch].y >> (4 * i)) & 0x0F0F0F0Fu,
+                              (raw.q[r1][ch].y >> (4 * i)) & 0x0F0F0F0Fu, b.x, b.y);
+                    const int s0 = byte_u(sc[r0][blk >> 2], blk & 3);
+                    const int s1 = byte_u(sc[r1][blk >> 2], blk & 3);
+                    is[m][0] += s0 * cc[0];
+                    is[m][1] += s0 * cc[1];
+                    is[m][2] += s1 * cc[2];
+                    is[m][3] += s1 * cc[3];
+                }
+            }
+#pragma unroll
+        for (int m = 0; m < NR / 2; m++) {
+            const int r0 = 2 * m, r1 = 2 * m + 1;
+            int ms[4];
+            mk_group_dot(ms, mg[r0], mg[r1], x.blo, x.bhi);
+            const float d0 = h2f((u16)(raw.h[r0].x & 0xFFFF)), n0 = h2f((u16)(raw.h[r0].x >> 16));
+            const float d1 = h2f((u16)(raw.h[r1].x & 0xFFFF)), n1 = h2f((u16)(raw.h[r1].x >> 16));
+            acc[m][0] += x.dx.x * (d0 * (float)is[m][0] - n0 * (float)ms[0]);
+            acc[m][1] += x.dx.y * (d0 * (float)is[m][1] - n0 * (float)ms[1]);
+            acc[m][2] += x.dx.x * (d1 * (float)is[m][2] - n1 * (float)ms[2]);
+            acc[m][3] += x.dx.y * (d1 * (float)is[m][3] - n1 * (float)ms[3]);
+        }
+    }
+};
+
+// Q6_K: value = d·sc·(q − 32) per 16-value group (8-bit signed sc, q in 0..63). A 32-value
+// block holds two groups; lanes c < 2 hold the first, so each block is two mma with the
+// other lanes' activations zeroed. The −32 comes off through the group sums.
+template <bool UP> struct Mk<T_Q6_K, UP> {
+    static constexpr int NR = UP ? 4 : 2;
+    using Raw = Q6kStep<NR>;
+    static __device__ __forceinline__ void step(const Raw& raw, const MkX& x, int c,
+                                                float (&acc)[2][4]) {
+        const bool low = c < 2;
+        int is[NR / 2][4];
+#pragma unroll
+        for (int m = 0; m < NR / 2; m++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) is[m][e] = 0;
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            const int hf = s >> 2, qq = s & 3;
+            const uint2 b = x.b(s);
+            const u32 bl0 = low ? b.x : 0u, bl1 = low ? b.y : 0u;
+            const u32 bh0 = low ? 0u : b.x, bh1 = low ? 0u : b.y;
+            const int si = 8 * hf + 2 * qq;  // even: both groups' scales in one word
+#pragma unroll
+            for (int m = 0; m < NR / 2; m++) {
+                const int r0 = 2 * m, r1 = 2 * m + 1;
+                u32 v[2][2];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const uint2 l = raw.ql[r0 + i][hf][qq & 1], hb = raw.qh[r0 + i][hf];
+                    const int sl = 4 * (qq >> 1), sh = 2 * qq;
+                    v[i][0] = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
+                    v[i][1] = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
+                }
+                int lo[4], hi[4];
+                mk_mma_u8(lo, v[0][0], v[1][0], v[0][1], v[1][1], bl0, bl1);
+                mk_mma_u8(hi, v[0][0], v[1][0], v[0][1], v[1][1], bh0, bh1);
+                const u32 w0 = raw.sw[r0][si >> 2], w1 = raw.sw[r1][si >> 2];
+                const int a0 = byte_s(w0, si & 3), b0 = byte_s(w0, (si & 3) + 1);
+                const int a1 = byte_s(w1, si & 3), b1 = byte_s(w1, (si & 3) + 1);
+                is[m][0] += a0 * lo[0] + b0 * hi[0];
+                is[m][1] += a0 * lo[1] + b0 * hi[1];
+                is[m][2] += a1 * lo[2] + b1 * hi[2];
+                is[m][3] += a1 * lo[3] + b1 * hi[3];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NR / 2; m++) {
+            const int r0 = 2 * m, r1 = 2 * m + 1;
+            int ms[4];
+            mk_group_dot(ms, raw.sw[r0][c], raw.sw[r1][c], x.blo, x.bhi);
+            acc[m][0] += x.dx.x * raw.d[r0] * (float)(is[m][0] - 32 * ms[0]);
+            acc[m][1] += x.dx.y * raw.d[r0] * (float)(is[m][1] - 32 * ms[1]);
+            acc[m][2] += x.dx.x * raw.d[r1] * (float)(is[m][2] - 32 * ms[2]);
+            acc[m][3] += x.dx.y * raw.d[r1] * (float)(is[m][3] - 32 * ms[3]);
+        }
+    }
+};
+
+// A warp's steps st = warp, warp + W, ... of rows rw; PIPE: the next step's weights are
+// loaded before the current one is multiplied (twice the weight registers).
+template <int TY, bool UP, bool PIPE, int W>
+__device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int steps,
+                                        const i8* xq, const float* xk, const i8* xb, int k,
+                                        int npad, int g, int c, float (&acc)[2][4]) {
+    typedef Mk<TY, UP> M;
+    typename M::Raw raw;
+    int st = warp;
+    if (st >= steps) return;
+    raw.load(rw, st, c);
+    for (; st < steps; st += W) {
+        MkX x;
+        x.load(xq, xk, xb, k, npad, st, g, c);
+        if (PIPE) {
+            typename M::Raw next;
+            if (st + W < steps) next.load(rw, st + W, c);
+            M::step(raw, x, c, acc);
+            raw = next;
+        } else {
+            M::step(raw, x, c, acc);
+            if (st + W < steps) raw.load(rw, st + W, c);
+        }
+    }
+}
+
+// out_s[t][r] = W_s[r]·x[t] (+ bias) for n ≤ 8 tokens, Q4_K and Q6_K weights, k a multiple
+// of 256 (the host checks); parameters as mmq_t8. A block of W warps owns 16 rows (UP: of
+// gate and of up), or with WIDE 32 rows of one matrix (rows 16..31 of the tile take the
+// places of up's rows: four rows a lane, twice the weight bytes in flight a warp).
+template <int TY, bool UP, bool PIPE, bool WIDE, int W>
+__device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const float* xk,
+                                         const i8* xb, int npad, GEMV_PARAMS) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    (void)x;
+    (void)rpb;
+    const int nr = min(WIDE ? 32 : 16, t.rows - t.r0);
+    const int g = lane >> 2, c = lane & 3;
+    // Rows past the matrix's end read its last row; their results are dropped.
+    const int ra = t.r0 + min(g, nr - 1), rb = t.r0 + min(g + 8, nr - 1);
+    const u8* rw[4];
+    rw[0] = t.w + (size_t)ra * t.rb;
+    rw[1] = t.w + (size_t)rb * t.rb;
+    if (WIDE) {
+        rw[2] = t.w + (size_t)(t.r0 + min(g + 16, nr - 1)) * t.rb;
+        rw[3] = t.w + (size_t)(t.r0 + min(g + 24, nr - 1)) * t.rb;
+    } else {
+        rw[2] = UP ? w1 + (size_t)ra * rb1 : nullptr;
+        rw[3] = UP ? w1 + (size_t)rb * rb1 : nullptr;
+    }
+    constexpr bool FOUR = UP || WIDE;  // four rows a lane
+    float acc[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[m][e] = 0.0f;
+    mk_rows<TY, FOUR, PIPE, W>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
+
+    // The warps' partial sums meet in warp 0 (as mmq_body: fixed order, lane-minor).
+    __shared__ float red[W / 2][8][32];
+#pragma unroll
+    for (int half = W / 2; half > 0; half >>= 1) {
+        if (warp >= half && warp < 2 * half)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                red[warp - half][e][lane] = acc[0][e];
+                if (FOUR) red[warp - half][4 + e][lane] = acc[1][e];
+            }
+        __syncthreads();
+        if (warp < half)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc[0][e] += red[warp][e][lane];
+                if (FOUR) acc[1][e] += red[warp][4 + e][lane];
+            }
+        __syncthreads();
+    }
+    if (warp == 0) {
+        float a[1][4], a_up[1][4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            a[0][e] = acc[0][e];
+            a_up[0][e] = acc[1][e];
+        }
+        if (WIDE) {
+            mq_store<1, false>(a, a, t, t.r0, n, act, out0, ld0);
+            mq_store<1, false>(a_up, a_up, t, t.r0 + 16, n, act, out0, ld0);
+        } else {
+            mq_store<1, UP>(a, a_up, t, t.r0, n, act, out0, ld0);
+        }
+    }
+}
+
+// TY < 0: the block's format picks the body (launches of mixed formats); a fixed TY keeps
+// one format's registers only (no spills at 3 blocks a SM). `_pipe`: the next step's
+// weights in flight during the current one's products.
+#define MMK_KERNEL(NAME, TY, UP, PIPE, WIDE, W, BLOCKS)                                        \
+    extern "C" __global__ void __launch_bounds__(W * 32, BLOCKS)                               \
+        NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS) {             \
+        pdl_enter();                                                                           \
+        GvRows t;                                                                              \
+        if (!gv_pick_rows<WIDE ? 32 : 16>(blockIdx.x, total, gated, w0, rb0, ty0, rows0, out0, \
+                                          ld0, bias0, w1, rb1, ty1, rows1, out1, ld1, bias1,   \
+                                          w2, rb2, ty2, out2, ld2, bias2, t))                  \
+            return;                                                                            \
+        if (TY == T_Q4_K || (TY < 0 && t.ty == T_Q4_K))                                        \
+            mmk_body<T_Q4_K, UP, PIPE, WIDE, W>(t, xq, xk, xb, npad, GEMV_ARGS);               \
+        else                                                                                   \
+            mmk_body<T_Q6_K, UP, PIPE, WIDE, W>(t, xq, xk, xb, npad, GEMV_ARGS);               \
+    }
+MMK_KERNEL(mmk_t8, -1, false, false, false, 8, 2)
+MMK_KERNEL(mmk_t8_gated, -1, true, false, false, 8, 2)
+MMK_KERNEL(mmk_t8_pipe, -1, false, true, false, 8, 2)
+MMK_KERNEL(mmk_t8_q4k, T_Q4_K, false, false, false, 8, 3)
+MMK_KERNEL(mmk_t8_q6k, T_Q6_K, false, false, false, 8, 3)
+MMK_KERNEL(mmk_t8_wide_q4k, T_Q4_K, false, false, true, 16, 1)
+MMK_KERNEL(mmk_t8_wide_q6k, T_Q6_K, false, false, true, 16, 1)
+
+// ---------------------------------------------------------------------------------------
 // Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to
 // f16 in registers, scales applied, and multiplied with mma.sync m16n8k16 (f16 operands,
 // f32 accumulators) — no per-block scale arithmetic after the multiply, which is what

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::bail;
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use sha2::{Digest, Sha256};
 
 /// Every kernel, as one translation unit (the helpers first).
@@ -43,6 +43,15 @@ pub const KERNELS: &[&str] = &[
     "mmq_t16_gated",
     "mmq_t32_gated",
     "mmq_t64_gated",
+    "quantize_x_mmk",
+    "rms_norm_mmk",
+    "mmk_t8",
+    "mmk_t8_gated",
+    "mmk_t8_pipe",
+    "mmk_t8_q4k",
+    "mmk_t8_q6k",
+    "mmk_t8_wide_q4k",
+    "mmk_t8_wide_q6k",
     "convert_x_mmh",
     "mmh_t8",
     "mmh_t16",
@@ -76,33 +85,23 @@ pub const KERNELS: &[&str] = &[
     "f32_to_f16",
 ];
 
-/// NVRTC's version, `(major, minor)`.
-fn nvrtc_version() -> anyhow::Result<(i32, i32)> {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: plain out-parameters; the library was checked to be present.
-    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        bail!("nvrtcVersion failed: {status:?}");
-    }
-    Ok((major, minor))
-}
-
 /// Folder of compiled kernels: `$KESTREL_HOME/cuda-cache`.
 pub fn cache_dir() -> PathBuf {
     kestrel_hub::kestrel_home().join("cuda-cache")
 }
 
-/// Where the PTX of `SOURCE` for `arch` compiled by this NVRTC version is kept.
-fn cache_path(dir: &Path, arch: &str, nvrtc: (i32, i32)) -> PathBuf {
+/// Where the machine code of `SOURCE` for `arch` is kept. The key is the source and the
+/// architecture only: a cubin for `sm_90` from any NVRTC of the driver's major version loads,
+/// so one compiled elsewhere (`scripts/kernel_check.py --cubin`, for the GPU host) is used
+/// as it is.
+pub fn cache_path(dir: &Path, arch: &str) -> PathBuf {
     let mut h = Sha256::new();
     h.update(SOURCE.as_bytes());
     h.update([0]);
     h.update(arch.as_bytes());
-    h.update([0]);
-    h.update(format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes());
     let digest = h.finalize();
     let hex: String = digest[..12].iter().map(|b| format!("{b:02x}")).collect();
-    dir.join(format!("kestrel-{arch}-{hex}.ptx"))
+    dir.join(format!("kestrel-{arch}-{hex}.cubin"))
 }
 
 /// Whether the last `load` compiled or read the cache.
@@ -112,52 +111,88 @@ pub enum Origin {
     Cached,
 }
 
-/// The PTX of every kernel for `arch` (e.g. `sm_90`): from the disk cache, or compiled
-/// with NVRTC and stored there.
+/// The machine code of every kernel for `arch` (e.g. `sm_90`): from the disk cache, or
+/// compiled with NVRTC and stored there.
 pub fn load(arch: &str) -> anyhow::Result<(Ptx, Origin)> {
+    let path = cache_path(&cache_dir(), arch);
+    if let Ok(bytes) = std::fs::read(&path)
+        && !bytes.is_empty()
+    {
+        return Ok((Ptx::from_binary(bytes), Origin::Cached));
+    }
+    Ok((compile(arch)?, Origin::Compiled))
+}
+
+/// Drops the cached machine code for `arch` (one the driver refused to load).
+pub fn forget(arch: &str) {
+    let _ = std::fs::remove_file(cache_path(&cache_dir(), arch));
+}
+
+/// Compiles `SOURCE` to a cubin for `arch` with NVRTC and stores it in the cache.
+pub fn compile(arch: &str) -> anyhow::Result<Ptx> {
+    use cudarc::nvrtc::{result, sys};
     // SAFETY: only probes whether the shared library can be opened.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    if !unsafe { sys::is_culib_present() } {
         bail!(
             "NVRTC (libnvrtc) was not found; add the CUDA toolkit's lib folder \
              (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH"
         );
     }
-    let version = nvrtc_version()?;
-    let dir = cache_dir();
-    let path = cache_path(&dir, arch, version);
-    if let Ok(text) = std::fs::read_to_string(&path)
-        && !text.is_empty()
-    {
-        return Ok((Ptx::from_src(text), Origin::Cached));
-    }
-    let mut include_paths = Vec::new();
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if Path::new("/usr/local/cuda/include").is_dir() {
-        include_paths.push("/usr/local/cuda/include".to_string());
+        options.push("--include-path=/usr/local/cuda/include".into());
     }
-    let opts = CompileOptions {
-        include_paths,
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some("kestrel.cu".into()),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-            anyhow::anyhow!(
-                "NVRTC failed to compile the kernels:\n{}",
-                log.to_string_lossy()
-            )
-        }
-        other => anyhow::anyhow!("NVRTC: {other:?}"),
-    })?;
-    let text = ptx.to_src();
+    let src = std::ffi::CString::new(SOURCE).expect("kernel source has no NUL");
+    let name = c"kestrel.cu";
+    let prog = result::create_program(&src, Some(name))
+        .map_err(|e| anyhow::anyhow!("NVRTC: creating the program: {e:?}"))?;
+    // SAFETY: `prog` was just created and is destroyed once below; `src` and `name` outlive it.
+    let compiled = unsafe {
+        let out = match result::compile_program(prog, &options) {
+            Ok(()) => cubin_of(prog),
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(anyhow::anyhow!("NVRTC failed to compile the kernels ({e:?}):\n{log}"))
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    }?;
     // The cache is an optimization: failing to write it is not an error.
-    if std::fs::create_dir_all(&dir).is_ok() {
+    let path = cache_path(&cache_dir(), arch);
+    if let Some(dir) = path.parent()
+        && std::fs::create_dir_all(dir).is_ok()
+    {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &text).is_ok() {
+        if std::fs::write(&tmp, &compiled).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok((Ptx::from_src(text), Origin::Compiled))
+    Ok(Ptx::from_binary(compiled))
+}
+
+/// The cubin of a compiled program.
+///
+/// # Safety
+/// `prog` must be a compiled, not yet destroyed NVRTC program.
+unsafe fn cubin_of(prog: cudarc::nvrtc::sys::nvrtcProgram) -> anyhow::Result<Vec<u8>> {
+    use cudarc::nvrtc::sys;
+    let mut size = 0usize;
+    // SAFETY: as the caller promises; the buffer has the size NVRTC reported.
+    unsafe {
+        let r = sys::nvrtcGetCUBINSize(prog, &mut size);
+        if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+            bail!("NVRTC gave no cubin ({r:?}): is the architecture a real one (sm_XY)?");
+        }
+        let mut bytes = vec![0u8; size];
+        let r = sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast());
+        if r != sys::nvrtcResult::NVRTC_SUCCESS {
+            bail!("nvrtcGetCUBIN failed: {r:?}");
+        }
+        Ok(bytes)
+    }
 }
 
 /// `sm_XY` for a compute capability.

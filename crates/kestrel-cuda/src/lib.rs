@@ -382,7 +382,16 @@ pub struct CudaBackend {
     /// The activation tensor, its token count and padded rows whose quantization for the
     /// int8 `mmq_*` kernels the Q8 buffers hold (set by `rms_norm_mmq`; any launch other
     /// than those kernels clears it).
-    mmq_holds: Mutex<Option<(u64, usize, usize)>>,
+    mmq_holds: Mutex<Option<(u64, usize, usize, bool)>>,
+    /// Steps of up to 8 tokens on Q4_K / Q6_K weights: `mmk_t8*` (activations quantized per
+    /// 256 values, integer sums per super-block) instead of `mmq_t8*`. 0: off, 1: on, 2: on,
+    /// with the next step's weights loaded during the current one (`KESTREL_CUDA_MMK=off|on|pipe`).
+    mmk: std::sync::atomic::AtomicU8,
+    /// Which `mmk_t8*` kernel takes plain (not gated) launches (`KESTREL_CUDA_MMK_PLAIN`):
+    /// 0 (`2`) the one for any format mix at 2 blocks a SM, 1 (`3`) one per format at 3
+    /// blocks a SM where a launch has one format, 2 (`wide`) also 32-row tiles of 16 warps
+    /// where those fit in one wave.
+    mmk_plain: std::sync::atomic::AtomicU8,
     /// Steps of several tokens fold the residual add into the product (mmq / mmh / cuBLAS
     /// with beta = 1) and the 8-bit quantization into the RMSNorm (`rms_norm_mmq`);
     /// `KESTREL_CUDA_FUSE=0` runs them as separate kernels (for comparisons).
@@ -603,10 +612,20 @@ impl CudaBackend {
             .map_err(|e| anyhow::anyhow!("reading the compute capability: {e:?}"))?;
         let arch = compile::arch_name(major, minor)?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let (ptx, origin) = compile::load(&arch)?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| anyhow::anyhow!("loading the kernel module for {arch}: {e:?}"))?;
+        let (ptx, mut origin) = compile::load(&arch)?;
+        let module = match ctx.load_module(ptx) {
+            Ok(m) => m,
+            // A cached cubin this driver refuses (made by a newer toolkit, or damaged):
+            // compile afresh, which replaces it.
+            Err(e) if origin == Origin::Cached => {
+                eprintln!("cached kernels for {arch} did not load ({e:?}); compiling them");
+                compile::forget(&arch);
+                origin = Origin::Compiled;
+                ctx.load_module(compile::compile(&arch)?)
+                    .map_err(|e| anyhow::anyhow!("loading the kernel module for {arch}: {e:?}"))?
+            }
+            Err(e) => bail!("loading the kernel module for {arch}: {e:?}"),
+        };
         let mut funcs = Vec::new();
         let mut func_index = HashMap::new();
         for &name in compile::KERNELS {
@@ -679,6 +698,18 @@ impl CudaBackend {
             ),
             q8_holds: Mutex::new(None),
             mmq_holds: Mutex::new(None),
+            mmk: std::sync::atomic::AtomicU8::new(match std::env::var("KESTREL_CUDA_MMK").as_deref() {
+                Ok("off") | Ok("0") => 0,
+                Ok("pipe") => 2,
+                _ => 1,
+            }),
+            mmk_plain: std::sync::atomic::AtomicU8::new(
+                match std::env::var("KESTREL_CUDA_MMK_PLAIN").as_deref() {
+                    Ok("3") => 1,
+                    Ok("wide") => 2,
+                    _ => 0,
+                },
+            ),
             fuse_multi: std::env::var("KESTREL_CUDA_FUSE").map_or(true, |v| v != "0"),
             gemm_scratch: Mutex::default(),
             sm_count,
@@ -1009,7 +1040,11 @@ impl CudaBackend {
         if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1") {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
-        if !(name == "rms_norm_mmq" || name.starts_with("mmq_t")) {
+        if !(name == "rms_norm_mmq"
+            || name == "rms_norm_mmk"
+            || name.starts_with("mmq_t")
+            || name.starts_with("mmk_t"))
+        {
             *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         let l = Launch {
@@ -1375,6 +1410,38 @@ impl CudaBackend {
             && self.q8_buffers(self.mmq_plan(n, k, segs).1 * k).is_some()
     }
 
+    /// Whether an int8 launch of `npad` token rows and rows of `k` values on these segments
+    /// goes to `mmk_t8*` rather than `mmq_t8*`.
+    fn mmk_reads(&self, k: usize, npad: usize, types: impl IntoIterator<Item = GgmlType>) -> bool {
+        npad == 8
+            && self.mmk_mode() != 0
+            && k.is_multiple_of(256)
+            && types
+                .into_iter()
+                .all(|ty| matches!(ty, GgmlType::Q4K | GgmlType::Q6K))
+    }
+
+    /// `mmk_t8*`'s setting (0 off, 1 on, 2 on with the weights of the next step prefetched).
+    pub fn mmk_mode(&self) -> u8 {
+        self.mmk.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets it (the self-check runs each).
+    pub fn set_mmk_mode(&self, mode: u8) {
+        self.mmk.store(mode.min(2), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The plain `mmk_t8*` launches' kernel choice (see the field `mmk_plain`).
+    pub fn mmk_plain(&self) -> u8 {
+        self.mmk_plain.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets it (the self-check runs each).
+    pub fn set_mmk_plain(&self, choice: u8) {
+        self.mmk_plain
+            .store(choice.min(2), std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
     /// f16 tensor-core kernels `mmh_*` (a subset of [`Self::mmq_reads`]).
     fn mmh_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
@@ -1473,6 +1540,17 @@ impl CudaBackend {
 
     /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
     /// 8-bit activations.
+    /// Whether a product of `n` tokens with `w` runs on `mmk_t8*` (a subset of
+    /// [`Self::matmul_uses_q8`]).
+    pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, .. } = w else {
+            return false;
+        };
+        self.matmul_uses_q8(w, n)
+            && self.mmq_reads(*ty, n)
+            && self.mmk_reads(*cols, mmq_int8_rows(n), [*ty])
+    }
+
     pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
         let CudaWeight::Matrix { ty, cols, .. } = w else {
             return false;
@@ -1925,25 +2003,66 @@ impl CudaBackend {
                 (MMH[tile][gated as usize], tiles * splits, MMH_THREADS, args)
             }
             MmqKind::Int8 => {
+                let mmk = self.mmk_reads(k, npad, segs.iter().map(|s| s.ty));
+                // mmk's layout in the scale buffer: the per-256 steps, then the group sums.
+                let (xk, xb) = (ds_ptr, ds_ptr + 4 * (npad * k / 256) as u64);
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
-                if held != Some((x.ptr, n, npad)) {
-                    let outs = [Arg::P(q_ptr), Arg::P(ds_ptr)];
-                    self.launch(
-                        "quantize_x_mmq",
-                        grid_1d(npad * k / 32, 8),
-                        256,
-                        &[&prep_args[..], &outs].concat(),
-                    );
+                if held != Some((x.ptr, n, npad, mmk)) {
+                    if mmk {
+                        let outs = [Arg::P(q_ptr), Arg::P(xk), Arg::P(xb)];
+                        self.launch(
+                            "quantize_x_mmk",
+                            ((k / 256) as u32, npad as u32, 1),
+                            256,
+                            &[&prep_args[..], &outs].concat(),
+                        );
+                    } else {
+                        let outs = [Arg::P(q_ptr), Arg::P(ds_ptr)];
+                        self.launch(
+                            "quantize_x_mmq",
+                            grid_1d(npad * k / 32, 8),
+                            256,
+                            &[&prep_args[..], &outs].concat(),
+                        );
+                    }
                 }
-                // MQ_WARPS (kernels/mmq.cu) warps a block, one block per 16 rows.
+                // MQ_WARPS / MK_WARPS (kernels/mmq.cu) warps a block, one block per 16 rows;
+                // the wide mmk kernels 16 warps per 32 rows.
                 const MMQ_THREADS: u32 = 8 * 32;
-                let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
-                (
-                    MMQ[tile][gated as usize],
-                    gemv_warps(segs, gated, 16),
-                    MMQ_THREADS,
-                    args,
-                )
+                if mmk {
+                    let single = segs.iter().all(|s| s.ty == segs[0].ty);
+                    let q4k = segs[0].ty == GgmlType::Q4K;
+                    let wide_tiles = gemv_warps(segs, false, 32);
+                    let (name, rows, threads) = match (gated, self.mmk_mode(), self.mmk_plain()) {
+                        (true, _, _) => ("mmk_t8_gated", 16, MMQ_THREADS),
+                        (false, 2, _) => ("mmk_t8_pipe", 16, MMQ_THREADS),
+                        (false, _, 2) if single && wide_tiles <= self.sm_count => (
+                            if q4k {
+                                "mmk_t8_wide_q4k"
+                            } else {
+                                "mmk_t8_wide_q6k"
+                            },
+                            32,
+                            2 * MMQ_THREADS,
+                        ),
+                        (false, _, 1 | 2) if single => (
+                            if q4k { "mmk_t8_q4k" } else { "mmk_t8_q6k" },
+                            16,
+                            MMQ_THREADS,
+                        ),
+                        _ => ("mmk_t8", 16, MMQ_THREADS),
+                    };
+                    let args = vec![Arg::P(q_ptr), Arg::P(xk), Arg::P(xb), Arg::I(npad as i32)];
+                    (name, gemv_warps(segs, gated, rows), threads, args)
+                } else {
+                    let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
+                    (
+                        MMQ[tile][gated as usize],
+                        gemv_warps(segs, gated, 16),
+                        MMQ_THREADS,
+                        args,
+                    )
+                }
             }
         };
         kernel_args.extend_from_slice(args);
@@ -2312,6 +2431,30 @@ impl kestrel_model::Backend for CudaBackend {
             && x.cols.is_multiple_of(32)
             && let Some(Q8Ptrs { q, ds, .. }) = self.q8_buffers(npad * x.cols)
         {
+            // The layout of `mmk_t8*` where a launch of these rows may take it (the consumer
+            // quantizes again if its weights turn out to need the other one).
+            if npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256) {
+                self.launch(
+                    "rms_norm_mmk",
+                    ((x.cols / 256) as u32, npad as u32, 1),
+                    256,
+                    &[
+                        Arg::P(x.ptr),
+                        Arg::P(w),
+                        Arg::P(out.ptr),
+                        Arg::I(x.cols as i32),
+                        Arg::F(eps),
+                        Arg::I(n as i32),
+                        Arg::I(npad as i32),
+                        Arg::P(q),
+                        Arg::P(ds),
+                        Arg::P(ds + 4 * (npad * x.cols / 256) as u64),
+                    ],
+                );
+                *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((out.ptr, n, npad, true));
+                return;
+            }
             self.launch(
                 "rms_norm_mmq",
                 (x.cols.div_ceil(256) as u32, npad as u32, 1),
@@ -2328,7 +2471,8 @@ impl kestrel_model::Backend for CudaBackend {
                     Arg::P(ds),
                 ],
             );
-            *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((out.ptr, n, npad));
+            *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((out.ptr, n, npad, false));
             return;
         }
         self.launch(

@@ -485,6 +485,9 @@ pub struct GemvReport {
     /// Whether it ran on the f16 tensor-core kernels `mmh_*` (f16 operands, as cuBLAS;
     /// the reference uses x rounded to f16).
     pub via_mmh: bool,
+    /// Whether it ran on `mmk_t8*` (8-bit activations per 256 values; the reference uses
+    /// them).
+    pub via_mmk: bool,
 }
 
 /// `x` as the GPU's `quantize_x_q8` leaves it, back in f32: per block of 32, d = max|x| /
@@ -492,19 +495,33 @@ pub struct GemvReport {
 pub fn quantize_q8_like_gpu(x: &[f32]) -> Vec<f32> {
     let mut out = Vec::with_capacity(x.len());
     for block in x.chunks(32) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        for &v in block {
-            let q = if d > 0.0 {
-                (v / d).round_ties_even().clamp(-127.0, 127.0)
-            } else {
-                0.0
-            };
-            // Rounded to f32 (relative 6e-8, far below the GEMV bound).
-            out.push((d as f64 * q as f64) as f32);
-        }
+        out.extend(quantize_q8_like_gpu_block(block));
     }
     out
+}
+
+/// `x` rounded as `quantize_x_mmk` rounds it for `mmk_t8*`: the same rule as
+/// [`quantize_q8_like_gpu`] over blocks of 256 values of each row of `cols` values.
+pub fn quantize_q8_256_like_gpu(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for block in x.chunks(256) {
+        out.extend(quantize_q8_like_gpu_block(block));
+    }
+    out
+}
+
+fn quantize_q8_like_gpu_block(block: &[f32]) -> impl Iterator<Item = f32> + '_ {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    block.iter().map(move |&v| {
+        let q = if d > 0.0 {
+            (v / d).round_ties_even().clamp(-127.0, 127.0)
+        } else {
+            0.0
+        };
+        // Rounded to f32 (relative 6e-8, far below the GEMV bound).
+        (d as f64 * q as f64) as f32
+    })
 }
 
 /// Largest relative error allowed for a GEMV (f32 arithmetic over up to a few thousand
@@ -593,6 +610,7 @@ pub fn compare_gemv(
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
     let via_mmh = backend.matmul_uses_mmh(&weight, n);
+    let via_mmk = backend.matmul_uses_mmk(&weight, n);
     // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16, 32 or 64).
     backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     match &up {
@@ -612,7 +630,9 @@ pub fn compare_gemv(
     }
     // The 8-bit path's reference uses the activations it sees: x rounded as
     // `quantize_x_q8` rounds it.
-    let x = if via_q8 {
+    let x = if via_mmk {
+        quantize_q8_256_like_gpu(&x)
+    } else if via_q8 {
         quantize_q8_like_gpu(&x)
     } else if via_mmh {
         x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
@@ -657,6 +677,7 @@ pub fn compare_gemv(
         via_cublas,
         via_q8,
         via_mmh,
+        via_mmk,
     })
 }
 
@@ -716,6 +737,19 @@ pub fn mmq_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
             let rows = rng.random_range(1..300);
             let cols = lengths[i % lengths.len()];
             (rows, cols, rng.random_range(lo..=hi), rng.random())
+        })
+        .collect()
+}
+
+/// Random cases for `mmk_t8*` (3..=8 tokens, Q4_K / Q6_K): awkward row counts and row
+/// lengths of 1 to 14 steps of 256 (fewer steps than a block has warps, and more).
+pub fn mmk_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    [1usize, 3, 8, 9, 14]
+        .iter()
+        .map(|&steps| {
+            let rows = rng.random_range(1..300);
+            (rows, steps * 256, rng.random_range(3..=8), rng.random())
         })
         .collect()
 }

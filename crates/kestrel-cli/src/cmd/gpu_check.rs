@@ -152,8 +152,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .filter(|_| q8_default)
         .map(|ty| ("gemv-f32", ty));
     // Steps of 3..=64 tokens of those formats run on the tensor cores: int8 ("mmq"), or
-    // for Q4_K / Q6_K on f16 operands ("mmh"); "-gated": the gate and up matrices of a
-    // feed-forward block in one launch.
+    // for Q4_K / Q6_K on f16 operands ("mmh") and, up to 8 tokens, on int8 with activations
+    // quantized per 256 values ("mmk"); "-gated": the gate and up matrices of a feed-forward
+    // block in one launch.
     let mmq = selfcheck::MMQ_TYPES
         .into_iter()
         .filter(|_| q8_default)
@@ -163,7 +164,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 ty,
                 kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
             ) {
-                kinds.extend([("mmh", ty), ("mmh-gated", ty)]);
+                kinds.extend([("mmh", ty), ("mmh-gated", ty), ("mmk", ty), ("mmk-gated", ty)]);
             }
             kinds
         });
@@ -174,6 +175,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             backend.mmq_max(),
             backend.mmq_all_formats(),
             backend.mmh_min(),
+            backend.mmk_mode(),
         );
         if kind.starts_with("mm") {
             backend.set_mmq_max(kestrel_cuda::MMQ_MAX_TOKENS);
@@ -183,12 +185,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 usize::MAX
             });
+            // "mmq" checks the per-32 int8 kernels, which "mmk" replaces where it applies.
+            backend.set_mmk_mode(u8::from(kind.starts_with("mmk")));
         }
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
         let case_seed = seed.wrapping_add(500 + it as u64);
         let cases = if kind.starts_with("gemv") {
             selfcheck::gemv_cases(ty, case_seed)
+        } else if kind.starts_with("mmk") {
+            selfcheck::mmk_cases(case_seed)
         } else if kind.starts_with("mm") {
             selfcheck::mmq_cases(ty, case_seed)
         } else {
@@ -197,23 +203,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // Single-token 8-bit products: each rows-per-warp variant of gemv_q8 (small test
         // launches would otherwise all take one row a warp).
         let gemv_rows_default = backend.gemv_q8_rows();
-        let row_variants: &[usize] = if kind == "gemv" { &[0, 1, 2] } else { &[0] };
+        // `mmk_t8`: each plain kernel choice (variants 1..=4: any-format, next step's
+        // weights ahead, one format at 3 blocks a SM, 32-row tiles).
+        let row_variants: &[usize] = match kind {
+            "gemv" => &[0, 1, 2],
+            "mmk" => &[1, 2, 3, 4],
+            _ => &[0],
+        };
+        let mmk_plain_default = backend.mmk_plain();
         let runs = cases
             .into_iter()
             .flat_map(|case| row_variants.iter().map(move |&v| (case, v)));
         for ((rows, cols, n, s), variant) in runs {
-            if variant != 0 {
+            if kind == "mmk" {
+                let (mode, plain) = [(1, 0), (2, 0), (1, 1), (1, 2)][variant - 1];
+                backend.set_mmk_mode(mode);
+                backend.set_mmk_plain(plain);
+            } else if variant != 0 {
                 backend.set_gemv_q8_rows(variant);
             }
             let result =
                 selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"));
             backend.set_gemv_q8_rows(gemv_rows_default);
+            backend.set_mmk_plain(mmk_plain_default);
+            if kind == "mmk" {
+                backend.set_mmk_mode(1);
+            }
             match result {
                 Ok(r) => {
                     // An mmq case that took another path tests nothing it names.
                     if kind.starts_with("mmq") && !r.via_q8 {
                         error = Some(format!(
                             "{rows}x{cols} n={n} did not run on 8-bit activations"
+                        ));
+                    }
+                    if kind.starts_with("mm") && kind.starts_with("mmk") != r.via_mmk {
+                        error = Some(format!(
+                            "{rows}x{cols} n={n}: mmk_t8 {} (expected the other way)",
+                            if r.via_mmk { "ran" } else { "did not run" }
                         ));
                     }
                     if kind.starts_with("mmh") && !r.via_mmh {
@@ -235,6 +262,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend.set_mmq_max(mmq_default.0);
         backend.set_mmq_all_formats(mmq_default.1);
         backend.set_mmh_min(mmq_default.2);
+        backend.set_mmk_mode(mmq_default.3);
         if let Some(e) = error {
             failures += 1;
             println!("{kind} {:<6} ERROR {e}", ty.name());
@@ -245,7 +273,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 r.rows,
                 r.cols,
                 r.tokens,
-                if r.via_q8 {
+                if r.via_mmk {
+                    " (8-bit activations per 256)"
+                } else if r.via_q8 {
                     " (8-bit activations)"
                 } else if r.via_mmh {
                     " (f16 tensor cores)"
