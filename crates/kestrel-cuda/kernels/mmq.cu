@@ -508,23 +508,68 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x_mmk(const float* x,
     mmk_store_q8(t < n ? x[at] : 0.0f, q + at, xk, xb, kb, t, npad);
 }
 
-// rms_norm of n rows that also leaves them quantized as quantize_x_mmk would. Grid
-// (cols / 256, npad), 256 threads; cols a multiple of 256.
-extern "C" __global__ void __launch_bounds__(256) rms_norm_mmk(const float* x, const float* w,
-                                                               float* out, int cols, float eps,
-                                                               int n, int npad, i8* q, float* xk,
-                                                               i8* xb) {
+// rms_norm of n rows that also leaves them quantized as quantize_x_mmk would: one block per
+// token row (grid (1, npad)), 64 threads per 256 values (4 each, float4), blockDim.x a
+// multiple of 64 up to 1024 (longer rows in several passes); cols a multiple of 256. One
+// read of the row for the sum of squares and one for the output (from L1), two barriers a
+// pass.
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_mmk(const float* x, const float* w,
+                                                                float* out, int cols, float eps,
+                                                                int n, int npad, i8* q, float* xk,
+                                                                i8* xb) {
     pdl_enter();
-    const int t = blockIdx.y;
+    const int t = blockIdx.y, nt = blockDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (size_t)t * cols;
-    const float scale = t < n ? rms_scale(xr, cols, eps) : 0.0f;  // t: uniform in the block
-    const int j = blockIdx.x * 256 + threadIdx.x;
-    float v = 0.0f;
-    if (t < n) {
-        v = xr[j] * scale * w[j];
-        out[(size_t)t * cols + j] = v;
+    float ss = 0.0f;
+    if (t < n)
+        for (int j = 4 * threadIdx.x; j < cols; j += 4 * nt) {
+            const float4 v = *(const float4*)(xr + j);
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    ss = block_sum(ss);  // t: uniform in the block
+    const float scale = t < n ? 1.0f / sqrtf(ss / (float)cols + eps) : 0.0f;
+    __shared__ float wmax[32];
+    for (int j0 = 0; j0 < cols; j0 += 4 * nt) {
+        const int j = j0 + 4 * threadIdx.x;
+        const bool on = j < cols;  // whole 256-value blocks (pairs of warps)
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (on && t < n) {
+            const float4 a = *(const float4*)(xr + j), g = *(const float4*)(w + j);
+            v = make_float4(a.x * scale * g.x, a.y * scale * g.y, a.z * scale * g.z,
+                            a.w * scale * g.w);
+            *(float4*)(out + (size_t)t * cols + j) = v;
+        }
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+        for (int o = 16; o > 0; o >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        if (lane == 0) wmax[warp] = amax;
+        __syncthreads();
+        amax = fmaxf(wmax[warp], wmax[warp ^ 1]);  // the 256 values' two warps
+        __syncthreads();
+        const float step = amax / 127.0f;
+        const float vs[4] = {v.x, v.y, v.z, v.w};
+        u32 packed = 0;
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int qi = step > 0.0f ? max(-127, min(127, __float2int_rn(vs[i] / step))) : 0;
+            packed |= ((u32)qi & 0xFFu) << (8 * i);
+            s += qi;
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (on) {
+            *(u32*)(q + (size_t)t * cols + j) = packed;
+            const size_t at = (size_t)(j >> 8) * npad + t;
+            if ((threadIdx.x & 3) == 0) {
+                const int grp = (j & 255) >> 4;
+                xb[at * 32 + grp] = (i8)(s & 127);
+                xb[at * 32 + 16 + grp] = (i8)(s >> 7);
+            }
+            if ((j & 255) == 0) xk[at] = step;
+        }
     }
-    mmk_store_q8(v, q + (size_t)t * cols + j, xk, xb, blockIdx.x, t, npad);
 }
 
 // c = A·B, unsigned 8-bit weights (a0, a2: row g; a1, a3: row g + 8), signed activations.
@@ -693,9 +738,9 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
     }
 };
 
-// A warp's steps st = warp, warp + W, ... of rows rw; PIPE: the next step's weights are
-// loaded before the current one is multiplied (twice the weight registers).
-template <int TY, bool UP, bool PIPE, int W>
+// A warp's steps st = warp, warp + MK_WARPS, ... of rows rw; PIPE: the next step's weights
+// are loaded before the current one is multiplied (twice the weight registers).
+template <int TY, bool UP, bool PIPE>
 __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int steps,
                                         const i8* xq, const float* xk, const i8* xb, int k,
                                         int npad, int g, int c, float (&acc)[2][4]) {
@@ -704,69 +749,59 @@ __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int 
     int st = warp;
     if (st >= steps) return;
     raw.load(rw, st, c);
-    for (; st < steps; st += W) {
+    for (; st < steps; st += MK_WARPS) {
         MkX x;
         x.load(xq, xk, xb, k, npad, st, g, c);
         if (PIPE) {
             typename M::Raw next;
-            if (st + W < steps) next.load(rw, st + W, c);
+            if (st + MK_WARPS < steps) next.load(rw, st + MK_WARPS, c);
             M::step(raw, x, c, acc);
             raw = next;
         } else {
             M::step(raw, x, c, acc);
-            if (st + W < steps) raw.load(rw, st + W, c);
+            if (st + MK_WARPS < steps) raw.load(rw, st + MK_WARPS, c);
         }
     }
 }
 
 // out_s[t][r] = W_s[r]·x[t] (+ bias) for n ≤ 8 tokens, Q4_K and Q6_K weights, k a multiple
-// of 256 (the host checks); parameters as mmq_t8. A block of W warps owns 16 rows (UP: of
-// gate and of up), or with WIDE 32 rows of one matrix (rows 16..31 of the tile take the
-// places of up's rows: four rows a lane, twice the weight bytes in flight a warp).
-template <int TY, bool UP, bool PIPE, bool WIDE, int W>
+// of 256 (the host checks); parameters and grid as mmq_t8.
+template <int TY, bool UP, bool PIPE>
 __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const float* xk,
                                          const i8* xb, int npad, GEMV_PARAMS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     (void)x;
     (void)rpb;
-    const int nr = min(WIDE ? 32 : 16, t.rows - t.r0);
+    const int nr = min(16, t.rows - t.r0);
     const int g = lane >> 2, c = lane & 3;
     // Rows past the matrix's end read its last row; their results are dropped.
     const int ra = t.r0 + min(g, nr - 1), rb = t.r0 + min(g + 8, nr - 1);
-    const u8* rw[4];
-    rw[0] = t.w + (size_t)ra * t.rb;
-    rw[1] = t.w + (size_t)rb * t.rb;
-    if (WIDE) {
-        rw[2] = t.w + (size_t)(t.r0 + min(g + 16, nr - 1)) * t.rb;
-        rw[3] = t.w + (size_t)(t.r0 + min(g + 24, nr - 1)) * t.rb;
-    } else {
-        rw[2] = UP ? w1 + (size_t)ra * rb1 : nullptr;
-        rw[3] = UP ? w1 + (size_t)rb * rb1 : nullptr;
-    }
-    constexpr bool FOUR = UP || WIDE;  // four rows a lane
+    const u8* rw[4] = {t.w + (size_t)ra * t.rb, t.w + (size_t)rb * t.rb,
+                       UP ? w1 + (size_t)ra * rb1 : nullptr,
+                       UP ? w1 + (size_t)rb * rb1 : nullptr};
     float acc[2][4];
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[m][e] = 0.0f;
-    mk_rows<TY, FOUR, PIPE, W>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
+    mk_rows<TY, UP, PIPE>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
 
     // The warps' partial sums meet in warp 0 (as mmq_body: fixed order, lane-minor).
-    __shared__ float red[W / 2][8][32];
+    __shared__ float red[MK_WARPS / 2][8][32];
 #pragma unroll
-    for (int half = W / 2; half > 0; half >>= 1) {
+    for (int half = MK_WARPS / 2; half > 0; half >>= 1) {
         if (warp >= half && warp < 2 * half)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 red[warp - half][e][lane] = acc[0][e];
-                if (FOUR) red[warp - half][4 + e][lane] = acc[1][e];
+                if (UP) red[warp - half][4 + e][lane] = acc[1][e];
             }
         __syncthreads();
         if (warp < half)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 acc[0][e] += red[warp][e][lane];
-                if (FOUR) acc[1][e] += red[warp][4 + e][lane];
+                if (UP) acc[1][e] += red[warp][4 + e][lane];
             }
         __syncthreads();
     }
@@ -777,39 +812,30 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
             a[0][e] = acc[0][e];
             a_up[0][e] = acc[1][e];
         }
-        if (WIDE) {
-            mq_store<1, false>(a, a, t, t.r0, n, act, out0, ld0);
-            mq_store<1, false>(a_up, a_up, t, t.r0 + 16, n, act, out0, ld0);
-        } else {
-            mq_store<1, UP>(a, a_up, t, t.r0, n, act, out0, ld0);
-        }
+        mq_store<1, UP>(a, a_up, t, t.r0, n, act, out0, ld0);
     }
 }
 
-// TY < 0: the block's format picks the body (launches of mixed formats); a fixed TY keeps
-// one format's registers only (no spills at 3 blocks a SM). `_pipe`: the next step's
-// weights in flight during the current one's products.
-#define MMK_KERNEL(NAME, TY, UP, PIPE, WIDE, W, BLOCKS)                                        \
-    extern "C" __global__ void __launch_bounds__(W * 32, BLOCKS)                               \
+// The block's format picks the body. `_pipe`: the next step's weights in flight during the
+// current one's products. 2 blocks a SM: at 3, the two formats' bodies in one kernel spill,
+// and kernels of one format at 3 blocks a SM, or 32-row tiles of 16 warps, measured slower.
+#define MMK_KERNEL(NAME, UP, PIPE)                                                             \
+    extern "C" __global__ void __launch_bounds__(MK_WARPS * 32, 2)                             \
         NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS) {             \
         pdl_enter();                                                                           \
         GvRows t;                                                                              \
-        if (!gv_pick_rows<WIDE ? 32 : 16>(blockIdx.x, total, gated, w0, rb0, ty0, rows0, out0, \
-                                          ld0, bias0, w1, rb1, ty1, rows1, out1, ld1, bias1,   \
-                                          w2, rb2, ty2, out2, ld2, bias2, t))                  \
+        if (!gv_pick_rows<16>(blockIdx.x, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, \
+                              w1, rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2,  \
+                              bias2, t))                                                       \
             return;                                                                            \
-        if (TY == T_Q4_K || (TY < 0 && t.ty == T_Q4_K))                                        \
-            mmk_body<T_Q4_K, UP, PIPE, WIDE, W>(t, xq, xk, xb, npad, GEMV_ARGS);               \
+        if (t.ty == T_Q4_K)                                                                    \
+            mmk_body<T_Q4_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
         else                                                                                   \
-            mmk_body<T_Q6_K, UP, PIPE, WIDE, W>(t, xq, xk, xb, npad, GEMV_ARGS);               \
+            mmk_body<T_Q6_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
     }
-MMK_KERNEL(mmk_t8, -1, false, false, false, 8, 2)
-MMK_KERNEL(mmk_t8_gated, -1, true, false, false, 8, 2)
-MMK_KERNEL(mmk_t8_pipe, -1, false, true, false, 8, 2)
-MMK_KERNEL(mmk_t8_q4k, T_Q4_K, false, false, false, 8, 3)
-MMK_KERNEL(mmk_t8_q6k, T_Q6_K, false, false, false, 8, 3)
-MMK_KERNEL(mmk_t8_wide_q4k, T_Q4_K, false, false, true, 16, 1)
-MMK_KERNEL(mmk_t8_wide_q6k, T_Q6_K, false, false, true, 16, 1)
+MMK_KERNEL(mmk_t8, false, false)
+MMK_KERNEL(mmk_t8_gated, true, false)
+MMK_KERNEL(mmk_t8_pipe, false, true)
 
 // ---------------------------------------------------------------------------------------
 // Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to

@@ -48,10 +48,6 @@ pub const KERNELS: &[&str] = &[
     "mmk_t8",
     "mmk_t8_gated",
     "mmk_t8_pipe",
-    "mmk_t8_q4k",
-    "mmk_t8_q6k",
-    "mmk_t8_wide_q4k",
-    "mmk_t8_wide_q6k",
     "convert_x_mmh",
     "mmh_t8",
     "mmh_t16",
@@ -152,9 +148,15 @@ pub fn compile(arch: &str) -> anyhow::Result<Ptx> {
             Ok(()) => cubin_of(prog),
             Err(e) => {
                 let log = result::get_program_log(prog)
-                    .map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                    .map(|l| {
+                        std::ffi::CStr::from_ptr(l.as_ptr())
+                            .to_string_lossy()
+                            .into_owned()
+                    })
                     .unwrap_or_default();
-                Err(anyhow::anyhow!("NVRTC failed to compile the kernels ({e:?}):\n{log}"))
+                Err(anyhow::anyhow!(
+                    "NVRTC failed to compile the kernels ({e:?}):\n{log}"
+                ))
             }
         };
         let _ = result::destroy_program(prog);

@@ -384,14 +384,10 @@ pub struct CudaBackend {
     /// than those kernels clears it).
     mmq_holds: Mutex<Option<(u64, usize, usize, bool)>>,
     /// Steps of up to 8 tokens on Q4_K / Q6_K weights: `mmk_t8*` (activations quantized per
-    /// 256 values, integer sums per super-block) instead of `mmq_t8*`. 0: off, 1: on, 2: on,
-    /// with the next step's weights loaded during the current one (`KESTREL_CUDA_MMK=off|on|pipe`).
+    /// 256 values, integer sums per super-block) instead of `mmq_t8*`. 0: off, 1: on, 2 (the
+    /// default): on, plain launches with the next step's weights loaded during the current
+    /// one's products (`KESTREL_CUDA_MMK=off|flat|pipe`).
     mmk: std::sync::atomic::AtomicU8,
-    /// Which `mmk_t8*` kernel takes plain (not gated) launches (`KESTREL_CUDA_MMK_PLAIN`):
-    /// 0 (`2`) the one for any format mix at 2 blocks a SM, 1 (`3`) one per format at 3
-    /// blocks a SM where a launch has one format, 2 (`wide`) also 32-row tiles of 16 warps
-    /// where those fit in one wave.
-    mmk_plain: std::sync::atomic::AtomicU8,
     /// Steps of several tokens fold the residual add into the product (mmq / mmh / cuBLAS
     /// with beta = 1) and the 8-bit quantization into the RMSNorm (`rms_norm_mmq`);
     /// `KESTREL_CUDA_FUSE=0` runs them as separate kernels (for comparisons).
@@ -698,18 +694,14 @@ impl CudaBackend {
             ),
             q8_holds: Mutex::new(None),
             mmq_holds: Mutex::new(None),
-            mmk: std::sync::atomic::AtomicU8::new(match std::env::var("KESTREL_CUDA_MMK").as_deref() {
-                Ok("off") | Ok("0") => 0,
-                Ok("pipe") => 2,
-                _ => 1,
-            }),
-            mmk_plain: std::sync::atomic::AtomicU8::new(
-                match std::env::var("KESTREL_CUDA_MMK_PLAIN").as_deref() {
-                    Ok("3") => 1,
-                    Ok("wide") => 2,
-                    _ => 0,
+            mmk: std::sync::atomic::AtomicU8::new(
+                match std::env::var("KESTREL_CUDA_MMK").as_deref() {
+                    Ok("off") | Ok("0") => 0,
+                    Ok("flat") => 1,
+                    _ => 2,
                 },
             ),
+
             fuse_multi: std::env::var("KESTREL_CUDA_FUSE").map_or(true, |v| v != "0"),
             gemm_scratch: Mutex::default(),
             sm_count,
@@ -1428,18 +1420,8 @@ impl CudaBackend {
 
     /// Sets it (the self-check runs each).
     pub fn set_mmk_mode(&self, mode: u8) {
-        self.mmk.store(mode.min(2), std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The plain `mmk_t8*` launches' kernel choice (see the field `mmk_plain`).
-    pub fn mmk_plain(&self) -> u8 {
-        self.mmk_plain.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Sets it (the self-check runs each).
-    pub fn set_mmk_plain(&self, choice: u8) {
-        self.mmk_plain
-            .store(choice.min(2), std::sync::atomic::Ordering::Relaxed);
+        self.mmk
+            .store(mode.min(2), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
@@ -2026,34 +2008,16 @@ impl CudaBackend {
                         );
                     }
                 }
-                // MQ_WARPS / MK_WARPS (kernels/mmq.cu) warps a block, one block per 16 rows;
-                // the wide mmk kernels 16 warps per 32 rows.
+                // MQ_WARPS / MK_WARPS (kernels/mmq.cu) warps a block, one block per 16 rows.
                 const MMQ_THREADS: u32 = 8 * 32;
                 if mmk {
-                    let single = segs.iter().all(|s| s.ty == segs[0].ty);
-                    let q4k = segs[0].ty == GgmlType::Q4K;
-                    let wide_tiles = gemv_warps(segs, false, 32);
-                    let (name, rows, threads) = match (gated, self.mmk_mode(), self.mmk_plain()) {
-                        (true, _, _) => ("mmk_t8_gated", 16, MMQ_THREADS),
-                        (false, 2, _) => ("mmk_t8_pipe", 16, MMQ_THREADS),
-                        (false, _, 2) if single && wide_tiles <= self.sm_count => (
-                            if q4k {
-                                "mmk_t8_wide_q4k"
-                            } else {
-                                "mmk_t8_wide_q6k"
-                            },
-                            32,
-                            2 * MMQ_THREADS,
-                        ),
-                        (false, _, 1 | 2) if single => (
-                            if q4k { "mmk_t8_q4k" } else { "mmk_t8_q6k" },
-                            16,
-                            MMQ_THREADS,
-                        ),
-                        _ => ("mmk_t8", 16, MMQ_THREADS),
+                    let name = match (gated, self.mmk_mode()) {
+                        (true, _) => "mmk_t8_gated",
+                        (false, 2) => "mmk_t8_pipe",
+                        (false, _) => "mmk_t8",
                     };
                     let args = vec![Arg::P(q_ptr), Arg::P(xk), Arg::P(xb), Arg::I(npad as i32)];
-                    (name, gemv_warps(segs, gated, rows), threads, args)
+                    (name, gemv_warps(segs, gated, 16), MMQ_THREADS, args)
                 } else {
                     let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
                     (
@@ -2436,8 +2400,8 @@ impl kestrel_model::Backend for CudaBackend {
             if npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256) {
                 self.launch(
                     "rms_norm_mmk",
-                    ((x.cols / 256) as u32, npad as u32, 1),
-                    256,
+                    (1, npad as u32, 1),
+                    64 * (x.cols / 256).min(16) as u32,
                     &[
                         Arg::P(x.ptr),
                         Arg::P(w),

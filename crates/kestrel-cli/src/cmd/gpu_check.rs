@@ -164,7 +164,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 ty,
                 kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
             ) {
-                kinds.extend([("mmh", ty), ("mmh-gated", ty), ("mmk", ty), ("mmk-gated", ty)]);
+                kinds.extend([
+                    ("mmh", ty),
+                    ("mmh-gated", ty),
+                    ("mmk", ty),
+                    ("mmk-gated", ty),
+                ]);
             }
             kinds
         });
@@ -186,7 +191,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 usize::MAX
             });
             // "mmq" checks the per-32 int8 kernels, which "mmk" replaces where it applies.
-            backend.set_mmk_mode(u8::from(kind.starts_with("mmk")));
+            backend.set_mmk_mode(if kind.starts_with("mmk") { 2 } else { 0 });
         }
         let mut worst: Option<selfcheck::GemvReport> = None;
         let mut error = None;
@@ -203,31 +208,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // Single-token 8-bit products: each rows-per-warp variant of gemv_q8 (small test
         // launches would otherwise all take one row a warp).
         let gemv_rows_default = backend.gemv_q8_rows();
-        // `mmk_t8`: each plain kernel choice (variants 1..=4: any-format, next step's
-        // weights ahead, one format at 3 blocks a SM, 32-row tiles).
+        // `mmk_t8`: with and without the next step's weights loaded ahead (variants 1, 2).
         let row_variants: &[usize] = match kind {
             "gemv" => &[0, 1, 2],
-            "mmk" => &[1, 2, 3, 4],
+            "mmk" => &[1, 2],
             _ => &[0],
         };
-        let mmk_plain_default = backend.mmk_plain();
         let runs = cases
             .into_iter()
             .flat_map(|case| row_variants.iter().map(move |&v| (case, v)));
         for ((rows, cols, n, s), variant) in runs {
             if kind == "mmk" {
-                let (mode, plain) = [(1, 0), (2, 0), (1, 1), (1, 2)][variant - 1];
-                backend.set_mmk_mode(mode);
-                backend.set_mmk_plain(plain);
+                backend.set_mmk_mode(variant as u8);
             } else if variant != 0 {
                 backend.set_gemv_q8_rows(variant);
             }
             let result =
                 selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"));
             backend.set_gemv_q8_rows(gemv_rows_default);
-            backend.set_mmk_plain(mmk_plain_default);
             if kind == "mmk" {
-                backend.set_mmk_mode(1);
+                backend.set_mmk_mode(2);
             }
             match result {
                 Ok(r) => {
