@@ -470,7 +470,7 @@ MMQ_KERNEL(mmq_t64_gated, 8, true, 1)
 // warps split the row length in 256-value steps; lane (g, c) holds rows g and g + 8 and
 // values 8c .. 8c + 7 of every 32-value block (the same k permutation as mmq).
 
-#define MK_WARPS 8
+#define MK_WARPS 8  // of quantize_x_mmk's block (256 threads)
 
 // The whole block (256 threads, one value each: the 256-value block kb of token t) calls it.
 __device__ __forceinline__ void mmk_store_q8(float v, i8* q_at, float* xk, i8* xb, int kb, int t,
@@ -738,9 +738,9 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
     }
 };
 
-// A warp's steps st = warp, warp + MK_WARPS, ... of rows rw; PIPE: the next step's weights
-// are loaded before the current one is multiplied (twice the weight registers).
-template <int TY, bool UP, bool PIPE>
+// A warp's steps st = warp, warp + W, ... of rows rw; PIPE: the next step's weights are
+// loaded before the current one is multiplied (twice the weight registers).
+template <int TY, bool UP, bool PIPE, int W>
 __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int steps,
                                         const i8* xq, const float* xk, const i8* xb, int k,
                                         int npad, int g, int c, float (&acc)[2][4]) {
@@ -749,24 +749,24 @@ __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int 
     int st = warp;
     if (st >= steps) return;
     raw.load(rw, st, c);
-    for (; st < steps; st += MK_WARPS) {
+    for (; st < steps; st += W) {
         MkX x;
         x.load(xq, xk, xb, k, npad, st, g, c);
         if (PIPE) {
             typename M::Raw next;
-            if (st + MK_WARPS < steps) next.load(rw, st + MK_WARPS, c);
+            if (st + W < steps) next.load(rw, st + W, c);
             M::step(raw, x, c, acc);
             raw = next;
         } else {
             M::step(raw, x, c, acc);
-            if (st + MK_WARPS < steps) raw.load(rw, st + MK_WARPS, c);
+            if (st + W < steps) raw.load(rw, st + W, c);
         }
     }
 }
 
 // out_s[t][r] = W_s[r]·x[t] (+ bias) for n ≤ 8 tokens, Q4_K and Q6_K weights, k a multiple
-// of 256 (the host checks); parameters and grid as mmq_t8.
-template <int TY, bool UP, bool PIPE>
+// of 256 (the host checks); parameters and grid as mmq_t8, W warps a block.
+template <int TY, bool UP, bool PIPE, int W>
 __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const float* xk,
                                          const i8* xb, int npad, GEMV_PARAMS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -784,12 +784,12 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[m][e] = 0.0f;
-    mk_rows<TY, UP, PIPE>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
+    mk_rows<TY, UP, PIPE, W>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
 
     // The warps' partial sums meet in warp 0 (as mmq_body: fixed order, lane-minor).
-    __shared__ float red[MK_WARPS / 2][8][32];
+    __shared__ float red[W / 2][8][32];
 #pragma unroll
-    for (int half = MK_WARPS / 2; half > 0; half >>= 1) {
+    for (int half = W / 2; half > 0; half >>= 1) {
         if (warp >= half && warp < 2 * half)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -817,10 +817,11 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
 }
 
 // The block's format picks the body. `_pipe`: the next step's weights in flight during the
-// current one's products. 2 blocks a SM: at 3, the two formats' bodies in one kernel spill,
-// and kernels of one format at 3 blocks a SM, or 32-row tiles of 16 warps, measured slower.
-#define MMK_KERNEL(NAME, UP, PIPE)                                                             \
-    extern "C" __global__ void __launch_bounds__(MK_WARPS * 32, 2)                             \
+// current one's products. W = 8 warps, 2 blocks a SM: at 3, the two formats' bodies in one
+// kernel spill, and on the H100 kernels of one format at 3 blocks a SM, 32-row tiles of 16
+// warps, and blocks of 4 warps (4 a SM) all measured slower end to end.
+#define MMK_KERNEL(NAME, UP, PIPE, W)                                                          \
+    extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                               \
         NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS) {             \
         pdl_enter();                                                                           \
         GvRows t;                                                                              \
@@ -829,13 +830,13 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
                               bias2, t))                                                       \
             return;                                                                            \
         if (t.ty == T_Q4_K)                                                                    \
-            mmk_body<T_Q4_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
+            mmk_body<T_Q4_K, UP, PIPE, W>(t, xq, xk, xb, npad, GEMV_ARGS);                     \
         else                                                                                   \
-            mmk_body<T_Q6_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
+            mmk_body<T_Q6_K, UP, PIPE, W>(t, xq, xk, xb, npad, GEMV_ARGS);                     \
     }
-MMK_KERNEL(mmk_t8, false, false)
-MMK_KERNEL(mmk_t8_gated, true, false)
-MMK_KERNEL(mmk_t8_pipe, false, true)
+MMK_KERNEL(mmk_t8, false, false, 8)
+MMK_KERNEL(mmk_t8_gated, true, false, 8)
+MMK_KERNEL(mmk_t8_pipe, false, true, 8)
 
 // ---------------------------------------------------------------------------------------
 // Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to

@@ -313,6 +313,9 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
     splits
 }
 
+/// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
+const MMK_MAX_WAVES: usize = 8;
+
 /// Token rows the int8 `mmq_*` kernels' activations take for a step of `n` tokens (whole
 /// 8-token tiles; `quantize_x_mmq` / `rms_norm_mmq` zero the padding).
 fn mmq_int8_rows(n: usize) -> usize {
@@ -1404,9 +1407,19 @@ impl CudaBackend {
 
     /// Whether an int8 launch of `npad` token rows and rows of `k` values on these segments
     /// goes to `mmk_t8*` rather than `mmq_t8*`.
-    fn mmk_reads(&self, k: usize, npad: usize, types: impl IntoIterator<Item = GgmlType>) -> bool {
+    /// `tiles`: the launch's 16-row tiles. Launches of more than MMK_MAX_WAVES waves (the
+    /// LM head) stay on `mmq_t8*`: on the H100 the Q6_K LM head took 305–370 µs there
+    /// against 261 µs on `mmq_t8` (B = 8, `KESTREL_CUDA_PROFILE=1`).
+    fn mmk_reads(
+        &self,
+        k: usize,
+        npad: usize,
+        tiles: usize,
+        types: impl IntoIterator<Item = GgmlType>,
+    ) -> bool {
         npad == 8
             && self.mmk_mode() != 0
+            && tiles <= MMK_MAX_WAVES * 2 * self.sm_count
             && k.is_multiple_of(256)
             && types
                 .into_iter()
@@ -1525,12 +1538,12 @@ impl CudaBackend {
     /// Whether a product of `n` tokens with `w` runs on `mmk_t8*` (a subset of
     /// [`Self::matmul_uses_q8`]).
     pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix { ty, cols, .. } = w else {
+        let CudaWeight::Matrix { ty, cols, rows, .. } = w else {
             return false;
         };
         self.matmul_uses_q8(w, n)
             && self.mmq_reads(*ty, n)
-            && self.mmk_reads(*cols, mmq_int8_rows(n), [*ty])
+            && self.mmk_reads(*cols, mmq_int8_rows(n), rows.div_ceil(16), [*ty])
     }
 
     pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
@@ -1985,7 +1998,8 @@ impl CudaBackend {
                 (MMH[tile][gated as usize], tiles * splits, MMH_THREADS, args)
             }
             MmqKind::Int8 => {
-                let mmk = self.mmk_reads(k, npad, segs.iter().map(|s| s.ty));
+                let tiles = gemv_warps(segs, gated, 16);
+                let mmk = self.mmk_reads(k, npad, tiles, segs.iter().map(|s| s.ty));
                 // mmk's layout in the scale buffer: the per-256 steps, then the group sums.
                 let (xk, xb) = (ds_ptr, ds_ptr + 4 * (npad * k / 256) as u64);
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
@@ -2017,7 +2031,7 @@ impl CudaBackend {
                         (false, _) => "mmk_t8",
                     };
                     let args = vec![Arg::P(q_ptr), Arg::P(xk), Arg::P(xb), Arg::I(npad as i32)];
-                    (name, gemv_warps(segs, gated, 16), MMQ_THREADS, args)
+                    (name, tiles, MMQ_THREADS, args)
                 } else {
                     let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
                     (
