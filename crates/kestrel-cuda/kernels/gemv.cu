@@ -134,7 +134,7 @@ template <> struct Fmt<T_Q4_K> {
 };
 
 // Q6_K: a unit is 8 positions l0..l0+7 of one 128-value half: 32 values in four groups
-// of 8 (each with its own scale); 8 units per 210-byte block (2-byte aligned).
+// of 8 (each with its own scale); 8 units per block (Q6K_GPU_BYTES: 16-byte aligned).
 template <> struct Fmt<T_Q6_K> {
     struct Raw {
         u32 qa[2], qb[2], hw[2];
@@ -144,17 +144,18 @@ template <> struct Fmt<T_Q6_K> {
     static __device__ __forceinline__ int units(int k) { return k / 32; }
     static __device__ __forceinline__ Raw load(const u8* row, int u) {
         const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
-        const u8* b = row + (size_t)blk * 210;
+        const u8* b = row + (size_t)blk * Q6K_GPU_BYTES;
         const u8* ql = b + 64 * hf + l0;
         const u8* qh = b + 128 + 32 * hf + l0;
         const i8* sc = (const i8*)(b + 192) + 8 * hf + (l0 >> 4);
         Raw r;
-#pragma unroll
-        for (int w = 0; w < 2; w++) {
-            r.qa[w] = ld_u32_a2(ql + 4 * w);
-            r.qb[w] = ld_u32_a2(ql + 32 + 4 * w);
-            r.hw[w] = ld_u32_a2(qh + 4 * w);
-        }
+        const uint2 a = *(const uint2*)ql, bb = *(const uint2*)(ql + 32), h = *(const uint2*)qh;
+        r.qa[0] = a.x;
+        r.qa[1] = a.y;
+        r.qb[0] = bb.x;
+        r.qb[1] = bb.y;
+        r.hw[0] = h.x;
+        r.hw[1] = h.y;
 #pragma unroll
         for (int j = 0; j < 4; j++) r.sc[j] = sc[2 * j];
         r.d = *(const u16*)(b + 208);

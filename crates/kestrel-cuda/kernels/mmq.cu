@@ -154,8 +154,8 @@ template <int NR> struct Q4kStep {
         }
     }
 };
-// Q6_K (210-byte blocks, 2-byte aligned): of each half hf, bytes 8c.. of the two 32-byte
-// low-bit chunks and of the 32-byte high-bit chunk; the 16 scales and d.
+// Q6_K (Q6K_GPU_BYTES-byte blocks, 16-byte aligned): of each half hf, bytes 8c.. of the two
+// 32-byte low-bit chunks and of the 32-byte high-bit chunk; the 16 scales and d.
 template <int NR> struct Q6kStep {
     uint2 ql[NR][2][2], qh[NR][2];
     u32 sw[NR][4];
@@ -163,16 +163,20 @@ template <int NR> struct Q6kStep {
     __device__ __forceinline__ void load(const u8* const* rw, int st, int c) {
 #pragma unroll
         for (int r = 0; r < NR; r++) {
-            const u8* b = rw[r] + (size_t)st * 210;
+            const u8* b = rw[r] + (size_t)st * Q6K_GPU_BYTES;
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
 #pragma unroll
-                for (int p = 0; p < 2; p++) ql[r][hf][p] = ld_u2_a2(b + 64 * hf + 32 * p + 8 * c);
-                qh[r][hf] = ld_u2_a2(b + 128 + 32 * hf + 8 * c);
+                for (int p = 0; p < 2; p++)
+                    ql[r][hf][p] = *(const uint2*)(b + 64 * hf + 32 * p + 8 * c);
+                qh[r][hf] = *(const uint2*)(b + 128 + 32 * hf + 8 * c);
             }
-#pragma unroll
-            for (int i = 0; i < 4; i++) sw[r][i] = ld_u32_a2(b + 192 + 4 * i);
-            d[r] = ld_f16(b + 208);
+            const uint4 s = *(const uint4*)(b + 192);
+            sw[r][0] = s.x;
+            sw[r][1] = s.y;
+            sw[r][2] = s.z;
+            sw[r][3] = s.w;
+            d[r] = h2f(*(const u16*)(b + 208));
         }
     }
 };
@@ -222,7 +226,7 @@ template <> struct Mq<T_Q4_K> {
     }
 };
 
-// Q6_K (210-byte blocks, 2-byte aligned): 32-value block s of a step is quarter s % 4 of
+// Q6_K (Q6K_GPU_BYTES-byte blocks): 32-value block s of a step is quarter s % 4 of
 // half s / 4; a lane's values 8c.. take one of the block's two 16-value scales (c < 2: the
 // first), so each block is two mma with the other half of the lanes' weights zeroed.
 template <> struct Mq<T_Q6_K> {

@@ -13,6 +13,11 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+
+// Q6_K blocks on the GPU: GGUF's 210 bytes (ql 128, qh 64, scales 16, d 2) followed by 14
+// bytes of padding, so that every block (and every word in it) is 16-byte aligned and read
+// with plain vector loads; the backend pads them at upload (`upload_matrix`).
+#define Q6K_GPU_BYTES 224
 #define T_BF16 30
 
 // Scale and minimum of sub-block j (0..7) of a Q4_K / Q5_K block (6-bit packed).
@@ -138,12 +143,12 @@ __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim,
         break;
     }
     case T_Q6_K: {
-        const u8* b = row + (size_t)(g >> 3) * 210;
+        const u8* b = row + (size_t)(g >> 3) * Q6K_GPU_BYTES;
         const int s = g & 7, half = s >> 2, r = s & 3;
         const u8* ql = b + 64 * half + (r & 1) * 32;
         const u8* qh = b + 128 + 32 * half;
         const i8* sc = (const i8*)(b + 192) + 8 * half + 2 * r;
-        const float d = ld_f16(b + 208);
+        const float d = h2f(*(const u16*)(b + 208));
         const int lo_shift = (r >> 1) * 4, hi_shift = 2 * r;
 #pragma unroll
         for (int l = 0; l < 32; l++) {

@@ -316,6 +316,19 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
 /// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
 const MMK_MAX_WAVES: usize = 8;
 
+/// A Q6_K block in GGUF, and as the GPU stores it (`Q6K_GPU_BYTES` in kernels/quant.cu).
+const Q6K_BLOCK_BYTES: usize = 210;
+const Q6K_GPU_BLOCK_BYTES: usize = 224;
+
+/// `data` (whole blocks of `from` bytes) with each block followed by zeros up to `to` bytes.
+fn pad_blocks(data: &[u8], from: usize, to: usize) -> Vec<u8> {
+    let mut out = vec![0u8; data.len() / from * to];
+    for (src, dst) in data.chunks_exact(from).zip(out.chunks_exact_mut(to)) {
+        dst[..from].copy_from_slice(src);
+    }
+    out
+}
+
 /// Token rows the int8 `mmq_*` kernels' activations take for a step of `n` tokens (whole
 /// 8-token tiles; `quantize_x_mmq` / `rms_norm_mmq` zero the padding).
 fn mmq_int8_rows(n: usize) -> usize {
@@ -391,6 +404,9 @@ pub struct CudaBackend {
     /// default): on, plain launches with the next step's weights loaded during the current
     /// one's products (`KESTREL_CUDA_MMK=off|flat|pipe`).
     mmk: std::sync::atomic::AtomicU8,
+    /// Waves beyond which a launch stays off `mmk_t8*` (`KESTREL_CUDA_MMK_MAX_WAVES`,
+    /// default MMK_MAX_WAVES).
+    mmk_max_waves: usize,
     /// Steps of several tokens fold the residual add into the product (mmq / mmh / cuBLAS
     /// with beta = 1) and the 8-bit quantization into the RMSNorm (`rms_norm_mmq`);
     /// `KESTREL_CUDA_FUSE=0` runs them as separate kernels (for comparisons).
@@ -697,6 +713,10 @@ impl CudaBackend {
             ),
             q8_holds: Mutex::new(None),
             mmq_holds: Mutex::new(None),
+            mmk_max_waves: std::env::var("KESTREL_CUDA_MMK_MAX_WAVES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(MMK_MAX_WAVES),
             mmk: std::sync::atomic::AtomicU8::new(
                 match std::env::var("KESTREL_CUDA_MMK").as_deref() {
                     Ok("off") | Ok("0") => 0,
@@ -735,6 +755,16 @@ impl CudaBackend {
         if data.len() != row_bytes * rows {
             bail!("{} bytes, expected {}", data.len(), row_bytes * rows);
         }
+        // Q6_K blocks are padded to 16-byte-aligned ones (Q6K_GPU_BYTES in kernels/quant.cu):
+        // their 210 bytes otherwise allow only 2-byte loads, which bound the kernels reading
+        // them on load instructions (ncu: L1/TEX 78% busy against DRAM 32%).
+        let padded;
+        let (data, row_bytes) = if ty == GgmlType::Q6K {
+            padded = pad_blocks(data, Q6K_BLOCK_BYTES, Q6K_GPU_BLOCK_BYTES);
+            (&padded[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
+        } else {
+            (data, row_bytes)
+        };
         let buf = self
             .stream
             .clone_htod(data)
@@ -1419,7 +1449,7 @@ impl CudaBackend {
     ) -> bool {
         npad == 8
             && self.mmk_mode() != 0
-            && tiles <= MMK_MAX_WAVES * 2 * self.sm_count
+            && tiles <= self.mmk_max_waves * 2 * self.sm_count
             && k.is_multiple_of(256)
             && types
                 .into_iter()
