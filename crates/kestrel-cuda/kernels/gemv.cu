@@ -77,7 +77,7 @@ template <> struct Fmt<T_Q4_K> {
         uint4 h, q;
     };
     static __device__ __forceinline__ int units(int k) { return k / 32; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         const int blk = u >> 3, v = u & 7, c = v >> 1, l0 = (v & 1) * 16;
         const u8* b = row + (size_t)blk * 144;
         Raw r;
@@ -142,7 +142,7 @@ template <> struct Fmt<T_Q6_K> {
         u16 d;
     };
     static __device__ __forceinline__ int units(int k) { return k / 32; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         const int blk = u >> 3, v = u & 7, hf = v >> 2, l0 = (v & 3) * 8;
         const u8* b = row + (size_t)blk * Q6K_GPU_BYTES;
         const u8* ql = b + 64 * hf + l0;
@@ -191,20 +191,23 @@ template <> struct Fmt<T_Q6_K> {
     }
 };
 
-// Q8_0: a unit is half a 34-byte block (16 values).
+// Q8_0: a unit is half a block (16 values). Rows as the GPU stores them (Q8_0 / Q4_0,
+// `upload_matrix`): the quants of all nb blocks of the row, then their nb f16 scales.
 template <> struct Fmt<T_Q8_0> {
     struct Raw {
         u32 q[4];
         u16 d;
     };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         const int blk = u >> 1, hf = u & 1;
-        const u8* b = row + (size_t)blk * 34;
         Raw r;
-        r.d = *(const u16*)b;
-#pragma unroll
-        for (int i = 0; i < 4; i++) r.q[i] = ld_u32_a2(b + 2 + 16 * hf + 4 * i);
+        r.d = *(const u16*)(row + (size_t)nb * 32 + 2 * blk);
+        const uint4 q = *(const uint4*)(row + (size_t)blk * 32 + 16 * hf);
+        r.q[0] = q.x;
+        r.q[1] = q.y;
+        r.q[2] = q.z;
+        r.q[3] = q.w;
         return r;
     }
     static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
@@ -230,13 +233,13 @@ template <> struct Fmt<T_Q4_0> {
         u16 d;
     };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         const int blk = u >> 1, hf = u & 1;
-        const u8* b = row + (size_t)blk * 18;
         Raw r;
-        r.d = *(const u16*)b;
-#pragma unroll
-        for (int i = 0; i < 2; i++) r.q[i] = ld_u32_a2(b + 2 + 8 * hf + 4 * i);
+        r.d = *(const u16*)(row + (size_t)nb * 16 + 2 * blk);
+        const uint2 q = *(const uint2*)(row + (size_t)blk * 16 + 8 * hf);
+        r.q[0] = q.x;
+        r.q[1] = q.y;
         return r;
     }
     static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
@@ -267,7 +270,7 @@ template <> struct Fmt<T_Q5_0> {
         u16 d;
     };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         const int blk = u >> 1, hf = u & 1;
         const u8* b = row + (size_t)blk * 22;
         Raw r;
@@ -306,7 +309,7 @@ template <> struct Fmt<T_Q5_0> {
 template <> struct Fmt<T_F16> {
     typedef uint4 Raw;
     static __device__ __forceinline__ int units(int k) { return k / 8; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         return *(const uint4*)(row + (size_t)u * 16);
     }
     static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
@@ -326,7 +329,7 @@ template <> struct Fmt<T_F16> {
 template <> struct Fmt<T_BF16> {
     typedef uint4 Raw;
     static __device__ __forceinline__ int units(int k) { return k / 8; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         return *(const uint4*)(row + (size_t)u * 16);
     }
     static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
@@ -346,7 +349,7 @@ template <> struct Fmt<T_BF16> {
 template <> struct Fmt<T_F32> {
     typedef float4 Raw;
     static __device__ __forceinline__ int units(int k) { return k / 4; }
-    static __device__ __forceinline__ Raw load(const u8* row, int u) {
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         return *(const float4*)(row + (size_t)u * 16);
     }
     static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
@@ -366,9 +369,9 @@ __device__ __forceinline__ void row_dot(const u8* row, const float* x, int k, in
     const int units = F::units(k);
     for (int u = li; u < units; u += 2 * nl) {
         const bool two = u + nl < units;
-        const typename F::Raw a = F::load(row, u);
+        const typename F::Raw a = F::load(row, u, k >> 5);
         typename F::Raw b;
-        if (two) b = F::load(row, u + nl);
+        if (two) b = F::load(row, u + nl, k >> 5);
         F::calc(a, u, x, k, n, acc);
         if (two) F::calc(b, u + nl, x, k, n, acc);
     }
@@ -382,12 +385,12 @@ __device__ __forceinline__ void row_dot2(const u8* r0, const u8* r1, const float
     const int units = F::units(k);
     for (int u = li; u < units; u += 2 * nl) {
         const bool two = u + nl < units;
-        const typename F::Raw a0 = F::load(r0, u);
-        const typename F::Raw a1 = F::load(r1, u);
+        const typename F::Raw a0 = F::load(r0, u, k >> 5);
+        const typename F::Raw a1 = F::load(r1, u, k >> 5);
         typename F::Raw b0, b1;
         if (two) {
-            b0 = F::load(r0, u + nl);
-            b1 = F::load(r1, u + nl);
+            b0 = F::load(r0, u + nl, k >> 5);
+            b1 = F::load(r1, u + nl, k >> 5);
         }
         F::calc(a0, u, x, k, n, acc0);
         F::calc(a1, u, x, k, n, acc1);
@@ -764,7 +767,7 @@ template <> struct Unit1<T_F32> {
 // with UP the same units of the up rows: all loads of a step issued before any math.
 template <int TY, bool UP, int GD_R, int NU>
 __device__ __forceinline__ void load_units(
-    const u8* w, const u8* up, long long rb, int nr, int u0, int units,
+    const u8* w, const u8* up, long long rb, int nr, int u0, int units, int nb,
     typename Fmt<TY>::Raw (&raw)[NU][GD_R],
     typename Fmt<TY>::Raw (&raw_up)[UP ? NU : 1][UP ? GD_R : 1]) {
     typedef Fmt<TY> F;
@@ -775,8 +778,8 @@ __device__ __forceinline__ void load_units(
 #pragma unroll
             for (int i = 0; i < GD_R; i++)
                 if (i < nr) {
-                    raw[j][i] = F::load(w + i * rb, u);
-                    if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u);
+                    raw[j][i] = F::load(w + i * rb, u, nb);
+                    if (UP) raw_up[UP ? j : 0][UP ? i : 0] = F::load(up + i * rb, u, nb);
                 }
     }
 }
@@ -794,7 +797,7 @@ __device__ __forceinline__ void rows_dot1(const u8* w, const u8* up, long long r
     const int units = F::units(k);
     for (int u0 = lane; u0 < units; u0 += 32 * NU) {
         typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
-        load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, raw, raw_up);
+        load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, k >> 5, raw, raw_up);
 #pragma unroll
         for (int j = 0; j < NU; j++) {
             const int u = u0 + 32 * j;
@@ -1050,7 +1053,7 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
     const int units = F::units(k);
     for (int u0 = lane; u0 < units; u0 += 32 * NU) {
         typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
-        load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, raw, raw_up);
+        load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, k >> 5, raw, raw_up);
 #pragma unroll
         for (int j = 0; j < NU; j++) {
             const int u = u0 + 32 * j;
@@ -1190,8 +1193,8 @@ __device__ __forceinline__ void rows_dot8_t(const u8* w, const u8* up, long long
 #pragma unroll
         for (int i = 0; i < GD_R; i++)
             if (i < nr) {
-                raw[i] = F::load(w + i * rb, u);
-                if (UP) raw_up[UP ? i : 0] = F::load(up + i * rb, u);
+                raw[i] = F::load(w + i * rb, u, k >> 5);
+                if (UP) raw_up[UP ? i : 0] = F::load(up + i * rb, u, k >> 5);
             }
 #pragma unroll
         for (int t = 0; t < T; t++) {

@@ -282,18 +282,18 @@ template <> struct Mq<T_Q6_K> {
     }
 };
 
-// Q8_0 (34-byte blocks) and Q4_0 (18-byte blocks), 2-byte aligned: eight 32-value blocks
-// per step, in two halves of four (loads first); blocks past the row's end (k a multiple
-// of 32 only) are skipped. Q8_0: lane c's values 8c .. 8c + 7 are quant bytes 8c ..;
-// Q4_0 (NIBBLES): the low (c < 2) or high nibbles of quant bytes 8 (c & 1) .., their −8
-// offset taken off through the activation sums.
+// Q8_0 (32 quant bytes a block) and Q4_0 (16), rows as the GPU stores them (quants, then
+// the f16 scales): eight 32-value blocks per step, in two halves of four (loads first);
+// blocks past the row's end (k a multiple of 32 only) are skipped. Q8_0: lane c's values
+// 8c .. 8c + 7 are quant bytes 8c ..; Q4_0 (NIBBLES): the low (c < 2) or high nibbles of
+// quant bytes 8 (c & 1) .., their −8 offset taken off through the activation sums.
 template <int BYTES, bool NIBBLES> struct MqBlocks32 {
     template <int J, bool UP>
     static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
                                                 const MqX& x, float (&acc)[J][4],
                                                 float (&acc_up)[J][4]) {
         constexpr int NR = UP ? 4 : 2;
-        const int off = 2 + 8 * (NIBBLES ? (x.c & 1) : x.c), shift = NIBBLES ? 4 * (x.c >> 1) : 0;
+        const int off = 8 * (NIBBLES ? (x.c & 1) : x.c), shift = NIBBLES ? 4 * (x.c >> 1) : 0;
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int kb0 = st * 8 + 4 * half;
@@ -304,9 +304,9 @@ template <int BYTES, bool NIBBLES> struct MqBlocks32 {
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     const int rr = r < NR ? r : 0;
-                    const u8* b = rw[rr] + (size_t)min(kb0 + i, kbs - 1) * BYTES;
-                    if (r < NR) q[i][rr] = ld_u2_a2(b + off);
-                    d[i][r] = ld_f16(b);
+                    const int blk = min(kb0 + i, kbs - 1);
+                    if (r < NR) q[i][rr] = *(const uint2*)(rw[rr] + (size_t)blk * BYTES + off);
+                    d[i][r] = h2f(*(const u16*)(rw[rr] + (size_t)kbs * BYTES + 2 * blk));
                 }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -326,8 +326,8 @@ template <int BYTES, bool NIBBLES> struct MqBlocks32 {
         }
     }
 };
-template <> struct Mq<T_Q8_0> : MqBlocks32<34, false> {};
-template <> struct Mq<T_Q4_0> : MqBlocks32<18, true> {};
+template <> struct Mq<T_Q8_0> : MqBlocks32<32, false> {};
+template <> struct Mq<T_Q4_0> : MqBlocks32<16, true> {};
 
 // A warp's steps of the row length for format TY.
 template <int TY, int J, bool UP>

@@ -33,7 +33,8 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, floa
 
 // Values g*32 .. g*32+31 of a row into w; for float rows only the first `lim` are read
 // (the rest are zero), quantized rows are whole blocks.
-__device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim, float* w) {
+// (nb: 32-value blocks per row, where Q8_0 / Q4_0 rows keep their scales after the quants.)
+__device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim, float* w, int nb) {
     switch (ty) {
     case T_F32: {
         const float* r = (const float*)row + (size_t)g * 32;
@@ -54,17 +55,15 @@ __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim,
         break;
     }
     case T_Q8_0: {
-        const u8* b = row + (size_t)g * 34;
-        const float d = ld_f16(b);
-        const i8* q = (const i8*)(b + 2);
+        const float d = h2f(*(const u16*)(row + (size_t)nb * 32 + 2 * g));
+        const i8* q = (const i8*)(row + (size_t)g * 32);
 #pragma unroll
         for (int i = 0; i < 32; i++) w[i] = d * (float)q[i];
         break;
     }
     case T_Q4_0: {
-        const u8* b = row + (size_t)g * 18;
-        const float d = ld_f16(b);
-        const u8* q = b + 2;
+        const float d = h2f(*(const u16*)(row + (size_t)nb * 16 + 2 * g));
+        const u8* q = row + (size_t)g * 16;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             w[i] = d * (float)((int)(q[i] & 0xF) - 8);
@@ -174,7 +173,7 @@ extern "C" __global__ void embed(const u8* table, int ty, long long row_bytes, i
     for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
         float v[32];
         const int lim = min(32, k - g * 32);
-        dequant32(ty, row, g, lim, v);
+        dequant32(ty, row, g, lim, v, n_groups);
 #pragma unroll
         for (int j = 0; j < 32; j++)
             if (j < lim) o[g * 32 + j] = v[j];
@@ -201,7 +200,7 @@ extern "C" __global__ void matmul(const u8* w, int ty, long long row_bytes, int 
     for (int g = lane; g < n_groups; g += 32) {
         float v[32];
         const int lim = min(32, k - g * 32);
-        dequant32(ty, r, g, lim, v);
+        dequant32(ty, r, g, lim, v, n_groups);
 #pragma unroll
         for (int t = 0; t < MM_TOK; t++) {
             if (t < nt) {
@@ -232,7 +231,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int ty, long long row_bytes,
     const int row = (int)(i / gpr), g = (int)(i % gpr);
     const int lim = min(32, k - g * 32);
     float v[32];
-    dequant32(ty, w + (size_t)row * (size_t)row_bytes, g, lim, v);
+    dequant32(ty, w + (size_t)row * (size_t)row_bytes, g, lim, v, gpr);
     u16* o = out + (size_t)row * k + (size_t)g * 32;
     if (lim == 32 && (k & 7) == 0) {
         // 16-byte stores: the row starts 16-byte aligned when k is a multiple of 8.

@@ -329,6 +329,25 @@ fn pad_blocks(data: &[u8], from: usize, to: usize) -> Vec<u8> {
     out
 }
 
+/// Rows of blocks of `block` bytes (an f16 scale, then the quants) rearranged as all the
+/// row's quants, then all its scales: the layout the kernels read for Q8_0 and Q4_0.
+fn scales_last(data: &[u8], row_bytes: usize, block: usize) -> Vec<u8> {
+    let mut out = vec![0u8; data.len()];
+    let quants = block - 2;
+    for (src, dst) in data
+        .chunks_exact(row_bytes)
+        .zip(out.chunks_exact_mut(row_bytes))
+    {
+        let nb = row_bytes / block;
+        let (qs, ds) = dst.split_at_mut(nb * quants);
+        for (b, blk) in src.chunks_exact(block).enumerate() {
+            ds[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+            qs[quants * b..quants * (b + 1)].copy_from_slice(&blk[2..]);
+        }
+    }
+    out
+}
+
 /// Token rows the int8 `mmq_*` kernels' activations take for a step of `n` tokens (whole
 /// 8-token tiles; `quantize_x_mmq` / `rms_norm_mmq` zero the padding).
 fn mmq_int8_rows(n: usize) -> usize {
@@ -758,12 +777,19 @@ impl CudaBackend {
         // Q6_K blocks are padded to 16-byte-aligned ones (Q6K_GPU_BYTES in kernels/quant.cu):
         // their 210 bytes otherwise allow only 2-byte loads, which bound the kernels reading
         // them on load instructions (ncu: L1/TEX 78% busy against DRAM 32%).
-        let padded;
-        let (data, row_bytes) = if ty == GgmlType::Q6K {
-            padded = pad_blocks(data, Q6K_BLOCK_BYTES, Q6K_GPU_BLOCK_BYTES);
-            (&padded[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
-        } else {
-            (data, row_bytes)
+        // Q8_0 / Q4_0 rows keep all quants first and the f16 scales after them (same
+        // bytes), so that the quants are 16-byte aligned too.
+        let converted;
+        let (data, row_bytes) = match ty {
+            GgmlType::Q6K => {
+                converted = pad_blocks(data, Q6K_BLOCK_BYTES, Q6K_GPU_BLOCK_BYTES);
+                (&converted[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
+            }
+            GgmlType::Q8_0 | GgmlType::Q4_0 => {
+                converted = scales_last(data, row_bytes, ty.type_size());
+                (&converted[..], row_bytes)
+            }
+            _ => (data, row_bytes),
         };
         let buf = self
             .stream
