@@ -330,13 +330,14 @@ fn pad_blocks(data: &[u8], from: usize, to: usize) -> Vec<u8> {
 }
 
 /// Rows of blocks of `block` bytes (an f16 scale, then the quants) rearranged as all the
-/// row's quants, then all its scales: the layout the kernels read for Q8_0 and Q4_0.
-fn scales_last(data: &[u8], row_bytes: usize, block: usize) -> Vec<u8> {
-    let mut out = vec![0u8; data.len()];
+/// row's quants, then all its scales, in rows of `out_row` ≥ `row_bytes` bytes (zeros
+/// after): the layout the kernels read for Q8_0 and Q4_0.
+fn scales_last(data: &[u8], row_bytes: usize, out_row: usize, block: usize) -> Vec<u8> {
+    let mut out = vec![0u8; data.len() / row_bytes * out_row];
     let quants = block - 2;
     for (src, dst) in data
         .chunks_exact(row_bytes)
-        .zip(out.chunks_exact_mut(row_bytes))
+        .zip(out.chunks_exact_mut(out_row))
     {
         let nb = row_bytes / block;
         let (qs, ds) = dst.split_at_mut(nb * quants);
@@ -777,8 +778,9 @@ impl CudaBackend {
         // Q6_K blocks are padded to 16-byte-aligned ones (Q6K_GPU_BYTES in kernels/quant.cu):
         // their 210 bytes otherwise allow only 2-byte loads, which bound the kernels reading
         // them on load instructions (ncu: L1/TEX 78% busy against DRAM 32%).
-        // Q8_0 / Q4_0 rows keep all quants first and the f16 scales after them (same
-        // bytes), so that the quants are 16-byte aligned too.
+        // Q8_0 / Q4_0 rows keep all quants first and the f16 scales after them, each row
+        // padded to a multiple of 16 bytes (nothing to pad when it holds a multiple of 8
+        // blocks, as in every real model), so that the quants are 16-byte aligned too.
         let converted;
         let (data, row_bytes) = match ty {
             GgmlType::Q6K => {
@@ -786,8 +788,9 @@ impl CudaBackend {
                 (&converted[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
             }
             GgmlType::Q8_0 | GgmlType::Q4_0 => {
-                converted = scales_last(data, row_bytes, ty.type_size());
-                (&converted[..], row_bytes)
+                let gpu_row_bytes = row_bytes.next_multiple_of(16);
+                converted = scales_last(data, row_bytes, gpu_row_bytes, ty.type_size());
+                (&converted[..], gpu_row_bytes)
             }
             _ => (data, row_bytes),
         };
@@ -1447,7 +1450,9 @@ impl CudaBackend {
             && (MMQ_MIN_TOKENS..=self.mmq_max()).contains(&n)
             && match ty {
                 GgmlType::Q4K | GgmlType::Q6K => true,
-                GgmlType::Q8_0 | GgmlType::Q4_0 => self.mmq_all_formats(),
+                // Faster than cuBLAS on the f16 copies up to 8 tokens since their rows
+                // are 16-byte aligned (B = 8: Q4_0 992 → 1,318, Q8_0 926 → 1,126 t/s).
+                GgmlType::Q8_0 | GgmlType::Q4_0 => self.mmq_all_formats() || n <= 8,
                 _ => false,
             }
     }
@@ -1553,8 +1558,9 @@ impl CudaBackend {
         self.mmq_max.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether the tensor-core kernels also take Q8_0 and Q4_0 weights (off by default:
-    /// slower there than the previous paths; `KESTREL_CUDA_MMQ_FORMATS=all` turns it on).
+    /// Whether the tensor-core kernels also take Q8_0 and Q4_0 weights in steps of more than
+    /// 8 tokens (off by default: not measured against cuBLAS there;
+    /// `KESTREL_CUDA_MMQ_FORMATS=all` turns it on). Up to 8 tokens they always do.
     pub fn mmq_all_formats(&self) -> bool {
         self.mmq_all_formats
             .load(std::sync::atomic::Ordering::Relaxed)
