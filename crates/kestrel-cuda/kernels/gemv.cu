@@ -270,14 +270,16 @@ template <> struct Fmt<T_Q5_0> {
         u16 d;
     };
     static __device__ __forceinline__ int units(int k) { return k / 16; }
+    // Rows as the GPU stores them: the nb blocks' 16 quant bytes, then their 32-bit qh, then
+    // their f16 scales.
     static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
         const int blk = u >> 1, hf = u & 1;
-        const u8* b = row + (size_t)blk * 22;
         Raw r;
-        r.d = *(const u16*)b;
-        r.qh = ld_u32_a2(b + 2);
-#pragma unroll
-        for (int i = 0; i < 2; i++) r.q[i] = ld_u32_a2(b + 6 + 8 * hf + 4 * i);
+        r.d = *(const u16*)(row + (size_t)nb * 20 + 2 * blk);
+        r.qh = *(const u32*)(row + (size_t)nb * 16 + 4 * blk);
+        const uint2 q = *(const uint2*)(row + (size_t)blk * 16 + 8 * hf);
+        r.q[0] = q.x;
+        r.q[1] = q.y;
         return r;
     }
     static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,

@@ -33,7 +33,8 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, floa
 
 // Values g*32 .. g*32+31 of a row into w; for float rows only the first `lim` are read
 // (the rest are zero), quantized rows are whole blocks.
-// (nb: 32-value blocks per row, where Q8_0 / Q4_0 rows keep their scales after the quants.)
+// (nb: 32-value blocks per row, where Q8_0 / Q4_0 / Q5_0 rows keep their scales, and
+// Q5_0's fifth bits, after the quants.)
 __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim, float* w, int nb) {
     switch (ty) {
     case T_F32: {
@@ -83,10 +84,9 @@ __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim,
         break;
     }
     case T_Q5_0: {
-        const u8* b = row + (size_t)g * 22;
-        const float d = ld_f16(b);
-        const u32 qh = (u32)b[2] | ((u32)b[3] << 8) | ((u32)b[4] << 16) | ((u32)b[5] << 24);
-        const u8* q = b + 6;
+        const float d = h2f(*(const u16*)(row + (size_t)nb * 20 + 2 * g));
+        const u32 qh = *(const u32*)(row + (size_t)nb * 16 + 4 * g);
+        const u8* q = row + (size_t)g * 16;
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             const int h0 = ((qh >> j) << 4) & 0x10;

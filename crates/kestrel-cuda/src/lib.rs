@@ -329,21 +329,28 @@ fn pad_blocks(data: &[u8], from: usize, to: usize) -> Vec<u8> {
     out
 }
 
-/// Rows of blocks of `block` bytes (an f16 scale, then the quants) rearranged as all the
-/// row's quants, then all its scales, in rows of `out_row` ≥ `row_bytes` bytes (zeros
-/// after): the layout the kernels read for Q8_0 and Q4_0.
-fn scales_last(data: &[u8], row_bytes: usize, out_row: usize, block: usize) -> Vec<u8> {
+/// Rows of `row_bytes` bytes (blocks of `block` bytes) rearranged part by part: for each
+/// (offset, length) in `parts`, that slice of every block of the row, in block order; rows
+/// of `out_row` ≥ `row_bytes` bytes (zeros after). The layout the kernels read for Q8_0,
+/// Q4_0 and Q5_0: the quants of the whole row first, so that they are 16-byte aligned.
+fn split_planes(
+    data: &[u8],
+    row_bytes: usize,
+    out_row: usize,
+    block: usize,
+    parts: &[(usize, usize)],
+) -> Vec<u8> {
     let mut out = vec![0u8; data.len() / row_bytes * out_row];
-    let quants = block - 2;
     for (src, dst) in data
         .chunks_exact(row_bytes)
         .zip(out.chunks_exact_mut(out_row))
     {
-        let nb = row_bytes / block;
-        let (qs, ds) = dst.split_at_mut(nb * quants);
-        for (b, blk) in src.chunks_exact(block).enumerate() {
-            ds[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
-            qs[quants * b..quants * (b + 1)].copy_from_slice(&blk[2..]);
+        let mut at = 0;
+        for &(offset, len) in parts {
+            for blk in src.chunks_exact(block) {
+                dst[at..at + len].copy_from_slice(&blk[offset..offset + len]);
+                at += len;
+            }
         }
     }
     out
@@ -778,18 +785,24 @@ impl CudaBackend {
         // Q6_K blocks are padded to 16-byte-aligned ones (Q6K_GPU_BYTES in kernels/quant.cu):
         // their 210 bytes otherwise allow only 2-byte loads, which bound the kernels reading
         // them on load instructions (ncu: L1/TEX 78% busy against DRAM 32%).
-        // Q8_0 / Q4_0 rows keep all quants first and the f16 scales after them, each row
-        // padded to a multiple of 16 bytes (nothing to pad when it holds a multiple of 8
-        // blocks, as in every real model), so that the quants are 16-byte aligned too.
+        // Q8_0 / Q4_0 / Q5_0 rows keep all quants first, then (Q5_0) the fifth bits, then
+        // the f16 scales, each row padded to a multiple of 16 bytes (nothing to pad when it
+        // holds a multiple of 8 blocks, as in every real model): aligned loads for all.
         let converted;
         let (data, row_bytes) = match ty {
             GgmlType::Q6K => {
                 converted = pad_blocks(data, Q6K_BLOCK_BYTES, Q6K_GPU_BLOCK_BYTES);
                 (&converted[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
             }
-            GgmlType::Q8_0 | GgmlType::Q4_0 => {
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => {
+                // (offset, length) of each block's parts, in the order the row keeps them.
+                let parts: &[(usize, usize)] = match ty {
+                    GgmlType::Q8_0 => &[(2, 32), (0, 2)],
+                    GgmlType::Q4_0 => &[(2, 16), (0, 2)],
+                    _ => &[(6, 16), (2, 4), (0, 2)],
+                };
                 let gpu_row_bytes = row_bytes.next_multiple_of(16);
-                converted = scales_last(data, row_bytes, gpu_row_bytes, ty.type_size());
+                converted = split_planes(data, row_bytes, gpu_row_bytes, ty.type_size(), parts);
                 (&converted[..], gpu_row_bytes)
             }
             _ => (data, row_bytes),
@@ -3064,6 +3077,41 @@ impl Drop for CudaBackend {
                 100.0 * ms / all.max(1e-12),
                 gbs
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::{pad_blocks, split_planes};
+
+    /// Two rows of three 22-byte blocks (Q5_0's shape), every byte distinct: each part of
+    /// every block must land in its plane, in block order, with the row's padding zero.
+    #[test]
+    fn split_planes_keeps_every_part_of_every_block() {
+        let data: Vec<u8> = (0..2 * 3 * 22).map(|i| i as u8).collect();
+        let out = split_planes(&data, 66, 80, 22, &[(6, 16), (2, 4), (0, 2)]);
+        assert_eq!(out.len(), 160);
+        for row in 0..2 {
+            let o = &out[row * 80..(row + 1) * 80];
+            for b in 0..3 {
+                let blk = &data[row * 66 + b * 22..row * 66 + (b + 1) * 22];
+                assert_eq!(&o[16 * b..16 * b + 16], &blk[6..22]);
+                assert_eq!(&o[48 + 4 * b..48 + 4 * b + 4], &blk[2..6]);
+                assert_eq!(&o[60 + 2 * b..60 + 2 * b + 2], &blk[..2]);
+            }
+            assert!(o[66..].iter().all(|&x| x == 0));
+        }
+    }
+
+    #[test]
+    fn pad_blocks_appends_zeros_to_each_block() {
+        let data: Vec<u8> = (1..=2 * 210).map(|i| (i % 251) as u8 + 1).collect();
+        let out = pad_blocks(&data, 210, 224);
+        assert_eq!(out.len(), 448);
+        for b in 0..2 {
+            assert_eq!(&out[224 * b..224 * b + 210], &data[210 * b..210 * (b + 1)]);
+            assert!(out[224 * b + 210..224 * (b + 1)].iter().all(|&x| x == 0));
         }
     }
 }
