@@ -643,11 +643,7 @@ template <bool UP> struct Mk<T_Q4_K, UP> {
             // Groups 4c .. 4c + 3 are the 32-value blocks 2c, 2c, 2c + 1, 2c + 1.
             mg[r] = __byte_perm(mn, 0, (c & 1) ? 0x3322 : 0x1100);
         }
-        int is[NR / 2][4];
-#pragma unroll
-        for (int m = 0; m < NR / 2; m++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) is[m][e] = 0;
+        int is[NR / 2][4] = {};  // integer sums of the super-block, per matrix
 #pragma unroll
         for (int ch = 0; ch < 4; ch++)
 #pragma unroll
@@ -694,11 +690,7 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
     static __device__ __forceinline__ void step(const Raw& raw, const MkX& x, int c,
                                                 float (&acc)[2][4]) {
         const bool low = c < 2;
-        int is[NR / 2][4];
-#pragma unroll
-        for (int m = 0; m < NR / 2; m++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) is[m][e] = 0;
+        int is[NR / 2][4] = {};  // integer sums of the super-block, per matrix
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             const int hf = s >> 2, qq = s & 3;

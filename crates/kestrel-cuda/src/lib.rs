@@ -2484,48 +2484,31 @@ impl kestrel_model::Backend for CudaBackend {
             && x.cols.is_multiple_of(32)
             && let Some(Q8Ptrs { q, ds, .. }) = self.q8_buffers(npad * x.cols)
         {
+            let mut args = vec![
+                Arg::P(x.ptr),
+                Arg::P(w),
+                Arg::P(out.ptr),
+                Arg::I(x.cols as i32),
+                Arg::F(eps),
+                Arg::I(n as i32),
+                Arg::I(npad as i32),
+                Arg::P(q),
+                Arg::P(ds),
+            ];
             // The layout of `mmk_t8*` where a launch of these rows may take it (the consumer
-            // quantizes again if its weights turn out to need the other one).
-            if npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256) {
-                self.launch(
-                    "rms_norm_mmk",
-                    (1, npad as u32, 1),
-                    64 * (x.cols / 256).min(16) as u32,
-                    &[
-                        Arg::P(x.ptr),
-                        Arg::P(w),
-                        Arg::P(out.ptr),
-                        Arg::I(x.cols as i32),
-                        Arg::F(eps),
-                        Arg::I(n as i32),
-                        Arg::I(npad as i32),
-                        Arg::P(q),
-                        Arg::P(ds),
-                        Arg::P(ds + 4 * (npad * x.cols / 256) as u64),
-                    ],
-                );
-                *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((out.ptr, n, npad, true));
-                return;
+            // quantizes again if its weights turn out to need the other one): one block per
+            // token; else `mmq_t*`'s, one block per 256 values.
+            let mmk = npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256);
+            if mmk {
+                args.push(Arg::P(ds + 4 * (npad * x.cols / 256) as u64));
+                let threads = 64 * (x.cols / 256).min(16) as u32;
+                self.launch("rms_norm_mmk", (1, npad as u32, 1), threads, &args);
+            } else {
+                let grid = (x.cols.div_ceil(256) as u32, npad as u32, 1);
+                self.launch("rms_norm_mmq", grid, 256, &args);
             }
-            self.launch(
-                "rms_norm_mmq",
-                (x.cols.div_ceil(256) as u32, npad as u32, 1),
-                256,
-                &[
-                    Arg::P(x.ptr),
-                    Arg::P(w),
-                    Arg::P(out.ptr),
-                    Arg::I(x.cols as i32),
-                    Arg::F(eps),
-                    Arg::I(n as i32),
-                    Arg::I(npad as i32),
-                    Arg::P(q),
-                    Arg::P(ds),
-                ],
-            );
             *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((out.ptr, n, npad, false));
+                Some((out.ptr, n, npad, mmk));
             return;
         }
         self.launch(
