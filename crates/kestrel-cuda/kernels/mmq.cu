@@ -812,11 +812,11 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
     }
 }
 
-// The block's format picks the body. `_pipe`: the next step's weights in flight during the
+// `_pipe`: the next step's weights in flight during the
 // current one's products. W = 8 warps, 2 blocks a SM: at 3, the two formats' bodies in one
 // kernel spill, and on the H100 kernels of one format at 3 blocks a SM, 32-row tiles of 16
 // warps, and blocks of 4 warps (4 a SM) all measured slower end to end.
-#define MMK_KERNEL(NAME, UP, PIPE, W)                                                          \
+#define MMK_KERNEL(NAME, TY, UP, PIPE, W)                                                      \
     extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                               \
         NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS) {             \
         pdl_enter();                                                                           \
@@ -825,14 +825,18 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
                               w1, rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2,  \
                               bias2, t))                                                       \
             return;                                                                            \
-        if (t.ty == T_Q4_K)                                                                    \
+        if (TY == T_Q4_K || (TY < 0 && t.ty == T_Q4_K))                                        \
             mmk_body<T_Q4_K, UP, PIPE, W>(t, xq, xk, xb, npad, GEMV_ARGS);                     \
         else                                                                                   \
             mmk_body<T_Q6_K, UP, PIPE, W>(t, xq, xk, xb, npad, GEMV_ARGS);                     \
     }
-MMK_KERNEL(mmk_t8, false, false, 8)
-MMK_KERNEL(mmk_t8_gated, true, false, 8)
-MMK_KERNEL(mmk_t8_pipe, false, true, 8)
+// TY < 0: the block's format picks the body (plain launches may mix formats: Q, K, V);
+// gated launches have one format (the host checks), and a kernel per format keeps the other
+// body's registers out (the two-format gated kernel spilled 116 bytes).
+MMK_KERNEL(mmk_t8, -1, false, false, 8)
+MMK_KERNEL(mmk_t8_pipe, -1, false, true, 8)
+MMK_KERNEL(mmk_t8_gated_q4k, T_Q4_K, true, false, 8)
+MMK_KERNEL(mmk_t8_gated_q6k, T_Q6_K, true, false, 8)
 
 // ---------------------------------------------------------------------------------------
 // Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to

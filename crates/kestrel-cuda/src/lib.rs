@@ -2101,7 +2101,8 @@ impl CudaBackend {
                 const MMQ_THREADS: u32 = 8 * 32;
                 if mmk {
                     let name = match (gated, self.mmk_mode()) {
-                        (true, _) => "mmk_t8_gated",
+                        (true, _) if segs[0].ty == GgmlType::Q4K => "mmk_t8_gated_q4k",
+                        (true, _) => "mmk_t8_gated_q6k",
                         (false, 2) => "mmk_t8_pipe",
                         (false, _) => "mmk_t8",
                     };
