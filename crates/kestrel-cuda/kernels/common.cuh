@@ -31,7 +31,8 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
-// A little-endian f16 at any byte address (quantized blocks are only 2-byte aligned).
+// A little-endian f16 at any byte address (Q4_1 / Q5_1 / Q5_K blocks are only 2-byte
+// aligned on the GPU too).
 __device__ __forceinline__ float ld_f16(const u8* p) {
     return h2f((u16)p[0] | ((u16)p[1] << 8));
 }
@@ -41,14 +42,18 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// llama.cpp's 8-bit rounding of a 32-value block held one value per lane of a warp:
-// step = max|v| / 127 over the warp, and the returned q = round(v / step) within ±127.
+// llama.cpp's 8-bit rounding of v at step = max|v| / 127 of its block: round(v / step)
+// within ±127 (0 for an all-zero block).
+__device__ __forceinline__ int q8_round(float v, float step) {
+    return step > 0.0f ? max(-127, min(127, __float2int_rn(v / step))) : 0;
+}
+
+// q8_round of a 32-value block held one value per lane of a warp (step returned).
 __device__ __forceinline__ int warp_q8(float v, float& step) {
     float amax = fabsf(v);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     step = amax / 127.0f;
-    const int qi = step > 0.0f ? __float2int_rn(v / step) : 0;
-    return max(-127, min(127, qi));
+    return q8_round(v, step);
 }
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.

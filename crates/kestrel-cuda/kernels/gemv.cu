@@ -21,12 +21,6 @@ __device__ __forceinline__ float byte_f(u32 m, int j, float magic) {
 #define MAGIC_32 8388640.0f   // 2^23 + 32: Q6_K values
 #define MAGIC_128 8388736.0f  // 2^23 + 128: signed bytes xor 0x80
 
-// 4 bytes from a 2-byte aligned address.
-__device__ __forceinline__ u32 ld_u32_a2(const u8* p) {
-    const u16* q = (const u16*)p;
-    return (u32)q[0] | ((u32)q[1] << 16);
-}
-
 // Dot of `cnt` (multiple of 4) expanded weights with x[0..cnt) of each token, accumulated.
 template <int CNT>
 __device__ __forceinline__ void dot_tokens(const float* w, const float* x, int k, int n,
@@ -225,7 +219,7 @@ template <> struct Fmt<T_Q8_0> {
     }
 };
 
-// Q4_0: a unit is 8 quant bytes of an 18-byte block: values 8h..8h+7 (low nibbles) and
+// Q4_0: a unit is 8 quant bytes of a block (rows as for Q8_0): values 8h..8h+7 (low nibbles) and
 // 16+8h..16+8h+7 (high nibbles).
 template <> struct Fmt<T_Q4_0> {
     struct Raw {

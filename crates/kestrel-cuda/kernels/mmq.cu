@@ -77,14 +77,6 @@ __device__ __forceinline__ void mq_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
 }
 
-// 8 bytes from a 2-byte aligned address.
-__device__ __forceinline__ uint2 ld_u2_a2(const u8* p) {
-    uint2 r;
-    r.x = ld_u32_a2(p);
-    r.y = ld_u32_a2(p + 4);
-    return r;
-}
-
 // Bytes of 0..63 minus 32, as signed bytes (no borrow between the bytes).
 __device__ __forceinline__ u32 sub32_bytes(u32 v) {
     return ((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
@@ -476,6 +468,12 @@ MMQ_KERNEL(mmq_t64_gated, 8, true, 1)
 
 #define MK_WARPS 8  // of quantize_x_mmk's block (256 threads)
 
+// Group grp's sum s of super-block `at` (= kb * npad + t) as its two int8 halves.
+__device__ __forceinline__ void mmk_store_sum(i8* xb, size_t at, int grp, int s) {
+    xb[at * 32 + grp] = (i8)(s & 127);
+    xb[at * 32 + 16 + grp] = (i8)(s >> 7);
+}
+
 // The whole block (256 threads, one value each: the 256-value block kb of token t) calls it.
 __device__ __forceinline__ void mmk_store_q8(float v, i8* q_at, float* xk, i8* xb, int kb, int t,
                                              int npad) {
@@ -489,16 +487,12 @@ __device__ __forceinline__ void mmk_store_q8(float v, i8* q_at, float* xk, i8* x
 #pragma unroll
     for (int w = 1; w < MK_WARPS; w++) amax = fmaxf(amax, wmax[w]);
     const float step = amax / 127.0f;
-    const int qi = step > 0.0f ? max(-127, min(127, __float2int_rn(v / step))) : 0;
+    const int qi = q8_round(v, step);
     *q_at = (i8)qi;
     int s = qi;
     for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     const size_t at = (size_t)kb * npad + t;
-    if ((lane & 15) == 0) {
-        const int grp = 2 * warp + (lane >> 4);
-        xb[at * 32 + grp] = (i8)(s & 127);
-        xb[at * 32 + 16 + grp] = (i8)(s >> 7);
-    }
+    if ((lane & 15) == 0) mmk_store_sum(xb, at, 2 * warp + (lane >> 4), s);
     if (threadIdx.x == 0) xk[at] = step;
 }
 
@@ -525,14 +519,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_mmk(const float* x, 
     const int t = blockIdx.y, nt = blockDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (size_t)t * cols;
-    float ss = 0.0f;
-    if (t < n)
-        for (int j = 4 * threadIdx.x; j < cols; j += 4 * nt) {
-            const float4 v = *(const float4*)(xr + j);
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-    ss = block_sum(ss);  // t: uniform in the block
-    const float scale = t < n ? 1.0f / sqrtf(ss / (float)cols + eps) : 0.0f;
+    const float scale = t < n ? rms_scale(xr, cols, eps) : 0.0f;  // t: uniform in the block
     __shared__ float wmax[32];
     for (int j0 = 0; j0 < cols; j0 += 4 * nt) {
         const int j = j0 + 4 * threadIdx.x;
@@ -557,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_mmk(const float* x, 
         int s = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int qi = step > 0.0f ? max(-127, min(127, __float2int_rn(vs[i] / step))) : 0;
+            const int qi = q8_round(vs[i], step);
             packed |= ((u32)qi & 0xFFu) << (8 * i);
             s += qi;
         }
@@ -566,11 +553,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_mmk(const float* x, 
         if (on) {
             *(u32*)(q + (size_t)t * cols + j) = packed;
             const size_t at = (size_t)(j >> 8) * npad + t;
-            if ((threadIdx.x & 3) == 0) {
-                const int grp = (j & 255) >> 4;
-                xb[at * 32 + grp] = (i8)(s & 127);
-                xb[at * 32 + 16 + grp] = (i8)(s >> 7);
-            }
+            if ((threadIdx.x & 3) == 0) mmk_store_sum(xb, at, (j & 255) >> 4, s);
             if ((j & 255) == 0) xk[at] = step;
         }
     }
@@ -734,9 +717,9 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
     }
 };
 
-// A warp's steps st = warp, warp + W, ... of rows rw; PIPE: the next step's weights are
-// loaded before the current one is multiplied (twice the weight registers).
-template <int TY, bool UP, bool PIPE, int W>
+// A warp's steps st = warp, warp + MK_WARPS, ... of rows rw; PIPE: the next step's weights
+// are loaded before the current one is multiplied (twice the weight registers).
+template <int TY, bool UP, bool PIPE>
 __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int steps,
                                         const i8* xq, const float* xk, const i8* xb, int k,
                                         int npad, int g, int c, float (&acc)[2][4]) {
@@ -745,24 +728,24 @@ __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int 
     int st = warp;
     if (st >= steps) return;
     raw.load(rw, st, c);
-    for (; st < steps; st += W) {
+    for (; st < steps; st += MK_WARPS) {
         MkX x;
         x.load(xq, xk, xb, k, npad, st, g, c);
         if (PIPE) {
             typename M::Raw next;
-            if (st + W < steps) next.load(rw, st + W, c);
+            if (st + MK_WARPS < steps) next.load(rw, st + MK_WARPS, c);
             M::step(raw, x, c, acc);
             raw = next;
         } else {
             M::step(raw, x, c, acc);
-            if (st + W < steps) raw.load(rw, st + W, c);
+            if (st + MK_WARPS < steps) raw.load(rw, st + MK_WARPS, c);
         }
     }
 }
 
 // out_s[t][r] = W_s[r]·x[t] (+ bias) for n ≤ 8 tokens, Q4_K and Q6_K weights, k a multiple
-// of 256 (the host checks); parameters and grid as mmq_t8, W warps a block.
-template <int TY, bool UP, bool PIPE, int W>
+// of 256 (the host checks); parameters and grid as mmq_t8, MK_WARPS warps a block.
+template <int TY, bool UP, bool PIPE>
 __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const float* xk,
                                          const i8* xb, int npad, GEMV_PARAMS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -780,12 +763,12 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[m][e] = 0.0f;
-    mk_rows<TY, UP, PIPE, W>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
+    mk_rows<TY, UP, PIPE>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
 
     // The warps' partial sums meet in warp 0 (as mmq_body: fixed order, lane-minor).
-    __shared__ float red[W / 2][8][32];
+    __shared__ float red[MK_WARPS / 2][8][32];
 #pragma unroll
-    for (int half = W / 2; half > 0; half >>= 1) {
+    for (int half = MK_WARPS / 2; half > 0; half >>= 1) {
         if (warp >= half && warp < 2 * half)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -813,11 +796,11 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
 }
 
 // `_pipe`: the next step's weights in flight during the
-// current one's products. W = 8 warps, 2 blocks a SM: at 3, the two formats' bodies in one
+// current one's products. 8 warps, 2 blocks a SM: at 3, the two formats' bodies in one
 // kernel spill, and on the H100 kernels of one format at 3 blocks a SM, 32-row tiles of 16
 // warps, and blocks of 4 warps (4 a SM) all measured slower end to end.
-#define MMK_KERNEL(NAME, TY, UP, PIPE, W)                                                      \
-    extern "C" __global__ void __launch_bounds__(W * 32, 16 / W)                               \
+#define MMK_KERNEL(NAME, TY, UP, PIPE)                                                         \
+    extern "C" __global__ void __launch_bounds__(MK_WARPS * 32, 2)                             \
         NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS) {             \
         pdl_enter();                                                                           \
         GvRows t;                                                                              \
@@ -826,17 +809,17 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
                               bias2, t))                                                       \
             return;                                                                            \
         if (TY == T_Q4_K || (TY < 0 && t.ty == T_Q4_K))                                        \
-            mmk_body<T_Q4_K, UP, PIPE, W>(t, xq, xk, xb, npad, GEMV_ARGS);                     \
+            mmk_body<T_Q4_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
         else                                                                                   \
-            mmk_body<T_Q6_K, UP, PIPE, W>(t, xq, xk, xb, npad, GEMV_ARGS);                     \
+            mmk_body<T_Q6_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
     }
 // TY < 0: the block's format picks the body (plain launches may mix formats: Q, K, V);
 // gated launches have one format (the host checks), and a kernel per format keeps the other
 // body's registers out (the two-format gated kernel spilled 116 bytes).
-MMK_KERNEL(mmk_t8, -1, false, false, 8)
-MMK_KERNEL(mmk_t8_pipe, -1, false, true, 8)
-MMK_KERNEL(mmk_t8_gated_q4k, T_Q4_K, true, false, 8)
-MMK_KERNEL(mmk_t8_gated_q6k, T_Q6_K, true, false, 8)
+MMK_KERNEL(mmk_t8, -1, false, false)
+MMK_KERNEL(mmk_t8_pipe, -1, false, true)
+MMK_KERNEL(mmk_t8_gated_q4k, T_Q4_K, true, false)
+MMK_KERNEL(mmk_t8_gated_q6k, T_Q6_K, true, false)
 
 // ---------------------------------------------------------------------------------------
 // Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to

@@ -79,10 +79,10 @@ pub const GEMV_MAX_TOKENS: usize = 8;
 /// Most tokens of a step the tensor-core kernels for quantized weights can take
 /// (`kernels/mmq.cu`; `KESTREL_CUDA_MMQ_MAX` sets the limit in use, 0 turns them off).
 pub const MMQ_MAX_TOKENS: usize = 64;
-/// The limit in use by default, and the fewest tokens they take. By default they take Q4_K
-/// and Q6_K weights only: on Llama-3-8B Q4_0 at B = 8 the int8 kernels gave 696 t/s against
-/// 882 for cuBLAS on the f16 copies (the 18- and 34-byte blocks are only 2-byte aligned:
-/// four 2-byte loads per 8 bytes). Steps of 3..=8 tokens run the int8 kernels `mmq_t*`,
+/// The limit in use by default, and the fewest tokens they take. They take Q4_K and Q6_K
+/// weights, and Q8_0 / Q4_0 up to 8 tokens (see `mmq_reads`; before those rows were stored
+/// 16-byte aligned, Llama-3-8B Q4_0 at B = 8 gave 696 t/s on them against 882 for cuBLAS on
+/// the f16 copies). Steps of 3..=8 tokens run the int8 kernels `mmq_t*` / `mmk_t8*`,
 /// 9..=32 the f16 ones `mmh_*` (MMH_DEFAULT_MIN_TOKENS), larger steps cuBLAS on the f16
 /// copies. Measured on the H100 (Llama-3-8B Q4_K_M, `bench --seqs`, decode t/s, tiled
 /// decode attention): B = 8 1,452 (mmh there: 1,440); 16: mmh 2,334 vs cuBLAS 1,783; 32:
@@ -316,8 +316,7 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
 /// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
 const MMK_MAX_WAVES: usize = 8;
 
-/// A Q6_K block in GGUF, and as the GPU stores it (`Q6K_GPU_BYTES` in kernels/quant.cu).
-const Q6K_BLOCK_BYTES: usize = 210;
+/// A Q6_K block as the GPU stores it (`Q6K_GPU_BYTES` in kernels/quant.cu).
 const Q6K_GPU_BLOCK_BYTES: usize = 224;
 
 /// `data` (whole blocks of `from` bytes) with each block followed by zeros up to `to` bytes.
@@ -423,8 +422,8 @@ pub struct CudaBackend {
     /// any other launch clears it).
     q8_holds: Mutex<Option<u64>>,
     /// The activation tensor, its token count and padded rows whose quantization for the
-    /// int8 `mmq_*` kernels the Q8 buffers hold (set by `rms_norm_mmq`; any launch other
-    /// than those kernels clears it).
+    /// int8 kernels the Q8 buffers hold, and whether in `mmk_t8*`'s layout (set by
+    /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
     mmq_holds: Mutex<Option<(u64, usize, usize, bool)>>,
     /// Steps of up to 8 tokens on Q4_K / Q6_K weights: `mmk_t8*` (activations quantized per
     /// 256 values, integer sums per super-block) instead of `mmq_t8*`. 0: off, 1: on, 2 (the
@@ -751,7 +750,6 @@ impl CudaBackend {
                     _ => 2,
                 },
             ),
-
             fuse_multi: std::env::var("KESTREL_CUDA_FUSE").map_or(true, |v| v != "0"),
             gemm_scratch: Mutex::default(),
             sm_count,
@@ -791,7 +789,7 @@ impl CudaBackend {
         let converted;
         let (data, row_bytes) = match ty {
             GgmlType::Q6K => {
-                converted = pad_blocks(data, Q6K_BLOCK_BYTES, Q6K_GPU_BLOCK_BYTES);
+                converted = pad_blocks(data, ty.type_size(), Q6K_GPU_BLOCK_BYTES);
                 (&converted[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
             }
             GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => {
@@ -1479,10 +1477,9 @@ impl CudaBackend {
             && self.q8_buffers(self.mmq_plan(n, k, segs).1 * k).is_some()
     }
 
-    /// Whether an int8 launch of `npad` token rows and rows of `k` values on these segments
-    /// goes to `mmk_t8*` rather than `mmq_t8*`.
-    /// `tiles`: the launch's 16-row tiles. Launches of more than MMK_MAX_WAVES waves (the
-    /// LM head) stay on `mmq_t8*`: on the H100 the Q6_K LM head took 305–370 µs there
+    /// Whether an int8 launch of `npad` token rows, rows of `k` values, `tiles` 16-row tiles
+    /// and these weight types goes to `mmk_t8*` rather than `mmq_t8*`. Launches of more
+    /// than `mmk_max_waves` waves (the LM head) stay on `mmq_t8*`: on the H100 the Q6_K LM head took 305–370 µs there
     /// against 261 µs on `mmq_t8` (B = 8, `KESTREL_CUDA_PROFILE=1`).
     fn mmk_reads(
         &self,
@@ -1608,8 +1605,6 @@ impl CudaBackend {
             && self.q8_buffers(n * k).is_some()
     }
 
-    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
-    /// 8-bit activations.
     /// Whether a product of `n` tokens with `w` runs on `mmk_t8*` (a subset of
     /// [`Self::matmul_uses_q8`]).
     pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
@@ -1621,6 +1616,8 @@ impl CudaBackend {
             && self.mmk_reads(*cols, mmq_int8_rows(n), rows.div_ceil(16), [*ty])
     }
 
+    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
+    /// 8-bit activations.
     pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
         let CudaWeight::Matrix { ty, cols, .. } = w else {
             return false;
@@ -2110,12 +2107,7 @@ impl CudaBackend {
                     (name, tiles, MMQ_THREADS, args)
                 } else {
                     let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
-                    (
-                        MMQ[tile][gated as usize],
-                        gemv_warps(segs, gated, 16),
-                        MMQ_THREADS,
-                        args,
-                    )
+                    (MMQ[tile][gated as usize], tiles, MMQ_THREADS, args)
                 }
             }
         };

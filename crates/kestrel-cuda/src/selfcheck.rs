@@ -490,38 +490,25 @@ pub struct GemvReport {
     pub via_mmk: bool,
 }
 
-/// `x` as the GPU's `quantize_x_q8` leaves it, back in f32: per block of 32, d = max|x| /
-/// 127 and q = round-half-even(x / d), clamped to ±127; value d · q.
-pub fn quantize_q8_like_gpu(x: &[f32]) -> Vec<f32> {
+/// `x` as the GPU's 8-bit quantization leaves it, back in f32, in blocks of `block` values
+/// (32: `quantize_x_q8` / `quantize_x_mmq`; 256: `quantize_x_mmk`, rows a multiple of 256):
+/// per block d = max|x| / 127 and q = round-half-even(x / d), clamped to ±127; value d · q.
+pub fn quantize_q8_like_gpu(x: &[f32], block: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(x.len());
-    for block in x.chunks(32) {
-        out.extend(quantize_q8_like_gpu_block(block));
+    for values in x.chunks(block) {
+        let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        for &v in values {
+            let q = if d > 0.0 {
+                (v / d).round_ties_even().clamp(-127.0, 127.0)
+            } else {
+                0.0
+            };
+            // Rounded to f32 (relative 6e-8, far below the GEMV bound).
+            out.push((d as f64 * q as f64) as f32);
+        }
     }
     out
-}
-
-/// `x` rounded as `quantize_x_mmk` rounds it for `mmk_t8*`: the same rule as
-/// [`quantize_q8_like_gpu`] over blocks of 256 values of each row of `cols` values.
-pub fn quantize_q8_256_like_gpu(x: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    for block in x.chunks(256) {
-        out.extend(quantize_q8_like_gpu_block(block));
-    }
-    out
-}
-
-fn quantize_q8_like_gpu_block(block: &[f32]) -> impl Iterator<Item = f32> + '_ {
-    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    block.iter().map(move |&v| {
-        let q = if d > 0.0 {
-            (v / d).round_ties_even().clamp(-127.0, 127.0)
-        } else {
-            0.0
-        };
-        // Rounded to f32 (relative 6e-8, far below the GEMV bound).
-        (d as f64 * q as f64) as f32
-    })
 }
 
 /// Largest relative error allowed for a GEMV (f32 arithmetic over up to a few thousand
@@ -628,12 +615,10 @@ pub fn compare_gemv(
         }
         None => backend.matmul(&xt, &weight, n, &mut out),
     }
-    // The 8-bit path's reference uses the activations it sees: x rounded as
-    // `quantize_x_q8` rounds it.
-    let x = if via_mmk {
-        quantize_q8_256_like_gpu(&x)
-    } else if via_q8 {
-        quantize_q8_like_gpu(&x)
+    // The 8-bit paths' reference uses the activations they see: x rounded as their
+    // quantization rounds it (`mmk_t8*` per 256 values, the others per 32).
+    let x = if via_q8 {
+        quantize_q8_like_gpu(&x, if via_mmk { 256 } else { 32 })
     } else if via_mmh {
         x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
     } else {
