@@ -348,14 +348,14 @@ __device__ __forceinline__ void mq_rows_any(int ty, const u8* const (&rw)[4], in
 template <int J, bool UP>
 __device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (&acc_up)[J][4],
                                          const GvRows& t, int r0, int n, int act, float* out0,
-                                         int ld0) {
+                                         int ld0, int tok0 = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2;
     const int nr = t.rows - r0;
 #pragma unroll
     for (int j = 0; j < J; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int r = g + (e >= 2 ? 8 : 0), tok = 8 * j + 2 * (lane & 3) + (e & 1);
+            const int r = g + (e >= 2 ? 8 : 0), tok = tok0 + 8 * j + 2 * (lane & 3) + (e & 1);
             if (r < nr && tok < n) {
                 const int row = r0 + r;
                 if (UP) {
@@ -587,20 +587,28 @@ __device__ __forceinline__ void mk_group_dot(int (&m)[4], u32 wg0, u32 wg1, u32 
     for (int e = 0; e < 4; e++) m[e] = lo[e] + 128 * hi[e];
 }
 
-// The activations of a step st as a lane reads them.
+// The activations of a step st as a lane reads them, one 8-token tile (j = 0) from global
+// memory. Every activation source of Mk::step has these members, for tile j: b (the B
+// fragment of 32-value block blk), dx (the steps of tokens 2c, 2c + 1), blo / bhi (token
+// g's group sums, groups 4c .. 4c + 3).
 struct MkX {
     const i8* xs;  // token g's values of the step, at the lane's 8c
-    float2 dx;     // steps of tokens 2c, 2c + 1
-    u32 blo, bhi;  // token g's group sums, groups 4c .. 4c + 3
+    float2 d;      // steps of tokens 2c, 2c + 1
+    u32 lo, hi;    // token g's group sums, groups 4c .. 4c + 3
     __device__ __forceinline__ void load(const i8* xq, const float* xk, const i8* xb, int k,
                                          int npad, int st, int g, int c) {
         xs = xq + (size_t)g * k + st * 256 + 8 * c;
         const size_t kt = (size_t)st * npad;
-        dx = *(const float2*)(xk + kt + 2 * c);
-        blo = *(const u32*)(xb + (kt + g) * 32 + 4 * c);
-        bhi = *(const u32*)(xb + (kt + g) * 32 + 16 + 4 * c);
+        d = *(const float2*)(xk + kt + 2 * c);
+        lo = *(const u32*)(xb + (kt + g) * 32 + 4 * c);
+        hi = *(const u32*)(xb + (kt + g) * 32 + 16 + 4 * c);
     }
-    __device__ __forceinline__ uint2 b(int blk) const { return *(const uint2*)(xs + 32 * blk); }
+    __device__ __forceinline__ uint2 b(int, int blk) const {
+        return *(const uint2*)(xs + 32 * blk);
+    }
+    __device__ __forceinline__ float2 dx(int) const { return d; }
+    __device__ __forceinline__ u32 blo(int) const { return lo; }
+    __device__ __forceinline__ u32 bhi(int) const { return hi; }
 };
 
 // Byte i of w as a signed / unsigned int.
@@ -613,8 +621,9 @@ template <int TY, bool UP> struct Mk;
 template <bool UP> struct Mk<T_Q4_K, UP> {
     static constexpr int NR = UP ? 4 : 2;
     using Raw = Q4kStep<NR>;
-    static __device__ __forceinline__ void step(const Raw& raw, const MkX& x, int c,
-                                                float (&acc)[2][4]) {
+    template <int J, class X>
+    static __device__ __forceinline__ void step(const Raw& raw, const X& x, int c,
+                                                float (&acc)[NR / 2][J][4]) {
         u32 sc[NR][2], mg[NR];
 #pragma unroll
         for (int r = 0; r < NR; r++) {
@@ -626,40 +635,48 @@ template <bool UP> struct Mk<T_Q4_K, UP> {
             // Groups 4c .. 4c + 3 are the 32-value blocks 2c, 2c, 2c + 1, 2c + 1.
             mg[r] = __byte_perm(mn, 0, (c & 1) ? 0x3322 : 0x1100);
         }
-        int is[NR / 2][4] = {};  // integer sums of the super-block, per matrix
+        int is[NR / 2][J][4] = {};  // integer sums of the super-block, per matrix and tile
 #pragma unroll
         for (int ch = 0; ch < 4; ch++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int blk = 2 * ch + i;
-                const uint2 b = x.b(blk);
 #pragma unroll
                 for (int m = 0; m < NR / 2; m++) {
                     const int r0 = 2 * m, r1 = 2 * m + 1;
-                    int cc[4];
-                    mk_mma_u8(cc, (raw.q[r0][ch].x >> (4 * i)) & 0x0F0F0F0Fu,
-                              (raw.q[r1][ch].x >> (4 * i)) & 0x0F0F0F0Fu,
-                              (raw.q[r0][ch].y >> (4 * i)) & 0x0F0F0F0Fu,
-                              (raw.q[r1][ch].y >> (4 * i)) & 0x0F0F0F0Fu, b.x, b.y);
+                    const u32 a0 = (raw.q[r0][ch].x >> (4 * i)) & 0x0F0F0F0Fu;
+                    const u32 a1 = (raw.q[r1][ch].x >> (4 * i)) & 0x0F0F0F0Fu;
+                    const u32 a2 = (raw.q[r0][ch].y >> (4 * i)) & 0x0F0F0F0Fu;
+                    const u32 a3 = (raw.q[r1][ch].y >> (4 * i)) & 0x0F0F0F0Fu;
                     const int s0 = byte_u(sc[r0][blk >> 2], blk & 3);
                     const int s1 = byte_u(sc[r1][blk >> 2], blk & 3);
-                    is[m][0] += s0 * cc[0];
-                    is[m][1] += s0 * cc[1];
-                    is[m][2] += s1 * cc[2];
-                    is[m][3] += s1 * cc[3];
+#pragma unroll
+                    for (int j = 0; j < J; j++) {
+                        const uint2 b = x.b(j, blk);
+                        int cc[4];
+                        mk_mma_u8(cc, a0, a1, a2, a3, b.x, b.y);
+                        is[m][j][0] += s0 * cc[0];
+                        is[m][j][1] += s0 * cc[1];
+                        is[m][j][2] += s1 * cc[2];
+                        is[m][j][3] += s1 * cc[3];
+                    }
                 }
             }
 #pragma unroll
         for (int m = 0; m < NR / 2; m++) {
             const int r0 = 2 * m, r1 = 2 * m + 1;
-            int ms[4];
-            mk_group_dot(ms, mg[r0], mg[r1], x.blo, x.bhi);
             const float d0 = h2f((u16)(raw.h[r0].x & 0xFFFF)), n0 = h2f((u16)(raw.h[r0].x >> 16));
             const float d1 = h2f((u16)(raw.h[r1].x & 0xFFFF)), n1 = h2f((u16)(raw.h[r1].x >> 16));
-            acc[m][0] += x.dx.x * (d0 * (float)is[m][0] - n0 * (float)ms[0]);
-            acc[m][1] += x.dx.y * (d0 * (float)is[m][1] - n0 * (float)ms[1]);
-            acc[m][2] += x.dx.x * (d1 * (float)is[m][2] - n1 * (float)ms[2]);
-            acc[m][3] += x.dx.y * (d1 * (float)is[m][3] - n1 * (float)ms[3]);
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                int ms[4];
+                mk_group_dot(ms, mg[r0], mg[r1], x.blo(j), x.bhi(j));
+                const float2 dx = x.dx(j);
+                acc[m][j][0] += dx.x * (d0 * (float)is[m][j][0] - n0 * (float)ms[0]);
+                acc[m][j][1] += dx.y * (d0 * (float)is[m][j][1] - n0 * (float)ms[1]);
+                acc[m][j][2] += dx.x * (d1 * (float)is[m][j][2] - n1 * (float)ms[2]);
+                acc[m][j][3] += dx.y * (d1 * (float)is[m][j][3] - n1 * (float)ms[3]);
+            }
         }
     }
 };
@@ -670,16 +687,14 @@ template <bool UP> struct Mk<T_Q4_K, UP> {
 template <bool UP> struct Mk<T_Q6_K, UP> {
     static constexpr int NR = UP ? 4 : 2;
     using Raw = Q6kStep<NR>;
-    static __device__ __forceinline__ void step(const Raw& raw, const MkX& x, int c,
-                                                float (&acc)[2][4]) {
+    template <int J, class X>
+    static __device__ __forceinline__ void step(const Raw& raw, const X& x, int c,
+                                                float (&acc)[NR / 2][J][4]) {
         const bool low = c < 2;
-        int is[NR / 2][4] = {};  // integer sums of the super-block, per matrix
+        int is[NR / 2][J][4] = {};  // integer sums of the super-block, per matrix and tile
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             const int hf = s >> 2, qq = s & 3;
-            const uint2 b = x.b(s);
-            const u32 bl0 = low ? b.x : 0u, bl1 = low ? b.y : 0u;
-            const u32 bh0 = low ? 0u : b.x, bh1 = low ? 0u : b.y;
             const int si = 8 * hf + 2 * qq;  // even: both groups' scales in one word
 #pragma unroll
             for (int m = 0; m < NR / 2; m++) {
@@ -692,27 +707,37 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
                     v[i][0] = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
                     v[i][1] = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
                 }
-                int lo[4], hi[4];
-                mk_mma_u8(lo, v[0][0], v[1][0], v[0][1], v[1][1], bl0, bl1);
-                mk_mma_u8(hi, v[0][0], v[1][0], v[0][1], v[1][1], bh0, bh1);
                 const u32 w0 = raw.sw[r0][si >> 2], w1 = raw.sw[r1][si >> 2];
                 const int a0 = byte_s(w0, si & 3), b0 = byte_s(w0, (si & 3) + 1);
                 const int a1 = byte_s(w1, si & 3), b1 = byte_s(w1, (si & 3) + 1);
-                is[m][0] += a0 * lo[0] + b0 * hi[0];
-                is[m][1] += a0 * lo[1] + b0 * hi[1];
-                is[m][2] += a1 * lo[2] + b1 * hi[2];
-                is[m][3] += a1 * lo[3] + b1 * hi[3];
+#pragma unroll
+                for (int j = 0; j < J; j++) {
+                    const uint2 b = x.b(j, s);
+                    const u32 bl0 = low ? b.x : 0u, bl1 = low ? b.y : 0u;
+                    const u32 bh0 = low ? 0u : b.x, bh1 = low ? 0u : b.y;
+                    int lo[4], hi[4];
+                    mk_mma_u8(lo, v[0][0], v[1][0], v[0][1], v[1][1], bl0, bl1);
+                    mk_mma_u8(hi, v[0][0], v[1][0], v[0][1], v[1][1], bh0, bh1);
+                    is[m][j][0] += a0 * lo[0] + b0 * hi[0];
+                    is[m][j][1] += a0 * lo[1] + b0 * hi[1];
+                    is[m][j][2] += a1 * lo[2] + b1 * hi[2];
+                    is[m][j][3] += a1 * lo[3] + b1 * hi[3];
+                }
             }
         }
 #pragma unroll
         for (int m = 0; m < NR / 2; m++) {
             const int r0 = 2 * m, r1 = 2 * m + 1;
-            int ms[4];
-            mk_group_dot(ms, raw.sw[r0][c], raw.sw[r1][c], x.blo, x.bhi);
-            acc[m][0] += x.dx.x * raw.d[r0] * (float)(is[m][0] - 32 * ms[0]);
-            acc[m][1] += x.dx.y * raw.d[r0] * (float)(is[m][1] - 32 * ms[1]);
-            acc[m][2] += x.dx.x * raw.d[r1] * (float)(is[m][2] - 32 * ms[2]);
-            acc[m][3] += x.dx.y * raw.d[r1] * (float)(is[m][3] - 32 * ms[3]);
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                int ms[4];
+                mk_group_dot(ms, raw.sw[r0][c], raw.sw[r1][c], x.blo(j), x.bhi(j));
+                const float2 dx = x.dx(j);
+                acc[m][j][0] += dx.x * raw.d[r0] * (float)(is[m][j][0] - 32 * ms[0]);
+                acc[m][j][1] += dx.y * raw.d[r0] * (float)(is[m][j][1] - 32 * ms[1]);
+                acc[m][j][2] += dx.x * raw.d[r1] * (float)(is[m][j][2] - 32 * ms[2]);
+                acc[m][j][3] += dx.y * raw.d[r1] * (float)(is[m][j][3] - 32 * ms[3]);
+            }
         }
     }
 };
@@ -722,8 +747,10 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
 template <int TY, bool UP, bool PIPE>
 __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int steps,
                                         const i8* xq, const float* xk, const i8* xb, int k,
-                                        int npad, int g, int c, float (&acc)[2][4]) {
+                                        int npad, int g, int c, float (&acc)[2][1][4]) {
     typedef Mk<TY, UP> M;
+    // One tile; without up only the first matrix's accumulators.
+    float(&a)[M::NR / 2][1][4] = reinterpret_cast<float(&)[M::NR / 2][1][4]>(acc);
     typename M::Raw raw;
     int st = warp;
     if (st >= steps) return;
@@ -734,10 +761,10 @@ __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int 
         if (PIPE) {
             typename M::Raw next;
             if (st + MK_WARPS < steps) next.load(rw, st + MK_WARPS, c);
-            M::step(raw, x, c, acc);
+            M::template step<1>(raw, x, c, a);
             raw = next;
         } else {
-            M::step(raw, x, c, acc);
+            M::template step<1>(raw, x, c, a);
             if (st + MK_WARPS < steps) raw.load(rw, st + MK_WARPS, c);
         }
     }
@@ -758,11 +785,11 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
     const u8* rw[4] = {t.w + (size_t)ra * t.rb, t.w + (size_t)rb * t.rb,
                        UP ? w1 + (size_t)ra * rb1 : nullptr,
                        UP ? w1 + (size_t)rb * rb1 : nullptr};
-    float acc[2][4];
+    float acc[2][1][4];
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[m][e] = 0.0f;
+        for (int e = 0; e < 4; e++) acc[m][0][e] = 0.0f;
     mk_rows<TY, UP, PIPE>(rw, warp, k >> 8, xq, xk, xb, k, npad, g, c, acc);
 
     // The warps' partial sums meet in warp 0 (as mmq_body: fixed order, lane-minor).
@@ -772,15 +799,15 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
         if (warp >= half && warp < 2 * half)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                red[warp - half][e][lane] = acc[0][e];
-                if (UP) red[warp - half][4 + e][lane] = acc[1][e];
+                red[warp - half][e][lane] = acc[0][0][e];
+                if (UP) red[warp - half][4 + e][lane] = acc[1][0][e];
             }
         __syncthreads();
         if (warp < half)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                acc[0][e] += red[warp][e][lane];
-                if (UP) acc[1][e] += red[warp][4 + e][lane];
+                acc[0][0][e] += red[warp][e][lane];
+                if (UP) acc[1][0][e] += red[warp][4 + e][lane];
             }
         __syncthreads();
     }
@@ -788,8 +815,8 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
         float a[1][4], a_up[1][4];
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            a[0][e] = acc[0][e];
-            a_up[0][e] = acc[1][e];
+            a[0][e] = acc[0][0][e];
+            a_up[0][e] = acc[1][0][e];
         }
         mq_store<1, UP>(a, a_up, t, t.r0, n, act, out0, ld0);
     }
@@ -992,12 +1019,12 @@ template <> struct Mh<T_Q6_K> {
 // With splits, a block's partial sums go to `work` (work[block][e][thread], coalesced)
 // and the tile's last block to arrive adds every split's partials in split order; false
 // for the other blocks (they are done).
-template <int J>
+template <int J, int T>
 __device__ __forceinline__ bool mq_split_sum(float (&acc)[J][4], int splits, float* work,
                                              u32* count, int tile) {
     __shared__ int ms_last;
     if (splits <= 1) return true;
-    constexpr int PER = J * 4, T = MH_WARPS * 32;
+    constexpr int PER = J * 4;
     float* mine = work + (size_t)blockIdx.x * PER * T + threadIdx.x;
 #pragma unroll
     for (int j = 0; j < J; j++)
@@ -1051,16 +1078,44 @@ __device__ __forceinline__ void mh_rows(const u8* const (&rw)[2], int s0, int s1
     }
 }
 
-// out_s[t][r] = W_s[r]·x[t] (+ bias) for n tokens with the GEMV launches' parameters, on
-// f16 activations xh (convert_x_mmh, 8J token rows); UP: a gated launch, act(gate·x) *
-// (up·x) into out0 (gate and up of one format and row length, the host checks). k a
-// multiple of 256. Grid: (Σ ceil(rows_s / MH_ROWS), gated: ceil(rows / (MH_ROWS / 2))) ×
-// splits blocks, block b taking tile b / splits and the split b % splits of the steps.
-template <int J, bool UP>
-__device__ __forceinline__ void mmh_body(const u16* xh, int splits, float* work, u32* count,
-                                         GEMV_PARAMS) {
-    constexpr int NT = 8 * J, TILE_ROWS = UP ? MH_ROWS / 2 : MH_ROWS;
-    __shared__ __align__(16) u8 sx[NT * MH_XROW];
+// A warp's 16 rows r0 .. r0 + 15 of a matrix (w, rows of `rbytes` bytes, `rows` rows; rows
+// past the end read the last one), and this lane's two of them (g and g + 8).
+struct WarpRows {
+    const u8* const (&lane)[2];
+    const u8* w;
+    long long rbytes;
+    int r0, rows;
+    __device__ __forceinline__ const u8* row(int i) const {
+        return w + (size_t)min(r0 + i, rows - 1) * rbytes;
+    }
+};
+
+// The rows of a warp of `mmh_*` for the formats they read.
+template <int J> struct MhRows {
+    static constexpr int SMEM = 8 * J * MH_XROW;  // one stage
+    const u16* xh;
+    int k;
+    __device__ __forceinline__ void operator()(int ty, const WarpRows& wr, int, int s0, int s1,
+                                               u8* sx, float (&acc)[J][4]) const {
+        switch (ty) {
+        case T_Q4_K: mh_rows<T_Q4_K, J>(wr.lane, s0, s1, k, xh, sx, acc); break;
+        case T_Q6_K: mh_rows<T_Q6_K, J>(wr.lane, s0, s1, k, xh, sx, acc); break;
+        default: break;
+        }
+    }
+};
+
+// out_s[t][r] = W_s[r]·x[t] (+ bias) for n tokens with the GEMV launches' parameters, each
+// warp's 16 rows multiplied by `rows` (the family: its activations and their stage in shared
+// memory); UP: a gated launch, act(gate·x) * (up·x) into out0 (gate and up of one format and
+// row length, the host checks). k a multiple of 256. Grid: (Σ ceil(rows_s / MH_ROWS), gated:
+// ceil(rows / (MH_ROWS / 2))) × splits blocks, block b taking tile b / splits and the split
+// b % splits of the steps. MH_WARPS · TS warps a block: warp w takes rows 16 (w % MH_WARPS)
+// of the tile and the token tiles J / TS · (w / MH_WARPS) onwards (its token part `th`).
+template <int J, bool UP, int TS, class Rows>
+__device__ __forceinline__ void tile_body(const Rows& rows, u8* sx, int splits, float* work,
+                                          u32* count, GEMV_PARAMS) {
+    constexpr int TILE_ROWS = UP ? MH_ROWS / 2 : MH_ROWS, JW = J / TS;
     const int tile = blockIdx.x / splits, split = blockIdx.x - tile * splits;
     GvRows t;
     if (!gv_pick_rows<TILE_ROWS>(tile, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1,
@@ -1070,54 +1125,54 @@ __device__ __forceinline__ void mmh_body(const u16* xh, int splits, float* work,
     (void)x;
     (void)rpb;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-    const int up = UP ? warp / (MH_WARPS / 2) : 0, wr = UP ? warp % (MH_WARPS / 2) : warp;
+    const int rg = warp % MH_WARPS, th = warp / MH_WARPS;
+    const int up = UP ? rg / (MH_WARPS / 2) : 0, wr = UP ? rg % (MH_WARPS / 2) : rg;
     const int r0 = t.r0 + 16 * wr;  // this warp's first row (may be past the end)
     const u8* w = up ? w1 : t.w;
     const long long rbytes = up ? rb1 : t.rb;
     // Rows past the matrix's end read its last row; their results are dropped.
     const int ra = min(r0 + g, t.rows - 1), rb = min(r0 + g + 8, t.rows - 1);
     const u8* rw[2] = {w + (size_t)ra * rbytes, w + (size_t)rb * rbytes};
-    float acc[J][4];
+    float acc[JW][4];
 #pragma unroll
-    for (int j = 0; j < J; j++)
+    for (int j = 0; j < JW; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
     const int steps = k >> 8, per = (steps + splits - 1) / splits;
     const int s0 = split * per, s1 = min(steps, s0 + per);
-    switch (t.ty) {
-    case T_Q4_K: mh_rows<T_Q4_K, J>(rw, s0, s1, k, xh, sx, acc); break;
-    case T_Q6_K: mh_rows<T_Q6_K, J>(rw, s0, s1, k, xh, sx, acc); break;
-    default: break;
-    }
-    if (!mq_split_sum<J>(acc, splits, work, count, tile)) return;
+    rows(t.ty, WarpRows{rw, w, rbytes, r0, t.rows}, th, s0, s1, sx, acc);
+    if (!mq_split_sum<JW, MH_WARPS * TS * 32>(acc, splits, work, count, tile)) return;
+    const int tok0 = 8 * JW * th;
     if (!UP) {
-        mq_store<J, false>(acc, acc, t, r0, n, act, out0, ld0);
+        mq_store<JW, false>(acc, acc, t, r0, n, act, out0, ld0, tok0);
         return;
     }
     // Up's warps hand their sums to gate's through shared memory (the stage is free).
-    float(*ex)[J * 4][32] = reinterpret_cast<float(*)[J * 4][32]>(sx);
+    float(*ex)[JW * 4][32] = reinterpret_cast<float(*)[JW * 4][32]>(sx);
+    const int slot = th * (MH_WARPS / 2) + wr;
     __syncthreads();
     if (up) {
 #pragma unroll
-        for (int j = 0; j < J; j++)
+        for (int j = 0; j < JW; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) ex[wr][4 * j + e][lane] = acc[j][e];
+            for (int e = 0; e < 4; e++) ex[slot][4 * j + e][lane] = acc[j][e];
     }
     __syncthreads();
     if (up) return;
-    float acc_up[J][4];
+    float acc_up[JW][4];
 #pragma unroll
-    for (int j = 0; j < J; j++)
+    for (int j = 0; j < JW; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc_up[j][e] = ex[wr][4 * j + e][lane];
-    mq_store<J, true>(acc, acc_up, t, r0, n, act, out0, ld0);
+        for (int e = 0; e < 4; e++) acc_up[j][e] = ex[slot][4 * j + e][lane];
+    mq_store<JW, true>(acc, acc_up, t, r0, n, act, out0, ld0, tok0);
 }
 
 #define MMH_KERNEL(NAME, J, UP)                                                                \
     extern "C" __global__ void __launch_bounds__(MH_WARPS * 32, 4)                             \
         NAME(const u16* xh, int splits, float* work, u32* count, GEMV_PARAMS) {                \
+        __shared__ __align__(16) u8 sx[MhRows<J>::SMEM];                                       \
         pdl_enter();                                                                           \
-        mmh_body<J, UP>(xh, splits, work, count, GEMV_ARGS);                                   \
+        tile_body<J, UP, 1>(MhRows<J>{xh, k}, sx, splits, work, count, GEMV_ARGS);             \
     }
 MMH_KERNEL(mmh_t8, 1, false)
 MMH_KERNEL(mmh_t16, 2, false)
@@ -1127,3 +1182,301 @@ MMH_KERNEL(mmh_t8_gated, 1, true)
 MMH_KERNEL(mmh_t16_gated, 2, true)
 MMH_KERNEL(mmh_t32_gated, 4, true)
 MMH_KERNEL(mmh_t64_gated, 8, true)
+
+// ---------------------------------------------------------------------------------------
+// Steps of 9..64 tokens on int8 activations in mmk_t8's layout (`mms_*`): the tiling of
+// mmh_* (MH_WARPS row groups of 16 rows, splits of the row length), the int8 super-block
+// products of mmk_t8 (integer sums per super-block, MsStep) on 8-token tiles. Both operands
+// go through shared memory by cp.async, MS_STAGES steps deep: each step's activations of all
+// tokens (values, group sums, steps) once for the block, each row group's 16 weight rows by
+// its warps. Step i + MS_STAGES - 1 is copied while step i is multiplied; one barrier a
+// step. How it got here (H100, `bench --profile` at 64 tokens, gate/up of Llama-3-8B):
+// weights prefetched into registers one step ahead stalled on them (ncu: ~30% of the
+// stalls at their first use; 218 registers, 8 warps a SM) and the step, unrolled over 8
+// tiles, was 1,100 (Q4_K) / 2,100 (Q6_K) instructions with ~25% instruction-fetch stalls;
+// staging the weights too, two warps per row group (half the tokens each) and the copies'
+// addresses worked out once took it to ~540 instructions a Q4_K step and 102 -> 88 µs
+// (750 GB/s). It is issue-bound now (ncu: 44% of issue slots busy, stalls spread over
+// selection, math, barrier and short scoreboard).
+
+#define MS_STAGES 3
+// Token parts: a block has MS_TS warps per 16-row group, each taking 8J / MS_TS tokens of
+// the step (twice the warps of mmh_* for the same operands in shared memory).
+#define MS_TS 2
+#define MS_THREADS (MH_WARPS * MS_TS * 32)
+// Bytes per weight row of a stage: Q6_K's 224 (56 words ≡ 24 mod 32 banks), Q4_K's 144
+// at a stride of 160 (≡ 8): the 8-byte loads of a half-warp (rows g .. g + 3) fall in
+// distinct banks.
+#define MS_WROW 224
+// Bytes per token row of a stage's activations: the 256 values, then the 16 group sums' 32
+// bytes (288 ≡ 32 mod 128: the 8-byte B loads of a half-warp, tokens g .. g + 3, fall in
+// distinct banks), after them the tokens' steps (floats).
+#define MS_XROW 288
+
+template <int J> struct MsStage {
+    static constexpr int W = MH_ROWS * MS_WROW;             // weights of the block's rows
+    static constexpr int BYTES = W + 8 * J * (MS_XROW + 4);  // + the activations
+};
+
+// A lane's view of a stage's activations: tile j's token g at this lane's values 8c of
+// block blk.
+struct MkS {
+    const u8* xs;     // token g's row at 8c
+    const u8* sums;   // token g's group sums at 4c
+    const float* dk;  // the steps of tokens 2c, 2c + 1
+    __device__ __forceinline__ uint2 b(int j, int blk) const {
+        return *(const uint2*)(xs + j * 8 * MS_XROW + 32 * blk);
+    }
+    __device__ __forceinline__ float2 dx(int j) const { return *(const float2*)(dk + 8 * j); }
+    __device__ __forceinline__ u32 blo(int j) const {
+        return *(const u32*)(sums + j * 8 * MS_XROW);
+    }
+    __device__ __forceinline__ u32 bhi(int j) const {
+        return *(const u32*)(sums + j * 8 * MS_XROW + 16);
+    }
+};
+
+// The cp.async copies of a step into a stage (16-byte chunks), their addresses worked out
+// once: the NT tokens' activations (values, group sums, steps) by the whole block, the 16
+// weight rows of a row group by its MS_TS warps (a Q4_K row is 9 chunks, a Q6_K row 14).
+template <int TY, int NT> struct MsCopy {
+    static constexpr int CH = TY == T_Q4_K ? 9 : 14, BB = TY == T_Q4_K ? 144 : Q6K_GPU_BYTES;
+    static constexpr int STRIDE = TY == T_Q4_K ? 160 : MS_WROW;
+    static constexpr int WM = (16 * CH + 32 * MS_TS - 1) / (32 * MS_TS);  // weight chunks a lane
+    static constexpr int XM = NT * 16 / MS_THREADS;  // value chunks a thread (NT >= 16)
+    const u8* w;
+    u32 woff[WM];  // byte offsets into w of this lane's weight chunks of step 0 (~0u: none)
+    u32 wdst[WM];
+    const i8* xs;    // this thread's first value chunk of step 0, then every 16 tokens
+    long long xstride;
+    u32 xdst;
+    const i8* bs;    // its group-sum chunk of step 0 (threads < 2 NT)
+    const float* ks; // its chunk of the steps of step 0 (threads < NT / 4)
+    int npad;
+
+    __device__ __forceinline__ MsCopy(const WarpRows& wr, const i8* xq, const float* xk,
+                                      const i8* xb, int k, int np) {
+        const int warp = threadIdx.x >> 5, rg = warp % MH_WARPS, th = warp / MH_WARPS;
+        const int l = (threadIdx.x & 31) + 32 * th;
+        w = wr.w;
+        const u32 wbase = rg * 16 * MS_WROW;
+#pragma unroll
+        for (int m = 0; m < WM; m++) {
+            const int i = l + 32 * MS_TS * m, r = i / CH, part = i - r * CH;
+            const bool on = i < 16 * CH;
+            woff[m] = on ? (u32)((size_t)min(wr.r0 + r, wr.rows - 1) * wr.rbytes + part * 16) : ~0u;
+            wdst[m] = wbase + r * STRIDE + part * 16;
+        }
+        const int t = threadIdx.x;
+        xs = xq + (size_t)(t >> 4) * k + (t & 15) * 16;
+        xstride = (long long)16 * k;
+        xdst = MsStage<NT / 8>::W + (t >> 4) * MS_XROW + (t & 15) * 16;
+        bs = xb + (size_t)t * 16;
+        ks = xk + 4 * t;
+        npad = np;
+    }
+
+    // Step st into the stage at shared address `stage` (not committed).
+    __device__ __forceinline__ void issue(u32 stage, int st) const {
+#pragma unroll
+        for (int m = 0; m < WM; m++)
+            if (woff[m] != ~0u)
+                cp_async16(stage + wdst[m], w + woff[m] + (size_t)st * BB, true);
+        const i8* x = xs + (size_t)st * 256;
+#pragma unroll
+        for (int m = 0; m < XM; m++)
+            cp_async16(stage + xdst + m * 16 * MS_XROW, x + m * xstride, true);
+        const int t = threadIdx.x;
+        const size_t kt = (size_t)st * npad;
+        constexpr u32 A = MsStage<NT / 8>::W;
+        if (t < 2 * NT)
+            cp_async16(stage + A + (t >> 1) * MS_XROW + 256 + (t & 1) * 16, bs + kt * 32, true);
+        if (t < NT / 4) cp_async16(stage + A + NT * MS_XROW + 16 * t, ks + kt, true);
+    }
+};
+
+// One step of a warp's rows g / g + 8 (row0 / row1: their blocks in the stage) with the
+// staged activations x, into acc: Mk<TY>::step's arithmetic, each sub-block's weights read
+// from shared memory where it is multiplied (no register copy of the whole step).
+template <int TY> struct MsStep;
+
+template <> struct MsStep<T_Q4_K> {
+    template <int J>
+    static __device__ __forceinline__ void step(const u8* row0, const u8* row1, const MkS& x,
+                                                int c, float (&acc)[J][4]) {
+        const uint4 h0 = *(const uint4*)row0, h1 = *(const uint4*)row1;
+        const uint4 h[2] = {h0, h1};
+        u32 sc[2][2], mg[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const u32 s03 = h[r].y, s47 = h[r].z, s811 = h[r].w;
+            sc[r][0] = s03 & 0x3F3F3F3Fu;
+            sc[r][1] = (s811 & 0x0F0F0F0Fu) | ((s03 >> 2) & 0x30303030u);
+            const u32 mn = c < 2 ? s47 & 0x3F3F3F3Fu
+                                 : ((s811 >> 4) & 0x0F0F0F0Fu) | ((s47 >> 2) & 0x30303030u);
+            mg[r] = __byte_perm(mn, 0, (c & 1) ? 0x3322 : 0x1100);
+        }
+        int is[J][4] = {};
+#pragma unroll
+        for (int blk = 0; blk < 8; blk++) {
+            const int off = 16 + 32 * (blk >> 1) + 8 * c, sh = 4 * (blk & 1);
+            const uint2 q0 = *(const uint2*)(row0 + off), q1 = *(const uint2*)(row1 + off);
+            const u32 a0 = (q0.x >> sh) & 0x0F0F0F0Fu, a1 = (q1.x >> sh) & 0x0F0F0F0Fu;
+            const u32 a2 = (q0.y >> sh) & 0x0F0F0F0Fu, a3 = (q1.y >> sh) & 0x0F0F0F0Fu;
+            const int bs = 8 * (blk & 3);
+            const int s0 = (int)(((blk < 4 ? sc[0][0] : sc[0][1]) >> bs) & 0xFF);
+            const int s1 = (int)(((blk < 4 ? sc[1][0] : sc[1][1]) >> bs) & 0xFF);
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                const uint2 b = x.b(j, blk);
+                int cc[4];
+                mk_mma_u8(cc, a0, a1, a2, a3, b.x, b.y);
+                is[j][0] += s0 * cc[0];
+                is[j][1] += s0 * cc[1];
+                is[j][2] += s1 * cc[2];
+                is[j][3] += s1 * cc[3];
+            }
+        }
+        const float d0 = h2f((u16)(h0.x & 0xFFFF)), n0 = h2f((u16)(h0.x >> 16));
+        const float d1 = h2f((u16)(h1.x & 0xFFFF)), n1 = h2f((u16)(h1.x >> 16));
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            int ms[4];
+            mk_group_dot(ms, mg[0], mg[1], x.blo(j), x.bhi(j));
+            const float2 dx = x.dx(j);
+            acc[j][0] += dx.x * (d0 * (float)is[j][0] - n0 * (float)ms[0]);
+            acc[j][1] += dx.y * (d0 * (float)is[j][1] - n0 * (float)ms[1]);
+            acc[j][2] += dx.x * (d1 * (float)is[j][2] - n1 * (float)ms[2]);
+            acc[j][3] += dx.y * (d1 * (float)is[j][3] - n1 * (float)ms[3]);
+        }
+    }
+};
+
+template <> struct MsStep<T_Q6_K> {
+    template <int J>
+    static __device__ __forceinline__ void step(const u8* row0, const u8* row1, const MkS& x,
+                                                int c, float (&acc)[J][4]) {
+        const bool low = c < 2;
+        int is[J][4] = {};
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            const int hf = s >> 2, qq = s & 3;
+            const int lo_off = 64 * hf + 32 * (qq & 1) + 8 * c, hi_off = 128 + 32 * hf + 8 * c;
+            const int sl = 4 * (qq >> 1), sh = 2 * qq;
+            u32 v[2][2];
+            int sa[2], sb[2];
+            const u8* rows[2] = {row0, row1};
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const uint2 l = *(const uint2*)(rows[i] + lo_off);
+                const uint2 hb = *(const uint2*)(rows[i] + hi_off);
+                v[i][0] = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
+                v[i][1] = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
+                // Both 16-value groups' scales of this 32-value run (bytes 2s, 2s + 1).
+                const u32 sw = *(const unsigned short*)(rows[i] + 192 + 2 * s);
+                sa[i] = (int)(signed char)(sw & 0xFF);
+                sb[i] = (int)(signed char)(sw >> 8);
+            }
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                const uint2 b = x.b(j, s);
+                const u32 bl0 = low ? b.x : 0u, bl1 = low ? b.y : 0u;
+                const u32 bh0 = low ? 0u : b.x, bh1 = low ? 0u : b.y;
+                int lo[4], hi[4];
+                mk_mma_u8(lo, v[0][0], v[1][0], v[0][1], v[1][1], bl0, bl1);
+                mk_mma_u8(hi, v[0][0], v[1][0], v[0][1], v[1][1], bh0, bh1);
+                is[j][0] += sa[0] * lo[0] + sb[0] * hi[0];
+                is[j][1] += sa[0] * lo[1] + sb[0] * hi[1];
+                is[j][2] += sa[1] * lo[2] + sb[1] * hi[2];
+                is[j][3] += sa[1] * lo[3] + sb[1] * hi[3];
+            }
+        }
+        const u32 g0 = *(const u32*)(row0 + 192 + 4 * c), g1 = *(const u32*)(row1 + 192 + 4 * c);
+        const float d0 = h2f(*(const u16*)(row0 + 208)), d1 = h2f(*(const u16*)(row1 + 208));
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            int ms[4];
+            mk_group_dot(ms, g0, g1, x.blo(j), x.bhi(j));
+            const float2 dx = x.dx(j);
+            acc[j][0] += dx.x * d0 * (float)(is[j][0] - 32 * ms[0]);
+            acc[j][1] += dx.y * d0 * (float)(is[j][1] - 32 * ms[1]);
+            acc[j][2] += dx.x * d1 * (float)(is[j][2] - 32 * ms[2]);
+            acc[j][3] += dx.y * d1 * (float)(is[j][3] - 32 * ms[3]);
+        }
+    }
+};
+
+// Steps [s0, s1) of format TY for this warp's rows (the whole block calls it).
+// th: the warp's token part (tiles JW · th onwards).
+template <int TY, int J>
+__device__ __forceinline__ void ms_rows(const WarpRows& wr, int th, int s0, int s1, int k,
+                                        int npad, const i8* xq, const float* xk, const i8* xb,
+                                        u8* sx, float (&acc)[J / MS_TS][4]) {
+    constexpr int NT = 8 * J, STAGE = MsStage<J>::BYTES, JW = J / MS_TS;
+    constexpr int STRIDE = TY == T_Q4_K ? 160 : MS_WROW;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int rg = warp % MH_WARPS, t0 = 8 * JW * th;
+    const MsCopy<TY, NT> copy(wr, xq, xk, xb, k, npad);
+    const u32 sx32 = smem_u32(sx);
+    // The blocks start at different steps of their range (the i-th step taken is
+    // s0 + (i + rot) % n): launched together, they would otherwise all read the same
+    // 256-value column of the matrix at once.
+    const int n = s1 - s0, rot = n > 0 ? (int)(blockIdx.x * 7u % (unsigned)n) : 0;
+    auto step_of = [&](int i) { return s0 + (i + rot < n ? i + rot : i + rot - n); };
+#pragma unroll
+    for (int p = 0; p < MS_STAGES - 1; p++) {
+        if (p < n) copy.issue(sx32 + p * STAGE, step_of(p));
+        cp_async_commit();
+    }
+    int slot = 0;  // i % MS_STAGES
+    for (int i = 0; i < n; i++) {
+        static_assert(MS_STAGES == 3, "the wait below leaves MS_STAGES - 2 groups in flight");
+        cp_async_wait_prev();
+        __syncthreads();  // step i landed for every thread; the stage of i - 1 is free
+        const int ahead = i + MS_STAGES - 1;
+        const int aslot = slot == 0 ? MS_STAGES - 1 : slot - 1;
+        if (ahead < n) copy.issue(sx32 + aslot * STAGE, step_of(ahead));
+        cp_async_commit();
+        const u8* stage = sx + slot * STAGE;
+        const u8* w = stage + rg * 16 * MS_WROW;  // this warp's rows (MsCopy)
+        const u8* sa = stage + MsStage<J>::W;
+        const MkS xs{sa + (t0 + g) * MS_XROW + 8 * c, sa + (t0 + g) * MS_XROW + 256 + 4 * c,
+                     (const float*)(sa + NT * MS_XROW) + t0 + 2 * c};
+        MsStep<TY>::template step<JW>(w + g * STRIDE, w + (g + 8) * STRIDE, xs, c, acc);
+        slot = slot == MS_STAGES - 1 ? 0 : slot + 1;
+    }
+    cp_async_wait_all();  // nothing left in flight (empty groups)
+}
+
+template <int J> struct MsRows {
+    const i8* xq;
+    const float* xk;
+    const i8* xb;
+    int k, npad;
+    __device__ __forceinline__ void operator()(int ty, const WarpRows& wr, int th, int s0, int s1,
+                                               u8* sx, float (&acc)[J / MS_TS][4]) const {
+        switch (ty) {
+        case T_Q4_K: ms_rows<T_Q4_K, J>(wr, th, s0, s1, k, npad, xq, xk, xb, sx, acc); break;
+        case T_Q6_K: ms_rows<T_Q6_K, J>(wr, th, s0, s1, k, npad, xq, xk, xb, sx, acc); break;
+        default: break;
+        }
+    }
+};
+
+// Activations: quantize_x_mmk / rms_norm_mmk for npad = 8J token rows. Dynamic shared
+// memory: MS_STAGES · MsStage<J>::BYTES (the host's mms_smem_bytes).
+#define MMS_KERNEL(NAME, J, UP)                                                                \
+    extern "C" __global__ void __launch_bounds__(MS_THREADS, J > 4 ? 2 : 3)                    \
+        NAME(const i8* xq, const float* xk, const i8* xb, int npad, int splits, float* work,   \
+             u32* count, GEMV_PARAMS) {                                                        \
+        extern __shared__ __align__(16) u8 ms_smem[];                                          \
+        pdl_enter();                                                                           \
+        tile_body<J, UP, MS_TS>(MsRows<J>{xq, xk, xb, k, npad}, ms_smem, splits, work, count,  \
+                                GEMV_ARGS);                                                    \
+    }
+MMS_KERNEL(mms_t16, 2, false)
+MMS_KERNEL(mms_t32, 4, false)
+MMS_KERNEL(mms_t64, 8, false)
+MMS_KERNEL(mms_t16_gated, 2, true)
+MMS_KERNEL(mms_t32_gated, 4, true)
+MMS_KERNEL(mms_t64_gated, 8, true)

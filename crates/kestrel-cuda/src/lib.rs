@@ -83,11 +83,11 @@ pub const MMQ_MAX_TOKENS: usize = 64;
 /// weights, and Q8_0 / Q4_0 up to 8 tokens (see `mmq_reads`; before those rows were stored
 /// 16-byte aligned, Llama-3-8B Q4_0 at B = 8 gave 696 t/s on them against 882 for cuBLAS on
 /// the f16 copies). Steps of 3..=8 tokens run the int8 kernels `mmq_t*` / `mmk_t8*`,
-/// 9..=32 the f16 ones `mmh_*` (MMH_DEFAULT_MIN_TOKENS), larger steps cuBLAS on the f16
-/// copies. Measured on the H100 (Llama-3-8B Q4_K_M, `bench --seqs`, decode t/s, tiled
-/// decode attention): B = 8 1,452 (mmh there: 1,440); 16: mmh 2,334 vs cuBLAS 1,783; 32:
-/// 3,012 vs 2,911; 64: 3,621 vs 4,249 (the int8 kernels at 64: 1,523, staged in shared
-/// memory 2,349).
+/// 9..=32 the staged int8 ones `mms_*` (the f16 `mmh_*` with `KESTREL_CUDA_MMS=0`), larger
+/// steps cuBLAS on the f16 copies. Measured on the H100 (Llama-3-8B Q4_K_M, `bench --seqs`,
+/// decode t/s, same call): B = 16 mms 2,641 / 2,582 vs mmh 2,421; 32: 3,605 / 3,446 vs
+/// 3,226; 64: mms 4,335 / 4,119 vs cuBLAS 4,544 (so 64 stays on cuBLAS). Earlier: B = 8
+/// 1,452 (mmh there: 1,440); 64: mmh 3,621 vs cuBLAS 4,249, the per-32 int8 kernels 1,523.
 const MMQ_DEFAULT_MAX_TOKENS: usize = 32;
 const MMQ_MIN_TOKENS: usize = 3;
 /// Rows a block of the f16 tensor-core kernels `mmh_*` owns (MH_ROWS in kernels/mmq.cu;
@@ -280,6 +280,8 @@ enum MmqKind {
     Int8,
     /// `mmh_*`: f16 activations staged in shared memory.
     Half,
+    /// `mms_*`: int8 activations per 256 values (`mmk_t8*`'s layout) staged in shared memory.
+    Staged,
 }
 
 /// How many blocks of an `mmh_*` launch (`tiles` tiles, rows of `steps` 256-value steps,
@@ -287,7 +289,7 @@ enum MmqKind {
 /// (as many as are resident at once), at
 /// least two steps each, and room for the partial sums. Every split gets at least one step
 /// (the count is recomputed from the steps per split).
-fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
+fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm: usize) -> usize {
     if tiles == 0 || steps < 4 || tiles > MMH_MAX_TILES {
         return 1;
     }
@@ -297,7 +299,7 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
         std::env::var("KESTREL_CUDA_MMH_BLOCKS_PER_SM")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(MMH_BLOCKS_PER_SM)
+            .unwrap_or(blocks_per_sm)
     });
     let want = (per_sm * sms).div_ceil(tiles).min(steps / 2);
     if want <= 1 {
@@ -311,6 +313,19 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize) -> usize {
         return 1;
     }
     splits
+}
+
+/// Dynamic shared memory of a kernel's launches: `mms_*` stage MS_STAGES (3) steps of their
+/// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
+/// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); others use none.
+fn dynamic_smem(name: &str) -> u32 {
+    let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
+        "mms_t16" => 16,
+        "mms_t32" => 32,
+        "mms_t64" => 64,
+        _ => return 0,
+    };
+    3 * (MMH_ROWS as u32 * 224 + tokens * (288 + 4))
 }
 
 /// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
@@ -385,6 +400,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     funcs: Vec<CudaFunction>,
+    /// Dynamic shared memory of each kernel's launches (bytes; see [`dynamic_smem`]).
+    func_smem: Vec<u32>,
     func_index: HashMap<&'static str, usize>,
     recorder: Mutex<Recorder>,
     /// Whether decode steps are captured and replayed as graphs.
@@ -461,6 +478,9 @@ pub struct CudaBackend {
     /// Fewest tokens of a step whose Q4_K / Q6_K products go to the f16 tensor-core kernels
     /// `mmh_*` instead of the int8 ones (`KESTREL_CUDA_MMH_MIN`; above MMQ_MAX_TOKENS: never).
     mmh_min: std::sync::atomic::AtomicUsize,
+    /// Whether those steps, when of more than 8 tokens, take the staged int8 kernels
+    /// `mms_*` instead (`KESTREL_CUDA_MMS=0`: no, for comparisons).
+    mms: std::sync::atomic::AtomicBool,
 }
 
 /// Int8 activations and their per-32 scales for `gemv_q8` (and for `mmq_t*`: scales with
@@ -668,13 +688,25 @@ impl CudaBackend {
             Err(e) => bail!("loading the kernel module for {arch}: {e:?}"),
         };
         let mut funcs = Vec::new();
+        let mut func_smem = Vec::new();
         let mut func_index = HashMap::new();
         for &name in compile::KERNELS {
             let f = module
                 .load_function(name)
                 .map_err(|e| anyhow::anyhow!("kernel {name} missing from the module: {e:?}"))?;
+            let smem = dynamic_smem(name);
+            if smem > 48 << 10 {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(|e| {
+                    anyhow::anyhow!("allowing {name} {smem} bytes of shared memory: {e:?}")
+                })?;
+            }
             func_index.insert(name, funcs.len());
             funcs.push(f);
+            func_smem.push(smem);
         }
         let profile = PROFILE_REQUESTED.load(std::sync::atomic::Ordering::Relaxed)
             || std::env::var("KESTREL_CUDA_PROFILE").is_ok_and(|v| v == "1");
@@ -703,6 +735,7 @@ impl CudaBackend {
             ctx,
             stream,
             funcs,
+            func_smem,
             func_index,
             recorder: Mutex::new(Recorder::default()),
             graphs: std::sync::atomic::AtomicBool::new(graphs),
@@ -758,6 +791,9 @@ impl CudaBackend {
                     .ok()
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(MMH_DEFAULT_MIN_TOKENS),
+            ),
+            mms: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_CUDA_MMS").map_or(true, |v| v != "0"),
             ),
         })
     }
@@ -953,7 +989,7 @@ impl CudaBackend {
             blockDimX: l.block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: self.func_smem[l.func],
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: u32::from(self.pdl),
@@ -1108,7 +1144,8 @@ impl CudaBackend {
         if !(name == "rms_norm_mmq"
             || name == "rms_norm_mmk"
             || name.starts_with("mmq_t")
-            || name.starts_with("mmk_t"))
+            || name.starts_with("mmk_t")
+            || name.starts_with("mms_t"))
         {
             *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
@@ -1511,17 +1548,47 @@ impl CudaBackend {
     /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
     /// f16 tensor-core kernels `mmh_*` (a subset of [`Self::mmq_reads`]).
     fn mmh_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
+        self.wide_mmq_reads(ty, n, k) && !self.mms_on(n)
+    }
+
+    /// Whether those products go through the staged int8 kernels `mms_*` instead.
+    fn mms_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
+        self.wide_mmq_reads(ty, n, k) && self.mms_on(n)
+    }
+
+    /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through
+    /// `mmh_*` or `mms_*` (Q4_K / Q6_K from `mmh_min` tokens).
+    fn wide_mmq_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
         self.mmq_reads(ty, n)
             && n >= self.mmh_min.load(std::sync::atomic::Ordering::Relaxed)
             && k.is_multiple_of(256)
             && matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
     }
 
+    /// Whether steps of `n` tokens that `mmh_*` could take go to `mms_*` (tiles of 16, 32
+    /// and 64 tokens: from 9).
+    fn mms_on(&self, n: usize) -> bool {
+        n > 8 && self.mms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns `mms_*` on or off (the self-check covers both families).
+    pub fn set_mms(&self, on: bool) {
+        self.mms.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether `mms_*` is on.
+    pub fn mms(&self) -> bool {
+        self.mms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Which tensor-core kernels take an mmq launch of `n` tokens, and the tokens their tile
-    /// holds (the activations are converted or quantized for that many rows): `mmh_*` when
-    /// they read every segment (tiles of 8, 16, 32 or 64), else `mmq_t*` (a multiple of 8).
+    /// holds (the activations are converted or quantized for that many rows): `mms_*` or
+    /// `mmh_*` when they read every segment (tiles of 16, 32 or 64; mmh also 8), else
+    /// `mmq_t*` / `mmk_t8*` (a multiple of 8).
     fn mmq_plan(&self, n: usize, k: usize, segs: &[GemvSeg]) -> (MmqKind, usize) {
-        if segs.iter().all(|s| self.mmh_reads(s.ty, n, k)) {
+        if segs.iter().all(|s| self.mms_reads(s.ty, n, k)) {
+            (MmqKind::Staged, n.next_power_of_two())
+        } else if segs.iter().all(|s| self.mmh_reads(s.ty, n, k)) {
             (MmqKind::Half, n.next_power_of_two().max(8))
         } else {
             (MmqKind::Int8, mmq_int8_rows(n))
@@ -1605,15 +1672,24 @@ impl CudaBackend {
             && self.q8_buffers(n * k).is_some()
     }
 
-    /// Whether a product of `n` tokens with `w` runs on `mmk_t8*` (a subset of
-    /// [`Self::matmul_uses_q8`]).
+    /// Whether a product of `n` tokens with `w` runs on activations quantized per 256
+    /// values: `mmk_t8*` or `mms_*` (a subset of [`Self::matmul_uses_q8`]).
     pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
         let CudaWeight::Matrix { ty, cols, rows, .. } = w else {
             return false;
         };
         self.matmul_uses_q8(w, n)
             && self.mmq_reads(*ty, n)
-            && self.mmk_reads(*cols, mmq_int8_rows(n), rows.div_ceil(16), [*ty])
+            && (self.mms_reads(*ty, n, *cols)
+                || self.mmk_reads(*cols, mmq_int8_rows(n), rows.div_ceil(16), [*ty]))
+    }
+
+    /// Whether a product of `n` tokens with `w` runs on `mms_*`.
+    pub fn matmul_uses_mms(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, .. } = w else {
+            return false;
+        };
+        self.matmul_uses_q8(w, n) && self.mms_reads(*ty, n, *cols)
     }
 
     /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
@@ -2060,7 +2136,7 @@ impl CudaBackend {
                     &[&prep_args[..], &outs].concat(),
                 );
                 let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
-                let splits = mmh_splits(tiles, k / 256, npad, self.sm_count);
+                let splits = mmh_splits(tiles, k / 256, npad, self.sm_count, MMH_BLOCKS_PER_SM);
                 let args = vec![
                     Arg::P(xh),
                     Arg::I(splits as i32),
@@ -2068,6 +2144,44 @@ impl CudaBackend {
                     Arg::P(count),
                 ];
                 (MMH[tile][gated as usize], tiles * splits, MMH_THREADS, args)
+            }
+            MmqKind::Staged => {
+                let (xk, xb) = (ds_ptr, ds_ptr + 4 * (npad * k / 256) as u64);
+                let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
+                if held != Some((x.ptr, n, npad, true)) {
+                    let outs = [Arg::P(q_ptr), Arg::P(xk), Arg::P(xb)];
+                    self.launch(
+                        "quantize_x_mmk",
+                        ((k / 256) as u32, npad as u32, 1),
+                        256,
+                        &[&prep_args[..], &outs].concat(),
+                    );
+                }
+                const MMS: [[&str; 2]; 3] = [
+                    ["mms_t16", "mms_t16_gated"],
+                    ["mms_t32", "mms_t32_gated"],
+                    ["mms_t64", "mms_t64_gated"],
+                ];
+                let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
+                let per_sm = if npad > 32 { 2 } else { 3 }; // MMS_KERNEL's launch bounds
+                let splits = mmh_splits(tiles, k / 256, npad, self.sm_count, per_sm);
+                let args = vec![
+                    Arg::P(q_ptr),
+                    Arg::P(xk),
+                    Arg::P(xb),
+                    Arg::I(npad as i32),
+                    Arg::I(splits as i32),
+                    Arg::P(work),
+                    Arg::P(count),
+                ];
+                // MS_THREADS (kernels/mmq.cu): two warps per 16 rows, each half the tokens.
+                const MMS_THREADS: u32 = 8 * 32;
+                (
+                    MMS[tile - 1][gated as usize],
+                    tiles * splits,
+                    MMS_THREADS,
+                    args,
+                )
             }
             MmqKind::Int8 => {
                 let tiles = gemv_warps(segs, gated, 16);
@@ -2468,11 +2582,17 @@ impl kestrel_model::Backend for CudaBackend {
         }
         // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
         // the mmh threshold): quantize them on the way out, in that kernel's layout.
-        let npad = mmq_int8_rows(n);
+        // Steps of 9..=64 tokens whose consumer is `mms_*`: in its layout (mmk's, npad rows).
+        let staged = n >= self.mmh_min() && self.mms_on(n) && x.cols.is_multiple_of(256);
+        let npad = if staged {
+            n.next_power_of_two()
+        } else {
+            mmq_int8_rows(n)
+        };
         if self.fuse_multi
             && n >= MMQ_MIN_TOKENS
             && n <= self.mmq_max()
-            && n < self.mmh_min()
+            && (n < self.mmh_min() || staged)
             && self.q8_decode()
             && x.cols.is_multiple_of(32)
             && let Some(Q8Ptrs { q, ds, .. }) = self.q8_buffers(npad * x.cols)
@@ -2491,7 +2611,7 @@ impl kestrel_model::Backend for CudaBackend {
             // The layout of `mmk_t8*` where a launch of these rows may take it (the consumer
             // quantizes again if its weights turn out to need the other one): one block per
             // token; else `mmq_t*`'s, one block per 256 values.
-            let mmk = npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256);
+            let mmk = staged || (npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256));
             if mmk {
                 args.push(Arg::P(ds + 4 * (npad * x.cols / 256) as u64));
                 let threads = 64 * (x.cols / 256).min(16) as u32;

@@ -485,9 +485,11 @@ pub struct GemvReport {
     /// Whether it ran on the f16 tensor-core kernels `mmh_*` (f16 operands, as cuBLAS;
     /// the reference uses x rounded to f16).
     pub via_mmh: bool,
-    /// Whether it ran on `mmk_t8*` (8-bit activations per 256 values; the reference uses
-    /// them).
+    /// Whether it ran on activations quantized per 256 values (`mmk_t8*`, `mms_*`; the
+    /// reference uses them).
     pub via_mmk: bool,
+    /// Whether it ran on the staged int8 kernels `mms_*`.
+    pub via_mms: bool,
 }
 
 /// `x` as the GPU's 8-bit quantization leaves it, back in f32, in blocks of `block` values
@@ -598,6 +600,7 @@ pub fn compare_gemv(
     let via_q8 = backend.matmul_uses_q8(&weight, n);
     let via_mmh = backend.matmul_uses_mmh(&weight, n);
     let via_mmk = backend.matmul_uses_mmk(&weight, n);
+    let via_mms = backend.matmul_uses_mms(&weight, n);
     // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16, 32 or 64).
     backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     match &up {
@@ -663,6 +666,7 @@ pub fn compare_gemv(
         via_q8,
         via_mmh,
         via_mmk,
+        via_mms,
     })
 }
 
@@ -737,6 +741,27 @@ pub fn mmk_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
             (rows, steps * 256, rng.random_range(3..=8), rng.random())
         })
         .collect()
+}
+
+/// Random cases for `mms_*` (9..=64 tokens, Q4_K / Q6_K): each of its tile sizes (16, 32,
+/// 64 tokens, full and partly filled), awkward row counts, and row lengths of 1 to 56 steps
+/// of 256 (narrow launches split them across blocks, odd step counts per split included).
+pub fn mms_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    [
+        (9, 16, 1),
+        (16, 16, 14),
+        (17, 32, 3),
+        (32, 32, 9),
+        (33, 64, 56),
+        (64, 64, 16),
+    ]
+    .iter()
+    .map(|&(lo, hi, steps)| {
+        let rows = rng.random_range(1..300);
+        (rows, steps * 256, rng.random_range(lo..=hi), rng.random())
+    })
+    .collect()
 }
 
 /// Random prompt-sized cases for one type (every type the backend reads): 16..300 tokens,

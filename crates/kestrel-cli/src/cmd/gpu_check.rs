@@ -152,9 +152,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .filter(|_| q8_default)
         .map(|ty| ("gemv-f32", ty));
     // Steps of 3..=64 tokens of those formats run on the tensor cores: int8 ("mmq"), or
-    // for Q4_K / Q6_K on f16 operands ("mmh") and, up to 8 tokens, on int8 with activations
-    // quantized per 256 values ("mmk"); "-gated": the gate and up matrices of a feed-forward
-    // block in one launch.
+    // for Q4_K / Q6_K on f16 operands ("mmh") and on int8 with activations quantized per
+    // 256 values, up to 8 tokens ("mmk") and from 9 staged in shared memory ("mms");
+    // "-gated": the gate and up matrices of a feed-forward block in one launch.
     let mmq = selfcheck::MMQ_TYPES
         .into_iter()
         .filter(|_| q8_default)
@@ -169,6 +169,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     ("mmh-gated", ty),
                     ("mmk", ty),
                     ("mmk-gated", ty),
+                    ("mms", ty),
+                    ("mms-gated", ty),
                 ]);
             }
             kinds
@@ -181,15 +183,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             backend.mmq_all_formats(),
             backend.mmh_min(),
             backend.mmk_mode(),
+            backend.mms(),
         );
         if kind.starts_with("mm") {
             backend.set_mmq_max(kestrel_cuda::MMQ_MAX_TOKENS);
             backend.set_mmq_all_formats(true);
-            backend.set_mmh_min(if kind.starts_with("mmh") {
-                1
-            } else {
-                usize::MAX
+            backend.set_mmh_min(match kind {
+                _ if kind.starts_with("mmh") => 1,
+                _ if kind.starts_with("mms") => 9,
+                _ => usize::MAX,
             });
+            backend.set_mms(kind.starts_with("mms"));
             // "mmq" checks the per-32 int8 kernels, which "mmk" replaces where it applies.
             backend.set_mmk_mode(if kind.starts_with("mmk") { 2 } else { 0 });
         }
@@ -200,6 +204,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             selfcheck::gemv_cases(ty, case_seed)
         } else if kind.starts_with("mmk") {
             selfcheck::mmk_cases(case_seed)
+        } else if kind.starts_with("mms") {
+            selfcheck::mms_cases(case_seed)
         } else if kind.starts_with("mm") {
             selfcheck::mmq_cases(ty, case_seed)
         } else {
@@ -237,11 +243,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             "{rows}x{cols} n={n} did not run on 8-bit activations"
                         ));
                     }
-                    if kind.starts_with("mm") && kind.starts_with("mmk") != r.via_mmk {
+                    let per_256 = kind.starts_with("mmk") || kind.starts_with("mms");
+                    if kind.starts_with("mm") && per_256 != r.via_mmk {
                         error = Some(format!(
-                            "{rows}x{cols} n={n}: mmk_t8 {} (expected the other way)",
+                            "{rows}x{cols} n={n}: activations per 256 {} (expected the other way)",
                             if r.via_mmk { "ran" } else { "did not run" }
                         ));
+                    }
+                    if kind.starts_with("mms") && !r.via_mms {
+                        error = Some(format!("{rows}x{cols} n={n} did not run on mms_*"));
                     }
                     if kind.starts_with("mmh") && !r.via_mmh {
                         error = Some(format!(
@@ -263,6 +273,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend.set_mmq_all_formats(mmq_default.1);
         backend.set_mmh_min(mmq_default.2);
         backend.set_mmk_mode(mmq_default.3);
+        backend.set_mms(mmq_default.4);
         if let Some(e) = error {
             failures += 1;
             println!("{kind} {:<6} ERROR {e}", ty.name());
