@@ -615,6 +615,39 @@ struct MkX {
 __device__ __forceinline__ int byte_s(u32 w, int i) { return (int)(signed char)(w >> (8 * i)); }
 __device__ __forceinline__ int byte_u(u32 w, int i) { return (int)((w >> (8 * i)) & 0xFF); }
 
+// is += one 32-value sub-block's products (weights a0..a3 as mk_mma_u8 takes them,
+// activations b), scaled by the rows' sub-block scales s0 (row g) and s1 (row g + 8).
+__device__ __forceinline__ void mk_blk(int (&is)[4], u32 a0, u32 a1, u32 a2, u32 a3, uint2 b,
+                                       int s0, int s1) {
+    int cc[4];
+    mk_mma_u8(cc, a0, a1, a2, a3, b.x, b.y);
+    is[0] += s0 * cc[0];
+    is[1] += s0 * cc[1];
+    is[2] += s1 * cc[2];
+    is[3] += s1 * cc[3];
+}
+
+// A lane's 6-bit Q6_K quants of a 32-value run: low nibbles l (shifted by sl), high bit
+// pairs hb (shifted by sh).
+__device__ __forceinline__ uint2 q6k_run(uint2 l, uint2 hb, int sl, int sh) {
+    return make_uint2(((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4),
+                      ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4));
+}
+
+// is += a Q6_K run's products (v: rows g, g + 8) with activations b: its two 16-value
+// groups (lanes c < 2: the first) as two mma with the other lanes' activations zeroed,
+// scaled by the groups' signed scales (ga / gb: row g's first / second, ha / hb: row g + 8's).
+__device__ __forceinline__ void q6k_run_mma(int (&is)[4], const uint2 (&v)[2], uint2 b, bool low,
+                                            int ga, int gb, int ha, int hb) {
+    int lo[4], hi[4];
+    mk_mma_u8(lo, v[0].x, v[1].x, v[0].y, v[1].y, low ? b.x : 0u, low ? b.y : 0u);
+    mk_mma_u8(hi, v[0].x, v[1].x, v[0].y, v[1].y, low ? 0u : b.x, low ? 0u : b.y);
+    is[0] += ga * lo[0] + gb * hi[0];
+    is[1] += ga * lo[1] + gb * hi[1];
+    is[2] += ha * lo[2] + hb * hi[2];
+    is[3] += ha * lo[3] + hb * hi[3];
+}
+
 template <int TY, bool UP> struct Mk;
 
 // Q4_K: value = d·sc·q − dmin·mn per 32-value block (6-bit sc, mn).
@@ -651,15 +684,7 @@ template <bool UP> struct Mk<T_Q4_K, UP> {
                     const int s0 = byte_u(sc[r0][blk >> 2], blk & 3);
                     const int s1 = byte_u(sc[r1][blk >> 2], blk & 3);
 #pragma unroll
-                    for (int j = 0; j < J; j++) {
-                        const uint2 b = x.b(j, blk);
-                        int cc[4];
-                        mk_mma_u8(cc, a0, a1, a2, a3, b.x, b.y);
-                        is[m][j][0] += s0 * cc[0];
-                        is[m][j][1] += s0 * cc[1];
-                        is[m][j][2] += s1 * cc[2];
-                        is[m][j][3] += s1 * cc[3];
-                    }
+                    for (int j = 0; j < J; j++) mk_blk(is[m][j], a0, a1, a2, a3, x.b(j, blk), s0, s1);
                 }
             }
 #pragma unroll
@@ -699,30 +724,14 @@ template <bool UP> struct Mk<T_Q6_K, UP> {
 #pragma unroll
             for (int m = 0; m < NR / 2; m++) {
                 const int r0 = 2 * m, r1 = 2 * m + 1;
-                u32 v[2][2];
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const uint2 l = raw.ql[r0 + i][hf][qq & 1], hb = raw.qh[r0 + i][hf];
-                    const int sl = 4 * (qq >> 1), sh = 2 * qq;
-                    v[i][0] = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
-                    v[i][1] = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
-                }
+                const int sl = 4 * (qq >> 1), sh = 2 * qq;
+                const uint2 v[2] = {q6k_run(raw.ql[r0][hf][qq & 1], raw.qh[r0][hf], sl, sh),
+                                    q6k_run(raw.ql[r1][hf][qq & 1], raw.qh[r1][hf], sl, sh)};
                 const u32 w0 = raw.sw[r0][si >> 2], w1 = raw.sw[r1][si >> 2];
                 const int a0 = byte_s(w0, si & 3), b0 = byte_s(w0, (si & 3) + 1);
                 const int a1 = byte_s(w1, si & 3), b1 = byte_s(w1, (si & 3) + 1);
 #pragma unroll
-                for (int j = 0; j < J; j++) {
-                    const uint2 b = x.b(j, s);
-                    const u32 bl0 = low ? b.x : 0u, bl1 = low ? b.y : 0u;
-                    const u32 bh0 = low ? 0u : b.x, bh1 = low ? 0u : b.y;
-                    int lo[4], hi[4];
-                    mk_mma_u8(lo, v[0][0], v[1][0], v[0][1], v[1][1], bl0, bl1);
-                    mk_mma_u8(hi, v[0][0], v[1][0], v[0][1], v[1][1], bh0, bh1);
-                    is[m][j][0] += a0 * lo[0] + b0 * hi[0];
-                    is[m][j][1] += a0 * lo[1] + b0 * hi[1];
-                    is[m][j][2] += a1 * lo[2] + b1 * hi[2];
-                    is[m][j][3] += a1 * lo[3] + b1 * hi[3];
-                }
+                for (int j = 0; j < J; j++) q6k_run_mma(is[m][j], v, x.b(j, s), low, a0, b0, a1, b1);
             }
         }
 #pragma unroll
@@ -1327,15 +1336,7 @@ template <> struct MsStep<T_Q4_K> {
             const int s0 = (int)(((blk < 4 ? sc[0][0] : sc[0][1]) >> bs) & 0xFF);
             const int s1 = (int)(((blk < 4 ? sc[1][0] : sc[1][1]) >> bs) & 0xFF);
 #pragma unroll
-            for (int j = 0; j < J; j++) {
-                const uint2 b = x.b(j, blk);
-                int cc[4];
-                mk_mma_u8(cc, a0, a1, a2, a3, b.x, b.y);
-                is[j][0] += s0 * cc[0];
-                is[j][1] += s0 * cc[1];
-                is[j][2] += s1 * cc[2];
-                is[j][3] += s1 * cc[3];
-            }
+            for (int j = 0; j < J; j++) mk_blk(is[j], a0, a1, a2, a3, x.b(j, blk), s0, s1);
         }
         const float d0 = h2f((u16)(h0.x & 0xFFFF)), n0 = h2f((u16)(h0.x >> 16));
         const float d1 = h2f((u16)(h1.x & 0xFFFF)), n1 = h2f((u16)(h1.x >> 16));
@@ -1363,33 +1364,21 @@ template <> struct MsStep<T_Q6_K> {
             const int hf = s >> 2, qq = s & 3;
             const int lo_off = 64 * hf + 32 * (qq & 1) + 8 * c, hi_off = 128 + 32 * hf + 8 * c;
             const int sl = 4 * (qq >> 1), sh = 2 * qq;
-            u32 v[2][2];
+            uint2 v[2];
             int sa[2], sb[2];
             const u8* rows[2] = {row0, row1};
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const uint2 l = *(const uint2*)(rows[i] + lo_off);
-                const uint2 hb = *(const uint2*)(rows[i] + hi_off);
-                v[i][0] = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
-                v[i][1] = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
+                v[i] = q6k_run(*(const uint2*)(rows[i] + lo_off), *(const uint2*)(rows[i] + hi_off),
+                               sl, sh);
                 // Both 16-value groups' scales of this 32-value run (bytes 2s, 2s + 1).
                 const u32 sw = *(const unsigned short*)(rows[i] + 192 + 2 * s);
                 sa[i] = (int)(signed char)(sw & 0xFF);
                 sb[i] = (int)(signed char)(sw >> 8);
             }
 #pragma unroll
-            for (int j = 0; j < J; j++) {
-                const uint2 b = x.b(j, s);
-                const u32 bl0 = low ? b.x : 0u, bl1 = low ? b.y : 0u;
-                const u32 bh0 = low ? 0u : b.x, bh1 = low ? 0u : b.y;
-                int lo[4], hi[4];
-                mk_mma_u8(lo, v[0][0], v[1][0], v[0][1], v[1][1], bl0, bl1);
-                mk_mma_u8(hi, v[0][0], v[1][0], v[0][1], v[1][1], bh0, bh1);
-                is[j][0] += sa[0] * lo[0] + sb[0] * hi[0];
-                is[j][1] += sa[0] * lo[1] + sb[0] * hi[1];
-                is[j][2] += sa[1] * lo[2] + sb[1] * hi[2];
-                is[j][3] += sa[1] * lo[3] + sb[1] * hi[3];
-            }
+            for (int j = 0; j < J; j++)
+                q6k_run_mma(is[j], v, x.b(j, s), low, sa[0], sb[0], sa[1], sb[1]);
         }
         const u32 g0 = *(const u32*)(row0 + 192 + 4 * c), g1 = *(const u32*)(row1 + 192 + 4 * c);
         const float d0 = h2f(*(const u16*)(row0 + 208)), d1 = h2f(*(const u16*)(row1 + 208));

@@ -2149,13 +2149,7 @@ impl CudaBackend {
                 let (xk, xb) = (ds_ptr, ds_ptr + 4 * (npad * k / 256) as u64);
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, true)) {
-                    let outs = [Arg::P(q_ptr), Arg::P(xk), Arg::P(xb)];
-                    self.launch(
-                        "quantize_x_mmk",
-                        ((k / 256) as u32, npad as u32, 1),
-                        256,
-                        &[&prep_args[..], &outs].concat(),
-                    );
+                    self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
                 }
                 const MMS: [[&str; 2]; 3] = [
                     ["mms_t16", "mms_t16_gated"],
@@ -2191,13 +2185,7 @@ impl CudaBackend {
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, mmk)) {
                     if mmk {
-                        let outs = [Arg::P(q_ptr), Arg::P(xk), Arg::P(xb)];
-                        self.launch(
-                            "quantize_x_mmk",
-                            ((k / 256) as u32, npad as u32, 1),
-                            256,
-                            &[&prep_args[..], &outs].concat(),
-                        );
+                        self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
                     } else {
                         let outs = [Arg::P(q_ptr), Arg::P(ds_ptr)];
                         self.launch(
@@ -2232,6 +2220,18 @@ impl CudaBackend {
             threads,
             &kernel_args,
             weight_bytes,
+        );
+    }
+
+    /// `quantize_x_mmk` of `npad` token rows of `k` values (`prep_args`: x, k, n, npad) into
+    /// `outs` (the int8 values, the per-256 steps, the group sums).
+    fn quantize_mmk(&self, prep_args: &[Arg], k: usize, npad: usize, outs: [u64; 3]) {
+        let outs = outs.map(Arg::P);
+        self.launch(
+            "quantize_x_mmk",
+            ((k / 256) as u32, npad as u32, 1),
+            256,
+            &[prep_args, &outs].concat(),
         );
     }
 
