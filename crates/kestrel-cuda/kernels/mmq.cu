@@ -1453,7 +1453,7 @@ template <int J> struct MsRows {
 };
 
 // Activations: quantize_x_mmk / rms_norm_mmk for npad = 8J token rows. Dynamic shared
-// memory: MS_STAGES · MsStage<J>::BYTES (the host's mms_smem_bytes).
+// memory: MS_STAGES · MsStage<J>::BYTES (the host's dynamic_smem).
 #define MMS_KERNEL(NAME, J, UP)                                                                \
     extern "C" __global__ void __launch_bounds__(MS_THREADS, J > 4 ? 2 : 3)                    \
         NAME(const i8* xq, const float* xk, const i8* xb, int npad, int splits, float* work,   \

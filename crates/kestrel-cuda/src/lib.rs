@@ -285,22 +285,24 @@ enum MmqKind {
 }
 
 /// How many blocks of an `mmh_*` launch (`tiles` tiles, rows of `steps` 256-value steps,
-/// `npad` tokens) share each tile's row length: enough blocks for MMH_BLOCKS_PER_SM per SM
-/// (as many as are resident at once), at
+/// `npad` tokens) share each tile's row length: enough blocks for `blocks_per_sm` per SM
+/// (as many of the kernel's blocks as are resident at once), at
 /// least two steps each, and room for the partial sums. Every split gets at least one step
 /// (the count is recomputed from the steps per split).
 fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm: usize) -> usize {
     if tiles == 0 || steps < 4 || tiles > MMH_MAX_TILES {
         return 1;
     }
-    // KESTREL_CUDA_MMH_BLOCKS_PER_SM overrides the aim (for measurements).
-    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let per_sm = *PER_SM.get_or_init(|| {
-        std::env::var("KESTREL_CUDA_MMH_BLOCKS_PER_SM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(blocks_per_sm)
-    });
+    // KESTREL_CUDA_MMH_BLOCKS_PER_SM overrides the aim (for measurements); only the
+    // override is cached, each kernel family passes its own default.
+    static PER_SM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let per_sm = PER_SM
+        .get_or_init(|| {
+            std::env::var("KESTREL_CUDA_MMH_BLOCKS_PER_SM")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(blocks_per_sm);
     let want = (per_sm * sms).div_ceil(tiles).min(steps / 2);
     if want <= 1 {
         return 1;
