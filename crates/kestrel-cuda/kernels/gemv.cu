@@ -1293,3 +1293,149 @@ gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
 }
+
+// ---------------------------------------------------------------------------------------
+// Single-token GEMV with the weights streamed through shared memory (`gemv_bulk`).
+// gemv_q8's warps each have a few KB of loads in flight, so launches of a few thousand
+// rows (a layer's QKV, o and down projections) stay latency-bound at 1.0-1.5 TB/s. Here
+// the copy engine fetches chunks of whole rows (contiguous bytes, at most GB_STAGE)
+// GB_STAGES chunks ahead, and the block's warps only do arithmetic, reading the weights
+// from shared memory (same units and dot products as gemv_q8). The first chunks are
+// requested before the wait on the previous kernel (weights are never written during a
+// step), so their fetch overlaps that kernel's tail.
+//
+// Chunks: each matrix's rows in groups of `rpc` (gated launches: rpc rows of gate, then
+// the same rows of up, in one chunk), matrix after matrix; block b takes chunks b,
+// b + grid, ... Within a chunk the (row, 32 units) items are split into GB_WARPS
+// contiguous ranges, one per warp; a warp sums each row it touches and leaves the partial
+// in `red`; after one barrier each row's partials are added in warp order (deterministic).
+
+#define GB_WARPS 8
+#define GB_STAGES 4
+#define GB_STAGE 16384
+#define GB_MAX_ROWS 32
+
+__device__ __forceinline__ int gb_units(int ty, int k) {
+    return (ty == T_Q4_K || ty == T_Q6_K) ? k / 32 : k / 16;
+}
+
+// Items [it0, it1) of a chunk whose rows (rb bytes each, ipr items each) start at `chunk`.
+template <int TY>
+__device__ __forceinline__ void gb_items(const u8* chunk, long long rb, int k, int it0, int it1,
+                                         int ipr, const i8* xq, const float* xd, int lane,
+                                         float* red_warp) {
+    typedef Fmt<TY> F;
+    typedef Unit8<TY> U8;
+    const int units = F::units(k), nb = k >> 5;
+    if (it0 >= it1) return;
+    int row = it0 / ipr, grp = it0 - row * ipr;
+    float acc = 0.0f;
+    for (int it = it0; it < it1; it++) {
+        const int u = grp * 32 + lane;
+        if (u < units) acc += U8::dot(F::load(chunk + row * rb, u, nb), u, U8::load_x(xq, xd, u));
+        if (++grp == ipr || it + 1 == it1) {
+            acc = warp_sum(acc);
+            if (lane == 0) red_warp[row] = acc;
+            acc = 0.0f;
+            grp = 0;
+            row++;
+        }
+    }
+}
+
+// Same parameters as gemv_q8 plus `rpc`, rows per chunk (host: rpc · rb ≤ GB_STAGE, twice
+// that for gated launches, whose two matrices share type and row bytes; rpc ≤ GB_MAX_ROWS,
+// gated ≤ GB_MAX_ROWS / 2; rows and pointers 16-byte aligned). Grid: at most the chunks.
+extern "C" __global__ void __launch_bounds__(GB_WARPS * 32, 2)
+gemv_bulk(const i8* xq, const float* xd, int rpc, GEMV_PARAMS) {
+    extern __shared__ __align__(128) u8 gb_smem[];
+    __shared__ __align__(8) unsigned long long full[GB_STAGES];
+    __shared__ float red[2][GB_WARPS][GB_MAX_ROWS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rows2 = gated ? 0 : total - rows0 - rows1;
+    const int n0 = (rows0 + rpc - 1) / rpc;
+    const int n1 = gated ? 0 : (rows1 + rpc - 1) / rpc;
+    const int n2 = gated ? 0 : (rows2 + rpc - 1) / rpc;
+    const int chunks = n0 + n1 + n2;
+    const int mine = (int)blockIdx.x < chunks ? (chunks - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    // This block's chunk i: matrix m, its first row r0 and rows nr.
+    auto locate = [&](int i, int& m, int& r0, int& nr) {
+        const int c = blockIdx.x + i * gridDim.x;
+        if (c < n0) {
+            m = 0; r0 = c * rpc; nr = min(rpc, rows0 - r0);
+        } else if (c < n0 + n1) {
+            m = 1; r0 = (c - n0) * rpc; nr = min(rpc, rows1 - r0);
+        } else {
+            m = 2; r0 = (c - n0 - n1) * rpc; nr = min(rpc, rows2 - r0);
+        }
+    };
+    const u32 bar0 = smem_u32(full), buf0 = smem_u32(gb_smem);
+    auto request = [&](int i) {
+        int m, r0, nr;
+        locate(i, m, r0, nr);
+        const u8* w = m == 0 ? w0 : m == 1 ? w1 : w2;
+        const long long rb = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
+        const u32 bytes = (u32)(nr * rb);
+        const int s = i % GB_STAGES;
+        const u32 bar = bar0 + 8 * s, dst = buf0 + s * GB_STAGE;
+        mbar_expect_bytes(bar, gated ? 2 * bytes : bytes);
+        bulk_copy_g2s(dst, w + (size_t)r0 * rb, bytes, bar);
+        if (gated) bulk_copy_g2s(dst + bytes, w1 + (size_t)r0 * rb, bytes, bar);
+    };
+    if (tid == 0) {
+        for (int s = 0; s < GB_STAGES; s++) mbar_init(bar0 + 8 * s, 1);
+        mbar_init_fence();
+        for (int i = 0; i < min(GB_STAGES, mine); i++) request(i);
+    }
+    __syncthreads();
+    pdl_enter();
+    for (int i = 0; i < mine; i++) {
+        int m, r0, nr;
+        locate(i, m, r0, nr);
+        const int ty = m == 0 ? ty0 : m == 1 ? ty1 : ty2;
+        const long long rb = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
+        const int lrows = gated ? 2 * nr : nr;
+        const int ipr = (gb_units(ty, k) + 31) >> 5, items = lrows * ipr;
+        const int it0 = warp * items / GB_WARPS, it1 = (warp + 1) * items / GB_WARPS;
+        float(*rd)[GB_MAX_ROWS] = red[i & 1];
+        const int s = i % GB_STAGES;
+        mbar_wait(bar0 + 8 * s, (i / GB_STAGES) & 1);
+        const u8* chunk = gb_smem + s * GB_STAGE;
+        switch (ty) {
+        case T_Q4_K: gb_items<T_Q4_K>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
+        case T_Q6_K: gb_items<T_Q6_K>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
+        case T_Q8_0: gb_items<T_Q8_0>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
+        case T_Q4_0: gb_items<T_Q4_0>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
+        default: break;
+        }
+        __syncthreads();
+        if (tid == 0 && i + GB_STAGES < mine) {
+            fence_proxy_async();
+            request(i + GB_STAGES);
+        }
+        if (tid < nr) {
+            // Row j's partials, from the warps whose item range covers it.
+            auto row_sum = [&](int j) {
+                float v = 0.0f;
+                for (int w = 0; w < GB_WARPS; w++) {
+                    const int a = w * items / GB_WARPS, b = (w + 1) * items / GB_WARPS;
+                    if (a < b && a / ipr <= j && j <= (b - 1) / ipr) v += rd[w][j];
+                }
+                return v;
+            };
+            const int r = r0 + tid;
+            const float g = row_sum(tid);
+            if (gated) {
+                out0[r] = gv_act(g, act) * row_sum(nr + tid);
+            } else {
+                float* out = m == 0 ? out0 : m == 1 ? out1 : out2;
+                const float* bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
+                const float v = g + (bias ? bias[r] : 0.0f);
+                if (act)  // plain launches: act != 0 adds into out (residual)
+                    out[r] += v;
+                else
+                    out[r] = v;
+            }
+        }
+    }
+}

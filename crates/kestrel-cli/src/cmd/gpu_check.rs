@@ -151,6 +151,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .into_iter()
         .filter(|_| q8_default)
         .map(|ty| ("gemv-f32", ty));
+    // Single-token gate/up launches (gate and up read together; `gemv_bulk` by default).
+    let gemv_gated = selfcheck::MMQ_TYPES
+        .into_iter()
+        .filter(|_| q8_default)
+        .map(|ty| ("gemv-gated", ty));
     // Steps of 3..=64 tokens of those formats run on the tensor cores: int8 ("mmq"), or
     // for Q4_K / Q6_K on f16 operands ("mmh") and on int8 with activations quantized per
     // 256 values, up to 8 tokens ("mmk") and from 9 staged in shared memory ("mms");
@@ -176,7 +181,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             kinds
         });
     let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
-    for (it, (kind, ty)) in gemv.chain(gemv_f32).chain(mmq).chain(gemm).enumerate() {
+    for (it, (kind, ty)) in gemv
+        .chain(gemv_f32)
+        .chain(gemv_gated)
+        .chain(mmq).chain(gemm).enumerate() {
         backend.set_q8_decode(q8_default && kind != "gemv-f32");
         let mmq_default = (
             backend.mmq_max(),
@@ -216,7 +224,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let gemv_rows_default = backend.gemv_q8_rows();
         // `mmk_t8`: with and without the next step's weights loaded ahead (variants 1, 2).
         let row_variants: &[usize] = match kind {
-            "gemv" => &[0, 1, 2],
+            "gemv" | "gemv-gated" => &[0, 1, 2],
             "mmk" => &[1, 2],
             _ => &[0],
         };
@@ -249,6 +257,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             "{rows}x{cols} n={n}: activations per 256 {} (expected the other way)",
                             if r.via_mmk { "ran" } else { "did not run" }
                         ));
+                    }
+                    // Default single-token 8-bit products of the formats it reads: gemv_bulk.
+                    if kind.starts_with("gemv")
+                        && kind != "gemv-f32"
+                        && variant == 0
+                        && n == 1
+                        && r.via_q8
+                        && backend.gemv_bulk() > 0
+                        && !r.via_bulk
+                    {
+                        error = Some(format!("{rows}x{cols} n=1 did not run on gemv_bulk"));
                     }
                     if kind.starts_with("mms") && !r.via_mms {
                         error = Some(format!("{rows}x{cols} n={n} did not run on mms_*"));
