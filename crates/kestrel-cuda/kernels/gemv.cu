@@ -1345,13 +1345,21 @@ __device__ __forceinline__ void gb_items(const u8* chunk, long long rb, int k, i
 
 // Same parameters as gemv_q8 plus `rpc`, rows per chunk (host: rpc · rb ≤ GB_STAGE, twice
 // that for gated launches, whose two matrices share type and row bytes; rpc ≤ GB_MAX_ROWS,
-// gated ≤ GB_MAX_ROWS / 2; rows and pointers 16-byte aligned). Grid: at most the chunks.
-extern "C" __global__ void __launch_bounds__(GB_WARPS * 32, 2)
-gemv_bulk(const i8* xq, const float* xd, int rpc, GEMV_PARAMS) {
-    extern __shared__ __align__(128) u8 gb_smem[];
+// gated ≤ GB_MAX_ROWS / 2; rows and pointers 16-byte aligned), and `copy_only` (skip the
+// arithmetic: for measuring the copies alone). Grid: at most the chunks. TMA: the chunks
+// come by one bulk copy each (cp.async.bulk, issued by thread 0, completing on an
+// mbarrier); otherwise every thread copies 16-byte pieces (cp.async), one commit group per
+// chunk.
+template <bool TMA>
+__device__ __forceinline__ void gemv_stream_body(const i8* xq, const float* xd, int rpc,
+                                                 int copy_only, GEMV_PARAMS) {
+    extern __shared__ __align__(128) u8 gb_smem_raw[];
     __shared__ __align__(8) unsigned long long full[GB_STAGES];
     __shared__ float red[2][GB_WARPS][GB_MAX_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // The stages start at a 128-byte boundary (the host allows 128 bytes more).
+    const u32 raw0 = smem_u32(gb_smem_raw), buf0 = (raw0 + 127) & ~127u;
+    const u8* gb_smem = gb_smem_raw + (buf0 - raw0);
     const int rows2 = gated ? 0 : total - rows0 - rows1;
     const int n0 = (rows0 + rpc - 1) / rpc;
     const int n1 = gated ? 0 : (rows1 + rpc - 1) / rpc;
@@ -1369,25 +1377,44 @@ gemv_bulk(const i8* xq, const float* xd, int rpc, GEMV_PARAMS) {
             m = 2; r0 = (c - n0 - n1) * rpc; nr = min(rpc, rows2 - r0);
         }
     };
-    const u32 bar0 = smem_u32(full), buf0 = smem_u32(gb_smem);
+    const u32 bar0 = smem_u32(full);
+    // Chunk i into its stage (TMA: by thread 0 only; otherwise by every thread, which
+    // commits one group per call, empty past the last chunk).
     auto request = [&](int i) {
-        int m, r0, nr;
-        locate(i, m, r0, nr);
-        const u8* w = m == 0 ? w0 : m == 1 ? w1 : w2;
-        const long long rb = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
-        const u32 bytes = (u32)(nr * rb);
-        const int s = i % GB_STAGES;
-        const u32 bar = bar0 + 8 * s, dst = buf0 + s * GB_STAGE;
-        mbar_expect_bytes(bar, gated ? 2 * bytes : bytes);
-        bulk_copy_g2s(dst, w + (size_t)r0 * rb, bytes, bar);
-        if (gated) bulk_copy_g2s(dst + bytes, w1 + (size_t)r0 * rb, bytes, bar);
+        if (i < mine) {
+            int m, r0, nr;
+            locate(i, m, r0, nr);
+            const u8* w = m == 0 ? w0 : m == 1 ? w1 : w2;
+            const long long rb = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
+            const u32 bytes = (u32)(nr * rb);
+            const int s = i % GB_STAGES;
+            const u32 dst = buf0 + s * GB_STAGE;
+            const u8* src = w + (size_t)r0 * rb;
+            const u8* src_up = w1 + (size_t)r0 * rb;
+            if (TMA) {
+                const u32 bar = bar0 + 8 * s;
+                mbar_expect_bytes(bar, gated ? 2 * bytes : bytes);
+                bulk_copy_g2s(dst, src, bytes, bar);
+                if (gated) bulk_copy_g2s(dst + bytes, src_up, bytes, bar);
+            } else {
+                for (u32 p = 16 * tid; p < bytes; p += 16 * GB_WARPS * 32) {
+                    cp_async16(dst + p, src + p, true);
+                    if (gated) cp_async16(dst + bytes + p, src_up + p, true);
+                }
+            }
+        }
+        if (!TMA) cp_async_commit();
     };
-    if (tid == 0) {
-        for (int s = 0; s < GB_STAGES; s++) mbar_init(bar0 + 8 * s, 1);
-        mbar_init_fence();
-        for (int i = 0; i < min(GB_STAGES, mine); i++) request(i);
+    if (TMA) {
+        if (tid == 0) {
+            for (int s = 0; s < GB_STAGES; s++) mbar_init(bar0 + 8 * s, 1);
+            mbar_init_fence();
+            for (int i = 0; i < GB_STAGES; i++) request(i);
+        }
+        __syncthreads();
+    } else {
+        for (int i = 0; i < GB_STAGES; i++) request(i);
     }
-    __syncthreads();
     pdl_enter();
     for (int i = 0; i < mine; i++) {
         int m, r0, nr;
@@ -1399,9 +1426,16 @@ gemv_bulk(const i8* xq, const float* xd, int rpc, GEMV_PARAMS) {
         const int it0 = warp * items / GB_WARPS, it1 = (warp + 1) * items / GB_WARPS;
         float(*rd)[GB_MAX_ROWS] = red[i & 1];
         const int s = i % GB_STAGES;
-        mbar_wait(bar0 + 8 * s, (i / GB_STAGES) & 1);
+        if (TMA) {
+            mbar_wait(bar0 + 8 * s, (i / GB_STAGES) & 1);
+        } else {
+            // This thread's copies of chunk i have landed (the later GB_STAGES - 1 groups
+            // may still fly), then everyone's.
+            asm volatile("cp.async.wait_group %0;" ::"n"(GB_STAGES - 1) : "memory");
+            __syncthreads();
+        }
         const u8* chunk = gb_smem + s * GB_STAGE;
-        switch (ty) {
+        if (!copy_only) switch (ty) {
         case T_Q4_K: gb_items<T_Q4_K>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
         case T_Q6_K: gb_items<T_Q6_K>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
         case T_Q8_0: gb_items<T_Q8_0>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
@@ -1409,8 +1443,12 @@ gemv_bulk(const i8* xq, const float* xd, int rpc, GEMV_PARAMS) {
         default: break;
         }
         __syncthreads();
-        if (tid == 0 && i + GB_STAGES < mine) {
-            fence_proxy_async();
+        if (TMA) {
+            if (tid == 0 && i + GB_STAGES < mine) {
+                fence_proxy_async();
+                request(i + GB_STAGES);
+            }
+        } else {
             request(i + GB_STAGES);
         }
         if (tid < nr) {
@@ -1438,4 +1476,14 @@ gemv_bulk(const i8* xq, const float* xd, int rpc, GEMV_PARAMS) {
             }
         }
     }
+    if (!TMA) cp_async_wait_all();
+}
+
+extern "C" __global__ void __launch_bounds__(GB_WARPS * 32, 2)
+gemv_bulk(const i8* xq, const float* xd, int rpc, int copy_only, GEMV_PARAMS) {
+    gemv_stream_body<true>(xq, xd, rpc, copy_only, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GB_WARPS * 32, 2)
+gemv_bulk_lsu(const i8* xq, const float* xd, int rpc, int copy_only, GEMV_PARAMS) {
+    gemv_stream_body<false>(xq, xd, rpc, copy_only, GEMV_ARGS);
 }

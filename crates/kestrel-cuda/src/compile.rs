@@ -34,6 +34,7 @@ pub const KERNELS: &[&str] = &[
     "gemv_q8_t4",
     "gemv_q8_t8",
     "gemv_bulk",
+    "gemv_bulk_lsu",
     "quantize_x_mmq",
     "rms_norm_mmq",
     "mmq_t8",

@@ -321,8 +321,9 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm
 /// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
 /// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); others use none.
 fn dynamic_smem(name: &str) -> u32 {
-    if name == "gemv_bulk" {
-        return (BULK_STAGES * BULK_STAGE_BYTES) as u32;
+    if name.starts_with("gemv_bulk") {
+        // 128 bytes more: the kernel aligns its stages.
+        return (BULK_STAGES * BULK_STAGE_BYTES + 128) as u32;
     }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
         "mms_t16" => 16,
@@ -1203,7 +1204,7 @@ impl CudaBackend {
             return;
         };
         // Only the GEMVs that read them keep the quantized activations valid.
-        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_bulk") {
+        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_bulk" | "gemv_bulk_lsu") {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         if !(name == "rms_norm_mmq"
@@ -2148,10 +2149,26 @@ impl CudaBackend {
             if let Some(rpc) = bulk_rpc {
                 let chunks = bulk_chunks(segs, gated.is_some(), rpc);
                 let grid = chunks.min(self.sm_count * bulk_blocks) as u32;
-                let mut bulk_args = vec![Arg::P(q_ptr), Arg::P(d_ptr), Arg::I(rpc as i32)];
+                // KESTREL_CUDA_BULK_COPY_ONLY=1: the copies without the arithmetic (wrong results;
+                // for measuring the pipeline alone).
+                static COPY_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+                let copy_only = *COPY_ONLY.get_or_init(|| {
+                    std::env::var("KESTREL_CUDA_BULK_COPY_ONLY").is_ok_and(|v| v == "1")
+                });
+                let mut bulk_args = vec![
+                    Arg::P(q_ptr),
+                    Arg::P(d_ptr),
+                    Arg::I(rpc as i32),
+                    Arg::I(i32::from(copy_only)),
+                ];
                 bulk_args.extend_from_slice(&args);
+                // KESTREL_CUDA_BULK_COPY=tma: one bulk copy per chunk instead of cp.async.
+                static TMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+                let tma = *TMA.get_or_init(|| {
+                    std::env::var("KESTREL_CUDA_BULK_COPY").is_ok_and(|v| v == "tma")
+                });
                 self.launch_reading(
-                    "gemv_bulk",
+                    if tma { "gemv_bulk" } else { "gemv_bulk_lsu" },
                     (grid, 1, 1),
                     256,
                     &bulk_args,
