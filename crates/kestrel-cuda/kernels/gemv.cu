@@ -1295,195 +1295,130 @@ gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Single-token GEMV with the weights streamed through shared memory (`gemv_bulk`).
-// gemv_q8's warps each have a few KB of loads in flight, so launches of a few thousand
-// rows (a layer's QKV, o and down projections) stay latency-bound at 1.0-1.5 TB/s. Here
-// the copy engine fetches chunks of whole rows (contiguous bytes, at most GB_STAGE)
-// GB_STAGES chunks ahead, and the block's warps only do arithmetic, reading the weights
-// from shared memory (same units and dot products as gemv_q8). The first chunks are
-// requested before the wait on the previous kernel (weights are never written during a
-// step), so their fetch overlaps that kernel's tail.
-//
-// Chunks: each matrix's rows in groups of `rpc` (gated launches: rpc rows of gate, then
-// the same rows of up, in one chunk), matrix after matrix; block b takes chunks b,
-// b + grid, ... Within a chunk the (row, 32 units) items are split into GB_WARPS
-// contiguous ranges, one per warp; a warp sums each row it touches and leaves the partial
-// in `red`; after one barrier each row's partials are added in warp order (deterministic).
+// Single-token GEMV with each warp streaming its rows through its own slice of shared
+// memory (`gemv_ws`): gemv_q8's rows, units and dot products, but the weights of the next
+// WS_STAGES - 1 steps (a step: 32 units of each of the warp's rows) are already on their
+// way by cp.async, which holds no registers while in flight. gemv_q8 can only keep what
+// its registers hold in flight (2 units x 2 rows a lane at 5 blocks a SM) and reaches
+// 30-60% of DRAM bandwidth. No barrier beyond __syncwarp: warps never wait on each other.
+// Q4_K and Q6_K rows (a step is 4 whole blocks, contiguous: 576 / 896 bytes a row);
+// gated launches only for Q4_K (4 rows a warp: 2 of gate, 2 of up).
 
-#define GB_WARPS 8
-#define GB_STAGES 4
-#define GB_STAGE 16384
-#define GB_MAX_ROWS 32
+#define WS_STAGES 4
+#define WS_SLOT 2304  // bytes a stage holds per warp: 2 Q6_K steps or 4 Q4_K steps
 
-__device__ __forceinline__ int gb_units(int ty, int k) {
-    return (ty == T_Q4_K || ty == T_Q6_K) ? k / 32 : k / 16;
-}
+template <int TY> struct WsStep;
+template <> struct WsStep<T_Q4_K> { static constexpr int BLK = 144; };
+template <> struct WsStep<T_Q6_K> { static constexpr int BLK = Q6K_GPU_BYTES; };
 
-// Items [it0, it1) of a chunk whose rows (rb bytes each, ipr items each) start at `chunk`.
-template <int TY>
-__device__ __forceinline__ void gb_items(const u8* chunk, long long rb, int k, int it0, int it1,
-                                         int ipr, const i8* xq, const float* xd, int lane,
-                                         float* red_warp) {
+// This warp's share of nr (≤ GD_R) rows rb bytes apart (and with UP the same rows of up):
+// acc[i] (acc_up[i]) += row i · x. `slots`: this warp's WS_STAGES slots of WS_SLOT bytes.
+template <int TY, bool UP, int GD_R>
+__device__ __forceinline__ void ws_rows(const u8* w, const u8* up, long long rb, int nr,
+                                        const i8* xq, const float* xd, int k, int lane,
+                                        u8* slots, float* acc, float* acc_up) {
     typedef Fmt<TY> F;
     typedef Unit8<TY> U8;
+    constexpr int STEP = 4 * WsStep<TY>::BLK;  // bytes of 32 units of a row
     const int units = F::units(k), nb = k >> 5;
-    if (it0 >= it1) return;
-    int row = it0 / ipr, grp = it0 - row * ipr;
-    float acc = 0.0f;
-    for (int it = it0; it < it1; it++) {
-        const int u = grp * 32 + lane;
-        if (u < units) acc += U8::dot(F::load(chunk + row * rb, u, nb), u, U8::load_x(xq, xd, u));
-        if (++grp == ipr || it + 1 == it1) {
-            acc = warp_sum(acc);
-            if (lane == 0) red_warp[row] = acc;
-            acc = 0.0f;
-            grp = 0;
-            row++;
-        }
-    }
-}
-
-// Same parameters as gemv_q8 plus `rpc`, rows per chunk (host: rpc · rb ≤ GB_STAGE, twice
-// that for gated launches, whose two matrices share type and row bytes; rpc ≤ GB_MAX_ROWS,
-// gated ≤ GB_MAX_ROWS / 2; rows and pointers 16-byte aligned), and `copy_only` (skip the
-// arithmetic: for measuring the copies alone). Grid: at most the chunks. TMA: the chunks
-// come by one bulk copy each (cp.async.bulk, issued by thread 0, completing on an
-// mbarrier); otherwise every thread copies 16-byte pieces (cp.async), one commit group per
-// chunk.
-template <bool TMA>
-__device__ __forceinline__ void gemv_stream_body(const i8* xq, const float* xd, int rpc,
-                                                 int copy_only, GEMV_PARAMS) {
-    extern __shared__ __align__(128) u8 gb_smem_raw[];
-    __shared__ __align__(8) unsigned long long full[GB_STAGES];
-    __shared__ float red[2][GB_WARPS][GB_MAX_ROWS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // The stages start at a 128-byte boundary (the host allows 128 bytes more).
-    const u32 raw0 = smem_u32(gb_smem_raw), buf0 = (raw0 + 127) & ~127u;
-    const u8* gb_smem = gb_smem_raw + (buf0 - raw0);
-    const int rows2 = gated ? 0 : total - rows0 - rows1;
-    const int n0 = (rows0 + rpc - 1) / rpc;
-    const int n1 = gated ? 0 : (rows1 + rpc - 1) / rpc;
-    const int n2 = gated ? 0 : (rows2 + rpc - 1) / rpc;
-    const int chunks = n0 + n1 + n2;
-    const int mine = (int)blockIdx.x < chunks ? (chunks - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    // This block's chunk i: matrix m, its first row r0 and rows nr.
-    auto locate = [&](int i, int& m, int& r0, int& nr) {
-        const int c = blockIdx.x + i * gridDim.x;
-        if (c < n0) {
-            m = 0; r0 = c * rpc; nr = min(rpc, rows0 - r0);
-        } else if (c < n0 + n1) {
-            m = 1; r0 = (c - n0) * rpc; nr = min(rpc, rows1 - r0);
-        } else {
-            m = 2; r0 = (c - n0 - n1) * rpc; nr = min(rpc, rows2 - r0);
-        }
-    };
-    const u32 bar0 = smem_u32(full);
-    // Chunk i into its stage (TMA: by thread 0 only; otherwise by every thread, which
-    // commits one group per call, empty past the last chunk).
-    auto request = [&](int i) {
-        if (i < mine) {
-            int m, r0, nr;
-            locate(i, m, r0, nr);
-            const u8* w = m == 0 ? w0 : m == 1 ? w1 : w2;
-            const long long rb = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
-            const u32 bytes = (u32)(nr * rb);
-            const int s = i % GB_STAGES;
-            const u32 dst = buf0 + s * GB_STAGE;
-            const u8* src = w + (size_t)r0 * rb;
-            const u8* src_up = w1 + (size_t)r0 * rb;
-            if (TMA) {
-                const u32 bar = bar0 + 8 * s;
-                mbar_expect_bytes(bar, gated ? 2 * bytes : bytes);
-                bulk_copy_g2s(dst, src, bytes, bar);
-                if (gated) bulk_copy_g2s(dst + bytes, src_up, bytes, bar);
-            } else {
-                for (u32 p = 16 * tid; p < bytes; p += 16 * GB_WARPS * 32) {
-                    cp_async16(dst + p, src + p, true);
-                    if (gated) cp_async16(dst + bytes + p, src_up + p, true);
-                }
+    const int steps = (units + 31) >> 5;
+    const int streams = UP ? 2 * nr : nr;  // row i of gate at slot part i, of up at nr + i
+    const u32 slot0 = smem_u32(slots);
+    auto issue = [&](int st) {
+        if (st < steps) {
+            const int bytes = min(STEP, (int)(rb - (long long)st * STEP));
+            const u32 dst = slot0 + (st % WS_STAGES) * WS_SLOT;
+            for (int j = 0; j < streams; j++) {
+                const u8* src = (j < nr ? w + j * rb : up + (j - nr) * rb) + (size_t)st * STEP;
+                for (int p = 16 * lane; p < bytes; p += 512) cp_async16(dst + j * STEP + p, src + p, true);
             }
         }
-        if (!TMA) cp_async_commit();
+        cp_async_commit();
     };
-    if (TMA) {
-        if (tid == 0) {
-            for (int s = 0; s < GB_STAGES; s++) mbar_init(bar0 + 8 * s, 1);
-            mbar_init_fence();
-            for (int i = 0; i < GB_STAGES; i++) request(i);
-        }
-        __syncthreads();
-    } else {
-        for (int i = 0; i < GB_STAGES; i++) request(i);
-    }
+#pragma unroll
+    for (int st = 0; st < WS_STAGES - 1; st++) issue(st);
+    // Only now the activations (written by the previous kernel) may be read.
     pdl_enter();
-    for (int i = 0; i < mine; i++) {
-        int m, r0, nr;
-        locate(i, m, r0, nr);
-        const int ty = m == 0 ? ty0 : m == 1 ? ty1 : ty2;
-        const long long rb = m == 0 ? rb0 : m == 1 ? rb1 : rb2;
-        const int lrows = gated ? 2 * nr : nr;
-        const int ipr = (gb_units(ty, k) + 31) >> 5, items = lrows * ipr;
-        const int it0 = warp * items / GB_WARPS, it1 = (warp + 1) * items / GB_WARPS;
-        float(*rd)[GB_MAX_ROWS] = red[i & 1];
-        const int s = i % GB_STAGES;
-        if (TMA) {
-            mbar_wait(bar0 + 8 * s, (i / GB_STAGES) & 1);
-        } else {
-            // This thread's copies of chunk i have landed (the later GB_STAGES - 1 groups
-            // may still fly), then everyone's.
-            asm volatile("cp.async.wait_group %0;" ::"n"(GB_STAGES - 1) : "memory");
-            __syncthreads();
-        }
-        const u8* chunk = gb_smem + s * GB_STAGE;
-        if (!copy_only) switch (ty) {
-        case T_Q4_K: gb_items<T_Q4_K>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
-        case T_Q6_K: gb_items<T_Q6_K>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
-        case T_Q8_0: gb_items<T_Q8_0>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
-        case T_Q4_0: gb_items<T_Q4_0>(chunk, rb, k, it0, it1, ipr, xq, xd, lane, rd[warp]); break;
-        default: break;
-        }
-        __syncthreads();
-        if (TMA) {
-            if (tid == 0 && i + GB_STAGES < mine) {
-                fence_proxy_async();
-                request(i + GB_STAGES);
-            }
-        } else {
-            request(i + GB_STAGES);
-        }
-        if (tid < nr) {
-            // Row j's partials, from the warps whose item range covers it.
-            auto row_sum = [&](int j) {
-                float v = 0.0f;
-                for (int w = 0; w < GB_WARPS; w++) {
-                    const int a = w * items / GB_WARPS, b = (w + 1) * items / GB_WARPS;
-                    if (a < b && a / ipr <= j && j <= (b - 1) / ipr) v += rd[w][j];
+    for (int st = 0; st < steps; st++) {
+        issue(st + WS_STAGES - 1);
+        // Step st's group has landed (the later WS_STAGES - 1 may still fly), for every lane.
+        asm volatile("cp.async.wait_group %0;" ::"n"(WS_STAGES - 1) : "memory");
+        __syncwarp();
+        const int u = st * 32 + lane;
+        if (u < units) {
+            // Each row's bytes as if the whole row were there: step st's blocks at their
+            // offsets within the row (Fmt::load adds (u / 8) · BLK).
+            const u8* base = slots + (st % WS_STAGES) * WS_SLOT - (size_t)st * STEP;
+            const typename U8::X xv = U8::load_x(xq, xd, u);
+#pragma unroll
+            for (int i = 0; i < GD_R; i++)
+                if (i < nr) {
+                    acc[i] += U8::dot(F::load(base + i * STEP, u, nb), u, xv);
+                    if (UP) acc_up[i] += U8::dot(F::load(base + (nr + i) * STEP, u, nb), u, xv);
                 }
-                return v;
-            };
-            const int r = r0 + tid;
-            const float g = row_sum(tid);
-            if (gated) {
-                out0[r] = gv_act(g, act) * row_sum(nr + tid);
-            } else {
-                float* out = m == 0 ? out0 : m == 1 ? out1 : out2;
-                const float* bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
-                const float v = g + (bias ? bias[r] : 0.0f);
-                if (act)  // plain launches: act != 0 adds into out (residual)
-                    out[r] += v;
-                else
-                    out[r] = v;
-            }
         }
+        // Every lane is done with the slot before a later issue refills it.
+        __syncwarp();
     }
-    if (!TMA) cp_async_wait_all();
+    cp_async_wait_all();
 }
 
-extern "C" __global__ void __launch_bounds__(GB_WARPS * 32, 2)
-gemv_bulk(const i8* xq, const float* xd, int rpc, int copy_only, GEMV_PARAMS) {
-    gemv_stream_body<true>(xq, xd, rpc, copy_only, GEMV_ARGS);
+// Same parameters and grid as gemv_q8 (GD_R rows a warp, blocks of GD_WARPS warps); the
+// host sends only Q4_K / Q6_K matrices (gated: Q4_K gate and up of equal row bytes), rows
+// and pointers 16-byte aligned.
+template <int GD_R>
+__device__ __forceinline__ void gemv_ws_body(const i8* xq, const float* xd, GEMV_PARAMS) {
+    __shared__ __align__(128) u8 ws_smem[GD_WARPS][WS_STAGES * WS_SLOT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    GvRows g;
+    const int gw = blockIdx.x * GD_WARPS + warp;
+    const bool mine = gv_pick_rows<GD_R>(gw, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0,
+                                         w1, rb1, ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2,
+                                         ld2, bias2, g);
+    if (!mine) {
+        pdl_enter();
+        return;
+    }
+    const int nr = min(GD_R, g.rows - g.r0);
+    float acc[GD_R], acc_up[GD_R];
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) acc[i] = acc_up[i] = 0.0f;
+    const u8* wr = g.w + (size_t)g.r0 * g.rb;
+    u8* slots = ws_smem[warp];
+    // The weights are never written during a step: ws_rows sends the first copies before
+    // the wait on the previous kernel (pdl_enter).
+    if (gated) {
+        const u8* ur = w1 + (size_t)g.r0 * rb1;
+        ws_rows<T_Q4_K, true, GD_R>(wr, ur, g.rb, nr, xq, xd, k, lane, slots, acc, acc_up);
+    } else if (g.ty == T_Q4_K) {
+        ws_rows<T_Q4_K, false, GD_R>(wr, nullptr, g.rb, nr, xq, xd, k, lane, slots, acc, acc_up);
+    } else {
+        ws_rows<T_Q6_K, false, GD_R>(wr, nullptr, g.rb, nr, xq, xd, k, lane, slots, acc, acc_up);
+    }
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) {
+        acc[i] = warp_sum(acc[i]);
+        if (gated) acc_up[i] = warp_sum(acc_up[i]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                const int r = g.r0 + i;
+                if (gated)
+                    out0[r] = gv_act(acc[i], act) * acc_up[i];
+                else if (act)  // plain launches: act != 0 adds into out (residual)
+                    g.out[r] += acc[i] + (g.bias ? g.bias[r] : 0.0f);
+                else
+                    g.out[r] = acc[i] + (g.bias ? g.bias[r] : 0.0f);
+            }
 }
-extern "C" __global__ void __launch_bounds__(GB_WARPS * 32, 2)
-gemv_bulk_lsu(const i8* xq, const float* xd, int rpc, int copy_only, GEMV_PARAMS) {
-    gemv_stream_body<false>(xq, xd, rpc, copy_only, GEMV_ARGS);
+
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
+gemv_ws(const i8* xq, const float* xd, GEMV_PARAMS) {
+    gemv_ws_body<2>(xq, xd, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
+gemv_ws_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
+    gemv_ws_body<1>(xq, xd, GEMV_ARGS);
 }

@@ -321,10 +321,6 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm
 /// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
 /// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); others use none.
 fn dynamic_smem(name: &str) -> u32 {
-    if name.starts_with("gemv_bulk") {
-        // 128 bytes more: the kernel aligns its stages.
-        return (BULK_STAGES * BULK_STAGE_BYTES + 128) as u32;
-    }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
         "mms_t16" => 16,
         "mms_t32" => 32,
@@ -334,55 +330,21 @@ fn dynamic_smem(name: &str) -> u32 {
     3 * (MMH_ROWS as u32 * 224 + tokens * (288 + 4))
 }
 
-/// `gemv_bulk`'s ring of chunks in shared memory (GB_STAGES × GB_STAGE, kernels/gemv.cu)
-/// and the most rows a chunk holds (GB_MAX_ROWS).
-const BULK_STAGES: usize = 4;
-const BULK_STAGE_BYTES: usize = 16384;
-const BULK_MAX_ROWS: usize = 32;
-
-/// Rows per chunk of a `gemv_bulk` launch over `segs` with `grid_cap` resident blocks, or
-/// None where the kernel cannot take it (rows not 16-byte multiples, a row larger than a
-/// chunk, gated matrices of different layouts). The chunk size minimizes the bytes of the
-/// busiest block (whole chunks per block: small launches get small chunks so that every
-/// SM has work), counting each chunk's fixed cost as BULK_CHUNK_COST bytes.
-fn bulk_rows_per_chunk(segs: &[GemvSeg], gated: bool, grid_cap: usize) -> Option<usize> {
-    const BULK_CHUNK_COST: usize = 1024;
-    if segs
+/// Whether single-token `gemv_ws` reads these segments: Q4_K / Q6_K rows (gated: Q4_K
+/// gate and up of equal row bytes), 16-byte aligned (cp.async).
+fn ws_takes(segs: &[GemvSeg], gated: bool) -> bool {
+    let aligned = segs
         .iter()
-        .any(|s| s.ptr % 16 != 0 || s.row_bytes % 16 != 0 || s.row_bytes == 0)
-    {
-        return None;
-    }
-    let (row_cost, max_rows, rows): (usize, usize, Vec<usize>) = if gated {
-        let (g, u) = (&segs[0], &segs[1]);
-        if g.ty != u.ty || g.row_bytes != u.row_bytes {
-            return None;
-        }
-        (2 * g.row_bytes, BULK_MAX_ROWS / 2, vec![g.rows])
+        .all(|s| s.ptr.is_multiple_of(16) && s.row_bytes.is_multiple_of(16));
+    let formats = if gated {
+        segs[0].ty == GgmlType::Q4K
+            && segs[1].ty == GgmlType::Q4K
+            && segs[0].row_bytes == segs[1].row_bytes
     } else {
-        let rb = segs.iter().map(|s| s.row_bytes).max()?;
-        (rb, BULK_MAX_ROWS, segs.iter().map(|s| s.rows).collect())
+        segs.iter()
+            .all(|s| matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K))
     };
-    let max_rpc = (BULK_STAGE_BYTES / row_cost).min(max_rows);
-    if max_rpc == 0 || grid_cap == 0 {
-        return None;
-    }
-    (1..=max_rpc)
-        .rev()
-        .min_by_key(|&rpc| {
-            let chunks: usize = rows.iter().map(|r| r.div_ceil(rpc)).sum();
-            let per_block = chunks.div_ceil(chunks.min(grid_cap).max(1));
-            per_block * (rpc * row_cost + BULK_CHUNK_COST)
-        })
-}
-
-/// Chunks of a `gemv_bulk` launch at `rpc` rows each.
-fn bulk_chunks(segs: &[GemvSeg], gated: bool, rpc: usize) -> usize {
-    if gated {
-        segs[0].rows.div_ceil(rpc)
-    } else {
-        segs.iter().map(|s| s.rows.div_ceil(rpc)).sum()
-    }
+    aligned && formats
 }
 
 /// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
@@ -486,9 +448,9 @@ pub struct CudaBackend {
     /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0: by launch, see
     /// `gemv`): `KESTREL_CUDA_GEMV`'s (r4 takes two), the self-check runs each.
     gemv_q8_rows: std::sync::atomic::AtomicUsize,
-    /// Blocks per SM of single-token `gemv_bulk` launches (0: off, `gemv_q8` instead;
-    /// `KESTREL_CUDA_BULK`, default 2).
-    gemv_bulk: std::sync::atomic::AtomicUsize,
+    /// Single-token products of Q4_K / Q6_K weights on `gemv_ws` (weights staged by
+    /// cp.async per warp) instead of `gemv_q8` (`KESTREL_CUDA_WS=0` turns it off).
+    gemv_ws: std::sync::atomic::AtomicBool,
     /// Single-token GEMVs on 8-bit activations (`gemv_q8`; `KESTREL_CUDA_Q8=0` turns it
     /// off: f32 activations everywhere, as the CPU backend computes).
     q8_decode: std::sync::atomic::AtomicBool,
@@ -812,11 +774,8 @@ impl CudaBackend {
             gemv_q8_rows: std::sync::atomic::AtomicUsize::new(
                 gemv_dec.map_or(0, |(_, rows)| rows.min(2)),
             ),
-            gemv_bulk: std::sync::atomic::AtomicUsize::new(
-                std::env::var("KESTREL_CUDA_BULK")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .map_or(2, |v: usize| v.min(3)),
+            gemv_ws: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_CUDA_WS").map_or(true, |v| v != "0"),
             ),
             f16_copies: Default::default(),
             f16_copies_q8: Default::default(),
@@ -1204,7 +1163,7 @@ impl CudaBackend {
             return;
         };
         // Only the GEMVs that read them keep the quantized activations valid.
-        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_bulk" | "gemv_bulk_lsu") {
+        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_ws" | "gemv_ws_r1") {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         if !(name == "rms_norm_mmq"
@@ -1668,21 +1627,19 @@ impl CudaBackend {
             .store(rows.min(2), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Sets the blocks per SM of single-token `gemv_bulk` launches (0: off).
-    pub fn set_gemv_bulk(&self, blocks_per_sm: usize) {
-        self.gemv_bulk.store(
-            blocks_per_sm.min(3),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+    /// Turns single-token `gemv_ws` on or off (`gemv_q8` then).
+    pub fn set_gemv_ws(&self, on: bool) {
+        self.gemv_ws
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Blocks per SM of single-token `gemv_bulk` launches (0: off).
-    pub fn gemv_bulk(&self) -> usize {
-        self.gemv_bulk.load(std::sync::atomic::Ordering::Relaxed)
+    /// Whether single-token products of Q4_K / Q6_K weights run on `gemv_ws`.
+    pub fn gemv_ws(&self) -> bool {
+        self.gemv_ws.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether a single-token product with `w` alone runs on `gemv_bulk`.
-    pub fn matmul_uses_bulk(&self, w: &CudaWeight, n: usize) -> bool {
+    /// Whether a single-token product with `w` alone runs on `gemv_ws`.
+    pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
         let CudaWeight::Matrix {
             ptr,
             ty,
@@ -1705,9 +1662,9 @@ impl CudaBackend {
         };
         n == 1
             && self.gemv_q8_rows() == 0
-            && self.gemv_bulk() > 0
+            && self.gemv_ws()
             && self.matmul_uses_q8(w, n)
-            && bulk_rows_per_chunk(&[seg], false, self.sm_count * self.gemv_bulk()).is_some()
+            && ws_takes(&[seg], false)
     }
 
     /// The forced rows per warp of single-token `gemv_q8` launches (0: by launch).
@@ -2140,42 +2097,6 @@ impl CudaBackend {
                 );
             }
             let forced = self.gemv_q8_rows();
-            let bulk_blocks = self.gemv_bulk();
-            let bulk_rpc = (n == 1 && forced == 0 && bulk_blocks > 0)
-                .then(|| {
-                    bulk_rows_per_chunk(segs, gated.is_some(), self.sm_count * bulk_blocks)
-                })
-                .flatten();
-            if let Some(rpc) = bulk_rpc {
-                let chunks = bulk_chunks(segs, gated.is_some(), rpc);
-                let grid = chunks.min(self.sm_count * bulk_blocks) as u32;
-                // KESTREL_CUDA_BULK_COPY_ONLY=1: the copies without the arithmetic (wrong results;
-                // for measuring the pipeline alone).
-                static COPY_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-                let copy_only = *COPY_ONLY.get_or_init(|| {
-                    std::env::var("KESTREL_CUDA_BULK_COPY_ONLY").is_ok_and(|v| v == "1")
-                });
-                let mut bulk_args = vec![
-                    Arg::P(q_ptr),
-                    Arg::P(d_ptr),
-                    Arg::I(rpc as i32),
-                    Arg::I(i32::from(copy_only)),
-                ];
-                bulk_args.extend_from_slice(&args);
-                // KESTREL_CUDA_BULK_COPY=tma: one bulk copy per chunk instead of cp.async.
-                static TMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-                let tma = *TMA.get_or_init(|| {
-                    std::env::var("KESTREL_CUDA_BULK_COPY").is_ok_and(|v| v == "tma")
-                });
-                self.launch_reading(
-                    if tma { "gemv_bulk" } else { "gemv_bulk_lsu" },
-                    (grid, 1, 1),
-                    256,
-                    &bulk_args,
-                    weight_bytes,
-                );
-                return;
-            }
             let (kernel, rows) = match (n, forced) {
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
@@ -2190,6 +2111,15 @@ impl CudaBackend {
                     ("gemv_q8_r1", 1)
                 }
                 _ => ("gemv_q8", 2),
+            };
+            // The same rows per warp on the staged kernel where it reads the formats.
+            let kernel = match kernel {
+                "gemv_q8" | "gemv_q8_r1"
+                    if forced == 0 && self.gemv_ws() && ws_takes(segs, gated.is_some()) =>
+                {
+                    if rows == 1 { "gemv_ws_r1" } else { "gemv_ws" }
+                }
+                other => other,
             };
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];

@@ -490,8 +490,8 @@ pub struct GemvReport {
     pub via_mmk: bool,
     /// Whether it ran on the staged int8 kernels `mms_*`.
     pub via_mms: bool,
-    /// Whether it ran on the single-token `gemv_bulk` (weights through shared memory).
-    pub via_bulk: bool,
+    /// Whether it ran on the single-token `gemv_ws` (weights staged per warp).
+    pub via_ws: bool,
 }
 
 /// `x` as the GPU's 8-bit quantization leaves it, back in f32, in blocks of `block` values
@@ -603,7 +603,7 @@ pub fn compare_gemv(
     let via_mmh = backend.matmul_uses_mmh(&weight, n);
     let via_mmk = backend.matmul_uses_mmk(&weight, n);
     let via_mms = backend.matmul_uses_mms(&weight, n);
-    let via_bulk = backend.matmul_uses_bulk(&weight, n);
+    let via_ws = backend.matmul_uses_ws(&weight, n);
     // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16, 32 or 64).
     backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     match &up {
@@ -670,7 +670,7 @@ pub fn compare_gemv(
         via_mmh,
         via_mmk,
         via_mms,
-        via_bulk,
+        via_ws,
     })
 }
 

@@ -151,7 +151,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .into_iter()
         .filter(|_| q8_default)
         .map(|ty| ("gemv-f32", ty));
-    // Single-token gate/up launches (gate and up read together; `gemv_bulk` by default).
+    // Single-token gate/up launches (gate and up read together; `gemv_ws` for Q4_K).
     let gemv_gated = selfcheck::MMQ_TYPES
         .into_iter()
         .filter(|_| q8_default)
@@ -258,16 +258,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             if r.via_mmk { "ran" } else { "did not run" }
                         ));
                     }
-                    // Default single-token 8-bit products of the formats it reads: gemv_bulk.
-                    if kind.starts_with("gemv")
-                        && kind != "gemv-f32"
+                    // Default single-token products of Q4_K / Q6_K: gemv_ws.
+                    if kind == "gemv"
                         && variant == 0
                         && n == 1
-                        && r.via_q8
-                        && backend.gemv_bulk() > 0
-                        && !r.via_bulk
+                        && matches!(ty, kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K)
+                        && backend.gemv_ws()
+                        && !r.via_ws
                     {
-                        error = Some(format!("{rows}x{cols} n=1 did not run on gemv_bulk"));
+                        error = Some(format!("{rows}x{cols} n=1 did not run on gemv_ws"));
                     }
                     if kind.starts_with("mms") && !r.via_mms {
                         error = Some(format!("{rows}x{cols} n={n} did not run on mms_*"));
