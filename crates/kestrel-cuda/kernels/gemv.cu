@@ -1296,13 +1296,15 @@ gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
 
 // ---------------------------------------------------------------------------------------
 // Single-token GEMV with each warp streaming its rows through its own slice of shared
-// memory (`gemv_ws`): gemv_q8's rows, units and dot products, but the weights of the next
+// memory (`gemv_ws_r1`): gemv_q8's units and dot products, but the weights of the next
 // WS_STAGES - 1 steps (a step: 32 units of each of the warp's rows) are already on their
-// way by cp.async, which holds no registers while in flight. gemv_q8 can only keep what
-// its registers hold in flight (2 units x 2 rows a lane at 5 blocks a SM) and reaches
-// 30-60% of DRAM bandwidth. No barrier beyond __syncwarp: warps never wait on each other.
-// Q4_K and Q6_K rows (a step is 4 whole blocks, contiguous: 576 / 896 bytes a row);
-// gated launches only for Q4_K (4 rows a warp: 2 of gate, 2 of up).
+// way by cp.async, which holds no registers while in flight. No barrier beyond
+// __syncwarp: warps never wait on each other. Q4_K and Q6_K rows (a step is 4 whole
+// blocks, contiguous: 576 / 896 bytes a row); gated launches only for Q4_K (gate and up
+// rows of a warp read together).
+// Measured (H100, ncu): ~1.65x gemv_q8's instructions and no more DRAM throughput on
+// Llama-3-8B's launches (gate/up 56% vs 62%), so twice the bytes in flight did not help
+// there; it does for Qwen2.5-1.5B's one-row launches (tg128 +3-6%), which are its use.
 
 #define WS_STAGES 4
 #define WS_SLOT 2304  // bytes a stage holds per warp: 2 Q6_K steps or 4 Q4_K steps
@@ -1363,7 +1365,8 @@ __device__ __forceinline__ void ws_rows(const u8* w, const u8* up, long long rb,
     cp_async_wait_all();
 }
 
-// Same parameters and grid as gemv_q8 (GD_R rows a warp, blocks of GD_WARPS warps); the
+// Same parameters and grid as gemv_q8 (GD_R rows a warp, blocks of GD_WARPS warps; only
+// one row a warp is instantiated: with two, Llama-3-8B's launches were slower); the
 // host sends only Q4_K / Q6_K matrices (gated: Q4_K gate and up of equal row bytes), rows
 // and pointers 16-byte aligned.
 template <int GD_R>
@@ -1414,10 +1417,6 @@ __device__ __forceinline__ void gemv_ws_body(const i8* xq, const float* xd, GEMV
             }
 }
 
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
-gemv_ws(const i8* xq, const float* xd, GEMV_PARAMS) {
-    gemv_ws_body<2>(xq, xd, GEMV_ARGS);
-}
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_ws_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
     gemv_ws_body<1>(xq, xd, GEMV_ARGS);

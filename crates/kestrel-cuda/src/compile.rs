@@ -33,7 +33,6 @@ pub const KERNELS: &[&str] = &[
     "gemv_q8_r1",
     "gemv_q8_t4",
     "gemv_q8_t8",
-    "gemv_ws",
     "gemv_ws_r1",
     "quantize_x_mmq",
     "rms_norm_mmq",

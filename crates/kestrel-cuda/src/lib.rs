@@ -1163,7 +1163,7 @@ impl CudaBackend {
             return;
         };
         // Only the GEMVs that read them keep the quantized activations valid.
-        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_ws" | "gemv_ws_r1") {
+        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_ws_r1") {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         if !(name == "rms_norm_mmq"
@@ -1638,19 +1638,27 @@ impl CudaBackend {
         self.gemv_ws.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether a single-token product with `w` alone runs on `gemv_ws`.
+    /// Whether an unforced single-token 8-bit launch takes one row per warp: short rows, and
+    /// launches where one row per warp still fits in one wave of resident warps (5 blocks
+    /// of 4 per SM).
+    fn gemv_q8_one_row(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
+        k <= 2048 || gemv_warps(segs, gated, 1) <= self.sm_count * 20
+    }
+
+    /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
     pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
         let CudaWeight::Matrix {
             ptr,
             ty,
             rows,
+            cols,
             row_bytes,
             ..
         } = w
         else {
             return false;
         };
-        let seg = GemvSeg {
+        let seg = [GemvSeg {
             ptr: *ptr,
             row_bytes: *row_bytes,
             ty: *ty,
@@ -1659,12 +1667,13 @@ impl CudaBackend {
             ld: 0,
             bias: 0,
             accumulate: false,
-        };
+        }];
         n == 1
             && self.gemv_q8_rows() == 0
             && self.gemv_ws()
             && self.matmul_uses_q8(w, n)
-            && ws_takes(&[seg], false)
+            && ws_takes(&seg, false)
+            && self.gemv_q8_one_row(*cols, &seg, false)
     }
 
     /// The forced rows per warp of single-token `gemv_q8` launches (0: by launch).
@@ -2107,17 +2116,17 @@ impl CudaBackend {
                 // (down: 1,536 rows of 8,960) 635 / 636 -> 674 / 680 t/s; Llama-3-8B, whose
                 // 4,096-row launches would take 1.6 waves, stays on two (309 / 311 against
                 // 282 / 286 with one).
-                _ if k <= 2048 || gemv_warps(segs, gated.is_some(), 1) <= self.sm_count * 20 => {
-                    ("gemv_q8_r1", 1)
-                }
+                _ if self.gemv_q8_one_row(k, segs, gated.is_some()) => ("gemv_q8_r1", 1),
                 _ => ("gemv_q8", 2),
             };
-            // The same rows per warp on the staged kernel where it reads the formats.
+            // One-row launches on the staged kernel where it reads the formats (tg128 H100,
+            // alternated: Qwen2.5-1.5B, all one-row launches, 709 / 679 -> 723 / 724 t/s;
+            // Llama-3-8B's two-row launches lost on it, 329 / 325 -> 312 / 316, so they stay).
             let kernel = match kernel {
-                "gemv_q8" | "gemv_q8_r1"
+                "gemv_q8_r1"
                     if forced == 0 && self.gemv_ws() && ws_takes(segs, gated.is_some()) =>
                 {
-                    if rows == 1 { "gemv_ws_r1" } else { "gemv_ws" }
+                    "gemv_ws_r1"
                 }
                 other => other,
             };
