@@ -34,6 +34,7 @@ pub const KERNELS: &[&str] = &[
     "gemv_q8_t4",
     "gemv_q8_t8",
     "gemv_ws_r1",
+    "read_bytes",
     "quantize_x_mmq",
     "rms_norm_mmq",
     "mmq_t8",

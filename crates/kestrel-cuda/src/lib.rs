@@ -1638,6 +1638,54 @@ impl CudaBackend {
         self.gemv_ws.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Microseconds per launch of `read_bytes` over `bytes` bytes (rounded down to 16), as
+    /// (`launches` launches back to back, one launch alone after a synchronize): the read
+    /// ceiling of a kernel of that size, launch and ramp included.
+    pub fn read_launch_us(&self, bytes: usize, launches: usize) -> anyhow::Result<(f64, f64)> {
+        let words = bytes / 16;
+        let buf = self
+            .stream
+            .alloc_zeros::<u8>(words.max(1) * 16)
+            .map_err(|e| anyhow::anyhow!("allocating {bytes} bytes: {e:?}"))?;
+        let sink = self
+            .stream
+            .alloc_zeros::<u32>(1)
+            .map_err(|e| anyhow::anyhow!("allocating: {e:?}"))?;
+        let args = [
+            Arg::P(self.ptr(&buf)),
+            Arg::L(words as i64),
+            Arg::P(self.ptr(&sink)),
+        ];
+        let grid = ((self.sm_count * 8) as u32, 1, 1);
+        let event = || {
+            self.ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow::anyhow!("creating an event: {e:?}"))
+        };
+        let timed = |count: usize| -> anyhow::Result<f64> {
+            let (a, b) = (event()?, event()?);
+            self.check()?;
+            a.record(&self.stream)
+                .map_err(|e| anyhow::anyhow!("recording an event: {e:?}"))?;
+            for _ in 0..count {
+                self.launch("read_bytes", grid, 256, &args);
+            }
+            self.flush();
+            b.record(&self.stream)
+                .map_err(|e| anyhow::anyhow!("recording an event: {e:?}"))?;
+            self.check()?;
+            let ms = a
+                .elapsed_ms(&b)
+                .map_err(|e| anyhow::anyhow!("timing: {e:?}"))?;
+            Ok(ms as f64 * 1000.0 / count as f64)
+        };
+        timed(2)?; // warm-up
+        let back_to_back = timed(launches.max(1))?;
+        let alone = (0..5).map(|_| timed(1)).collect::<anyhow::Result<Vec<_>>>()?;
+        let alone = alone.into_iter().fold(f64::INFINITY, f64::min);
+        Ok((back_to_back, alone))
+    }
+
     /// Whether an unforced single-token 8-bit launch takes one row per warp: short rows, and
     /// launches where one row per warp still fits in one wave of resident warps (5 blocks
     /// of 4 per SM).

@@ -27,6 +27,44 @@ pub struct Args {
     pub pp: usize,
     #[arg(long, default_value_t = 128)]
     pub tg: usize,
+    /// Instead of the checks, time plain reads of the byte counts a Llama-3-8B Q4_K_M
+    /// decode step's launches stream (the per-launch read ceiling, launch and ramp
+    /// included).
+    #[arg(long)]
+    pub read_bw: bool,
+}
+
+/// `--read-bw`: µs and GB/s of a read-only kernel over each size, back to back and alone.
+fn read_bw(args: &Args) -> anyhow::Result<()> {
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
+    println!("device {}: read-only launches (read_bytes)", backend.device_name());
+    println!(
+        "{:>24} {:>10} {:>14} {:>10} {:>14} {:>10}",
+        "bytes", "MB", "µs (b2b)", "GB/s", "µs (alone)", "GB/s"
+    );
+    // Llama-3-8B Q4_K_M single-token launches: o (Q4_K), QKV, down (Q6_K half the
+    // layers), gate/up, LM head (Q6_K, padded); then 1 GB.
+    let sizes: [(&str, usize); 7] = [
+        ("o 4096x4096 q4_K", 4096 * 16 * 144),
+        ("qkv 6144x4096", 5120 * 16 * 144 + 1024 * 16 * 224),
+        ("down 4096x14336 q4_K", 4096 * 56 * 144),
+        ("down 4096x14336 q6_K", 4096 * 56 * 224),
+        ("gate/up 2x14336x4096", 2 * 14336 * 16 * 144),
+        ("lm head 128256x4096", 128256 * 16 * 224),
+        ("1 GB", 1 << 30),
+    ];
+    for (name, bytes) in sizes {
+        let launches = (2_000_000_000 / bytes).clamp(4, 200);
+        let (b2b, alone) = backend.read_launch_us(bytes, launches)?;
+        let gbs = |us: f64| bytes as f64 / us / 1e3;
+        println!(
+            "{name:>24} {:>10.1} {b2b:>14.2} {:>10.0} {alone:>14.2} {:>10.0}",
+            bytes as f64 / 1e6,
+            gbs(b2b),
+            gbs(alone)
+        );
+    }
+    Ok(())
 }
 
 /// Times prefill and decode of a model file on the GPU (random token ids).
@@ -118,6 +156,9 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.read_bw {
+        return read_bw(&args);
+    }
     if let Some(path) = &args.bench {
         return bench(&args, path);
     }
