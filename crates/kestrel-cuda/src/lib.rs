@@ -1163,7 +1163,10 @@ impl CudaBackend {
             return;
         };
         // Only the GEMVs that read them keep the quantized activations valid.
-        if !matches!(name, "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_ws_r1") {
+        if !matches!(
+            name,
+            "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_ws_r1"
+        ) {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         if !(name == "rms_norm_mmq"
@@ -1629,8 +1632,7 @@ impl CudaBackend {
 
     /// Turns single-token `gemv_ws` on or off (`gemv_q8` then).
     pub fn set_gemv_ws(&self, on: bool) {
-        self.gemv_ws
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.gemv_ws.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether single-token products of Q4_K / Q6_K weights run on `gemv_ws`.

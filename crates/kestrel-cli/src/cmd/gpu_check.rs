@@ -37,7 +37,10 @@ pub struct Args {
 /// `--read-bw`: µs and GB/s of a read-only kernel over each size, back to back and alone.
 fn read_bw(args: &Args) -> anyhow::Result<()> {
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
-    println!("device {}: read-only launches (read_bytes)", backend.device_name());
+    println!(
+        "device {}: read-only launches (read_bytes)",
+        backend.device_name()
+    );
     println!(
         "{:>24} {:>10} {:>14} {:>10} {:>14} {:>10}",
         "bytes", "MB", "µs (b2b)", "GB/s", "µs (alone)", "GB/s"
@@ -225,7 +228,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for (it, (kind, ty)) in gemv
         .chain(gemv_f32)
         .chain(gemv_gated)
-        .chain(mmq).chain(gemm).enumerate() {
+        .chain(mmq)
+        .chain(gemm)
+        .enumerate()
+    {
         backend.set_q8_decode(q8_default && kind != "gemv-f32");
         let mmq_default = (
             backend.mmq_max(),
@@ -303,7 +309,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     if kind == "gemv"
                         && variant == 0
                         && n == 1
-                        && matches!(ty, kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K)
+                        && matches!(
+                            ty,
+                            kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
+                        )
                         && backend.gemv_ws()
                         && !r.via_ws
                     {
