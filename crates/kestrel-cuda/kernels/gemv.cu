@@ -1085,6 +1085,32 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
     }
 }
 
+// The end of a single-token warp's rows r0 .. r0 + nr: its lanes' partial sums added, then
+// lane 0 stores act(gate) * up (gated) or the row plus bias, added into out when act != 0
+// (plain launches: the residual).
+template <int GD_R>
+__device__ __forceinline__ void gv_store_rows(float* acc, float* acc_up, int nr, int r0,
+                                              int gated, int act, float* out0, float* out,
+                                              const float* bias, int lane) {
+#pragma unroll
+    for (int i = 0; i < GD_R; i++) {
+        acc[i] = warp_sum(acc[i]);
+        if (gated) acc_up[i] = warp_sum(acc_up[i]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                const int r = r0 + i;
+                if (gated)
+                    out0[r] = gv_act(acc[i], act) * acc_up[i];
+                else if (act)
+                    out[r] += acc[i] + (bias ? bias[r] : 0.0f);
+                else
+                    out[r] = acc[i] + (bias ? bias[r] : 0.0f);
+            }
+}
+
 // The body of gemv_dec (Q8 false: f32 activations x) and gemv_q8 (Q8 true: activations
 // quantized to xq / xd by quantize_x_q8 or rms_norm_q8; formats Q4_K, Q6_K, Q8_0, Q4_0
 // only, the host checks). Same parameters as gemv (n and rpb ignored; for plain launches
@@ -1125,23 +1151,7 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
         rows_dot(ty, wr, nullptr, rb, acc, acc_up);
         if (gated) rows_dot(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, acc_up, nullptr);
     }
-#pragma unroll
-    for (int i = 0; i < GD_R; i++) {
-        acc[i] = warp_sum(acc[i]);
-        if (gated) acc_up[i] = warp_sum(acc_up[i]);
-    }
-    if (lane == 0)
-#pragma unroll
-        for (int i = 0; i < GD_R; i++)
-            if (i < nr) {
-                const int r = r0 + i;
-                if (gated)
-                    out0[r] = gv_act(acc[i], act) * acc_up[i];
-                else if (act)  // plain launches: act != 0 adds into out (residual)
-                    out[r] += acc[i] + (bias ? bias[r] : 0.0f);
-                else
-                    out[r] = acc[i] + (bias ? bias[r] : 0.0f);
-            }
+    gv_store_rows<GD_R>(acc, acc_up, nr, r0, gated, act, out0, out, bias, lane);
 }
 
 #define GEMV_ARGS                                                                              \
@@ -1398,23 +1408,7 @@ __device__ __forceinline__ void gemv_ws_body(const i8* xq, const float* xd, GEMV
     } else {
         ws_rows<T_Q6_K, false, GD_R>(wr, nullptr, g.rb, nr, xq, xd, k, lane, slots, acc, acc_up);
     }
-#pragma unroll
-    for (int i = 0; i < GD_R; i++) {
-        acc[i] = warp_sum(acc[i]);
-        if (gated) acc_up[i] = warp_sum(acc_up[i]);
-    }
-    if (lane == 0)
-#pragma unroll
-        for (int i = 0; i < GD_R; i++)
-            if (i < nr) {
-                const int r = g.r0 + i;
-                if (gated)
-                    out0[r] = gv_act(acc[i], act) * acc_up[i];
-                else if (act)  // plain launches: act != 0 adds into out (residual)
-                    g.out[r] += acc[i] + (g.bias ? g.bias[r] : 0.0f);
-                else
-                    g.out[r] = acc[i] + (g.bias ? g.bias[r] : 0.0f);
-            }
+    gv_store_rows<GD_R>(acc, acc_up, nr, g.r0, gated, act, out0, g.out, g.bias, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)

@@ -262,6 +262,32 @@ struct GemvSeg {
     accumulate: bool,
 }
 
+impl GemvSeg {
+    /// The segment of matrix `w` writing `ld`-float rows at `out` (None: not a matrix).
+    fn of(w: &CudaWeight, out: u64, ld: usize, bias: u64) -> Option<GemvSeg> {
+        let CudaWeight::Matrix {
+            ptr,
+            ty,
+            rows,
+            row_bytes,
+            ..
+        } = w
+        else {
+            return None;
+        };
+        Some(GemvSeg {
+            ptr: *ptr,
+            row_bytes: *row_bytes,
+            ty: *ty,
+            rows: *rows,
+            out,
+            ld,
+            bias,
+            accumulate: false,
+        })
+    }
+}
+
 /// Whether the GEMV kernels read `ty` with rows of `cols` values.
 fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
     match ty {
@@ -1707,27 +1733,13 @@ impl CudaBackend {
 
     /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
     pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix {
-            ptr,
-            ty,
-            rows,
-            cols,
-            row_bytes,
-            ..
-        } = w
-        else {
+        let CudaWeight::Matrix { cols, .. } = w else {
             return false;
         };
-        let seg = [GemvSeg {
-            ptr: *ptr,
-            row_bytes: *row_bytes,
-            ty: *ty,
-            rows: *rows,
-            out: 0,
-            ld: 0,
-            bias: 0,
-            accumulate: false,
-        }];
+        let Some(seg) = GemvSeg::of(w, 0, 0, 0) else {
+            return false;
+        };
+        let seg = [seg];
         n == 1
             && self.gemv_q8_rows() == 0
             && self.gemv_ws()
@@ -2052,15 +2064,7 @@ impl CudaBackend {
         out: &CudaTensor,
         bias: Option<&CudaWeight>,
     ) -> Option<GemvSeg> {
-        let CudaWeight::Matrix {
-            ptr,
-            ty,
-            rows,
-            cols,
-            row_bytes,
-            ..
-        } = w
-        else {
+        let CudaWeight::Matrix { ty, rows, cols, .. } = w else {
             return None;
         };
         if *cols != x.cols || out.cols != *rows || !gemv_supported(*ty, *cols) {
@@ -2071,16 +2075,7 @@ impl CudaBackend {
             Some(CudaWeight::Vector { ptr, len, .. }) if *len == *rows => *ptr,
             Some(_) => return None,
         };
-        Some(GemvSeg {
-            ptr: *ptr,
-            row_bytes: *row_bytes,
-            ty: *ty,
-            rows: *rows,
-            out: out.ptr,
-            ld: out.cols,
-            bias,
-            accumulate: false,
-        })
+        GemvSeg::of(w, out.ptr, out.cols, bias)
     }
 
     /// One GEMV launch over up to three matrices sharing `x` (`gated`: two matrices, gate
