@@ -1188,6 +1188,17 @@ impl CudaBackend {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
+        // KESTREL_CUDA_SKIP=name[,name...]: those kernels are not launched at all (wrong
+        // results: for bounding what fusing them away could gain, never for real use).
+        static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+        let skip = SKIP.get_or_init(|| {
+            std::env::var("KESTREL_CUDA_SKIP")
+                .map(|v| v.split(',').map(str::to_owned).collect())
+                .unwrap_or_default()
+        });
+        if skip.iter().any(|s| s == name) {
+            return;
+        }
         // Only the GEMVs that read them keep the quantized activations valid.
         if !matches!(
             name,
