@@ -506,26 +506,6 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x_mmk(const float* x,
     mmk_store_q8(t < n ? x[at] : 0.0f, q + at, xk, xb, kb, t, npad);
 }
 
-// rms_norm_mmk spread out: one block of 256 threads per (256 values, token row), each block
-// summing its row's squares itself (every block of a row the same sum, in the same order),
-// so that a step's norm is one round of latency on cols / 256 · npad SMs instead of a chain
-// on npad. Same arguments and results as rms_norm_mmk; grid (cols / 256, npad).
-extern "C" __global__ void __launch_bounds__(256)
-rms_norm_mmk_split(const float* x, const float* w, float* out, int cols, float eps, int n,
-                   int npad, i8* q, float* xk, i8* xb) {
-    pdl_enter();
-    const int kb = blockIdx.x, t = blockIdx.y;
-    const float* xr = x + (size_t)t * cols;
-    const float scale = t < n ? rms_scale(xr, cols, eps) : 0.0f;  // t: uniform in the block
-    const int j = kb * 256 + threadIdx.x;
-    float v = 0.0f;
-    if (t < n) {
-        v = xr[j] * scale * w[j];
-        out[(size_t)t * cols + j] = v;
-    }
-    mmk_store_q8(v, q + (size_t)t * cols + j, xk, xb, kb, t, npad);
-}
-
 // rms_norm of n rows that also leaves them quantized as quantize_x_mmk would: one block per
 // token row (grid (1, npad)), 64 threads per 256 values (4 each, float4), blockDim.x a
 // multiple of 64 up to 1024 (longer rows in several passes); cols a multiple of 256. One

@@ -47,7 +47,6 @@ pub const KERNELS: &[&str] = &[
     "mmq_t64_gated",
     "quantize_x_mmk",
     "rms_norm_mmk",
-    "rms_norm_mmk_split",
     "mmk_t8",
     "mmk_t8_gated_q4k",
     "mmk_t8_gated_q6k",

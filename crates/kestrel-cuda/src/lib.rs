@@ -1207,7 +1207,7 @@ impl CudaBackend {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         if !(name == "rms_norm_mmq"
-            || name.starts_with("rms_norm_mmk")
+            || name == "rms_norm_mmk"
             || name.starts_with("mmq_t")
             || name.starts_with("mmk_t")
             || name.starts_with("mms_t"))
@@ -2763,18 +2763,8 @@ impl kestrel_model::Backend for CudaBackend {
             let mmk = staged || (npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256));
             if mmk {
                 args.push(Arg::P(ds + 4 * (npad * x.cols / 256) as u64));
-                // One block per (256 values, token), each summing its row
-                // (`KESTREL_CUDA_NORM_SPLIT=0`: one block per token).
-                static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-                if *SPLIT.get_or_init(|| {
-                    std::env::var("KESTREL_CUDA_NORM_SPLIT").map_or(true, |v| v != "0")
-                }) {
-                    let grid = ((x.cols / 256) as u32, npad as u32, 1);
-                    self.launch("rms_norm_mmk_split", grid, 256, &args);
-                } else {
-                    let threads = 64 * (x.cols / 256).min(16) as u32;
-                    self.launch("rms_norm_mmk", (1, npad as u32, 1), threads, &args);
-                }
+                let threads = 64 * (x.cols / 256).min(16) as u32;
+                self.launch("rms_norm_mmk", (1, npad as u32, 1), threads, &args);
             } else {
                 let grid = (x.cols.div_ceil(256) as u32, npad as u32, 1);
                 self.launch("rms_norm_mmq", grid, 256, &args);
