@@ -157,29 +157,3 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
                  : "memory");
 }
 
-
-// Cache slot of position `pos` of the sequence whose block table starts at `table`.
-__device__ __forceinline__ size_t kv_slot(const u32* table, int block_size, int pos) {
-    return (size_t)table[pos / block_size] * block_size + pos % block_size;
-}
-
-// cos and sin (times mscale) of rotary pair p at position pos, as ggml computes them: f32
-// throughout, theta advanced by repeated multiplication with theta_scale.
-__device__ __forceinline__ void rope_cos_sin(float pos, int p, float theta_scale,
-                                             float freq_scale, float ext_factor, float mscale,
-                                             float corr_lo, float corr_hi,
-                                             const float* freq_factors, float& c, float& s) {
-    float theta_extrap = pos;
-    for (int j = 0; j < p; j++) theta_extrap *= theta_scale;
-    const float factor = freq_factors ? freq_factors[p] : 1.0f;
-    const float extrap = theta_extrap / factor;
-    const float interp = freq_scale * extrap;
-    float theta = interp;
-    if (ext_factor != 0.0f) {
-        const float y = ((float)p - corr_lo) / fmaxf(0.001f, corr_hi - corr_lo);
-        const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
-        theta = interp * (1.0f - ramp) + extrap * ramp;
-    }
-    c = cosf(theta) * mscale;
-    s = sinf(theta) * mscale;
-}

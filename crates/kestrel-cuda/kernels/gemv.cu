@@ -845,41 +845,7 @@ struct GvRows {
     int ty, rows, r0, ld;
     float* out;
     const float* bias;
-    int seg;  // which matrix (0, 1, 2)
 };
-
-// A QKV launch's epilogue in place of rope_store_kv (layers without QK-norm, RoPE on
-// adjacent pairs): Q rows (matrix 0) rotated into out0; K rows (matrix 1) rotated and V rows
-// (matrix 2) stored as f16 into the layer's cache slots, k and v themselves not written.
-// Written by the host (`QkvRopeDesc`, same layout: 7 pointers, 4 ints, 6 floats).
-struct QkvRope {
-    const u32 *positions, *seq_of, *table_off, *tables;
-    u16 *kc, *vc;
-    const float* freq_factors;
-    int block_size, head_dim, n_rot, kv_dim;
-    float theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi;
-};
-
-// Stores value v of row `row` of QKV matrix `seg` for token `tok` as rope_store_kv would
-// leave it; `partner`: the same token's value of row ^ 1 (the other half of its pair).
-__device__ __forceinline__ void qkv_rope_out(const QkvRope& R, int seg, int row, int tok,
-                                             float v, float partner, float* q_out, int ld) {
-    const int d = row % R.head_dim;
-    if (seg < 2 && d < R.n_rot) {
-        float c, s;
-        rope_cos_sin((float)R.positions[tok], d >> 1, R.theta_scale, R.freq_scale,
-                     R.ext_factor, R.mscale, R.corr_lo, R.corr_hi, R.freq_factors, c, s);
-        // (x0, x1) -> (x0 c - x1 s, x0 s + x1 c); v is x0 for even d, x1 for odd.
-        v = (d & 1) ? partner * s + v * c : v * c - partner * s;
-    }
-    if (seg == 0) {
-        q_out[(size_t)tok * ld + row] = v;
-        return;
-    }
-    const u32* table = R.tables + R.table_off[R.seq_of[tok]];
-    const size_t slot = kv_slot(table, R.block_size, (int)R.positions[tok]) * R.kv_dim + row;
-    (seg == 1 ? R.kc : R.vc)[slot] = f2h(v);
-}
 
 template <int GD_R>
 __device__ __forceinline__ bool gv_pick_rows(int gw, int total, int gated, const u8* w0, long long rb0,
@@ -894,11 +860,11 @@ __device__ __forceinline__ bool gv_pick_rows(int gw, int total, int gated, const
     const int wa1 = gated ? 0 : (rows1 + GD_R - 1) / GD_R;
     const int wa2 = gated ? 0 : (rows2 + GD_R - 1) / GD_R;
     if (gw < wa0) {
-        g = {w0, rb0, ty0, rows0, gw * GD_R, ld0, out0, bias0, 0};
+        g = {w0, rb0, ty0, rows0, gw * GD_R, ld0, out0, bias0};
     } else if (gw < wa0 + wa1) {
-        g = {w1, rb1, ty1, rows1, (gw - wa0) * GD_R, ld1, out1, bias1, 1};
+        g = {w1, rb1, ty1, rows1, (gw - wa0) * GD_R, ld1, out1, bias1};
     } else if (gw < wa0 + wa1 + wa2) {
-        g = {w2, rb2, ty2, rows2, (gw - wa0 - wa1) * GD_R, ld2, out2, bias2, 2};
+        g = {w2, rb2, ty2, rows2, (gw - wa0 - wa1) * GD_R, ld2, out2, bias2};
     } else {
         return false;
     }
@@ -1122,25 +1088,14 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
 // The end of a single-token warp's rows r0 .. r0 + nr: its lanes' partial sums added, then
 // lane 0 stores act(gate) * up (gated) or the row plus bias, added into out when act != 0
 // (plain launches: the residual).
-// With `rope` (two rows a warp, r0 even: a rotary pair) the rows go through qkv_rope_out.
 template <int GD_R>
 __device__ __forceinline__ void gv_store_rows(float* acc, float* acc_up, int nr, int r0,
                                               int gated, int act, float* out0, float* out,
-                                              const float* bias, int lane,
-                                              const QkvRope* rope = nullptr, int seg = 0) {
+                                              const float* bias, int lane) {
 #pragma unroll
     for (int i = 0; i < GD_R; i++) {
         acc[i] = warp_sum(acc[i]);
         if (gated) acc_up[i] = warp_sum(acc_up[i]);
-    }
-    if (GD_R == 2 && rope) {
-        if (lane == 0) {
-            const float v0 = acc[0] + (bias ? bias[r0] : 0.0f);
-            const float v1 = acc[GD_R - 1] + (bias ? bias[r0 + 1] : 0.0f);
-            qkv_rope_out(*rope, seg, r0, 0, v0, v1, out, 0);
-            qkv_rope_out(*rope, seg, r0 + 1, 0, v1, v0, out, 0);
-        }
-        return;
     }
     if (lane == 0)
 #pragma unroll
@@ -1163,8 +1118,7 @@ __device__ __forceinline__ void gv_store_rows(float* acc, float* acc_up, int nr,
 // GD_R rows of one matrix at a time (gv_pick_rows). Grid: ceil(total warps / GD_WARPS)
 // blocks of GD_WARPS warps, where total warps = Σ ceil(rows_s / GD_R).
 template <int GD_R, int GD_U, bool Q8>
-__device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GEMV_PARAMS,
-                                               const QkvRope* rope = nullptr) {
+__device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
     const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
@@ -1197,7 +1151,7 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
         rows_dot(ty, wr, nullptr, rb, acc, acc_up);
         if (gated) rows_dot(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, acc_up, nullptr);
     }
-    gv_store_rows<GD_R>(acc, acc_up, nr, r0, gated, act, out0, out, bias, lane, rope, g.seg);
+    gv_store_rows<GD_R>(acc, acc_up, nr, r0, gated, act, out0, out, bias, lane);
 }
 
 #define GEMV_ARGS                                                                              \
@@ -1218,12 +1172,11 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_
     gemv_rows_body<4, 1, false>(nullptr, nullptr, GEMV_ARGS);
 }
 
-// 5 blocks per SM: 96 registers, no spills (6 spills). `rope`: null, or a QKV launch's
-// RoPE and cache stores (see QkvRope).
+// 5 blocks per SM: 96 registers, no spills (6 spills).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
-gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS, const QkvRope* rope) {
+gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
-    gemv_rows_body<2, 2, true>(xq, xd, GEMV_ARGS, rope);
+    gemv_rows_body<2, 2, true>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {

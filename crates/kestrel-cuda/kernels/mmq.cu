@@ -348,7 +348,7 @@ __device__ __forceinline__ void mq_rows_any(int ty, const u8* const (&rw)[4], in
 template <int J, bool UP>
 __device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (&acc_up)[J][4],
                                          const GvRows& t, int r0, int n, int act, float* out0,
-                                         int ld0, int tok0 = 0, const QkvRope* rope = nullptr) {
+                                         int ld0, int tok0 = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2;
     const int nr = t.rows - r0;
 #pragma unroll
@@ -356,15 +356,6 @@ __device__ __forceinline__ void mq_store(const float (&acc)[J][4], const float (
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int r = g + (e >= 2 ? 8 : 0), tok = tok0 + 8 * j + 2 * (lane & 3) + (e & 1);
-            if (!UP && rope) {
-                // Row g ^ 1 (the other half of the rotary pair; r0 is a multiple of 16)
-                // is held by lane ^ 4 at the same token. Every lane takes part.
-                const int row = r0 + r;
-                const float v = acc[j][e] + (r < nr && t.bias ? t.bias[row] : 0.0f);
-                const float partner = __shfl_xor_sync(0xffffffffu, v, 4);
-                if (r < nr && tok < n) qkv_rope_out(*rope, t.seg, row, tok, v, partner, t.out, t.ld);
-                continue;
-            }
             if (r < nr && tok < n) {
                 const int row = r0 + r;
                 if (UP) {
@@ -792,8 +783,7 @@ __device__ __forceinline__ void mk_rows(const u8* const (&rw)[4], int warp, int 
 // of 256 (the host checks); parameters and grid as mmq_t8, MK_WARPS warps a block.
 template <int TY, bool UP, bool PIPE>
 __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const float* xk,
-                                         const i8* xb, int npad, GEMV_PARAMS,
-                                         const QkvRope* rope) {
+                                         const i8* xb, int npad, GEMV_PARAMS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     (void)x;
     (void)rpb;
@@ -837,7 +827,7 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
             a[0][e] = acc[0][0][e];
             a_up[0][e] = acc[1][0][e];
         }
-        mq_store<1, UP>(a, a_up, t, t.r0, n, act, out0, ld0, 0, rope);
+        mq_store<1, UP>(a, a_up, t, t.r0, n, act, out0, ld0);
     }
 }
 
@@ -847,8 +837,7 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
 // warps, and blocks of 4 warps (4 a SM) all measured slower end to end.
 #define MMK_KERNEL(NAME, TY, UP, PIPE)                                                         \
     extern "C" __global__ void __launch_bounds__(MK_WARPS * 32, 2)                             \
-        NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS,               \
-             const QkvRope* rope) {                                                            \
+        NAME(const i8* xq, const float* xk, const i8* xb, int npad, GEMV_PARAMS) {             \
         pdl_enter();                                                                           \
         GvRows t;                                                                              \
         if (!gv_pick_rows<16>(blockIdx.x, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, \
@@ -856,9 +845,9 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
                               bias2, t))                                                       \
             return;                                                                            \
         if (TY == T_Q4_K || (TY < 0 && t.ty == T_Q4_K))                                        \
-            mmk_body<T_Q4_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS, rope);                  \
+            mmk_body<T_Q4_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
         else                                                                                   \
-            mmk_body<T_Q6_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS, rope);                  \
+            mmk_body<T_Q6_K, UP, PIPE>(t, xq, xk, xb, npad, GEMV_ARGS);                        \
     }
 // TY < 0: the block's format picks the body (plain launches may mix formats: Q, K, V);
 // gated launches have one format (the host checks), and a kernel per format keeps the other

@@ -75,9 +75,21 @@ __device__ __forceinline__ void rope_angles(float pos, int n_rot, float theta_sc
                                             float freq_scale, float ext_factor, float mscale,
                                             float corr_lo, float corr_hi,
                                             const float* freq_factors, float* cs, float* sn) {
-    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x)
-        rope_cos_sin(pos, p, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi,
-                     freq_factors, cs[p], sn[p]);
+    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
+        float theta_extrap = pos;
+        for (int j = 0; j < p; j++) theta_extrap *= theta_scale;
+        const float factor = freq_factors ? freq_factors[p] : 1.0f;
+        const float extrap = theta_extrap / factor;
+        const float interp = freq_scale * extrap;
+        float theta = interp;
+        if (ext_factor != 0.0f) {
+            const float y = ((float)p - corr_lo) / fmaxf(0.001f, corr_hi - corr_lo);
+            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+            theta = interp * (1.0f - ramp) + extrap * ramp;
+        }
+        cs[p] = cosf(theta) * mscale;
+        sn[p] = sinf(theta) * mscale;
+    }
 }
 
 __device__ __forceinline__ void rope_apply(float* row, int n_heads, int head_dim, int n_rot,
@@ -111,6 +123,11 @@ extern "C" __global__ void rope(float* x, const u32* positions, int cols, ROPE_P
     rope_angles((float)positions[i], ROPE_ANGLE_ARGS, cs, sn);
     __syncthreads();
     rope_apply(x + (size_t)i * cols, cols / head_dim, head_dim, n_rot, neox, cs, sn);
+}
+
+// Cache slot of position `pos` of the sequence whose block table starts at `table`.
+__device__ __forceinline__ size_t kv_slot(const u32* table, int block_size, int pos) {
+    return (size_t)table[pos / block_size] * block_size + pos % block_size;
 }
 
 // Writes each token's key and value (as f16) into its sequence's cache slot.

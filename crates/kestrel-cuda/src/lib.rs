@@ -262,28 +262,6 @@ struct GemvSeg {
     accumulate: bool,
 }
 
-/// The QKV launch's RoPE + cache-store epilogue as the kernels read it (`QkvRope` in
-/// kernels/gemv.cu: 7 pointers, then 4 ints, then 6 floats, no padding).
-struct QkvRopeDesc {
-    /// positions, seq_of, table_off, tables (the step's), the layer's K and V cache, the
-    /// frequency factors (0: none).
-    pointers: [u64; 7],
-    /// block size, head size, rotated dims, kv_dim.
-    ints: [i32; 4],
-    /// theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi.
-    floats: [f32; 6],
-}
-
-impl QkvRopeDesc {
-    fn bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(96);
-        out.extend(self.pointers.iter().flat_map(|p| p.to_le_bytes()));
-        out.extend(self.ints.iter().flat_map(|i| i.to_le_bytes()));
-        out.extend(self.floats.iter().flat_map(|f| f.to_le_bytes()));
-        out
-    }
-}
-
 impl GemvSeg {
     /// The segment of matrix `w` writing `ld`-float rows at `out` (None: not a matrix).
     fn of(w: &CudaWeight, out: u64, ld: usize, bias: u64) -> Option<GemvSeg> {
@@ -496,11 +474,6 @@ pub struct CudaBackend {
     /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0: by launch, see
     /// `gemv`): `KESTREL_CUDA_GEMV`'s (r4 takes two), the self-check runs each.
     gemv_q8_rows: std::sync::atomic::AtomicUsize,
-    /// QKV launches of layers without QK-norm do RoPE and the cache stores in their
-    /// epilogue where the kernel can (`gemv_q8`, `mmk_t8*`; `KESTREL_CUDA_QKV_ROPE=0`: never).
-    fuse_qkv_rope: bool,
-    /// The epilogue descriptors uploaded so far ([`QkvRopeDesc`] bytes -> device copy).
-    qkv_rope_descs: Mutex<HashMap<Vec<u8>, CudaSlice<u8>>>,
     /// Single-token products of Q4_K / Q6_K weights on `gemv_ws` (weights staged by
     /// cp.async per warp) instead of `gemv_q8` (`KESTREL_CUDA_WS=0` turns it off).
     gemv_ws: std::sync::atomic::AtomicBool,
@@ -827,8 +800,6 @@ impl CudaBackend {
             gemv_q8_rows: std::sync::atomic::AtomicUsize::new(
                 gemv_dec.map_or(0, |(_, rows)| rows.min(2)),
             ),
-            fuse_qkv_rope: std::env::var("KESTREL_CUDA_QKV_ROPE").map_or(true, |v| v != "0"),
-            qkv_rope_descs: Mutex::default(),
             gemv_ws: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_WS").map_or(true, |v| v != "0"),
             ),
@@ -2119,17 +2090,8 @@ impl CudaBackend {
     }
 
     /// One GEMV launch over up to three matrices sharing `x` (`gated`: two matrices, gate
-    /// and up, producing `act(gate·x) * (up·x)` in the first's output). `rope`: 0, or for a
-    /// QKV launch the device address of its [`QkvRopeDesc`]; returns whether the chosen
-    /// kernel applied it (RoPE and the cache stores done, k and v left unwritten).
-    fn gemv(
-        &self,
-        x: &CudaTensor,
-        n: usize,
-        segs: &[GemvSeg],
-        gated: Option<Activation>,
-        rope: u64,
-    ) -> bool {
+    /// and up, producing `act(gate·x) * (up·x)` in the first's output).
+    fn gemv(&self, x: &CudaTensor, n: usize, segs: &[GemvSeg], gated: Option<Activation>) {
         debug_assert!(!segs.is_empty() && segs.len() <= 3);
         let k = x.cols;
         let weight_bytes: u64 = segs.iter().map(|s| (s.rows * s.row_bytes) as u64).sum();
@@ -2180,7 +2142,8 @@ impl CudaBackend {
             args.push(Arg::P(s.bias));
         }
         if self.mmq_applies(k, n, segs, gated.is_some()) {
-            return self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes, rope);
+            self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes);
+            return;
         }
         // Only the single-token kernels and mmq_* / mmh_* add into their outputs.
         debug_assert!(n == 1 || segs.iter().all(|s| !s.accumulate));
@@ -2190,7 +2153,7 @@ impl CudaBackend {
                 q: q_ptr, d: d_ptr, ..
             }) = self.q8_buffers(n * k)
             else {
-                return false;
+                return;
             };
             let quantized =
                 n == 1 && *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some(x.ptr);
@@ -2236,13 +2199,8 @@ impl CudaBackend {
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
             q8_args.extend_from_slice(&args);
-            // Only gemv_q8 (two rows a warp: a rotary pair) takes the QKV epilogue.
-            let fused = kernel == "gemv_q8" && rope != 0;
-            if kernel == "gemv_q8" {
-                q8_args.push(Arg::P(rope));
-            }
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &q8_args, weight_bytes);
-            return fused;
+            return;
         }
         if n == 1 && !self.legacy_gemv1 {
             // gemv_dec: `rows` rows per warp, 4 warps per block, per matrix.
@@ -2260,11 +2218,10 @@ impl CudaBackend {
             });
             let warps = gemv_warps(segs, gated.is_some(), rows);
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
-            return false;
+            return;
         }
         let kernel = if n == 1 { "gemv1" } else { "gemv" };
         self.launch_reading(kernel, grid_1d(total, rpb), 128, &args, weight_bytes);
-        false
     }
 
     /// The GEMV launch `args` (see [`Self::gemv`]) on the tensor cores: x quantized to 8 bits
@@ -2277,8 +2234,7 @@ impl CudaBackend {
         gated: bool,
         args: &[Arg],
         weight_bytes: u64,
-        rope: u64,
-    ) -> bool {
+    ) {
         let k = x.cols;
         let (kind, npad) = self.mmq_plan(n, k, segs);
         let Some(Q8Ptrs {
@@ -2290,7 +2246,7 @@ impl CudaBackend {
             ..
         }) = self.q8_buffers(npad * k)
         else {
-            return false;
+            return;
         };
         // Kernel names by tile (8, 16, 32, 64 tokens) and gated.
         const MMH: [[&str; 2]; 4] = [
@@ -2407,11 +2363,6 @@ impl CudaBackend {
             }
         };
         kernel_args.extend_from_slice(args);
-        // The mmk_t8 kernels take a QKV epilogue (plain launches only).
-        let fused = kernel.starts_with("mmk_t8") && !gated && rope != 0;
-        if kernel.starts_with("mmk_t8") {
-            kernel_args.push(Arg::P(if gated { 0 } else { rope }));
-        }
         self.launch_reading(
             kernel,
             (blocks as u32, 1, 1),
@@ -2419,7 +2370,6 @@ impl CudaBackend {
             &kernel_args,
             weight_bytes,
         );
-        fused
     }
 
     /// `quantize_x_mmk` of `npad` token rows of `k` values (`prep_args`: x, k, n, npad) into
@@ -2457,7 +2407,7 @@ impl CudaBackend {
                     let segs = [g, u];
                     let takes = self.gemv_takes(x.cols, n, &segs, true);
                     if takes {
-                        self.gemv(x, n, &segs, Some(act), 0);
+                        self.gemv(x, n, &segs, Some(act));
                     }
                     takes
                 }
@@ -2484,81 +2434,6 @@ impl CudaBackend {
             CudaWeight::Vector { ptr, .. } => Some(*ptr),
             CudaWeight::Matrix { .. } => {
                 self.fail(format!("{what}: expected a vector weight, got a matrix"));
-                None
-            }
-        }
-    }
-
-    /// The device address of the [`QkvRopeDesc`] of this layer's QKV launch (uploaded once
-    /// per distinct content, so recorded graphs keep a fixed address), or None where the
-    /// epilogue does not apply: NeoX pairs, head sizes not a multiple of 16 (a tile's rows
-    /// must hold whole pairs), partial rotary dims of odd count, odd geometry.
-    fn qkv_rope_desc(
-        &self,
-        q_cols: usize,
-        head_dim: usize,
-        rope: &RopeParams,
-        cache: &CudaCache,
-        layer: usize,
-        step: &CudaStep,
-    ) -> Option<u64> {
-        if !self.fuse_qkv_rope
-            || rope.neox
-            || head_dim == 0
-            || !head_dim.is_multiple_of(16)
-            || !rope.n_rot.is_multiple_of(2)
-            || rope.n_rot > head_dim
-            || !q_cols.is_multiple_of(head_dim)
-            || layer >= cache.k_ptr.len()
-        {
-            return None;
-        }
-        let c = rope.constants();
-        let factors = match &rope.freq_factors {
-            Some(f) => self.freq_factors_ptr(f)?,
-            None => 0,
-        };
-        let desc = QkvRopeDesc {
-            pointers: [
-                step.positions(),
-                step.seq_of(),
-                step.table_off(),
-                step.tables(),
-                cache.k_ptr[layer],
-                cache.v_ptr[layer],
-                factors,
-            ],
-            ints: [
-                cache.block_size as i32,
-                head_dim as i32,
-                rope.n_rot as i32,
-                cache.kv_dim as i32,
-            ],
-            floats: [
-                c.theta_scale,
-                c.freq_scale,
-                c.ext_factor,
-                c.mscale,
-                c.corr_lo,
-                c.corr_hi,
-            ],
-        }
-        .bytes();
-        let mut descs = self
-            .qkv_rope_descs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(buf) = descs.get(&desc) {
-            return Some(self.ptr(buf));
-        }
-        match self.stream.clone_htod(&desc) {
-            Ok(buf) => {
-                let p = self.ptr(&buf);
-                descs.insert(desc, buf);
-                Some(p)
-            }
-            Err(e) => {
-                self.fail(format!("uploading a QKV epilogue descriptor: {e:?}"));
                 None
             }
         }
@@ -2966,7 +2841,7 @@ impl kestrel_model::Backend for CudaBackend {
         if let Some(seg) = self.gemv_seg(x, w, out, None)
             && self.gemv_takes(x.cols, n, std::slice::from_ref(&seg), false)
         {
-            self.gemv(x, n, &[seg], None, 0);
+            self.gemv(x, n, &[seg], None);
             return;
         }
         const ROWS_PER_BLOCK: usize = 8;
@@ -3256,7 +3131,7 @@ impl kestrel_model::Backend for CudaBackend {
             if let [Some(a), Some(b), Some(c)] = segs {
                 let segs = [a, b, c];
                 if self.gemv_takes(x.cols, n, &segs, false) {
-                    self.gemv(x, n, &segs, None, 0);
+                    self.gemv(x, n, &segs, None);
                     return;
                 }
             }
@@ -3272,46 +3147,6 @@ impl kestrel_model::Backend for CudaBackend {
             ],
         );
         self.add_qkv_biases(layer, n, q, k, v);
-    }
-
-    fn qkv_rope_store(
-        &self,
-        x: &CudaTensor,
-        weights: &LayerWeights<CudaWeight>,
-        n: usize,
-        q: &mut CudaTensor,
-        k: &mut CudaTensor,
-        v: &mut CudaTensor,
-        head_dim: usize,
-        rope: &RopeParams,
-        cache: &mut CudaCache,
-        layer: usize,
-        step: &CudaStep,
-    ) {
-        // One launch for the projections, RoPE and the cache stores where the QKV kernel
-        // takes the epilogue (see QkvRope in kernels/gemv.cu).
-        if k.cols == cache.kv_dim
-            && v.cols == cache.kv_dim
-            && !self.prefer_gemm(&weights.attn_q, n)
-            && let [Some(a), Some(b), Some(c)] = [
-                self.gemv_seg(x, &weights.attn_q, q, weights.attn_q_bias.as_ref()),
-                self.gemv_seg(x, &weights.attn_k, k, weights.attn_k_bias.as_ref()),
-                self.gemv_seg(x, &weights.attn_v, v, weights.attn_v_bias.as_ref()),
-            ]
-        {
-            let segs = [a, b, c];
-            if self.gemv_takes(x.cols, n, &segs, false) {
-                let desc = self
-                    .qkv_rope_desc(q.cols, head_dim, rope, cache, layer, step)
-                    .unwrap_or(0);
-                if !self.gemv(x, n, &segs, None, desc) {
-                    self.rope_store_kv(q, k, v, head_dim, rope, cache, layer, step, n);
-                }
-                return;
-            }
-        }
-        self.qkv(x, weights, n, q, k, v);
-        self.rope_store_kv(q, k, v, head_dim, rope, cache, layer, step, n);
     }
 
     fn gate_up(
@@ -3343,7 +3178,7 @@ impl kestrel_model::Backend for CudaBackend {
             seg.accumulate = true;
             let segs = [seg];
             if n == 1 || (self.fuse_multi && self.mmq_applies(x.cols, n, &segs, false)) {
-                self.gemv(x, n, &segs, None, 0);
+                self.gemv(x, n, &segs, None);
                 return;
             }
         }

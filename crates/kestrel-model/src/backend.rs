@@ -236,28 +236,6 @@ pub trait Backend: Sync {
         self.add(residual, tmp, n);
     }
 
-    /// The Q, K and V projections, RoPE on the query and key heads, then the keys and values
-    /// into the cache: [`Self::qkv`] then [`Self::rope_store_kv`] (layers without QK-norm;
-    /// a backend may do it in fewer steps, leaving `k` and `v` unwritten).
-    #[allow(clippy::too_many_arguments)]
-    fn qkv_rope_store(
-        &self,
-        x: &Self::Tensor,
-        weights: &LayerWeights<Self::Weight>,
-        n: usize,
-        q: &mut Self::Tensor,
-        k: &mut Self::Tensor,
-        v: &mut Self::Tensor,
-        head_dim: usize,
-        rope: &RopeParams,
-        cache: &mut Self::Cache,
-        layer: usize,
-        step: &Self::Step,
-    ) {
-        self.qkv(x, weights, n, q, k, v);
-        self.rope_store_kv(q, k, v, head_dim, rope, cache, layer, step, n);
-    }
-
     /// RoPE on the query and key heads, then the keys and values into the cache.
     #[allow(clippy::too_many_arguments)]
     fn rope_store_kv(

@@ -119,37 +119,23 @@ impl<B: Backend> Model<B> {
         for (il, layer) in w.layers.iter().enumerate() {
             // Attention block.
             backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
-            let rope = cfg.layer_rope(il);
+            backend.qkv(&s.h, layer, n, &mut s.q, &mut s.k, &mut s.v);
             if let (Some(qn), Some(kn)) = (&layer.attn_q_norm, &layer.attn_k_norm) {
-                backend.qkv(&s.h, layer, n, &mut s.q, &mut s.k, &mut s.v);
                 backend.rms_norm_heads(&mut s.q, qn, cfg.head_dim, cfg.rms_eps, n);
                 backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
-                backend.rope_store_kv(
-                    &mut s.q,
-                    &mut s.k,
-                    &s.v,
-                    cfg.head_dim,
-                    rope,
-                    cache,
-                    il,
-                    &s.step,
-                    n,
-                );
-            } else {
-                backend.qkv_rope_store(
-                    &s.h,
-                    layer,
-                    n,
-                    &mut s.q,
-                    &mut s.k,
-                    &mut s.v,
-                    cfg.head_dim,
-                    rope,
-                    cache,
-                    il,
-                    &s.step,
-                );
             }
+            let rope = cfg.layer_rope(il);
+            backend.rope_store_kv(
+                &mut s.q,
+                &mut s.k,
+                &s.v,
+                cfg.head_dim,
+                rope,
+                cache,
+                il,
+                &s.step,
+                n,
+            );
             let params = AttnParams {
                 layer: il,
                 n_head: cfg.n_head,
