@@ -305,7 +305,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             if r.via_mmk { "ran" } else { "did not run" }
                         ));
                     }
-                    // Default single-token products of Q4_K / Q6_K: gemv_ws.
+                    // Default single-token products of Q4_K / Q6_K (rows per warp not forced,
+                    // e.g. by KESTREL_CUDA_GEMV): gemv_ws.
                     if kind == "gemv"
                         && variant == 0
                         && n == 1
@@ -314,6 +315,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
                         )
                         && backend.gemv_ws()
+                        && backend.gemv_q8_rows() == 0
                         && !r.via_ws
                     {
                         error = Some(format!("{rows}x{cols} n=1 did not run on gemv_ws"));
