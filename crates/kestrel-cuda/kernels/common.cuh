@@ -156,4 +156,3 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
                  : "r"(addr)
                  : "memory");
 }
-

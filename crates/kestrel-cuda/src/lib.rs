@@ -474,8 +474,9 @@ pub struct CudaBackend {
     /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0: by launch, see
     /// `gemv`): `KESTREL_CUDA_GEMV`'s (r4 takes two), the self-check runs each.
     gemv_q8_rows: std::sync::atomic::AtomicUsize,
-    /// Single-token products of Q4_K / Q6_K weights on `gemv_ws` (weights staged by
-    /// cp.async per warp) instead of `gemv_q8` (`KESTREL_CUDA_WS=0` turns it off).
+    /// One-row-a-warp single-token products of Q4_K / Q6_K weights on `gemv_ws_r1`
+    /// (weights staged by cp.async per warp) instead of `gemv_q8_r1` (`KESTREL_CUDA_WS=0`
+    /// turns it off).
     gemv_ws: std::sync::atomic::AtomicBool,
     /// Single-token GEMVs on 8-bit activations (`gemv_q8`; `KESTREL_CUDA_Q8=0` turns it
     /// off: f32 activations everywhere, as the CPU backend computes).
@@ -1667,11 +1668,6 @@ impl CudaBackend {
             .store(rows.min(2), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Turns single-token `gemv_ws` on or off (`gemv_q8` then).
-    pub fn set_gemv_ws(&self, on: bool) {
-        self.gemv_ws.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
     /// Whether single-token products of Q4_K / Q6_K weights run on `gemv_ws`.
     pub fn gemv_ws(&self) -> bool {
         self.gemv_ws.load(std::sync::atomic::Ordering::Relaxed)
@@ -1750,13 +1746,17 @@ impl CudaBackend {
         let Some(seg) = GemvSeg::of(w, 0, 0, 0) else {
             return false;
         };
-        let seg = [seg];
-        n == 1
-            && self.gemv_q8_rows() == 0
+        n == 1 && self.matmul_uses_q8(w, n) && self.ws_launch(*cols, &[seg], false)
+    }
+
+    /// Whether an 8-bit single-token launch over `segs` (rows of `k` values) runs on
+    /// `gemv_ws_r1`: rows per warp not forced, the kernel on, formats and alignment it
+    /// reads, and one row a warp by [`Self::gemv_q8_one_row`].
+    fn ws_launch(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
+        self.gemv_q8_rows() == 0
             && self.gemv_ws()
-            && self.matmul_uses_q8(w, n)
-            && ws_takes(&seg, false)
-            && self.gemv_q8_one_row(*cols, &seg, false)
+            && ws_takes(segs, gated)
+            && self.gemv_q8_one_row(k, segs, gated)
     }
 
     /// The forced rows per warp of single-token `gemv_q8` launches (0: by launch).
@@ -2188,13 +2188,11 @@ impl CudaBackend {
             // One-row launches on the staged kernel where it reads the formats (tg128 H100,
             // alternated: Qwen2.5-1.5B, all one-row launches, 709 / 679 -> 723 / 724 t/s;
             // Llama-3-8B's two-row launches lost on it, 329 / 325 -> 312 / 316, so they stay).
-            let kernel = match kernel {
-                "gemv_q8_r1"
-                    if forced == 0 && self.gemv_ws() && ws_takes(segs, gated.is_some()) =>
-                {
-                    "gemv_ws_r1"
-                }
-                other => other,
+            // (n == 1 and unforced, ws_launch implies the one-row gemv_q8_r1 above.)
+            let kernel = if n == 1 && self.ws_launch(k, segs, gated.is_some()) {
+                "gemv_ws_r1"
+            } else {
+                kernel
             };
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
