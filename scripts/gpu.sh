@@ -20,6 +20,8 @@
 #                            steps (mmq) on, then off (KESTREL_CUDA_MMQ_MAX=0)
 #   scripts/gpu.sh decode-ab on the GPU host: tg128 of synthetic Qwen2.5-1.5B and Llama-3-8B
 #                            Q4_K_M (and `--seqs $SEQS` if set) under each env set of $AB
+#   scripts/gpu.sh build-base  build revision ${BASE:-HEAD} as .gpu/kestrel-base (after `build`:
+#                            it adds its cubin to .gpu/cuda-cache) for `AB="BIN=.gpu/kestrel-base -"`
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -89,6 +91,20 @@ build)
         echo "no cubin made here: the GPU host will compile the kernels (~100 s)" >&2
     echo "on the GPU host, from the repository root:"
     remote_cmd
+    ;;
+build-base)
+    # The build of git revision ${BASE:-HEAD} as .gpu/kestrel-base, its cubin kept beside the
+    # current one in .gpu/cuda-cache (the cache is keyed by source): `AB="BIN=.gpu/kestrel-base -"`
+    # then compares the two builds in one decode-ab call.
+    rm -rf .gpu/base-tree
+    git worktree add -f --detach .gpu/base-tree "${BASE:-HEAD}" >/dev/null
+    (cd .gpu/base-tree && CARGO_TARGET_DIR=../../target/base cargo build --release -p kestrel-cli &&
+        python3 scripts/kernel_check.py --cubin ../base-cubin)
+    cp target/base/release/kestrel .gpu/kestrel-base
+    strip .gpu/kestrel-base
+    cp .gpu/base-cubin/*.cubin .gpu/cuda-cache/
+    git worktree remove --force .gpu/base-tree
+    ls -l .gpu .gpu/cuda-cache
     ;;
 remote) remote_cmd ;;
 bench)
@@ -162,19 +178,23 @@ decode-ab)
     [ -f "$qwen" ] || .gpu/kestrel synth --arch qwen2 --preset qwen2.5-1.5b --type q4_k_m -o "$qwen" >/dev/null
     model=$(llama3_8b)
     for set in ${AB:--}; do
-        vars=()
+        vars=() bin=.gpu/kestrel
         [ "$set" = - ] || IFS=, read -ra vars <<<"$set"
+        # BIN=path in a set runs another build (e.g. .gpu/kestrel-base: see `build-base`)
+        for i in "${!vars[@]}"; do
+            case ${vars[$i]} in BIN=*) bin=${vars[$i]#BIN=}; unset "vars[$i]" ;; esac
+        done
         for m in "$qwen" "$model"; do
-            echo "$set $(basename "$m"): $(env "${vars[@]}" .gpu/kestrel bench -m "$m" --device cuda \
+            echo "$set $(basename "$m"): $(env "${vars[@]}" "$bin" bench -m "$m" --device cuda \
                 -p 0 -n 128 -r 3 | grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+')"
         done
-        [ -z "${SEQS:-}" ] || env "${vars[@]}" .gpu/kestrel bench -m "$model" --device cuda \
+        [ -z "${SEQS:-}" ] || env "${vars[@]}" "$bin" bench -m "$model" --device cuda \
             --seqs "$SEQS" -p 512 -n 128 -r 1 | grep -E '^\|' | tail -n +3
     done
     ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|remote|run-here|bench|verify|seqs-ab|decode-ab|batched|serve-profile]" >&2
+    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|seqs-ab|decode-ab|batched|serve-profile]" >&2
     exit 2
     ;;
 esac

@@ -947,6 +947,88 @@ template <> struct Unit8<T_Q4_K> {
     }
 };
 
+// Q4_K for the single-token gemv_q8 (a kernel-internal format id, never sent by the host):
+// a unit is a whole sub-block pair c of a block, 32 quant bytes = 64 values, so a lane
+// decodes a block header once per 64 values instead of once per 32 (4 units a block). A
+// lane's c = u & 3 = lane & 3 stays the same over its loop.
+#define T_Q4_K_W 112
+template <> struct Fmt<T_Q4_K_W> {
+    struct Raw {
+        uint4 h, q0, q1;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 64; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int) {
+        const u8* b = row + (size_t)(u >> 2) * 144 + 16 + 32 * (u & 3);
+        Raw r;
+        r.h = *(const uint4*)(b - 16 - 32 * (u & 3));
+        r.q0 = *(const uint4*)b;
+        r.q1 = *(const uint4*)(b + 16);
+        return r;
+    }
+};
+
+template <> struct Unit8<T_Q4_K_W> {
+    struct X {
+        int a[8], b[8];
+        float da, db;
+        int sa, sb;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int base = (u >> 2) * 256 + 64 * (u & 3);
+        X x;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int4 p = *(const int4*)(xq + base + 16 * i);
+            const int4 r = *(const int4*)(xq + base + 32 + 16 * i);
+            x.a[4 * i] = p.x; x.a[4 * i + 1] = p.y; x.a[4 * i + 2] = p.z; x.a[4 * i + 3] = p.w;
+            x.b[4 * i] = r.x; x.b[4 * i + 1] = r.y; x.b[4 * i + 2] = r.z; x.b[4 * i + 3] = r.w;
+        }
+        const float2 dd = *(const float2*)(xd + 2 * u);
+        x.da = dd.x;
+        x.db = dd.y * 0.0625f;  // dot's high-nibble sums come out 16 times too large
+        x.sa = x.sb = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            x.sa = dp4a_ss(0x01010101, x.a[i], x.sa);
+            x.sb = dp4a_ss(0x01010101, x.b[i], x.sb);
+        }
+        x.sb *= 16;
+        return x;
+    }
+    // Scales and minimums of sub-blocks 2c, 2c + 1 two at a time (bytes 0 and 1 of sc01 /
+    // mn01), without branching on c: for c < 2 they are bytes 2c, 2c + 1 of header words
+    // y (scales) and z (minimums), 6 bits each; for c >= 2 the low 4 bits come from word w's
+    // nibbles and the top 2 from bits 6..7 of y's (scales) or z's (minimums) bytes.
+    // The high nibbles are dotted in place (q & 0xF0: 16 times the value, one instruction
+    // less than shifting them down); load_x scaled db and sb to match, so the result is
+    // bit for bit the one with shifted nibbles (the factors are powers of two, the integer
+    // sums stay below 2^24).
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K_W>::Raw& raw, int u,
+                                                const X& x) {
+        const int c = u & 3, sh = 16 * (c & 1);
+        const bool lo = c < 2;
+        const uint4 h = raw.h;
+        const u32 top = lo ? 0u : 0x30303030u;
+        const u32 sc01 = (((lo ? h.y : h.w) >> sh) & (lo ? 0x3F3Fu : 0x0F0Fu)) |
+                         ((h.y >> (sh + 2)) & top);
+        const u32 mn01 = (((lo ? h.z : h.w >> 4) >> sh) & (lo ? 0x3F3Fu : 0x0F0Fu)) |
+                         ((h.z >> (sh + 2)) & top);
+        const u32 q[8] = {raw.q0.x, raw.q0.y, raw.q0.z, raw.q0.w,
+                          raw.q1.x, raw.q1.y, raw.q1.z, raw.q1.w};
+        int ia = 0, ib = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            ia = dp4a_us(q[i] & 0x0F0F0F0Fu, x.a[i], ia);
+            ib = dp4a_us(q[i] & 0xF0F0F0F0u, x.b[i], ib);
+        }
+        const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+        const int sc0 = sc01 & 0xFF, sc1 = (sc01 >> 8) & 0xFF;
+        const int mn0 = mn01 & 0xFF, mn1 = (mn01 >> 8) & 0xFF;
+        return x.da * (d * (float)(sc0 * ia) - dmin * (float)(mn0 * x.sa)) +
+               x.db * (d * (float)(sc1 * ib) - dmin * (float)(mn1 * x.sb));
+    }
+};
+
 // Q6_K unit: 4 groups of 8 values, at +0, +32, +64, +96 from the unit's first position.
 template <> struct Unit8<T_Q6_K> {
     struct X {
@@ -982,6 +1064,80 @@ template <> struct Unit8<T_Q6_K> {
 #pragma unroll
         for (int g = 0; g < 4; g++)
             acc += x.dg[g] * (float)(raw.sc[g] * (s[g] - 32 * x.sg[g]));
+        return h2f(raw.d) * acc;
+    }
+};
+
+// Q6_K for the single-token gemv_q8 (kernel-internal id, as T_Q4_K_W): a unit is 16
+// positions l0..l0+15 (l0 = 0 or 16) of one 128-value half, 64 values in four groups of 16
+// (one scale each), so the 16-byte loads carry whole words of ql / qh and a lane decodes
+// the block's scales and d once per 64 values (4 units a block).
+#define T_Q6_K_W 114
+template <> struct Fmt<T_Q6_K_W> {
+    struct Raw {
+        uint4 qa, qb, hw;
+        u32 sc;  // the unit's four int8 scales (groups 0..3)
+        u16 d;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 64; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int) {
+        const int hf = (u >> 1) & 1, is = u & 1;
+        const u8* b = row + (size_t)(u >> 2) * Q6K_GPU_BYTES;
+        const u8* ql = b + 64 * hf + 16 * is;
+        Raw r;
+        r.qa = *(const uint4*)ql;
+        r.qb = *(const uint4*)(ql + 32);
+        r.hw = *(const uint4*)(b + 128 + 32 * hf + 16 * is);
+        // scales 8 hf + is + 2 g: every other byte of the half's eight
+        const uint2 sc = *(const uint2*)(b + 192 + 8 * hf);
+        r.sc = __byte_perm(sc.x, sc.y, is ? 0x7531 : 0x6420);
+        r.d = *(const u16*)(b + 208);
+        return r;
+    }
+};
+
+template <> struct Unit8<T_Q6_K_W> {
+    struct X {
+        int w[4][4];
+        float dg[4];
+        int sg32[4];  // 32 × the sum of each group's 16 activations (the values' offset)
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int blk = u >> 2, hf = (u >> 1) & 1, l0 = (u & 1) * 16;
+        const int base = blk * 256 + 128 * hf + l0;
+        X x;
+        const float4 dg = *(const float4*)(xd + 8 * blk + 4 * hf);
+        x.dg[0] = dg.x; x.dg[1] = dg.y; x.dg[2] = dg.z; x.dg[3] = dg.w;
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int4 p = *(const int4*)(xq + base + 32 * g);
+            x.w[g][0] = p.x; x.w[g][1] = p.y; x.w[g][2] = p.z; x.w[g][3] = p.w;
+            int sg = 0;
+#pragma unroll
+            for (int i = 0; i < 4; i++) sg = dp4a_ss(0x01010101, x.w[g][i], sg);
+            x.sg32[g] = 32 * sg;
+        }
+        return x;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K_W>::Raw& raw, int, const X& x) {
+        const u32 qa[4] = {raw.qa.x, raw.qa.y, raw.qa.z, raw.qa.w};
+        const u32 qb[4] = {raw.qb.x, raw.qb.y, raw.qb.z, raw.qb.w};
+        const u32 hw[4] = {raw.hw.x, raw.hw.y, raw.hw.z, raw.hw.w};
+        int s[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            s[0] = dp4a_us((qa[w] & 0x0F0F0F0Fu) | ((hw[w] << 4) & 0x30303030u), x.w[0][w], s[0]);
+            s[1] = dp4a_us((qb[w] & 0x0F0F0F0Fu) | ((hw[w] << 2) & 0x30303030u), x.w[1][w], s[1]);
+            s[2] = dp4a_us(((qa[w] >> 4) & 0x0F0F0F0Fu) | (hw[w] & 0x30303030u), x.w[2][w], s[2]);
+            s[3] = dp4a_us(((qb[w] >> 4) & 0x0F0F0F0Fu) | ((hw[w] >> 2) & 0x30303030u), x.w[3][w],
+                           s[3]);
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int sc = (int)(raw.sc << (24 - 8 * g)) >> 24;
+            acc += x.dg[g] * (float)(sc * (s[g] - x.sg32[g]));
+        }
         return h2f(raw.d) * acc;
     }
 };
@@ -1077,8 +1233,14 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
                                               int nr, const i8* xq, const float* xd, int k,
                                               int lane, float* acc, float* acc_up) {
     switch (ty) {
-    ROWS_DOT8_CASE(T_Q4_K)
-    ROWS_DOT8_CASE(T_Q6_K)
+    case T_Q4_K:
+        if (up) rows_dot8<T_Q4_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        else rows_dot8<T_Q4_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        return;
+    case T_Q6_K:
+        if (up) rows_dot8<T_Q6_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        return;
     ROWS_DOT8_CASE(T_Q8_0)
     ROWS_DOT8_CASE(T_Q4_0)
     default: return;
@@ -1172,13 +1334,14 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_
     gemv_rows_body<4, 1, false>(nullptr, nullptr, GEMV_ARGS);
 }
 
-// 5 blocks per SM: 96 registers, no spills (6 spills).
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
+// 4 blocks per SM (at most 128 registers): the 64-value Q4_K / Q6_K units hold four rows'
+// units in flight without spilling (at 5 blocks, 96 registers, they spilled).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_rows_body<2, 2, true>(xq, xd, GEMV_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_rows_body<1, 4, true>(xq, xd, GEMV_ARGS);
