@@ -20,7 +20,7 @@
 #                            steps (mmq) on, then off (KESTREL_CUDA_MMQ_MAX=0)
 #   scripts/gpu.sh decode-ab on the GPU host: tg128 of synthetic Qwen2.5-1.5B and Llama-3-8B
 #                            Q4_K_M (and `--seqs $SEQS` if set) under each env set of $AB
-#   scripts/gpu.sh build-base  build revision ${BASE:-HEAD} as .gpu/kestrel-base (after `build`:
+#   scripts/gpu.sh build-base  build revision ${BASE:-HEAD} as .gpu/kestrel-${NAME:-base} (after `build`:
 #                            it adds its cubin to .gpu/cuda-cache) for `AB="BIN=.gpu/kestrel-base -"`
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
@@ -93,16 +93,17 @@ build)
     remote_cmd
     ;;
 build-base)
-    # The build of git revision ${BASE:-HEAD} as .gpu/kestrel-base, its cubin kept beside the
+    # The build of git revision ${BASE:-HEAD} as .gpu/kestrel-${NAME:-base}, its cubin kept beside the
     # current one in .gpu/cuda-cache (the cache is keyed by source): `AB="BIN=.gpu/kestrel-base -"`
     # then compares the two builds in one decode-ab call.
     rm -rf .gpu/base-tree
     git worktree add -f --detach .gpu/base-tree "${BASE:-HEAD}" >/dev/null
     (cd .gpu/base-tree && CARGO_TARGET_DIR=../../target/base cargo build --release -p kestrel-cli &&
         python3 scripts/kernel_check.py --cubin ../base-cubin)
-    cp target/base/release/kestrel .gpu/kestrel-base
-    strip .gpu/kestrel-base
+    cp target/base/release/kestrel ".gpu/kestrel-${NAME:-base}"
+    strip ".gpu/kestrel-${NAME:-base}"
     cp .gpu/base-cubin/*.cubin .gpu/cuda-cache/
+    rm -rf .gpu/base-cubin
     git worktree remove --force .gpu/base-tree
     ls -l .gpu .gpu/cuda-cache
     ;;

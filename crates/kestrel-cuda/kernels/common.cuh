@@ -56,6 +56,15 @@ __device__ __forceinline__ int warp_q8(float v, float& step) {
     return q8_round(v, step);
 }
 
+// Value `at` (a flat index) of a row quantized to 8 bits as quantize_x_q8 does it, from the
+// warp whose 32 lanes hold one aligned block of 32 values: q8[at], and its block's step
+// q8d[at / 32] from lane 0.
+__device__ __forceinline__ void q8_store_block(float v, size_t at, i8* q8, float* q8d) {
+    float step;
+    q8[at] = (i8)warp_q8(v, step);
+    if ((threadIdx.x & 31) == 0) q8d[at >> 5] = step;
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ float block_sum(float v) {
     __shared__ float partial[32];

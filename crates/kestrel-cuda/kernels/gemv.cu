@@ -1228,18 +1228,23 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
         else rows_dot8<T, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);     \
         return;
 
-template <int GD_R, int GD_U>
+// KQ false: Q8_0 / Q4_0 only (the gemv_q8_b* kernels, which fit 5 blocks an SM).
+template <int GD_R, int GD_U, bool KQ>
 __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up, long long rb,
                                               int nr, const i8* xq, const float* xd, int k,
                                               int lane, float* acc, float* acc_up) {
     switch (ty) {
     case T_Q4_K:
-        if (up) rows_dot8<T_Q4_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
-        else rows_dot8<T_Q4_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        if constexpr (KQ) {
+            if (up) rows_dot8<T_Q4_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+            else rows_dot8<T_Q4_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        }
         return;
     case T_Q6_K:
-        if (up) rows_dot8<T_Q6_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
-        else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        if constexpr (KQ) {
+            if (up) rows_dot8<T_Q6_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+            else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+        }
         return;
     ROWS_DOT8_CASE(T_Q8_0)
     ROWS_DOT8_CASE(T_Q4_0)
@@ -1279,7 +1284,7 @@ __device__ __forceinline__ void gv_store_rows(float* acc, float* acc_up, int nr,
 // act != 0 means add into the outputs instead of overwriting them). Warps are assigned
 // GD_R rows of one matrix at a time (gv_pick_rows). Grid: ceil(total warps / GD_WARPS)
 // blocks of GD_WARPS warps, where total warps = Σ ceil(rows_s / GD_R).
-template <int GD_R, int GD_U, bool Q8>
+template <int GD_R, int GD_U, bool Q8, bool KQ = true>
 __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
@@ -1303,7 +1308,7 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
     auto rows_dot = [&](int t, const u8* rows_w, const u8* up, long long stride, float* a,
                         float* a_up) {
         if constexpr (Q8)
-            rows_dot8_any<GD_R, GD_U>(t, rows_w, up, stride, nr, xq, xd, k, lane, a, a_up);
+            rows_dot8_any<GD_R, GD_U, KQ>(t, rows_w, up, stride, nr, xq, xd, k, lane, a, a_up);
         else
             rows_dot1_any<GD_R, GD_U>(t, rows_w, up, stride, nr, x, k, lane, a, a_up);
     };
@@ -1345,6 +1350,17 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_rows_body<1, 4, true>(xq, xd, GEMV_ARGS);
+}
+// Launches of Q8_0 / Q4_0 matrices only: 5 blocks per SM (96 registers, no spills).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
+gemv_q8_b(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
+    gemv_rows_body<2, 2, true, false>(xq, xd, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
+gemv_q8_b_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
+    gemv_rows_body<1, 4, true, false>(xq, xd, GEMV_ARGS);
 }
 
 // gemv_q8 for 2..T tokens (batched decode): each weight unit is loaded once and dotted with

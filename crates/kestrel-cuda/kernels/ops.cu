@@ -448,7 +448,7 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
                                            const u32* seq_of, const u32* table_off,
                                            const u32* tables, int block_size, int n_head,
                                            int n_head_kv, float scale, int window, int splits,
-                                           int tok0) {
+                                           int tok0, i8* q8, float* q8d) {
     constexpr int ROW = HD + 8;                 // halves per shared row (16 bytes of padding)
     constexpr int SEGS = HD / 8;                // 16-byte pieces per row
     constexpr int LOADS = TA_KEYS * SEGS / 32;  // cp.async per lane per chunk of K (or of V)
@@ -648,8 +648,12 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
         for (int w = 0; w < TA_WARPS; w++) a += w_o[(w * TA_MAX_GROUP + g) * HD + d] * w_wt[w][g];
         const int head = kvh * group + g;
         if (splits == 1) {
-            dest[(size_t)i * n_head * HD + (size_t)head * HD + d] =
-                h_tot[g] > 0.0f ? a / h_tot[g] : 0.0f;
+            const size_t o = (size_t)i * n_head * HD + (size_t)head * HD + d;
+            const float y = h_tot[g] > 0.0f ? a / h_tot[g] : 0.0f;
+            dest[o] = y;
+            // The next GEMV's 8-bit activations (as quantize_x_q8): a warp's 32 lanes hold
+            // 32 consecutive dims of one head here, one block of 32.
+            if (q8) q8_store_block(y, o, q8, q8d);
         } else {
             dest[(((size_t)li * n_head + head) * splits + s) * (HD + 2) + d] = a;
         }
@@ -663,25 +667,28 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
 }
 
 // attn_tiled for 64- and 128-dim heads. Same arguments as attention_split_gqa; `dest` is
-// the partials buffer, or with splits = 1 the attention output (normalized).
+// the partials buffer, or with splits = 1 the attention output (normalized). With q8 set
+// (single-token steps), one split also writes the output's 8-bit quantization (q8, q8d).
 #define ATTN_TILED_KERNEL(NAME, HD, MIN_BLOCKS)                                                \
     extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
     NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
          const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
          int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
-         int tok0) {                                                                          \
+         int tok0, i8* q8, float* q8d) {                                                      \
         pdl_enter();                                                                          \
         attn_tiled<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,     \
-                       n_head, n_head_kv, scale, window, splits, tok0);                       \
+                       n_head, n_head_kv, scale, window, splits, tok0, q8, q8d);              \
     }
 ATTN_TILED_KERNEL(attention_split_tiled64, 64, 4)
 ATTN_TILED_KERNEL(attention_split_tiled128, 128, 4)
 
 // Merges the splits of attention_split: one block per (token, head). Each split's weight
-// exp(max_s - max) is computed once into shared memory.
+// exp(max_s - max) is computed once into shared memory. With q8 set (single-token steps,
+// head_dim a multiple of 32), also the output's 8-bit quantization as quantize_x_q8's.
 #define MAX_SPLITS 64
 extern "C" __global__ void attention_combine(const float* part, float* out, int n_head,
-                                             int head_dim, int splits, int tok0) {
+                                             int head_dim, int splits, int tok0, i8* q8,
+                                             float* q8d) {
     pdl_enter();
     __shared__ float weight[MAX_SPLITS];
     __shared__ float total_s;
@@ -705,12 +712,13 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
         if (threadIdx.x == 0) total_s = total;
     }
     __syncthreads();
-    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    const size_t o = (size_t)i * n_head * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
         for (int s = 0; s < splits; s++)
             if (weight[s] != 0.0f) a += p[(size_t)s * (head_dim + 2) + d] * weight[s];
-        o[d] = a / total_s;
+        out[o + d] = a / total_s;
+        if (q8) q8_store_block(a / total_s, o + d, q8, q8d);
     }
 }
 

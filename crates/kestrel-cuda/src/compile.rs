@@ -31,6 +31,8 @@ pub const KERNELS: &[&str] = &[
     "quantize_x_q8",
     "gemv_q8",
     "gemv_q8_r1",
+    "gemv_q8_b",
+    "gemv_q8_b_r1",
     "gemv_q8_t4",
     "gemv_q8_t8",
     "gemv_ws_r1",

@@ -247,6 +247,9 @@ struct AttnLaunch {
     out: u64,
     block_size: usize,
     window: i32,
+    /// Single-token steps: the 8-bit activation buffers (values, block steps) the output's
+    /// quantization goes to as well, for the output projection's gemv_q8.
+    q8: Option<(u64, u64)>,
 }
 
 /// One matrix of a GEMV launch.
@@ -1203,7 +1206,7 @@ impl CudaBackend {
         // Only the GEMVs that read them keep the quantized activations valid.
         if !matches!(
             name,
-            "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_ws_r1"
+            "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_q8_b" | "gemv_q8_b_r1" | "gemv_ws_r1"
         ) {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
@@ -1319,6 +1322,8 @@ impl CudaBackend {
     /// (the count below), in ranges of at most
     /// SPLIT_ATTN_MAX_TOKENS tokens; the one-block-per-(token, head) kernel when the
     /// partials buffer is too small.
+    /// Returns whether the launches wrote `a.q8` (the kernels that write the normalized
+    /// output do: attention_split_tiled* with one split, attention_combine).
     fn attention_short(
         &self,
         a: &AttnLaunch,
@@ -1326,7 +1331,7 @@ impl CudaBackend {
         step: &CudaStep,
         tok0: usize,
         n: usize,
-    ) {
+    ) -> bool {
         // About ATTN_SPLIT_BLOCKS blocks in all, and at least ~16 keys a split of the
         // longest sequence (its length rounded up to a power of two, so that a recorded graph
         // serves every step until it doubles). Measured on the H100, Llama-3-8B Q4_K_M, ~600
@@ -1393,6 +1398,7 @@ impl CudaBackend {
             ]
             .concat()
         };
+        let (q8, q8d) = a.q8.unwrap_or((0, 0));
         let combine = |m: usize, t: usize| {
             self.launch(
                 "attention_combine",
@@ -1405,9 +1411,12 @@ impl CudaBackend {
                     Arg::I(p.head_dim as i32),
                     Arg::I(splits as i32),
                     Arg::I(t as i32),
+                    Arg::P(q8),
+                    Arg::P(q8d),
                 ],
             );
         };
+        let mut wrote_q8 = false;
         let mut done = 0;
         while done < n {
             let m = (n - done).min(SPLIT_ATTN_MAX_TOKENS);
@@ -1429,6 +1438,8 @@ impl CudaBackend {
                 let mut args = common(dest);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
+                let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
+                args.extend([Arg::P(q8), Arg::P(q8d)]);
                 self.launch(
                     name,
                     (m as u32, p.n_head_kv as u32, splits as u32),
@@ -1438,6 +1449,7 @@ impl CudaBackend {
                 if splits > 1 {
                     combine(m, t);
                 }
+                wrote_q8 = a.q8.is_some();
             } else if splits > 1 && fits {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
@@ -1458,13 +1470,16 @@ impl CudaBackend {
                     );
                 }
                 combine(m, t);
+                wrote_q8 = a.q8.is_some();
             } else {
                 let mut args = common(a.out);
                 args.push(Arg::I(t as i32));
                 self.launch("attention", (m as u32, p.n_head as u32, 1), 128, &args);
+                wrote_q8 = false;
             }
             done += m;
         }
+        wrote_q8
     }
 
     /// Attention of one sequence's run of tokens `tok0 .. tok0 + n` (a prompt chunk),
@@ -2191,6 +2206,18 @@ impl CudaBackend {
             // (n == 1 and unforced, ws_launch implies the one-row gemv_q8_r1 above.)
             let kernel = if n == 1 && self.ws_launch(k, segs, gated.is_some()) {
                 "gemv_ws_r1"
+            } else if n == 1
+                && segs
+                    .iter()
+                    .all(|s| matches!(s.ty, GgmlType::Q8_0 | GgmlType::Q4_0))
+            {
+                // No K-quant matrix: the byte-format kernels, at 5 blocks per SM where the
+                // K-quants' 64-value units need 4.
+                if rows == 1 {
+                    "gemv_q8_b_r1"
+                } else {
+                    "gemv_q8_b"
+                }
             } else {
                 kernel
             };
@@ -2958,6 +2985,14 @@ impl kestrel_model::Backend for CudaBackend {
             return;
         }
         let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let width = p.n_head * p.head_dim;
+        // A single token's output feeds the output projection's gemv_q8: quantized by the
+        // kernel that writes it (no quantize_x_q8 launch), as rms_norm_q8 does for its rows.
+        let q8 =
+            (n == 1 && self.q8_decode() && !self.legacy_gemv1 && p.head_dim.is_multiple_of(32))
+                .then(|| self.q8_buffers(width))
+                .flatten()
+                .map(|b| (b.q, b.d));
         let ctx = AttnLaunch {
             q: q.ptr,
             k: cache.k_ptr[p.layer],
@@ -2965,10 +3000,13 @@ impl kestrel_model::Backend for CudaBackend {
             out: out.ptr,
             block_size: cache.block_size,
             window,
+            q8,
         };
         if n <= GEMV_MAX_TOKENS {
             // Decode: one launch list whatever the sequences (graph replay).
-            self.attention_short(&ctx, p, step, 0, n);
+            if self.attention_short(&ctx, p, step, 0, n) {
+                *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
+            }
             return;
         }
         // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
