@@ -722,6 +722,55 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
     }
 }
 
+// attention_combine for steps of a few tokens whose output feeds mmk_t8* / mms_*: block
+// (token row t < npad, 256-value block kb of the row; 256 threads) merges the splits of the
+// 256 / head_dim heads it covers (head_dim 64, 128 or 256), writes them as attention_combine
+// does and quantizes the 256 values in mmk's layout as quantize_x_mmk would (rows t >= n:
+// zeros, as there).
+#define CM_MAX_HEADS 4
+extern "C" __global__ void __launch_bounds__(256)
+attention_combine_mmk(const float* part, float* out, int n_head, int head_dim, int splits,
+                      int n, int npad, i8* q, float* xk, i8* xb) {
+    pdl_enter();
+    __shared__ float weight[CM_MAX_HEADS][MAX_SPLITS];
+    __shared__ float total_s[CM_MAX_HEADS];
+    const int t = blockIdx.x, kb = blockIdx.y;
+    const int width = n_head * head_dim, hb = 256 / head_dim;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = kb * 256 + threadIdx.x;  // the value this thread writes
+    float v = 0.0f;
+    if (t < n) {  // uniform in the block
+        if (warp < hb) {
+            const float* p = part + ((size_t)t * n_head + kb * hb + warp) * splits * (head_dim + 2);
+            float big = NEG_INF;
+            for (int s = lane; s < splits; s += 32) {
+                const float* ps = p + (size_t)s * (head_dim + 2);
+                if (ps[head_dim + 1] > 0.0f) big = fmaxf(big, ps[head_dim]);
+            }
+            for (int o = 16; o > 0; o >>= 1)
+                big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+            float total = 0.0f;
+            for (int s = lane; s < splits; s += 32) {
+                const float* ps = p + (size_t)s * (head_dim + 2);
+                const float w = ps[head_dim + 1] > 0.0f ? expf(ps[head_dim] - big) : 0.0f;
+                weight[warp][s] = w;
+                total += ps[head_dim + 1] * w;
+            }
+            total = warp_sum(total);
+            if (lane == 0) total_s[warp] = total;
+        }
+        __syncthreads();
+        const int h = j / head_dim, d = j % head_dim, hl = h - kb * hb;
+        const float* p = part + ((size_t)t * n_head + h) * splits * (head_dim + 2);
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++)
+            if (weight[hl][s] != 0.0f) a += p[(size_t)s * (head_dim + 2) + d] * weight[hl][s];
+        v = a / total_s[hl];
+        out[(size_t)t * width + j] = v;
+    }
+    mmk_store_q8(v, q + (size_t)t * width + j, xk, xb, kb, t, npad);
+}
+
 // Prefill attention, flash style: block (tile of FA_Q consecutive tokens of one sequence,
 // head) walks the union of its tokens' visible keys in tiles of FA_K, keeping each token's
 // running max, sum and output in registers (no score matrix in memory). K and V tiles are

@@ -83,6 +83,7 @@ pub const KERNELS: &[&str] = &[
     "attention_split_tiled64",
     "attention_split_tiled128",
     "attention_combine",
+    "attention_combine_mmk",
     "attention_prefill",
     "attention_prefill_mma64",
     "attention_prefill_mma128",

@@ -240,6 +240,13 @@ struct Profiler {
 }
 
 /// Buffers and sizes one layer's attention launches share.
+/// [`CudaBackend::multi_q8_layout`]'s answer.
+struct MultiQ8 {
+    npad: usize,
+    mmk: bool,
+    q8: Q8Ptrs,
+}
+
 struct AttnLaunch {
     q: u64,
     k: u64,
@@ -250,6 +257,10 @@ struct AttnLaunch {
     /// Single-token steps: the 8-bit activation buffers (values, block steps) the output's
     /// quantization goes to as well, for the output projection's gemv_q8.
     q8: Option<(u64, u64)>,
+    /// Steps of a few tokens whose output projection reads mmk's layout: the padded row
+    /// count and the buffers (values, per-256 steps, group sums) attention_combine_mmk
+    /// writes.
+    mmk: Option<(usize, [u64; 3])>,
 }
 
 /// One matrix of a GEMV launch.
@@ -1416,6 +1427,27 @@ impl CudaBackend {
                 ],
             );
         };
+        // The merge into mmk's layout: all n tokens in one launch (tok0 = 0).
+        let combine_mmk = |npad: usize, [q, xk, xb]: [u64; 3]| {
+            self.launch(
+                "attention_combine_mmk",
+                (npad as u32, (p.n_head * p.head_dim / 256) as u32, 1),
+                256,
+                &[
+                    Arg::P(step.attn_part_ptr),
+                    Arg::P(a.out),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::I(splits as i32),
+                    Arg::I(n as i32),
+                    Arg::I(npad as i32),
+                    Arg::P(q),
+                    Arg::P(xk),
+                    Arg::P(xb),
+                ],
+            );
+        };
+        let mmk = a.mmk.filter(|_| tok0 == 0 && n <= SPLIT_ATTN_MAX_TOKENS);
         let mut wrote_q8 = false;
         let mut done = 0;
         while done < n {
@@ -1446,10 +1478,12 @@ impl CudaBackend {
                     128,
                     &args,
                 );
-                if splits > 1 {
-                    combine(m, t);
+                match mmk {
+                    _ if splits == 1 => {}
+                    Some((npad, bufs)) => combine_mmk(npad, bufs),
+                    None => combine(m, t),
                 }
-                wrote_q8 = a.q8.is_some();
+                wrote_q8 = a.q8.is_some() || (mmk.is_some() && splits > 1);
             } else if splits > 1 && fits {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
@@ -1469,8 +1503,11 @@ impl CudaBackend {
                         &args,
                     );
                 }
-                combine(m, t);
-                wrote_q8 = a.q8.is_some();
+                match mmk {
+                    Some((npad, bufs)) => combine_mmk(npad, bufs),
+                    None => combine(m, t),
+                }
+                wrote_q8 = a.q8.is_some() || mmk.is_some();
             } else {
                 let mut args = common(a.out);
                 args.push(Arg::I(t as i32));
@@ -1569,6 +1606,33 @@ impl CudaBackend {
             work: self.ptr(&s.work),
             count: self.ptr(&s.count),
         })
+    }
+
+    /// Where a kernel that writes `n` token rows of `cols` values for an 8-bit multi-token
+    /// product (steps of MMQ_MIN_TOKENS up to the mmh threshold on `mmq_t*` / `mmk_t8*`, and
+    /// 9..=64 on `mms_*`) quantizes them on the way out: the padded row count, whether in
+    /// mmk's layout (where a launch of these rows may take `mmk_t8*` or `mms_*`; the
+    /// consumer quantizes again if its weights turn out to need the other one) or mmq's,
+    /// and the buffers. None where the consumer quantizes its input itself.
+    fn multi_q8_layout(&self, n: usize, cols: usize) -> Option<MultiQ8> {
+        let staged = n >= self.mmh_min() && self.mms_on(n) && cols.is_multiple_of(256);
+        let npad = if staged {
+            n.next_power_of_two()
+        } else {
+            mmq_int8_rows(n)
+        };
+        if !(self.fuse_multi
+            && n >= MMQ_MIN_TOKENS
+            && n <= self.mmq_max()
+            && (n < self.mmh_min() || staged)
+            && self.q8_decode()
+            && cols.is_multiple_of(32))
+        {
+            return None;
+        }
+        let mmk = staged || (npad == 8 && self.mmk_mode() != 0 && cols.is_multiple_of(256));
+        let q8 = self.q8_buffers(npad * cols)?;
+        Some(MultiQ8 { npad, mmk, q8 })
     }
 
     /// Whether products of `n` tokens with `ty` weights go through the tensor-core kernels
@@ -2756,20 +2820,11 @@ impl kestrel_model::Backend for CudaBackend {
         }
         // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
         // the mmh threshold): quantize them on the way out, in that kernel's layout.
-        // Steps of 9..=64 tokens whose consumer is `mms_*`: in its layout (mmk's, npad rows).
-        let staged = n >= self.mmh_min() && self.mms_on(n) && x.cols.is_multiple_of(256);
-        let npad = if staged {
-            n.next_power_of_two()
-        } else {
-            mmq_int8_rows(n)
-        };
-        if self.fuse_multi
-            && n >= MMQ_MIN_TOKENS
-            && n <= self.mmq_max()
-            && (n < self.mmh_min() || staged)
-            && self.q8_decode()
-            && x.cols.is_multiple_of(32)
-            && let Some(Q8Ptrs { q, ds, .. }) = self.q8_buffers(npad * x.cols)
+        if let Some(MultiQ8 {
+            npad,
+            mmk,
+            q8: Q8Ptrs { q, ds, .. },
+        }) = self.multi_q8_layout(n, x.cols)
         {
             let mut args = vec![
                 Arg::P(x.ptr),
@@ -2782,10 +2837,7 @@ impl kestrel_model::Backend for CudaBackend {
                 Arg::P(q),
                 Arg::P(ds),
             ];
-            // The layout of `mmk_t8*` where a launch of these rows may take it (the consumer
-            // quantizes again if its weights turn out to need the other one): one block per
-            // token; else `mmq_t*`'s, one block per 256 values.
-            let mmk = staged || (npad == 8 && self.mmk_mode() != 0 && x.cols.is_multiple_of(256));
+            // mmk's layout: one block per token; else `mmq_t*`'s, one block per 256 values.
             if mmk {
                 args.push(Arg::P(ds + 4 * (npad * x.cols / 256) as u64));
                 let threads = 64 * (x.cols / 256).min(16) as u32;
@@ -2993,6 +3045,15 @@ impl kestrel_model::Backend for CudaBackend {
                 .then(|| self.q8_buffers(width))
                 .flatten()
                 .map(|b| (b.q, b.d));
+        // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
+        // split merge quantizes them (256-value blocks of whole heads).
+        let mmk = self
+            .multi_q8_layout(n, width)
+            .filter(|l| l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
+            .map(|l| {
+                let xk = l.q8.ds;
+                (l.npad, [l.q8.q, xk, xk + 4 * (l.npad * width / 256) as u64])
+            });
         let ctx = AttnLaunch {
             q: q.ptr,
             k: cache.k_ptr[p.layer],
@@ -3001,11 +3062,21 @@ impl kestrel_model::Backend for CudaBackend {
             block_size: cache.block_size,
             window,
             q8,
+            mmk,
+        };
+        // After launches that wrote the whole step's quantized output: the consumer finds it.
+        let note_quantized = || {
+            if let Some((npad, _)) = mmk {
+                *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((out.ptr, n, npad, true));
+            } else {
+                *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
+            }
         };
         if n <= GEMV_MAX_TOKENS {
             // Decode: one launch list whatever the sequences (graph replay).
             if self.attention_short(&ctx, p, step, 0, n) {
-                *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
+                note_quantized();
             }
             return;
         }
@@ -3031,8 +3102,11 @@ impl kestrel_model::Backend for CudaBackend {
                 };
             }
         }
-        if let Some((a, b)) = short {
-            self.attention_short(&ctx, p, step, a, b - a);
+        if let Some((a, b)) = short
+            && self.attention_short(&ctx, p, step, a, b - a)
+            && (a, b) == (0, n)
+        {
+            note_quantized();
         }
     }
 
