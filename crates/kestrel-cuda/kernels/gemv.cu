@@ -1195,10 +1195,13 @@ template <> struct Unit8<T_Q4_0> {
     }
 };
 
+// `waited` false: the kernel has not waited on the previous one yet (pdl_enter): it does
+// after sending its first weight loads, which the previous kernel never writes, so that they
+// overlap that kernel's tail (the activations are read after the wait).
 template <int TY, bool UP, int GD_R, int GD_U>
 __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long rb, int nr,
                                           const i8* xq, const float* xd, int k, int lane,
-                                          float* acc, float* acc_up) {
+                                          float* acc, float* acc_up, bool& waited) {
     typedef Fmt<TY> F;
     typedef Unit8<TY> U8;
     constexpr int NU = UP ? 1 : GD_U;
@@ -1206,6 +1209,10 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
     for (int u0 = lane; u0 < units; u0 += 32 * NU) {
         typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];
         load_units<TY, UP, GD_R, NU>(w, up, rb, nr, u0, units, k >> 5, raw, raw_up);
+        if (!waited) {
+            pdl_enter();
+            waited = true;
+        }
 #pragma unroll
         for (int j = 0; j < NU; j++) {
             const int u = u0 + 32 * j;
@@ -1224,26 +1231,26 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
 
 #define ROWS_DOT8_CASE(T)                                                                      \
     case T:                                                                                    \
-        if (up) rows_dot8<T, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);   \
-        else rows_dot8<T, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);     \
+        if (up) rows_dot8<T, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited); \
+        else rows_dot8<T, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);   \
         return;
 
 // KQ false: Q8_0 / Q4_0 only (the gemv_q8_b* kernels, which fit 5 blocks an SM).
 template <int GD_R, int GD_U, bool KQ>
 __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up, long long rb,
                                               int nr, const i8* xq, const float* xd, int k,
-                                              int lane, float* acc, float* acc_up) {
+                                              int lane, float* acc, float* acc_up, bool& waited) {
     switch (ty) {
     case T_Q4_K:
         if constexpr (KQ) {
-            if (up) rows_dot8<T_Q4_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
-            else rows_dot8<T_Q4_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+            if (up) rows_dot8<T_Q4_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+            else rows_dot8<T_Q4_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
         }
         return;
     case T_Q6_K:
         if constexpr (KQ) {
-            if (up) rows_dot8<T_Q6_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
-            else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up);
+            if (up) rows_dot8<T_Q6_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+            else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
         }
         return;
     ROWS_DOT8_CASE(T_Q8_0)
@@ -1284,14 +1291,19 @@ __device__ __forceinline__ void gv_store_rows(float* acc, float* acc_up, int nr,
 // act != 0 means add into the outputs instead of overwriting them). Warps are assigned
 // GD_R rows of one matrix at a time (gv_pick_rows). Grid: ceil(total warps / GD_WARPS)
 // blocks of GD_WARPS warps, where total warps = Σ ceil(rows_s / GD_R).
+// With Q8 the body waits on the previous kernel itself (pdl_enter, after its first weight
+// loads: rows_dot8); the f32 kernels (gemv_dec*) wait before calling it.
 template <int GD_R, int GD_U, bool Q8, bool KQ = true>
 __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
     const int gw = blockIdx.x * GD_WARPS + (threadIdx.x >> 5);
+    bool waited = !Q8;
     if (!gv_pick_rows<GD_R>(gw, total, gated, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,
-                            rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g))
+                            rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, g)) {
+        if (!waited) pdl_enter();
         return;
+    }
     const u8* w = g.w;
     const long long rb = g.rb;
     const int ty = g.ty, rows = g.rows, r0 = g.r0, ld = g.ld;
@@ -1308,7 +1320,8 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
     auto rows_dot = [&](int t, const u8* rows_w, const u8* up, long long stride, float* a,
                         float* a_up) {
         if constexpr (Q8)
-            rows_dot8_any<GD_R, GD_U, KQ>(t, rows_w, up, stride, nr, xq, xd, k, lane, a, a_up);
+            rows_dot8_any<GD_R, GD_U, KQ>(t, rows_w, up, stride, nr, xq, xd, k, lane, a, a_up,
+                                          waited);
         else
             rows_dot1_any<GD_R, GD_U>(t, rows_w, up, stride, nr, x, k, lane, a, a_up);
     };
@@ -1318,6 +1331,7 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
         rows_dot(ty, wr, nullptr, rb, acc, acc_up);
         if (gated) rows_dot(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, acc_up, nullptr);
     }
+    if (!waited) pdl_enter();  // lanes without units: before the stores
     gv_store_rows<GD_R>(acc, acc_up, nr, r0, gated, act, out0, out, bias, lane);
 }
 
@@ -1343,23 +1357,19 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_
 // units in flight without spilling (at 5 blocks, 96 registers, they spilled).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
     gemv_rows_body<2, 2, true>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
     gemv_rows_body<1, 4, true>(xq, xd, GEMV_ARGS);
 }
 // Launches of Q8_0 / Q4_0 matrices only: 5 blocks per SM (96 registers, no spills).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8_b(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
     gemv_rows_body<2, 2, true, false>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_q8_b_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
     gemv_rows_body<1, 4, true, false>(xq, xd, GEMV_ARGS);
 }
 
