@@ -1410,41 +1410,39 @@ impl CudaBackend {
             .concat()
         };
         let (q8, q8d) = a.q8.unwrap_or((0, 0));
+        // The merge kernels' leading arguments: the partials, the output, their geometry.
+        let merge = [
+            Arg::P(step.attn_part_ptr),
+            Arg::P(a.out),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::I(splits as i32),
+        ];
         let combine = |m: usize, t: usize| {
+            let tail = [Arg::I(t as i32), Arg::P(q8), Arg::P(q8d)];
+            let grid = (m as u32, p.n_head as u32, 1);
             self.launch(
                 "attention_combine",
-                (m as u32, p.n_head as u32, 1),
+                grid,
                 128,
-                &[
-                    Arg::P(step.attn_part_ptr),
-                    Arg::P(a.out),
-                    Arg::I(p.n_head as i32),
-                    Arg::I(p.head_dim as i32),
-                    Arg::I(splits as i32),
-                    Arg::I(t as i32),
-                    Arg::P(q8),
-                    Arg::P(q8d),
-                ],
+                &[&merge[..], &tail].concat(),
             );
         };
         // The merge into mmk's layout: all n tokens in one launch (tok0 = 0).
         let combine_mmk = |npad: usize, [q, xk, xb]: [u64; 3]| {
+            let tail = [
+                Arg::I(n as i32),
+                Arg::I(npad as i32),
+                Arg::P(q),
+                Arg::P(xk),
+                Arg::P(xb),
+            ];
+            let grid = (npad as u32, (p.n_head * p.head_dim / 256) as u32, 1);
             self.launch(
                 "attention_combine_mmk",
-                (npad as u32, (p.n_head * p.head_dim / 256) as u32, 1),
+                grid,
                 256,
-                &[
-                    Arg::P(step.attn_part_ptr),
-                    Arg::P(a.out),
-                    Arg::I(p.n_head as i32),
-                    Arg::I(p.head_dim as i32),
-                    Arg::I(splits as i32),
-                    Arg::I(n as i32),
-                    Arg::I(npad as i32),
-                    Arg::P(q),
-                    Arg::P(xk),
-                    Arg::P(xb),
-                ],
+                &[&merge[..], &tail].concat(),
             );
         };
         let mmk = a.mmk.filter(|_| tok0 == 0 && n <= SPLIT_ATTN_MAX_TOKENS);
