@@ -1810,7 +1810,10 @@ impl CudaBackend {
 
     /// Whether an unforced single-token 8-bit launch takes one row per warp: short rows, and
     /// launches where one row per warp still fits in one wave of resident warps (5 blocks
-    /// of 4 per SM).
+    /// of 4 per SM: `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows
+    /// only with `KESTREL_CUDA_WS=0`, fits 4 since its 64-value units — the rule was measured
+    /// at 5 and kept: Qwen2.5-1.5B tg128 with `KESTREL_CUDA_WS=0` 712–724 against 689–750 on
+    /// `gemv_ws_r1` in the tenth session, within the spread).
     fn gemv_q8_one_row(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
         k <= 2048 || gemv_warps(segs, gated, 1) <= self.sm_count * 20
     }
