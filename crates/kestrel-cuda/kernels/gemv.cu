@@ -731,6 +731,44 @@ template <> struct Unit1<T_F16> {
     }
 };
 
+// F16 rows of a multiple of 16 values for the single-token gemv_dec: units of 32 bytes
+// (16 values, two 16-byte loads), twice the bytes in flight per lane of the 16-byte unit,
+// dotted in two FMA chains (kernel-internal id, as T_Q4_K_W).
+#define T_F16_W 113
+template <> struct Fmt<T_F16_W> {
+    struct Raw {
+        uint4 a, b;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 16; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int) {
+        const uint4* p = (const uint4*)(row + (size_t)u * 32);
+        return {p[0], p[1]};
+    }
+};
+template <> struct Unit1<T_F16_W> {
+    enum { XN = 16 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float4 p = *(const float4*)(x + u * 16 + 4 * i);
+            xv[4 * i] = p.x; xv[4 * i + 1] = p.y; xv[4 * i + 2] = p.z; xv[4 * i + 3] = p.w;
+        }
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_F16_W>::Raw& raw, int,
+                                                const float* xv) {
+        const u32 qw[8] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w, raw.b.x, raw.b.y, raw.b.z, raw.b.w};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s0 = fmaf(h2f((u16)(qw[i] & 0xFFFF)), xv[2 * i], s0);
+            s0 = fmaf(h2f((u16)(qw[i] >> 16)), xv[2 * i + 1], s0);
+            s1 = fmaf(h2f((u16)(qw[4 + i] & 0xFFFF)), xv[8 + 2 * i], s1);
+            s1 = fmaf(h2f((u16)(qw[4 + i] >> 16)), xv[8 + 2 * i + 1], s1);
+        }
+        return s0 + s1;
+    }
+};
+
 template <> struct Unit1<T_BF16> {
     enum { XN = 8 };
     static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
@@ -828,7 +866,15 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
     ROWS_DOT1_CASE(T_Q8_0)
     ROWS_DOT1_CASE(T_Q4_0)
     ROWS_DOT1_CASE(T_Q5_0)
-    ROWS_DOT1_CASE(T_F16)
+    case T_F16:
+        if (k % 16 == 0) {
+            if (up) rows_dot1<T_F16_W, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+            else rows_dot1<T_F16_W, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+            return true;
+        }
+        if (up) rows_dot1<T_F16, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+        else rows_dot1<T_F16, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+        return true;
     ROWS_DOT1_CASE(T_BF16)
     ROWS_DOT1_CASE(T_F32)
     default: return false;
