@@ -1244,6 +1244,78 @@ template <> struct Unit8<T_Q4_0> {
 // `waited` false: the kernel has not waited on the previous one yet (pdl_enter): it does
 // after sending its first weight loads, which the previous kernel never writes, so that they
 // overlap that kernel's tail (the activations are read after the wait).
+// Q8_0 and Q4_0 for the single-token gemv_q8*: a unit is a whole 32-value block (32 / 16
+// quant bytes and the block's scale), twice the bytes in flight per lane of the half-block
+// units (kernel-internal ids, as T_Q4_K_W).
+#define T_Q8_0_W 115
+#define T_Q4_0_W 116
+template <> struct Fmt<T_Q8_0_W> {
+    struct Raw {
+        uint4 a, b;
+        u16 d;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 32; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
+        const uint4* q = (const uint4*)(row + (size_t)u * 32);
+        return {q[0], q[1], *(const u16*)(row + (size_t)nb * 32 + 2 * u)};
+    }
+};
+template <> struct Unit8<T_Q8_0_W> {
+    struct X {
+        int w[8];
+        float d;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int4 p = *(const int4*)(xq + u * 32), r = *(const int4*)(xq + u * 32 + 16);
+        return {{p.x, p.y, p.z, p.w, r.x, r.y, r.z, r.w}, xd[u]};
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q8_0_W>::Raw& raw, int, const X& x) {
+        const u32 q[8] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w, raw.b.x, raw.b.y, raw.b.z, raw.b.w};
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = dp4a_ss((int)q[i], x.w[i], s);
+        return h2f(raw.d) * x.d * (float)s;
+    }
+};
+// Q4_0 block: low nibbles are values 0..15, high nibbles 16..31, minus 8.
+template <> struct Fmt<T_Q4_0_W> {
+    struct Raw {
+        uint4 q;
+        u16 d;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 32; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
+        return {*(const uint4*)(row + (size_t)u * 16), *(const u16*)(row + (size_t)nb * 16 + 2 * u)};
+    }
+};
+template <> struct Unit8<T_Q4_0_W> {
+    struct X {
+        int lo[4], hi[4];
+        float d;
+        int s;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int4 p = *(const int4*)(xq + u * 32), r = *(const int4*)(xq + u * 32 + 16);
+        X x = {{p.x, p.y, p.z, p.w}, {r.x, r.y, r.z, r.w}, xd[u], 0};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            x.s = dp4a_ss(0x01010101, x.lo[i], x.s);
+            x.s = dp4a_ss(0x01010101, x.hi[i], x.s);
+        }
+        return x;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_0_W>::Raw& raw, int, const X& x) {
+        const u32 q[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s = dp4a_us(q[i] & 0x0F0F0F0Fu, x.lo[i], s);
+            s = dp4a_us((q[i] >> 4) & 0x0F0F0F0Fu, x.hi[i], s);
+        }
+        return h2f(raw.d) * x.d * (float)(s - 8 * x.s);
+    }
+};
+
 template <int TY, bool UP, int GD_R, int GD_U>
 __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long rb, int nr,
                                           const i8* xq, const float* xd, int k, int lane,
@@ -1275,12 +1347,6 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
     }
 }
 
-#define ROWS_DOT8_CASE(T)                                                                      \
-    case T:                                                                                    \
-        if (up) rows_dot8<T, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited); \
-        else rows_dot8<T, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);   \
-        return;
-
 // KQ false: Q8_0 / Q4_0 only (the gemv_q8_b* kernels, which fit 5 blocks an SM).
 template <int GD_R, int GD_U, bool KQ>
 __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up, long long rb,
@@ -1299,8 +1365,14 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
             else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
         }
         return;
-    ROWS_DOT8_CASE(T_Q8_0)
-    ROWS_DOT8_CASE(T_Q4_0)
+    case T_Q8_0:
+        if (up) rows_dot8<T_Q8_0_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+        else rows_dot8<T_Q8_0_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+        return;
+    case T_Q4_0:
+        if (up) rows_dot8<T_Q4_0_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+        else rows_dot8<T_Q4_0_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+        return;
     default: return;
     }
 }

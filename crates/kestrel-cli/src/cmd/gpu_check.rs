@@ -455,7 +455,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
-        "several sequences per step (prompts of 48+16+36 and 45+9+70 tokens, then 4 decode steps) vs each alone, same criteria:"
+        "several sequences per step (prompts of 48+16+36 and 45+9+70 tokens, then 4 decode steps) vs each alone, same criteria (|Δ| bound {} where both runs use 8-bit activations):",
+        selfcheck::MAX_REL_DIFF_Q8_BOTH
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for ty in ["f16", "q4_k_m"] {
