@@ -731,10 +731,11 @@ template <> struct Unit1<T_F16> {
     }
 };
 
-// F16 rows of a multiple of 16 values for the single-token gemv_dec: units of 32 bytes
-// (16 values, two 16-byte loads), twice the bytes in flight per lane of the 16-byte unit,
-// dotted in two FMA chains (kernel-internal id, as T_Q4_K_W).
+// F16 / BF16 rows of a multiple of 16 values for the single-token gemv_dec: units of 32
+// bytes (16 values, two 16-byte loads), twice the bytes in flight per lane of the 16-byte
+// unit, dotted in two FMA chains (kernel-internal ids, as T_Q4_K_W).
 #define T_F16_W 113
+#define T_BF16_W 117
 template <> struct Fmt<T_F16_W> {
     struct Raw {
         uint4 a, b;
@@ -745,7 +746,16 @@ template <> struct Fmt<T_F16_W> {
         return {p[0], p[1]};
     }
 };
-template <> struct Unit1<T_F16_W> {
+template <> struct Fmt<T_BF16_W> : Fmt<T_F16_W> {};
+
+// The value in the low / high half of w (F16, or with BF the top bits of an f32).
+template <bool BF> __device__ __forceinline__ float half_lo(u32 w) {
+    return BF ? __int_as_float(w << 16) : h2f((u16)(w & 0xFFFF));
+}
+template <bool BF> __device__ __forceinline__ float half_hi(u32 w) {
+    return BF ? __int_as_float(w & 0xFFFF0000u) : h2f((u16)(w >> 16));
+}
+template <bool BF> struct Unit1Half16 {
     enum { XN = 16 };
     static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
 #pragma unroll
@@ -760,14 +770,16 @@ template <> struct Unit1<T_F16_W> {
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            s0 = fmaf(h2f((u16)(qw[i] & 0xFFFF)), xv[2 * i], s0);
-            s0 = fmaf(h2f((u16)(qw[i] >> 16)), xv[2 * i + 1], s0);
-            s1 = fmaf(h2f((u16)(qw[4 + i] & 0xFFFF)), xv[8 + 2 * i], s1);
-            s1 = fmaf(h2f((u16)(qw[4 + i] >> 16)), xv[8 + 2 * i + 1], s1);
+            s0 = fmaf(half_lo<BF>(qw[i]), xv[2 * i], s0);
+            s0 = fmaf(half_hi<BF>(qw[i]), xv[2 * i + 1], s0);
+            s1 = fmaf(half_lo<BF>(qw[4 + i]), xv[8 + 2 * i], s1);
+            s1 = fmaf(half_hi<BF>(qw[4 + i]), xv[8 + 2 * i + 1], s1);
         }
         return s0 + s1;
     }
 };
+template <> struct Unit1<T_F16_W> : Unit1Half16<false> {};
+template <> struct Unit1<T_BF16_W> : Unit1Half16<true> {};
 
 template <> struct Unit1<T_BF16> {
     enum { XN = 8 };
@@ -875,7 +887,15 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
         if (up) rows_dot1<T_F16, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
         else rows_dot1<T_F16, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
         return true;
-    ROWS_DOT1_CASE(T_BF16)
+    case T_BF16:
+        if (k % 16 == 0) {
+            if (up) rows_dot1<T_BF16_W, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+            else rows_dot1<T_BF16_W, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+            return true;
+        }
+        if (up) rows_dot1<T_BF16, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+        else rows_dot1<T_BF16, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
+        return true;
     ROWS_DOT1_CASE(T_F32)
     default: return false;
     }

@@ -697,10 +697,10 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     // Single-token steps have their own kernels: always cover them, with short rows (one
     // row per warp) and rows past 2,048 values (two rows per warp).
     let long = if unit == 256 { [11, 35] } else { [70, 301] };
-    // F16 rows of a multiple of 16 values take 32-byte units; one single-token case of
-    // 8 · 37 values keeps the 16-byte ones covered.
-    let narrow_f16 =
-        (ty == GgmlType::F16).then(|| (rng.random_range(1..300), 8 * 37, 1, rng.random()));
+    // F16 / BF16 rows of a multiple of 16 values take 32-byte units; one single-token case
+    // of 8 · 37 values keeps the 16-byte ones covered.
+    let narrow_f16 = matches!(ty, GgmlType::F16 | GgmlType::BF16)
+        .then(|| (rng.random_range(1..300), 8 * 37, 1, rng.random()));
     [
         (1usize, true),
         (3, true),
