@@ -867,6 +867,18 @@ __device__ __forceinline__ void rows_dot1(const u8* w, const u8* up, long long r
         else rows_dot1<T, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);          \
         return true;
 
+// F16 / BF16 (T): rows of a multiple of 16 values in 32-byte units (TW).
+#define ROWS_DOT1_HALF_CASE(T, TW)                                                             \
+    case T:                                                                                    \
+        if (k % 16 == 0) {                                                                     \
+            if (up) rows_dot1<TW, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);   \
+            else rows_dot1<TW, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);     \
+            return true;                                                                       \
+        }                                                                                      \
+        if (up) rows_dot1<T, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);        \
+        else rows_dot1<T, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);          \
+        return true;
+
 // `up` null: plain rows; otherwise gate (w) and up rows of the same format together.
 template <int GD_R, int GD_U>
 __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up, long long rb,
@@ -878,24 +890,8 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
     ROWS_DOT1_CASE(T_Q8_0)
     ROWS_DOT1_CASE(T_Q4_0)
     ROWS_DOT1_CASE(T_Q5_0)
-    case T_F16:
-        if (k % 16 == 0) {
-            if (up) rows_dot1<T_F16_W, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-            else rows_dot1<T_F16_W, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-            return true;
-        }
-        if (up) rows_dot1<T_F16, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-        else rows_dot1<T_F16, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-        return true;
-    case T_BF16:
-        if (k % 16 == 0) {
-            if (up) rows_dot1<T_BF16_W, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-            else rows_dot1<T_BF16_W, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-            return true;
-        }
-        if (up) rows_dot1<T_BF16, true, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-        else rows_dot1<T_BF16, false, GD_R, GD_U>(w, up, rb, nr, x, k, lane, acc, acc_up);
-        return true;
+    ROWS_DOT1_HALF_CASE(T_F16, T_F16_W)
+    ROWS_DOT1_HALF_CASE(T_BF16, T_BF16_W)
     ROWS_DOT1_CASE(T_F32)
     default: return false;
     }
