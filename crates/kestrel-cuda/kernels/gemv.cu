@@ -1020,6 +1020,8 @@ template <> struct Fmt<T_Q4_K_W> {
     };
     static __device__ __forceinline__ int units(int k) { return k / 64; }
     static __device__ __forceinline__ Raw load(const u8* row, int u, int) {
+        // b: the unit's quants; the block's 16 header bytes are 16 + 32 (u & 3) before them
+        // (addressed from b, which measured shorter loops than from the block's start).
         const u8* b = row + (size_t)(u >> 2) * 144 + 16 + 32 * (u & 3);
         Raw r;
         r.h = *(const uint4*)(b - 16 - 32 * (u & 3));
@@ -1257,9 +1259,6 @@ template <> struct Unit8<T_Q4_0> {
     }
 };
 
-// `waited` false: the kernel has not waited on the previous one yet (pdl_enter): it does
-// after sending its first weight loads, which the previous kernel never writes, so that they
-// overlap that kernel's tail (the activations are read after the wait).
 // Q8_0 and Q4_0 for the single-token gemv_q8*: a unit is a whole 32-value block (32 / 16
 // quant bytes and the block's scale), twice the bytes in flight per lane of the half-block
 // units (kernel-internal ids, as T_Q4_K_W).
@@ -1332,6 +1331,9 @@ template <> struct Unit8<T_Q4_0_W> {
     }
 };
 
+// `waited` false: the kernel has not waited on the previous one yet (pdl_enter): it does
+// after sending its first weight loads, which the previous kernel never writes, so that they
+// overlap that kernel's tail (the activations are read after the wait).
 template <int TY, bool UP, int GD_R, int GD_U>
 __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long rb, int nr,
                                           const i8* xq, const float* xd, int k, int lane,
@@ -1363,34 +1365,34 @@ __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long r
     }
 }
 
-// KQ false: Q8_0 / Q4_0 only (the gemv_q8_b* kernels, which fit 5 blocks an SM).
+// rows_dot8 of format TY, with or without up rows (`up` null: plain rows).
+template <int TY, int GD_R, int GD_U>
+__device__ __forceinline__ void rows_dot8_up(const u8* w, const u8* up, long long rb, int nr,
+                                             const i8* xq, const float* xd, int k, int lane,
+                                             float* acc, float* acc_up, bool& waited) {
+    if (up) rows_dot8<TY, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+    else rows_dot8<TY, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
+}
+
+// The single-token units by format (the wide ones above); KQ false: Q8_0 / Q4_0 only (the
+// gemv_q8_b* kernels, which fit 5 blocks an SM).
 template <int GD_R, int GD_U, bool KQ>
 __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up, long long rb,
                                               int nr, const i8* xq, const float* xd, int k,
                                               int lane, float* acc, float* acc_up, bool& waited) {
+#define ROWS_DOT8_ARGS w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited
     switch (ty) {
     case T_Q4_K:
-        if constexpr (KQ) {
-            if (up) rows_dot8<T_Q4_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-            else rows_dot8<T_Q4_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-        }
+        if constexpr (KQ) rows_dot8_up<T_Q4_K_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
         return;
     case T_Q6_K:
-        if constexpr (KQ) {
-            if (up) rows_dot8<T_Q6_K_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-            else rows_dot8<T_Q6_K_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-        }
+        if constexpr (KQ) rows_dot8_up<T_Q6_K_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
         return;
-    case T_Q8_0:
-        if (up) rows_dot8<T_Q8_0_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-        else rows_dot8<T_Q8_0_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-        return;
-    case T_Q4_0:
-        if (up) rows_dot8<T_Q4_0_W, true, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-        else rows_dot8<T_Q4_0_W, false, GD_R, GD_U>(w, up, rb, nr, xq, xd, k, lane, acc, acc_up, waited);
-        return;
+    case T_Q8_0: rows_dot8_up<T_Q8_0_W, GD_R, GD_U>(ROWS_DOT8_ARGS); return;
+    case T_Q4_0: rows_dot8_up<T_Q4_0_W, GD_R, GD_U>(ROWS_DOT8_ARGS); return;
     default: return;
     }
+#undef ROWS_DOT8_ARGS
 }
 
 // The end of a single-token warp's rows r0 .. r0 + nr: its lanes' partial sums added, then

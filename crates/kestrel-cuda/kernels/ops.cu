@@ -682,6 +682,37 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
 ATTN_TILED_KERNEL(attention_split_tiled64, 64, 4)
 ATTN_TILED_KERNEL(attention_split_tiled128, 128, 4)
 
+// The merge weights of one (token, head)'s partials p (splits × (head_dim + 2) floats:
+// the partial output, its max, its sum), computed by one warp: weight[s] = exp(max_s −
+// max) (0 for an empty split) and, from lane 0, *total = Σ sum_s · weight[s].
+__device__ __forceinline__ void combine_weights(const float* p, int head_dim, int splits,
+                                                int lane, float* weight, float* total) {
+    float big = NEG_INF;
+    for (int s = lane; s < splits; s += 32) {
+        const float* ps = p + (size_t)s * (head_dim + 2);
+        if (ps[head_dim + 1] > 0.0f) big = fmaxf(big, ps[head_dim]);
+    }
+    for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+    float sum = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
+        const float* ps = p + (size_t)s * (head_dim + 2);
+        const float w = ps[head_dim + 1] > 0.0f ? expf(ps[head_dim] - big) : 0.0f;
+        weight[s] = w;
+        sum += ps[head_dim + 1] * w;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) *total = sum;
+}
+
+// Dim d of the merged output (combine_weights' weight and total).
+__device__ __forceinline__ float combine_value(const float* p, int head_dim, int splits,
+                                               const float* weight, float total, int d) {
+    float a = 0.0f;
+    for (int s = 0; s < splits; s++)
+        if (weight[s] != 0.0f) a += p[(size_t)s * (head_dim + 2) + d] * weight[s];
+    return a / total;
+}
+
 // Merges the splits of attention_split: one block per (token, head). Each split's weight
 // exp(max_s - max) is computed once into shared memory. With q8 set (single-token steps,
 // head_dim a multiple of 32), also the output's 8-bit quantization as quantize_x_q8's.
@@ -694,31 +725,13 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
     __shared__ float total_s;
     const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y;
     const float* p = part + ((size_t)li * n_head + h) * splits * (head_dim + 2);
-    if (threadIdx.x < 32) {
-        float big = NEG_INF;
-        for (int s = threadIdx.x; s < splits; s += 32) {
-            const float* ps = p + (size_t)s * (head_dim + 2);
-            if (ps[head_dim + 1] > 0.0f) big = fmaxf(big, ps[head_dim]);
-        }
-        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-        float total = 0.0f;
-        for (int s = threadIdx.x; s < splits; s += 32) {
-            const float* ps = p + (size_t)s * (head_dim + 2);
-            const float w = ps[head_dim + 1] > 0.0f ? expf(ps[head_dim] - big) : 0.0f;
-            weight[s] = w;
-            total += ps[head_dim + 1] * w;
-        }
-        total = warp_sum(total);
-        if (threadIdx.x == 0) total_s = total;
-    }
+    if (threadIdx.x < 32) combine_weights(p, head_dim, splits, threadIdx.x, weight, &total_s);
     __syncthreads();
     const size_t o = (size_t)i * n_head * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++)
-            if (weight[s] != 0.0f) a += p[(size_t)s * (head_dim + 2) + d] * weight[s];
-        out[o + d] = a / total_s;
-        if (q8) q8_store_block(a / total_s, o + d, q8, q8d);
+        const float y = combine_value(p, head_dim, splits, weight, total_s, d);
+        out[o + d] = y;
+        if (q8) q8_store_block(y, o + d, q8, q8d);
     }
 }
 
@@ -742,30 +755,12 @@ attention_combine_mmk(const float* part, float* out, int n_head, int head_dim, i
     if (t < n) {  // uniform in the block
         if (warp < hb) {
             const float* p = part + ((size_t)t * n_head + kb * hb + warp) * splits * (head_dim + 2);
-            float big = NEG_INF;
-            for (int s = lane; s < splits; s += 32) {
-                const float* ps = p + (size_t)s * (head_dim + 2);
-                if (ps[head_dim + 1] > 0.0f) big = fmaxf(big, ps[head_dim]);
-            }
-            for (int o = 16; o > 0; o >>= 1)
-                big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-            float total = 0.0f;
-            for (int s = lane; s < splits; s += 32) {
-                const float* ps = p + (size_t)s * (head_dim + 2);
-                const float w = ps[head_dim + 1] > 0.0f ? expf(ps[head_dim] - big) : 0.0f;
-                weight[warp][s] = w;
-                total += ps[head_dim + 1] * w;
-            }
-            total = warp_sum(total);
-            if (lane == 0) total_s[warp] = total;
+            combine_weights(p, head_dim, splits, lane, weight[warp], &total_s[warp]);
         }
         __syncthreads();
         const int h = j / head_dim, d = j % head_dim, hl = h - kb * hb;
         const float* p = part + ((size_t)t * n_head + h) * splits * (head_dim + 2);
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++)
-            if (weight[hl][s] != 0.0f) a += p[(size_t)s * (head_dim + 2) + d] * weight[hl][s];
-        v = a / total_s[hl];
+        v = combine_value(p, head_dim, splits, weight[hl], total_s[hl], d);
         out[(size_t)t * width + j] = v;
     }
     mmk_store_q8(v, q + (size_t)t * width + j, xk, xb, kb, t, npad);

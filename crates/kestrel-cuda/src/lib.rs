@@ -239,7 +239,6 @@ struct Profiler {
     steps: u64,
 }
 
-/// Buffers and sizes one layer's attention launches share.
 /// [`CudaBackend::multi_q8_layout`]'s answer.
 struct MultiQ8 {
     npad: usize,
@@ -247,6 +246,7 @@ struct MultiQ8 {
     q8: Q8Ptrs,
 }
 
+/// Buffers and sizes one layer's attention launches share.
 struct AttnLaunch {
     q: u64,
     k: u64,
@@ -570,6 +570,14 @@ struct Q8Ptrs {
     xh: u64,
     work: u64,
     count: u64,
+}
+
+impl Q8Ptrs {
+    /// Where mmk's layout keeps, in the scale buffer, the per-256 steps and the group sums
+    /// of `npad` token rows of `k` values: the steps first, then the sums.
+    fn mmk_steps_sums(&self, npad: usize, k: usize) -> (u64, u64) {
+        (self.ds, self.ds + 4 * (npad * k / 256) as u64)
+    }
 }
 
 /// Weight types `gemv_q8` reads.
@@ -1606,6 +1614,15 @@ impl CudaBackend {
         })
     }
 
+    /// The 8-bit activation buffers a kernel that writes a single token's row of `cols`
+    /// values fills on the way out for the consuming `gemv_q8` (None: n > 1, the f32 paths,
+    /// or rows not of whole 32-value blocks).
+    fn single_q8_buffers(&self, n: usize, cols: usize) -> Option<Q8Ptrs> {
+        (n == 1 && self.q8_decode() && !self.legacy_gemv1 && cols.is_multiple_of(32))
+            .then(|| self.q8_buffers(cols))
+            .flatten()
+    }
+
     /// Where a kernel that writes `n` token rows of `cols` values for an 8-bit multi-token
     /// product (steps of MMQ_MIN_TOKENS up to the mmh threshold on `mmq_t*` / `mmk_t8*`, and
     /// 9..=64 on `mms_*`) quantizes them on the way out: the padded row count, whether in
@@ -2327,17 +2344,18 @@ impl CudaBackend {
     ) {
         let k = x.cols;
         let (kind, npad) = self.mmq_plan(n, k, segs);
-        let Some(Q8Ptrs {
+        let Some(bufs) = self.q8_buffers(npad * k) else {
+            return;
+        };
+        let (xk, xb) = bufs.mmk_steps_sums(npad, k);
+        let Q8Ptrs {
             q: q_ptr,
             ds: ds_ptr,
             xh,
             work,
             count,
             ..
-        }) = self.q8_buffers(npad * k)
-        else {
-            return;
-        };
+        } = bufs;
         // Kernel names by tile (8, 16, 32, 64 tokens) and gated.
         const MMH: [[&str; 2]; 4] = [
             ["mmh_t8", "mmh_t8_gated"],
@@ -2385,7 +2403,6 @@ impl CudaBackend {
                 (MMH[tile][gated as usize], tiles * splits, MMH_THREADS, args)
             }
             MmqKind::Staged => {
-                let (xk, xb) = (ds_ptr, ds_ptr + 4 * (npad * k / 256) as u64);
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, true)) {
                     self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
@@ -2419,8 +2436,6 @@ impl CudaBackend {
             MmqKind::Int8 => {
                 let tiles = gemv_warps(segs, gated, 16);
                 let mmk = self.mmk_reads(k, npad, tiles, segs.iter().map(|s| s.ty));
-                // mmk's layout in the scale buffer: the per-256 steps, then the group sums.
-                let (xk, xb) = (ds_ptr, ds_ptr + 4 * (npad * k / 256) as u64);
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, mmk)) {
                     if mmk {
@@ -2790,13 +2805,9 @@ impl kestrel_model::Backend for CudaBackend {
         // About 4 values per thread: a single-token row is one block's latency.
         let block = (x.cols / 4).next_multiple_of(32).clamp(32, 1024) as u32;
         // A single-token row whose consumer is a gemv_q8: quantize it on the way out.
-        if n == 1
-            && self.q8_decode()
-            && !self.legacy_gemv1
-            && x.cols.is_multiple_of(32)
-            && let Some(Q8Ptrs {
-                q: q_ptr, d: d_ptr, ..
-            }) = self.q8_buffers(x.cols)
+        if let Some(Q8Ptrs {
+            q: q_ptr, d: d_ptr, ..
+        }) = self.single_q8_buffers(n, x.cols)
         {
             // One block per 256 values, each summing the whole row (see the kernel). One
             // block for the whole row measured 576 / 585 against 627 / 611 t/s (tg128,
@@ -2821,12 +2832,8 @@ impl kestrel_model::Backend for CudaBackend {
         }
         // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
         // the mmh threshold): quantize them on the way out, in that kernel's layout.
-        if let Some(MultiQ8 {
-            npad,
-            mmk,
-            q8: Q8Ptrs { q, ds, .. },
-        }) = self.multi_q8_layout(n, x.cols)
-        {
+        if let Some(MultiQ8 { npad, mmk, q8 }) = self.multi_q8_layout(n, x.cols) {
+            let Q8Ptrs { q, ds, .. } = q8;
             let mut args = vec![
                 Arg::P(x.ptr),
                 Arg::P(w),
@@ -2840,7 +2847,7 @@ impl kestrel_model::Backend for CudaBackend {
             ];
             // mmk's layout: one block per token; else `mmq_t*`'s, one block per 256 values.
             if mmk {
-                args.push(Arg::P(ds + 4 * (npad * x.cols / 256) as u64));
+                args.push(Arg::P(q8.mmk_steps_sums(npad, x.cols).1));
                 let threads = 64 * (x.cols / 256).min(16) as u32;
                 self.launch("rms_norm_mmk", (1, npad as u32, 1), threads, &args);
             } else {
@@ -3041,19 +3048,18 @@ impl kestrel_model::Backend for CudaBackend {
         let width = p.n_head * p.head_dim;
         // A single token's output feeds the output projection's gemv_q8: quantized by the
         // kernel that writes it (no quantize_x_q8 launch), as rms_norm_q8 does for its rows.
-        let q8 =
-            (n == 1 && self.q8_decode() && !self.legacy_gemv1 && p.head_dim.is_multiple_of(32))
-                .then(|| self.q8_buffers(width))
-                .flatten()
-                .map(|b| (b.q, b.d));
+        let q8 = self
+            .single_q8_buffers(n, width)
+            .filter(|_| p.head_dim.is_multiple_of(32))
+            .map(|b| (b.q, b.d));
         // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
         // split merge quantizes them (256-value blocks of whole heads).
         let mmk = self
             .multi_q8_layout(n, width)
             .filter(|l| l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
             .map(|l| {
-                let xk = l.q8.ds;
-                (l.npad, [l.q8.q, xk, xk + 4 * (l.npad * width / 256) as u64])
+                let (xk, xb) = l.q8.mmk_steps_sums(l.npad, width);
+                (l.npad, [l.q8.q, xk, xb])
             });
         let ctx = AttnLaunch {
             q: q.ptr,
