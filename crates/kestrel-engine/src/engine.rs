@@ -174,38 +174,7 @@ impl<B: Backend> Engine<B> {
         if seqs.len() != tokens.len() {
             bail!("{} sequences but {} token lists", seqs.len(), tokens.len());
         }
-        let several = seqs.len() > 1;
-        let which = |i: usize| {
-            if several {
-                format!("sequence {i}: ")
-            } else {
-                String::new()
-            }
-        };
-        for (i, toks) in tokens.iter().enumerate() {
-            if toks.is_empty() {
-                bail!("{}nothing to evaluate", which(i));
-            }
-            let total = seqs[i].tokens.len() + toks.len();
-            if total > self.ctx {
-                bail!(
-                    "{}{total} tokens exceed the context size {} (prompt too long?)",
-                    which(i),
-                    self.ctx
-                );
-            }
-        }
-        for (i, seq) in seqs.iter_mut().enumerate() {
-            let total = seq.tokens.len() + tokens[i].len();
-            if let Err(e) = self.blocks.ensure(&mut seq.block_table, total) {
-                let e = anyhow::Error::from(e);
-                return Err(if several {
-                    e.context(format!("sequence {i}"))
-                } else {
-                    e
-                });
-            }
-        }
+        self.reserve(seqs, |i| tokens[i].len())?;
         let vocab = self.model.config.vocab_size;
         let (max_tokens, max_rows) = (self.max_batch_tokens(), self.max_logit_rows());
         // The engine's batch and bookkeeping are refilled in place: a decode step
@@ -305,6 +274,96 @@ impl<B: Backend> Engine<B> {
         self.eval_done = done;
         self.eval_parts = parts;
         result
+    }
+
+    /// Checks that `len_of(i)` more tokens fit `seqs[i]` (at least one, within the context)
+    /// and gives each sequence the cache blocks they need. Allocates nothing.
+    fn reserve(
+        &mut self,
+        seqs: &mut [Sequence],
+        len_of: impl Fn(usize) -> usize,
+    ) -> anyhow::Result<()> {
+        let several = seqs.len() > 1;
+        let which = |i: usize| {
+            if several {
+                format!("sequence {i}: ")
+            } else {
+                String::new()
+            }
+        };
+        for i in 0..seqs.len() {
+            let len = len_of(i);
+            if len == 0 {
+                bail!("{}nothing to evaluate", which(i));
+            }
+            let total = seqs[i].tokens.len() + len;
+            if total > self.ctx {
+                bail!(
+                    "{}{total} tokens exceed the context size {} (prompt too long?)",
+                    which(i),
+                    self.ctx
+                );
+            }
+        }
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let total = seq.tokens.len() + len_of(i);
+            if let Err(e) = self.blocks.ensure(&mut seq.block_table, total) {
+                let e = anyhow::Error::from(e);
+                return Err(if several {
+                    e.context(format!("sequence {i}"))
+                } else {
+                    e
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One decode step: appends `tokens[i]` to `seqs[i]` for every `i` (all in one step) and
+    /// writes each sequence's greedy next token into `ids`. Only the ids leave the device
+    /// (the scheduler's path for greedy requests), not the logit rows.
+    pub fn decode_argmax(
+        &mut self,
+        seqs: &mut [Sequence],
+        tokens: &[u32],
+        ids: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if seqs.len() != tokens.len() {
+            bail!("{} sequences but {} tokens", seqs.len(), tokens.len());
+        }
+        if tokens.len() > self.max_batch_tokens() || tokens.len() > self.max_logit_rows() {
+            bail!(
+                "{} sequences in one step: at most {} tokens and {} logit rows",
+                tokens.len(),
+                self.max_batch_tokens(),
+                self.max_logit_rows()
+            );
+        }
+        self.reserve(seqs, |_| 1)?;
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.tokens.clear();
+        batch.positions.clear();
+        batch.seq_of.clear();
+        batch.logit_rows.clear();
+        batch.seqs.resize_with(seqs.len(), Default::default);
+        for (i, (seq, &token)) in seqs.iter().zip(tokens).enumerate() {
+            let pos = seq.tokens.len();
+            batch.tokens.push(token);
+            batch.positions.push(pos as u32);
+            batch.seq_of.push(i as u32);
+            batch.logit_rows.push(i as u32);
+            let slot = &mut batch.seqs[i];
+            slot.block_table.clear();
+            slot.block_table.extend_from_slice(&seq.block_table);
+            slot.kv_len = pos + 1;
+        }
+        let result = self.step_argmax(&batch, ids);
+        self.batch = batch;
+        result?;
+        for (seq, &token) in seqs.iter_mut().zip(tokens) {
+            seq.tokens.push(token);
+        }
+        Ok(())
     }
 
     /// Keeps only the first `n` tokens of `seq` (a later `eval` overwrites the rest of the

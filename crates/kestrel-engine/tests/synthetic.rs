@@ -277,6 +277,54 @@ fn eval_batch_of_three_sequences_in_small_steps_equals_each_run_alone() {
     assert_eq!(e.blocks.n_used(), 0);
 }
 
+/// `Engine::decode_argmax` (one token per sequence, only the greedy ids back) gives each
+/// sequence the argmax of the logits `eval_batch` returns for the same steps, and appends
+/// the tokens as it does.
+#[test]
+fn decode_argmax_matches_the_logits_argmax() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let file = tiny_model(Arch::Qwen2, "q4_k_m", rng.random());
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 64,
+        max_logit_rows: 5,
+        block_size: 16,
+        max_seqs: 5,
+    };
+    let mut a = Engine::new(CpuBackend::new(Kernels::Fast), file.clone(), &opts).expect("engine");
+    let mut b = Engine::new(CpuBackend::new(Kernels::Fast), file, &opts).expect("engine");
+    let vocab = a.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = [5usize, 17, 1, 9, 33]
+        .iter()
+        .map(|&n| random_tokens(&mut rng, n, vocab))
+        .collect();
+    let lists: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut sa = vec![Sequence::default(); 5];
+    let mut sb = vec![Sequence::default(); 5];
+    a.eval_batch(&mut sa, &lists, false, |_, _, _| {})
+        .expect("prompts");
+    b.eval_batch(&mut sb, &lists, false, |_, _, _| {})
+        .expect("prompts");
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        let step = random_tokens(&mut rng, 5, vocab);
+        let mut want = vec![u32::MAX; 5];
+        let one: Vec<&[u32]> = step.chunks(1).collect();
+        b.eval_batch(&mut sb, &one, false, |i, _, row| {
+            want[i] = kestrel_model::argmax(row)
+        })
+        .expect("logits step");
+        a.decode_argmax(&mut sa, &step, &mut ids)
+            .expect("argmax step");
+        assert_eq!(ids, want);
+    }
+    for (x, y) in sa.iter().zip(&sb) {
+        assert_eq!(x.tokens, y.tokens);
+    }
+    // Bad input is an error: a token count that does not match the sequences.
+    assert!(a.decode_argmax(&mut sa, &[1, 2], &mut ids).is_err());
+}
+
 #[test]
 fn bad_batches_are_errors_not_panics() {
     let file = tiny_model(Arch::Llama, "q8_0", 1);

@@ -48,6 +48,11 @@ pub struct Args {
     /// Graphs are off while profiling, and each launch carries a few µs of event overhead.
     #[arg(long)]
     pub profile: bool,
+    /// Decode steps reduce each new logit row to its argmax on the device and read back only
+    /// the token ids (the server's path for greedy requests). By default each step's logit
+    /// rows are copied to the host, as llama-bench and llama-batched-bench do.
+    #[arg(long)]
+    pub argmax: bool,
     /// Print a JSON array (llama-bench field names plus extras) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -133,6 +138,7 @@ fn run_once<B: Backend>(
     ids: &mut Ids,
     n_prompt: usize,
     n_gen: usize,
+    argmax: bool,
 ) -> anyhow::Result<f64> {
     let vocab = engine.config().vocab_size;
     let mut seq = Sequence::default();
@@ -142,8 +148,13 @@ fn run_once<B: Backend>(
     if !prompt.is_empty() {
         engine.eval(&mut seq, &prompt, false, |_, _| {})?;
     }
+    let mut next = Vec::new();
     for &id in &gen_ids {
-        engine.eval(&mut seq, &[id], false, |_, _| {})?;
+        if argmax {
+            engine.decode_argmax(std::slice::from_mut(&mut seq), &[id], &mut next)?;
+        } else {
+            engine.eval(&mut seq, &[id], false, |_, _| {})?;
+        }
     }
     let secs = start.elapsed().as_secs_f64();
     engine.release(&mut seq);
@@ -220,10 +231,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("|---|---:|---:|---|---:|---|---:|---:|---:|");
     }
     for &(n_prompt, n_gen) in &tests {
-        with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen))?; // warm-up
+        with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen, args.argmax))?; // warm-up
         let mut secs = Vec::with_capacity(args.repetitions);
         for _ in 0..args.repetitions {
-            secs.push(with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen))?);
+            secs.push(with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen, args.argmax))?);
         }
         let tokens = (n_prompt + n_gen) as f64;
         let ts: Vec<f64> = secs.iter().map(|s| tokens / s).collect();
@@ -322,11 +333,10 @@ fn run_batched(args: Args) -> anyhow::Result<()> {
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     }
     for &b in &args.seqs {
-        with_engine!(&mut engine, e => run_batched_once(e, &mut ids, b, n_prompt, n_gen.min(4)))?;
+        with_engine!(&mut engine, e => run_batched_once(e, &mut ids, b, n_prompt, n_gen.min(4), args.argmax))?;
         let (mut pre, mut dec) = (Vec::new(), Vec::new());
         for _ in 0..args.repetitions {
-            let (p, d) =
-                with_engine!(&mut engine, e => run_batched_once(e, &mut ids, b, n_prompt, n_gen))?;
+            let (p, d) = with_engine!(&mut engine, e => run_batched_once(e, &mut ids, b, n_prompt, n_gen, args.argmax))?;
             pre.push(p);
             dec.push(d);
         }
@@ -366,6 +376,7 @@ fn run_batched_once<B: Backend>(
     b: usize,
     n_prompt: usize,
     n_gen: usize,
+    argmax: bool,
 ) -> anyhow::Result<(f64, f64)> {
     let vocab = engine.config().vocab_size;
     let prompts: Vec<Vec<u32>> = (0..b)
@@ -381,9 +392,14 @@ fn run_batched_once<B: Backend>(
         engine.eval_batch(&mut seqs, &lists, false, |_, _, _| {})?;
         let prefill = start.elapsed().as_secs_f64();
         let start = Instant::now();
+        let mut next = Vec::new();
         for step in &gen_ids {
-            let lists: Vec<&[u32]> = step.chunks(1).collect();
-            engine.eval_batch(&mut seqs, &lists, false, |_, _, _| {})?;
+            if argmax {
+                engine.decode_argmax(&mut seqs, step, &mut next)?;
+            } else {
+                let lists: Vec<&[u32]> = step.chunks(1).collect();
+                engine.eval_batch(&mut seqs, &lists, false, |_, _, _| {})?;
+            }
         }
         Ok((prefill, start.elapsed().as_secs_f64()))
     })();
