@@ -291,12 +291,12 @@ impl<B: Backend> Engine<B> {
                 String::new()
             }
         };
-        for i in 0..seqs.len() {
+        for (i, seq) in seqs.iter().enumerate() {
             let len = len_of(i);
             if len == 0 {
                 bail!("{}nothing to evaluate", which(i));
             }
-            let total = seqs[i].tokens.len() + len;
+            let total = seq.tokens.len() + len;
             if total > self.ctx {
                 bail!(
                     "{}{total} tokens exceed the context size {} (prompt too long?)",
