@@ -19,11 +19,8 @@ extern "C" __global__ void add_bias(float* x, const float* bias, int len, int co
 }
 
 // gate = act(gate) * up; act 0 = SiLU, 1 = GELU (tanh approximation).
-extern "C" __global__ void gated_act(float* gate, const float* up, int len, int act) {
-    pdl_enter();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= len) return;
-    const float g = gate[i];
+// act(g) · u: SiLU (act 0) or tanh-approximated GELU (act 1).
+__device__ __forceinline__ float gated_value(float g, float u, int act) {
     float a;
     if (act == 0) {
         a = g / (1.0f + expf(-g));
@@ -31,7 +28,25 @@ extern "C" __global__ void gated_act(float* gate, const float* up, int len, int 
         const float sqrt_2_over_pi = 0.7978846f, coef_a = 0.044715f;
         a = 0.5f * g * (1.0f + tanhf(sqrt_2_over_pi * g * (1.0f + coef_a * g * g)));
     }
-    gate[i] = a * up[i];
+    return a * u;
+}
+
+extern "C" __global__ void gated_act(float* gate, const float* up, int len, int act) {
+    pdl_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    gate[i] = gated_value(gate[i], up[i], act);
+}
+
+// gated_act that also writes the result as f16 to `h` (the activation operand of the
+// cuBLAS GEMM that reads it next: no conversion launch of its own).
+extern "C" __global__ void gated_act_f16(float* gate, const float* up, int len, int act, u16* h) {
+    pdl_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const float v = gated_value(gate[i], up[i], act);
+    gate[i] = v;
+    h[i] = f2h(v);
 }
 
 // One block per row: out = x / sqrt(mean(x²) + eps) * w. In place is fine (out == x).
@@ -41,6 +56,22 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     float* o = out + (size_t)blockIdx.x * cols;
     const float scale = rms_scale(xr, cols, eps);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = xr[j] * scale * w[j];
+}
+
+// rms_norm that also writes the result as f16 to `h` (row-major like out), as f32_to_f16
+// would from out.
+extern "C" __global__ void rms_norm_f16(const float* x, const float* w, float* out, int cols,
+                                        float eps, u16* h) {
+    pdl_enter();
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    float* o = out + (size_t)blockIdx.x * cols;
+    u16* hr = h + (size_t)blockIdx.x * cols;
+    const float scale = rms_scale(xr, cols, eps);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = xr[j] * scale * w[j];
+        o[j] = v;
+        hr[j] = f2h(v);
+    }
 }
 
 // rms_norm of one row that also leaves the result quantized for gemv_q8 (as quantize_x_q8

@@ -502,6 +502,11 @@ pub struct CudaBackend {
     /// The activation tensor whose first row the Q8 buffers hold (set by `rms_norm_q8`;
     /// any other launch clears it).
     q8_holds: Mutex<Option<u64>>,
+    /// (tensor, rows, f16 buffer): the f16 copy of those rows of an activation tensor
+    /// that `rms_norm_f16` / `gated_act_f16` left in the GEMM scratch for the cuBLAS
+    /// products reading it next ([`Self::x_to_f16`] then converts nothing; any other
+    /// launch clears it).
+    f16_holds: Mutex<Option<(u64, usize, u64)>>,
     /// The activation tensor, its token count and padded rows whose quantization for the
     /// int8 kernels the Q8 buffers hold, and whether in `mmk_t8*`'s layout (set by
     /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
@@ -846,6 +851,7 @@ impl CudaBackend {
                     .map_or(MMQ_DEFAULT_MAX_TOKENS, |v| v.min(MMQ_MAX_TOKENS)),
             ),
             q8_holds: Mutex::new(None),
+            f16_holds: Mutex::new(None),
             mmq_holds: Mutex::new(None),
             mmk_max_waves: std::env::var("KESTREL_CUDA_MMK_MAX_WAVES")
                 .ok()
@@ -1162,6 +1168,7 @@ impl CudaBackend {
         self.flush();
         // A step ends here: the next one quantizes its activations afresh.
         *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let sync = self.stream.synchronize();
         self.profile_collect();
         if let Some(msg) = self.lock_error().take() {
@@ -1229,6 +1236,9 @@ impl CudaBackend {
             "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_q8_b" | "gemv_q8_b_r1" | "gemv_ws_r1"
         ) {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        if !matches!(name, "rms_norm_f16" | "gated_act_f16") {
+            *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         if !(name == "rms_norm_mmq"
             || name == "rms_norm_mmk"
@@ -2031,12 +2041,29 @@ impl CudaBackend {
     fn x_to_f16(&self, x: &CudaTensor, n: usize) -> Option<u64> {
         let len = n * x.cols;
         let b = self.scratch_ptr(|s| &mut s.x, len)?;
+        if *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some((x.ptr, n, b)) {
+            return Some(b);
+        }
         self.elementwise(
             "f32_to_f16",
             len,
             &[Arg::P(x.ptr), Arg::P(b), Arg::L(len as i64)],
         );
         Some(b)
+    }
+
+    /// Where a kernel producing `n` rows of `cols` activations should also write them as
+    /// f16 (the GEMM scratch), for the cuBLAS products that read them next: steps above
+    /// the tensor-core kernels' token range run on cuBLAS (see `prefer_gemm`). None: not
+    /// such a step.
+    fn f16_copy_for_gemm(&self, n: usize, cols: usize) -> Option<u64> {
+        let gemm_step = self.blas.is_some()
+            && n >= GEMM_MIN_TOKENS
+            && n > self.mmq_max()
+            && !self.lock_recorder().deferring;
+        gemm_step
+            .then(|| self.scratch_ptr(|s| &mut s.x, n * cols))
+            .flatten()
     }
 
     /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
@@ -2859,18 +2886,22 @@ impl kestrel_model::Backend for CudaBackend {
                 Some((out.ptr, n, npad, mmk));
             return;
         }
-        self.launch(
-            "rms_norm",
-            (n as u32, 1, 1),
-            block,
-            &[
-                Arg::P(x.ptr),
-                Arg::P(w),
-                Arg::P(out.ptr),
-                Arg::I(x.cols as i32),
-                Arg::F(eps),
-            ],
-        );
+        let mut args = vec![
+            Arg::P(x.ptr),
+            Arg::P(w),
+            Arg::P(out.ptr),
+            Arg::I(x.cols as i32),
+            Arg::F(eps),
+        ];
+        // Rows for cuBLAS: their f16 copy on the way out (B = 64 on Llama-3-8B: two
+        // conversion launches a layer less).
+        if let Some(h) = self.f16_copy_for_gemm(n, x.cols) {
+            args.push(Arg::P(h));
+            self.launch("rms_norm_f16", (n as u32, 1, 1), block, &args);
+            *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((out.ptr, n, h));
+            return;
+        }
+        self.launch("rms_norm", (n as u32, 1, 1), block, &args);
     }
 
     fn rms_norm_heads(
@@ -3124,16 +3155,20 @@ impl kestrel_model::Backend for CudaBackend {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
         };
-        self.elementwise(
-            "gated_act",
-            len,
-            &[
-                Arg::P(gate.ptr),
-                Arg::P(up.ptr),
-                Arg::I(len as i32),
-                Arg::I(act),
-            ],
-        );
+        let mut args = vec![
+            Arg::P(gate.ptr),
+            Arg::P(up.ptr),
+            Arg::I(len as i32),
+            Arg::I(act),
+        ];
+        // The down projection's input for cuBLAS: its f16 copy on the way out.
+        if let Some(h) = self.f16_copy_for_gemm(n, gate.cols) {
+            args.push(Arg::P(h));
+            self.elementwise("gated_act_f16", len, &args);
+            *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
+            return;
+        }
+        self.elementwise("gated_act", len, &args);
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor, n: usize) {
