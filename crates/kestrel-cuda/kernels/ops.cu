@@ -49,6 +49,27 @@ extern "C" __global__ void gated_act_f16(float* gate, const float* up, int len, 
     h[i] = f2h(v);
 }
 
+// Splits the merged Q/K/V product (rows of qd + 2·kd values) into q, k and v (rows of qd,
+// kd, kd), adding their biases (null: none). One thread a value.
+extern "C" __global__ void split_qkv(const float* m, float* q, float* k, float* v,
+                                     const float* bq, const float* bk, const float* bv, int qd,
+                                     int kd, long long len) {
+    pdl_enter();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const int w = qd + 2 * kd;
+    const long long t = i / w;
+    const int c = (int)(i - t * w);
+    const float x = m[i];
+    if (c < qd) {
+        q[t * qd + c] = x + (bq ? bq[c] : 0.0f);
+    } else if (c < qd + kd) {
+        k[t * kd + c - qd] = x + (bk ? bk[c - qd] : 0.0f);
+    } else {
+        v[t * kd + c - qd - kd] = x + (bv ? bv[c - qd - kd] : 0.0f);
+    }
+}
+
 // One block per row: out = x / sqrt(mean(x²) + eps) * w. In place is fine (out == x).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols, float eps) {
     pdl_enter();

@@ -73,6 +73,7 @@ pub const KERNELS: &[&str] = &[
     "add_bias",
     "gated_act",
     "gated_act_f16",
+    "split_qkv",
     "rms_norm",
     "rms_norm_f16",
     "rms_norm_q8",

@@ -395,6 +395,23 @@ const MMK_MAX_WAVES: usize = 8;
 const Q6K_GPU_BLOCK_BYTES: usize = 224;
 
 /// `data` (whole blocks of `from` bytes) with each block followed by zeros up to `to` bytes.
+/// The tensors whose f16 copies a leader's copy holds behind its own rows, in order: K and V
+/// behind Q, so one cuBLAS product computes all three (`CudaBackend::qkv`).
+fn merged_followers(leader: &str) -> Vec<String> {
+    match leader.strip_suffix("attn_q.weight") {
+        Some(prefix) => vec![
+            format!("{prefix}attn_k.weight"),
+            format!("{prefix}attn_v.weight"),
+        ],
+        None => Vec::new(),
+    }
+}
+
+/// Rows of a GGUF matrix (the product of its dimensions after the first).
+fn tensor_rows(t: &TensorInfo) -> usize {
+    t.dims.iter().skip(1).product::<u64>() as usize
+}
+
 fn pad_blocks(data: &[u8], from: usize, to: usize) -> Vec<u8> {
     let mut out = vec![0u8; data.len() / from * to];
     for (src, dst) in data.chunks_exact(from).zip(out.chunks_exact_mut(to)) {
@@ -477,6 +494,9 @@ pub struct CudaBackend {
     error: Mutex<Option<String>>,
     /// RoPE frequency factors already uploaded, by their host array.
     freq_factors: Mutex<Vec<UploadedFactors>>,
+    /// Tensors whose f16 copy goes into a merged copy allocated by an earlier one (K and V
+    /// into Q's, see `load_weight`): name → device address of their rows there.
+    merged_f16_rows: Mutex<HashMap<String, u64>>,
     /// cuBLAS, for prompt-sized matrix products on the tensor cores (None: library absent
     /// or `KESTREL_CUDA_CUBLAS=0`; the `matmul` kernel is used instead).
     blas: Option<cudarc::cublas::CudaBlas>,
@@ -599,6 +619,8 @@ fn q8_supported(ty: GgmlType) -> bool {
 struct GemmScratch {
     w: Option<CudaSlice<u16>>,
     x: Option<CudaSlice<u16>>,
+    /// The merged Q/K/V product's f32 output (two u16 a value), split by `split_qkv`.
+    qkv: Option<CudaSlice<u16>>,
 }
 
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
@@ -823,6 +845,7 @@ impl CudaBackend {
             origin,
             error: Mutex::new(None),
             freq_factors: Mutex::new(Vec::new()),
+            merged_f16_rows: Mutex::new(HashMap::new()),
             blas,
             legacy_gemv1: std::env::var("KESTREL_CUDA_GEMV").is_ok_and(|v| v == "legacy"),
             gemv_dec,
@@ -1286,21 +1309,74 @@ impl CudaBackend {
         }
     }
 
-    /// Adds the dequantized f16 copy to a matrix.
-    fn add_f16_copy(&self, w: &mut CudaWeight) -> anyhow::Result<()> {
+    /// Adds the dequantized f16 copy to a matrix, in a buffer of `room_rows` rows (at least
+    /// its own; the rest for the matrices merged behind it).
+    fn add_f16_copy(&self, w: &mut CudaWeight, room_rows: usize) -> anyhow::Result<()> {
+        let CudaWeight::Matrix { rows, cols, .. } = w else {
+            return Ok(());
+        };
+        let copy = self.alloc::<u16>(room_rows.max(*rows) * *cols, "an f16 weight copy")?;
+        let at = self.ptr(&copy);
+        self.dequant_f16_into(w, at)?;
+        let CudaWeight::Matrix { ty, f16, .. } = w else {
+            return Ok(());
+        };
+        *f16 = Some(copy);
+        self.note_f16_copy(*ty);
+        Ok(())
+    }
+
+    /// Records that a `ty` matrix has an f16 copy: small batches of it will use cuBLAS
+    /// unless the 8-bit GEMVs read it.
+    fn note_f16_copy(&self, ty: GgmlType) {
+        if q8_supported(ty) {
+            self.f16_copies_q8
+                .fetch_or(1 << ty.id(), std::sync::atomic::Ordering::Relaxed);
+        } else {
+            self.f16_copies
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Rows to allocate for the f16 copy of `info` (`rows` × `cols`): its own, plus those of
+    /// the matrices merged behind it ([`merged_followers`]) when all of them are in the
+    /// file with rows of `cols` values and the whole copy fits [`Self::keep_f16_copy`].
+    fn merge_f16_behind(
+        &self,
+        file: &GgufFile,
+        info: &TensorInfo,
+        rows: usize,
+        cols: usize,
+    ) -> usize {
+        let mut total = rows;
+        let followers = merged_followers(&info.name);
+        for name in &followers {
+            match file.tensor(name) {
+                Some(t) if t.dims.len() == 2 && t.dims[0] as usize == cols => {
+                    total += tensor_rows(t)
+                }
+                _ => return rows,
+            }
+        }
+        if followers.is_empty() || !self.keep_f16_copy(info.ty, total * cols) {
+            return rows;
+        }
+        total
+    }
+
+    /// Dequantizes matrix `w` to f16 rows at device address `at`.
+    fn dequant_f16_into(&self, w: &CudaWeight, at: u64) -> anyhow::Result<()> {
         let CudaWeight::Matrix {
             ptr,
             ty,
             rows,
             cols,
             row_bytes,
-            f16,
             ..
         } = w
         else {
             return Ok(());
         };
-        let copy = self.alloc::<u16>(*rows * *cols, "an f16 weight copy")?;
         self.launch(
             "dequant_f16",
             grid_1d(*rows * cols.div_ceil(32), 256),
@@ -1311,18 +1387,9 @@ impl CudaBackend {
                 Arg::L(*row_bytes as i64),
                 Arg::I(*cols as i32),
                 Arg::I(*rows as i32),
-                Arg::P(self.ptr(&copy)),
+                Arg::P(at),
             ],
         );
-        *f16 = Some(copy);
-        // Small batches of this weight will use cuBLAS unless the 8-bit GEMVs read it.
-        if q8_supported(*ty) {
-            self.f16_copies_q8
-                .fetch_or(1 << ty.id(), std::sync::atomic::Ordering::Relaxed);
-        } else {
-            self.f16_copies
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
         self.check()
     }
 
@@ -2066,6 +2133,44 @@ impl CudaBackend {
             .flatten()
     }
 
+    /// Q's merged f16 copy (its address and rows: Q's, then K's and V's, see
+    /// `load_weight`) when this layer has one and q, k, v fit it; None otherwise.
+    fn merged_qkv(
+        &self,
+        layer: &LayerWeights<CudaWeight>,
+        cols: usize,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+    ) -> Option<(u64, usize)> {
+        let CudaWeight::Matrix {
+            f16: Some(copy),
+            rows: rq,
+            cols: cq,
+            ..
+        } = &layer.attn_q
+        else {
+            return None;
+        };
+        let rows_of = |w: &CudaWeight| match w {
+            // Merged: K and V keep no copy of their own.
+            CudaWeight::Matrix {
+                f16: None,
+                rows,
+                cols: c,
+                ..
+            } if *c == cols => Some(*rows),
+            _ => None,
+        };
+        let (rk, rv) = (rows_of(&layer.attn_k)?, rows_of(&layer.attn_v)?);
+        let rows = rq + rk + rv;
+        (*cq == cols
+            && rk == rv
+            && copy.len() == rows * cols
+            && (q.cols, k.cols, v.cols) == (*rq, rk, rv))
+            .then(|| (self.ptr(copy), rows))
+    }
+
     /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
     /// conversion of x when every product goes there, one `matmul` each otherwise.
     fn matmuls_of(
@@ -2107,12 +2212,9 @@ impl CudaBackend {
         out: &CudaTensor,
         accumulate: bool,
     ) -> bool {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-        };
-        let Some(blas) = &self.blas else {
+        if self.blas.is_none() {
             return false;
-        };
+        }
         let CudaWeight::Matrix {
             ptr: w_ptr,
             ty,
@@ -2157,12 +2259,37 @@ impl CudaBackend {
             );
             p
         };
+        self.gemm_f16_raw(a, rows, cols, xh, n, out.ptr, out.cols, accumulate);
+        true
+    }
+
+    /// cuBLAS: `out` (n rows of `ld` floats; the first `rows` of each written) = x · aᵀ, or
+    /// += with `accumulate`, for f16 `a` (rows × cols, row-major) and f16 x (n × cols). The
+    /// caller has checked that the buffers hold that much.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_f16_raw(
+        &self,
+        a: u64,
+        rows: usize,
+        cols: usize,
+        xh: u64,
+        n: usize,
+        out: u64,
+        ld: usize,
+        accumulate: bool,
+    ) {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        let Some(blas) = &self.blas else {
+            self.fail("GEMM without cuBLAS".into());
+            return;
+        };
         let b = xh;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        // Column-major view: C (rows × n, ld out.cols) = Wᵀ-stored A (cols × rows)ᵀ · B
-        // (cols × n).
-        // SAFETY: a, b and out hold rows×cols, n×cols and n×out.cols elements (checked by
-        // the caller and sized above); the handle is bound to this backend's stream.
+        // Column-major view: C (rows × n, ld) = Wᵀ-stored A (cols × rows)ᵀ · B (cols × n).
+        // SAFETY: a, b and out hold rows×cols, n×cols and n×ld elements (checked by the
+        // callers); the handle is bound to this backend's stream.
         let r = unsafe {
             cudarc::cublas::result::gemm_ex(
                 *blas.handle(),
@@ -2179,9 +2306,9 @@ impl CudaBackend {
                 cudaDataType::CUDA_R_16F,
                 cols as i32,
                 (&beta as *const f32).cast(),
-                out.ptr as *mut std::ffi::c_void,
+                out as *mut std::ffi::c_void,
                 cudaDataType::CUDA_R_32F,
-                out.cols as i32,
+                ld as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -2189,7 +2316,6 @@ impl CudaBackend {
         if let Err(e) = r {
             self.fail(format!("cuBLAS GEMM ({rows}×{cols} by {n} tokens): {e:?}"));
         }
-        true
     }
 
     /// A GEMV segment for `w` writing into `out`, if the GEMV kernels handle it.
@@ -2633,9 +2759,38 @@ impl kestrel_model::Backend for CudaBackend {
         }
         let gathered_only =
             info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
-        if !gathered_only && self.keep_f16_copy(info.ty, rows * cols) {
-            self.add_f16_copy(&mut w)
+        let merged_at = self
+            .merged_f16_rows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&info.name);
+        if let Some(at) = merged_at {
+            // K or V: rows of the merged copy Q's load allocated.
+            self.dequant_f16_into(&w, at)
                 .with_context(|| format!("tensor {}", info.name))?;
+            self.note_f16_copy(info.ty);
+        } else if !gathered_only && self.keep_f16_copy(info.ty, rows * cols) {
+            let room = self.merge_f16_behind(file, info, rows, cols);
+            self.add_f16_copy(&mut w, room)
+                .with_context(|| format!("tensor {}", info.name))?;
+            if room > rows
+                && let CudaWeight::Matrix {
+                    f16: Some(copy), ..
+                } = &w
+            {
+                // K's and V's rows follow Q's; they fill them as they load (next).
+                let mut at = self.ptr(copy) + (rows * cols * 2) as u64;
+                let mut pending = self
+                    .merged_f16_rows
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                pending.clear();
+                for name in merged_followers(&info.name) {
+                    let follower_rows = file.tensor(&name).map_or(0, |t| tensor_rows(t));
+                    pending.insert(name, at);
+                    at += (follower_rows * cols * 2) as u64;
+                }
+            }
         }
         Ok(w)
     }
@@ -3310,6 +3465,42 @@ impl kestrel_model::Backend for CudaBackend {
                     return;
                 }
             }
+        }
+        // Through cuBLAS: one product over Q's merged f16 copy (K's and V's rows behind
+        // Q's), split into q, k and v with the biases added.
+        if let Some((a, rows)) = self.merged_qkv(layer, x.cols, q, k, v)
+            && let Some(xh) = self.x_to_f16(x, n)
+            && let Some(merged) = self.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
+        {
+            let bias = |b: &Option<CudaWeight>| match b {
+                Some(b) => self.vector_ptr(b, "qkv bias"),
+                None => Some(0),
+            };
+            let (Some(bq), Some(bk), Some(bv)) = (
+                bias(&layer.attn_q_bias),
+                bias(&layer.attn_k_bias),
+                bias(&layer.attn_v_bias),
+            ) else {
+                return;
+            };
+            self.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
+            self.elementwise(
+                "split_qkv",
+                n * rows,
+                &[
+                    Arg::P(merged),
+                    Arg::P(q.ptr),
+                    Arg::P(k.ptr),
+                    Arg::P(v.ptr),
+                    Arg::P(bq),
+                    Arg::P(bk),
+                    Arg::P(bv),
+                    Arg::I(q.cols as i32),
+                    Arg::I(k.cols as i32),
+                    Arg::L((n * rows) as i64),
+                ],
+            );
+            return;
         }
         // Through cuBLAS: x converted to f16 once for the three products.
         self.matmuls_of(
