@@ -3468,7 +3468,10 @@ impl kestrel_model::Backend for CudaBackend {
         }
         // Through cuBLAS: one product over Q's merged f16 copy (K's and V's rows behind
         // Q's), split into q, k and v with the biases added.
-        if let Some((a, rows)) = self.merged_qkv(layer, x.cols, q, k, v)
+        // (Only where prefer_gemm agrees: a step recorded for graph replay must not call
+        // cuBLAS, and formats the GEMVs do not read come here in such steps too.)
+        if self.prefer_gemm(&layer.attn_q, n)
+            && let Some((a, rows)) = self.merged_qkv(layer, x.cols, q, k, v)
             && let Some(xh) = self.x_to_f16(x, n)
             && let Some(merged) = self.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
         {
