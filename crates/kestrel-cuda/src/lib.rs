@@ -2789,7 +2789,7 @@ impl kestrel_model::Backend for CudaBackend {
                     .unwrap_or_else(|p| p.into_inner());
                 pending.clear();
                 for name in merged_followers(&info.name) {
-                    let follower_rows = file.tensor(&name).map_or(0, |t| tensor_rows(t));
+                    let follower_rows = file.tensor(&name).map_or(0, tensor_rows);
                     pending.insert(name, at);
                     at += (follower_rows * cols * 2) as u64;
                 }
