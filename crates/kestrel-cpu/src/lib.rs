@@ -560,6 +560,17 @@ impl kestrel_model::Backend for CpuBackend {
         out.extend_from_slice(x.rows(n));
         Ok(())
     }
+
+    fn with_rows(
+        &self,
+        x: &CpuTensor,
+        n: usize,
+        _scratch: &mut Vec<f32>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> anyhow::Result<()> {
+        f(x.rows(n));
+        Ok(())
+    }
 }
 
 #[cfg(test)]

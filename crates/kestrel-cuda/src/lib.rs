@@ -2719,6 +2719,54 @@ impl CudaBackend {
         }
     }
 
+    /// Copies the first `n` rows of `x` into the pinned read-back buffer and calls `f` with
+    /// them there (under its lock). The copy is queued right behind the step, without a
+    /// wait first: launch errors so far are reported before it, the step's and the copy's
+    /// by the check after it.
+    fn read_pinned<R>(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> anyhow::Result<R> {
+        if n > x.rows {
+            bail!("reading {n} rows of a tensor of {}", x.rows);
+        }
+        let len = n * x.cols;
+        if len == 0 {
+            self.check()?;
+            return Ok(f(&[]));
+        }
+        self.flush();
+        if let Some(msg) = self.lock_error().take() {
+            bail!("CUDA: {msg}");
+        }
+        // Pinned: a copy into pageable memory is several times slower (batched decode
+        // reads a row of logits per sequence every step).
+        let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        if pinned.as_ref().is_none_or(|p| p.len() < len) {
+            *pinned = None;
+            // SAFETY: the buffer is only read after the copy into it has completed (the
+            // synchronize in `check`).
+            let buf = unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) }
+                .map_err(|e| anyhow::anyhow!("allocating a pinned host buffer: {e:?}"))?;
+            *pinned = Some(buf);
+        }
+        let Some(host) = pinned.as_mut() else {
+            bail!("no pinned host buffer");
+        };
+        // The driver sees the page-locked address whatever the slice type; cudarc wants
+        // equal lengths, so copy into a plain sub-slice of it.
+        let values = host
+            .as_mut_slice()
+            .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
+        self.stream
+            .memcpy_dtoh(&x.buf.slice(..len), &mut values[..len])
+            .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
+        self.check()?;
+        Ok(f(&values[..len]))
+    }
+
     fn elementwise(&self, name: &'static str, len: usize, args: &[Arg]) {
         self.launch(name, grid_1d(len, 256), 256, args);
     }
@@ -3353,62 +3401,36 @@ impl kestrel_model::Backend for CudaBackend {
     }
 
     fn read_rows(&self, x: &CudaTensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
-        if n > x.rows {
-            bail!("read_rows: {n} rows asked, tensor has {}", x.rows);
-        }
-        let len = n * x.cols;
-        if len == 0 {
-            out.clear();
-            return self.check();
-        }
-        // The copy is queued right behind the step (no wait for it first): launch errors
-        // so far are reported before, the step's and the copy's by the check after it.
-        self.flush();
-        if let Some(msg) = self.lock_error().take() {
-            bail!("CUDA: {msg}");
-        }
-        // Through a pinned buffer: a copy into pageable memory is several times slower
-        // (batched decode reads a row of logits per sequence every step).
-        let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-        if pinned.as_ref().is_none_or(|p| p.len() < len) {
-            *pinned = None;
-            // SAFETY: the buffer is only read after the copy into it has completed (the
-            // synchronize in `check`).
-            let buf = unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) }
-                .map_err(|e| anyhow::anyhow!("allocating a pinned host buffer: {e:?}"))?;
-            *pinned = Some(buf);
-        }
-        let Some(host) = pinned.as_mut() else {
-            bail!("no pinned host buffer");
-        };
-        // The driver sees the page-locked address whatever the slice type; cudarc wants
-        // equal lengths, so copy into a plain sub-slice of it.
-        let values = host
-            .as_mut_slice()
-            .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
-        self.stream
-            .memcpy_dtoh(&x.buf.slice(..len), &mut values[..len])
-            .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
-        self.check()?;
-        // Large reads out of the pinned buffer on every core: one thread moved ~8 GB/s on
-        // the H100 host, ~4 ms a step for the 33 MB of logits 64 sequences of a 128K-word
-        // vocabulary return (Llama-3-8B `bench --seqs 64`: 4,235 / 4,315 -> 5,787 / 5,681
-        // t/s). Small ones stay on this thread: waking the pool cost single-token decode
-        // of Qwen2.5-1.5B (608 KB of logits) 7-13%.
-        const CHUNK: usize = 1 << 16;
-        const PARALLEL_FROM: usize = 1 << 20;
-        if out.len() != len {
-            out.clear();
-            out.resize(len, 0.0);
-        }
-        if len < PARALLEL_FROM {
-            out.copy_from_slice(&values[..len]);
-        } else {
-            out.par_chunks_mut(CHUNK)
-                .zip(values[..len].par_chunks(CHUNK))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-        }
-        Ok(())
+        self.read_pinned(x, n, |values| {
+            // Large reads out of the pinned buffer on every core: one thread moved ~8 GB/s
+            // on the H100 host, ~4 ms a step for the 33 MB of logits 64 sequences of a
+            // 128K-word vocabulary return (Llama-3-8B `bench --seqs 64`: 4,235 / 4,315 ->
+            // 5,787 / 5,681 t/s). Small ones stay on this thread: waking the pool cost
+            // single-token decode of Qwen2.5-1.5B (608 KB of logits) 7-13%.
+            const CHUNK: usize = 1 << 16;
+            const PARALLEL_FROM: usize = 1 << 20;
+            if out.len() != values.len() {
+                out.clear();
+                out.resize(values.len(), 0.0);
+            }
+            if values.len() < PARALLEL_FROM {
+                out.copy_from_slice(values);
+            } else {
+                out.par_chunks_mut(CHUNK)
+                    .zip(values.par_chunks(CHUNK))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+            }
+        })
+    }
+
+    fn with_rows(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        _scratch: &mut Vec<f32>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> anyhow::Result<()> {
+        self.read_pinned(x, n, |values| f(values))
     }
 
     fn argmax_rows(

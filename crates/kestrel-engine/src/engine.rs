@@ -246,25 +246,36 @@ impl<B: Backend> Engine<B> {
                 ));
                 break;
             }
-            let logits = match self.step(&batch) {
-                Ok(l) => l,
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            };
-            let mut rows = logits.chunks_exact(vocab);
-            for &(i, first, len, n_rows) in &parts {
-                for r in 0..n_rows {
-                    let index = if all_logits {
-                        first + r
-                    } else {
-                        tokens[i].len() - 1
-                    };
-                    if let Some(row) = rows.next() {
-                        on_logits(i, index, row);
+            if let Err(e) = self.forward(&batch) {
+                result = Err(e);
+                break;
+            }
+            // The rows as the backend lends them (no copy into self.logits where it can).
+            let read = self.backend.with_rows(
+                &self.scratch.logits,
+                batch.logit_rows.len(),
+                &mut self.logits,
+                &mut |logits: &[f32]| {
+                    let mut rows = logits.chunks_exact(vocab);
+                    for &(i, first, _, n_rows) in &parts {
+                        for r in 0..n_rows {
+                            let index = if all_logits {
+                                first + r
+                            } else {
+                                tokens[i].len() - 1
+                            };
+                            if let Some(row) = rows.next() {
+                                on_logits(i, index, row);
+                            }
+                        }
                     }
-                }
+                },
+            );
+            if let Err(e) = read {
+                result = Err(e);
+                break;
+            }
+            for &(i, _, len, _) in &parts {
                 let d = done[i];
                 seqs[i].tokens.extend_from_slice(&tokens[i][d..d + len]);
                 done[i] += len;

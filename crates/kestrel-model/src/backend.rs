@@ -135,6 +135,21 @@ pub trait Backend: Sync {
     /// Reads the first `n` rows back to the host.
     fn read_rows(&self, x: &Self::Tensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()>;
 
+    /// Calls `f` with the first `n` rows on the host, lent from the backend's own memory
+    /// where it has them there (the CPU's tensor, CUDA's pinned read-back buffer) instead
+    /// of copied into a caller's vector. Default: [`Self::read_rows`] into `scratch`.
+    fn with_rows(
+        &self,
+        x: &Self::Tensor,
+        n: usize,
+        scratch: &mut Vec<f32>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> anyhow::Result<()> {
+        self.read_rows(x, n, scratch)?;
+        f(scratch);
+        Ok(())
+    }
+
     /// The [`argmax`] of each of the first `n` rows (greedy sampling without reading the
     /// rows back; a GPU reduces them where they are). `scratch` may receive the rows.
     fn argmax_rows(
