@@ -37,7 +37,7 @@ use kestrel_model::{Backend, Batch, SeqSlot};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
-use crate::sampler::{Sampler, SamplerParams, argmax, log_softmax, top_n};
+use crate::sampler::{Sampler, SamplerParams, log_softmax, top_n};
 
 /// Where a request's events go. Implemented for `std::sync::mpsc::Sender<Event>`; the server
 /// wraps its async channel in one.
@@ -825,14 +825,21 @@ impl<B: Backend> Scheduler<B> {
             )
         } else {
             let rows: Vec<&[f32]> = logits.chunks_exact(vocab).take(sampling.len()).collect();
-            let plain: Vec<bool> = sampling
-                .iter()
-                .map(|&i| self.running[i].sampler.is_argmax() && self.running[i].logprobs.is_none())
-                .collect();
-            let picks = plain
-                .par_iter()
+            // Every sampling sequence's sampler with its history, in `sampling` order (both
+            // ascending by index): each row is sampled on its own core. One thread took
+            // ~0.5 ms a row with top-k over a 128K-word vocabulary, tens of ms a step at 64
+            // sequences.
+            let mut samplers = Vec::with_capacity(sampling.len());
+            let mut wanted = sampling.iter().peekable();
+            for (i, seq) in self.running.iter_mut().enumerate() {
+                if wanted.next_if_eq(&&i).is_some() {
+                    samplers.push((&mut seq.sampler, seq.tokens.as_slice()));
+                }
+            }
+            let picks = samplers
+                .par_iter_mut()
                 .zip(rows.par_iter())
-                .map(|(&plain, row)| plain.then(|| argmax(row)))
+                .map(|((sampler, history), row)| Some(sampler.sample(row, history)))
                 .collect();
             (rows, picks)
         };

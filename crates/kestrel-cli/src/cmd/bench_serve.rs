@@ -23,6 +23,10 @@ pub struct Args {
     /// Tokens to generate per request.
     #[arg(long, default_value_t = 128)]
     pub gen_len: usize,
+    /// Sampling temperature of every request (0: greedy; the server samples others with its
+    /// default top-k / top-p / min-p, as llama.cpp's server does).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
     #[arg(long)]
     pub api_key: Option<String>,
 }
@@ -80,6 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                                 &model,
                                 &prompt,
                                 args.gen_len,
+                                args.temperature,
                             ) {
                                 Ok(sample) => out.push(sample),
                                 Err(e) => eprintln!("request failed: {e:#}"),
@@ -131,10 +136,11 @@ fn one(
     model: &str,
     prompt: &[u32],
     gen_len: usize,
+    temperature: f32,
 ) -> anyhow::Result<Sample> {
     let body = serde_json::json!({
         "model": model, "prompt": prompt, "max_tokens": gen_len,
-        "temperature": 0, "stream": true,
+        "temperature": temperature, "stream": true,
     });
     let start = Instant::now();
     let mut req = agent
