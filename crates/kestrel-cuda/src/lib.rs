@@ -3038,6 +3038,14 @@ impl kestrel_model::Backend for CudaBackend {
         };
         // About 4 values per thread: a single-token row is one block's latency.
         let block = (x.cols / 4).next_multiple_of(32).clamp(32, 1024) as u32;
+        // The leading arguments of every rms_norm kernel.
+        let head = [
+            Arg::P(x.ptr),
+            Arg::P(w),
+            Arg::P(out.ptr),
+            Arg::I(x.cols as i32),
+            Arg::F(eps),
+        ];
         // A single-token row whose consumer is a gemv_q8: quantize it on the way out.
         if let Some(Q8Ptrs {
             q: q_ptr, d: d_ptr, ..
@@ -3047,20 +3055,8 @@ impl kestrel_model::Backend for CudaBackend {
             // block for the whole row measured 576 / 585 against 627 / 611 t/s (tg128,
             // Qwen2.5-1.5B Q4_K_M, H100), 305 / 303 against 310 / 307 on Llama-3-8B.
             let (grid, threads) = (grid_1d(x.cols, 256), 256);
-            self.launch(
-                "rms_norm_q8",
-                grid,
-                threads,
-                &[
-                    Arg::P(x.ptr),
-                    Arg::P(w),
-                    Arg::P(out.ptr),
-                    Arg::I(x.cols as i32),
-                    Arg::F(eps),
-                    Arg::P(q_ptr),
-                    Arg::P(d_ptr),
-                ],
-            );
+            let args = [&head[..], &[Arg::P(q_ptr), Arg::P(d_ptr)]].concat();
+            self.launch("rms_norm_q8", grid, threads, &args);
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
             return;
         }
@@ -3068,17 +3064,8 @@ impl kestrel_model::Backend for CudaBackend {
         // the mmh threshold): quantize them on the way out, in that kernel's layout.
         if let Some(MultiQ8 { npad, mmk, q8 }) = self.multi_q8_layout(n, x.cols) {
             let Q8Ptrs { q, ds, .. } = q8;
-            let mut args = vec![
-                Arg::P(x.ptr),
-                Arg::P(w),
-                Arg::P(out.ptr),
-                Arg::I(x.cols as i32),
-                Arg::F(eps),
-                Arg::I(n as i32),
-                Arg::I(npad as i32),
-                Arg::P(q),
-                Arg::P(ds),
-            ];
+            let tail = [Arg::I(n as i32), Arg::I(npad as i32), Arg::P(q), Arg::P(ds)];
+            let mut args = [&head[..], &tail].concat();
             // mmk's layout: one block per token; else `mmq_t*`'s, one block per 256 values.
             if mmk {
                 args.push(Arg::P(q8.mmk_steps_sums(npad, x.cols).1));
@@ -3092,22 +3079,15 @@ impl kestrel_model::Backend for CudaBackend {
                 Some((out.ptr, n, npad, mmk));
             return;
         }
-        let mut args = vec![
-            Arg::P(x.ptr),
-            Arg::P(w),
-            Arg::P(out.ptr),
-            Arg::I(x.cols as i32),
-            Arg::F(eps),
-        ];
         // Rows for cuBLAS: their f16 copy on the way out (B = 64 on Llama-3-8B: two
         // conversion launches a layer less).
         if let Some(h) = self.f16_copy_for_gemm(n, x.cols) {
-            args.push(Arg::P(h));
+            let args = [&head[..], &[Arg::P(h)]].concat();
             self.launch("rms_norm_f16", (n as u32, 1, 1), block, &args);
             *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((out.ptr, n, h));
             return;
         }
-        self.launch("rms_norm", (n as u32, 1, 1), block, &args);
+        self.launch("rms_norm", (n as u32, 1, 1), block, &head);
     }
 
     fn rms_norm_heads(
