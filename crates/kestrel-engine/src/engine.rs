@@ -415,8 +415,15 @@ impl<B: Backend> Engine<B> {
             next_logits.clear();
             next_logits.extend_from_slice(l);
         })?;
+        // Plain greedy: after the prompt, each step returns only its argmax (no logit row
+        // comes back to the host).
+        let mut next_id = None;
+        let mut ids = Vec::new();
         while out.len() < max_tokens {
-            let id = sampler.sample(&next_logits, &seq.tokens);
+            let id = match next_id.take() {
+                Some(id) => id,
+                None => sampler.sample(&next_logits, &seq.tokens),
+            };
             out.push(id);
             let go_on = on_token(id);
             if is_eog(id) || !go_on || out.len() == max_tokens {
@@ -425,10 +432,18 @@ impl<B: Backend> Engine<B> {
             if seq.tokens.len() + 1 > self.ctx {
                 break;
             }
-            self.eval(seq, &[id], false, |_, l| {
-                next_logits.clear();
-                next_logits.extend_from_slice(l);
-            })?;
+            if sampler.is_argmax() {
+                self.decode_argmax(std::slice::from_mut(seq), &[id], &mut ids)?;
+                next_id = Some(
+                    *ids.first()
+                        .ok_or_else(|| anyhow::anyhow!("a decode step returned no token id"))?,
+                );
+            } else {
+                self.eval(seq, &[id], false, |_, l| {
+                    next_logits.clear();
+                    next_logits.extend_from_slice(l);
+                })?;
+            }
         }
         Ok(out)
     }
