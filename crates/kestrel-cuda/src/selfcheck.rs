@@ -448,7 +448,7 @@ fn greedy<B: kestrel_model::Backend>(
 }
 
 /// Generates `n` tokens greedily after a random prompt on both engines (decode steps of
-/// one token each on the GPU).
+/// one token each on the GPU, through `Engine::generate`).
 pub fn compare_greedy(
     arch: Arch,
     ty: &str,
@@ -463,7 +463,12 @@ pub fn compare_greedy(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e37);
     let prompt: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab)).collect();
     let (a, cpu_logits) = greedy(&mut cpu, &prompt, n)?;
-    let (b, _) = greedy(&mut gpu, &prompt, n)?;
+    // The GPU through `Engine::generate`, as `kestrel run --temp 0` decodes (each step's
+    // argmax on the device, only the id read back).
+    let mut seq = Sequence::default();
+    let greedy_params = kestrel_engine::sampler::SamplerParams::greedy();
+    let b = gpu.generate(&mut seq, &prompt, &greedy_params, n, |_| false, |_| true)?;
+    gpu.release(&mut seq);
     let first_difference = a.iter().zip(&b).position(|(x, y)| x != y).map(|i| {
         let l = &cpu_logits[i];
         (i, l[a[i] as usize] - l[b[i] as usize])
