@@ -105,6 +105,16 @@ impl SamplerParams {
         self.temperature.is_nan() || self.temperature <= 0.0
     }
 
+    /// A temperature draw over every one of `vocab` tokens: no penalties and no filter
+    /// that removes any.
+    fn is_plain_temperature(&self, vocab: usize) -> bool {
+        !self.is_greedy()
+            && !self.penalties_active()
+            && (self.top_k == 0 || self.top_k >= vocab)
+            && self.top_p >= 1.0
+            && self.min_p <= 0.0
+    }
+
     fn penalties_active(&self) -> bool {
         self.repeat_last_n != 0
             && (self.repeat_penalty != 1.0
@@ -129,6 +139,8 @@ pub struct Sampler {
     rng: StdRng,
     candidates: Vec<Candidate>,
     window: Vec<u32>,
+    /// exp((logit − max) / temperature) of a plain temperature draw.
+    weights: Vec<f32>,
 }
 
 impl Sampler {
@@ -144,6 +156,7 @@ impl Sampler {
             rng,
             candidates: Vec::new(),
             window: Vec::new(),
+            weights: Vec::new(),
         }
     }
 
@@ -160,6 +173,9 @@ impl Sampler {
         if self.is_argmax() {
             return argmax(logits);
         }
+        if self.params.is_plain_temperature(logits.len()) {
+            return self.sample_plain(logits);
+        }
         self.filter(logits, history, false);
         if self.params.is_greedy() {
             // `filter` leaves the candidates sorted best first (ties by lowest id).
@@ -175,6 +191,45 @@ impl Sampler {
         }
         // Rounding left the cumulative sum just under u: take the last (least likely) survivor.
         self.candidates.last().map_or(0, |c| c.id)
+    }
+
+    /// A draw from softmax(logits / temperature) over the whole row, in two passes and
+    /// without a candidate list (the server samples 64 rows of 128K words a step this way
+    /// when requests set only a temperature, OpenAI's default). NaN logits are impossible
+    /// tokens; a +inf logit is taken outright.
+    fn sample_plain(&mut self, logits: &[f32]) -> u32 {
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|l| !l.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::INFINITY {
+            return logits.iter().position(|&l| l == f32::INFINITY).unwrap_or(0) as u32;
+        }
+        if max == f32::NEG_INFINITY {
+            return 0; // every token impossible: the lowest id, as `filter` does
+        }
+        let inv_t = 1.0 / self.params.temperature;
+        let weights = &mut self.weights;
+        weights.clear();
+        weights.extend(logits.iter().map(|&l| {
+            if l.is_nan() {
+                0.0
+            } else {
+                ((l - max) * inv_t).exp()
+            }
+        }));
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        let target = self.rng.random::<f64>() * total;
+        let mut cumulative = 0.0f64;
+        for (i, &w) in weights.iter().enumerate() {
+            cumulative += w as f64;
+            if target < cumulative {
+                return i as u32;
+            }
+        }
+        // Rounding left the sum just under the target: the last possible token.
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
     }
 
     /// Whether [`Sampler::sample`] is the plain [`argmax`] of the logits (greedy, no
@@ -774,6 +829,15 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(s.sample(&with_nan, &[]), 1);
         }
+        // The same on the plain temperature path (no filters).
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0));
+        assert_eq!(s.sample(&[], &[]), 0);
+        assert!(s.sample(&all_neg_inf, &[]) < 5);
+        for _ in 0..10 {
+            assert_eq!(s.sample(&with_nan, &[]), 1);
+        }
+        let with_inf = [0.0, f32::INFINITY, 1.0, f32::INFINITY];
+        assert_eq!(s.sample(&with_inf, &[]), 1);
     }
 
     #[test]
