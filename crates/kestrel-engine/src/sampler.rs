@@ -258,11 +258,31 @@ impl Sampler {
         let cands = &mut self.candidates;
         cands.clear();
         // NaN logits are treated as impossible tokens.
-        cands.extend(logits.iter().enumerate().map(|(i, &l)| Candidate {
+        let candidate = |(i, &l): (usize, &f32)| Candidate {
             id: i as u32,
             logit: if l.is_nan() { f32::NEG_INFINITY } else { l },
             prob: 0.0,
-        }));
+        };
+        let k = p.top_k;
+        if k > 0 && k < logits.len() && !p.penalties_active() && !p.is_greedy() {
+            // top-k while reading the row: a candidate enters only if it beats the k-th best
+            // kept so far; at 2k kept, the best k stay. No list of the whole vocabulary
+            // (1.5 MB a 128K-word row).
+            let mut kth: Option<Candidate> = None;
+            for c in logits.iter().enumerate().map(candidate) {
+                if kth.is_some_and(|t| better(&c, &t) != Ordering::Less) {
+                    continue;
+                }
+                cands.push(c);
+                if cands.len() == 2 * k {
+                    cands.select_nth_unstable_by(k - 1, better);
+                    cands.truncate(k);
+                    kth = Some(cands[k - 1]);
+                }
+            }
+        } else {
+            cands.extend(logits.iter().enumerate().map(candidate));
+        }
 
         if p.penalties_active() {
             apply_penalties(cands, history, p, &mut self.window);
