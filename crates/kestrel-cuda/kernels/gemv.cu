@@ -1227,6 +1227,28 @@ template <> struct Unit8<T_Q8_0> {
     }
 };
 
+// Q4_0 units' two sums over N words: the nibble dot (low nibbles against lo[i], high against
+// hi[i], unsigned) and the sum of the 8N activation bytes (for the nibbles' offset of 8).
+template <int N>
+__device__ __forceinline__ int q4_nibble_dot(const u32* q, const int* lo, const int* hi) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        s = dp4a_us(q[i] & 0x0F0F0F0Fu, lo[i], s);
+        s = dp4a_us((q[i] >> 4) & 0x0F0F0F0Fu, hi[i], s);
+    }
+    return s;
+}
+template <int N> __device__ __forceinline__ int byte_sum(const int* lo, const int* hi) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        s = dp4a_ss(0x01010101, lo[i], s);
+        s = dp4a_ss(0x01010101, hi[i], s);
+    }
+    return s;
+}
+
 // Q4_0 unit: values 8h..8h+7 (low nibbles) and 16+8h..16+8h+7 (high nibbles), minus 8.
 template <> struct Unit8<T_Q4_0> {
     struct X {
@@ -1240,21 +1262,11 @@ template <> struct Unit8<T_Q4_0> {
         X x;
         x.lo[0] = p.x; x.lo[1] = p.y; x.hi[0] = r.x; x.hi[1] = r.y;
         x.d = xd[u >> 1];
-        x.s = 0;
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            x.s = dp4a_ss(0x01010101, x.lo[i], x.s);
-            x.s = dp4a_ss(0x01010101, x.hi[i], x.s);
-        }
+        x.s = byte_sum<2>(x.lo, x.hi);
         return x;
     }
     static __device__ __forceinline__ float dot(const Fmt<T_Q4_0>::Raw& raw, int, const X& x) {
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            s = dp4a_us(raw.q[i] & 0x0F0F0F0Fu, x.lo[i], s);
-            s = dp4a_us((raw.q[i] >> 4) & 0x0F0F0F0Fu, x.hi[i], s);
-        }
+        const int s = q4_nibble_dot<2>(raw.q, x.lo, x.hi);
         return h2f(raw.d) * x.d * (float)(s - 8 * x.s);
     }
 };
@@ -1312,21 +1324,12 @@ template <> struct Unit8<T_Q4_0_W> {
     static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
         const int4 p = *(const int4*)(xq + u * 32), r = *(const int4*)(xq + u * 32 + 16);
         X x = {{p.x, p.y, p.z, p.w}, {r.x, r.y, r.z, r.w}, xd[u], 0};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            x.s = dp4a_ss(0x01010101, x.lo[i], x.s);
-            x.s = dp4a_ss(0x01010101, x.hi[i], x.s);
-        }
+        x.s = byte_sum<4>(x.lo, x.hi);
         return x;
     }
     static __device__ __forceinline__ float dot(const Fmt<T_Q4_0_W>::Raw& raw, int, const X& x) {
         const u32 q[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            s = dp4a_us(q[i] & 0x0F0F0F0Fu, x.lo[i], s);
-            s = dp4a_us((q[i] >> 4) & 0x0F0F0F0Fu, x.hi[i], s);
-        }
+        const int s = q4_nibble_dot<4>(q, x.lo, x.hi);
         return h2f(raw.d) * x.d * (float)(s - 8 * x.s);
     }
 };
