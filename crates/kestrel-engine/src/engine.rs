@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use kestrel_gguf::GgufFile;
-use kestrel_model::{Backend, Batch, Model, ModelConfig, Scratch, SeqSlot};
+use kestrel_model::{Backend, Batch, Model, ModelConfig, Scratch};
 
 use crate::kv::BlockManager;
 use crate::sampler::{Sampler, SamplerParams};
@@ -187,10 +187,7 @@ impl<B: Backend> Engine<B> {
         done.resize(seqs.len(), 0);
         let mut result = Ok(());
         while done.iter().zip(tokens).any(|(&d, t)| d < t.len()) {
-            batch.tokens.clear();
-            batch.positions.clear();
-            batch.seq_of.clear();
-            batch.logit_rows.clear();
+            batch.clear_tokens();
             let mut n_slots = 0;
             parts.clear();
             for (i, toks) in tokens.iter().enumerate() {
@@ -208,35 +205,22 @@ impl<B: Backend> Engine<B> {
                 if len == 0 || (len == rest && rows_left == 0) {
                     continue;
                 }
-                // seqs[i].tokens grows by each finished step's part.
-                let start = seqs[i].tokens.len();
-                let first_row = batch.len() as u32;
-                batch
-                    .tokens
-                    .extend_from_slice(&toks[done[i]..done[i] + len]);
-                batch
-                    .positions
-                    .extend((start..start + len).map(|p| p as u32));
-                batch
-                    .seq_of
-                    .extend(std::iter::repeat_n(n_slots as u32, len));
-                if batch.seqs.len() == n_slots {
-                    batch.seqs.push(SeqSlot::default());
-                }
-                let slot = &mut batch.seqs[n_slots];
-                slot.block_table.clear();
-                slot.block_table.extend_from_slice(&seqs[i].block_table);
-                slot.kv_len = start + len;
-                n_slots += 1;
                 let rows = if all_logits {
-                    batch.logit_rows.extend(first_row..first_row + len as u32);
                     len
                 } else if len == rest {
-                    batch.logit_rows.push(first_row + len as u32 - 1);
                     1
                 } else {
                     0
                 };
+                // seqs[i].tokens grows by each finished step's part.
+                batch.push_part(
+                    n_slots,
+                    &toks[done[i]..done[i] + len],
+                    seqs[i].tokens.len(),
+                    &seqs[i].block_table,
+                    rows,
+                );
+                n_slots += 1;
                 parts.push((i, done[i], len, rows));
             }
             batch.seqs.truncate(n_slots);
@@ -352,22 +336,11 @@ impl<B: Backend> Engine<B> {
         }
         self.reserve(seqs, |_| 1)?;
         let mut batch = std::mem::take(&mut self.batch);
-        batch.tokens.clear();
-        batch.positions.clear();
-        batch.seq_of.clear();
-        batch.logit_rows.clear();
-        batch.seqs.resize_with(seqs.len(), Default::default);
+        batch.clear_tokens();
         for (i, (seq, &token)) in seqs.iter().zip(tokens).enumerate() {
-            let pos = seq.tokens.len();
-            batch.tokens.push(token);
-            batch.positions.push(pos as u32);
-            batch.seq_of.push(i as u32);
-            batch.logit_rows.push(i as u32);
-            let slot = &mut batch.seqs[i];
-            slot.block_table.clear();
-            slot.block_table.extend_from_slice(&seq.block_table);
-            slot.kv_len = pos + 1;
+            batch.push_part(i, &[token], seq.tokens.len(), &seq.block_table, 1);
         }
+        batch.seqs.truncate(seqs.len());
         let result = self.step_argmax(&batch, ids);
         self.batch = batch;
         result?;

@@ -74,22 +74,46 @@ impl Batch {
     /// A batch holding one sequence's tokens at consecutive positions from `start`.
     pub fn single(tokens: &[u32], start: usize, block_table: Vec<u32>, all_logits: bool) -> Batch {
         let n = tokens.len();
-        Batch {
-            tokens: tokens.to_vec(),
-            positions: (start..start + n).map(|p| p as u32).collect(),
-            seq_of: vec![0; n],
-            seqs: vec![SeqSlot {
-                block_table,
-                kv_len: start + n,
-            }],
-            logit_rows: if all_logits {
-                (0..n as u32).collect()
-            } else if n > 0 {
-                vec![n as u32 - 1]
-            } else {
-                vec![]
-            },
+        let mut batch = Batch::default();
+        let rows = if all_logits { n } else { n.min(1) };
+        batch.push_part(0, tokens, start, &block_table, rows);
+        batch
+    }
+
+    /// Empties the token lists for a new step. The sequence slots stay, for
+    /// [`Batch::push_part`] to refill without allocating.
+    pub fn clear_tokens(&mut self) {
+        self.tokens.clear();
+        self.positions.clear();
+        self.seq_of.clear();
+        self.logit_rows.clear();
+    }
+
+    /// Appends one sequence's `tokens` at consecutive positions from `start` as slot `slot`
+    /// (slots are filled in order from 0; an existing slot's block-table vector is reused),
+    /// with a logit row for each of its last `logit_rows` tokens. The caller truncates
+    /// `seqs` to the slots it filled.
+    pub fn push_part(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        start: usize,
+        block_table: &[u32],
+        logit_rows: usize,
+    ) {
+        let (first, n) = (self.tokens.len(), tokens.len());
+        self.tokens.extend_from_slice(tokens);
+        self.positions.extend((start..start + n).map(|p| p as u32));
+        self.seq_of.extend(std::iter::repeat_n(slot as u32, n));
+        self.logit_rows
+            .extend((first + n - logit_rows.min(n)..first + n).map(|r| r as u32));
+        if self.seqs.len() <= slot {
+            self.seqs.resize_with(slot + 1, SeqSlot::default);
         }
+        let s = &mut self.seqs[slot];
+        s.block_table.clear();
+        s.block_table.extend_from_slice(block_table);
+        s.kv_len = start + n;
     }
 
     /// Checks internal consistency against the cache geometry.
@@ -142,5 +166,49 @@ impl Batch {
             return bad("logit row out of range".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_part_lays_out_parts_and_reuses_slots() {
+        let mut b = Batch::default();
+        b.push_part(0, &[7, 8, 9], 4, &[1, 2], 3);
+        b.push_part(1, &[5], 0, &[3], 1);
+        b.push_part(2, &[6, 6], 10, &[4], 0);
+        assert_eq!(b.tokens, [7, 8, 9, 5, 6, 6]);
+        assert_eq!(b.positions, [4, 5, 6, 0, 10, 11]);
+        assert_eq!(b.seq_of, [0, 0, 0, 1, 2, 2]);
+        assert_eq!(b.logit_rows, [0, 1, 2, 3]);
+        assert_eq!(b.seqs.len(), 3);
+        assert_eq!(
+            (b.seqs[0].block_table.clone(), b.seqs[0].kv_len),
+            (vec![1, 2], 7)
+        );
+        assert_eq!(
+            (b.seqs[2].block_table.clone(), b.seqs[2].kv_len),
+            (vec![4], 12)
+        );
+        // A new step refills slot 0 in place; the caller drops the slots it did not fill.
+        b.clear_tokens();
+        b.push_part(0, &[1, 2], 7, &[1, 2, 9], 1);
+        b.seqs.truncate(1);
+        assert_eq!(b.tokens, [1, 2]);
+        assert_eq!(b.logit_rows, [1]);
+        assert_eq!(b.seqs[0].block_table, [1, 2, 9]);
+        assert_eq!(b.seqs[0].kv_len, 9);
+        let single = Batch::single(&[1, 2], 7, vec![1, 2, 9], false);
+        assert_eq!(
+            (&b.tokens, &b.positions, &b.seq_of, &b.logit_rows),
+            (
+                &single.tokens,
+                &single.positions,
+                &single.seq_of,
+                &single.logit_rows
+            )
+        );
     }
 }
