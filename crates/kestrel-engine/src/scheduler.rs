@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kestrel_model::{Backend, Batch, SeqSlot};
+use kestrel_model::{Backend, Batch};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
@@ -747,17 +747,16 @@ impl<B: Backend> Scheduler<B> {
         for (slot, &(i, n)) in plan.iter().enumerate() {
             let seq = &self.running[i];
             let start = seq.n_cached;
-            batch
-                .tokens
-                .extend_from_slice(&seq.tokens[start..start + n]);
-            batch.positions.extend((start..start + n).map(|p| p as u32));
-            batch.seq_of.extend(std::iter::repeat_n(slot as u32, n));
-            batch.seqs.push(SeqSlot {
-                block_table: seq.block_table.clone(),
-                kv_len: start + n,
-            });
-            if start + n == seq.tokens.len() {
-                batch.logit_rows.push(batch.tokens.len() as u32 - 1);
+            // The part ending the sequence's tokens samples: one logit row.
+            let samples = start + n == seq.tokens.len();
+            batch.push_part(
+                slot,
+                &seq.tokens[start..start + n],
+                start,
+                &seq.block_table,
+                usize::from(samples),
+            );
+            if samples {
                 all_plain &= seq.sampler.is_argmax() && seq.logprobs.is_none();
             }
         }
