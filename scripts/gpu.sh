@@ -22,6 +22,8 @@
 #                            Q4_K_M (and `--seqs $SEQS` if set) under each env set of $AB
 #   scripts/gpu.sh build-base  build revision ${BASE:-HEAD} as .gpu/kestrel-${NAME:-base} (after `build`:
 #                            it adds its cubin to .gpu/cuda-cache) for `AB="BIN=.gpu/kestrel-base -"`
+#   scripts/gpu.sh sampled   on the GPU host: `kestrel serve` at 64 clients, greedy and sampled
+#                            (temperature 1; llama.cpp's defaults), for each binary of $BINS
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -61,7 +63,7 @@ llama3_8b() {
 serve_start() {
     local port=$1 log=$2
     shift 2
-    env "$@" .gpu/kestrel serve -m "$model" --device cuda --max-seqs 64 --ctx 700 \
+    env "$@" "${BIN:-.gpu/kestrel}" serve -m "$model" --device cuda --max-seqs 64 --ctx 700 \
         --batch 2048 --max-prefill 1024 --port "$port" 2>"$log" &
     server=$!
     for _ in $(seq 120); do
@@ -151,6 +153,26 @@ seqs-ab)
         echo "KESTREL_CUDA_MMQ_MAX=$max"
         KESTREL_CUDA_MMQ_MAX=$max .gpu/kestrel bench -m "$model" --device cuda \
             --seqs "${SEQS:-1,4,8,16,32,64}" -p 512 -n 128 -r 1
+    done
+    ;;
+sampled)
+    # The server at 64 clients: greedy, temperature 1 alone (OpenAI's default) and
+    # llama.cpp's CLI defaults (t 0.8, top-k 40, top-p 0.95, min-p 0.05); each binary of
+    # ${BINS:-.gpu/kestrel} in turn (A/B in one call), with the decode steps' mean time.
+    gpu_env
+    model=$(llama3_8b)
+    for bin in ${BINS:-.gpu/kestrel}; do
+        for sampling in "--temperature 0" "--temperature 1" \
+            "--temperature 0.8 --top-k 40 --top-p 0.95 --min-p 0.05"; do
+            echo "== $bin $sampling"
+            BIN=$bin serve_start 8097 /tmp/serve-sampled.log KESTREL_STEP_LOG=1
+            .gpu/kestrel bench-serve --url http://127.0.0.1:8097 --concurrency 64 --requests 64 \
+                --prompt-len 512 --gen-len 128 $sampling | grep -E '^ *(conc|64) ' || true
+            kill "$server"
+            wait "$server" 2>/dev/null || true
+            grep -E '^step .* seqs 64 prefill_tokens 0 ' /tmp/serve-sampled.log |
+                awk '{s += $NF; n++} END {if (n) printf "decode steps of 64: %d, mean %.0f us\n", n, s / n}'
+        done
     done
     ;;
 serve-profile)

@@ -17,6 +17,8 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/mmq.cu"),
     "\n",
     include_str!("../kernels/ops.cu"),
+    "\n",
+    include_str!("../kernels/sample.cu"),
 );
 
 /// Names of the kernels the backend loads from the module.
@@ -37,6 +39,7 @@ pub const KERNELS: &[&str] = &[
     "gemv_q8_t8",
     "gemv_ws_r1",
     "read_bytes",
+    "sample_rows",
     "quantize_x_mmq",
     "rms_norm_mmq",
     "mmq_t8",

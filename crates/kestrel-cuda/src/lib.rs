@@ -28,7 +28,9 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
-use kestrel_model::{Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams};
+use kestrel_model::{
+    Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
+};
 
 pub use compile::Origin;
 
@@ -552,8 +554,11 @@ pub struct CudaBackend {
     mmq_all_formats: std::sync::atomic::AtomicBool,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
-    /// Token ids of `argmax_rows`, on the device (grown to the most rows asked).
+    /// Token ids of `argmax_rows` and `sample_rows`, on the device (grown to the most rows
+    /// asked).
     argmax_ids: Mutex<Option<CudaSlice<u32>>>,
+    /// `sample_rows`' settings, packed on the host and their device copy (grown).
+    sample_params: Mutex<(Vec<u32>, Option<CudaSlice<u32>>)>,
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
     /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
     f16_copies: std::sync::atomic::AtomicBool,
@@ -862,6 +867,7 @@ impl CudaBackend {
             f16_copies_q8: Default::default(),
             pinned: Mutex::new(None),
             argmax_ids: Mutex::new(None),
+            sample_params: Mutex::new((Vec::new(), None)),
             q8_decode: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
             ),
@@ -3439,6 +3445,104 @@ impl kestrel_model::Backend for CudaBackend {
             (n as u32, 1, 1),
             256,
             &[Arg::P(x.ptr), Arg::P(self.ptr(buf)), Arg::I(x.cols as i32)],
+        );
+        self.check()?;
+        out.resize(n, 0);
+        self.stream
+            .memcpy_dtoh(&buf.slice(..n), &mut out[..])
+            .map_err(|e| anyhow::anyhow!("copying token ids from the GPU: {e:?}"))?;
+        self.check()
+    }
+
+    fn sample_rows(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        sampling: &SamplingBatch,
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if sampling.rows.len() != n {
+            bail!("{n} rows to sample, {} samplings", sampling.rows.len());
+        }
+        if n > x.rows {
+            bail!("sample_rows: {n} rows asked, tensor has {}", x.rows);
+        }
+        if sampling.rows.iter().all(|r| r.is_argmax()) {
+            return self.argmax_rows(x, n, scratch, out);
+        }
+        out.clear();
+        // The kernel's layout (kernels/sample.cu): SAMPLE_WORDS words a row, then the
+        // penalty pairs of every row.
+        const SAMPLE_WORDS: usize = 12;
+        let mut params = self.sample_params.lock().unwrap_or_else(|p| p.into_inner());
+        let (host, device) = &mut *params;
+        host.clear();
+        for r in &sampling.rows {
+            let inv_t = if r.is_greedy() {
+                0.0
+            } else {
+                1.0 / r.temperature
+            };
+            let u = r.u.to_bits();
+            host.extend_from_slice(&[
+                inv_t.to_bits(),
+                r.top_k,
+                r.top_p.to_bits(),
+                r.min_p_log().to_bits(),
+                r.repeat_penalty.to_bits(),
+                r.presence_penalty.to_bits(),
+                r.frequency_penalty.to_bits(),
+                r.penalty_start,
+                r.penalty_len,
+                u as u32,
+                (u >> 32) as u32,
+                0,
+            ]);
+        }
+        debug_assert_eq!(host.len(), n * SAMPLE_WORDS);
+        let pairs = sampling.penalties.len();
+        if sampling
+            .rows
+            .iter()
+            .any(|r| r.penalty_start as usize + r.penalty_len as usize > pairs)
+        {
+            bail!("a sampling row's penalties lie outside its batch");
+        }
+        host.extend(
+            sampling
+                .penalties
+                .iter()
+                .flat_map(|&(id, count)| [id, count]),
+        );
+        let len = host.len();
+        if device.as_ref().is_none_or(|b| b.len() < len) {
+            *device = Some(self.alloc::<u32>(len.next_power_of_two(), "sampling settings")?);
+        }
+        let Some(dev) = device.as_mut() else {
+            bail!("no sampling buffer");
+        };
+        self.stream
+            .memcpy_htod(&host[..], &mut dev.slice_mut(..len))
+            .map_err(|e| anyhow::anyhow!("copying the sampling settings to the GPU: {e:?}"))?;
+        let params_ptr = self.ptr(dev);
+        let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.as_ref().is_none_or(|b| b.len() < n) {
+            *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "sampled ids")?);
+        }
+        let Some(buf) = ids.as_ref() else {
+            bail!("no id buffer");
+        };
+        self.launch(
+            "sample_rows",
+            (n as u32, 1, 1),
+            1024,
+            &[
+                Arg::P(x.ptr),
+                Arg::P(params_ptr),
+                Arg::P(self.ptr(buf)),
+                Arg::I(x.cols as i32),
+            ],
         );
         self.check()?;
         out.resize(n, 0);

@@ -917,3 +917,125 @@ pub fn compare_argmax(
     gpu.blocks.release(&mut table);
     Ok((compared, differ))
 }
+
+/// Result of [`compare_sampling`].
+#[derive(Debug, Clone, Default)]
+pub struct SamplingReport {
+    pub rows: usize,
+    /// Rows where the device drew another token than the host, but one the host draws too
+    /// when the draw or top-p moves by 1e-6 (rounding at the edge of an interval).
+    pub edge: usize,
+    /// Rows where the device drew a token the host would not.
+    pub wrong: usize,
+    /// The first wrong row, described.
+    pub first_wrong: Option<String>,
+}
+
+impl SamplingReport {
+    /// No wrong row, and edge cases at most 1% of the rows.
+    pub fn passed(&self) -> bool {
+        self.wrong == 0 && self.edge * 100 <= self.rows
+    }
+}
+
+/// `sample_rows` on the device against the host's definition ([`kestrel_model::sampling`])
+/// on fresh random rows: vocabularies from 1 to 151,936 words, ties, NaN and ±inf logits,
+/// every filter and the penalties, in batches of 1 to 64 rows.
+pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<SamplingReport> {
+    use kestrel_model::Backend;
+    use kestrel_model::sampling::{RowSampler, RowSampling, SamplingBatch};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut report = SamplingReport::default();
+    let shapes = [
+        (5, 1),
+        (8, 7),
+        (8, 100),
+        (16, 1000),
+        (8, 5003),
+        (4, 32_000),
+        (64, 128_256),
+        (8, 151_936),
+    ];
+    let mut host = RowSampler::default();
+    for (rows, cols) in shapes {
+        let mut logits: Vec<f32> = Vec::with_capacity(rows * cols);
+        for r in 0..rows {
+            let scale = [1.0f32, 4.0, 12.0][r % 3];
+            let start = logits.len();
+            logits.extend((0..cols).map(|_| rng.random_range(-scale..scale)));
+            let row = &mut logits[start..];
+            match r % 8 {
+                1 => row.iter_mut().for_each(|l| *l = (*l * 2.0).round() / 2.0), // ties
+                2 => {
+                    for _ in 0..3 {
+                        row[rng.random_range(0..cols)] = f32::NAN;
+                        row[rng.random_range(0..cols)] = f32::NEG_INFINITY;
+                    }
+                }
+                3 if r % 16 == 3 => row[rng.random_range(0..cols)] = f32::INFINITY,
+                _ => {}
+            }
+        }
+        let mut batch = SamplingBatch::default();
+        for _ in 0..rows {
+            let penalised = rng.random_range(0..3) == 0;
+            let spec = RowSampling {
+                temperature: [0.0, 0.5, 1.0, 1.5][rng.random_range(0..4)],
+                top_k: [0, 1, 40, 1000, cols as u32][rng.random_range(0..5)],
+                top_p: [1.0, 0.95, 0.5][rng.random_range(0..3)],
+                min_p: [0.0, 0.05][rng.random_range(0..2)],
+                repeat_penalty: if penalised { 1.3 } else { 1.0 },
+                presence_penalty: if penalised { 0.5 } else { 0.0 },
+                frequency_penalty: if penalised { 0.2 } else { 0.0 },
+                u: rng.random(),
+                penalty_start: 0,
+                penalty_len: 0,
+            };
+            let window: Vec<u32> = if penalised {
+                (0..64)
+                    .map(|_| rng.random_range(0..cols as u32 + 8)) // some beyond the vocabulary
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            batch.push(spec, &window);
+        }
+        let mut want = Vec::new();
+        batch.sample_host(&logits, rows, &mut want);
+        let tensor = backend.upload_tensor(rows, cols, &logits)?;
+        let (mut got, mut scratch) = (Vec::new(), Vec::new());
+        backend.sample_rows(&tensor, rows, &batch, &mut scratch, &mut got)?;
+        anyhow::ensure!(got.len() == rows, "{} ids for {rows} rows", got.len());
+        for (r, row) in logits.chunks_exact(cols).enumerate() {
+            report.rows += 1;
+            if got[r] == want[r] {
+                continue;
+            }
+            let Some((spec, pens)) = batch.row(r) else {
+                anyhow::bail!("no sampling row {r}");
+            };
+            let nudged = [(1e-6, 0.0), (-1e-6, 0.0), (0.0, 1e-6), (0.0, -1e-6)]
+                .iter()
+                .any(|&(du, dp)| {
+                    let s = RowSampling {
+                        u: (spec.u + du).clamp(0.0, 1.0 - f64::EPSILON),
+                        top_p: spec.top_p + dp as f32,
+                        ..*spec
+                    };
+                    host.sample(row, &s, pens) == got[r]
+                });
+            if nudged {
+                report.edge += 1;
+            } else {
+                report.wrong += 1;
+                report.first_wrong.get_or_insert_with(|| {
+                    format!(
+                        "{cols} words, row {r}: device {} host {} ({spec:?})",
+                        got[r], want[r]
+                    )
+                });
+            }
+        }
+    }
+    Ok(report)
+}

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use kestrel_gguf::GgufFile;
-use kestrel_model::{Backend, Batch, Model, ModelConfig, Scratch};
+use kestrel_model::{Backend, Batch, Model, ModelConfig, SamplingBatch, Scratch};
 
 use crate::kv::BlockManager;
 use crate::sampler::{Sampler, SamplerParams};
@@ -137,6 +137,24 @@ impl<B: Backend> Engine<B> {
         self.backend.argmax_rows(
             &self.scratch.logits,
             batch.logit_rows.len(),
+            &mut self.logits,
+            ids,
+        )
+    }
+
+    /// [`Engine::step_into`], keeping only the token each logit row draws under the row of
+    /// `sampling` with its index: the backend samples the rows where they are.
+    pub fn step_sample(
+        &mut self,
+        batch: &Batch,
+        sampling: &SamplingBatch,
+        ids: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        self.forward(batch)?;
+        self.backend.sample_rows(
+            &self.scratch.logits,
+            batch.logit_rows.len(),
+            sampling,
             &mut self.logits,
             ids,
         )
@@ -323,6 +341,35 @@ impl<B: Backend> Engine<B> {
         tokens: &[u32],
         ids: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
+        self.decode(seqs, tokens, None, ids)
+    }
+
+    /// [`Self::decode_argmax`] drawing each sequence's next token under row `i` of
+    /// `sampling` instead (on the device where the backend samples there).
+    pub fn decode_sampled(
+        &mut self,
+        seqs: &mut [Sequence],
+        tokens: &[u32],
+        sampling: &SamplingBatch,
+        ids: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if sampling.rows.len() != seqs.len() {
+            bail!(
+                "{} sequences but {} samplings",
+                seqs.len(),
+                sampling.rows.len()
+            );
+        }
+        self.decode(seqs, tokens, Some(sampling), ids)
+    }
+
+    fn decode(
+        &mut self,
+        seqs: &mut [Sequence],
+        tokens: &[u32],
+        sampling: Option<&SamplingBatch>,
+        ids: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
         if seqs.len() != tokens.len() {
             bail!("{} sequences but {} tokens", seqs.len(), tokens.len());
         }
@@ -341,7 +388,10 @@ impl<B: Backend> Engine<B> {
             batch.push_part(i, &[token], seq.tokens.len(), &seq.block_table, 1);
         }
         batch.seqs.truncate(seqs.len());
-        let result = self.step_argmax(&batch, ids);
+        let result = match sampling {
+            Some(sampling) => self.step_sample(&batch, sampling, ids),
+            None => self.step_argmax(&batch, ids),
+        };
         self.batch = batch;
         result?;
         for (seq, &token) in seqs.iter_mut().zip(tokens) {
@@ -388,10 +438,11 @@ impl<B: Backend> Engine<B> {
             next_logits.clear();
             next_logits.extend_from_slice(l);
         })?;
-        // Plain greedy: after the prompt, each step returns only its argmax (no logit row
-        // comes back to the host).
+        // After the prompt, each step returns only the sampled id (no logit row comes back
+        // to the host where the backend samples on the device).
         let mut next_id = None;
         let mut ids = Vec::new();
+        let mut sampling = SamplingBatch::default();
         while out.len() < max_tokens {
             let id = match next_id.take() {
                 Some(id) => id,
@@ -407,16 +458,18 @@ impl<B: Backend> Engine<B> {
             }
             if sampler.is_argmax() {
                 self.decode_argmax(std::slice::from_mut(seq), &[id], &mut ids)?;
-                next_id = Some(
-                    *ids.first()
-                        .ok_or_else(|| anyhow::anyhow!("a decode step returned no token id"))?,
-                );
             } else {
-                self.eval(seq, &[id], false, |_, l| {
-                    next_logits.clear();
-                    next_logits.extend_from_slice(l);
-                })?;
+                // The row's penalty window includes the token this step feeds.
+                sampling.clear();
+                seq.tokens.push(id);
+                sampler.push_row(&mut sampling, &seq.tokens);
+                seq.tokens.pop();
+                self.decode_sampled(std::slice::from_mut(seq), &[id], &sampling, &mut ids)?;
             }
+            next_id = Some(
+                *ids.first()
+                    .ok_or_else(|| anyhow::anyhow!("a decode step returned no token id"))?,
+            );
         }
         Ok(out)
     }

@@ -1,16 +1,12 @@
-//! Token sampling: penalties, top-k, top-p, min-p, temperature and a seeded draw, applied in
-//! llama.cpp's default order, plus helpers for reporting log-probabilities.
-//!
-//! The filters are exact with respect to that order, but arranged so that the common case does
-//! not sort the whole vocabulary:
-//! - top-k uses a selection (`select_nth_unstable_by`) instead of a full sort;
-//! - min-p keeps tokens whose probability is at least `min_p * p_max`, which depends only on
-//!   probability *ratios*, so it selects the same tokens whether it runs before or after top-p.
-//!   Both top-p and min-p keep a prefix of the same descending order, so applying min-p first
-//!   (cheaply, by a logit threshold) and then top-p with the normaliser of the pre-min-p set gives
-//!   exactly the set llama.cpp's top-p-then-min-p gives, while sorting only the survivors.
+//! Token sampling settings and the seeded sampler of a sequence, plus helpers for reporting
+//! log-probabilities. Penalties, top-k, min-p, top-p, temperature and the draw themselves are
+//! defined once in [`kestrel_model::sampling`] (llama.cpp's order; the backends that sample
+//! on the device follow the same definition): a [`Sampler`] supplies the settings, the
+//! penalty window and the uniform draw of each row.
 
 pub use kestrel_model::argmax;
+pub use kestrel_model::sampling::Candidate;
+use kestrel_model::sampling::{RowSampler, RowSampling, SamplingBatch};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::cmp::Ordering;
@@ -105,16 +101,6 @@ impl SamplerParams {
         self.temperature.is_nan() || self.temperature <= 0.0
     }
 
-    /// A temperature draw over every one of `vocab` tokens: no penalties and no filter
-    /// that removes any.
-    fn is_plain_temperature(&self, vocab: usize) -> bool {
-        !self.is_greedy()
-            && !self.penalties_active()
-            && (self.top_k == 0 || self.top_k >= vocab)
-            && self.top_p >= 1.0
-            && self.min_p <= 0.0
-    }
-
     fn penalties_active(&self) -> bool {
         self.repeat_last_n != 0
             && (self.repeat_penalty != 1.0
@@ -123,24 +109,15 @@ impl SamplerParams {
     }
 }
 
-/// One token that survived the filters.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Candidate {
-    pub id: u32,
-    /// Logit after penalties and temperature.
-    pub logit: f32,
-    /// Probability within the surviving set (sums to 1 over it).
-    pub prob: f32,
-}
-
-/// A stateful sampler: the parameters, a seeded RNG and reusable scratch buffers.
+/// A stateful sampler: the parameters and a seeded RNG. The filters and the draw are
+/// [`kestrel_model::sampling`]'s (shared with the backends that sample on the device): a
+/// sampler turns its settings, the history and one uniform draw into a [`RowSampling`].
 pub struct Sampler {
     params: SamplerParams,
     rng: StdRng,
-    candidates: Vec<Candidate>,
-    window: Vec<u32>,
-    /// exp((logit − max) / temperature) of a plain temperature draw.
-    weights: Vec<f32>,
+    /// Scratch for sampling one row here.
+    row: RowSampler,
+    own: SamplingBatch,
 }
 
 impl Sampler {
@@ -154,9 +131,8 @@ impl Sampler {
         Sampler {
             params,
             rng,
-            candidates: Vec::new(),
-            window: Vec::new(),
-            weights: Vec::new(),
+            row: RowSampler::default(),
+            own: SamplingBatch::default(),
         }
     }
 
@@ -173,63 +149,47 @@ impl Sampler {
         if self.is_argmax() {
             return argmax(logits);
         }
-        if self.params.is_plain_temperature(logits.len()) {
-            return self.sample_plain(logits);
-        }
-        self.filter(logits, history, false);
-        if self.params.is_greedy() {
-            // `filter` leaves the candidates sorted best first (ties by lowest id).
-            return self.candidates[0].id;
-        }
-        let u: f64 = self.rng.random();
-        let mut cumulative = 0.0f64;
-        for c in &self.candidates {
-            cumulative += c.prob as f64;
-            if u < cumulative {
-                return c.id;
-            }
-        }
-        // Rounding left the cumulative sum just under u: take the last (least likely) survivor.
-        self.candidates.last().map_or(0, |c| c.id)
+        let mut own = std::mem::take(&mut self.own);
+        own.clear();
+        self.push_row(&mut own, history);
+        let id = match own.row(0) {
+            Some((spec, penalties)) => self.row.sample(logits, spec, penalties),
+            None => argmax(logits),
+        };
+        self.own = own;
+        id
     }
 
-    /// A draw from softmax(logits / temperature) over the whole row, in two passes and
-    /// without a candidate list (the server samples 64 rows of 128K words a step this way
-    /// when requests set only a temperature, OpenAI's default). NaN logits are impossible
-    /// tokens; a +inf logit is taken outright.
-    fn sample_plain(&mut self, logits: &[f32]) -> u32 {
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::INFINITY {
-            return logits.iter().position(|&l| l == f32::INFINITY).unwrap_or(0) as u32;
-        }
-        if max == f32::NEG_INFINITY {
-            return 0; // every token impossible: the lowest id, as `filter` does
-        }
-        let inv_t = 1.0 / self.params.temperature;
-        let weights = &mut self.weights;
-        weights.clear();
-        weights.extend(logits.iter().map(|&l| {
-            if l.is_nan() {
-                0.0
-            } else {
-                ((l - max) * inv_t).exp()
-            }
-        }));
-        let total: f64 = weights.iter().map(|&w| w as f64).sum();
-        let target = self.rng.random::<f64>() * total;
-        let mut cumulative = 0.0f64;
-        for (i, &w) in weights.iter().enumerate() {
-            cumulative += w as f64;
-            if target < cumulative {
-                return i as u32;
-            }
-        }
-        // Rounding left the sum just under the target: the last possible token.
-        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
+    /// Adds this sampler's next row to `batch`: its settings, the penalty window of
+    /// `history` and a fresh uniform draw (greedy rows draw nothing, so a seed gives the
+    /// same tokens wherever its rows are sampled).
+    pub fn push_row(&mut self, batch: &mut SamplingBatch, history: &[u32]) {
+        let p = &self.params;
+        let u = if p.is_greedy() {
+            0.0
+        } else {
+            self.rng.random::<f64>()
+        };
+        let window = if p.penalties_active() {
+            &history[history.len() - p.repeat_last_n.min(history.len())..]
+        } else {
+            &[]
+        };
+        batch.push(
+            RowSampling {
+                temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+                top_k: p.top_k.min(u32::MAX as usize) as u32,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                repeat_penalty: p.repeat_penalty,
+                presence_penalty: p.presence_penalty,
+                frequency_penalty: p.frequency_penalty,
+                u,
+                penalty_start: 0,
+                penalty_len: 0,
+            },
+            window,
+        );
     }
 
     /// Whether [`Sampler::sample`] is the plain [`argmax`] of the logits (greedy, no
@@ -239,185 +199,18 @@ impl Sampler {
     }
 
     /// The tokens that survive penalties and filters, best first, with their probabilities
-    /// after temperature. Greedy settings leave a single candidate.
+    /// after temperature. Greedy settings leave a single candidate. Draws nothing.
     pub fn candidates(&mut self, logits: &[f32], history: &[u32]) -> &[Candidate] {
-        if logits.is_empty() {
-            self.candidates.clear();
-        } else {
-            self.filter(logits, history, true);
+        let mut own = std::mem::take(&mut self.own);
+        own.clear();
+        let rng = self.rng.clone();
+        self.push_row(&mut own, history);
+        self.rng = rng;
+        self.own = own;
+        match self.own.row(0) {
+            Some((spec, penalties)) => self.row.candidates(logits, spec, penalties),
+            None => &[],
         }
-        &self.candidates
-    }
-
-    /// Fills `self.candidates` with the survivors, with `prob` normalised over them; sorted
-    /// by descending logit then id when `sorted` or when top-p needs the order (otherwise in
-    /// whatever order the filters left them: a draw's distribution is the same, and a full
-    /// sort of a 128K-word vocabulary cost ~10 ms a row). `logits` must not be empty.
-    fn filter(&mut self, logits: &[f32], history: &[u32], sorted: bool) {
-        let p = &self.params;
-        let cands = &mut self.candidates;
-        cands.clear();
-        // NaN logits are treated as impossible tokens.
-        let candidate = |(i, &l): (usize, &f32)| Candidate {
-            id: i as u32,
-            logit: if l.is_nan() { f32::NEG_INFINITY } else { l },
-            prob: 0.0,
-        };
-        let k = p.top_k;
-        if k > 0 && k < logits.len() && !p.penalties_active() && !p.is_greedy() {
-            // top-k while reading the row: a candidate enters only if it beats the k-th best
-            // kept so far; at 2k kept, the best k stay. No list of the whole vocabulary
-            // (1.5 MB a 128K-word row).
-            let mut kth: Option<Candidate> = None;
-            for c in logits.iter().enumerate().map(candidate) {
-                if kth.is_some_and(|t| better(&c, &t) != Ordering::Less) {
-                    continue;
-                }
-                cands.push(c);
-                if cands.len() == 2 * k {
-                    cands.select_nth_unstable_by(k - 1, better);
-                    cands.truncate(k);
-                    kth = Some(cands[k - 1]);
-                }
-            }
-        } else {
-            cands.extend(logits.iter().enumerate().map(candidate));
-        }
-
-        if p.penalties_active() {
-            apply_penalties(cands, history, p, &mut self.window);
-        }
-
-        if p.is_greedy() {
-            let best = cands.iter().copied().min_by(better).unwrap_or(Candidate {
-                id: 0,
-                logit: 0.0,
-                prob: 0.0,
-            });
-            cands.clear();
-            cands.push(Candidate { prob: 1.0, ..best });
-            return;
-        }
-
-        // top-k
-        if p.top_k > 0 && p.top_k < cands.len() {
-            cands.select_nth_unstable_by(p.top_k - 1, better);
-            cands.truncate(p.top_k);
-        }
-
-        // Normaliser of the post-top-k set: top-p is defined on these probabilities.
-        let max_logit = cands
-            .iter()
-            .map(|c| c.logit)
-            .fold(f32::NEG_INFINITY, f32::max);
-        if max_logit == f32::NEG_INFINITY {
-            // Every token is impossible (all -inf/NaN): fall back to the lowest id.
-            let first = cands.iter().map(|c| c.id).min().unwrap_or(0);
-            cands.clear();
-            cands.push(Candidate {
-                id: first,
-                logit: f32::NEG_INFINITY,
-                prob: 1.0,
-            });
-            return;
-        }
-        // The normaliser of the post-top-k set, on which top-p is defined (only it needs it).
-        let total: f64 = if p.top_p < 1.0 {
-            cands
-                .iter()
-                .map(|c| ((c.logit - max_logit) as f64).exp())
-                .sum()
-        } else {
-            1.0
-        };
-
-        // min-p, by the equivalent logit threshold (see the module docs for why it may run
-        // before top-p). Always keeps the most likely token.
-        if p.min_p > 0.0 {
-            let threshold = max_logit + p.min_p.ln();
-            cands.retain(|c| c.logit >= threshold);
-        }
-
-        // top-p: smallest prefix whose probability (in the post-top-k set) reaches top_p.
-        // Only that prefix needs sorting: the best `m` candidates are selected and sorted,
-        // `m` growing until they hold top_p of the mass.
-        if p.top_p < 1.0 {
-            let mut m = 64.min(cands.len());
-            loop {
-                if m < cands.len() {
-                    cands.select_nth_unstable_by(m - 1, better);
-                }
-                cands[..m].sort_unstable_by(better);
-                let mut cumulative = 0.0f64;
-                let reached = cands[..m].iter().position(|c| {
-                    cumulative += ((c.logit - max_logit) as f64).exp() / total;
-                    cumulative >= p.top_p as f64
-                });
-                if let Some(i) = reached {
-                    cands.truncate(i + 1);
-                    break;
-                }
-                if m == cands.len() {
-                    break; // rounding kept the sum under top_p: keep every candidate
-                }
-                m = (m * 4).min(cands.len());
-            }
-        } else if sorted {
-            cands.sort_unstable_by(better);
-        }
-
-        // temperature, then softmax over the survivors.
-        let inv_t = 1.0 / p.temperature;
-        for c in cands.iter_mut() {
-            c.logit *= inv_t;
-        }
-        let top = max_logit * inv_t;
-        let mut sum = 0.0f64;
-        for c in cands.iter_mut() {
-            let e = ((c.logit - top) as f64).exp();
-            c.prob = e as f32;
-            sum += e;
-        }
-        for c in cands.iter_mut() {
-            c.prob = (c.prob as f64 / sum) as f32;
-        }
-    }
-}
-
-/// Ordering that puts the better candidate first: higher logit, then lower id. Logits are never
-/// NaN here (replaced by -inf), and -0.0 ties with 0.0.
-fn better(a: &Candidate, b: &Candidate) -> Ordering {
-    b.logit
-        .partial_cmp(&a.logit)
-        .unwrap_or(Ordering::Equal)
-        .then(a.id.cmp(&b.id))
-}
-
-/// Repetition, presence and frequency penalties over the last `repeat_last_n` history tokens,
-/// as llama.cpp applies them. `cands` is indexed by token id (untouched so far). `window` is
-/// scratch space.
-fn apply_penalties(
-    cands: &mut [Candidate],
-    history: &[u32],
-    p: &SamplerParams,
-    window: &mut Vec<u32>,
-) {
-    let n = p.repeat_last_n.min(history.len());
-    window.clear();
-    window.extend_from_slice(&history[history.len() - n..]);
-    window.sort_unstable();
-    for run in window.chunk_by(|a, b| a == b) {
-        let id = run[0] as usize;
-        let Some(c) = cands.get_mut(id) else {
-            continue; // ids beyond the vocabulary have no logit to penalise
-        };
-        let count = run.len() as f32;
-        if c.logit <= 0.0 {
-            c.logit *= p.repeat_penalty;
-        } else {
-            c.logit /= p.repeat_penalty;
-        }
-        c.logit -= count * p.frequency_penalty + p.presence_penalty;
     }
 }
 

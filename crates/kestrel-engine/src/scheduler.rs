@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kestrel_model::{Backend, Batch};
+use kestrel_model::{Backend, Batch, SamplingBatch};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
@@ -447,6 +447,8 @@ struct Scheduler<B: Backend> {
     last_forward_us: u64,
     /// Token ids of the current step when every row is plain greedy (reused).
     argmax_ids: Vec<u32>,
+    /// The sampling rows of the step (reused).
+    sampling: SamplingBatch,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -480,6 +482,7 @@ impl<B: Backend> Scheduler<B> {
             logits: Vec::new(),
             last_forward_us: 0,
             argmax_ids: Vec::new(),
+            sampling: SamplingBatch::default(),
             prefix: PrefixCache::new(block_hash),
             tick: 0,
             disconnected: false,
@@ -741,9 +744,13 @@ impl<B: Backend> Scheduler<B> {
         plan.sort_unstable_by_key(|&(i, _)| i);
 
         let mut batch = Batch::default();
-        // Whether every sequence sampling this step takes the plain argmax: then the
-        // backend reduces the logit rows itself and returns token ids only.
+        // Whether every sequence sampling this step takes the plain argmax, and whether one
+        // needs its logit row on the host (log-probabilities). Otherwise the backend samples
+        // the rows itself (on the device for CUDA) and returns token ids only.
         let mut all_plain = true;
+        let mut rows_needed = false;
+        let mut draws = std::mem::take(&mut self.sampling);
+        draws.clear();
         for (slot, &(i, n)) in plan.iter().enumerate() {
             let seq = &self.running[i];
             let start = seq.n_cached;
@@ -758,6 +765,17 @@ impl<B: Backend> Scheduler<B> {
             );
             if samples {
                 all_plain &= seq.sampler.is_argmax() && seq.logprobs.is_none();
+                rows_needed |= seq.logprobs.is_some();
+            }
+        }
+        let sample_rows = !all_plain && !rows_needed;
+        if sample_rows {
+            // Each sampling sequence's row, in logit-row order (plan order), with its draw.
+            for &(i, n) in &plan {
+                let seq = &mut self.running[i];
+                if seq.n_cached + n == seq.tokens.len() {
+                    seq.sampler.push_row(&mut draws, &seq.tokens);
+                }
             }
         }
 
@@ -769,6 +787,8 @@ impl<B: Backend> Scheduler<B> {
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
         let result = if all_plain {
             self.engine.step_argmax(&batch, &mut argmax_ids)
+        } else if sample_rows {
+            self.engine.step_sample(&batch, &draws, &mut argmax_ids)
         } else {
             self.engine.step_into(&batch, &mut logits)
         };
@@ -790,6 +810,7 @@ impl<B: Backend> Scheduler<B> {
             Err(err) => {
                 self.logits = logits;
                 self.argmax_ids = argmax_ids;
+                self.sampling = draws;
                 let msg = format!("evaluation failed: {err:#}");
                 let mut failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
                 failed.sort_unstable();
@@ -806,9 +827,9 @@ impl<B: Backend> Scheduler<B> {
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
 
-        // The sequences sampling this step, in logit-row order. Plain greedy rows are
-        // reduced to their argmax on all cores first (a large vocabulary times dozens of
-        // rows is the bulk of the scheduler's own time otherwise).
+        // The sequences sampling this step, in logit-row order. Their tokens came from the
+        // backend unless some row's log-probabilities need the rows here; then every row is
+        // sampled here, each on its own core.
         let mut sampling = Vec::with_capacity(batch.logit_rows.len());
         for &(i, n) in &plan {
             let seq = &mut self.running[i];
@@ -817,7 +838,7 @@ impl<B: Backend> Scheduler<B> {
                 sampling.push(i);
             }
         }
-        let (rows, picks): (Vec<&[f32]>, Vec<Option<u32>>) = if all_plain {
+        let (rows, picks): (Vec<&[f32]>, Vec<Option<u32>>) = if all_plain || sample_rows {
             (
                 vec![&[][..]; sampling.len()],
                 argmax_ids.iter().map(|&id| Some(id)).collect(),
@@ -856,6 +877,7 @@ impl<B: Backend> Scheduler<B> {
         }
         drop(rows);
         self.argmax_ids = argmax_ids;
+        self.sampling = draws;
         self.logits = logits;
         let mut running = std::mem::take(&mut self.running);
         for seq in &mut running {

@@ -325,6 +325,73 @@ fn decode_argmax_matches_the_logits_argmax() {
     assert!(a.decode_argmax(&mut sa, &[1, 2], &mut ids).is_err());
 }
 
+/// `decode_sampled` (the backend samples the rows it holds) draws what each sequence's own
+/// sampler draws from its logit row read back, step after step (same seeds, penalties on).
+#[test]
+fn decode_sampled_matches_sampling_the_rows() {
+    use kestrel_engine::sampler::{Sampler, SamplerParams};
+    use kestrel_model::SamplingBatch;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let file = tiny_model(Arch::Llama, "q8_0", rng.random());
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 64,
+        max_logit_rows: 4,
+        block_size: 16,
+        max_seqs: 4,
+    };
+    let mut a = Engine::new(CpuBackend::new(Kernels::Fast), file.clone(), &opts).expect("engine");
+    let mut b = Engine::new(CpuBackend::new(Kernels::Fast), file, &opts).expect("engine");
+    let vocab = a.config().vocab_size;
+    let params = |i: u64| SamplerParams {
+        temperature: [0.0, 0.7, 1.0, 1.3][i as usize],
+        top_k: [0, 40, 5, 0][i as usize],
+        top_p: [1.0, 0.9, 1.0, 0.5][i as usize],
+        repeat_penalty: 1.2,
+        frequency_penalty: 0.1,
+        seed: Some(i * 7 + 1),
+        ..SamplerParams::default()
+    };
+    let mut samplers_a: Vec<Sampler> = (0..4).map(|i| Sampler::new(params(i))).collect();
+    let mut samplers_b: Vec<Sampler> = (0..4).map(|i| Sampler::new(params(i))).collect();
+    let prompts: Vec<Vec<u32>> = [3usize, 11, 1, 20]
+        .iter()
+        .map(|&n| random_tokens(&mut rng, n, vocab))
+        .collect();
+    let lists: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut sa = vec![Sequence::default(); 4];
+    let mut sb = vec![Sequence::default(); 4];
+    a.eval_batch(&mut sa, &lists, false, |_, _, _| {})
+        .expect("prompts");
+    b.eval_batch(&mut sb, &lists, false, |_, _, _| {})
+        .expect("prompts");
+    let (mut ids, mut sampling) = (Vec::new(), SamplingBatch::default());
+    for _ in 0..6 {
+        let step = random_tokens(&mut rng, 4, vocab);
+        let mut rows = vec![Vec::new(); 4];
+        let one: Vec<&[u32]> = step.chunks(1).collect();
+        b.eval_batch(&mut sb, &one, false, |i, _, row| rows[i] = row.to_vec())
+            .expect("logits step");
+        let want: Vec<u32> = (0..4)
+            .map(|i| samplers_b[i].sample(&rows[i], &sb[i].tokens))
+            .collect();
+        sampling.clear();
+        for ((sampler, seq), &token) in samplers_a.iter_mut().zip(&sa).zip(&step) {
+            let history: Vec<u32> = seq.tokens.iter().copied().chain([token]).collect();
+            sampler.push_row(&mut sampling, &history);
+        }
+        a.decode_sampled(&mut sa, &step, &sampling, &mut ids)
+            .expect("sampled step");
+        assert_eq!(ids, want);
+    }
+    // Bad input is an error: fewer sampling rows than sequences.
+    sampling.rows.pop();
+    assert!(
+        a.decode_sampled(&mut sa, &[1, 2, 3, 4], &sampling, &mut ids)
+            .is_err()
+    );
+}
+
 #[test]
 fn bad_batches_are_errors_not_panics() {
     let file = tiny_model(Arch::Llama, "q8_0", 1);

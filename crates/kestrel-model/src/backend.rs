@@ -8,6 +8,7 @@ use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::batch::Batch;
 use crate::config::{Activation, ModelConfig, RopeParams};
+use crate::sampling::SamplingBatch;
 use crate::weights::LayerWeights;
 
 /// Attention geometry of one layer.
@@ -165,6 +166,26 @@ pub trait Backend: Sync {
             out.extend(scratch.chunks_exact(cols).map(argmax));
         }
         Ok(())
+    }
+
+    /// The token each of the first `n` rows draws under `sampling`'s row of the same index
+    /// (the definition in [`crate::sampling`]), without reading the rows back where the
+    /// backend can sample them where they are. Default: the host samples the rows lent by
+    /// [`Self::with_rows`], on all cores.
+    fn sample_rows(
+        &self,
+        x: &Self::Tensor,
+        n: usize,
+        sampling: &SamplingBatch,
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if sampling.rows.len() != n {
+            anyhow::bail!("{n} rows to sample, {} samplings", sampling.rows.len());
+        }
+        self.with_rows(x, n, scratch, &mut |rows| {
+            sampling.sample_host(rows, n, out)
+        })
     }
 
     // ---- fused operations; the defaults compose the basic ones ----

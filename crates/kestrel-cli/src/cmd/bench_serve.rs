@@ -23,10 +23,19 @@ pub struct Args {
     /// Tokens to generate per request.
     #[arg(long, default_value_t = 128)]
     pub gen_len: usize,
-    /// Sampling temperature of every request (0: greedy; the server samples others with its
-    /// default top-k / top-p / min-p, as llama.cpp's server does).
+    /// Sampling temperature of every request (0: greedy). Without the filters below, a
+    /// draw from the whole vocabulary (OpenAI's defaults).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// top_k of every request (llama.cpp's extension of the API; its CLI default is 40).
+    #[arg(long)]
+    pub top_k: Option<u32>,
+    /// top_p of every request.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// min_p of every request (llama.cpp's extension).
+    #[arg(long)]
+    pub min_p: Option<f32>,
     #[arg(long)]
     pub api_key: Option<String>,
 }
@@ -84,7 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                                 &model,
                                 &prompt,
                                 args.gen_len,
-                                args.temperature,
+                                &args,
                             ) {
                                 Ok(sample) => out.push(sample),
                                 Err(e) => eprintln!("request failed: {e:#}"),
@@ -136,12 +145,21 @@ fn one(
     model: &str,
     prompt: &[u32],
     gen_len: usize,
-    temperature: f32,
+    args: &Args,
 ) -> anyhow::Result<Sample> {
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "model": model, "prompt": prompt, "max_tokens": gen_len,
-        "temperature": temperature, "stream": true,
+        "temperature": args.temperature, "stream": true,
     });
+    if let Some(k) = args.top_k {
+        body["top_k"] = k.into();
+    }
+    if let Some(p) = args.top_p {
+        body["top_p"] = p.into();
+    }
+    if let Some(p) = args.min_p {
+        body["min_p"] = p.into();
+    }
     let start = Instant::now();
     let mut req = agent
         .post(format!("{url}/v1/completions"))

@@ -1,0 +1,290 @@
+// Sampling on the device: kestrel_model::sampling's definition (read its module docs first),
+// one block of SAMPLE_THREADS per logit row; only the token ids go back to the host.
+//
+// No sort: every filter is a threshold on an order-preserving key of the logit plus, for
+// ties at the threshold, the last id kept in id order — top-k's and top-p's thresholds are
+// found by bisection over the key (each probe one pass over the row, which sits in L2), and
+// the draw is one ordered scan. A row's settings are SAMPLE_WORDS u32 words (packed by
+// CudaBackend::sample_rows), then every row's (token id, count) penalty pairs.
+
+#define SAMPLE_THREADS 1024
+#define SAMPLE_WORDS 12
+#define SAMPLE_NONE 0xffffffffu
+
+// Order-preserving key of a logit: NaN ranks as -inf and -0 as +0 (they tie on the host).
+__device__ __forceinline__ u32 sample_key(float l) {
+    if (l != l) l = NEG_INF;
+    if (l == 0.0f) l = 0.0f;
+    const u32 b = __float_as_uint(l);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float sample_key_value(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ double shfl_xor_f64(double v, int o) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
+    lo = __shfl_xor_sync(0xffffffffu, lo, o);
+    hi = __shfl_xor_sync(0xffffffffu, hi, o);
+    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
+    return v;
+}
+__device__ __forceinline__ double shfl_up_f64(double v, int o) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
+    lo = __shfl_up_sync(0xffffffffu, lo, o);
+    hi = __shfl_up_sync(0xffffffffu, hi, o);
+    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
+    return v;
+}
+__device__ __forceinline__ double shfl_f64(double v, int lane) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
+    lo = __shfl_sync(0xffffffffu, lo, lane);
+    hi = __shfl_sync(0xffffffffu, hi, lane);
+    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
+    return v;
+}
+__device__ __forceinline__ double warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += shfl_xor_f64(v, o);
+    return v;
+}
+
+// Sum over the whole block; every thread gets it (all threads must call).
+__device__ double block_sum_f64(double v) {
+    __shared__ double partial[32];
+    __shared__ double total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum_f64(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        double s = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0;
+        s = warp_sum_f64(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+// Σ over the row of f(i, key_i, logit_i) (NaN logits passed as -inf), summed by the block.
+template <class F>
+__device__ double row_sum(const float* row, int cols, F f) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float l = row[i];
+        if (l != l) l = NEG_INF;
+        s += f((u32)i, sample_key(l), l);
+    }
+    return block_sum_f64(s);
+}
+
+// The first index i < n at which target < Σ_{j <= i} weight(j) (weights >= 0, in index
+// order), or n when the sum never exceeds target. Each warp owns one contiguous range: the
+// warp whose range holds the crossing walks it 32 indices at a time. All threads call.
+template <class F>
+__device__ u32 find_in_order(u32 n, double target, F weight) {
+    __shared__ double warp_total[32];
+    __shared__ u32 found;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const u32 span = ((n + n_warps - 1) / n_warps + 31) & ~31u;
+    const u32 lo = min(n, warp * span), hi = min(n, lo + span);
+    double s = 0.0;
+    for (u32 i = lo + lane; i < hi; i += 32) s += weight(i);
+    s = warp_sum_f64(s);
+    if (lane == 0) warp_total[warp] = s;
+    if (threadIdx.x == 0) found = n;
+    __syncthreads();
+    double before = 0.0;
+    for (u32 w = 0; w < warp; w++) before += warp_total[w];
+    if (before <= target && target < before + s) {
+        double cumulative = before;
+        u32 last = SAMPLE_NONE;  // the last index of positive weight walked so far
+        bool hit = false;
+        for (u32 base = lo; base < hi && !hit; base += 32) {
+            const u32 i = base + lane;
+            const double w = i < hi ? weight(i) : 0.0;
+            double c = w;  // inclusive scan over the lanes
+            for (int o = 1; o < 32; o <<= 1) {
+                const double t = shfl_up_f64(c, o);
+                if ((int)lane >= o) c += t;
+            }
+            const u32 crossing = __ballot_sync(0xffffffffu, target < cumulative + c);
+            if (crossing) {
+                hit = true;
+                if (lane == (u32)(__ffs(crossing) - 1)) found = i;
+            } else {
+                const u32 positive = __ballot_sync(0xffffffffu, w > 0.0);
+                if (positive) last = base + 31 - __clz(positive);
+                cumulative += shfl_f64(c, 31);
+            }
+        }
+        // Rounding (the walk sums in another order than the range total): the range's
+        // last possible index.
+        if (!hit && lane == 0 && last != SAMPLE_NONE) found = last;
+    }
+    __syncthreads();
+    return found;
+}
+
+// The largest key t in [lo, hi] with measure(t) >= target, given measure(lo) >= target and
+// measure non-increasing.
+template <class M>
+__device__ u32 bisect_key(u32 lo, u32 hi, double target, M measure) {
+    while (lo < hi) {
+        const u32 mid = lo + (u32)(((unsigned long long)hi - lo + 1) / 2);
+        if (measure(mid) >= target) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+// x: n rows of `cols` logits (penalties are applied in place); params: SAMPLE_WORDS words a
+// row — 0 inv_temperature (0: greedy), 1 top_k (0: off), 2 top_p, 3 ln(min_p) (-inf: off),
+// 4 repeat / 5 presence / 6 frequency penalty, 7 first penalty pair, 8 pairs, 9-10 the draw
+// u (f64, low word first) — then the pairs; out: one token id a row.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_rows(float* x, const u32* params, u32* out, int cols) {
+    pdl_enter();
+    __shared__ float best_value[32];
+    __shared__ u32 best_index[32];
+    __shared__ u32 last_positive;
+    float* row = x + (size_t)blockIdx.x * cols;
+    const u32* p = params + (size_t)blockIdx.x * SAMPLE_WORDS;
+    const float inv_t = __uint_as_float(p[0]);
+    const u32 top_k = p[1];
+    const float top_p = __uint_as_float(p[2]);
+    const float min_p_log = __uint_as_float(p[3]);
+    const float repeat = __uint_as_float(p[4]), presence = __uint_as_float(p[5]),
+                frequency = __uint_as_float(p[6]);
+    const u32* pairs = params + (size_t)gridDim.x * SAMPLE_WORDS + 2 * (size_t)p[7];
+    double u;
+    asm("mov.b64 %0, {%1, %2};" : "=d"(u) : "r"(p[9]), "r"(p[10]));
+
+    // 1. Penalties (each id once per row, so no two threads touch one logit). Explicit
+    // roundings: the host computes these without fused multiply-adds.
+    for (u32 j = threadIdx.x; j < p[8]; j += blockDim.x) {
+        const u32 id = pairs[2 * j], count = pairs[2 * j + 1];
+        if (id < (u32)cols) {
+            float l = row[id];
+            l = l <= 0.0f ? __fmul_rn(l, repeat) : __fdiv_rn(l, repeat);
+            row[id] = __fsub_rn(l, __fadd_rn(__fmul_rn((float)count, frequency), presence));
+        }
+    }
+    __syncthreads();
+
+    // 2. The largest logit and its first index (NaN never wins): greedy rows, and rows
+    // whose largest logit is ±inf, take that index.
+    float v = NEG_INF;
+    u32 idx = SAMPLE_NONE;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float y = row[j];
+        if (y == y && (idx == SAMPLE_NONE || y > v)) {
+            v = y;
+            idx = (u32)j;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const u32 oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        argmax_merge(v, idx, ov, oi);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        best_value[warp] = v;
+        best_index[warp] = idx;
+    }
+    __syncthreads();
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, idx, best_value[w], best_index[w]);
+    const float m = v;
+    if (inv_t == 0.0f || !(m > NEG_INF && m < -NEG_INF)) {
+        if (threadIdx.x == 0) out[blockIdx.x] = idx == SAMPLE_NONE ? 0u : idx;
+        return;
+    }
+    const u32 top_key = sample_key(m);
+
+    // 3. top-k: A(i) = key > a_key, or key == a_key and i <= a_cut.
+    u32 a_key = 0, a_cut = SAMPLE_NONE;
+    if (top_k > 0 && top_k < (u32)cols) {
+        a_key = bisect_key(0, top_key, (double)top_k, [&](u32 t) {
+            return row_sum(row, cols, [&](u32, u32 k, float) { return k >= t ? 1.0 : 0.0; });
+        });
+        const double above = row_sum(row, cols, [&](u32, u32 k, float) { return k > a_key ? 1.0 : 0.0; });
+        const double ties = row_sum(row, cols, [&](u32, u32 k, float) { return k == a_key ? 1.0 : 0.0; });
+        const double need = (double)top_k - above;
+        if (need < ties) {
+            a_cut = find_in_order((u32)cols, need - 0.5, [&](u32 i) {
+                return sample_key(row[i]) == a_key ? 1.0 : 0.0;
+            });
+        }
+    }
+    auto in_a = [&](u32 i, u32 k) { return k > a_key || (k == a_key && i <= a_cut); };
+
+    // 4. min-p: B(i) = l >= m + ln(min_p).
+    const float floor = __fadd_rn(m, min_p_log);
+
+    // 5. top-p over A and B: C(i) = key > c_key, or key == c_key and i <= c_cut.
+    u32 c_key = 0, c_cut = SAMPLE_NONE;
+    if (top_p < 1.0f) {
+        auto mass = [&](float l) { return (double)expf(__fsub_rn(l, m)); };
+        const double total = row_sum(row, cols, [&](u32 i, u32 k, float l) {
+            return in_a(i, k) ? mass(l) : 0.0;
+        });
+        const double target = (double)top_p * total;
+        auto kept_from = [&](u32 t) {
+            return row_sum(row, cols, [&](u32 i, u32 k, float l) {
+                return k >= t && in_a(i, k) && l >= floor ? mass(l) : 0.0;
+            });
+        };
+        // The mass of A and B may stay under the target (min-p removed it, or rounding):
+        // then top-p keeps all of them.
+        if (kept_from(0) >= target) {
+            c_key = bisect_key(0, top_key, target, kept_from);
+            const double above = c_key < 0xffffffffu ? kept_from(c_key + 1) : 0.0;
+            const double ties = row_sum(row, cols, [&](u32 i, u32 k, float l) {
+                return k == c_key && in_a(i, k) && l >= floor ? 1.0 : 0.0;
+            });
+            const double each = mass(sample_key_value(c_key));
+            const double need = fmax(1.0, ceil((target - above) / each));
+            if (need < ties) {
+                c_cut = find_in_order((u32)cols, need - 0.5, [&](u32 i) {
+                    float l = row[i];
+                    if (l != l) l = NEG_INF;
+                    const u32 k = sample_key(l);
+                    return k == c_key && in_a(i, k) && l >= floor ? 1.0 : 0.0;
+                });
+            }
+        }
+    }
+
+    // 6. The draw, in id order, over the survivors of A, B and C.
+    auto weight = [&](u32 i) {
+        float l = row[i];
+        if (l != l) l = NEG_INF;
+        const u32 k = sample_key(l);
+        const bool kept = in_a(i, k) && l >= floor && (k > c_key || (k == c_key && i <= c_cut));
+        return kept ? (double)expf(__fmul_rn(__fsub_rn(l, m), inv_t)) : 0.0;
+    };
+    double total = 0.0;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) total += weight((u32)i);
+    total = block_sum_f64(total);
+    const u32 id = find_in_order((u32)cols, u * total, weight);
+    if (id < (u32)cols) {
+        if (threadIdx.x == 0) out[blockIdx.x] = id;
+        return;
+    }
+    // Rounding left the sum just under the target: the last possible token.
+    if (threadIdx.x == 0) last_positive = 0;
+    __syncthreads();
+    u32 last = 0;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        if (weight((u32)i) > 0.0) last = (u32)i;
+    }
+    atomicMax(&last_positive, last);
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = last_positive;
+}
