@@ -156,14 +156,14 @@ seqs-ab)
     done
     ;;
 sampled)
-    # The server at 64 clients: greedy, temperature 1 alone (OpenAI's default) and
-    # llama.cpp's CLI defaults (t 0.8, top-k 40, top-p 0.95, min-p 0.05); each binary of
+    # The server at 64 clients: greedy, temperature 1 alone (OpenAI's default), with top-p
+    # 0.95, and llama.cpp's CLI defaults (t 0.8, top-k 40, top-p 0.95, min-p 0.05); each binary of
     # ${BINS:-.gpu/kestrel} in turn (A/B in one call), with the decode steps' mean time.
     gpu_env
     model=$(llama3_8b)
     for bin in ${BINS:-.gpu/kestrel}; do
-        for sampling in "--temperature 0" "--temperature 1" \
-            "--temperature 0.8 --top-k 40 --top-p 0.95 --min-p 0.05"; do
+        for sampling in ${SAMPLINGS:-"--temperature 0" "--temperature 1" "--temperature 1 --top-p 0.95" \
+            "--temperature 0.8 --top-k 40 --top-p 0.95 --min-p 0.05"}; do
             echo "== $bin $sampling"
             BIN=$bin serve_start 8097 /tmp/serve-sampled.log KESTREL_STEP_LOG=1
             .gpu/kestrel bench-serve --url http://127.0.0.1:8097 --concurrency 64 --requests 64 \

@@ -2,14 +2,18 @@
 // one block of SAMPLE_THREADS per logit row; only the token ids go back to the host.
 //
 // No sort: every filter is a threshold on an order-preserving key of the logit plus, for
-// ties at the threshold, the last id kept in id order — top-k's and top-p's thresholds are
-// found by bisection over the key (each probe one pass over the row, which sits in L2), and
-// the draw is one ordered scan. A row's settings are SAMPLE_WORDS u32 words (packed by
-// CudaBackend::sample_rows), then every row's (token id, count) penalty pairs.
+// ties at the threshold, the last id kept in id order. top-k's threshold is a radix select
+// (12-, 12- and 8-bit digits: three passes over the row, which sits in L2); top-p's is a
+// bisection over the key, over the top-k survivors gathered in shared memory when there are
+// at most SAMPLE_GATHER of them, else over the row; the draw is one ordered scan. A row's
+// settings are SAMPLE_WORDS u32 words (packed by CudaBackend::sample_rows), then every
+// row's (token id, count) penalty pairs.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WORDS 12
 #define SAMPLE_NONE 0xffffffffu
+// Most top-k survivors top-p works on in shared memory.
+#define SAMPLE_GATHER 2048
 
 // Order-preserving key of a logit: NaN ranks as -inf and -0 as +0 (they tie on the host).
 __device__ __forceinline__ u32 sample_key(float l) {
@@ -68,16 +72,111 @@ __device__ double block_sum_f64(double v) {
     return total;
 }
 
+// NaN logits are impossible tokens: ranked and weighted as -inf.
+__device__ __forceinline__ float sample_clean(float l) { return l != l ? NEG_INF : l; }
+
+// Calls f(i, logit_i) for every logit of the row, the block's threads striding over it with
+// 16-byte loads, four in flight a thread: one 4-byte load at a time left a pass over a
+// 128K-word row (in L2) latency-bound at ~50 us.
+template <class F>
+__device__ __forceinline__ void for_each_logit(const float* row, int cols, F f) {
+    if ((cols & 3) != 0) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) f(i, row[i]);
+        return;
+    }
+    const float4* r4 = (const float4*)row;
+    const int n4 = cols >> 2, step = blockDim.x;
+    int j = threadIdx.x;
+    for (; j + 3 * step < n4; j += 4 * step) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) v[u] = r4[j + u * step];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = 4 * (j + u * step);
+            f(i, v[u].x);
+            f(i + 1, v[u].y);
+            f(i + 2, v[u].z);
+            f(i + 3, v[u].w);
+        }
+    }
+    for (; j < n4; j += step) {
+        const float4 v = r4[j];
+        f(4 * j, v.x);
+        f(4 * j + 1, v.y);
+        f(4 * j + 2, v.z);
+        f(4 * j + 3, v.w);
+    }
+}
+
 // Σ over the row of f(i, key_i, logit_i) (NaN logits passed as -inf), summed by the block.
 template <class F>
 __device__ double row_sum(const float* row, int cols, F f) {
     double s = 0.0;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float l = row[i];
-        if (l != l) l = NEG_INF;
+    for_each_logit(row, cols, [&](int i, float l) {
+        l = sample_clean(l);
         s += f((u32)i, sample_key(l), l);
-    }
+    });
     return block_sum_f64(s);
+}
+
+// The key of the k-th largest logit (1 <= k <= cols; NaN as -inf), digit by digit from the
+// top (12, 12, then 8 bits): each pass counts, per digit, the keys that share the digits
+// found so far. `above` gets the number of keys above it, `ties` the number equal to it.
+__device__ u32 radix_kth(const float* row, int cols, u32 k, u32& above, u32& ties) {
+    __shared__ u32 hist[4096];
+    __shared__ u32 found[3];  // digit, count above it within the prefix, its count
+    const int lane = threadIdx.x & 31;
+    u32 prefix = 0, acc = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
+        const int bits = pass == 2 ? 8 : 12;
+        const u32 bins = 1u << bits, top = (u32)(shift + bits);
+        for (u32 b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for_each_logit(row, cols, [&](int, float l) {
+            const u32 key = sample_key(sample_clean(l));
+            if (top == 32 || (key >> top) == (prefix >> top)) {
+                // One atomic per distinct digit of the warp: logits crowd into few digits.
+                const u32 d = (key >> shift) & (bins - 1);
+                const u32 same = __match_any_sync(__activemask(), d);
+                if (lane == __ffs(same) - 1) atomicAdd(&hist[d], (u32)__popc(same));
+            }
+        });
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l sums bins [l·per, (l+1)·per); the highest lane whose suffix reaches
+            // `need` holds the digit, found by walking its bins down.
+            const u32 per = bins >> 5, need = k - acc;
+            u32 s = 0;
+            for (u32 b = lane * per; b < (lane + 1) * per; b++) s += hist[b];
+            u32 c = s;
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 t = __shfl_down_sync(0xffffffffu, c, o);
+                if (lane + o < 32) c += t;
+            }
+            const u32 reach = __ballot_sync(0xffffffffu, c >= need);
+            if (lane == 31 - __clz(reach)) {
+                u32 run = c - s;
+                for (u32 b = (lane + 1) * per; b-- > lane * per;) {
+                    if (run + hist[b] >= need) {
+                        found[0] = b;
+                        found[1] = run;
+                        found[2] = hist[b];
+                        break;
+                    }
+                    run += hist[b];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= found[0] << shift;
+        acc += found[1];
+        ties = found[2];
+        __syncthreads();
+    }
+    above = acc;
+    return prefix;
 }
 
 // The first index i < n at which target < Σ_{j <= i} weight(j) (weights >= 0, in index
@@ -91,6 +190,7 @@ __device__ u32 find_in_order(u32 n, double target, F weight) {
     const u32 span = ((n + n_warps - 1) / n_warps + 31) & ~31u;
     const u32 lo = min(n, warp * span), hi = min(n, lo + span);
     double s = 0.0;
+#pragma unroll 8
     for (u32 i = lo + lane; i < hi; i += 32) s += weight(i);
     s = warp_sum_f64(s);
     if (lane == 0) warp_total[warp] = s;
@@ -181,13 +281,13 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     // whose largest logit is ±inf, take that index.
     float v = NEG_INF;
     u32 idx = SAMPLE_NONE;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        const float y = row[j];
-        if (y == y && (idx == SAMPLE_NONE || y > v)) {
+    for_each_logit(row, cols, [&](int j, float y) {
+        // Each thread sees its indices in increasing order: an equal later value never wins.
+        if (y == y && (idx == SAMPLE_NONE || y > v || (y == v && (u32)j < idx))) {
             v = y;
             idx = (u32)j;
         }
-    }
+    });
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, v, o);
         const u32 oi = __shfl_xor_sync(0xffffffffu, idx, o);
@@ -209,16 +309,14 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
 
     // 3. top-k: A(i) = key > a_key, or key == a_key and i <= a_cut.
     u32 a_key = 0, a_cut = SAMPLE_NONE;
-    if (top_k > 0 && top_k < (u32)cols) {
-        a_key = bisect_key(0, top_key, (double)top_k, [&](u32 t) {
-            return row_sum(row, cols, [&](u32, u32 k, float) { return k >= t ? 1.0 : 0.0; });
-        });
-        const double above = row_sum(row, cols, [&](u32, u32 k, float) { return k > a_key ? 1.0 : 0.0; });
-        const double ties = row_sum(row, cols, [&](u32, u32 k, float) { return k == a_key ? 1.0 : 0.0; });
-        const double need = (double)top_k - above;
+    const bool top_k_on = top_k > 0 && top_k < (u32)cols;
+    if (top_k_on) {
+        u32 above, ties;
+        a_key = radix_kth(row, cols, top_k, above, ties);
+        const u32 need = top_k - above;
         if (need < ties) {
             a_cut = find_in_order((u32)cols, need - 0.5, [&](u32 i) {
-                return sample_key(row[i]) == a_key ? 1.0 : 0.0;
+                return sample_key(sample_clean(row[i])) == a_key ? 1.0 : 0.0;
             });
         }
     }
@@ -231,29 +329,62 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     u32 c_key = 0, c_cut = SAMPLE_NONE;
     if (top_p < 1.0f) {
         auto mass = [&](float l) { return (double)expf(__fsub_rn(l, m)); };
-        const double total = row_sum(row, cols, [&](u32 i, u32 k, float l) {
-            return in_a(i, k) ? mass(l) : 0.0;
-        });
-        const double target = (double)top_p * total;
-        auto kept_from = [&](u32 t) {
+        // With top-k on and small, its survivors that pass min-p are gathered into shared
+        // memory (in no order) while A's mass is summed: the bisection then reads only them.
+        __shared__ float gathered[SAMPLE_GATHER];
+        __shared__ u32 n_gathered;
+        const bool gather = top_k_on && top_k <= SAMPLE_GATHER;
+        double total;
+        if (gather) {
+            if (threadIdx.x == 0) n_gathered = 0;
+            __syncthreads();
+            double s = 0.0;
+            for_each_logit(row, cols, [&](int i, float l) {
+                l = sample_clean(l);
+                if (in_a((u32)i, sample_key(l))) {
+                    s += mass(l);
+                    if (l >= floor) {
+                        const u32 slot = atomicAdd(&n_gathered, 1u);
+                        if (slot < SAMPLE_GATHER) gathered[slot] = l;
+                    }
+                }
+            });
+            total = block_sum_f64(s);  // its barriers also publish `gathered`
+        } else {
+            total = row_sum(row, cols, [&](u32 i, u32 k, float l) {
+                return in_a(i, k) ? mass(l) : 0.0;
+            });
+        }
+        const u32 n_g = gather ? min(n_gathered, (u32)SAMPLE_GATHER) : 0;
+        // Σ over the survivors of A and B with key >= t of f(key, logit).
+        auto over_kept = [&](auto f) {
+            if (gather) {
+                double s = 0.0;
+                for (u32 j = threadIdx.x; j < n_g; j += blockDim.x) {
+                    const float l = gathered[j];
+                    s += f(sample_key(l), l);
+                }
+                return block_sum_f64(s);
+            }
             return row_sum(row, cols, [&](u32 i, u32 k, float l) {
-                return k >= t && in_a(i, k) && l >= floor ? mass(l) : 0.0;
+                return in_a(i, k) && l >= floor ? f(k, l) : 0.0;
             });
         };
+        auto kept_from = [&](u32 t) {
+            return over_kept([&](u32 k, float l) { return k >= t ? mass(l) : 0.0; });
+        };
+        const double target = (double)top_p * total;
         // The mass of A and B may stay under the target (min-p removed it, or rounding):
         // then top-p keeps all of them.
         if (kept_from(0) >= target) {
             c_key = bisect_key(0, top_key, target, kept_from);
             const double above = c_key < 0xffffffffu ? kept_from(c_key + 1) : 0.0;
-            const double ties = row_sum(row, cols, [&](u32 i, u32 k, float l) {
-                return k == c_key && in_a(i, k) && l >= floor ? 1.0 : 0.0;
-            });
+            const double ties = over_kept([&](u32 k, float) { return k == c_key ? 1.0 : 0.0; });
             const double each = mass(sample_key_value(c_key));
             const double need = fmax(1.0, ceil((target - above) / each));
             if (need < ties) {
                 c_cut = find_in_order((u32)cols, need - 0.5, [&](u32 i) {
-                    float l = row[i];
-                    if (l != l) l = NEG_INF;
+                    const float l = sample_clean(row[i]);
                     const u32 k = sample_key(l);
                     return k == c_key && in_a(i, k) && l >= floor ? 1.0 : 0.0;
                 });
@@ -262,17 +393,16 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     }
 
     // 6. The draw, in id order, over the survivors of A, B and C.
-    auto weight = [&](u32 i) {
-        float l = row[i];
-        if (l != l) l = NEG_INF;
+    auto weight = [&](u32 i, float l) {
+        l = sample_clean(l);
         const u32 k = sample_key(l);
         const bool kept = in_a(i, k) && l >= floor && (k > c_key || (k == c_key && i <= c_cut));
         return kept ? (double)expf(__fmul_rn(__fsub_rn(l, m), inv_t)) : 0.0;
     };
     double total = 0.0;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) total += weight((u32)i);
+    for_each_logit(row, cols, [&](int i, float l) { total += weight((u32)i, l); });
     total = block_sum_f64(total);
-    const u32 id = find_in_order((u32)cols, u * total, weight);
+    const u32 id = find_in_order((u32)cols, u * total, [&](u32 i) { return weight(i, row[i]); });
     if (id < (u32)cols) {
         if (threadIdx.x == 0) out[blockIdx.x] = id;
         return;
@@ -281,9 +411,9 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     if (threadIdx.x == 0) last_positive = 0;
     __syncthreads();
     u32 last = 0;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        if (weight((u32)i) > 0.0) last = (u32)i;
-    }
+    for_each_logit(row, cols, [&](int i, float l) {
+        if (weight((u32)i, l) > 0.0) last = max(last, (u32)i);
+    });
     atomicMax(&last_positive, last);
     __syncthreads();
     if (threadIdx.x == 0) out[blockIdx.x] = last_positive;
