@@ -1281,6 +1281,48 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16
     }
 }
 
+// rope_store_kv reading the merged Q/K/V product m (rows of (n_head + 2 n_head_kv) ·
+// head_dim values) instead of split q, k and v: each block copies its head out of m (plus
+// its bias; null: none) into q or k, then rotates it; key blocks store the value straight
+// from m. What split_qkv and rope_store_kv did in two launches and two passes.
+extern "C" __global__ void rope_store_kv_split(const float* m, const float* bq, const float* bk,
+                                               const float* bv, float* q, float* k, u16* kc,
+                                               u16* vc, const u32* positions, const u32* seq_of,
+                                               const u32* table_off, const u32* tables,
+                                               int block_size, int n_head, int n_head_kv,
+                                               ROPE_PARAMS) {
+    pdl_enter();
+    const int i = blockIdx.x, h = blockIdx.y;
+    const float pos = (float)positions[i];
+    const int q_dim = n_head * head_dim, kv_dim = n_head_kv * head_dim;
+    const float* mr = m + (size_t)i * (q_dim + 2 * kv_dim);
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    rope_angles(pos, ROPE_ANGLE_ARGS, cs, sn);
+    if (h < n_head) {
+        float* qr = q + (size_t)i * q_dim + (size_t)h * head_dim;
+        const int c0 = h * head_dim;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+            qr[d] = mr[c0 + d] + (bq ? bq[c0 + d] : 0.0f);
+        __syncthreads();  // the angles and the copied head, for every thread
+        rope_apply(qr, 1, head_dim, n_rot, neox, cs, sn);
+        return;
+    }
+    const int off = (h - n_head) * head_dim;
+    float* kr = k + (size_t)i * kv_dim + off;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+        kr[d] = mr[q_dim + off + d] + (bk ? bk[off + d] : 0.0f);
+    __syncthreads();
+    rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
+    __syncthreads();  // the roped key (global memory) is visible to the whole block
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
+    const float* vr = mr + q_dim + kv_dim + off;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        kc[slot + d] = f2h(kr[d]);
+        vc[slot + d] = f2h(vr[d] + (bv ? bv[off + d] : 0.0f));
+    }
+}
+
 // out[r] = the index of the largest value of row r (lowest index among ties; NaN never
 // wins; 0 when the whole row is NaN): greedy sampling without reading logits back.
 // One block of ARGMAX_THREADS per row.

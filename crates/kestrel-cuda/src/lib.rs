@@ -169,6 +169,16 @@ fn tiled_split_attention(p: &AttnParams) -> bool {
         && matches!(p.head_dim, 64 | 128)
 }
 
+/// A merged Q/K/V product (`qkv` through cuBLAS) whose split into q, k and v waits for the
+/// next launch: `rope_store_kv` reads its heads straight from the product
+/// (`rope_store_kv_split`); any other launch, or the end of the step, splits it first.
+struct PendingSplit {
+    /// `split_qkv`'s arguments: the product, q, k, v, the three biases (0: none), the
+    /// widths of q and k, the values.
+    args: [Arg; 10],
+    n: usize,
+}
+
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
 enum Arg {
@@ -529,6 +539,8 @@ pub struct CudaBackend {
     /// products reading it next ([`Self::x_to_f16`] then converts nothing; any other
     /// launch clears it).
     f16_holds: Mutex<Option<(u64, usize, u64)>>,
+    /// A merged Q/K/V product not yet split into q, k and v (see [`PendingSplit`]).
+    pending_split: Mutex<Option<PendingSplit>>,
     /// The activation tensor, its token count and padded rows whose quantization for the
     /// int8 kernels the Q8 buffers hold, and whether in `mmk_t8*`'s layout (set by
     /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
@@ -884,6 +896,7 @@ impl CudaBackend {
             ),
             q8_holds: Mutex::new(None),
             f16_holds: Mutex::new(None),
+            pending_split: Mutex::new(None),
             mmq_holds: Mutex::new(None),
             mmk_max_waves: std::env::var("KESTREL_CUDA_MMK_MAX_WAVES")
                 .ok()
@@ -1197,6 +1210,7 @@ impl CudaBackend {
     /// Waits for the queued work; returns the first error of any operation since the last
     /// check.
     pub fn check(&self) -> anyhow::Result<()> {
+        self.split_pending();
         self.flush();
         // A step ends here: the next one quantizes its activations afresh.
         *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
@@ -1261,6 +1275,9 @@ impl CudaBackend {
         });
         if skip.iter().any(|s| s == name) {
             return;
+        }
+        if name != "rope_store_kv_split" {
+            self.split_pending();
         }
         // Only the GEMVs that read them keep the quantized activations valid.
         if !matches!(
@@ -2773,6 +2790,21 @@ impl CudaBackend {
         Ok(f(&values[..len]))
     }
 
+    /// Launches the split of a pending merged Q/K/V product, if any.
+    fn split_pending(&self) {
+        let pending = self
+            .pending_split
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(p) = pending {
+            let Arg::L(len) = p.args[9] else {
+                return;
+            };
+            self.elementwise("split_qkv", len as usize, &p.args);
+        }
+    }
+
     fn elementwise(&self, name: &'static str, len: usize, args: &[Arg]) {
         self.launch(name, grid_1d(len, 256), 256, args);
     }
@@ -3600,10 +3632,11 @@ impl kestrel_model::Backend for CudaBackend {
                 return;
             };
             self.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
-            self.elementwise(
-                "split_qkv",
-                n * rows,
-                &[
+            // The split waits for rope_store_kv, which does it on the way (one launch and
+            // one pass over the outputs fewer; see PendingSplit).
+            self.split_pending();
+            *self.pending_split.lock().unwrap_or_else(|p| p.into_inner()) = Some(PendingSplit {
+                args: [
                     Arg::P(merged),
                     Arg::P(q.ptr),
                     Arg::P(k.ptr),
@@ -3615,7 +3648,8 @@ impl kestrel_model::Backend for CudaBackend {
                     Arg::I(k.cols as i32),
                     Arg::L((n * rows) as i64),
                 ],
-            );
+                n,
+            });
             return;
         }
         // Through cuBLAS: x converted to f16 once for the three products.
@@ -3700,6 +3734,50 @@ impl kestrel_model::Backend for CudaBackend {
         let Some(rope_args) = self.rope_args(head_dim, rope) else {
             return;
         };
+        let heads = q.cols / head_dim + k.cols / head_dim;
+        let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
+        let tail = [
+            &step.slot_args()[..],
+            &[
+                Arg::I(cache.block_size as i32),
+                Arg::I((q.cols / head_dim) as i32),
+                Arg::I((k.cols / head_dim) as i32),
+            ],
+            &rope_args,
+        ]
+        .concat();
+        // The merged product of these q, k and v, unsplit: split on the way.
+        let pending = {
+            let mut slot = self.pending_split.lock().unwrap_or_else(|p| p.into_inner());
+            let ours = slot.as_ref().is_some_and(|p| {
+                p.n == n
+                    && p.args[1] == Arg::P(q.ptr)
+                    && p.args[2] == Arg::P(k.ptr)
+                    && p.args[3] == Arg::P(v.ptr)
+            });
+            if ours { slot.take() } else { None }
+        };
+        if let Some(p) = pending {
+            let [m, _, _, _, bq, bk, bv, ..] = p.args;
+            let head = [
+                m,
+                bq,
+                bk,
+                bv,
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(cache.k_ptr[layer]),
+                Arg::P(cache.v_ptr[layer]),
+            ];
+            let args = [&head[..], &tail].concat();
+            self.launch(
+                "rope_store_kv_split",
+                (n as u32, heads as u32, 1),
+                threads,
+                &args,
+            );
+            return;
+        }
         let args = [
             &[
                 Arg::P(q.ptr),
@@ -3718,8 +3796,6 @@ impl kestrel_model::Backend for CudaBackend {
         ]
         .concat();
         // One block per (token, query or key head); a thread per rotated pair.
-        let heads = q.cols / head_dim + k.cols / head_dim;
-        let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
         self.launch("rope_store_kv", (n as u32, heads as u32, 1), threads, &args);
     }
 }
