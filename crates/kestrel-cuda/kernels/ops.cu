@@ -49,6 +49,21 @@ extern "C" __global__ void gated_act_f16(float* gate, const float* up, int len, 
     h[i] = f2h(v);
 }
 
+// gated_act over the merged gate/up product m (rows of 2·ff: gate's, then up's): gate = the
+// result (len = n·ff values), and its f16 copy to h for the cuBLAS product that reads it
+// next (null: none).
+extern "C" __global__ void gated_act_merged(const float* m, int ff, int len, int act,
+                                           float* gate, u16* h) {
+    pdl_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const int t = i / ff, c = i - t * ff;
+    const float* row = m + (size_t)t * 2 * ff;
+    const float v = gated_value(row[c], row[ff + c], act);
+    gate[i] = v;
+    if (h) h[i] = f2h(v);
+}
+
 // Splits the merged Q/K/V product (rows of qd + 2·kd values) into q, k and v (rows of qd,
 // kd, kd), adding their biases (null: none). One thread a value.
 extern "C" __global__ void split_qkv(const float* m, float* q, float* k, float* v,

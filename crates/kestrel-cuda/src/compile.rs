@@ -77,6 +77,7 @@ pub const KERNELS: &[&str] = &[
     "gated_act",
     "gated_act_f16",
     "split_qkv",
+    "gated_act_merged",
     "rms_norm",
     "rms_norm_f16",
     "rms_norm_q8",

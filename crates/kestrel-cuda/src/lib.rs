@@ -408,14 +408,27 @@ const Q6K_GPU_BLOCK_BYTES: usize = 224;
 
 /// `data` (whole blocks of `from` bytes) with each block followed by zeros up to `to` bytes.
 /// The tensors whose f16 copies a leader's copy holds behind its own rows, in order: K and V
-/// behind Q, so one cuBLAS product computes all three (`CudaBackend::qkv`).
+/// behind Q, so one cuBLAS product computes all three (`CudaBackend::qkv`), and up behind
+/// gate.
 fn merged_followers(leader: &str) -> Vec<String> {
-    match leader.strip_suffix("attn_q.weight") {
-        Some(prefix) => vec![
+    if let Some(prefix) = leader.strip_suffix("attn_q.weight") {
+        return vec![
             format!("{prefix}attn_k.weight"),
             format!("{prefix}attn_v.weight"),
-        ],
+        ];
+    }
+    // Up behind gate: one product for both (`CudaBackend::gate_up_of`).
+    match leader.strip_suffix("ffn_gate.weight") {
+        Some(prefix) => vec![format!("{prefix}ffn_up.weight")],
         None => Vec::new(),
+    }
+}
+
+/// The kernels' code of an activation (`gated_value` in kernels/ops.cu).
+fn activation_id(act: Activation) -> i32 {
+    match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
     }
 }
 
@@ -638,6 +651,8 @@ struct GemmScratch {
     x: Option<CudaSlice<u16>>,
     /// The merged Q/K/V product's f32 output (two u16 a value), split by `split_qkv`.
     qkv: Option<CudaSlice<u16>>,
+    /// The merged gate/up product's f32 output (two u16 a value).
+    gate_up: Option<CudaSlice<u16>>,
 }
 
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
@@ -2698,10 +2713,90 @@ impl CudaBackend {
                 }
                 _ => false,
             };
-        if !fused {
-            self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
-            kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+        if fused {
+            return;
         }
+        // Through cuBLAS with gate's merged f16 copy (up's rows behind gate's): one product,
+        // the activation reading both halves of each row; steps of more than
+        // MERGED_QKV_MAX_TOKENS (whose f32 product would be large) take the halves as two.
+        if self.prefer_gemm(gate_w, n)
+            && let Some((a, rows)) = self.merged_gate_up(gate_w, up_w, x.cols, gate, up)
+            && let Some(xh) = self.x_to_f16(x, n)
+        {
+            let merged = if n <= MERGED_QKV_MAX_TOKENS {
+                self.scratch_ptr(|s| &mut s.gate_up, 2 * n * rows)
+            } else {
+                None
+            };
+            let Some(merged) = merged else {
+                let half = rows / 2;
+                let up_at = a + (half * x.cols * 2) as u64;
+                self.gemm_f16_raw(a, half, x.cols, xh, n, gate.ptr, half, false);
+                self.gemm_f16_raw(up_at, half, x.cols, xh, n, up.ptr, half, false);
+                kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+                return;
+            };
+            self.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
+            let len = n * gate.cols;
+            let h = self.f16_copy_for_gemm(n, gate.cols);
+            self.elementwise(
+                "gated_act_merged",
+                len,
+                &[
+                    Arg::P(merged),
+                    Arg::I(gate.cols as i32),
+                    Arg::I(len as i32),
+                    Arg::I(activation_id(act)),
+                    Arg::P(gate.ptr),
+                    Arg::P(h.unwrap_or(0)),
+                ],
+            );
+            if let Some(h) = h {
+                // The down projection's input, as gated_act_f16 leaves it.
+                *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
+            }
+            return;
+        }
+        self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+        kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+    }
+
+    /// Gate's merged f16 copy (its address and rows: gate's, then up's) when it has one
+    /// and gate and up fit it; None otherwise.
+    fn merged_gate_up(
+        &self,
+        gate_w: &CudaWeight,
+        up_w: &CudaWeight,
+        cols: usize,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+    ) -> Option<(u64, usize)> {
+        let CudaWeight::Matrix {
+            f16: Some(copy),
+            rows: rg,
+            cols: cg,
+            ..
+        } = gate_w
+        else {
+            return None;
+        };
+        // Merged: up keeps no copy of its own.
+        let CudaWeight::Matrix {
+            f16: None,
+            rows: ru,
+            cols: cu,
+            ..
+        } = up_w
+        else {
+            return None;
+        };
+        let rows = rg + ru;
+        (*cg == cols
+            && *cu == cols
+            && rg == ru
+            && copy.len() == rows * cols
+            && (gate.cols, up.cols) == (*rg, *ru))
+            .then(|| (self.ptr(copy), rows))
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -3375,15 +3470,11 @@ impl kestrel_model::Backend for CudaBackend {
 
     fn gated_activation(&self, gate: &mut CudaTensor, up: &CudaTensor, act: Activation, n: usize) {
         let len = n * gate.cols;
-        let act = match act {
-            Activation::Silu => 0,
-            Activation::GeluTanh => 1,
-        };
         let mut args = vec![
             Arg::P(gate.ptr),
             Arg::P(up.ptr),
             Arg::I(len as i32),
-            Arg::I(act),
+            Arg::I(activation_id(act)),
         ];
         // The down projection's input for cuBLAS: its f16 copy on the way out.
         if let Some(h) = self.f16_copy_for_gemm(n, gate.cols) {
