@@ -552,8 +552,10 @@ pub struct CudaBackend {
     /// products reading it next ([`Self::x_to_f16`] then converts nothing; any other
     /// launch clears it).
     f16_holds: Mutex<Option<(u64, usize, u64)>>,
-    /// A merged Q/K/V product not yet split into q, k and v (see [`PendingSplit`]).
+    /// A merged Q/K/V product not yet split into q, k and v (see [`PendingSplit`]), and
+    /// whether there is one (every launch asks; only cuBLAS steps set it).
     pending_split: Mutex<Option<PendingSplit>>,
+    split_waits: std::sync::atomic::AtomicBool,
     /// The activation tensor, its token count and padded rows whose quantization for the
     /// int8 kernels the Q8 buffers hold, and whether in `mmk_t8*`'s layout (set by
     /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
@@ -912,6 +914,7 @@ impl CudaBackend {
             q8_holds: Mutex::new(None),
             f16_holds: Mutex::new(None),
             pending_split: Mutex::new(None),
+            split_waits: std::sync::atomic::AtomicBool::new(false),
             mmq_holds: Mutex::new(None),
             mmk_max_waves: std::env::var("KESTREL_CUDA_MMK_MAX_WAVES")
                 .ok()
@@ -2887,6 +2890,12 @@ impl CudaBackend {
 
     /// Launches the split of a pending merged Q/K/V product, if any.
     fn split_pending(&self) {
+        if !self
+            .split_waits
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
         let pending = self
             .pending_split
             .lock()
@@ -3726,6 +3735,8 @@ impl kestrel_model::Backend for CudaBackend {
             // The split waits for rope_store_kv, which does it on the way (one launch and
             // one pass over the outputs fewer; see PendingSplit).
             self.split_pending();
+            self.split_waits
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             *self.pending_split.lock().unwrap_or_else(|p| p.into_inner()) = Some(PendingSplit {
                 args: [
                     Arg::P(merged),
@@ -3846,7 +3857,13 @@ impl kestrel_model::Backend for CudaBackend {
                     && p.args[2] == Arg::P(k.ptr)
                     && p.args[3] == Arg::P(v.ptr)
             });
-            if ours { slot.take() } else { None }
+            if ours {
+                self.split_waits
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                slot.take()
+            } else {
+                None
+            }
         };
         if let Some(p) = pending {
             let [m, _, _, _, bq, bk, bv, ..] = p.args;
