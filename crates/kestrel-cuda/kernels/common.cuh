@@ -42,6 +42,29 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// A double as its two 32-bit halves and back (warp shuffles move 32 bits).
+__device__ __forceinline__ void f64_halves(double v, u32& lo, u32& hi) {
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
+}
+__device__ __forceinline__ double f64_join(u32 lo, u32 hi) {
+    double v;
+    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
+    return v;
+}
+// shfl(u32 half) applied to both halves of v.
+template <class S>
+__device__ __forceinline__ double shfl_f64(double v, S shfl) {
+    u32 lo, hi;
+    f64_halves(v, lo, hi);
+    return f64_join(shfl(lo), shfl(hi));
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v += shfl_f64(v, [&](u32 h) { return __shfl_xor_sync(0xffffffffu, h, o); });
+    return v;
+}
+
 // llama.cpp's 8-bit rounding of v at step = max|v| / 127 of its block: round(v / step)
 // within ±127 (0 for an all-zero block).
 __device__ __forceinline__ int q8_round(float v, float step) {
@@ -66,16 +89,18 @@ __device__ __forceinline__ void q8_store_block(float v, size_t at, i8* q8, float
 }
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    __shared__ float total;
+// T: float or double.
+template <class T>
+__device__ T block_sum(T v) {
+    __shared__ T partial[32];
+    __shared__ T total;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     if (warp == 0) {
         const int n_warps = (blockDim.x + 31) >> 5;
-        float s = lane < n_warps ? partial[lane] : 0.0f;
+        T s = lane < n_warps ? partial[lane] : (T)0;
         s = warp_sum(s);
         if (lane == 0) total = s;
     }

@@ -1262,6 +1262,22 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)
 
+// Stores token i's key head kr (already rotated) and value head vr (plus its bias bv; null:
+// none) at the token's cache slot, `off` values into the row of kv_dim: the end of
+// rope_store_kv and rope_store_kv_split.
+__device__ __forceinline__ void store_kv_head(const float* kr, const float* vr, const float* bv,
+                                              u16* kc, u16* vc, const u32* positions,
+                                              const u32* seq_of, const u32* table_off,
+                                              const u32* tables, int block_size, int i, int off,
+                                              int kv_dim, int head_dim) {
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        kc[slot + d] = f2h(kr[d]);
+        vc[slot + d] = f2h(bv ? vr[d] + bv[off + d] : vr[d]);
+    }
+}
+
 // RoPE on a token's query and key heads, then its key and value into the cache (rope +
 // rope + store_kv in one launch). Block (token, head): heads 0 .. n_head - 1 are the query
 // heads, the next n_head_kv the key heads, whose block also stores that head's key and
@@ -1287,13 +1303,8 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16
     float* kr = k + (size_t)i * kv_dim + off;
     rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
     __syncthreads();  // the roped key (global memory) is visible to the whole block
-    const u32* table = tables + table_off[seq_of[i]];
-    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
-    const float* vr = v + (size_t)i * kv_dim + off;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        kc[slot + d] = f2h(kr[d]);
-        vc[slot + d] = f2h(vr[d]);
-    }
+    store_kv_head(kr, v + (size_t)i * kv_dim + off, nullptr, kc, vc, positions, seq_of, table_off,
+                  tables, block_size, i, off, kv_dim, head_dim);
 }
 
 // rope_store_kv reading the merged Q/K/V product m (rows of (n_head + 2 n_head_kv) ·
@@ -1329,13 +1340,8 @@ extern "C" __global__ void rope_store_kv_split(const float* m, const float* bq, 
     __syncthreads();
     rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
     __syncthreads();  // the roped key (global memory) is visible to the whole block
-    const u32* table = tables + table_off[seq_of[i]];
-    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
-    const float* vr = mr + q_dim + kv_dim + off;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        kc[slot + d] = f2h(kr[d]);
-        vc[slot + d] = f2h(vr[d] + (bv ? bv[off + d] : 0.0f));
-    }
+    store_kv_head(kr, mr + q_dim + kv_dim + off, bv, kc, vc, positions, seq_of, table_off, tables,
+                  block_size, i, off, kv_dim, head_dim);
 }
 
 // out[r] = the index of the largest value of row r (lowest index among ties; NaN never
@@ -1350,6 +1356,24 @@ __device__ __forceinline__ void argmax_merge(float& v, u32& i, float ov, u32 oi)
         i = oi;
     }
 }
+// Every thread's (v, i) merged across the block (argmax_merge: a total order, so the order
+// of merging does not matter); every thread gets the result. sv / si: shared arrays of
+// blockDim.x / 32 entries.
+__device__ __forceinline__ void block_argmax(float& v, u32& i, float* sv, u32* si) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const u32 oi = __shfl_xor_sync(0xffffffffu, i, o);
+        argmax_merge(v, i, ov, oi);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, i, sv[w], si[w]);
+}
+
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_rows(const float* x, u32* out, int cols) {
     pdl_enter();
@@ -1366,21 +1390,8 @@ argmax_rows(const float* x, u32* out, int cols) {
             idx = (u32)j;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const u32 oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        argmax_merge(v, idx, ov, oi);
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        sv[warp] = v;
-        si[warp] = idx;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < ARGMAX_THREADS / 32; w++) argmax_merge(v, idx, sv[w], si[w]);
-        out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
-    }
+    block_argmax(v, idx, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
 }
 
 // Reads n16 16-byte words and keeps nothing (a sink write the compiler cannot drop): the

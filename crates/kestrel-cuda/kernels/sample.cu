@@ -26,52 +26,6 @@ __device__ __forceinline__ float sample_key_value(u32 k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-__device__ __forceinline__ double shfl_xor_f64(double v, int o) {
-    u32 lo, hi;
-    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
-    lo = __shfl_xor_sync(0xffffffffu, lo, o);
-    hi = __shfl_xor_sync(0xffffffffu, hi, o);
-    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
-    return v;
-}
-__device__ __forceinline__ double shfl_up_f64(double v, int o) {
-    u32 lo, hi;
-    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
-    lo = __shfl_up_sync(0xffffffffu, lo, o);
-    hi = __shfl_up_sync(0xffffffffu, hi, o);
-    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
-    return v;
-}
-__device__ __forceinline__ double shfl_f64(double v, int lane) {
-    u32 lo, hi;
-    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "d"(v));
-    lo = __shfl_sync(0xffffffffu, lo, lane);
-    hi = __shfl_sync(0xffffffffu, hi, lane);
-    asm("mov.b64 %0, {%1, %2};" : "=d"(v) : "r"(lo), "r"(hi));
-    return v;
-}
-__device__ __forceinline__ double warp_sum_f64(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += shfl_xor_f64(v, o);
-    return v;
-}
-
-// Sum over the whole block; every thread gets it (all threads must call).
-__device__ double block_sum_f64(double v) {
-    __shared__ double partial[32];
-    __shared__ double total;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum_f64(v);
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        double s = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0;
-        s = warp_sum_f64(s);
-        if (lane == 0) total = s;
-    }
-    __syncthreads();
-    return total;
-}
-
 // NaN logits are impossible tokens: ranked and weighted as -inf.
 __device__ __forceinline__ float sample_clean(float l) { return l != l ? NEG_INF : l; }
 
@@ -117,7 +71,7 @@ __device__ double row_sum(const float* row, int cols, F f) {
         l = sample_clean(l);
         s += f((u32)i, sample_key(l), l);
     });
-    return block_sum_f64(s);
+    return block_sum(s);
 }
 
 // The key of the k-th largest logit (1 <= k <= cols; NaN as -inf), digit by digit from the
@@ -192,7 +146,7 @@ __device__ u32 find_in_order(u32 n, double target, F weight) {
     double s = 0.0;
 #pragma unroll 8
     for (u32 i = lo + lane; i < hi; i += 32) s += weight(i);
-    s = warp_sum_f64(s);
+    s = warp_sum(s);
     if (lane == 0) warp_total[warp] = s;
     if (threadIdx.x == 0) found = n;
     __syncthreads();
@@ -207,7 +161,7 @@ __device__ u32 find_in_order(u32 n, double target, F weight) {
             const double w = i < hi ? weight(i) : 0.0;
             double c = w;  // inclusive scan over the lanes
             for (int o = 1; o < 32; o <<= 1) {
-                const double t = shfl_up_f64(c, o);
+                const double t = shfl_f64(c, [&](u32 h) { return __shfl_up_sync(0xffffffffu, h, o); });
                 if ((int)lane >= o) c += t;
             }
             const u32 crossing = __ballot_sync(0xffffffffu, target < cumulative + c);
@@ -217,7 +171,7 @@ __device__ u32 find_in_order(u32 n, double target, F weight) {
             } else {
                 const u32 positive = __ballot_sync(0xffffffffu, w > 0.0);
                 if (positive) last = base + 31 - __clz(positive);
-                cumulative += shfl_f64(c, 31);
+                cumulative += shfl_f64(c, [](u32 h) { return __shfl_sync(0xffffffffu, h, 31); });
             }
         }
         // Rounding (the walk sums in another order than the range total): the range's
@@ -288,18 +242,7 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
             idx = (u32)j;
         }
     });
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const u32 oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        argmax_merge(v, idx, ov, oi);
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        best_value[warp] = v;
-        best_index[warp] = idx;
-    }
-    __syncthreads();
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, idx, best_value[w], best_index[w]);
+    block_argmax(v, idx, best_value, best_index);
     const float m = v;
     if (inv_t == 0.0f || !(m > NEG_INF && m < -NEG_INF)) {
         if (threadIdx.x == 0) out[blockIdx.x] = idx == SAMPLE_NONE ? 0u : idx;
@@ -349,7 +292,7 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
                     }
                 }
             });
-            total = block_sum_f64(s);  // its barriers also publish `gathered`
+            total = block_sum(s);  // its barriers also publish `gathered`
         } else {
             total = row_sum(row, cols, [&](u32 i, u32 k, float l) {
                 return in_a(i, k) ? mass(l) : 0.0;
@@ -364,7 +307,7 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
                     const float l = gathered[j];
                     s += f(sample_key(l), l);
                 }
-                return block_sum_f64(s);
+                return block_sum(s);
             }
             return row_sum(row, cols, [&](u32 i, u32 k, float l) {
                 return in_a(i, k) && l >= floor ? f(k, l) : 0.0;
@@ -401,7 +344,7 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     };
     double total = 0.0;
     for_each_logit(row, cols, [&](int i, float l) { total += weight((u32)i, l); });
-    total = block_sum_f64(total);
+    total = block_sum(total);
     const u32 id = find_in_order((u32)cols, u * total, [&](u32 i) { return weight(i, row[i]); });
     if (id < (u32)cols) {
         if (threadIdx.x == 0) out[blockIdx.x] = id;

@@ -581,8 +581,8 @@ pub struct CudaBackend {
     mmq_all_formats: std::sync::atomic::AtomicBool,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
-    /// Token ids of `argmax_rows` and `sample_rows`, on the device (grown to the most rows
-    /// asked).
+    /// Token ids of `argmax_rows` and `sample_rows` (`launch_for_ids`), on the device
+    /// (grown to the most rows asked).
     argmax_ids: Mutex<Option<CudaSlice<u32>>>,
     /// `sample_rows`' settings, packed on the host and their device copy (grown).
     sample_params: Mutex<(Vec<u32>, Option<CudaSlice<u32>>)>,
@@ -2909,6 +2909,32 @@ impl CudaBackend {
         }
     }
 
+    /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its
+    /// token id into the id buffer (`args` gets its address), and reads the ids into `out`.
+    fn launch_for_ids(
+        &self,
+        kernel: &'static str,
+        n: usize,
+        threads: u32,
+        out: &mut Vec<u32>,
+        args: impl FnOnce(u64) -> Vec<Arg>,
+    ) -> anyhow::Result<()> {
+        let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.as_ref().is_none_or(|b| b.len() < n) {
+            *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "token ids")?);
+        }
+        let Some(buf) = ids.as_ref() else {
+            bail!("no token id buffer");
+        };
+        self.launch(kernel, (n as u32, 1, 1), threads, &args(self.ptr(buf)));
+        self.check()?;
+        out.resize(n, 0);
+        self.stream
+            .memcpy_dtoh(&buf.slice(..n), &mut out[..])
+            .map_err(|e| anyhow::anyhow!("copying token ids from the GPU: {e:?}"))?;
+        self.check()
+    }
+
     fn elementwise(&self, name: &'static str, len: usize, args: &[Arg]) {
         self.launch(name, grid_1d(len, 256), 256, args);
     }
@@ -3565,25 +3591,9 @@ impl kestrel_model::Backend for CudaBackend {
         if n == 0 {
             return self.check();
         }
-        let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
-        if ids.as_ref().is_none_or(|b| b.len() < n) {
-            *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "argmax ids")?);
-        }
-        let Some(buf) = ids.as_ref() else {
-            bail!("no argmax buffer");
-        };
-        self.launch(
-            "argmax_rows",
-            (n as u32, 1, 1),
-            256,
-            &[Arg::P(x.ptr), Arg::P(self.ptr(buf)), Arg::I(x.cols as i32)],
-        );
-        self.check()?;
-        out.resize(n, 0);
-        self.stream
-            .memcpy_dtoh(&buf.slice(..n), &mut out[..])
-            .map_err(|e| anyhow::anyhow!("copying token ids from the GPU: {e:?}"))?;
-        self.check()
+        self.launch_for_ids("argmax_rows", n, 256, out, |ids| {
+            vec![Arg::P(x.ptr), Arg::P(ids), Arg::I(x.cols as i32)]
+        })
     }
 
     fn sample_rows(
@@ -3658,30 +3668,15 @@ impl kestrel_model::Backend for CudaBackend {
             .memcpy_htod(&host[..], &mut dev.slice_mut(..len))
             .map_err(|e| anyhow::anyhow!("copying the sampling settings to the GPU: {e:?}"))?;
         let params_ptr = self.ptr(dev);
-        let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
-        if ids.as_ref().is_none_or(|b| b.len() < n) {
-            *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "sampled ids")?);
-        }
-        let Some(buf) = ids.as_ref() else {
-            bail!("no id buffer");
-        };
-        self.launch(
-            "sample_rows",
-            (n as u32, 1, 1),
-            1024,
-            &[
+        drop(params);
+        self.launch_for_ids("sample_rows", n, 1024, out, |ids| {
+            vec![
                 Arg::P(x.ptr),
                 Arg::P(params_ptr),
-                Arg::P(self.ptr(buf)),
+                Arg::P(ids),
                 Arg::I(x.cols as i32),
-            ],
-        );
-        self.check()?;
-        out.resize(n, 0);
-        self.stream
-            .memcpy_dtoh(&buf.slice(..n), &mut out[..])
-            .map_err(|e| anyhow::anyhow!("copying token ids from the GPU: {e:?}"))?;
-        self.check()
+            ]
+        })
     }
 
     fn qkv(
