@@ -482,6 +482,91 @@ pub fn compare_greedy(
     })
 }
 
+/// Result of [`compare_sampled`].
+#[derive(Debug, Clone, Default)]
+pub struct SampledReport {
+    pub tokens: usize,
+    /// Positions where the host draws another token, but draws the device's when u or
+    /// top-p moves by 1e-6 (rounding at the edge of an interval).
+    pub edge: usize,
+    /// Positions where it does not.
+    pub wrong: usize,
+}
+
+impl SampledReport {
+    /// No wrong position, and edge cases at most 5% of them.
+    pub fn passed(&self) -> bool {
+        self.tokens > 0 && self.wrong == 0 && self.edge * 20 <= self.tokens
+    }
+}
+
+/// Sampled generation on the GPU (`Engine::generate`: each token drawn on the device by
+/// `sample_rows`, with penalties) against the host's definition replaying the same seed
+/// over the same logits: a second sequence teacher-forced over the drawn tokens one at a
+/// time runs the same single-token kernels (bitwise the same logits), and the host's
+/// `RowSampler` draws from them with the sampler's `u` at each position.
+pub fn compare_sampled(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<SampledReport> {
+    use kestrel_engine::sampler::{Sampler, SamplerParams};
+    use kestrel_model::sampling::{RowSampler, RowSampling, SamplingBatch};
+    let file = tiny_model(arch, ty, seed)?;
+    let mut gpu = cuda_engine(&file, ordinal)?;
+    let vocab = gpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5a5a);
+    let prompt: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab)).collect();
+    // llama.cpp's default filters, with every penalty on.
+    let params = SamplerParams {
+        temperature: 0.9,
+        repeat_penalty: 1.1,
+        presence_penalty: 0.2,
+        frequency_penalty: 0.1,
+        seed: Some(rng.random()),
+        ..SamplerParams::default()
+    };
+    let mut seq = Sequence::default();
+    let drawn = gpu.generate(&mut seq, &prompt, &params, n, |_| false, |_| true)?;
+    gpu.release(&mut seq);
+    let mut sampler = Sampler::new(params);
+    let (mut batch, mut row) = (SamplingBatch::default(), RowSampler::default());
+    let mut last = Vec::new();
+    gpu.eval(&mut seq, &prompt, false, |_, l| last = l.to_vec())?;
+    let mut report = SampledReport {
+        tokens: drawn.len(),
+        ..SampledReport::default()
+    };
+    for &id in &drawn {
+        batch.clear();
+        sampler.push_row(&mut batch, &seq.tokens);
+        let Some((spec, pens)) = batch.row(0) else {
+            anyhow::bail!("no sampling row");
+        };
+        if row.sample(&last, spec, pens) != id {
+            let nudges = [(1e-6, 0.0), (-1e-6, 0.0), (0.0, 1e-6), (0.0, -1e-6)];
+            let nudged = nudges.iter().any(|&(du, dp)| {
+                let s = RowSampling {
+                    u: (spec.u + du).clamp(0.0, 1.0 - f64::EPSILON),
+                    top_p: spec.top_p + dp as f32,
+                    ..*spec
+                };
+                row.sample(&last, &s, pens) == id
+            });
+            if nudged {
+                report.edge += 1;
+            } else {
+                report.wrong += 1;
+            }
+        }
+        gpu.eval(&mut seq, &[id], false, |_, l| last = l.to_vec())?;
+    }
+    gpu.release(&mut seq);
+    Ok(report)
+}
+
 /// The GEMV kernels (decode-sized matmuls) against an f64 oracle on dequantized weights.
 #[derive(Debug, Clone)]
 pub struct GemvReport {

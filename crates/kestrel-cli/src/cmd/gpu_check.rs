@@ -562,6 +562,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
+        "sampled generation, {} tokens drawn on the GPU (t 0.9, top-k 40, top-p 0.95, min-p 0.05, penalties) vs the host's definition on the same logits (teacher-forced, same seed): pass if every other draw is at an interval's edge (u or top-p moved by 1e-6) and those are <= 5%:",
+        args.generate
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["f16", "q4_k_m"] {
+            let case_seed = seed.wrapping_add(15_000 + ia as u64);
+            match selfcheck::compare_sampled(arch, ty, args.generate, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "sampled  {:<8} {:<8} {} tokens, {} at an interval's edge, {} wrong  {}",
+                        arch.name(),
+                        ty,
+                        r.tokens,
+                        r.edge,
+                        r.wrong,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("sampled  {:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!(
         "graph replay vs eager launches, {} single-token steps:",
         args.generate
     );
