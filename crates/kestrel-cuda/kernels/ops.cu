@@ -1262,86 +1262,54 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)
 
-// Stores token i's key head kr (already rotated) and value head vr (plus its bias bv; null:
-// none) at the token's cache slot, `off` values into the row of kv_dim: the end of
-// rope_store_kv and rope_store_kv_split.
-__device__ __forceinline__ void store_kv_head(const float* kr, const float* vr, const float* bv,
-                                              u16* kc, u16* vc, const u32* positions,
-                                              const u32* seq_of, const u32* table_off,
-                                              const u32* tables, int block_size, int i, int off,
-                                              int kv_dim, int head_dim) {
-    const u32* table = tables + table_off[seq_of[i]];
-    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        kc[slot + d] = f2h(kr[d]);
-        vc[slot + d] = f2h(bv ? vr[d] + bv[off + d] : vr[d]);
-    }
-}
-
 // RoPE on a token's query and key heads, then its key and value into the cache (rope +
 // rope + store_kv in one launch). Block (token, head): heads 0 .. n_head - 1 are the query
 // heads, the next n_head_kv the key heads, whose block also stores that head's key and
 // value rows. (One block per token walked every head serially: ~7 µs a step.)
-extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, u16* kc, u16* vc,
-                                         const u32* positions, const u32* seq_of,
-                                         const u32* table_off, const u32* tables,
-                                         int block_size, int n_head, int n_head_kv,
-                                         ROPE_PARAMS) {
-    pdl_enter();
-    const int i = blockIdx.x, h = blockIdx.y;
-    const float pos = (float)positions[i];
-    const int kv_dim = n_head_kv * head_dim;
-    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
-    rope_angles(pos, ROPE_ANGLE_ARGS, cs, sn);
-    __syncthreads();
-    if (h < n_head) {
-        rope_apply(q + (size_t)i * n_head * head_dim + (size_t)h * head_dim, 1, head_dim, n_rot,
-                   neox, cs, sn);
-        return;
-    }
-    const int off = (h - n_head) * head_dim;
-    float* kr = k + (size_t)i * kv_dim + off;
-    rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
-    __syncthreads();  // the roped key (global memory) is visible to the whole block
-    store_kv_head(kr, v + (size_t)i * kv_dim + off, nullptr, kc, vc, positions, seq_of, table_off,
-                  tables, block_size, i, off, kv_dim, head_dim);
-}
-
-// rope_store_kv reading the merged Q/K/V product m (rows of (n_head + 2 n_head_kv) ·
-// head_dim values) instead of split q, k and v: each block copies its head out of m (plus
-// its bias; null: none) into q or k, then rotates it; key blocks store the value straight
-// from m. What split_qkv and rope_store_kv did in two launches and two passes.
-extern "C" __global__ void rope_store_kv_split(const float* m, const float* bq, const float* bk,
-                                               const float* bv, float* q, float* k, u16* kc,
-                                               u16* vc, const u32* positions, const u32* seq_of,
-                                               const u32* table_off, const u32* tables,
-                                               int block_size, int n_head, int n_head_kv,
-                                               ROPE_PARAMS) {
+// With m set, the heads come from the merged Q/K/V product (rows of (n_head + 2 n_head_kv) ·
+// head_dim values) plus their biases (bq, bk, bv; null: none): each block copies its head into
+// q or k first and stores the value straight from m — the split (split_qkv) on the way, one
+// launch and one pass fewer. m null: q and k hold the heads already (bv unused).
+extern "C" __global__ void rope_store_kv(const float* m, const float* bq, const float* bk,
+                                         const float* bv, float* q, float* k, const float* v,
+                                         u16* kc, u16* vc, const u32* positions,
+                                         const u32* seq_of, const u32* table_off,
+                                         const u32* tables, int block_size, int n_head,
+                                         int n_head_kv, ROPE_PARAMS) {
     pdl_enter();
     const int i = blockIdx.x, h = blockIdx.y;
     const float pos = (float)positions[i];
     const int q_dim = n_head * head_dim, kv_dim = n_head_kv * head_dim;
-    const float* mr = m + (size_t)i * (q_dim + 2 * kv_dim);
+    const float* mr = m ? m + (size_t)i * (q_dim + 2 * kv_dim) : nullptr;
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     rope_angles(pos, ROPE_ANGLE_ARGS, cs, sn);
     if (h < n_head) {
         float* qr = q + (size_t)i * q_dim + (size_t)h * head_dim;
-        const int c0 = h * head_dim;
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-            qr[d] = mr[c0 + d] + (bq ? bq[c0 + d] : 0.0f);
-        __syncthreads();  // the angles and the copied head, for every thread
+        if (mr) {
+            const int c0 = h * head_dim;
+            for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+                qr[d] = mr[c0 + d] + (bq ? bq[c0 + d] : 0.0f);
+        }
+        __syncthreads();  // the angles (and the copied head), for every thread
         rope_apply(qr, 1, head_dim, n_rot, neox, cs, sn);
         return;
     }
     const int off = (h - n_head) * head_dim;
     float* kr = k + (size_t)i * kv_dim + off;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-        kr[d] = mr[q_dim + off + d] + (bk ? bk[off + d] : 0.0f);
+    if (mr) {
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+            kr[d] = mr[q_dim + off + d] + (bk ? bk[off + d] : 0.0f);
+    }
     __syncthreads();
     rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
     __syncthreads();  // the roped key (global memory) is visible to the whole block
-    store_kv_head(kr, mr + q_dim + kv_dim + off, bv, kc, vc, positions, seq_of, table_off, tables,
-                  block_size, i, off, kv_dim, head_dim);
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
+    const float* vr = mr ? mr + q_dim + kv_dim + off : v + (size_t)i * kv_dim + off;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        kc[slot + d] = f2h(kr[d]);
+        vc[slot + d] = f2h(mr && bv ? vr[d] + bv[off + d] : vr[d]);
+    }
 }
 
 // out[r] = the index of the largest value of row r (lowest index among ties; NaN never

@@ -84,7 +84,6 @@ pub const KERNELS: &[&str] = &[
     "rope",
     "store_kv",
     "rope_store_kv",
-    "rope_store_kv_split",
     "attention",
     "attention_split",
     "attention_split_gqa",

@@ -170,8 +170,8 @@ fn tiled_split_attention(p: &AttnParams) -> bool {
 }
 
 /// A merged Q/K/V product (`qkv` through cuBLAS) whose split into q, k and v waits for the
-/// next launch: `rope_store_kv` reads its heads straight from the product
-/// (`rope_store_kv_split`); any other launch, or the end of the step, splits it first.
+/// next launch: `rope_store_kv` takes it and reads its heads straight from the product; any
+/// other launch, or the end of the step, splits it first (`split_qkv`).
 struct PendingSplit {
     /// `split_qkv`'s arguments: the product, q, k, v, the three biases (0: none), the
     /// widths of q and k, the values.
@@ -1294,9 +1294,7 @@ impl CudaBackend {
         if skip.iter().any(|s| s == name) {
             return;
         }
-        if name != "rope_store_kv_split" {
-            self.split_pending();
-        }
+        self.split_pending();
         // Only the GEMVs that read them keep the quantized activations valid.
         if !matches!(
             name,
@@ -2177,27 +2175,28 @@ impl CudaBackend {
             .flatten()
     }
 
-    /// Q's merged f16 copy (its address and rows: Q's, then K's and V's, see
-    /// `load_weight`) when this layer has one and q, k, v fit it; None otherwise.
-    fn merged_qkv(
+    /// A leader's merged f16 copy (its address and rows: the leader's, then each
+    /// follower's, see `load_weight`) when it has one, the followers (rows of `cols` values,
+    /// as many each) keep none of their own, and `outs[i]` has the columns of part `i`
+    /// (leader first); None otherwise.
+    fn merged_copy(
         &self,
-        layer: &LayerWeights<CudaWeight>,
+        leader: &CudaWeight,
+        followers: &[&CudaWeight],
         cols: usize,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
+        outs: &[&CudaTensor],
     ) -> Option<(u64, usize)> {
         let CudaWeight::Matrix {
             f16: Some(copy),
-            rows: rq,
-            cols: cq,
+            rows: lead_rows,
+            cols: lead_cols,
             ..
-        } = &layer.attn_q
+        } = leader
         else {
             return None;
         };
-        let rows_of = |w: &CudaWeight| match w {
-            // Merged: K and V keep no copy of their own.
+        // Each follower's rows, when it is merged (no copy of its own) and fits.
+        let follower_rows = |w: &CudaWeight| match w {
             CudaWeight::Matrix {
                 f16: None,
                 rows,
@@ -2206,13 +2205,13 @@ impl CudaBackend {
             } if *c == cols => Some(*rows),
             _ => None,
         };
-        let (rk, rv) = (rows_of(&layer.attn_k)?, rows_of(&layer.attn_v)?);
-        let rows = rq + rk + rv;
-        (*cq == cols
-            && rk == rv
-            && copy.len() == rows * cols
-            && (q.cols, k.cols, v.cols) == (*rq, rk, rv))
-            .then(|| (self.ptr(copy), rows))
+        let each = follower_rows(followers.first()?)?;
+        let fits = followers.iter().all(|w| follower_rows(w) == Some(each))
+            && outs.len() == followers.len() + 1
+            && outs[0].cols == *lead_rows
+            && outs[1..].iter().all(|t| t.cols == each);
+        let rows = lead_rows + followers.len() * each;
+        (fits && *lead_cols == cols && copy.len() == rows * cols).then(|| (self.ptr(copy), rows))
     }
 
     /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
@@ -2723,7 +2722,9 @@ impl CudaBackend {
         // the activation reading both halves of each row; steps of more than
         // MERGED_QKV_MAX_TOKENS (whose f32 product would be large) take the halves as two.
         if self.prefer_gemm(gate_w, n)
-            && let Some((a, rows)) = self.merged_gate_up(gate_w, up_w, x.cols, gate, up)
+            // (The activation pairs gate's columns with up's: as many of each.)
+            && let Some((a, rows)) = self.merged_copy(gate_w, &[up_w], x.cols, &[gate, up])
+                .filter(|_| up.cols == gate.cols)
             && let Some(xh) = self.x_to_f16(x, n)
         {
             let merged = if n <= MERGED_QKV_MAX_TOKENS {
@@ -2762,44 +2763,6 @@ impl CudaBackend {
         }
         self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
         kestrel_model::Backend::gated_activation(self, gate, up, act, n);
-    }
-
-    /// Gate's merged f16 copy (its address and rows: gate's, then up's) when it has one
-    /// and gate and up fit it; None otherwise.
-    fn merged_gate_up(
-        &self,
-        gate_w: &CudaWeight,
-        up_w: &CudaWeight,
-        cols: usize,
-        gate: &CudaTensor,
-        up: &CudaTensor,
-    ) -> Option<(u64, usize)> {
-        let CudaWeight::Matrix {
-            f16: Some(copy),
-            rows: rg,
-            cols: cg,
-            ..
-        } = gate_w
-        else {
-            return None;
-        };
-        // Merged: up keeps no copy of its own.
-        let CudaWeight::Matrix {
-            f16: None,
-            rows: ru,
-            cols: cu,
-            ..
-        } = up_w
-        else {
-            return None;
-        };
-        let rows = rg + ru;
-        (*cg == cols
-            && *cu == cols
-            && rg == ru
-            && copy.len() == rows * cols
-            && (gate.cols, up.cols) == (*rg, *ru))
-            .then(|| (self.ptr(copy), rows))
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -2886,6 +2849,33 @@ impl CudaBackend {
             .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
         self.check()?;
         Ok(f(&values[..len]))
+    }
+
+    /// The pending merged product of exactly these q, k, v and `n` tokens, taken (it is
+    /// then split by whoever took it); None when there is none or another waits.
+    fn take_split_of(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        n: usize,
+    ) -> Option<PendingSplit> {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        if !self.split_waits.load(relaxed) {
+            return None;
+        }
+        let mut slot = self.pending_split.lock().unwrap_or_else(|p| p.into_inner());
+        let ours = slot.as_ref().is_some_and(|p| {
+            p.n == n
+                && p.args[1] == Arg::P(q.ptr)
+                && p.args[2] == Arg::P(k.ptr)
+                && p.args[3] == Arg::P(v.ptr)
+        });
+        if !ours {
+            return None;
+        }
+        self.split_waits.store(false, relaxed);
+        slot.take()
     }
 
     /// Launches the split of a pending merged Q/K/V product, if any.
@@ -3604,9 +3594,7 @@ impl kestrel_model::Backend for CudaBackend {
         scratch: &mut Vec<f32>,
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
-        if sampling.rows.len() != n {
-            bail!("{n} rows to sample, {} samplings", sampling.rows.len());
-        }
+        sampling.check_rows(n)?;
         if n > x.rows {
             bail!("sample_rows: {n} rows asked, tensor has {}", x.rows);
         }
@@ -3711,7 +3699,12 @@ impl kestrel_model::Backend for CudaBackend {
         // prefill steps lost 2.5% to the split's extra pass over the outputs.
         if n <= MERGED_QKV_MAX_TOKENS
             && self.prefer_gemm(&layer.attn_q, n)
-            && let Some((a, rows)) = self.merged_qkv(layer, x.cols, q, k, v)
+            && let Some((a, rows)) = self.merged_copy(
+                &layer.attn_q,
+                &[&layer.attn_k, &layer.attn_v],
+                x.cols,
+                &[q, k, v],
+            )
             && let Some(xh) = self.x_to_f16(x, n)
             && let Some(merged) = self.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
         {
@@ -3833,62 +3826,21 @@ impl kestrel_model::Backend for CudaBackend {
         };
         let heads = q.cols / head_dim + k.cols / head_dim;
         let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
-        let tail = [
-            &step.slot_args()[..],
-            &[
-                Arg::I(cache.block_size as i32),
-                Arg::I((q.cols / head_dim) as i32),
-                Arg::I((k.cols / head_dim) as i32),
-            ],
-            &rope_args,
-        ]
-        .concat();
-        // The merged product of these q, k and v, unsplit: split on the way.
-        let pending = {
-            let mut slot = self.pending_split.lock().unwrap_or_else(|p| p.into_inner());
-            let ours = slot.as_ref().is_some_and(|p| {
-                p.n == n
-                    && p.args[1] == Arg::P(q.ptr)
-                    && p.args[2] == Arg::P(k.ptr)
-                    && p.args[3] == Arg::P(v.ptr)
-            });
-            if ours {
-                self.split_waits
-                    .store(false, std::sync::atomic::Ordering::Relaxed);
-                slot.take()
-            } else {
-                None
-            }
+        // The merged product of these q, k and v, if it waits unsplit: the kernel splits it
+        // on the way (the product and the three biases), else it reads q, k and v.
+        let source = match self.take_split_of(q, k, v, n) {
+            Some(p) => [p.args[0], p.args[4], p.args[5], p.args[6]],
+            None => [Arg::P(0); 4],
         };
-        if let Some(p) = pending {
-            let [m, _, _, _, bq, bk, bv, ..] = p.args;
-            let head = [
-                m,
-                bq,
-                bk,
-                bv,
-                Arg::P(q.ptr),
-                Arg::P(k.ptr),
-                Arg::P(cache.k_ptr[layer]),
-                Arg::P(cache.v_ptr[layer]),
-            ];
-            let args = [&head[..], &tail].concat();
-            self.launch(
-                "rope_store_kv_split",
-                (n as u32, heads as u32, 1),
-                threads,
-                &args,
-            );
-            return;
-        }
         let args = [
+            &source[..],
             &[
                 Arg::P(q.ptr),
                 Arg::P(k.ptr),
                 Arg::P(v.ptr),
                 Arg::P(cache.k_ptr[layer]),
                 Arg::P(cache.v_ptr[layer]),
-            ][..],
+            ],
             &step.slot_args(),
             &[
                 Arg::I(cache.block_size as i32),

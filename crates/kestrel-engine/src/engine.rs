@@ -353,13 +353,7 @@ impl<B: Backend> Engine<B> {
         sampling: &SamplingBatch,
         ids: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
-        if sampling.rows.len() != seqs.len() {
-            bail!(
-                "{} sequences but {} samplings",
-                seqs.len(),
-                sampling.rows.len()
-            );
-        }
+        sampling.check_rows(seqs.len())?;
         self.decode(seqs, tokens, Some(sampling), ids)
     }
 

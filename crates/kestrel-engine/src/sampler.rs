@@ -164,12 +164,17 @@ impl Sampler {
     /// `history` and a fresh uniform draw (greedy rows draw nothing, so a seed gives the
     /// same tokens wherever its rows are sampled).
     pub fn push_row(&mut self, batch: &mut SamplingBatch, history: &[u32]) {
-        let p = &self.params;
-        let u = if p.is_greedy() {
+        let u = if self.params.is_greedy() {
             0.0
         } else {
             self.rng.random::<f64>()
         };
+        self.push_row_with(batch, history, u);
+    }
+
+    /// [`Self::push_row`] with the draw `u` given.
+    fn push_row_with(&self, batch: &mut SamplingBatch, history: &[u32], u: f64) {
+        let p = &self.params;
         let window = if p.penalties_active() {
             &history[history.len() - p.repeat_last_n.min(history.len())..]
         } else {
@@ -201,11 +206,10 @@ impl Sampler {
     /// The tokens that survive penalties and filters, best first, with their probabilities
     /// after temperature. Greedy settings leave a single candidate. Draws nothing.
     pub fn candidates(&mut self, logits: &[f32], history: &[u32]) -> &[Candidate] {
+        self.own.clear();
+        // The draw does not change which tokens survive: any u will do, and none is taken.
         let mut own = std::mem::take(&mut self.own);
-        own.clear();
-        let rng = self.rng.clone();
-        self.push_row(&mut own, history);
-        self.rng = rng;
+        self.push_row_with(&mut own, history, 0.0);
         self.own = own;
         match self.own.row(0) {
             Some((spec, penalties)) => self.row.candidates(logits, spec, penalties),

@@ -180,9 +180,7 @@ pub trait Backend: Sync {
         scratch: &mut Vec<f32>,
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
-        if sampling.rows.len() != n {
-            anyhow::bail!("{n} rows to sample, {} samplings", sampling.rows.len());
-        }
+        sampling.check_rows(n)?;
         self.with_rows(x, n, scratch, &mut |rows| {
             sampling.sample_host(rows, n, out)
         })

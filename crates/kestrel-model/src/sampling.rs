@@ -102,6 +102,14 @@ impl SamplingBatch {
         self.rows.push(row);
     }
 
+    /// An error unless the batch has a row for each of `n` logit rows.
+    pub fn check_rows(&self, n: usize) -> anyhow::Result<()> {
+        if self.rows.len() != n {
+            anyhow::bail!("{n} rows to sample, {} samplings", self.rows.len());
+        }
+        Ok(())
+    }
+
     /// Row `i`'s settings and penalised tokens.
     pub fn row(&self, i: usize) -> Option<(&RowSampling, &[(u32, u32)])> {
         let row = self.rows.get(i)?;
