@@ -135,28 +135,37 @@ extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* ou
 }
 
 // Rotary embedding in place of one token's row of heads, as ggml computes the angles: f32
-// throughout, theta advanced by repeated multiplication with theta_scale. The cos/sin of
-// each pair are computed once per block into `cs` / `sn` (n_rot / 2 entries; the caller
-// syncs before the first use), then the block's threads stride over (head, pair).
+// throughout, theta advanced by repeated multiplication with theta_scale. rope_cs: the
+// cos / sin of pair p (times mscale); rope_angles: those of every pair, computed once per
+// block into `cs` / `sn` (n_rot / 2 entries; the caller syncs before the first use), then
+// the block's threads stride over (head, pair).
+__device__ __forceinline__ void rope_cs(int p, float pos, int n_rot, float theta_scale,
+                                        float freq_scale, float ext_factor, float mscale,
+                                        float corr_lo, float corr_hi, const float* freq_factors,
+                                        float& c, float& s) {
+    float theta_extrap = pos;
+    for (int j = 0; j < p; j++) theta_extrap *= theta_scale;
+    const float factor = freq_factors ? freq_factors[p] : 1.0f;
+    const float extrap = theta_extrap / factor;
+    const float interp = freq_scale * extrap;
+    float theta = interp;
+    if (ext_factor != 0.0f) {
+        const float y = ((float)p - corr_lo) / fmaxf(0.001f, corr_hi - corr_lo);
+        const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+        theta = interp * (1.0f - ramp) + extrap * ramp;
+    }
+    c = cosf(theta) * mscale;
+    s = sinf(theta) * mscale;
+    (void)n_rot;
+}
+
 __device__ __forceinline__ void rope_angles(float pos, int n_rot, float theta_scale,
                                             float freq_scale, float ext_factor, float mscale,
                                             float corr_lo, float corr_hi,
                                             const float* freq_factors, float* cs, float* sn) {
-    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x) {
-        float theta_extrap = pos;
-        for (int j = 0; j < p; j++) theta_extrap *= theta_scale;
-        const float factor = freq_factors ? freq_factors[p] : 1.0f;
-        const float extrap = theta_extrap / factor;
-        const float interp = freq_scale * extrap;
-        float theta = interp;
-        if (ext_factor != 0.0f) {
-            const float y = ((float)p - corr_lo) / fmaxf(0.001f, corr_hi - corr_lo);
-            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
-            theta = interp * (1.0f - ramp) + extrap * ramp;
-        }
-        cs[p] = cosf(theta) * mscale;
-        sn[p] = sinf(theta) * mscale;
-    }
+    for (int p = threadIdx.x; p < n_rot / 2; p += blockDim.x)
+        rope_cs(p, pos, n_rot, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi,
+                freq_factors, cs[p], sn[p]);
 }
 
 __device__ __forceinline__ void rope_apply(float* row, int n_heads, int head_dim, int n_rot,

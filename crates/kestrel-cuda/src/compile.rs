@@ -19,6 +19,8 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/ops.cu"),
     "\n",
     include_str!("../kernels/sample.cu"),
+    "\n",
+    include_str!("../kernels/mega.cu"),
 );
 
 /// Names of the kernels the backend loads from the module.
@@ -98,6 +100,7 @@ pub const KERNELS: &[&str] = &[
     "argmax_rows",
     "dequant_f16",
     "f32_to_f16",
+    "mega",
 ];
 
 /// Folder of compiled kernels: `$KESTREL_HOME/cuda-cache`.

@@ -19,6 +19,7 @@
 //! launch list means a replay can never use stale buffers or sizes.
 
 pub mod compile;
+mod mega;
 pub mod selfcheck;
 
 use rayon::prelude::*;
@@ -374,6 +375,9 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm
 /// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
 /// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); others use none.
 fn dynamic_smem(name: &str) -> u32 {
+    if name == "mega" {
+        return mega::SMEM_BYTES;
+    }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
         "mms_t16" => 16,
         "mms_t32" => 32,
@@ -602,7 +606,31 @@ pub struct CudaBackend {
     /// Whether those steps, when of more than 8 tokens, take the staged int8 kernels
     /// `mms_*` instead (`KESTREL_CUDA_MMS=0`: no, for comparisons).
     mms: std::sync::atomic::AtomicBool,
+    /// Single-token steps run as one persistent kernel where it takes their launches
+    /// (`mega`, see src/mega.rs; `KESTREL_CUDA_MEGA=0/1`).
+    mega: std::sync::atomic::AtomicBool,
+    /// Uploaded `mega` programs by the launch list they replace (kept while graphs may
+    /// replay them: more than MAX_GRAPHS).
+    mega_programs: Mutex<Vec<MegaProgram>>,
 }
+
+/// A launch list with its `mega` run in place, and the device buffers that launch reads.
+struct MegaProgram {
+    key: Vec<Launch>,
+    launches: Vec<Launch>,
+    _buffers: Option<(
+        CudaSlice<u8>,
+        CudaSlice<u32>,
+        CudaSlice<u32>,
+        CudaSlice<f32>,
+    )>,
+    /// `KESTREL_CUDA_MEGA_PROFILE=1`: each phase's end time of the last launch (block 0's
+    /// clock), with the phases' kinds and weight bytes, printed when the backend drops.
+    times: Option<(CudaSlice<u64>, Vec<(i32, u64)>)>,
+}
+
+/// Mega programs kept.
+const MAX_MEGA_PROGRAMS: usize = 64;
 
 /// Int8 activations and their per-32 scales for `gemv_q8` (and for `mmq_t*`: scales with
 /// the block sums, token-minor).
@@ -939,7 +967,163 @@ impl CudaBackend {
             mms: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_MMS").map_or(true, |v| v != "0"),
             ),
+            mega: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_CUDA_MEGA").is_ok_and(|v| v == "1"),
+            ),
+            mega_programs: Mutex::default(),
         })
+    }
+
+    /// Whether single-token steps run as one persistent kernel where they can.
+    pub fn mega(&self) -> bool {
+        self.mega.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_mega(&self, on: bool) {
+        self.mega.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Steps whose launches ran (or were captured) with a `mega` run in them.
+    pub fn mega_programs(&self) -> usize {
+        let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
+        programs.iter().filter(|p| p._buffers.is_some()).count()
+    }
+
+    /// `launches` with their first run that the `mega` kernel takes replaced by one launch
+    /// of it (as they are when it takes none, when it is off, or while profiling).
+    fn with_mega(&self, launches: &[Launch]) -> Vec<Launch> {
+        if !self.mega() || self.profile.is_some() {
+            return launches.to_vec();
+        }
+        let mut programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = programs.iter().find(|p| p.key == launches) {
+            return p.launches.clone();
+        }
+        let program = match mega::plan(launches, self.sm_count)
+            .map(|plan| self.upload_mega(launches, plan))
+        {
+            Some(Ok(p)) => p,
+            Some(Err(e)) => {
+                self.fail(format!("preparing the mega kernel: {e}"));
+                MegaProgram {
+                    key: launches.to_vec(),
+                    launches: launches.to_vec(),
+                    _buffers: None,
+                    times: None,
+                }
+            }
+            None => MegaProgram {
+                key: launches.to_vec(),
+                launches: launches.to_vec(),
+                _buffers: None,
+                times: None,
+            },
+        };
+        let out = program.launches.clone();
+        if programs.len() >= MAX_MEGA_PROGRAMS {
+            programs.remove(0);
+        }
+        programs.push(program);
+        out
+    }
+
+    fn upload_mega(&self, launches: &[Launch], plan: mega::Plan) -> anyhow::Result<MegaProgram> {
+        let func = *self
+            .func_index
+            .get("mega")
+            .context("the mega kernel is not loaded")?;
+        let part = self.alloc::<f32>(plan.part_floats, "attention partials")?;
+        let bounds = self
+            .stream
+            .clone_htod(&plan.bounds)
+            .map_err(|e| anyhow::anyhow!("uploading the mega row bounds: {e:?}"))?;
+        let bytes = plan.phase_bytes(self.ptr(&part), self.ptr(&bounds));
+        let phases = self
+            .stream
+            .clone_htod(&bytes)
+            .map_err(|e| anyhow::anyhow!("uploading the mega phases: {e:?}"))?;
+        let counters = self.alloc::<u32>(plan.barriers + 1, "barrier counters")?;
+        let times = if std::env::var("KESTREL_CUDA_MEGA_PROFILE").is_ok_and(|v| v == "1") {
+            let kinds = plan
+                .phases
+                .iter()
+                .map(|p| (p.kind, p.weight_bytes()))
+                .collect();
+            Some((
+                self.alloc::<u64>(plan.phases.len() + 1, "mega phase times")?,
+                kinds,
+            ))
+        } else {
+            None
+        };
+        let launch = Launch {
+            func,
+            grid: (self.sm_count as u32, 1, 1),
+            block: mega::THREADS,
+            args: vec![
+                Arg::P(self.ptr(&phases)),
+                Arg::I(plan.phases.len() as i32),
+                Arg::P(self.ptr(&counters)),
+                Arg::I(plan.slot_bytes as i32),
+                Arg::I(plan.x_bytes as i32),
+                Arg::P(times.as_ref().map_or(0, |(t, _)| self.ptr(t))),
+            ],
+            weight_bytes: plan.weight_bytes,
+        };
+        let mut out = launches[..plan.start].to_vec();
+        out.push(launch);
+        out.extend_from_slice(&launches[plan.end..]);
+        Ok(MegaProgram {
+            key: launches.to_vec(),
+            launches: out,
+            _buffers: Some((phases, bounds, counters, part)),
+            times,
+        })
+    }
+
+    /// The mega profile (see [`MegaProgram::times`]): time per phase kind of each program's
+    /// last launch.
+    fn print_mega_profile(&self) {
+        let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, p) in programs.iter().enumerate() {
+            let Some((buf, kinds)) = &p.times else {
+                continue;
+            };
+            let Ok(t) = self.stream.clone_dtoh(buf) else {
+                continue;
+            };
+            if t.first().is_none_or(|&t0| t0 == 0) {
+                continue;
+            }
+            let mut by_kind: Vec<(i32, f64, usize, u64)> = Vec::new();
+            for (j, &(kind, bytes)) in kinds.iter().enumerate() {
+                let us = t[j + 1].saturating_sub(t[j]) as f64 / 1e3;
+                match by_kind.iter_mut().find(|e| e.0 == kind) {
+                    Some(e) => {
+                        e.1 += us;
+                        e.2 += 1;
+                        e.3 += bytes;
+                    }
+                    None => by_kind.push((kind, us, 1, bytes)),
+                }
+            }
+            let total = t[kinds.len()].saturating_sub(t[0]) as f64 / 1e3;
+            eprintln!(
+                "mega program {i}: {} phases, {total:.1} µs (last launch, block 0)",
+                kinds.len()
+            );
+            for (kind, us, n, bytes) in by_kind {
+                let gbs = if bytes > 0 {
+                    format!(", {:.0} GB/s", bytes as f64 / us / 1e3)
+                } else {
+                    String::new()
+                };
+                eprintln!(
+                    "  {:<18} {n:>4} phases {us:>9.1} µs{gbs}",
+                    mega::kind_name(kind)
+                );
+            }
+        }
     }
 
     /// A `rows × cols` matrix of type `ty` from its GGUF block bytes.
@@ -1178,7 +1362,7 @@ impl CudaBackend {
             return;
         }
         if pending == rec.previous {
-            match self.capture(&pending) {
+            match self.capture(&self.with_mega(&pending)) {
                 Ok(graph) => {
                     if let Err(e) = graph.launch() {
                         self.fail(format!("launching a CUDA graph: {e:?}"));
@@ -1201,7 +1385,7 @@ impl CudaBackend {
                 }
             }
         }
-        for l in &pending {
+        for l in &self.with_mega(&pending) {
             self.launch_now(l);
         }
         rec.previous = pending;
@@ -3898,6 +4082,7 @@ impl CudaWeight {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        self.print_mega_profile();
         let Some(p) = &self.profile else {
             return;
         };

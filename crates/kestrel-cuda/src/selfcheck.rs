@@ -952,6 +952,103 @@ pub fn compare_graph_replay(
     })
 }
 
+/// The single-token step as one persistent kernel (`mega`) against the same steps as
+/// separate launches, on one model: both engines on the GPU, teacher-forced over a short
+/// prompt, `steps` single-token steps, a 40-token chunk, then `steps` more (attention over
+/// up to ~2·steps + 43 keys: one to many key splits, the current token's key both in
+/// the middle and at the end of a split). The GEMVs are bit for bit gemv_q8's; attention
+/// sums in another order, so the logits are held to the 8-bit bound.
+#[derive(Debug, Clone)]
+pub struct MegaReport {
+    pub logits: LogitReport,
+    /// Launch lists the persistent kernel took (0: it took none; the check fails).
+    pub programs: usize,
+    /// With the CPU as the oracle: (the kernel against it, the launches against it). Deep
+    /// random-weight models carry 8-bit rounding differences through every layer, so the
+    /// kernel is held to the launches' own distance from the CPU (within a quarter more).
+    pub cpu: Option<(LogitReport, LogitReport)>,
+}
+
+impl MegaReport {
+    pub fn passed(&self) -> bool {
+        let close = match &self.cpu {
+            Some((mega, launches)) => {
+                mega.non_finite == 0
+                    && mega.top1_agreement_ties >= MIN_TOP1_AGREEMENT
+                    && mega.max_abs_diff
+                        <= (mega.max_rel_diff() * mega.max_abs_logit.max(1.0))
+                            .max(1.25 * launches.max_abs_diff)
+            }
+            None => self.logits.passed(),
+        };
+        close && self.programs > 0
+    }
+}
+
+pub fn compare_mega_file(
+    file: Arc<GgufFile>,
+    arch: Arch,
+    ty: &str,
+    steps: usize,
+    seed: u64,
+    ordinal: usize,
+    cpu_reference: bool,
+) -> anyhow::Result<MegaReport> {
+    let with = CudaBackend::new(ordinal)?;
+    with.set_mega(true);
+    let without = CudaBackend::new(ordinal)?;
+    without.set_mega(false);
+    let mut a = Engine::new(without, file.clone(), &options(100))?;
+    let mut b = Engine::new(with, file.clone(), &options(100))?;
+    let vocab = a.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x3e6a);
+    let mut parts = vec![3];
+    parts.extend(std::iter::repeat_n(1, steps));
+    parts.push(40);
+    parts.extend(std::iter::repeat_n(1, steps));
+    let n: usize = parts.iter().sum();
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let la = all_logits_in_parts(&mut a, &tokens, &parts)?;
+    let lb = all_logits_in_parts(&mut b, &tokens, &parts)?;
+    anyhow::ensure!(
+        la.len() == n && lb.len() == n,
+        "expected {n} rows of logits, got {} and {}",
+        la.len(),
+        lb.len()
+    );
+    let mut logits = logit_report(arch, ty, &la, &lb);
+    logits.q8 = true;
+    logits.q8_reference = true;
+    let cpu = if cpu_reference {
+        let lc = all_logits(&mut cpu_engine(&file)?, &tokens)?;
+        let mut mega = logit_report(arch, ty, &lc, &lb);
+        let mut launches = logit_report(arch, ty, &lc, &la);
+        mega.q8 = true;
+        launches.q8 = true;
+        Some((mega, launches))
+    } else {
+        None
+    };
+    Ok(MegaReport {
+        logits,
+        programs: b.backend.mega_programs(),
+        cpu,
+    })
+}
+
+/// [`compare_mega_file`] on [`tiny_model_heads`].
+pub fn compare_mega(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    steps: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<MegaReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    compare_mega_file(file, arch, ty, steps, seed, ordinal, false)
+}
+
 /// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,
 /// for a prompt-sized step (eager) and a decode-sized one run three times (recorded into
 /// a CUDA graph, then replayed). Returns (rows compared, rows that differ).

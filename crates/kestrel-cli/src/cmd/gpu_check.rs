@@ -32,6 +32,13 @@ pub struct Args {
     /// included).
     #[arg(long)]
     pub read_bw: bool,
+    /// Instead of the checks, only the persistent single-token kernel's: the tiny models,
+    /// then each of these GGUF models (real shapes), each against separate launches.
+    #[arg(long, num_args = 0.., value_name = "GGUF")]
+    pub mega: Option<Vec<std::path::PathBuf>>,
+    /// With `--mega FILE`: the CPU backend's logits as the oracle too (slow on large models).
+    #[arg(long)]
+    pub mega_cpu: bool,
 }
 
 /// `--read-bw`: µs and GB/s of a read-only kernel over each size, back to back and alone.
@@ -166,6 +173,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return bench(&args, path);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
+    if let Some(files) = &args.mega {
+        return mega_only(&args, files, seed);
+    }
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
     println!(
@@ -620,10 +630,96 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += mega_tiny(&args, seed);
     println!("total {:.1} s", start.elapsed().as_secs_f64());
     if failures > 0 {
         anyhow::bail!("{failures} GPU check(s) failed");
     }
     println!("all GPU checks passed");
+    Ok(())
+}
+
+/// Prints one mega comparison; whether it passed.
+fn mega_line(what: &str, r: anyhow::Result<selfcheck::MegaReport>) -> bool {
+    match r {
+        Ok(r) => {
+            let ok = r.passed();
+            let cpu = r.cpu.as_ref().map_or(String::new(), |(m, l)| {
+                format!(
+                    "; against the CPU: kernel top-1 {:.2}% max |Δ| {:.4}, launches top-1 {:.2}% max |Δ| {:.4}",
+                    100.0 * m.top1_agreement_ties,
+                    m.max_abs_diff,
+                    100.0 * l.top1_agreement_ties,
+                    l.max_abs_diff
+                )
+            });
+            println!(
+                "mega {what:<28} {} programs, top-1 {:.2}% ({:.2}% with ties), max |Δ| {:.4} of {:.2}{cpu}  {}",
+                r.programs,
+                100.0 * r.logits.top1_agreement,
+                100.0 * r.logits.top1_agreement_ties,
+                r.logits.max_abs_diff,
+                r.logits.max_abs_logit,
+                if ok { "ok" } else { "FAIL" }
+            );
+            ok
+        }
+        Err(e) => {
+            println!("mega {what:<28} ERROR {e:#}");
+            false
+        }
+    }
+}
+
+/// The mega checks on tiny models of the architectures it takes; failures.
+fn mega_tiny(args: &Args, seed: u64) -> usize {
+    println!(
+        "persistent single-token kernel (mega) vs launches, 3 + {0} + 40 + {0} positions:",
+        args.generate
+    );
+    let mut failures = 0;
+    for (ia, arch) in [selfcheck::ARCHS[0], selfcheck::ARCHS[1]]
+        .into_iter()
+        .enumerate()
+    {
+        for ty in ["q4_k_m", "q8_0", "q4_0"] {
+            for (ih, heads) in [(8, 2, 128), (6, 1, 64), (12, 2, 128)]
+                .into_iter()
+                .enumerate()
+            {
+                let case_seed = seed.wrapping_add(21_000 + 10 * ia as u64 + ih as u64);
+                let r =
+                    selfcheck::compare_mega(arch, ty, heads, args.generate, case_seed, args.gpu);
+                failures += usize::from(!mega_line(&format!("{} {ty} {heads:?}", arch.name()), r));
+            }
+        }
+    }
+    failures
+}
+
+/// `--mega`: the tiny models' mega checks, then each file's.
+fn mega_only(args: &Args, files: &[std::path::PathBuf], seed: u64) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let mut failures = mega_tiny(args, seed);
+    for path in files {
+        let file = std::sync::Arc::new(
+            kestrel_gguf::GgufFile::open(path)
+                .with_context(|| format!("opening {}", path.display()))?,
+        );
+        let r = selfcheck::compare_mega_file(
+            file,
+            kestrel_model::Arch::Llama,
+            "file",
+            args.generate,
+            seed,
+            args.gpu,
+            args.mega_cpu,
+        );
+        failures += usize::from(!mega_line(&path.display().to_string(), r));
+    }
+    if failures > 0 {
+        anyhow::bail!("{failures} mega check(s) failed");
+    }
+    println!("all mega checks passed");
     Ok(())
 }
