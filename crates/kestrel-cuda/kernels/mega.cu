@@ -6,22 +6,27 @@
 // slots, running ahead across phases and grid barriers (weights are never written during a
 // step). The consumer warps run the phases in order: chunk c of a GEMV phase (≤ MG_MAX_ROWS
 // whole rows) belongs to warp c % MG_WARPS, which dots its rows with the 8-bit activations
-// exactly as gemv_q8 does (same units, same order: bit for bit its outputs); norms and
-// quantizations feeding a GEMV run in every block into its shared copy of the activations
-// (no barrier); attention runs one (kv head, key range) per warp, RoPE on the way, then its
-// merge one head per warp; a grid barrier follows each phase that others read.
+// exactly as gemv_q8 does (same units, same order: bit for bit its outputs, given the same
+// activations); norms and quantizations feeding a GEMV run spread over the grid (or, with
+// the host's local mode, in every block into its shared copy of the activations);
+// attention runs one (kv head, key range) per warp, RoPE on the way, its merge one head per
+// block; a grid barrier follows each phase that others read.
 // The host builds the phases from the recorded launches (src/mega.rs) and checks every
 // limit assumed here (formats, alignment, sizes).
+//
+// Status (thirteenth session, H100): correct (gpu-check --mega) but slower than the
+// launches it replaces (Llama-3-8B Q4_K_M tg128 210 against 370 t/s), so off by default;
+// the per-phase profile and what it showed are in crates/kestrel-cuda/NOTES.md.
 
-#define MG_WARPS 15
+#define MG_WARPS 8
 #define MG_CT (MG_WARPS * 32)
 #define MG_THREADS (MG_CT + 32)
 #define MG_SLOTS 16
 #define MG_MAX_ROWS 8
 #define MG_SMEM 232448
 #define MG_MAX_GROUP 8
-// Most values a thread of a local norm / quantization holds: widths up to MG_MAX_IT · MG_CT.
-#define MG_MAX_IT 32
+// 32-value blocks a warp of a local norm / quantization takes at once.
+#define MG_QB 8
 
 #define MG_NORM 1
 #define MG_QUANT 2
@@ -29,6 +34,9 @@
 #define MG_ATTN 4
 #define MG_COMBINE 5
 #define MG_GATHER 6
+
+// `flags` of a launch (measurements only: the results are wrong).
+#define MG_NO_DOTS 1  // GEMV phases stream their weights without computing
 
 // One phase; `a` holds its arguments, 8 bytes each (layouts in src/mega.rs).
 struct MgPhase {
@@ -88,8 +96,9 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 __device__ __forceinline__ void mg_grid_sync(u32* ctr) {
     mg_sync();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(ctr, 1u);
+        // Release: the block's writes (ordered before by the bar.sync) become visible with
+        // the arrival; acquire below: the other blocks' writes are visible after it.
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ctr) : "memory");
         u32 v;
         long long spins = 0;
         do {
@@ -103,7 +112,6 @@ __device__ __forceinline__ void mg_grid_sync(u32* ctr) {
                 __trap();
             }
         } while (v < gridDim.x);
-        __threadfence();
     }
     mg_sync();
 }
@@ -188,16 +196,17 @@ __device__ __forceinline__ void mg_rows_any(int ty, const u8* w, const u8* up, l
 }
 
 // Consumers: one GEMV phase. `c` counts the block's chunks over the whole kernel.
-__device__ __forceinline__ void mg_gemv(const MgPhase& ph, int& c, const u8* slots, int slot_bytes,
-                                        u32 full0, u32 empty0, const i8* sxq, const float* sxd) {
+__device__ __forceinline__ void mg_gemv(const MgPhase& ph, int& c, int ring, const u8* slots,
+                                        int slot_bytes, u32 full0, u32 empty0, const i8* sxq,
+                                        const float* sxd, int flags) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i8* xq = ph.local_x ? sxq : MG_P(const i8*, 0);
     const float* xd = ph.local_x ? sxd : MG_P(const float*, 1);
     const int k = MG_I(3), gated = MG_I(7), act = MG_I(8);
     mg_chunks(ph, [&](int s, int r0, int nr) {
-        const int slot = c % MG_SLOTS;
+        const int slot = c % ring;
         if (c % MG_WARPS == warp) {
-            mbar_wait(full0 + 8 * slot, (c / MG_SLOTS) & 1);
+            mbar_wait(full0 + 8 * slot, (c / ring) & 1);
             const u8* base = slots + (size_t)slot * slot_bytes;
             const u8* w;
             long long rb;
@@ -206,7 +215,9 @@ __device__ __forceinline__ void mg_gemv(const MgPhase& ph, int& c, const u8* slo
             float acc[MG_MAX_ROWS], acc_up[MG_MAX_ROWS];
 #pragma unroll
             for (int i = 0; i < MG_MAX_ROWS; i++) acc[i] = acc_up[i] = 0.0f;
-            if (gated) {
+            if (flags & MG_NO_DOTS) {
+                // measurement only: the weights stream, nothing is computed
+            } else if (gated) {
                 const long long rb1 = ph.a[17];
                 const int ty1 = MG_I(18);
                 const u8* up = base + (size_t)nr * rb;
@@ -233,16 +244,16 @@ __device__ __forceinline__ void mg_gemv(const MgPhase& ph, int& c, const u8* slo
 }
 
 // The producer's lane 0: every GEMV phase's chunks of this block, in order.
-__device__ __forceinline__ void mg_produce(const MgPhase* phases, int n_phases, u32 slots0,
-                                           int slot_bytes, u32 full0, u32 empty0) {
+__device__ __forceinline__ void mg_produce(const MgPhase* phases, int n_phases, int ring,
+                                           u32 slots0, int slot_bytes, u32 full0, u32 empty0) {
     int c = 0;
     for (int p = 0; p < n_phases; p++) {
         const MgPhase& ph = phases[p];
         if (ph.kind != MG_GEMV) continue;
         const int gated = MG_I(7);
         mg_chunks(ph, [&](int s, int r0, int nr) {
-            const int slot = c % MG_SLOTS;
-            if (c >= MG_SLOTS) mbar_wait(empty0 + 8 * slot, ((c / MG_SLOTS) - 1) & 1);
+            const int slot = c % ring;
+            if (c >= ring) mbar_wait(empty0 + 8 * slot, ((c / ring) - 1) & 1);
             const u8* w;
             long long rb;
             int ty;
@@ -272,41 +283,65 @@ __device__ __forceinline__ void mg_norm_quant(const MgPhase& ph, i8* sxq, float*
     if (rows) x = MG_P(const float*, 8) + (size_t)rows[0] * cols;
     i8* q = norm ? MG_P(i8*, 5) : MG_P(i8*, 2);
     float* d = norm ? MG_P(float*, 6) : MG_P(float*, 3);
-    // Every value this thread handles is loaded first (independent loads, one round of
-    // latency; a loop of load-then-shuffle steps waited once per step).
     const float* w = norm ? MG_P(const float*, 1) : nullptr;
-    float xv[MG_MAX_IT], wv[MG_MAX_IT];
-    float ss = 0.0f;
-#pragma unroll
-    for (int it = 0; it < MG_MAX_IT; it++) {
-        const int j = it * MG_CT + threadIdx.x;
-        xv[it] = j < cols ? x[j] : 0.0f;
-        wv[it] = norm && j < cols ? w[j] : 0.0f;
-        ss += xv[it] * xv[it];
-    }
+    float* out = norm ? MG_P(float*, 2) : nullptr;
+    float* gathered = rows ? MG_P(float*, 0) : nullptr;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float scale = 1.0f;
     if (norm) {
+        // All loads first (one round of latency), then the sum.
+        float ss = 0.0f;
+#pragma unroll 8
+        for (int j = 4 * threadIdx.x; j < cols; j += 4 * MG_CT) {
+            const float4 v = *(const float4*)(x + j);
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
         ss = mg_sum(ss, red);
         scale = 1.0f / sqrtf(ss / (float)cols + MG_F(4));
     }
-    float* out = norm ? MG_P(float*, 2) : nullptr;
-    float* gathered = rows ? MG_P(float*, 0) : nullptr;
-    const int lane = threadIdx.x & 31;
+    // Each warp quantizes 32-value blocks, MG_QB of them at once (independent chains:
+    // loads, the amax shuffles and the divisions of one block wait on each other). Local
+    // (ph.local_x): every block all of them, into its shared copy; else the grid's warps
+    // share them and write the global outputs only (a grid barrier follows).
+    const bool local = ph.local_x;
+    const int blocks = cols >> 5;
+    const int first = local ? warp : blockIdx.x * MG_WARPS + warp;
+    const int stride = local ? MG_WARPS : gridDim.x * MG_WARPS;
+    const bool globals = !local || blockIdx.x == 0;
+    for (int b0 = first; b0 < blocks; b0 += stride * MG_QB) {
+        float v[MG_QB], amax[MG_QB], raw[MG_QB];
 #pragma unroll
-    for (int it = 0; it < MG_MAX_IT; it++) {
-        if (it * MG_CT >= cols) break;
-        const int j = it * MG_CT + threadIdx.x;
-        const float v = norm ? xv[it] * scale * wv[it] : xv[it];
-        float step;
-        const int qi = warp_q8(v, step);
-        if (j < cols) {
-            sxq[j] = (i8)qi;
-            if (lane == 0) sxd[j >> 5] = step;
-            if (blockIdx.x == 0) {
-                if (out) out[j] = v;
-                if (gathered) gathered[j] = xv[it];
-                q[j] = (i8)qi;
-                if (lane == 0) d[j >> 5] = step;
+        for (int i = 0; i < MG_QB; i++) {
+            const int b = b0 + i * stride, j = 32 * b + lane;
+            raw[i] = b < blocks ? x[j] : 0.0f;
+            v[i] = norm && b < blocks ? raw[i] * scale * w[j] : raw[i];
+            amax[i] = fabsf(v[i]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < MG_QB; i++)
+                amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], o));
+#pragma unroll
+        for (int i = 0; i < MG_QB; i++) {
+            const int b = b0 + i * stride, j = 32 * b + lane;
+            if (b < blocks) {
+                // round(v / step) as v times the block's reciprocal step (a division per
+                // value was most of this phase's time; the rounding differs from
+                // quantize_x_q8's only for quotients within an ulp of a half).
+                const float step = amax[i] / 127.0f;
+                const float inv = step > 0.0f ? 127.0f / amax[i] : 0.0f;
+                const i8 qi = (i8)max(-127, min(127, __float2int_rn(v[i] * inv)));
+                if (local) {
+                    sxq[j] = qi;
+                    if (lane == 0) sxd[b] = step;
+                }
+                if (globals) {
+                    if (out) out[j] = v[i];
+                    if (gathered) gathered[j] = raw[i];
+                    q[j] = qi;
+                    if (lane == 0) d[b] = step;
+                }
             }
         }
     }
@@ -570,14 +605,17 @@ __device__ __forceinline__ void mg_attn_group(const MgPhase& ph, int gw, int nw)
     }
 }
 
-// Shared memory: MG_SLOTS slots of slot_bytes, the activations (x_bytes int8 values, their
+// ring (at most MG_SLOTS, a multiple of MG_WARPS): slots in use; chunk c goes to slot
+// c % ring and warp c % MG_WARPS, so every slot has one consumer warp, which waits on it
+// in order (a warp never runs a ring ahead of its slot's phases). Shared memory: MG_SLOTS slots of slot_bytes, the
+// activations (x_bytes int8 values, their
 // x_bytes / 32 steps), the slots' full and empty barriers, 32 floats for sums, then
 // MG_WARPS × 130 floats for the attention merge.
 // counters: one per grid barrier plus one (the exit count); zero at launch, and zero again
 // when the last block leaves.
 extern "C" __global__ void __launch_bounds__(MG_THREADS, 1)
-mega(const MgPhase* phases, int n_phases, u32* counters, int slot_bytes, int x_bytes,
-     unsigned long long* times) {
+mega(const MgPhase* phases, int n_phases, u32* counters, int slot_bytes, int x_bytes, int ring,
+     int flags, unsigned long long* times) {
     extern __shared__ __align__(128) u8 mg_smem[];
     u8* slots = mg_smem;
     i8* sxq = (i8*)(mg_smem + MG_SLOTS * slot_bytes);
@@ -597,13 +635,14 @@ mega(const MgPhase* phases, int n_phases, u32* counters, int slot_bytes, int x_b
     if (threadIdx.x >= MG_CT) {
         // The producer: weights only, so it need not wait for the previous kernel.
         if (threadIdx.x == MG_CT)
-            mg_produce(phases, n_phases, smem_u32(slots), slot_bytes, full0, empty0);
+            mg_produce(phases, n_phases, ring, smem_u32(slots), slot_bytes, full0, empty0);
         return;
     }
     pdl_enter();
     const int gw = blockIdx.x * MG_WARPS + (threadIdx.x >> 5), nw = gridDim.x * MG_WARPS;
     int c = 0, bar = 0;
-    // Profiling (times set): block 0's clock at the start and after each phase.
+    // Profiling (times set): block 0's clock at the start, then after each phase's work and
+// after its barrier.
     const bool timing = times && blockIdx.x == 0 && threadIdx.x == 0;
     if (timing) times[0] = globaltimer();
     for (int p = 0; p < n_phases; p++) {
@@ -611,7 +650,9 @@ mega(const MgPhase* phases, int n_phases, u32* counters, int slot_bytes, int x_b
         switch (ph.kind) {
         case MG_NORM:
         case MG_QUANT: mg_norm_quant(ph, sxq, sxd, red); break;
-        case MG_GEMV: mg_gemv(ph, c, slots, slot_bytes, full0, empty0, sxq, sxd); break;
+        case MG_GEMV:
+            mg_gemv(ph, c, ring, slots, slot_bytes, full0, empty0, sxq, sxd, flags);
+            break;
         case MG_ATTN:
             if (MG_I(12) == 64) mg_attn_group<2>(ph, gw, nw);
             else mg_attn_group<4>(ph, gw, nw);
@@ -622,8 +663,9 @@ mega(const MgPhase* phases, int n_phases, u32* counters, int slot_bytes, int x_b
             break;
         default: break;
         }
+        if (timing) times[2 * p + 1] = globaltimer();
         if (ph.barrier) mg_grid_sync(counters + bar++);
-        if (timing) times[p + 1] = globaltimer();
+        if (timing) times[2 * p + 2] = globaltimer();
     }
     mg_sync();
     if (threadIdx.x == 0) {

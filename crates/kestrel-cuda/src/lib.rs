@@ -618,15 +618,24 @@ pub struct CudaBackend {
 struct MegaProgram {
     key: Vec<Launch>,
     launches: Vec<Launch>,
-    _buffers: Option<(
-        CudaSlice<u8>,
-        CudaSlice<u32>,
-        CudaSlice<u32>,
-        CudaSlice<f32>,
-    )>,
-    /// `KESTREL_CUDA_MEGA_PROFILE=1`: each phase's end time of the last launch (block 0's
-    /// clock), with the phases' kinds and weight bytes, printed when the backend drops.
-    times: Option<(CudaSlice<u64>, Vec<(i32, u64)>)>,
+    buffers: Option<MegaBuffers>,
+    /// `KESTREL_CUDA_MEGA_PROFILE=1`: block 0's clock after each phase's work and after
+    /// its barrier in the last launch, printed when the backend drops.
+    times: Option<MegaTimes>,
+}
+
+/// The device buffers a `mega` launch reads (kept alive with its program).
+struct MegaBuffers {
+    _phases: CudaSlice<u8>,
+    _bounds: CudaSlice<u32>,
+    _counters: CudaSlice<u32>,
+    _part: CudaSlice<f32>,
+}
+
+/// The profile's clock values and each phase's (kind, weight bytes).
+struct MegaTimes {
+    clock: CudaSlice<u64>,
+    phases: Vec<(i32, u64)>,
 }
 
 /// Mega programs kept.
@@ -986,7 +995,7 @@ impl CudaBackend {
     /// Steps whose launches ran (or were captured) with a `mega` run in them.
     pub fn mega_programs(&self) -> usize {
         let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
-        programs.iter().filter(|p| p._buffers.is_some()).count()
+        programs.iter().filter(|p| p.buffers.is_some()).count()
     }
 
     /// `launches` with their first run that the `mega` kernel takes replaced by one launch
@@ -1008,14 +1017,14 @@ impl CudaBackend {
                 MegaProgram {
                     key: launches.to_vec(),
                     launches: launches.to_vec(),
-                    _buffers: None,
+                    buffers: None,
                     times: None,
                 }
             }
             None => MegaProgram {
                 key: launches.to_vec(),
                 launches: launches.to_vec(),
-                _buffers: None,
+                buffers: None,
                 times: None,
             },
         };
@@ -1049,10 +1058,10 @@ impl CudaBackend {
                 .iter()
                 .map(|p| (p.kind, p.weight_bytes()))
                 .collect();
-            Some((
-                self.alloc::<u64>(plan.phases.len() + 1, "mega phase times")?,
-                kinds,
-            ))
+            Some(MegaTimes {
+                clock: self.alloc::<u64>(2 * plan.phases.len() + 1, "mega phase times")?,
+                phases: kinds,
+            })
         } else {
             None
         };
@@ -1066,7 +1075,9 @@ impl CudaBackend {
                 Arg::P(self.ptr(&counters)),
                 Arg::I(plan.slot_bytes as i32),
                 Arg::I(plan.x_bytes as i32),
-                Arg::P(times.as_ref().map_or(0, |(t, _)| self.ptr(t))),
+                Arg::I(mega::ring()),
+                Arg::I(mega::flags()),
+                Arg::P(times.as_ref().map_or(0, |t| self.ptr(&t.clock))),
             ],
             weight_bytes: plan.weight_bytes,
         };
@@ -1076,7 +1087,12 @@ impl CudaBackend {
         Ok(MegaProgram {
             key: launches.to_vec(),
             launches: out,
-            _buffers: Some((phases, bounds, counters, part)),
+            buffers: Some(MegaBuffers {
+                _phases: phases,
+                _bounds: bounds,
+                _counters: counters,
+                _part: part,
+            }),
             times,
         })
     }
@@ -1086,40 +1102,48 @@ impl CudaBackend {
     fn print_mega_profile(&self) {
         let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
         for (i, p) in programs.iter().enumerate() {
-            let Some((buf, kinds)) = &p.times else {
+            let Some(MegaTimes {
+                clock,
+                phases: kinds,
+            }) = &p.times
+            else {
                 continue;
             };
-            let Ok(t) = self.stream.clone_dtoh(buf) else {
+            let Ok(t) = self.stream.clone_dtoh(clock) else {
                 continue;
             };
             if t.first().is_none_or(|&t0| t0 == 0) {
                 continue;
             }
-            let mut by_kind: Vec<(i32, f64, usize, u64)> = Vec::new();
+            // (kind, µs of work, µs at the barrier after it, phases, weight bytes)
+            let mut by_kind: Vec<(i32, f64, f64, usize, u64)> = Vec::new();
             for (j, &(kind, bytes)) in kinds.iter().enumerate() {
-                let us = t[j + 1].saturating_sub(t[j]) as f64 / 1e3;
+                let work = t[2 * j + 1].saturating_sub(t[2 * j]) as f64 / 1e3;
+                let wait = t[2 * j + 2].saturating_sub(t[2 * j + 1]) as f64 / 1e3;
                 match by_kind.iter_mut().find(|e| e.0 == kind) {
                     Some(e) => {
-                        e.1 += us;
-                        e.2 += 1;
-                        e.3 += bytes;
+                        e.1 += work;
+                        e.2 += wait;
+                        e.3 += 1;
+                        e.4 += bytes;
                     }
-                    None => by_kind.push((kind, us, 1, bytes)),
+                    None => by_kind.push((kind, work, wait, 1, bytes)),
                 }
             }
-            let total = t[kinds.len()].saturating_sub(t[0]) as f64 / 1e3;
+            let total = t[2 * kinds.len()].saturating_sub(t[0]) as f64 / 1e3;
             eprintln!(
                 "mega program {i}: {} phases, {total:.1} µs (last launch, block 0)",
                 kinds.len()
             );
-            for (kind, us, n, bytes) in by_kind {
+            for (kind, work, wait, n, bytes) in by_kind {
+                let us = work + wait;
                 let gbs = if bytes > 0 {
                     format!(", {:.0} GB/s", bytes as f64 / us / 1e3)
                 } else {
                     String::new()
                 };
                 eprintln!(
-                    "  {:<18} {n:>4} phases {us:>9.1} µs{gbs}",
+                    "  {:<18} {n:>4} phases {us:>9.1} µs (work {work:.1}, barrier {wait:.1}){gbs}",
                     mega::kind_name(kind)
                 );
             }
