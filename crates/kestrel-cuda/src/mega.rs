@@ -7,6 +7,7 @@
 
 use super::{Arg, Launch};
 use crate::compile::KERNELS;
+use kestrel_gguf::GgmlType;
 
 /// Dynamic shared memory of a `mega` block (the H100's opt-in maximum per block).
 pub const SMEM_BYTES: u32 = 232_448;
@@ -28,11 +29,14 @@ const GEMV: i32 = 3;
 const ATTN: i32 = 4;
 const COMBINE: i32 = 5;
 
-/// ggml type ids of the formats the kernel's GEMVs read (gemv_q8's).
-const Q4_0: i64 = 2;
-const Q8_0: i64 = 8;
-const Q4_K: i64 = 12;
-const Q6_K: i64 = 14;
+/// Whether the kernel's GEMVs read the format of ggml type id `ty` (gemv_q8's formats).
+fn format_ok(ty: i64) -> bool {
+    let q8 = [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K];
+    u32::try_from(ty)
+        .ok()
+        .and_then(GgmlType::from_id)
+        .is_some_and(|t| q8.contains(&t))
+}
 
 /// One phase, laid out as `MgPhase` (352 bytes).
 #[derive(Clone, Debug, PartialEq)]
@@ -162,7 +166,7 @@ fn gemv_ok(a: &[i64]) -> bool {
         return false;
     }
     gemv_segments(a).iter().all(|&(w, rb, ty, rows)| {
-        matches!(ty, Q4_0 | Q8_0 | Q4_K | Q6_K) && w % 16 == 0 && rb % 16 == 0 && rb > 0 && rows > 0
+        format_ok(ty) && w % 16 == 0 && rb % 16 == 0 && rb > 0 && rows > 0
     })
 }
 
@@ -527,10 +531,18 @@ mod tests {
 
     /// gemv_q8's arguments for one plain 256-column matrix (`ty`, rows of `rb` bytes at `w`)
     /// reading the 8-bit activations at (q, d).
-    fn gemv(q: u64, d: u64, w: u64, rb: i64, ty: i32, rows: i32) -> Launch {
+    fn gemv(q: u64, d: u64, w: u64, rb: i64, ty: GgmlType, rows: i32) -> Launch {
         use Arg::*;
         let mut a = vec![P(q), P(d), P(0), I(256), I(1), I(0), I(rows), I(0), I(0)];
-        a.extend([P(w), L(rb), I(ty), I(rows), P(0x9000), I(rows), P(0)]);
+        a.extend([
+            P(w),
+            L(rb),
+            I(ty.id() as i32),
+            I(rows),
+            P(0x9000),
+            I(rows),
+            P(0),
+        ]);
         a.extend([P(0), L(0), I(0), I(0), P(0), I(0), P(0)]);
         a.extend([P(0), L(0), I(0), P(0), I(0), P(0)]);
         launch("gemv_q8", 8, a)
@@ -551,9 +563,9 @@ mod tests {
         let list = vec![
             launch("embed", 1, vec![]),
             norm(0x3000, q, d, 256),
-            gemv(q, d, 0x10_0000, 144, Q4_K as i32, 64),
+            gemv(q, d, 0x10_0000, 144, GgmlType::Q4K, 64),
             norm(0x3000, q, d, 256),
-            gemv(q, d, 0x20_0000, 224, Q6_K as i32, 32),
+            gemv(q, d, 0x20_0000, 224, GgmlType::Q6K, 32),
             launch("argmax_rows", 1, vec![]),
         ];
         let plan = plan(&list, 4).expect("a run of two GEMVs");
@@ -572,20 +584,30 @@ mod tests {
     #[test]
     fn plan_refuses_what_the_kernel_cannot_take() {
         let (q, d) = (0x1000, 0x2000);
-        let good = |w: u64, rb: i64, ty: i64| gemv(q, d, w, rb, ty as i32, 64);
-        let with = |g: Launch| vec![norm(0x3000, q, d, 256), good(0x10_0000, 144, Q4_K), g];
-        assert!(plan(&with(good(0x20_0000, 144, Q4_K)), 4).is_some());
+        let good = |w: u64, rb: i64, ty: GgmlType| gemv(q, d, w, rb, ty, 64);
+        let with = |g: Launch| {
+            vec![
+                norm(0x3000, q, d, 256),
+                good(0x10_0000, 144, GgmlType::Q4K),
+                g,
+            ]
+        };
+        assert!(plan(&with(good(0x20_0000, 144, GgmlType::Q4K)), 4).is_some());
         // Q5_K, a misaligned matrix, rows not a multiple of 16 bytes: no second GEMV.
-        assert!(plan(&with(good(0x20_0000, 176, 13)), 4).is_none());
-        assert!(plan(&with(good(0x20_0008, 144, Q4_K)), 4).is_none());
-        assert!(plan(&with(good(0x20_0000, 136, Q8_0)), 4).is_none());
+        assert!(plan(&with(good(0x20_0000, 176, GgmlType::Q5K)), 4).is_none());
+        assert!(plan(&with(good(0x20_0008, 144, GgmlType::Q4K)), 4).is_none());
+        assert!(plan(&with(good(0x20_0000, 136, GgmlType::Q8_0)), 4).is_none());
         // A norm whose output another launch reads than the GEMV: the run stops before it.
-        let mut other = good(0x20_0000, 144, Q4_K);
+        let mut other = good(0x20_0000, 144, GgmlType::Q4K);
         other.args[0] = Arg::P(0x5000);
-        let list = vec![good(0x10_0000, 144, Q4_K), norm(0x3000, q, d, 256), other];
+        let list = vec![
+            good(0x10_0000, 144, GgmlType::Q4K),
+            norm(0x3000, q, d, 256),
+            other,
+        ];
         assert!(plan(&list, 4).is_none());
         // Two tokens: not a single-token step.
-        let mut two = good(0x20_0000, 144, Q4_K);
+        let mut two = good(0x20_0000, 144, GgmlType::Q4K);
         two.args[4] = Arg::I(2);
         assert!(plan(&with(two), 4).is_none());
     }
