@@ -23,9 +23,7 @@
 #define MG_THREADS (MG_CT + 32)
 #define MG_SLOTS 16
 #define MG_MAX_ROWS 8
-#define MG_SMEM 232448
-#define MG_MAX_GROUP 8
-// 32-value blocks a warp of a local norm / quantization takes at once.
+// 32-value blocks a warp of a norm / quantization phase takes at once.
 #define MG_QB 8
 
 #define MG_NORM 1
@@ -33,7 +31,6 @@
 #define MG_GEMV 3
 #define MG_ATTN 4
 #define MG_COMBINE 5
-#define MG_GATHER 6
 
 // `flags` of a launch (measurements only: the results are wrong).
 #define MG_NO_DOTS 1  // GEMV phases stream their weights without computing
@@ -272,9 +269,10 @@ __device__ __forceinline__ void mg_produce(const MgPhase* phases, int n_phases, 
 }
 
 // rms_norm_q8 (kind MG_NORM: a = x, w, out, cols, eps, q, d, rows, src) or quantize_x_q8
-// (MG_QUANT: a = x, k, q, d) into the block's shared copy; block 0 also writes the
-// kernel's global outputs. MG_NORM with rows set reads row rows[0] of src (a gather_rows
-// folded in; block 0 writes the gathered row to x).
+// (MG_QUANT: a = x, k, q, d): spread over the grid, writing the kernel's global outputs,
+// or (ph.local_x) all of it in every block into its shared copy, block 0 also writing the
+// global outputs. MG_NORM with rows set reads row rows[0] of src (a gather_rows folded in;
+// the gathered row is written to x as well).
 __device__ __forceinline__ void mg_norm_quant(const MgPhase& ph, i8* sxq, float* sxd, float* red) {
     const bool norm = ph.kind == MG_NORM;
     const int cols = norm ? MG_I(3) : MG_I(1);
