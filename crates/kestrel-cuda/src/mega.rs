@@ -612,6 +612,94 @@ mod tests {
         assert!(plan(&with(two), 4).is_none());
     }
 
+    /// rope_store_kv, attention_split_tiled128 (`splits` key ranges) and, for more than one
+    /// split, attention_combine of one token: 32 query heads over 8 kv heads of 128 dims.
+    fn attention_launches(splits: i32) -> Vec<Launch> {
+        use Arg::*;
+        let (q, k, v, kc, vc) = (0x100, 0x200, 0x300, 0x400, 0x500);
+        let slots = [P(0x600), P(0x700), P(0x800), P(0x900)];
+        let mut rope = vec![P(0), P(0), P(0), P(0), P(q), P(k), P(v), P(kc), P(vc)];
+        rope.extend(slots);
+        rope.extend([
+            I(16),
+            I(32),
+            I(8),
+            I(128),
+            I(128),
+            I(0),
+            F(0.9),
+            F(1.0),
+            F(0.0),
+        ]);
+        rope.extend([F(1.0), F(0.0), F(0.0), P(0)]);
+        let mut attn = vec![P(q), P(kc), P(vc), P(0xa00)];
+        attn.extend(slots);
+        attn.extend([I(16), I(32), I(8), I(128), F(0.088), I(0), I(splits), I(0)]);
+        attn.extend([P(0xb00), P(0xc00)]);
+        let mut list = vec![
+            launch("rope_store_kv", 1, rope),
+            launch("attention_split_tiled128", 1, attn),
+        ];
+        if splits > 1 {
+            let merge = vec![P(0xa00), P(0xd00), I(32), I(128), I(splits), I(0)];
+            let merge = [merge, vec![P(0xb00), P(0xc00)]].concat();
+            list.push(launch("attention_combine", 1, merge));
+        }
+        list
+    }
+
+    #[test]
+    fn attention_launches_become_attention_and_merge_phases() {
+        for splits in [1, 8] {
+            let list = attention_launches(splits);
+            let (attn, merge, used) = attention_piece(&list, 0, 132).expect("taken");
+            assert_eq!(used, list.len());
+            assert_eq!((attn.kind, merge.kind), (ATTN, COMBINE));
+            // q, k, v, the caches, the step's buffers, the geometry, RoPE's constants.
+            assert_eq!(&attn.a[..5], &[0x100, 0x200, 0x300, 0x400, 0x500]);
+            assert_eq!(&attn.a[5..9], &[0x600, 0x700, 0x800, 0x900]);
+            assert_eq!(&attn.a[9..13], &[16, 32, 8, 128]);
+            assert_eq!(attn.a[13], i64::from(0.088f32.to_bits() as i32));
+            assert_eq!((attn.a[15], attn.a[16]), (128, 0));
+            assert_eq!(attn.a[17], i64::from(0.9f32.to_bits() as i32));
+            // Splits are the kernel's own: as many as the grid's warps over the kv heads.
+            assert_eq!(
+                attn.a[25],
+                (132 * CONSUMER_WARPS as i64 / 8).min(MAX_SPLITS as i64)
+            );
+            // The output and its quantization: the tiled launch's with one split, else the
+            // merge's (the same buffers here), and the merge knows the split rule's inputs.
+            let out = if splits == 1 { 0xa00 } else { 0xd00 };
+            assert_eq!((merge.a[1], merge.a[4], merge.a[5]), (out, 0xb00, 0xc00));
+            assert_eq!(
+                (merge.a[2], merge.a[3], merge.a[7], merge.a[9]),
+                (32, 128, 0x600, 8)
+            );
+        }
+    }
+
+    #[test]
+    fn attention_the_kernel_cannot_take_is_left_alone() {
+        let refused = |edit: &dyn Fn(&mut Vec<Launch>)| {
+            let mut list = attention_launches(8);
+            edit(&mut list);
+            attention_piece(&list, 0, 132).is_none()
+        };
+        assert!(!refused(&|_| {}));
+        // The merged Q/K/V source (cuBLAS steps), a second token, another query buffer, a
+        // 96-dim head, no merge after several splits.
+        assert!(refused(&|l| l[0].args[0] = Arg::P(0x42)));
+        assert!(refused(&|l| l[1].args[15] = Arg::I(1)));
+        assert!(refused(&|l| l[1].args[0] = Arg::P(0x42)));
+        assert!(refused(&|l| {
+            l[0].args[16] = Arg::I(96);
+            l[1].args[11] = Arg::I(96);
+        }));
+        assert!(refused(&|l| {
+            l.pop();
+        }));
+    }
+
     #[test]
     fn phase_layout_matches_the_kernel_struct() {
         let mut p = Phase::new(GEMV, vec![7, -1]);
