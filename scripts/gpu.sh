@@ -24,6 +24,9 @@
 #                            it adds its cubin to .gpu/cuda-cache) for `AB="BIN=.gpu/kestrel-base -"`
 #   scripts/gpu.sh sampled   on the GPU host: `kestrel serve` at 64 clients, greedy and sampled
 #                            (temperature 1; llama.cpp's defaults), for each binary of $BINS
+#   scripts/gpu.sh mega      on the GPU host: the persistent single-token kernel's checks, then
+#                            its per-phase profile on Qwen2.5-1.5B and Llama-3-8B Q4_K_M for each
+#                            KESTREL_CUDA_MEGA_FLAGS value of $FLAGS, the launch path beside it
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -215,9 +218,30 @@ decode-ab)
             --seqs "$SEQS" -p 512 -n 128 -r 1 | grep -E '^\|' | tail -n +3
     done
     ;;
+mega)
+    # The persistent single-token kernel (KESTREL_CUDA_MEGA=1): its checks (tiny models,
+    # then synthetic Qwen2.5-1.5B against the launches and the CPU), then tg128 of Qwen2.5-1.5B
+    # and Llama-3-8B Q4_K_M with its per-phase profile under each flags value of
+    # ${FLAGS:-0} (KESTREL_CUDA_MEGA_FLAGS), and the launch path beside them.
+    gpu_env
+    qwen=/tmp/qwen2.5-1.5b-q4_k_m.gguf
+    [ -f "$qwen" ] || .gpu/kestrel synth --arch qwen2 --preset qwen2.5-1.5b --type q4_k_m -o "$qwen" >/dev/null
+    timeout 300 .gpu/kestrel gpu-check --mega "$qwen" --mega-cpu --generate 30 | grep -vE ' ok$' || true
+    model=$(llama3_8b)
+    for m in "$qwen" "$model"; do
+        for f in ${FLAGS:-0}; do
+            echo "$(basename "$m") KESTREL_CUDA_MEGA_FLAGS=$f:"
+            KESTREL_CUDA_MEGA=1 KESTREL_CUDA_MEGA_PROFILE=1 KESTREL_CUDA_MEGA_FLAGS=$f timeout 120 \
+                .gpu/kestrel bench -m "$m" --device cuda -p 512 -n 128 -r 1 2>&1 |
+                grep -E '^  |tg128|rror'
+        done
+        echo "$(basename "$m") launches: $(.gpu/kestrel bench -m "$m" --device cuda -p 512 -n 128 -r 3 |
+            grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+')"
+    done
+    ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|seqs-ab|decode-ab|batched|serve-profile]" >&2
+    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|seqs-ab|decode-ab|batched|serve-profile|mega]" >&2
     exit 2
     ;;
 esac
