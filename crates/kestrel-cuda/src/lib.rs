@@ -614,7 +614,8 @@ pub struct CudaBackend {
     mega_programs: Mutex<Vec<MegaProgram>>,
 }
 
-/// A launch list with its `mega` run in place, and the device buffers that launch reads.
+/// A recorded launch list (`key`), the same list with its `mega` run in place, and the
+/// device buffers that launch reads (None, and no launches: the kernel takes none of it).
 struct MegaProgram {
     key: Vec<Launch>,
     launches: Vec<Launch>,
@@ -999,36 +1000,33 @@ impl CudaBackend {
     }
 
     /// `launches` with their first run that the `mega` kernel takes replaced by one launch
-    /// of it (as they are when it takes none, when it is off, or while profiling).
-    fn with_mega(&self, launches: &[Launch]) -> Vec<Launch> {
+    /// of it; None where they stay as they are (it takes none, it is off, or profiling).
+    fn with_mega(&self, launches: &[Launch]) -> Option<Vec<Launch>> {
         if !self.mega() || self.profile.is_some() {
-            return launches.to_vec();
+            return None;
         }
         let mut programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = programs.iter().find(|p| p.key == launches) {
-            return p.launches.clone();
+            return p.buffers.as_ref().map(|_| p.launches.clone());
         }
+        // A list it does not take is remembered too, so that it is planned once.
         let program = match mega::plan(launches, self.sm_count)
             .map(|plan| self.upload_mega(launches, plan))
         {
             Some(Ok(p)) => p,
-            Some(Err(e)) => {
-                self.fail(format!("preparing the mega kernel: {e}"));
+            failed => {
+                if let Some(Err(e)) = failed {
+                    self.fail(format!("preparing the mega kernel: {e}"));
+                }
                 MegaProgram {
                     key: launches.to_vec(),
-                    launches: launches.to_vec(),
+                    launches: Vec::new(),
                     buffers: None,
                     times: None,
                 }
             }
-            None => MegaProgram {
-                key: launches.to_vec(),
-                launches: launches.to_vec(),
-                buffers: None,
-                times: None,
-            },
         };
-        let out = program.launches.clone();
+        let out = program.buffers.as_ref().map(|_| program.launches.clone());
         if programs.len() >= MAX_MEGA_PROGRAMS {
             programs.remove(0);
         }
@@ -1386,7 +1384,8 @@ impl CudaBackend {
             return;
         }
         if pending == rec.previous {
-            match self.capture(&self.with_mega(&pending)) {
+            let rewritten = self.with_mega(&pending);
+            match self.capture(rewritten.as_deref().unwrap_or(&pending)) {
                 Ok(graph) => {
                     if let Err(e) = graph.launch() {
                         self.fail(format!("launching a CUDA graph: {e:?}"));
@@ -1409,7 +1408,8 @@ impl CudaBackend {
                 }
             }
         }
-        for l in &self.with_mega(&pending) {
+        let rewritten = self.with_mega(&pending);
+        for l in rewritten.as_deref().unwrap_or(&pending) {
             self.launch_now(l);
         }
         rec.previous = pending;
