@@ -324,8 +324,8 @@ __device__ __forceinline__ void mg_norm_quant(const MgPhase& ph, i8* sxq, float*
         for (int i = 0; i < MG_QB; i++) {
             const int b = b0 + i * stride, j = 32 * b + lane;
             if (b < blocks) {
-                // round(v / step) as v times the block's reciprocal step (a division per
-                // value was most of this phase's time; the rounding differs from
+                // round(v / step) as v times the block's reciprocal step (measured no
+                // faster than a division per value; the rounding differs from
                 // quantize_x_q8's only for quotients within an ulp of a half).
                 const float step = amax[i] / 127.0f;
                 const float inv = step > 0.0f ? 127.0f / amax[i] : 0.0f;

@@ -993,7 +993,7 @@ impl CudaBackend {
         self.mega.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Steps whose launches ran (or were captured) with a `mega` run in them.
+    /// Launch lists the `mega` kernel took (each uploaded once, run or captured since).
     pub fn mega_programs(&self) -> usize {
         let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
         programs.iter().filter(|p| p.buffers.is_some()).count()
@@ -1383,9 +1383,11 @@ impl CudaBackend {
             rec.pending.clear();
             return;
         }
+        // Captured or launched eagerly below: with the mega kernel's run in place, if any.
+        let rewritten = self.with_mega(&pending);
+        let launches = rewritten.as_deref().unwrap_or(&pending);
         if pending == rec.previous {
-            let rewritten = self.with_mega(&pending);
-            match self.capture(rewritten.as_deref().unwrap_or(&pending)) {
+            match self.capture(launches) {
                 Ok(graph) => {
                     if let Err(e) = graph.launch() {
                         self.fail(format!("launching a CUDA graph: {e:?}"));
@@ -1408,8 +1410,7 @@ impl CudaBackend {
                 }
             }
         }
-        let rewritten = self.with_mega(&pending);
-        for l in rewritten.as_deref().unwrap_or(&pending) {
+        for l in launches {
             self.launch_now(l);
         }
         rec.previous = pending;

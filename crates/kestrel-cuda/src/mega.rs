@@ -69,13 +69,9 @@ impl Phase {
         if self.kind != GEMV {
             return 0;
         }
-        let rb = row_bytes(&self.a);
-        if self.a[7] != 0 {
-            return (gemv_segments(&self.a)[0].3 * rb[0]) as u64;
-        }
-        gemv_segments(&self.a)
+        rows_and_bytes(&self.a)
             .iter()
-            .map(|s| (s.3 * s.1) as u64)
+            .map(|&(rows, bytes)| (rows * bytes) as u64)
             .sum()
     }
 
@@ -170,12 +166,14 @@ fn gemv_ok(a: &[i64]) -> bool {
     })
 }
 
-/// Bytes of one row of a GEMV phase (gated: gate and up side by side).
-fn row_bytes(a: &[i64]) -> Vec<i64> {
+/// (rows, bytes a row) of each segment of a GEMV phase as the kernel walks them: gated
+/// phases one segment whose rows are a gate row and an up row side by side.
+fn rows_and_bytes(a: &[i64]) -> Vec<(i64, i64)> {
+    let segs = gemv_segments(a);
     if a[7] != 0 {
-        vec![a[10] + a[17]]
+        vec![(segs[0].3, a[10] + a[17])]
     } else {
-        gemv_segments(a).iter().map(|s| s.1).collect()
+        segs.iter().map(|s| (s.3, s.1)).collect()
     }
 }
 
@@ -395,19 +393,13 @@ pub fn plan(launches: &[Launch], sms: usize) -> Option<Plan> {
         p.barrier = distributed && i + 1 < n;
         match p.kind {
             GEMV => {
-                let rb = row_bytes(&p.a);
-                if rb.iter().any(|&b| b > i64::from(slot_bytes)) {
+                let rows_bytes = rows_and_bytes(&p.a);
+                if rows_bytes.iter().any(|&(_, b)| b > i64::from(slot_bytes)) {
                     return None;
                 }
-                for (s, &b) in rb.iter().enumerate() {
+                for (s, &(_, b)) in rows_bytes.iter().enumerate() {
                     p.rpc[s] = (i64::from(slot_bytes) / b).clamp(1, MAX_ROWS as i64) as i32;
                 }
-                let segs = gemv_segments(&p.a);
-                let rows_bytes: Vec<(i64, i64)> = if p.a[7] != 0 {
-                    vec![(segs[0].3, rb[0])]
-                } else {
-                    segs.iter().map(|s| (s.3, s.1)).collect()
-                };
                 weight_bytes += p.weight_bytes();
                 p.bounds_at = bounds.len();
                 bounds.extend(row_bounds(&rows_bytes, sms));
