@@ -299,8 +299,13 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
             });
         }
         const u32 n_g = gather ? min(n_gathered, (u32)SAMPLE_GATHER) : 0;
-        // Σ over the survivors of A and B with key >= t of f(key, logit).
-        auto over_kept = [&](auto f) {
+        // Σ over the survivors of A and B of their mass where key >= t, or (ties) of 1 where
+        // key == t. (One non-generic lambda: NVRTC 13.0 takes a generic lambda's call
+        // operator for a host function.)
+        auto over_kept = [&](u32 t, bool ties) {
+            auto f = [&](u32 k, float l) {
+                return ties ? (k == t ? 1.0 : 0.0) : (k >= t ? mass(l) : 0.0);
+            };
             if (gather) {
                 double s = 0.0;
                 for (u32 j = threadIdx.x; j < n_g; j += blockDim.x) {
@@ -313,16 +318,14 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
                 return in_a(i, k) && l >= floor ? f(k, l) : 0.0;
             });
         };
-        auto kept_from = [&](u32 t) {
-            return over_kept([&](u32 k, float l) { return k >= t ? mass(l) : 0.0; });
-        };
+        auto kept_from = [&](u32 t) { return over_kept(t, false); };
         const double target = (double)top_p * total;
         // The mass of A and B may stay under the target (min-p removed it, or rounding):
         // then top-p keeps all of them.
         if (kept_from(0) >= target) {
             c_key = bisect_key(0, top_key, target, kept_from);
             const double above = c_key < 0xffffffffu ? kept_from(c_key + 1) : 0.0;
-            const double ties = over_kept([&](u32 k, float) { return k == c_key ? 1.0 : 0.0; });
+            const double ties = over_kept(c_key, true);
             const double each = mass(sample_key_value(c_key));
             const double need = fmax(1.0, ceil((target - above) / each));
             if (need < ties) {

@@ -226,3 +226,21 @@ pub fn arch_name(major: i32, minor: i32) -> anyhow::Result<String> {
     }
     Ok(format!("sm_{major}{minor}"))
 }
+
+#[cfg(test)]
+mod tests {
+    /// NVRTC 13.0 (the GPU host's) compiles a generic lambda's call operator as a host
+    /// function and fails the whole program, while newer NVRTCs accept it: kernels must
+    /// spell out their lambdas' parameter types.
+    #[test]
+    fn kernels_have_no_generic_lambdas() {
+        for (n, line) in super::SOURCE.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            assert!(
+                !(code.contains("](auto") || code.contains("] (auto")),
+                "kernel source line {}: a generic lambda: {line}",
+                n + 1
+            );
+        }
+    }
+}
