@@ -19,6 +19,7 @@
 //! launch list means a replay can never use stale buffers or sizes.
 
 pub mod compile;
+mod gemm_tune;
 mod mega;
 pub mod selfcheck;
 
@@ -529,6 +530,9 @@ pub struct CudaBackend {
     /// cuBLAS, for prompt-sized matrix products on the tensor cores (None: library absent
     /// or `KESTREL_CUDA_CUBLAS=0`; the `matmul` kernel is used instead).
     blas: Option<cudarc::cublas::CudaBlas>,
+    /// cuBLASLt algorithms timed per product shape (None: library absent or
+    /// `KESTREL_CUDA_GEMM_TUNE=0`; cublasGemmEx's choice everywhere).
+    gemm_tuner: Option<gemm_tune::Tuner>,
     /// `KESTREL_CUDA_GEMV=legacy`: single-token steps use the older `gemv1` kernel (for
     /// comparisons).
     legacy_gemv1: bool,
@@ -895,6 +899,9 @@ impl CudaBackend {
                     .map_err(|e| anyhow::anyhow!("creating a cuBLAS handle: {e:?}"))?,
             )
         };
+        let gemm_tuner = blas
+            .as_ref()
+            .and_then(|_| gemm_tune::Tuner::new(&ctx, &stream));
         let graphs = !profile && std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let gemv_dec = match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
             Ok("r1") => Some(("gemv_dec_r1", 1)),
@@ -922,6 +929,7 @@ impl CudaBackend {
             freq_factors: Mutex::new(Vec::new()),
             merged_f16_rows: Mutex::new(HashMap::new()),
             blas,
+            gemm_tuner,
             legacy_gemv1: std::env::var("KESTREL_CUDA_GEMV").is_ok_and(|v| v == "legacy"),
             gemv_dec,
             gemv_q8_rows: std::sync::atomic::AtomicUsize::new(
@@ -2091,6 +2099,16 @@ impl CudaBackend {
             .store(rows.min(2), std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether cuBLAS products run on a timed cuBLASLt algorithm even where cublasGemmEx
+    /// is faster (the self-check covers that path on small products); false when there is
+    /// no tuner.
+    pub fn set_gemm_force_lt(&self, force: bool) -> bool {
+        self.gemm_tuner
+            .as_ref()
+            .inspect(|t| t.set_force(force))
+            .is_some()
+    }
+
     /// Whether single-token products of Q4_K / Q6_K weights run on `gemv_ws`.
     pub fn gemv_ws(&self) -> bool {
         self.gemv_ws.load(std::sync::atomic::Ordering::Relaxed)
@@ -2530,43 +2548,19 @@ impl CudaBackend {
         ld: usize,
         accumulate: bool,
     ) {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-        };
         let Some(blas) = &self.blas else {
             self.fail("GEMM without cuBLAS".into());
             return;
         };
-        let b = xh;
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        // Column-major view: C (rows × n, ld) = Wᵀ-stored A (cols × rows)ᵀ · B (cols × n).
-        // SAFETY: a, b and out hold rows×cols, n×cols and n×ld elements (checked by the
-        // callers); the handle is bound to this backend's stream.
-        let r = unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                rows as i32,
-                n as i32,
-                cols as i32,
-                (&alpha as *const f32).cast(),
-                a as *const std::ffi::c_void,
-                cudaDataType::CUDA_R_16F,
-                cols as i32,
-                b as *const std::ffi::c_void,
-                cudaDataType::CUDA_R_16F,
-                cols as i32,
-                (&beta as *const f32).cast(),
-                out as *mut std::ffi::c_void,
-                cudaDataType::CUDA_R_32F,
-                ld as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
-        if let Err(e) = r {
-            self.fail(format!("cuBLAS GEMM ({rows}×{cols} by {n} tokens): {e:?}"));
+        let shape = gemm_tune::Shape { rows, cols, n, ld };
+        // The shape's fastest cuBLASLt algorithm where one beats cublasGemmEx's choice.
+        if let Some(tuner) = &self.gemm_tuner
+            && tuner.run(blas, shape, a, xh, out, accumulate)
+        {
+            return;
+        }
+        if let Err(e) = gemm_tune::gemm_ex_raw(blas, shape, a, xh, out, accumulate) {
+            self.fail(format!("cuBLAS GEMM ({rows}×{cols} by {n} tokens): {e}"));
         }
     }
 

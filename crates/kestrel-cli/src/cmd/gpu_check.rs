@@ -280,9 +280,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // launches would otherwise all take one row a warp).
         let gemv_rows_default = backend.gemv_q8_rows();
         // `mmk_t8`: with and without the next step's weights loaded ahead (variants 1, 2).
+        // cuBLAS products (`gemm`): variant 1 on a cuBLASLt algorithm even where
+        // cublasGemmEx is faster (small products would otherwise keep it).
         let row_variants: &[usize] = match kind {
             "gemv" | "gemv-gated" => &[0, 1, 2],
             "mmk" => &[1, 2],
+            "gemm" if backend.set_gemm_force_lt(false) => &[0, 1],
             _ => &[0],
         };
         let runs = cases
@@ -291,12 +294,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         for ((rows, cols, n, s), variant) in runs {
             if kind == "mmk" {
                 backend.set_mmk_mode(variant as u8);
+            } else if kind == "gemm" {
+                backend.set_gemm_force_lt(variant == 1);
             } else if variant != 0 {
                 backend.set_gemv_q8_rows(variant);
             }
             let result =
                 selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"));
             backend.set_gemv_q8_rows(gemv_rows_default);
+            backend.set_gemm_force_lt(false);
             if kind == "mmk" {
                 backend.set_mmk_mode(2);
             }
