@@ -1,12 +1,16 @@
-//! cuBLASLt algorithms for the f16 products, chosen per product shape by timing.
+//! cuBLASLt algorithms for the f16 products, chosen per product shape by timing (opt-in:
+//! `KESTREL_CUDA_GEMM_TUNE=1`, or `print` to show each shape's timings).
 //!
 //! `cublasGemmEx` takes its heuristic's first algorithm. On the H100 that is not always the
 //! fastest for the skinny products of batched decode (64 tokens: the down projection 48.0
 //! against 44.8 µs for another of the heuristic's candidates, the LM head 395 against 382;
-//! `scripts/cublaslt_search.py`, fourteenth session). The first product of each shape times the
-//! candidates (and `cublasGemmEx`) on the real operands into a scratch output, keeps the
-//! fastest, and later products of that shape run it directly. `KESTREL_CUDA_GEMM_TUNE=0`
-//! turns this off; `print` shows each shape's timings.
+//! `scripts/cublaslt_search.py`, fourteenth session). With tuning on, the first product of
+//! each shape times the candidates (and `cublasGemmEx`) on the real operands into a scratch
+//! output, keeps the fastest, and later products of that shape run it directly.
+//! Measured: `bench --seqs 64 --argmax` +2.5% and pp512 +1.5% in one call, no gain in
+//! another; `kestrel serve` at 64 clients −8% (each newly timed shape stalls its first
+//! step; a short run pays them all). Hence off by default; the self-check forces the
+//! cuBLASLt path on its cuBLAS cases either way.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,6 +22,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, sys};
 const WORKSPACE: usize = 32 << 20;
 /// Candidates asked of the heuristic.
 const CANDIDATES: usize = 16;
+/// Timed calls per candidate (after two to warm up).
+const TIMED_CALLS: usize = 5;
 /// Largest scratch output a shape is timed into; larger products keep `cublasGemmEx`.
 const MAX_SCRATCH: usize = 64 << 20;
 
@@ -69,6 +75,9 @@ pub struct Tuner {
     force: std::sync::atomic::AtomicBool,
     /// `KESTREL_CUDA_GEMM_TUNE=print`: each shape's timings on stderr.
     verbose: bool,
+    /// `KESTREL_CUDA_GEMM_TUNE=1` or `print`: time shapes (otherwise only forced runs use
+    /// cuBLASLt).
+    enabled: bool,
 }
 
 // SAFETY: the handle is used only with `stream`; plans under the mutex.
@@ -94,14 +103,13 @@ fn ok(status: lt::cublasStatus_t, what: &str) -> anyhow::Result<()> {
 }
 
 impl Tuner {
-    /// None when cuBLASLt is missing or `KESTREL_CUDA_GEMM_TUNE=0`.
+    /// None when cuBLASLt is missing.
     pub fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Option<Tuner> {
-        if std::env::var("KESTREL_CUDA_GEMM_TUNE").is_ok_and(|v| v == "0")
-            // SAFETY: only probes whether the shared library can be opened.
-            || !unsafe { lt::is_culib_present() }
-        {
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { lt::is_culib_present() } {
             return None;
         }
+        let mode = std::env::var("KESTREL_CUDA_GEMM_TUNE").unwrap_or_default();
         let mut handle = std::ptr::null_mut();
         // SAFETY: an out-pointer for the new handle.
         ok(unsafe { lt::cublasLtCreate(&mut handle) }, "create").ok()?;
@@ -113,7 +121,8 @@ impl Tuner {
             workspace,
             plans: Mutex::new(HashMap::new()),
             force: Default::default(),
-            verbose: std::env::var("KESTREL_CUDA_GEMM_TUNE").is_ok_and(|v| v == "print"),
+            verbose: mode == "print",
+            enabled: mode == "1" || mode == "print",
         })
     }
 
@@ -130,6 +139,9 @@ impl Tuner {
         accumulate: bool,
     ) -> bool {
         let force = self.force.load(std::sync::atomic::Ordering::Relaxed);
+        if !(self.enabled || force) {
+            return false;
+        }
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let plan = plans.entry((s, force)).or_insert_with(|| {
             self.tune(blas, s, a, x, force).unwrap_or_else(|e| {
@@ -243,6 +255,15 @@ impl Tuner {
         Ok(p)
     }
 
+    /// Whether a product of `n` tokens is worth timing: powers of two from 64 (full
+    /// 64-sequence decode steps, where the gain was measured, and power-of-two prompt
+    /// chunks such as pp512's). Every timed shape stalls its first step (~5–40 ms); timing
+    /// each batch size a server passes through (1–64) cost more than it gained: 64 clients
+    /// 2,835 against 3,477 generated t/s without timing, ITL p99 65 against 39 ms.
+    fn worth_timing(n: usize) -> bool {
+        n >= 64 && n.is_power_of_two()
+    }
+
     /// The fastest of the heuristic's candidates for `s` on operands a, x, or None when
     /// `cublasGemmEx` (timed too) is at least as fast and `force` is not set.
     fn tune(
@@ -254,7 +275,7 @@ impl Tuner {
         force: bool,
     ) -> anyhow::Result<Option<Plan>> {
         let scratch_len = s.n * s.ld;
-        if scratch_len * 4 > MAX_SCRATCH {
+        if scratch_len * 4 > MAX_SCRATCH || !(force || Self::worth_timing(s.n)) {
             return Ok(None);
         }
         let mut plan = self.plan(s)?;
@@ -338,7 +359,7 @@ impl Tuner {
         }
     }
 
-    /// Microseconds per call of `f` (two calls to warm up, then five timed by events).
+    /// Microseconds per call of `f` (two calls to warm up, then TIMED_CALLS timed by events).
     fn time(&self, f: impl Fn() -> anyhow::Result<()>) -> anyhow::Result<f64> {
         let event = || {
             self.ctx
@@ -351,7 +372,7 @@ impl Tuner {
         start
             .record(&self.stream)
             .map_err(|e| anyhow::anyhow!("event: {e:?}"))?;
-        for _ in 0..5 {
+        for _ in 0..TIMED_CALLS {
             f()?;
         }
         end.record(&self.stream)
@@ -361,7 +382,7 @@ impl Tuner {
         let ms = start
             .elapsed_ms(&end)
             .map_err(|e| anyhow::anyhow!("timing: {e:?}"))?;
-        Ok(ms as f64 * 1000.0 / 5.0)
+        Ok(ms as f64 * 1000.0 / TIMED_CALLS as f64)
     }
 }
 

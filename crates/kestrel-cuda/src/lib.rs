@@ -530,8 +530,8 @@ pub struct CudaBackend {
     /// cuBLAS, for prompt-sized matrix products on the tensor cores (None: library absent
     /// or `KESTREL_CUDA_CUBLAS=0`; the `matmul` kernel is used instead).
     blas: Option<cudarc::cublas::CudaBlas>,
-    /// cuBLASLt algorithms timed per product shape (None: library absent or
-    /// `KESTREL_CUDA_GEMM_TUNE=0`; cublasGemmEx's choice everywhere).
+    /// cuBLASLt algorithms timed per product shape (`KESTREL_CUDA_GEMM_TUNE=1`; otherwise
+    /// only the self-check's forced runs use it; None: library absent).
     gemm_tuner: Option<gemm_tune::Tuner>,
     /// `KESTREL_CUDA_GEMV=legacy`: single-token steps use the older `gemv1` kernel (for
     /// comparisons).
@@ -2553,7 +2553,8 @@ impl CudaBackend {
             return;
         };
         let shape = gemm_tune::Shape { rows, cols, n, ld };
-        // The shape's fastest cuBLASLt algorithm where one beats cublasGemmEx's choice.
+        // The shape's fastest cuBLASLt algorithm where one beats cublasGemmEx's choice
+        // (tuning on, or forced by the self-check).
         if let Some(tuner) = &self.gemm_tuner
             && tuner.run(blas, shape, a, xh, out, accumulate)
         {
