@@ -17,6 +17,14 @@ bh = ctypes.c_void_p(); ok(cb.cublasCreate_v2(ctypes.byref(bh)), "cublas")
 ok(cb.cublasSetStream_v2(bh, ctypes.c_void_p(stream)), "stream")
 def layout(ty, r, c, ld):
     l = ctypes.c_void_p(); ok(lt.cublasLtMatrixLayoutCreate(ctypes.byref(l), ty, ctypes.c_uint64(r), ctypes.c_uint64(c), ctypes.c_int64(ld)), "layout"); return l
+def timed(call, reps):
+    """Microseconds per call(j), j rotating over the weight copies (three calls to warm up)."""
+    for j in range(3): call(j)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for j in range(reps): call(j)
+    e1.record(); torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1000 / reps
 def run(name, M, K, N, reps=20):
     copies = max(2, (200 << 20) // (M * K * 2) + 1)
     Ws = [torch.randn(M, K, dtype=torch.float16, device="cuda") * 0.02 for _ in range(copies)]
@@ -43,24 +51,13 @@ def run(name, M, K, N, reps=20):
         if go(0) != 0: continue
         torch.cuda.synchronize()
         err = ((out - ref).abs().max() / ref.abs().max()).item()
-        for j in range(3): go(j)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for j in range(reps): go(j)
-        e1.record(); torch.cuda.synchronize()
-        us = e0.elapsed_time(e1) * 1000 / reps
-        times.append((us, i, res[i].ws, res[i].waves, err))
+        times.append((timed(go, reps), i, res[i].ws, res[i].waves, err))
     # cublasGemmEx, CUBLAS_GEMM_DEFAULT: Kestrel's call today
     def gex(j):
         return cb.cublasGemmEx(bh, 1, 0, M, N, K, ctypes.byref(alpha), ctypes.c_void_p(Ws[j % copies].data_ptr()), 2, K,
             ctypes.c_void_p(x.data_ptr()), 2, K, ctypes.byref(beta), ctypes.c_void_p(out.data_ptr()), 0, M, 68, -1)
     ok(gex(0), "gemmex")
-    for j in range(3): gex(j)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for j in range(reps): gex(j)
-    e1.record(); torch.cuda.synchronize()
-    gex_us = e0.elapsed_time(e1) * 1000 / reps
+    gex_us = timed(gex, reps)
     base = [t for t in times if t[1] == 0]
     best = min(times)
     gb = M * K * 2 / 1e3
