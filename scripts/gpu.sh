@@ -27,6 +27,9 @@
 #   scripts/gpu.sh mega      on the GPU host: the persistent single-token kernel's checks, then
 #                            its per-phase profile on Qwen2.5-1.5B and Llama-3-8B Q4_K_M for each
 #                            KESTREL_CUDA_MEGA_FLAGS value of $FLAGS, the launch path beside it
+#   scripts/gpu.sh ceilings  on the GPU host: ncu durations of `read_bytes` at the single-token
+#                            launches' sizes and of each launch of 8-layer Llama-3-8B models
+#                            (${TYPES:-q4_k_m q8_0}), measured alike (scripts/ncu_launches.py)
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -124,6 +127,27 @@ bench)
         .gpu/kestrel bench -m "$f" --device cuda -p 512 -n 128 -r 3 --json > "$out/bench-$2-$3.json"
         echo "$2 $3: $(grep -E '"(n_prompt|n_gen|avg_ts|stddev_ts|achieved_gb_s)"' "$out/bench-$2-$3.json" | tr -d ' \n')"
         # kept: a warm host reuses the files on the next call
+    done
+    ;;
+ceilings)
+    # GEMV launches against a plain read of the same bytes, both under ncu (caches flushed,
+    # no launch latency; BENCHMARKS.md, "Fourteenth session").
+    gpu_env
+    out=${OUT:-/tmp}
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    metrics=gpu__time_duration.sum,dram__bytes_read.sum
+    "$ncu" --clock-control none --csv --metrics $metrics --kernel-name read_bytes \
+        --launch-count 560 .gpu/kestrel gpu-check --read-bw >"$out/ncu-read.csv" 2>&1
+    python3 scripts/ncu_launches.py read "$out/ncu-read.csv"
+    for t in ${TYPES:-q4_k_m q8_0}; do
+        f=/tmp/l8-$t.gguf
+        [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type "$t" --layers 8 \
+            -o "$f" >/dev/null
+        KESTREL_CUDA_GRAPHS=0 "$ncu" --clock-control none --csv --metrics $metrics \
+            --launch-skip 300 --launch-count 60 .gpu/kestrel bench -m "$f" --device cuda \
+            -p 0 -n 4 -r 1 >"$out/ncu-$t.csv" 2>&1
+        echo "== $t"
+        python3 scripts/ncu_launches.py kernels "$out/ncu-$t.csv"
     done
     ;;
 batched)
