@@ -8,8 +8,8 @@
 //! each shape times the candidates (and `cublasGemmEx`) on the real operands into a scratch
 //! output, keeps the fastest, and later products of that shape run it directly.
 //! Measured: `bench --seqs 64 --argmax` +2.5% and pp512 +1.5% in one call, no gain in
-//! another; `kestrel serve` at 64 clients −8% (each newly timed shape stalls its first
-//! step; a short run pays them all). Hence off by default; the self-check forces the
+//! another; `kestrel serve` at 64 clients −8 to −18% (each newly timed shape stalls its
+//! first step; a short run pays them all). Hence off by default; the self-check forces the
 //! cuBLASLt path on its cuBLAS cases either way.
 
 use std::collections::HashMap;
@@ -66,7 +66,8 @@ pub struct Tuner {
     handle: lt::cublasLtHandle_t,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
-    workspace: CudaSlice<u8>,
+    /// Allocated with the first timed shape (tuning is off by default: no GPU memory then).
+    workspace: std::sync::OnceLock<CudaSlice<u8>>,
     /// By shape and whether a candidate was forced: None when `cublasGemmEx` was fastest
     /// (or the shape was not timed).
     plans: Mutex<HashMap<(Shape, bool), Option<Plan>>>,
@@ -113,12 +114,11 @@ impl Tuner {
         let mut handle = std::ptr::null_mut();
         // SAFETY: an out-pointer for the new handle.
         ok(unsafe { lt::cublasLtCreate(&mut handle) }, "create").ok()?;
-        let workspace = stream.alloc_zeros::<u8>(WORKSPACE).ok()?;
         Some(Tuner {
             handle,
             stream: stream.clone(),
             ctx: ctx.clone(),
-            workspace,
+            workspace: Default::default(),
             plans: Mutex::new(HashMap::new()),
             force: Default::default(),
             verbose: mode == "print",
@@ -163,7 +163,10 @@ impl Tuner {
 
     fn matmul(&self, p: &Plan, a: u64, x: u64, out: u64, accumulate: bool) -> anyhow::Result<()> {
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        let (ws, _guard) = self.workspace.device_ptr(&self.stream);
+        let Some(workspace) = self.workspace.get() else {
+            anyhow::bail!("cuBLASLt matmul before any shape was timed");
+        };
+        let (ws, _guard) = workspace.device_ptr(&self.stream);
         // SAFETY: the operands hold the shape's elements (checked by gemm_f16_raw's callers);
         // the plan's layouts describe them; the workspace holds `WORKSPACE` bytes.
         ok(
@@ -277,6 +280,14 @@ impl Tuner {
         let scratch_len = s.n * s.ld;
         if scratch_len * 4 > MAX_SCRATCH || !(force || Self::worth_timing(s.n)) {
             return Ok(None);
+        }
+        if self.workspace.get().is_none() {
+            let workspace = self
+                .stream
+                .alloc_zeros::<u8>(WORKSPACE)
+                .map_err(|e| anyhow::anyhow!("workspace: {e:?}"))?;
+            // Only `run` calls this, under the plans' mutex: set once.
+            let _ = self.workspace.set(workspace);
         }
         let mut plan = self.plan(s)?;
         let mut pref = std::ptr::null_mut();

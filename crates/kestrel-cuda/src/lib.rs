@@ -2099,14 +2099,18 @@ impl CudaBackend {
             .store(rows.min(2), std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether cuBLAS products can be forced onto cuBLASLt (the library is there).
+    pub fn has_cublaslt(&self) -> bool {
+        self.gemm_tuner.is_some()
+    }
+
     /// Whether cuBLAS products run on a timed cuBLASLt algorithm even where cublasGemmEx
-    /// is faster (the self-check covers that path on small products); false when there is
-    /// no tuner.
-    pub fn set_gemm_force_lt(&self, force: bool) -> bool {
-        self.gemm_tuner
-            .as_ref()
-            .inspect(|t| t.set_force(force))
-            .is_some()
+    /// is faster (the self-check covers that path on small products); no effect without
+    /// cuBLASLt.
+    pub fn set_gemm_force_lt(&self, force: bool) {
+        if let Some(t) = &self.gemm_tuner {
+            t.set_force(force);
+        }
     }
 
     /// Whether single-token products of Q4_K / Q6_K weights run on `gemv_ws`.
