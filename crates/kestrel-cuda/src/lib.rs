@@ -106,6 +106,15 @@ const MMH_DEFAULT_MIN_TOKENS: usize = 9;
 const MMH_MAX_TILES: usize = 1 << 16;
 /// Blocks of `mmh_*` resident per SM (their `__launch_bounds__`): the split rule's aim.
 const MMH_BLOCKS_PER_SM: usize = 4;
+/// `mmw_*` (kernels/mmw.cu): bytes of one 16-row tile's 256-value step in the mmw layout,
+/// the most warps (tiles) a block takes, and its staged steps (dynamic shared memory).
+const MW_TILE_BYTES: usize = 2560;
+const MW_MAX_WARPS: usize = 8;
+const MW_STAGES: u32 = 3;
+const MW_XBYTES: u32 = 64 * 528;
+/// The token range of `mmw_*`: steps of 33..=64 tokens (below, the int8 kernels keep them).
+const MMW_DEFAULT_MIN_TOKENS: usize = 33;
+const MMW_MAX_TOKENS: usize = 64;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD); runs of fewer tokens take the
 /// split kernels.
@@ -379,6 +388,9 @@ fn dynamic_smem(name: &str) -> u32 {
     if name == "mega" {
         return mega::SMEM_BYTES;
     }
+    if name == "mmw_gated" {
+        return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * 2 * MW_TILE_BYTES) as u32);
+    }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
         "mms_t16" => 16,
         "mms_t32" => 32,
@@ -607,6 +619,12 @@ pub struct CudaBackend {
     /// Fewest tokens of a step whose Q4_K / Q6_K products go to the f16 tensor-core kernels
     /// `mmh_*` instead of the int8 ones (`KESTREL_CUDA_MMH_MIN`; above MMQ_MAX_TOKENS: never).
     mmh_min: std::sync::atomic::AtomicUsize,
+    /// Fewest tokens of a step whose Q4_K gate/up products go to `mmw_gated` (kernels/
+    /// mmw.cu) when both matrices have mmw copies (`KESTREL_CUDA_MMW_MIN`; above
+    /// MMW_MAX_TOKENS: never).
+    mmw_min: std::sync::atomic::AtomicUsize,
+    /// Warps (16-row tiles) per block of `mmw_*`; 0: by the matrix and the SM count.
+    mmw_warps: std::sync::atomic::AtomicUsize,
     /// Whether those steps, when of more than 8 tokens, take the staged int8 kernels
     /// `mms_*` instead (`KESTREL_CUDA_MMS=0`: no, for comparisons).
     mms: std::sync::atomic::AtomicBool,
@@ -697,6 +715,8 @@ struct GemmScratch {
     qkv: Option<CudaSlice<u16>>,
     /// The merged gate/up product's f32 output (two u16 a value).
     gate_up: Option<CudaSlice<u16>>,
+    /// f16 activations written by a kernel that reads others from `x` (`mmw_gated`).
+    h: Option<CudaSlice<u16>>,
 }
 
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
@@ -722,6 +742,9 @@ pub enum CudaWeight {
         /// A dequantized f16 copy (row-major, `cols` per row) for prompt-sized products,
         /// kept when memory allows (see [`CudaBackend::keep_f16_copy`]).
         f16: Option<CudaSlice<u16>>,
+        /// Q4_K: the blocks repacked for `mmw_*` (kernels/mmw.cu), kept when memory allows
+        /// (see [`CudaBackend::keep_mmw_copy`]).
+        mmw: Option<CudaSlice<u8>>,
     },
     /// A vector (norm weights, biases) as f32.
     Vector {
@@ -982,6 +1005,13 @@ impl CudaBackend {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(MMH_DEFAULT_MIN_TOKENS),
             ),
+            mmw_min: std::sync::atomic::AtomicUsize::new(
+                std::env::var("KESTREL_CUDA_MMW_MIN")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(MMW_DEFAULT_MIN_TOKENS),
+            ),
+            mmw_warps: std::sync::atomic::AtomicUsize::new(0),
             mms: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_MMS").map_or(true, |v| v != "0"),
             ),
@@ -1204,6 +1234,11 @@ impl CudaBackend {
             .clone_htod(data)
             .map_err(|e| anyhow::anyhow!("uploading a matrix: {e:?}"))?;
         let ptr = self.ptr(&buf);
+        let mmw = if self.keep_mmw_copy(ty, rows, cols) {
+            Some(self.repack_mmw(ptr, row_bytes, rows, cols)?)
+        } else {
+            None
+        };
         Ok(CudaWeight::Matrix {
             buf,
             ptr,
@@ -1212,7 +1247,58 @@ impl CudaBackend {
             cols,
             row_bytes,
             f16: None,
+            mmw,
         })
+    }
+
+    /// Bytes of a `rows × cols` Q4_K matrix in the mmw layout.
+    fn mmw_bytes(rows: usize, cols: usize) -> usize {
+        rows.div_ceil(16) * (cols / 256) * MW_TILE_BYTES
+    }
+
+    /// Whether to keep the mmw copy of a `ty` matrix (Q4_K, rows of whole 256-value
+    /// blocks): unless `KESTREL_CUDA_MMW=0`, when it leaves at least 40% of the GPU's memory
+    /// (and 8 GiB) free, as the f16 copies.
+    fn keep_mmw_copy(&self, ty: GgmlType, rows: usize, cols: usize) -> bool {
+        if ty != GgmlType::Q4K || !cols.is_multiple_of(256) || cols == 0 {
+            return false;
+        }
+        if std::env::var("KESTREL_CUDA_MMW").as_deref() == Ok("0") {
+            return false;
+        }
+        match cudarc::driver::result::mem_get_info() {
+            Ok((free, total)) => {
+                let reserve = (total / 10 * 4).max(8 << 30);
+                free.saturating_sub(Self::mmw_bytes(rows, cols)) >= reserve
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The mmw copy of the Q4_K matrix at `ptr` (kernels/mmw.cu: `repack_q4k_mmw`).
+    fn repack_mmw(
+        &self,
+        ptr: u64,
+        row_bytes: usize,
+        rows: usize,
+        cols: usize,
+    ) -> anyhow::Result<CudaSlice<u8>> {
+        let copy = self.alloc::<u8>(Self::mmw_bytes(rows, cols), "an mmw weight copy")?;
+        let threads = rows.div_ceil(16) * (cols / 256) * 32;
+        self.launch(
+            "repack_q4k_mmw",
+            grid_1d(threads, 256),
+            256,
+            &[
+                Arg::P(ptr),
+                Arg::L(row_bytes as i64),
+                Arg::I(rows as i32),
+                Arg::I(cols as i32),
+                Arg::P(self.ptr(&copy)),
+            ],
+        );
+        self.check()?;
+        Ok(copy)
     }
 
     /// A `rows × cols` activation tensor holding `data` (row-major).
@@ -2381,8 +2467,13 @@ impl CudaBackend {
     fn x_to_f16(&self, x: &CudaTensor, n: usize) -> Option<u64> {
         let len = n * x.cols;
         let b = self.scratch_ptr(|s| &mut s.x, len)?;
-        if *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some((x.ptr, n, b)) {
-            return Some(b);
+        let held = *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, rows, h)) = held
+            && at == x.ptr
+            && rows == n
+            && (h == b || h == self.scratch_ptr(|s| &mut s.h, len)?)
+        {
+            return Some(h);
         }
         self.elementwise(
             "f32_to_f16",
@@ -2908,6 +2999,9 @@ impl CudaBackend {
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
     ) {
+        if self.gate_up_mmw(x, gate_w, up_w, act, n, gate) {
+            return;
+        }
         let fused = !self.prefer_gemm(gate_w, n)
             && match (
                 self.gemv_seg(x, gate_w, gate, None),
@@ -2971,6 +3065,104 @@ impl CudaBackend {
         }
         self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
         kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+    }
+
+    /// Whether gate and up of `n` tokens go to `mmw_gated` (both Q4_K with mmw copies, as
+    /// many rows, n in mmw_min..=MMW_MAX_TOKENS).
+    pub fn matmul_uses_mmw(&self, gate_w: &CudaWeight, up_w: &CudaWeight, n: usize) -> bool {
+        let shape = |w: &CudaWeight| match w {
+            CudaWeight::Matrix {
+                mmw: Some(_),
+                rows,
+                cols,
+                ..
+            } => Some((*rows, *cols)),
+            _ => None,
+        };
+        n >= self.mmw_min() && n <= MMW_MAX_TOKENS && {
+            let g = shape(gate_w);
+            g.is_some() && g == shape(up_w)
+        }
+    }
+
+    /// `gate = act(gate_w·x) * (up_w·x)` on `mmw_gated` when [`Self::matmul_uses_mmw`];
+    /// the f16 copy of the result is left for the down projection's cuBLAS product.
+    fn gate_up_mmw(
+        &self,
+        x: &CudaTensor,
+        gate_w: &CudaWeight,
+        up_w: &CudaWeight,
+        act: Activation,
+        n: usize,
+        gate: &mut CudaTensor,
+    ) -> bool {
+        if !self.matmul_uses_mmw(gate_w, up_w, n) {
+            return false;
+        }
+        let (
+            CudaWeight::Matrix {
+                mmw: Some(wg),
+                rows,
+                cols,
+                ..
+            },
+            CudaWeight::Matrix { mmw: Some(wu), .. },
+        ) = (gate_w, up_w)
+        else {
+            return false;
+        };
+        if x.cols != *cols || gate.cols != *rows || n > x.rows || n > gate.rows {
+            return false;
+        }
+        let Some(xh) = self.x_to_f16(x, n) else {
+            return true; // the failure is recorded
+        };
+        let Some(h) = self.scratch_ptr(|s| &mut s.h, n * rows) else {
+            return true;
+        };
+        let tiles = rows.div_ceil(16);
+        // Tiles a block: the fewest warps that still fill every SM once (one block a SM).
+        let warps = match self.mmw_warps.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => tiles.div_ceil(self.sm_count.max(1)),
+            w => w,
+        }
+        .clamp(1, MW_MAX_WARPS);
+        self.launch(
+            "mmw_gated",
+            (tiles.div_ceil(warps) as u32, 1, 1),
+            (warps * 32) as u32,
+            &[
+                Arg::P(xh),
+                Arg::I(n as i32),
+                Arg::I(*cols as i32),
+                Arg::P(self.ptr(wg)),
+                Arg::P(self.ptr(wu)),
+                Arg::I(*rows as i32),
+                Arg::I(activation_id(act)),
+                Arg::P(gate.ptr),
+                Arg::P(h),
+            ],
+        );
+        // The down projection's input, as gated_act_f16 leaves it.
+        *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
+        true
+    }
+
+    /// Sets the fewest tokens that take `mmw_gated` (the self-check covers its range).
+    pub fn set_mmw_min(&self, n: usize) {
+        self.mmw_min.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Forces the warps per block of `mmw_*` (0: chosen by shape; the self-check's small
+    /// matrices would otherwise only see one).
+    pub fn set_mmw_warps(&self, warps: usize) {
+        self.mmw_warps
+            .store(warps, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The fewest tokens that take `mmw_gated`.
+    pub fn mmw_min(&self) -> usize {
+        self.mmw_min.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(

@@ -595,6 +595,9 @@ pub struct GemvReport {
     /// Whether it ran on the f16 tensor-core kernels `mmh_*` (f16 operands, as cuBLAS;
     /// the reference uses x rounded to f16).
     pub via_mmh: bool,
+    /// Whether it ran on `mmw_gated` (4-bit weights repacked, f16 operands; the reference
+    /// uses x rounded to f16).
+    pub via_mmw: bool,
     /// Whether it ran on activations quantized per 256 values (`mmk_t8*`, `mms_*`; the
     /// reference uses them).
     pub via_mmk: bool,
@@ -636,7 +639,7 @@ pub const MAX_GEMM_REL_ERR: f64 = 2e-3;
 impl GemvReport {
     /// The bound this case is held to (f32 kernels, or f16 operands on the tensor cores).
     pub fn limit(&self) -> f64 {
-        if self.via_cublas || self.via_mmh {
+        if self.via_cublas || self.via_mmh || self.via_mmw {
             MAX_GEMM_REL_ERR
         } else {
             MAX_GEMV_REL_ERR
@@ -711,6 +714,9 @@ pub fn compare_gemv(
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
     let via_mmh = backend.matmul_uses_mmh(&weight, n);
+    let via_mmw = up
+        .as_ref()
+        .is_some_and(|(up_w, _)| backend.matmul_uses_mmw(&weight, up_w, n));
     let via_mmk = backend.matmul_uses_mmk(&weight, n);
     let via_mms = backend.matmul_uses_mms(&weight, n);
     let via_ws = backend.matmul_uses_ws(&weight, n);
@@ -735,7 +741,7 @@ pub fn compare_gemv(
     // quantization rounds it (`mmk_t8*` per 256 values, the others per 32).
     let x = if via_q8 {
         quantize_q8_like_gpu(&x, if via_mmk { 256 } else { 32 })
-    } else if via_mmh {
+    } else if via_mmh || via_mmw {
         x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
     } else {
         x
@@ -778,6 +784,7 @@ pub fn compare_gemv(
         via_cublas,
         via_q8,
         via_mmh,
+        via_mmw,
         via_mmk,
         via_mms,
         via_ws,
@@ -881,6 +888,25 @@ pub fn mms_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
         (rows, steps * 256, rng.random_range(lo..=hi), rng.random())
     })
     .collect()
+}
+
+/// Random cases for `mmw_gated` (Q4_K gate/up of 33..=64 tokens): awkward row counts, row
+/// lengths of 1 to 56 steps of 256, and the warps per block to force (0: by shape).
+pub fn mmw_cases(seed: u64) -> Vec<(usize, usize, usize, u64, usize)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    [(1, 0), (3, 1), (16, 2), (56, 3), (9, 7), (5, 8), (16, 0)]
+        .iter()
+        .map(|&(steps, warps)| {
+            let rows = rng.random_range(1..600);
+            (
+                rows,
+                steps * 256,
+                rng.random_range(33..=64),
+                rng.random(),
+                warps,
+            )
+        })
+        .collect()
 }
 
 /// Random prompt-sized cases for one type (every type the backend reads): 16..300 tokens,

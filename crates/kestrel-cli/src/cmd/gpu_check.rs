@@ -243,6 +243,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enumerate()
     {
         backend.set_q8_decode(q8_default && kind != "gemv-f32");
+        // Gated Q4_K steps of 33..=64 tokens would take mmw_gated (checked below).
+        let mmw_default = backend.mmw_min();
+        backend.set_mmw_min(usize::MAX);
         let mmq_default = (
             backend.mmq_max(),
             backend.mmq_all_formats(),
@@ -360,6 +363,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend.set_mmh_min(mmq_default.2);
         backend.set_mmk_mode(mmq_default.3);
         backend.set_mms(mmq_default.4);
+        backend.set_mmw_min(mmw_default);
         if let Some(e) = error {
             failures += 1;
             println!("{kind} {:<6} ERROR {e}", ty.name());
@@ -390,6 +394,41 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 if r.passed() { "ok" } else { "FAIL" }
             );
         }
+    }
+    // Q4_K gate/up of 33..=64 tokens on mmw_gated (4-bit weights repacked for f16 mma),
+    // with 1..=8 warps a block forced on some cases.
+    if backend.mmw_min() <= 64 {
+        let ty = kestrel_gguf::GgmlType::Q4K;
+        for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(880)) {
+            backend.set_mmw_warps(warps);
+            let result = selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, true);
+            backend.set_mmw_warps(0);
+            let ok = match &result {
+                Ok(r) => r.passed() && r.via_mmw,
+                Err(_) => false,
+            };
+            failures += usize::from(!ok);
+            match result {
+                Ok(r) => println!(
+                    "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
+                    r.rel_err,
+                    if r.via_mmw {
+                        ""
+                    } else {
+                        " (did not run on mmw_gated)"
+                    },
+                    if r.non_finite > 0 {
+                        format!(" ({} non-finite)", r.non_finite)
+                    } else {
+                        String::new()
+                    },
+                    if ok { "ok" } else { "FAIL" }
+                ),
+                Err(e) => println!("mmw-gated Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
+            }
+        }
+    } else {
+        println!("mmw-gated: off (KESTREL_CUDA_MMW_MIN above 64)");
     }
     println!(
         "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words:"
