@@ -122,10 +122,11 @@ __device__ __forceinline__ void mw_load(u32 dst, int st, const u16* xh, int n, i
     }
 }
 
-// One staged step for a warp: its MATS tiles (at `wt`, MW_TILE apart) times the 64 tokens
-// (ldmatrix row address of this lane at `xl`), into acc[m][token tile][4].
-template <int MATS>
-__device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS][8][4]) {
+// One staged step for a warp: its MATS tiles (at `wt`, MW_TILE apart) times its 64 / TS
+// tokens (ldmatrix row address of this lane for its first token at `xl`), into
+// acc[m][token tile][4].
+template <int MATS, int TS>
+__device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS][8 / TS][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -152,7 +153,7 @@ __device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS]
                 mw_frag(word, s2[m][ii >> 1], m2[m][ii >> 1], a[m]);
             }
 #pragma unroll
-            for (int tp = 0; tp < 4; tp++) {
+            for (int tp = 0; tp < 4 / TS; tp++) {
                 u32 b[4];
                 ldsm_x4(b, xl + tp * 16 * MW_XROW + i * 32);
 #pragma unroll
@@ -165,67 +166,145 @@ __device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS]
     }
 }
 
-// The whole row length of the block's tiles: acc of this warp's tile (zero where the warp
-// has no tile). Every thread of the block calls it (it holds the block's barriers).
-template <int MATS>
+// The whole row length of the block's `nt` tiles: acc of this warp's tile (warp % nt) and
+// token part (warp / nt: tokens 64 / TS · part ..), zero where the warp has no tile. Every
+// thread of the block calls it (it holds the block's barriers).
+template <int MATS, int TS>
 __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* const (&wm)[MATS],
-                                        int tile0, int tiles, float (&acc)[MATS][8][4]) {
+                                        int tile0, int tiles, int nt, int s0, int s1,
+                                        float (&acc)[MATS][8 / TS][4]) {
     extern __shared__ __align__(128) u8 mw_smem[];
-    const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wt = warp % nt, part = warp / nt;
     const int steps = k >> 8;
     const int stage = MW_XBYTES + MW_MAX_WARPS * MATS * MW_TILE;
     const u32 base = smem_u32(mw_smem);
 #pragma unroll
     for (int m = 0; m < MATS; m++)
 #pragma unroll
-        for (int t = 0; t < 8; t++)
+        for (int t = 0; t < 8 / TS; t++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][t][e] = 0.0f;
 #pragma unroll
     for (int s = 0; s < MW_STAGES - 1; s++) {
-        if (s < steps) mw_load<MATS>(base + s * stage, s, xh, n, k, wm, tile0, tiles, steps, nw);
+        if (s0 + s < s1)
+            mw_load<MATS>(base + s * stage, s0 + s, xh, n, k, wm, tile0, tiles, steps, nt);
         cp_async_commit();
     }
-    const bool active = tile0 + warp < tiles;
+    const bool active = tile0 + wt < tiles && part < TS;
     // ldmatrix: lanes 8i..8i+7 address matrix i = (tokens 8 (i / 2).., k 8 (i % 2)..).
-    const u32 xl_off = (((lane >> 4) << 3) + (lane & 7)) * MW_XROW + ((lane >> 3) & 1) * 16;
-    for (int st = 0; st < steps; st++) {
+    const u32 xl_off = (((lane >> 4) << 3) + (lane & 7) + part * (64 / TS)) * MW_XROW +
+                       ((lane >> 3) & 1) * 16;
+    for (int st = s0; st < s1; st++) {
         asm volatile("cp.async.wait_group %0;" ::"n"(MW_STAGES - 2) : "memory");
         __syncthreads();
         const int nx = st + MW_STAGES - 1;
-        if (nx < steps)
-            mw_load<MATS>(base + (nx % MW_STAGES) * stage, nx, xh, n, k, wm, tile0, tiles, steps, nw);
+        if (nx < s1)
+            mw_load<MATS>(base + ((nx - s0) % MW_STAGES) * stage, nx, xh, n, k, wm, tile0, tiles,
+                          steps, nt);
         cp_async_commit();
-        const int slot = st % MW_STAGES;
+        const int slot = (st - s0) % MW_STAGES;
         if (active)
-            mw_step<MATS>(mw_smem + slot * stage + MW_XBYTES + warp * MATS * MW_TILE,
-                          base + slot * stage + xl_off, acc);
+            mw_step<MATS, TS>(mw_smem + slot * stage + MW_XBYTES + wt * MATS * MW_TILE,
+                              base + slot * stage + xl_off, acc);
     }
     cp_async_wait_all();
 }
 
 // gate[t][r] = act(G[r]·x[t]) · (U[r]·x[t]) for n ≤ 64 tokens (xh: f16 [n][k], k a multiple
 // of 256), also as f16 into h (null: not). G and U: `rows` rows each in the mmw layout.
-// Grid: ceil(tiles / warps) blocks of `warps` warps (≤ MW_MAX_WARPS), one tile each.
-extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
-    mmw_gated(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
-              float* gate, u16* h) {
+// Grid: ceil(tiles / nt) blocks of nt · TS warps (nt ≤ MW_MAX_WARPS tiles a block; TS warps
+// a tile, each 64 / TS of the tokens).
+template <int TS>
+__device__ __forceinline__ void mw_gated(const u16* xh, int n, int k, const u8* wg,
+                                         const u8* wu, int rows, int act, float* gate, u16* h) {
     pdl_enter();
     const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int tile0 = blockIdx.x * (blockDim.x >> 5);
+    const int nt = (blockDim.x >> 5) / TS, wt = warp % nt, part = warp / nt;
+    const int tile0 = blockIdx.x * nt;
     const u8* const wm[2] = {wg, wu};
-    float acc[2][8][4];
-    mw_rows<2>(xh, n, k, wm, tile0, tiles, acc);
-    if (tile0 + warp >= tiles) return;
-    const int r0 = (tile0 + warp) * 16 + (lane >> 2), c = lane & 3;
+    float acc[2][8 / TS][4];
+    mw_rows<2, TS>(xh, n, k, wm, tile0, tiles, nt, 0, k >> 8, acc);
+    if (tile0 + wt >= tiles || part >= TS) return;
+    const int r0 = (tile0 + wt) * 16 + (lane >> 2), c = lane & 3;
 #pragma unroll
-    for (int t = 0; t < 8; t++)
+    for (int t = 0; t < 8 / TS; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int tok = 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
+            const int tok = part * (64 / TS) + 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
             if (tok >= n || r >= rows) continue;
             const float v = gated_value(acc[0][t][e], acc[1][t][e], act);
             gate[(size_t)tok * rows + r] = v;
             if (h) h[(size_t)tok * rows + r] = f2h(v);
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
+    mmw_gated(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
+              float* gate, u16* h) {
+    mw_gated<1>(xh, n, k, wg, wu, rows, act, gate, h);
+}
+extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 64, 1)
+    mmw_gated_ts2(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
+                  float* gate, u16* h) {
+    mw_gated<2>(xh, n, k, wg, wu, rows, act, gate, h);
+}
+
+// out[t][r] = W[r]·x[t] (+ bias[r]; accumulate: + out[t][r]) for n ≤ 64 tokens (xh: f16
+// [n][k], k a multiple of 256; out rows of `ld` floats), W: `rows` rows in the mmw layout.
+// Grid (ceil(tiles / nt), splits) of nt warps (one a tile):
+// block (b, s) takes tiles b · nt .. and the s-th share of the row's steps. With splits, the
+// blocks' partial sums meet in `work` (blockDim · 32 floats a block) and the last of a tile
+// group to arrive adds them in split order (the result does not depend on which finishes
+// first) and stores; `count` (one per group, zero between launches) counts the arrivals.
+extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
+    mmw_add(const u16* xh, int n, int k, const u8* w, int rows, float* out, int ld,
+            int accumulate, const float* bias, float* work, u32* count) {
+    constexpr int TS = 1, PER = 4 * (8 / TS);
+    __shared__ int mw_last;
+    pdl_enter();
+    const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nt = (blockDim.x >> 5) / TS, wt = warp % nt, part = warp / nt;
+    const int tile0 = blockIdx.x * nt, splits = gridDim.y, steps = k >> 8;
+    const int per = (steps + splits - 1) / splits;
+    const int s0 = min(steps, (int)blockIdx.y * per), s1 = min(steps, s0 + per);
+    const u8* const wm[1] = {w};
+    float acc[1][8 / TS][4];
+    mw_rows<1, TS>(xh, n, k, wm, tile0, tiles, nt, s0, s1, acc);
+    if (splits > 1) {
+        const size_t block_floats = (size_t)blockDim.x * PER;
+        float* mine = work + ((size_t)blockIdx.x * splits + blockIdx.y) * block_floats + threadIdx.x;
+#pragma unroll
+        for (int t = 0; t < 8 / TS; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) __stcg(mine + (4 * t + e) * blockDim.x, acc[0][t][e]);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) mw_last = atomicAdd(count + blockIdx.x, 1u) == (u32)(splits - 1);
+        __syncthreads();
+        if (!mw_last) return;
+        __threadfence();
+        const float* first = work + (size_t)blockIdx.x * splits * block_floats + threadIdx.x;
+#pragma unroll
+        for (int t = 0; t < 8 / TS; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float a = 0.0f;
+                for (int s = 0; s < splits; s++)
+                    a += __ldcg(first + s * block_floats + (4 * t + e) * blockDim.x);
+                acc[0][t][e] = a;
+            }
+        if (threadIdx.x == 0) count[blockIdx.x] = 0;
+    }
+    if (tile0 + wt >= tiles || part >= TS) return;
+    const int r0 = (tile0 + wt) * 16 + (lane >> 2), c = lane & 3;
+#pragma unroll
+    for (int t = 0; t < 8 / TS; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int tok = part * (64 / TS) + 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
+            if (tok >= n || r >= rows) continue;
+            float* o = out + (size_t)tok * ld + r;
+            *o = acc[0][t][e] + (bias ? bias[r] : 0.0f) + (accumulate ? *o : 0.0f);
         }
 }

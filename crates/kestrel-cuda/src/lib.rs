@@ -115,6 +115,9 @@ const MW_XBYTES: u32 = 64 * 528;
 /// The token range of `mmw_*`: steps of 33..=64 tokens (below, the int8 kernels keep them).
 const MMW_DEFAULT_MIN_TOKENS: usize = 33;
 const MMW_MAX_TOKENS: usize = 64;
+/// `mmw_add`'s split partial sums (floats: blocks × threads × 32) and arrival counters.
+const MW_WORK_FLOATS: usize = 4 << 20;
+const MW_MAX_GROUPS: usize = 4096;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD); runs of fewer tokens take the
 /// split kernels.
@@ -388,8 +391,11 @@ fn dynamic_smem(name: &str) -> u32 {
     if name == "mega" {
         return mega::SMEM_BYTES;
     }
-    if name == "mmw_gated" {
+    if name == "mmw_gated" || name == "mmw_gated_ts2" {
         return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * 2 * MW_TILE_BYTES) as u32);
+    }
+    if name == "mmw_add" {
+        return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * MW_TILE_BYTES) as u32);
     }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
         "mms_t16" => 16,
@@ -625,6 +631,12 @@ pub struct CudaBackend {
     mmw_min: std::sync::atomic::AtomicUsize,
     /// Warps (16-row tiles) per block of `mmw_*`; 0: by the matrix and the SM count.
     mmw_warps: std::sync::atomic::AtomicUsize,
+    /// Warps per tile of `mmw_*` (1, or 2: each half of the tokens; `KESTREL_CUDA_MMW_TS`).
+    mmw_ts: std::sync::atomic::AtomicUsize,
+    /// Whether plain products take `mmw_add` (`KESTREL_CUDA_MMW_ADD=1`).
+    mmw_add: std::sync::atomic::AtomicBool,
+    /// `mmw_add`'s split partial sums and arrival counters (allocated at first use).
+    mmw_work: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
     /// Whether those steps, when of more than 8 tokens, take the staged int8 kernels
     /// `mms_*` instead (`KESTREL_CUDA_MMS=0`: no, for comparisons).
     mms: std::sync::atomic::AtomicBool,
@@ -1012,6 +1024,16 @@ impl CudaBackend {
                     .unwrap_or(MMW_DEFAULT_MIN_TOKENS),
             ),
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
+            mmw_add: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_CUDA_MMW_ADD").is_ok_and(|v| v == "1"),
+            ),
+            mmw_work: Mutex::new(None),
+            mmw_ts: std::sync::atomic::AtomicUsize::new(
+                match std::env::var("KESTREL_CUDA_MMW_TS").as_deref() {
+                    Ok("2") => 2,
+                    _ => 1,
+                },
+            ),
             mms: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_MMS").map_or(true, |v| v != "0"),
             ),
@@ -3127,10 +3149,11 @@ impl CudaBackend {
             w => w,
         }
         .clamp(1, MW_MAX_WARPS);
+        let ts = self.mmw_ts.load(std::sync::atomic::Ordering::Relaxed);
         self.launch(
-            "mmw_gated",
+            if ts == 2 { "mmw_gated_ts2" } else { "mmw_gated" },
             (tiles.div_ceil(warps) as u32, 1, 1),
-            (warps * 32) as u32,
+            (warps * ts * 32) as u32,
             &[
                 Arg::P(xh),
                 Arg::I(n as i32),
@@ -3148,6 +3171,98 @@ impl CudaBackend {
         true
     }
 
+    /// Whether a product of `n` tokens with `w` goes to `mmw_add` (Q4_K with an mmw copy,
+    /// n in mmw_min..=MMW_MAX_TOKENS; only with `KESTREL_CUDA_MMW_ADD=1` or forced by the
+    /// self-check: slower than cuBLAS on the f16 copies so far, o 40 against 14 µs).
+    pub fn matmul_uses_mmw_plain(&self, w: &CudaWeight, n: usize) -> bool {
+        self.mmw_add.load(std::sync::atomic::Ordering::Relaxed)
+            && matches!(w, CudaWeight::Matrix { mmw: Some(_), .. })
+            && n >= self.mmw_min()
+            && n <= MMW_MAX_TOKENS
+    }
+
+    /// `out (+)= x · wᵀ (+ bias)` on `mmw_add` when [`Self::matmul_uses_mmw_plain`].
+    fn matmul_mmw(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+        out: &CudaTensor,
+        accumulate: bool,
+    ) -> bool {
+        if !self.matmul_uses_mmw_plain(w, n) {
+            return false;
+        }
+        let CudaWeight::Matrix {
+            mmw: Some(copy),
+            rows,
+            cols,
+            ..
+        } = w
+        else {
+            return false;
+        };
+        if x.cols != *cols || out.cols != *rows || n > x.rows || n > out.rows {
+            return false;
+        }
+        let (tiles, steps) = (rows.div_ceil(16), cols / 256);
+        let nt = match self.mmw_warps.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => MW_MAX_WARPS,
+            w => w,
+        }
+        .clamp(1, MW_MAX_WARPS)
+        .min(tiles);
+        let groups = tiles.div_ceil(nt);
+        if groups > MW_MAX_GROUPS {
+            return false;
+        }
+        // Splits of the row length so that the launch fills every SM once.
+        let threads = nt * 32;
+        let max_splits = MW_WORK_FLOATS / (groups * threads * 32);
+        let splits = (self.sm_count / groups).clamp(1, steps.max(1)).min(max_splits.max(1));
+        let Some(xh) = self.x_to_f16(x, n) else {
+            return true; // the failure is recorded
+        };
+        let (work, count) = {
+            let mut slot = self.mmw_work.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                match (
+                    self.alloc::<f32>(MW_WORK_FLOATS, "mmw partial sums"),
+                    self.alloc::<u32>(MW_MAX_GROUPS, "mmw counters"),
+                ) {
+                    (Ok(a), Ok(b)) => *slot = Some((a, b)),
+                    (Err(e), _) | (_, Err(e)) => {
+                        self.fail(format!("{e:#}"));
+                        return true;
+                    }
+                }
+            }
+            let Some((a, b)) = slot.as_ref() else {
+                return true;
+            };
+            (self.ptr(a), self.ptr(b))
+        };
+        self.launch(
+            "mmw_add",
+            (groups as u32, splits as u32, 1),
+            threads as u32,
+            &[
+                Arg::P(xh),
+                Arg::I(n as i32),
+                Arg::I(*cols as i32),
+                Arg::P(self.ptr(copy)),
+                Arg::I(*rows as i32),
+                Arg::P(out.ptr),
+                Arg::I(out.cols as i32),
+                Arg::I(i32::from(accumulate)),
+                Arg::P(0),
+                Arg::P(work),
+                Arg::P(count),
+            ],
+        );
+        true
+    }
+
     /// Sets the fewest tokens that take `mmw_gated` (the self-check covers its range).
     pub fn set_mmw_min(&self, n: usize) {
         self.mmw_min.store(n, std::sync::atomic::Ordering::Relaxed);
@@ -3158,6 +3273,27 @@ impl CudaBackend {
     pub fn set_mmw_warps(&self, warps: usize) {
         self.mmw_warps
             .store(warps, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets whether plain products take `mmw_add` (off by default).
+    pub fn set_mmw_add(&self, on: bool) {
+        self.mmw_add.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether plain products take `mmw_add`.
+    pub fn mmw_add(&self) -> bool {
+        self.mmw_add.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets the warps per tile of `mmw_gated` (1 or 2).
+    pub fn set_mmw_ts(&self, ts: usize) {
+        self.mmw_ts
+            .store(ts.clamp(1, 2), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The warps per tile of `mmw_*`.
+    pub fn mmw_ts(&self) -> usize {
+        self.mmw_ts.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The fewest tokens that take `mmw_gated`.
@@ -3677,6 +3813,9 @@ impl kestrel_model::Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &mut CudaTensor) {
+        if self.matmul_mmw(x, w, n, out, false) {
+            return;
+        }
         let CudaWeight::Matrix {
             ptr,
             ty,
@@ -4187,6 +4326,9 @@ impl kestrel_model::Backend for CudaBackend {
                 self.gemv(x, n, &segs, None);
                 return;
             }
+        }
+        if self.matmul_mmw(x, w, n, residual, true) {
+            return;
         }
         // Prompt-sized steps on cuBLAS: the product added into the residual by the GEMM.
         if self.fuse_multi

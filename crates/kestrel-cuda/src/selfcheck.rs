@@ -714,9 +714,10 @@ pub fn compare_gemv(
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
     let via_mmh = backend.matmul_uses_mmh(&weight, n);
-    let via_mmw = up
-        .as_ref()
-        .is_some_and(|(up_w, _)| backend.matmul_uses_mmw(&weight, up_w, n));
+    let via_mmw = match &up {
+        Some((up_w, _)) => backend.matmul_uses_mmw(&weight, up_w, n),
+        None => backend.matmul_uses_mmw_plain(&weight, n),
+    };
     let via_mmk = backend.matmul_uses_mmk(&weight, n);
     let via_mms = backend.matmul_uses_mms(&weight, n);
     let via_ws = backend.matmul_uses_ws(&weight, n);
@@ -888,6 +889,76 @@ pub fn mms_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
         (rows, steps * 256, rng.random_range(lo..=hi), rng.random())
     })
     .collect()
+}
+
+/// `residual += x · Wᵀ` (the backend's `matmul_add`, as the attention output and the down
+/// projection use it) for a random `rows × cols` matrix of type `ty` and `n` random token
+/// rows, against f64 sums of the residual and the dot products of the dequantized rows
+/// (x rounded to f16 where the product reads f16 activations: cuBLAS, mmh, mmw).
+pub fn compare_matmul_add(
+    backend: &CudaBackend,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+) -> anyhow::Result<GemvReport> {
+    use kestrel_model::Backend;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (weight, wq) = random_matrix(backend, &mut rng, ty, rows, cols)?;
+    let x: Vec<f32> = (0..n * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let residual: Vec<f32> = (0..n * rows)
+        .map(|_| rng.random_range(-4.0f32..4.0))
+        .collect();
+    let xt = backend.upload_tensor(n, cols, &x)?;
+    let mut tmp = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+    let mut out = backend.upload_tensor(n, rows, &residual)?;
+    let via_cublas = backend.matmul_uses_cublas(&weight, n);
+    let via_mmh = backend.matmul_uses_mmh(&weight, n);
+    let via_mmw = backend.matmul_uses_mmw_plain(&weight, n);
+    backend.matmul_add(&xt, &weight, n, &mut tmp, &mut out);
+    let x: Vec<f32> = if via_cublas || via_mmh || via_mmw {
+        x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+    } else {
+        x
+    };
+    let mut got = Vec::new();
+    backend.read_rows(&out, n, &mut got)?;
+    let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
+    for t in 0..n {
+        for r in 0..rows {
+            let dot: f64 = wq[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(&x[t * cols..(t + 1) * cols])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let want = residual[t * rows + r] as f64 + dot;
+            let g = got[t * rows + r];
+            if !g.is_finite() {
+                non_finite += 1;
+                continue;
+            }
+            err2 += (g as f64 - want).powi(2);
+            ref2 += want * want;
+        }
+    }
+    Ok(GemvReport {
+        ty,
+        rows,
+        cols,
+        tokens: n,
+        rel_err: (err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(),
+        non_finite,
+        via_cublas,
+        via_q8: false,
+        via_mmh,
+        via_mmw,
+        via_mmk: false,
+        via_mms: false,
+        via_ws: false,
+    })
 }
 
 /// Random cases for `mmw_gated` (Q4_K gate/up of 33..=64 tokens): awkward row counts, row

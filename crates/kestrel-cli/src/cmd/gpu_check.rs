@@ -399,10 +399,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // with 1..=8 warps a block forced on some cases.
     if backend.mmw_min() <= 64 {
         let ty = kestrel_gguf::GgmlType::Q4K;
-        for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(880)) {
+        let ts_default = backend.mmw_ts();
+        let cases = selfcheck::mmw_cases(seed.wrapping_add(880));
+        for ((rows, cols, n, s, warps), ts) in cases
+            .into_iter()
+            .flat_map(|c| [1, 2].map(move |ts| (c, ts)))
+        {
             backend.set_mmw_warps(warps);
+            backend.set_mmw_ts(ts);
             let result = selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, true);
             backend.set_mmw_warps(0);
+            backend.set_mmw_ts(ts_default);
             let ok = match &result {
                 Ok(r) => r.passed() && r.via_mmw,
                 Err(_) => false,
@@ -410,7 +417,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             failures += usize::from(!ok);
             match result {
                 Ok(r) => println!(
-                    "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
+                    "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}x{ts}: rel err {:.2e}{}{}  {}",
                     r.rel_err,
                     if r.via_mmw {
                         ""
@@ -427,6 +434,42 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Err(e) => println!("mmw-gated Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
             }
         }
+        // The same shapes, one matrix: mmw_add (opt-in), into a fresh output and into a
+        // residual.
+        let add_default = backend.mmw_add();
+        backend.set_mmw_add(true);
+        for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(890)) {
+            backend.set_mmw_warps(warps);
+            for add in [false, true] {
+                let result = if add {
+                    selfcheck::compare_matmul_add(&backend, ty, rows, cols, n, s)
+                } else {
+                    selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, false)
+                };
+                let ok = match &result {
+                    Ok(r) => r.passed() && r.via_mmw,
+                    Err(_) => false,
+                };
+                failures += usize::from(!ok);
+                let name = if add { "mmw-add" } else { "mmw" };
+                match result {
+                    Ok(r) => println!(
+                        "{name} Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
+                        r.rel_err,
+                        if r.via_mmw { "" } else { " (did not run on mmw_add)" },
+                        if r.non_finite > 0 {
+                            format!(" ({} non-finite)", r.non_finite)
+                        } else {
+                            String::new()
+                        },
+                        if ok { "ok" } else { "FAIL" }
+                    ),
+                    Err(e) => println!("{name} Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
+                }
+            }
+            backend.set_mmw_warps(0);
+        }
+        backend.set_mmw_add(add_default);
     } else {
         println!("mmw-gated: off (KESTREL_CUDA_MMW_MIN above 64)");
     }
