@@ -99,26 +99,28 @@ __device__ __forceinline__ void mw_frag(u32 word, const u32 (&s)[2], const u32 (
     a[3] = mw_weight(word, 3, s[1], m[1]);
 }
 
-// Copies step `st` into the stage at shared address `dst`: the activations of 64 tokens
-// (rows >= n zero) and, for each of the block's `nw` warps, MATS weight tiles (tile0 + warp
-// of each matrix; tiles past `tiles` skipped).
-template <int MATS>
+// Copies step `st` into the stage at shared address `dst`, each warp its share: the
+// activations of 64 tokens (rows >= n zero; warp w copies rows w, w + warps, ...) and the
+// MATS weight tiles of tile `tile` (skipped past `tiles`), split among the tile's TS warps
+// (`part`).
+template <int MATS, int TS>
 __device__ __forceinline__ void mw_load(u32 dst, int st, const u16* xh, int n, int k,
-                                        const u8* const (&wm)[MATS], int tile0, int tiles,
-                                        int steps, int nw) {
-    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
-        const int t = i >> 5, ch = i & 31;
+                                        const u8* const (&wm)[MATS], int tile, int tiles,
+                                        int steps, int nt, int part) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const u16* xs = xh + st * 256 + lane * 8;
+    for (int t = warp; t < 64; t += warps) {
         const bool ok = t < n;
-        cp_async16(dst + t * MW_XROW + ch * 16, xh + (size_t)(ok ? t : 0) * k + st * 256 + ch * 8,
-                   ok);
+        cp_async16(dst + t * MW_XROW + lane * 16, xs + (size_t)(ok ? t : 0) * k, ok);
     }
-    const int chunks = nw * MATS * (MW_TILE / 16);
-    for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
-        const int tt = i / (MW_TILE / 16), ch = i - tt * (MW_TILE / 16);
-        const int tile = tile0 + tt / MATS;
-        if (tile >= tiles) continue;
-        const u8* src = wm[tt % MATS] + ((size_t)tile * steps + st) * MW_TILE + ch * 16;
-        cp_async16(dst + MW_XBYTES + tt * MW_TILE + ch * 16, src, true);
+    if (tile >= tiles) return;
+    const u32 wdst = dst + MW_XBYTES + (tile % nt) * MATS * MW_TILE;
+#pragma unroll
+    for (int m = 0; m < MATS; m++) {
+        const u8* src = wm[m] + ((size_t)tile * steps + st) * MW_TILE;
+#pragma unroll
+        for (int c = lane + 32 * part; c < MW_TILE / 16; c += 32 * TS)
+            cp_async16(wdst + m * MW_TILE + c * 16, src + c * 16, true);
     }
 }
 
@@ -188,7 +190,8 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
 #pragma unroll
     for (int s = 0; s < MW_STAGES - 1; s++) {
         if (s0 + s < s1)
-            mw_load<MATS>(base + s * stage, s0 + s, xh, n, k, wm, tile0, tiles, steps, nt);
+            mw_load<MATS, TS>(base + s * stage, s0 + s, xh, n, k, wm, tile0 + wt, tiles, steps,
+                              nt, part);
         cp_async_commit();
     }
     const bool active = tile0 + wt < tiles && part < TS;
@@ -200,8 +203,8 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
         __syncthreads();
         const int nx = st + MW_STAGES - 1;
         if (nx < s1)
-            mw_load<MATS>(base + ((nx - s0) % MW_STAGES) * stage, nx, xh, n, k, wm, tile0, tiles,
-                          steps, nt);
+            mw_load<MATS, TS>(base + ((nx - s0) % MW_STAGES) * stage, nx, xh, n, k, wm, tile0 + wt,
+                              tiles, steps, nt, part);
         cp_async_commit();
         const int slot = (st - s0) % MW_STAGES;
         if (active)

@@ -3151,7 +3151,11 @@ impl CudaBackend {
         .clamp(1, MW_MAX_WARPS);
         let ts = self.mmw_ts.load(std::sync::atomic::Ordering::Relaxed);
         self.launch(
-            if ts == 2 { "mmw_gated_ts2" } else { "mmw_gated" },
+            if ts == 2 {
+                "mmw_gated_ts2"
+            } else {
+                "mmw_gated"
+            },
             (tiles.div_ceil(warps) as u32, 1, 1),
             (warps * ts * 32) as u32,
             &[
@@ -3219,7 +3223,9 @@ impl CudaBackend {
         // Splits of the row length so that the launch fills every SM once.
         let threads = nt * 32;
         let max_splits = MW_WORK_FLOATS / (groups * threads * 32);
-        let splits = (self.sm_count / groups).clamp(1, steps.max(1)).min(max_splits.max(1));
+        let splits = (self.sm_count / groups)
+            .clamp(1, steps.max(1))
+            .min(max_splits.max(1));
         let Some(xh) = self.x_to_f16(x, n) else {
             return true; // the failure is recorded
         };

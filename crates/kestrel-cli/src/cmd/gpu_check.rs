@@ -456,7 +456,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     Ok(r) => println!(
                         "{name} Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
                         r.rel_err,
-                        if r.via_mmw { "" } else { " (did not run on mmw_add)" },
+                        if r.via_mmw {
+                            ""
+                        } else {
+                            " (did not run on mmw_add)"
+                        },
                         if r.non_finite > 0 {
                             format!(" ({} non-finite)", r.non_finite)
                         } else {
