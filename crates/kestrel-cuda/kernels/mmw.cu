@@ -126,14 +126,14 @@ __device__ __forceinline__ void mw_load(u32 dst, int st, const u16* xh, int n, i
 
 // One staged step for a warp: its MATS tiles (at `wt`, MW_TILE apart) times its 64 / TS
 // tokens (ldmatrix row address of this lane for its first token at `xl`), into
-// acc[m][token tile][4].
-template <int MATS, int TS>
-__device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS][8 / TS][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        uint4 q[MATS];
-        u32 s2[MATS][2][2], m2[MATS][2][2];  // [matrix][sub-block of the 4 slices][row]
+// acc[m][token tile][4]. Software-pipelined by hand: slice i + 1's A fragments (expanded
+// from the nibbles) and B fragments (ldmatrix) are made before slice i's mma, so that their
+// latencies overlap the tensor-core work instead of stalling it.
+template <int MATS>
+struct MwSlices {
+    uint4 q[MATS];       // nibble words of 4 slices
+    u32 sc[MATS][2][2];  // scale pairs {s, −m}: [matrix][sub-block of the 4 slices][row g, g+8]
+    __device__ __forceinline__ void load(const u8* wt, int j, int lane, int g) {
 #pragma unroll
         for (int m = 0; m < MATS; m++) {
             const u8* t = wt + m * MW_TILE;
@@ -142,28 +142,58 @@ __device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS]
             for (int h = 0; h < 2; h++)
 #pragma unroll
                 for (int r = 0; r < 2; r++)
-                    mw_scale(*(const u32*)(t + 2048 + (2 * j + h) * 64 + (g + 8 * r) * 4),
-                             s2[m][h][r], m2[m][h][r]);
+                    sc[m][h][r] = *(const u32*)(t + 2048 + (2 * j + h) * 64 + (g + 8 * r) * 4);
+        }
+    }
+    // A fragments of slice ii (0..3) of the 4.
+    __device__ __forceinline__ void frags(int ii, u32 (&a)[MATS][4]) const {
+#pragma unroll
+        for (int m = 0; m < MATS; m++) {
+            const u32 word = ii == 0 ? q[m].x : ii == 1 ? q[m].y : ii == 2 ? q[m].z : q[m].w;
+            u32 s2[2], m2[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) mw_scale(sc[m][ii >> 1][r], s2[r], m2[r]);
+            mw_frag(word, s2, m2, a[m]);
+        }
+    }
+};
+
+template <int MATS, int TS>
+__device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS][8 / TS][4]) {
+    constexpr int TP = 4 / TS;
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    MwSlices<MATS> w;
+    w.load(wt, 0, lane, g);
+    u32 a[MATS][4], b[TP][4];
+    w.frags(0, a);
+#pragma unroll
+    for (int tp = 0; tp < TP; tp++) ldsm_x4(b[tp], xl + tp * 16 * MW_XROW);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u32 an[MATS][4], bn[TP][4];
+        if (i + 1 < 16) {
+            if (((i + 1) & 3) == 0) w.load(wt, (i + 1) >> 2, lane, g);
+            w.frags((i + 1) & 3, an);
+#pragma unroll
+            for (int tp = 0; tp < TP; tp++)
+                ldsm_x4(bn[tp], xl + tp * 16 * MW_XROW + (i + 1) * 32);
         }
 #pragma unroll
-        for (int ii = 0; ii < 4; ii++) {
-            const int i = 4 * j + ii;
-            u32 a[MATS][4];
+        for (int tp = 0; tp < TP; tp++)
 #pragma unroll
             for (int m = 0; m < MATS; m++) {
-                const u32 word = ii == 0 ? q[m].x : ii == 1 ? q[m].y : ii == 2 ? q[m].z : q[m].w;
-                mw_frag(word, s2[m][ii >> 1], m2[m][ii >> 1], a[m]);
+                mma_f16(acc[m][2 * tp], a[m], b[tp][0], b[tp][1]);
+                mma_f16(acc[m][2 * tp + 1], a[m], b[tp][2], b[tp][3]);
             }
+        if (i + 1 < 16) {
 #pragma unroll
-            for (int tp = 0; tp < 4 / TS; tp++) {
-                u32 b[4];
-                ldsm_x4(b, xl + tp * 16 * MW_XROW + i * 32);
+            for (int m = 0; m < MATS; m++)
 #pragma unroll
-                for (int m = 0; m < MATS; m++) {
-                    mma_f16(acc[m][2 * tp], a[m], b[0], b[1]);
-                    mma_f16(acc[m][2 * tp + 1], a[m], b[2], b[3]);
-                }
-            }
+                for (int e = 0; e < 4; e++) a[m][e] = an[m][e];
+#pragma unroll
+            for (int tp = 0; tp < TP; tp++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) b[tp][e] = bn[tp][e];
         }
     }
 }
@@ -171,7 +201,7 @@ __device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS]
 // The whole row length of the block's `nt` tiles: acc of this warp's tile (warp % nt) and
 // token part (warp / nt: tokens 64 / TS · part ..), zero where the warp has no tile. Every
 // thread of the block calls it (it holds the block's barriers).
-template <int MATS, int TS>
+template <int MATS, int TS, int STAGES = MW_STAGES, int MAXW = MW_MAX_WARPS>
 __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* const (&wm)[MATS],
                                         int tile0, int tiles, int nt, int s0, int s1,
                                         float (&acc)[MATS][8 / TS][4]) {
@@ -179,7 +209,7 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wt = warp % nt, part = warp / nt;
     const int steps = k >> 8;
-    const int stage = MW_XBYTES + MW_MAX_WARPS * MATS * MW_TILE;
+    const int stage = MW_XBYTES + MAXW * MATS * MW_TILE;
     const u32 base = smem_u32(mw_smem);
 #pragma unroll
     for (int m = 0; m < MATS; m++)
@@ -188,7 +218,7 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][t][e] = 0.0f;
 #pragma unroll
-    for (int s = 0; s < MW_STAGES - 1; s++) {
+    for (int s = 0; s < STAGES - 1; s++) {
         if (s0 + s < s1)
             mw_load<MATS, TS>(base + s * stage, s0 + s, xh, n, k, wm, tile0 + wt, tiles, steps,
                               nt, part);
@@ -199,14 +229,14 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
     const u32 xl_off = (((lane >> 4) << 3) + (lane & 7) + part * (64 / TS)) * MW_XROW +
                        ((lane >> 3) & 1) * 16;
     for (int st = s0; st < s1; st++) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(MW_STAGES - 2) : "memory");
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
         __syncthreads();
-        const int nx = st + MW_STAGES - 1;
+        const int nx = st + STAGES - 1;
         if (nx < s1)
-            mw_load<MATS, TS>(base + ((nx - s0) % MW_STAGES) * stage, nx, xh, n, k, wm, tile0 + wt,
+            mw_load<MATS, TS>(base + ((nx - s0) % STAGES) * stage, nx, xh, n, k, wm, tile0 + wt,
                               tiles, steps, nt, part);
         cp_async_commit();
-        const int slot = (st - s0) % MW_STAGES;
+        const int slot = (st - s0) % STAGES;
         if (active)
             mw_step<MATS, TS>(mw_smem + slot * stage + MW_XBYTES + wt * MATS * MW_TILE,
                               base + slot * stage + xl_off, acc);
@@ -216,19 +246,19 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
 
 // gate[t][r] = act(G[r]·x[t]) · (U[r]·x[t]) for n ≤ 64 tokens (xh: f16 [n][k], k a multiple
 // of 256), also as f16 into h (null: not). G and U: `rows` rows each in the mmw layout.
-// Grid: ceil(tiles / nt) blocks of nt · TS warps (nt ≤ MW_MAX_WARPS tiles a block; TS warps
-// a tile, each 64 / TS of the tokens).
-template <int TS>
+// Grid: ceil(tiles / nt) blocks of nt warps (nt ≤ MAXW tiles a block), STAGES steps staged.
+template <int STAGES, int MAXW>
 __device__ __forceinline__ void mw_gated(const u16* xh, int n, int k, const u8* wg,
                                          const u8* wu, int rows, int act, float* gate, u16* h) {
     pdl_enter();
     const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nt = (blockDim.x >> 5) / TS, wt = warp % nt, part = warp / nt;
+    constexpr int TS = 1;
+    const int nt = blockDim.x >> 5, wt = warp, part = 0;
     const int tile0 = blockIdx.x * nt;
     const u8* const wm[2] = {wg, wu};
     float acc[2][8 / TS][4];
-    mw_rows<2, TS>(xh, n, k, wm, tile0, tiles, nt, 0, k >> 8, acc);
-    if (tile0 + wt >= tiles || part >= TS) return;
+    mw_rows<2, TS, STAGES, MAXW>(xh, n, k, wm, tile0, tiles, nt, 0, k >> 8, acc);
+    if (tile0 + wt >= tiles) return;
     const int r0 = (tile0 + wt) * 16 + (lane >> 2), c = lane & 3;
 #pragma unroll
     for (int t = 0; t < 8 / TS; t++)
@@ -242,15 +272,13 @@ __device__ __forceinline__ void mw_gated(const u16* xh, int n, int k, const u8* 
         }
 }
 
+// One block a SM (1 · 224 KB of shared memory), of up to 8 tiles. (Two blocks a SM of up
+// to 4 tiles and 2 stages each measured 69.3 against 66.5 µs; two warps a tile, each half
+// of the tokens, 84 against 80 before the copies were split by warp: both removed.)
 extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
     mmw_gated(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
               float* gate, u16* h) {
-    mw_gated<1>(xh, n, k, wg, wu, rows, act, gate, h);
-}
-extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 64, 1)
-    mmw_gated_ts2(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
-                  float* gate, u16* h) {
-    mw_gated<2>(xh, n, k, wg, wu, rows, act, gate, h);
+    mw_gated<MW_STAGES, MW_MAX_WARPS>(xh, n, k, wg, wu, rows, act, gate, h);
 }
 
 // out[t][r] = W[r]·x[t] (+ bias[r]; accumulate: + out[t][r]) for n ≤ 64 tokens (xh: f16

@@ -77,7 +77,6 @@ pub const KERNELS: &[&str] = &[
     "mms_t64_gated",
     "repack_q4k_mmw",
     "mmw_gated",
-    "mmw_gated_ts2",
     "mmw_add",
     "scale_f32",
     "add_f32",

@@ -391,7 +391,7 @@ fn dynamic_smem(name: &str) -> u32 {
     if name == "mega" {
         return mega::SMEM_BYTES;
     }
-    if name == "mmw_gated" || name == "mmw_gated_ts2" {
+    if name == "mmw_gated" {
         return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * 2 * MW_TILE_BYTES) as u32);
     }
     if name == "mmw_add" {
@@ -631,8 +631,6 @@ pub struct CudaBackend {
     mmw_min: std::sync::atomic::AtomicUsize,
     /// Warps (16-row tiles) per block of `mmw_*`; 0: by the matrix and the SM count.
     mmw_warps: std::sync::atomic::AtomicUsize,
-    /// Warps per tile of `mmw_*` (1, or 2: each half of the tokens; `KESTREL_CUDA_MMW_TS`).
-    mmw_ts: std::sync::atomic::AtomicUsize,
     /// Whether plain products take `mmw_add` (`KESTREL_CUDA_MMW_ADD=1`).
     mmw_add: std::sync::atomic::AtomicBool,
     /// `mmw_add`'s split partial sums and arrival counters (allocated at first use).
@@ -1028,12 +1026,6 @@ impl CudaBackend {
                 std::env::var("KESTREL_CUDA_MMW_ADD").is_ok_and(|v| v == "1"),
             ),
             mmw_work: Mutex::new(None),
-            mmw_ts: std::sync::atomic::AtomicUsize::new(
-                match std::env::var("KESTREL_CUDA_MMW_TS").as_deref() {
-                    Ok("2") => 2,
-                    _ => 1,
-                },
-            ),
             mms: std::sync::atomic::AtomicBool::new(
                 std::env::var("KESTREL_CUDA_MMS").map_or(true, |v| v != "0"),
             ),
@@ -1256,11 +1248,6 @@ impl CudaBackend {
             .clone_htod(data)
             .map_err(|e| anyhow::anyhow!("uploading a matrix: {e:?}"))?;
         let ptr = self.ptr(&buf);
-        let mmw = if self.keep_mmw_copy(ty, rows, cols) {
-            Some(self.repack_mmw(ptr, row_bytes, rows, cols)?)
-        } else {
-            None
-        };
         Ok(CudaWeight::Matrix {
             buf,
             ptr,
@@ -1269,8 +1256,28 @@ impl CudaBackend {
             cols,
             row_bytes,
             f16: None,
-            mmw,
+            mmw: None,
         })
+    }
+
+    /// Adds the mmw copy (kernels/mmw.cu) to a Q4_K matrix when [`Self::keep_mmw_copy`]
+    /// allows it; other matrices are left as they are.
+    pub fn add_mmw_copy(&self, w: &mut CudaWeight) -> anyhow::Result<()> {
+        if let CudaWeight::Matrix {
+            ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            mmw,
+            ..
+        } = w
+            && mmw.is_none()
+            && self.keep_mmw_copy(*ty, *rows, *cols)
+        {
+            *mmw = Some(self.repack_mmw(*ptr, *row_bytes, *rows, *cols)?);
+        }
+        Ok(())
     }
 
     /// Bytes of a `rows × cols` Q4_K matrix in the mmw layout.
@@ -3149,15 +3156,10 @@ impl CudaBackend {
             w => w,
         }
         .clamp(1, MW_MAX_WARPS);
-        let ts = self.mmw_ts.load(std::sync::atomic::Ordering::Relaxed);
         self.launch(
-            if ts == 2 {
-                "mmw_gated_ts2"
-            } else {
-                "mmw_gated"
-            },
+            "mmw_gated",
             (tiles.div_ceil(warps) as u32, 1, 1),
-            (warps * ts * 32) as u32,
+            (warps * 32) as u32,
             &[
                 Arg::P(xh),
                 Arg::I(n as i32),
@@ -3289,17 +3291,6 @@ impl CudaBackend {
     /// Whether plain products take `mmw_add`.
     pub fn mmw_add(&self) -> bool {
         self.mmw_add.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Sets the warps per tile of `mmw_gated` (1 or 2).
-    pub fn set_mmw_ts(&self, ts: usize) {
-        self.mmw_ts
-            .store(ts.clamp(1, 2), std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The warps per tile of `mmw_*`.
-    pub fn mmw_ts(&self) -> usize {
-        self.mmw_ts.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The fewest tokens that take `mmw_gated`.
@@ -3510,6 +3501,14 @@ impl kestrel_model::Backend for CudaBackend {
         }
         let gathered_only =
             info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
+        // The 4-bit tensor-core copy: gate and up (mmw_gated), or every matrix when plain
+        // products take mmw_add too.
+        let gate_or_up =
+            info.name.ends_with("ffn_gate.weight") || info.name.ends_with("ffn_up.weight");
+        if !gathered_only && (gate_or_up || self.mmw_add()) {
+            self.add_mmw_copy(&mut w)
+                .with_context(|| format!("tensor {}", info.name))?;
+        }
         let merged_at = self
             .merged_f16_rows
             .lock()

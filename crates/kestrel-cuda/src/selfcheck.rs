@@ -682,7 +682,9 @@ fn random_matrix(
         GgmlType::F32 => w,
         _ => kestrel_quant::dequantize(ty, &bytes).with_context(|| format!("dequantizing {ty}"))?,
     };
-    Ok((backend.upload_matrix(ty, rows, cols, &bytes)?, wq))
+    let mut weight = backend.upload_matrix(ty, rows, cols, &bytes)?;
+    backend.add_mmw_copy(&mut weight)?;
+    Ok((weight, wq))
 }
 
 /// `out = x · Wᵀ` on the GPU for a random `rows × cols` matrix of type `ty` and `n` random

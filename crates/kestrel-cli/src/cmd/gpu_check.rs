@@ -399,17 +399,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // with 1..=8 warps a block forced on some cases.
     if backend.mmw_min() <= 64 {
         let ty = kestrel_gguf::GgmlType::Q4K;
-        let ts_default = backend.mmw_ts();
-        let cases = selfcheck::mmw_cases(seed.wrapping_add(880));
-        for ((rows, cols, n, s, warps), ts) in cases
-            .into_iter()
-            .flat_map(|c| [1, 2].map(move |ts| (c, ts)))
-        {
+        for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(880)) {
             backend.set_mmw_warps(warps);
-            backend.set_mmw_ts(ts);
             let result = selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, true);
             backend.set_mmw_warps(0);
-            backend.set_mmw_ts(ts_default);
             let ok = match &result {
                 Ok(r) => r.passed() && r.via_mmw,
                 Err(_) => false,
@@ -417,7 +410,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             failures += usize::from(!ok);
             match result {
                 Ok(r) => println!(
-                    "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}x{ts}: rel err {:.2e}{}{}  {}",
+                    "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
                     r.rel_err,
                     if r.via_mmw {
                         ""
