@@ -607,6 +607,20 @@ pub struct CudaBackend {
     mmq_all_formats: std::sync::atomic::AtomicBool,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+    /// Read-ahead of logit rows (see [`CudaBackend::gemm_reading_ahead`]): the stream that
+    /// copies them into `pinned` while the product still runs, made at first use.
+    copy_stream: std::sync::OnceLock<Option<Arc<CudaStream>>>,
+    /// The rows whose copy into `pinned` is queued on the copy stream: (device address,
+    /// rows, columns); valid until the next kernel launch (`read_ahead_valid`).
+    read_ahead: Mutex<Option<(u64, usize, usize)>>,
+    read_ahead_valid: std::sync::atomic::AtomicBool,
+    /// Whether the last large read-back was of rows (not sampled ids): the next logits
+    /// product then copies its rows ahead. `KESTREL_CUDA_READ_AHEAD=0`: never.
+    rows_read_back: std::sync::atomic::AtomicBool,
+    /// Whether the copy stream may still be writing into `pinned`.
+    copy_in_flight: std::sync::atomic::AtomicBool,
+    /// Reads served by a read-ahead (for the self-check).
+    read_ahead_hits: std::sync::atomic::AtomicU64,
     /// Token ids of `argmax_rows` and `sample_rows` (`launch_for_ids`), on the device
     /// (grown to the most rows asked).
     argmax_ids: Mutex<Option<CudaSlice<u32>>>,
@@ -732,6 +746,12 @@ struct GemmScratch {
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
 /// cost of dequantizing each weight to f16 outweighs the tensor cores' gain.
 pub const GEMM_MIN_TOKENS: usize = 16;
+
+/// Products whose output is at least this large copy their rows to the host as they are
+/// made while the host reads every step's rows (see `gemm_reading_ahead`), in this many
+/// column chunks.
+const READ_AHEAD_MIN_BYTES: usize = 8 << 20;
+const READ_AHEAD_CHUNKS: usize = 4;
 
 /// The most tokens a step multiplies through the merged Q/K/V f16 copy (see `qkv`).
 const MERGED_QKV_MAX_TOKENS: usize = 512;
@@ -974,6 +994,12 @@ impl CudaBackend {
             f16_copies: Default::default(),
             f16_copies_q8: Default::default(),
             pinned: Mutex::new(None),
+            copy_stream: std::sync::OnceLock::new(),
+            read_ahead: Mutex::new(None),
+            read_ahead_valid: std::sync::atomic::AtomicBool::new(false),
+            rows_read_back: std::sync::atomic::AtomicBool::new(false),
+            copy_in_flight: std::sync::atomic::AtomicBool::new(false),
+            read_ahead_hits: std::sync::atomic::AtomicU64::new(0),
             argmax_ids: Mutex::new(None),
             sample_params: Mutex::new((Vec::new(), None)),
             q8_decode: std::sync::atomic::AtomicBool::new(
@@ -1611,6 +1637,9 @@ impl CudaBackend {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
+        // Any kernel may write the rows a read-ahead copied: it no longer stands for them.
+        self.read_ahead_valid
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let Some(&func) = self.func_index.get(name) else {
             self.fail(format!("kernel {name} not loaded"));
             return;
@@ -2653,8 +2682,150 @@ impl CudaBackend {
             );
             p
         };
-        self.gemm_f16_raw(a, rows, cols, xh, n, out.ptr, out.cols, accumulate);
+        if accumulate || !self.gemm_reading_ahead(a, rows, cols, xh, n, out) {
+            self.gemm_f16_raw(a, rows, cols, xh, n, out.ptr, out.cols, accumulate);
+        }
         true
+    }
+
+    /// Logit-sized products (at least READ_AHEAD_MIN_BYTES of output) while the host reads
+    /// every step's rows back (`kestrel bench --seqs` without `--argmax`, llama-batched-bench's
+    /// way): the product in READ_AHEAD_CHUNKS column chunks, each chunk's columns copied into
+    /// the pinned read-back buffer on a second stream while the next chunk computes, so that
+    /// the PCIe copy (33 MB a step at 64 sequences of a 128K vocabulary, ~0.6 ms) overlaps
+    /// the product instead of following it. `read_pinned` then only waits. False: not such a
+    /// product (nothing was queued).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_reading_ahead(
+        &self,
+        a: u64,
+        rows: usize,
+        cols: usize,
+        xh: u64,
+        n: usize,
+        out: &CudaTensor,
+    ) -> bool {
+        let len = n * out.cols;
+        if !self
+            .rows_read_back
+            .load(std::sync::atomic::Ordering::Relaxed)
+            || len * 4 < READ_AHEAD_MIN_BYTES
+            || out.cols != rows
+            || rows < READ_AHEAD_CHUNKS
+            || std::env::var("KESTREL_CUDA_READ_AHEAD").as_deref() == Ok("0")
+        {
+            return false;
+        }
+        let Some(copy) = self
+            .copy_stream
+            .get_or_init(|| self.ctx.new_stream().ok())
+            .clone()
+        else {
+            return false;
+        };
+        // The pinned buffer: large enough, and not still being written by an earlier copy.
+        if self.wait_copies().is_err() {
+            return false;
+        }
+        let host = {
+            let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+            if pinned.as_ref().is_none_or(|p| p.len() < len) {
+                *pinned = None;
+                // SAFETY: the buffer is only read after the copies into it have completed
+                // (`wait_copies` in `read_pinned`).
+                match unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) } {
+                    Ok(buf) => *pinned = Some(buf),
+                    Err(_) => return false,
+                }
+            }
+            match pinned.as_mut().map(|p| p.as_mut_ptr()) {
+                Some(Ok(p)) => p as u64,
+                _ => return false,
+            }
+        };
+        self.copy_in_flight
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let pitch = out.cols * 4;
+        for c in 0..READ_AHEAD_CHUNKS {
+            let (c0, c1) = (
+                rows * c / READ_AHEAD_CHUNKS,
+                rows * (c + 1) / READ_AHEAD_CHUNKS,
+            );
+            self.gemm_f16_raw(
+                a + (c0 * cols * 2) as u64,
+                c1 - c0,
+                cols,
+                xh,
+                n,
+                out.ptr + (c0 * 4) as u64,
+                out.cols,
+                false,
+            );
+            let queued = self
+                .stream
+                .record_event(None)
+                .and_then(|ev| copy.wait(&ev))
+                .map_err(|e| format!("{e:?}"))
+                .and_then(|()| {
+                    let params = sys::CUDA_MEMCPY2D {
+                        srcXInBytes: c0 * 4,
+                        srcY: 0,
+                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
+                        srcDevice: out.ptr,
+                        srcArray: std::ptr::null_mut(),
+                        srcPitch: pitch,
+                        dstXInBytes: c0 * 4,
+                        dstY: 0,
+                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                        dstHost: host as *mut std::ffi::c_void,
+                        dstDevice: 0,
+                        dstArray: std::ptr::null_mut(),
+                        dstPitch: pitch,
+                        WidthInBytes: (c1 - c0) * 4,
+                        Height: n,
+                    };
+                    // SAFETY: both regions hold n rows of `pitch` bytes (checked by the
+                    // caller for `out`, allocated above for the pinned buffer).
+                    unsafe { sys::cuMemcpy2DAsync_v2(&params, copy.cu_stream()) }
+                        .result()
+                        .map_err(|e| format!("{e:?}"))
+                });
+            if let Err(e) = queued {
+                self.fail(format!("queuing the read-ahead copy: {e}"));
+                return true;
+            }
+        }
+        *self.read_ahead.lock().unwrap_or_else(|p| p.into_inner()) = Some((out.ptr, n, out.cols));
+        self.read_ahead_valid
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// Forgets whether the last large read was of rows (the next product reads nothing
+    /// ahead until one is).
+    pub fn forget_rows_read_back(&self) {
+        self.rows_read_back
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Reads of rows served by a read-ahead so far.
+    pub fn read_ahead_hits(&self) -> u64 {
+        self.read_ahead_hits
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Waits until no read-ahead copy still writes into the pinned buffer.
+    fn wait_copies(&self) -> anyhow::Result<()> {
+        if self
+            .copy_in_flight
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+            && let Some(Some(copy)) = self.copy_stream.get()
+        {
+            copy.synchronize()
+                .map_err(|e| anyhow::anyhow!("CUDA: the read-ahead copy: {e:?}"))?;
+        }
+        Ok(())
     }
 
     /// cuBLAS: `out` (n rows of `ld` floats; the first `rows` of each written) = x · aᵀ, or
@@ -3350,10 +3521,40 @@ impl CudaBackend {
             bail!("reading {n} rows of a tensor of {}", x.rows);
         }
         let len = n * x.cols;
+        // Rows copied ahead by the product that made them (and untouched since).
+        let ahead = self
+            .read_ahead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .filter(|_| {
+                self.read_ahead_valid
+                    .swap(false, std::sync::atomic::Ordering::Relaxed)
+            })
+            == Some((x.ptr, n, x.cols));
+        self.rows_read_back.store(
+            len * 4 >= READ_AHEAD_MIN_BYTES,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         if len == 0 {
             self.check()?;
             return Ok(f(&[]));
         }
+        if ahead {
+            self.check()?;
+            self.wait_copies()?;
+            self.read_ahead_hits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(host) = pinned.as_mut() else {
+                bail!("no pinned host buffer");
+            };
+            let values = host
+                .as_mut_slice()
+                .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
+            return Ok(f(&values[..len]));
+        }
+        self.wait_copies()?;
         self.flush();
         if let Some(msg) = self.lock_error().take() {
             bail!("CUDA: {msg}");
@@ -3442,6 +3643,9 @@ impl CudaBackend {
         out: &mut Vec<u32>,
         args: impl FnOnce(u64) -> Vec<Arg>,
     ) -> anyhow::Result<()> {
+        // Rows are sampled on the device now: the next logits need no read-ahead.
+        self.rows_read_back
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
         if ids.as_ref().is_none_or(|b| b.len() < n) {
             *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "token ids")?);

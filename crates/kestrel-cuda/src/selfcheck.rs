@@ -963,6 +963,77 @@ pub fn compare_matmul_add(
     })
 }
 
+/// A logit-sized product (≥ 8 MB of output) read back three times: plainly, then with its
+/// rows copied ahead while it ran (the backend saw a large read last: the product then runs
+/// in column chunks, whose cuBLAS algorithms may sum in another order), then copied ahead
+/// but written again by a kernel before the read (the copy must not be used). The two
+/// chunked reads must be identical bit for bit and within f32 rounding of the plain one;
+/// the second read must have used the read-ahead, the third not.
+#[derive(Debug, Clone)]
+pub struct ReadAheadReport {
+    /// The read-ahead against the plain copy of the same (chunked) product.
+    pub identical: bool,
+    /// Largest |Δ| / max |value| between the chunked and the single product.
+    pub chunked_rel_diff: f32,
+    pub used: [bool; 2],
+}
+
+impl ReadAheadReport {
+    pub fn passed(&self) -> bool {
+        self.identical && self.chunked_rel_diff <= 1e-5 && self.used == [true, false]
+    }
+}
+
+pub fn compare_read_ahead(backend: &CudaBackend, seed: u64) -> anyhow::Result<ReadAheadReport> {
+    use kestrel_model::Backend;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (rows, cols, n) = (rng.random_range(33_000..40_000), 256, 64);
+    let (weight, _) = random_matrix(backend, &mut rng, GgmlType::F16, rows, cols)?;
+    let x: Vec<f32> = (0..n * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let xt = backend.upload_tensor(n, cols, &x)?;
+    let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+    let mut reads = Vec::new();
+    let mut used = Vec::new();
+    backend.forget_rows_read_back();
+    for round in 0..3 {
+        let hits = backend.read_ahead_hits();
+        backend.matmul(&xt, &weight, n, &mut out);
+        if round == 2 {
+            // A kernel writing the rows after the product: scale by 1 (same values), which
+            // the read must see through a fresh copy.
+            backend.scale(&mut out, n, 1.0);
+        }
+        let mut got = Vec::new();
+        backend.read_rows(&out, n, &mut got)?;
+        used.push(backend.read_ahead_hits() > hits);
+        reads.push(got);
+    }
+    let identical = reads[1].len() == reads[2].len()
+        && reads[1]
+            .iter()
+            .zip(&reads[2])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+    let scale = reads[0]
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs()))
+        .max(f32::MIN_POSITIVE);
+    let diff = reads[0]
+        .iter()
+        .zip(&reads[1])
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    Ok(ReadAheadReport {
+        identical,
+        chunked_rel_diff: if diff.is_finite() {
+            diff / scale
+        } else {
+            f32::INFINITY
+        },
+        used: [used[1], used[2]],
+    })
+}
+
 /// Random cases for `mmw_gated` (Q4_K gate/up of 33..=64 tokens): awkward row counts, row
 /// lengths of 1 to 56 steps of 256, and the warps per block to force (0: by shape).
 pub fn mmw_cases(seed: u64) -> Vec<(usize, usize, usize, u64, usize)> {

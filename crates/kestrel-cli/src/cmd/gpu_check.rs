@@ -470,6 +470,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         println!("mmw-gated: off (KESTREL_CUDA_MMW_MIN above 64)");
     }
+    // Logit rows copied to the host while their product runs (after a large read of rows).
+    match selfcheck::compare_read_ahead(&backend, seed.wrapping_add(870)) {
+        Ok(r) => {
+            failures += usize::from(!r.passed());
+            println!(
+                "read-ahead of logit rows: identical to a plain read {}, chunked vs single product {:.1e}, used {:?} (want [true, false])  {}",
+                r.identical,
+                r.chunked_rel_diff,
+                r.used,
+                if r.passed() { "ok" } else { "FAIL" }
+            );
+        }
+        Err(e) => {
+            failures += 1;
+            println!("read-ahead of logit rows: ERROR {e:#}");
+        }
+    }
     println!(
         "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words:"
     );
