@@ -758,31 +758,19 @@ pub fn compare_gemv(
             .map(|(&a, &b)| a as f64 * b as f64)
             .sum()
     };
-    let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
-    for t in 0..n {
-        for r in 0..rows {
-            let want = match &up {
-                Some((_, uq)) => {
-                    let g = dot(&wq, t, r);
-                    g / (1.0 + (-g).exp()) * dot(uq, t, r)
-                }
-                None => dot(&wq, t, r),
-            };
-            let g = got[t * rows + r];
-            if !g.is_finite() {
-                non_finite += 1;
-                continue;
-            }
-            err2 += (g as f64 - want).powi(2);
-            ref2 += want * want;
+    let (rel_err, non_finite) = rel_error(&got, n, rows, |t, r| match &up {
+        Some((_, uq)) => {
+            let g = dot(&wq, t, r);
+            g / (1.0 + (-g).exp()) * dot(uq, t, r)
         }
-    }
+        None => dot(&wq, t, r),
+    });
     Ok(GemvReport {
         ty,
         rows,
         cols,
         tokens: n,
-        rel_err: (err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(),
+        rel_err,
         non_finite,
         via_cublas,
         via_q8,
@@ -792,6 +780,30 @@ pub fn compare_gemv(
         via_mms,
         via_ws,
     })
+}
+
+/// ‖got − want‖ / ‖want‖ over `n` token rows of `rows` values (`want(t, r)`, in f64), the
+/// non-finite values of `got` left out and counted.
+fn rel_error(
+    got: &[f32],
+    n: usize,
+    rows: usize,
+    want: impl Fn(usize, usize) -> f64,
+) -> (f64, usize) {
+    let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
+    for t in 0..n {
+        for r in 0..rows {
+            let g = got[t * rows + r];
+            if !g.is_finite() {
+                non_finite += 1;
+                continue;
+            }
+            let w = want(t, r);
+            err2 += (g as f64 - w).powi(2);
+            ref2 += w * w;
+        }
+    }
+    ((err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(), non_finite)
 }
 
 /// Random GEMV cases for one type: awkward row counts, several row lengths (short rows
@@ -928,30 +940,20 @@ pub fn compare_matmul_add(
     };
     let mut got = Vec::new();
     backend.read_rows(&out, n, &mut got)?;
-    let (mut err2, mut ref2, mut non_finite) = (0f64, 0f64, 0usize);
-    for t in 0..n {
-        for r in 0..rows {
-            let dot: f64 = wq[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(&x[t * cols..(t + 1) * cols])
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum();
-            let want = residual[t * rows + r] as f64 + dot;
-            let g = got[t * rows + r];
-            if !g.is_finite() {
-                non_finite += 1;
-                continue;
-            }
-            err2 += (g as f64 - want).powi(2);
-            ref2 += want * want;
-        }
-    }
+    let (rel_err, non_finite) = rel_error(&got, n, rows, |t, r| {
+        let dot: f64 = wq[r * cols..(r + 1) * cols]
+            .iter()
+            .zip(&x[t * cols..(t + 1) * cols])
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum();
+        residual[t * rows + r] as f64 + dot
+    });
     Ok(GemvReport {
         ty,
         rows,
         cols,
         tokens: n,
-        rel_err: (err2 / ref2.max(f64::MIN_POSITIVE)).sqrt(),
+        rel_err,
         non_finite,
         via_cublas,
         via_q8: false,
