@@ -101,12 +101,11 @@ __device__ __forceinline__ void mw_frag(u32 word, const u32 (&s)[2], const u32 (
 
 // Copies step `st` into the stage at shared address `dst`, each warp its share: the
 // activations of 64 tokens (rows >= n zero; warp w copies rows w, w + warps, ...) and the
-// MATS weight tiles of tile `tile` (skipped past `tiles`), split among the tile's TS warps
-// (`part`).
-template <int MATS, int TS>
+// MATS weight tiles of its tile `tile` (none past `tiles`), at slot `slot` of the stage.
+template <int MATS>
 __device__ __forceinline__ void mw_load(u32 dst, int st, const u16* xh, int n, int k,
                                         const u8* const (&wm)[MATS], int tile, int tiles,
-                                        int steps, int nt, int part) {
+                                        int steps, int slot) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const u16* xs = xh + st * 256 + lane * 8;
     for (int t = warp; t < 64; t += warps) {
@@ -114,18 +113,18 @@ __device__ __forceinline__ void mw_load(u32 dst, int st, const u16* xh, int n, i
         cp_async16(dst + t * MW_XROW + lane * 16, xs + (size_t)(ok ? t : 0) * k, ok);
     }
     if (tile >= tiles) return;
-    const u32 wdst = dst + MW_XBYTES + (tile % nt) * MATS * MW_TILE;
+    const u32 wdst = dst + MW_XBYTES + slot * MATS * MW_TILE;
 #pragma unroll
     for (int m = 0; m < MATS; m++) {
         const u8* src = wm[m] + ((size_t)tile * steps + st) * MW_TILE;
 #pragma unroll
-        for (int c = lane + 32 * part; c < MW_TILE / 16; c += 32 * TS)
+        for (int c = lane; c < MW_TILE / 16; c += 32)
             cp_async16(wdst + m * MW_TILE + c * 16, src + c * 16, true);
     }
 }
 
-// One staged step for a warp: its MATS tiles (at `wt`, MW_TILE apart) times its 64 / TS
-// tokens (ldmatrix row address of this lane for its first token at `xl`), into
+// One staged step for a warp: its MATS tiles (at `wt`, MW_TILE apart) times the 64 tokens
+// (ldmatrix row address of this lane for the first token at `xl`), into
 // acc[m][token tile][4]. Software-pipelined by hand: slice i + 1's A fragments (expanded
 // from the nibbles) and B fragments (ldmatrix) are made before slice i's mma, so that their
 // latencies overlap the tensor-core work instead of stalling it.
@@ -158,9 +157,9 @@ struct MwSlices {
     }
 };
 
-template <int MATS, int TS>
-__device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS][8 / TS][4]) {
-    constexpr int TP = 4 / TS;
+template <int MATS>
+__device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS][8][4]) {
+    constexpr int TP = 4;  // pairs of 8-token tiles (one ldmatrix.x4 each)
     const int lane = threadIdx.x & 31, g = lane >> 2;
     MwSlices<MATS> w;
     w.load(wt, 0, lane, g);
@@ -198,73 +197,70 @@ __device__ __forceinline__ void mw_step(const u8* wt, u32 xl, float (&acc)[MATS]
     }
 }
 
-// The whole row length of the block's `nt` tiles: acc of this warp's tile (warp % nt) and
-// token part (warp / nt: tokens 64 / TS · part ..), zero where the warp has no tile. Every
-// thread of the block calls it (it holds the block's barriers).
-template <int MATS, int TS, int STAGES = MW_STAGES, int MAXW = MW_MAX_WARPS>
+// Steps [s0, s1) of the block's tiles (tile0 + warp, one a warp): acc of this warp's tile,
+// zero where the warp has none. Every thread of the block calls it (it holds the block's
+// barriers).
+template <int MATS>
 __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* const (&wm)[MATS],
-                                        int tile0, int tiles, int nt, int s0, int s1,
-                                        float (&acc)[MATS][8 / TS][4]) {
+                                        int tile0, int tiles, int s0, int s1,
+                                        float (&acc)[MATS][8][4]) {
     extern __shared__ __align__(128) u8 mw_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wt = warp % nt, part = warp / nt;
-    const int steps = k >> 8;
-    const int stage = MW_XBYTES + MAXW * MATS * MW_TILE;
+    const int steps = k >> 8, tile = tile0 + warp;
+    const int stage = MW_XBYTES + MW_MAX_WARPS * MATS * MW_TILE;
     const u32 base = smem_u32(mw_smem);
 #pragma unroll
     for (int m = 0; m < MATS; m++)
 #pragma unroll
-        for (int t = 0; t < 8 / TS; t++)
+        for (int t = 0; t < 8; t++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][t][e] = 0.0f;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
+    for (int s = 0; s < MW_STAGES - 1; s++) {
         if (s0 + s < s1)
-            mw_load<MATS, TS>(base + s * stage, s0 + s, xh, n, k, wm, tile0 + wt, tiles, steps,
-                              nt, part);
+            mw_load<MATS>(base + s * stage, s0 + s, xh, n, k, wm, tile, tiles, steps, warp);
         cp_async_commit();
     }
-    const bool active = tile0 + wt < tiles && part < TS;
     // ldmatrix: lanes 8i..8i+7 address matrix i = (tokens 8 (i / 2).., k 8 (i % 2)..).
-    const u32 xl_off = (((lane >> 4) << 3) + (lane & 7) + part * (64 / TS)) * MW_XROW +
-                       ((lane >> 3) & 1) * 16;
+    const u32 xl_off = (((lane >> 4) << 3) + (lane & 7)) * MW_XROW + ((lane >> 3) & 1) * 16;
     for (int st = s0; st < s1; st++) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+        asm volatile("cp.async.wait_group %0;" ::"n"(MW_STAGES - 2) : "memory");
         __syncthreads();
-        const int nx = st + STAGES - 1;
+        const int nx = st + MW_STAGES - 1;
         if (nx < s1)
-            mw_load<MATS, TS>(base + ((nx - s0) % STAGES) * stage, nx, xh, n, k, wm, tile0 + wt,
-                              tiles, steps, nt, part);
+            mw_load<MATS>(base + ((nx - s0) % MW_STAGES) * stage, nx, xh, n, k, wm, tile, tiles,
+                          steps, warp);
         cp_async_commit();
-        const int slot = (st - s0) % STAGES;
-        if (active)
-            mw_step<MATS, TS>(mw_smem + slot * stage + MW_XBYTES + wt * MATS * MW_TILE,
-                              base + slot * stage + xl_off, acc);
+        const int slot = (st - s0) % MW_STAGES;
+        if (tile < tiles)
+            mw_step<MATS>(mw_smem + slot * stage + MW_XBYTES + warp * MATS * MW_TILE,
+                          base + slot * stage + xl_off, acc);
     }
     cp_async_wait_all();
 }
 
 // gate[t][r] = act(G[r]·x[t]) · (U[r]·x[t]) for n ≤ 64 tokens (xh: f16 [n][k], k a multiple
 // of 256), also as f16 into h (null: not). G and U: `rows` rows each in the mmw layout.
-// Grid: ceil(tiles / nt) blocks of nt warps (nt ≤ MAXW tiles a block), STAGES steps staged.
-template <int STAGES, int MAXW>
-__device__ __forceinline__ void mw_gated(const u16* xh, int n, int k, const u8* wg,
-                                         const u8* wu, int rows, int act, float* gate, u16* h) {
+// Grid: ceil(tiles / warps) blocks of up to MW_MAX_WARPS warps, one tile each; one block a
+// SM (224 KB of shared memory). (Tried and removed: two blocks a SM of ≤ 4 tiles and 2
+// stages each, 69.3 against 66.5 µs; two warps a tile, each half of the tokens, 84 against
+// 80 before the copies were split by warp.)
+extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
+    mmw_gated(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
+              float* gate, u16* h) {
     pdl_enter();
     const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    constexpr int TS = 1;
-    const int nt = blockDim.x >> 5, wt = warp, part = 0;
-    const int tile0 = blockIdx.x * nt;
+    const int tile0 = blockIdx.x * (blockDim.x >> 5);
     const u8* const wm[2] = {wg, wu};
-    float acc[2][8 / TS][4];
-    mw_rows<2, TS, STAGES, MAXW>(xh, n, k, wm, tile0, tiles, nt, 0, k >> 8, acc);
-    if (tile0 + wt >= tiles) return;
-    const int r0 = (tile0 + wt) * 16 + (lane >> 2), c = lane & 3;
+    float acc[2][8][4];
+    mw_rows<2>(xh, n, k, wm, tile0, tiles, 0, k >> 8, acc);
+    if (tile0 + warp >= tiles) return;
+    const int r0 = (tile0 + warp) * 16 + (lane >> 2), c = lane & 3;
 #pragma unroll
-    for (int t = 0; t < 8 / TS; t++)
+    for (int t = 0; t < 8; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int tok = part * (64 / TS) + 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
+            const int tok = 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
             if (tok >= n || r >= rows) continue;
             const float v = gated_value(acc[0][t][e], acc[1][t][e], act);
             gate[(size_t)tok * rows + r] = v;
@@ -272,41 +268,31 @@ __device__ __forceinline__ void mw_gated(const u16* xh, int n, int k, const u8* 
         }
 }
 
-// One block a SM (1 · 224 KB of shared memory), of up to 8 tiles. (Two blocks a SM of up
-// to 4 tiles and 2 stages each measured 69.3 against 66.5 µs; two warps a tile, each half
-// of the tokens, 84 against 80 before the copies were split by warp: both removed.)
-extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
-    mmw_gated(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
-              float* gate, u16* h) {
-    mw_gated<MW_STAGES, MW_MAX_WARPS>(xh, n, k, wg, wu, rows, act, gate, h);
-}
-
 // out[t][r] = W[r]·x[t] (+ bias[r]; accumulate: + out[t][r]) for n ≤ 64 tokens (xh: f16
 // [n][k], k a multiple of 256; out rows of `ld` floats), W: `rows` rows in the mmw layout.
-// Grid (ceil(tiles / nt), splits) of nt warps (one a tile):
-// block (b, s) takes tiles b · nt .. and the s-th share of the row's steps. With splits, the
+// Grid (ceil(tiles / warps), splits) of up to MW_MAX_WARPS warps, one tile each: block
+// (b, s) takes tiles b · warps .. and the s-th share of the row's steps. With splits, the
 // blocks' partial sums meet in `work` (blockDim · 32 floats a block) and the last of a tile
 // group to arrive adds them in split order (the result does not depend on which finishes
 // first) and stores; `count` (one per group, zero between launches) counts the arrivals.
 extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
     mmw_add(const u16* xh, int n, int k, const u8* w, int rows, float* out, int ld,
             int accumulate, const float* bias, float* work, u32* count) {
-    constexpr int TS = 1, PER = 4 * (8 / TS);
+    constexpr int PER = 32;  // accumulators a thread
     __shared__ int mw_last;
     pdl_enter();
     const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nt = (blockDim.x >> 5) / TS, wt = warp % nt, part = warp / nt;
-    const int tile0 = blockIdx.x * nt, splits = gridDim.y, steps = k >> 8;
+    const int tile0 = blockIdx.x * (blockDim.x >> 5), splits = gridDim.y, steps = k >> 8;
     const int per = (steps + splits - 1) / splits;
     const int s0 = min(steps, (int)blockIdx.y * per), s1 = min(steps, s0 + per);
     const u8* const wm[1] = {w};
-    float acc[1][8 / TS][4];
-    mw_rows<1, TS>(xh, n, k, wm, tile0, tiles, nt, s0, s1, acc);
+    float acc[1][8][4];
+    mw_rows<1>(xh, n, k, wm, tile0, tiles, s0, s1, acc);
     if (splits > 1) {
         const size_t block_floats = (size_t)blockDim.x * PER;
         float* mine = work + ((size_t)blockIdx.x * splits + blockIdx.y) * block_floats + threadIdx.x;
 #pragma unroll
-        for (int t = 0; t < 8 / TS; t++)
+        for (int t = 0; t < 8; t++)
 #pragma unroll
             for (int e = 0; e < 4; e++) __stcg(mine + (4 * t + e) * blockDim.x, acc[0][t][e]);
         __threadfence();
@@ -317,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
         __threadfence();
         const float* first = work + (size_t)blockIdx.x * splits * block_floats + threadIdx.x;
 #pragma unroll
-        for (int t = 0; t < 8 / TS; t++)
+        for (int t = 0; t < 8; t++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float a = 0.0f;
@@ -327,13 +313,13 @@ extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
             }
         if (threadIdx.x == 0) count[blockIdx.x] = 0;
     }
-    if (tile0 + wt >= tiles || part >= TS) return;
-    const int r0 = (tile0 + wt) * 16 + (lane >> 2), c = lane & 3;
+    if (tile0 + warp >= tiles) return;
+    const int r0 = (tile0 + warp) * 16 + (lane >> 2), c = lane & 3;
 #pragma unroll
-    for (int t = 0; t < 8 / TS; t++)
+    for (int t = 0; t < 8; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int tok = part * (64 / TS) + 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
+            const int tok = 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
             if (tok >= n || r >= rows) continue;
             float* o = out + (size_t)tok * ld + r;
             *o = acc[0][t][e] + (bias ? bias[r] : 0.0f) + (accumulate ? *o : 0.0f);
