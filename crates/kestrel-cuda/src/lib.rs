@@ -615,8 +615,10 @@ pub struct CudaBackend {
     read_ahead: Mutex<Option<(u64, usize, usize)>>,
     read_ahead_valid: std::sync::atomic::AtomicBool,
     /// Whether the last large read-back was of rows (not sampled ids): the next logits
-    /// product then copies its rows ahead. `KESTREL_CUDA_READ_AHEAD=0`: never.
+    /// product then copies its rows ahead, if `read_ahead_allowed`
+    /// (`KESTREL_CUDA_READ_AHEAD=0`: never).
     rows_read_back: std::sync::atomic::AtomicBool,
+    read_ahead_allowed: bool,
     /// Whether the copy stream may still be writing into `pinned`.
     copy_in_flight: std::sync::atomic::AtomicBool,
     /// Reads served by a read-ahead (for the self-check).
@@ -998,6 +1000,7 @@ impl CudaBackend {
             read_ahead: Mutex::new(None),
             read_ahead_valid: std::sync::atomic::AtomicBool::new(false),
             rows_read_back: std::sync::atomic::AtomicBool::new(false),
+            read_ahead_allowed: std::env::var("KESTREL_CUDA_READ_AHEAD").as_deref() != Ok("0"),
             copy_in_flight: std::sync::atomic::AtomicBool::new(false),
             read_ahead_hits: std::sync::atomic::AtomicU64::new(0),
             argmax_ids: Mutex::new(None),
@@ -1318,16 +1321,8 @@ impl CudaBackend {
         if ty != GgmlType::Q4K || !cols.is_multiple_of(256) || cols == 0 {
             return false;
         }
-        if std::env::var("KESTREL_CUDA_MMW").as_deref() == Ok("0") {
-            return false;
-        }
-        match cudarc::driver::result::mem_get_info() {
-            Ok((free, total)) => {
-                let reserve = (total / 10 * 4).max(8 << 30);
-                free.saturating_sub(Self::mmw_bytes(rows, cols)) >= reserve
-            }
-            Err(_) => false,
-        }
+        std::env::var("KESTREL_CUDA_MMW").as_deref() != Ok("0")
+            && Self::leaves_room_for_cache(Self::mmw_bytes(rows, cols))
     }
 
     /// The mmw copy of the Q4_K matrix at `ptr` (kernels/mmw.cu: `repack_q4k_mmw`).
@@ -1702,13 +1697,19 @@ impl CudaBackend {
         match std::env::var("KESTREL_CUDA_F16_WEIGHTS").as_deref() {
             Ok("0") => false,
             Ok("1") => true,
-            _ => match cudarc::driver::result::mem_get_info() {
-                Ok((free, total)) => {
-                    let reserve = (total / 10 * 4).max(8 << 30);
-                    free.saturating_sub(len * 2) >= reserve
-                }
-                Err(_) => false,
-            },
+            _ => Self::leaves_room_for_cache(len * 2),
+        }
+    }
+
+    /// Whether `bytes` more of weight copies still leave at least 40% of the GPU's memory
+    /// (and 8 GiB) free for the KV cache and activations (the rule for every optional copy).
+    fn leaves_room_for_cache(bytes: usize) -> bool {
+        match cudarc::driver::result::mem_get_info() {
+            Ok((free, total)) => {
+                let reserve = (total / 10 * 4).max(8 << 30);
+                free.saturating_sub(bytes) >= reserve
+            }
+            Err(_) => false,
         }
     }
 
@@ -2695,7 +2696,6 @@ impl CudaBackend {
     /// the PCIe copy (33 MB a step at 64 sequences of a 128K vocabulary, ~0.6 ms) overlaps
     /// the product instead of following it. `read_pinned` then only waits. False: not such a
     /// product (nothing was queued).
-    #[allow(clippy::too_many_arguments)]
     fn gemm_reading_ahead(
         &self,
         a: u64,
@@ -2706,13 +2706,13 @@ impl CudaBackend {
         out: &CudaTensor,
     ) -> bool {
         let len = n * out.cols;
-        if !self
-            .rows_read_back
-            .load(std::sync::atomic::Ordering::Relaxed)
+        if !self.read_ahead_allowed
+            || !self
+                .rows_read_back
+                .load(std::sync::atomic::Ordering::Relaxed)
             || len * 4 < READ_AHEAD_MIN_BYTES
             || out.cols != rows
             || rows < READ_AHEAD_CHUNKS
-            || std::env::var("KESTREL_CUDA_READ_AHEAD").as_deref() == Ok("0")
         {
             return false;
         }
@@ -2729,17 +2729,8 @@ impl CudaBackend {
         }
         let host = {
             let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-            if pinned.as_ref().is_none_or(|p| p.len() < len) {
-                *pinned = None;
-                // SAFETY: the buffer is only read after the copies into it have completed
-                // (`wait_copies` in `read_pinned`).
-                match unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) } {
-                    Ok(buf) => *pinned = Some(buf),
-                    Err(_) => return false,
-                }
-            }
-            match pinned.as_mut().map(|p| p.as_mut_ptr()) {
-                Some(Ok(p)) => p as u64,
+            match self.pinned_room(&mut pinned, len).map(|p| p.as_mut_ptr()) {
+                Ok(Ok(p)) => p as u64,
                 _ => return false,
             }
         };
@@ -3541,48 +3532,52 @@ impl CudaBackend {
             return Ok(f(&[]));
         }
         if ahead {
+            // The rows are on their way into the pinned buffer: wait for the step and them.
             self.check()?;
             self.wait_copies()?;
             self.read_ahead_hits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(host) = pinned.as_mut() else {
-                bail!("no pinned host buffer");
-            };
-            let values = host
-                .as_mut_slice()
-                .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
-            return Ok(f(&values[..len]));
-        }
-        self.wait_copies()?;
-        self.flush();
-        if let Some(msg) = self.lock_error().take() {
-            bail!("CUDA: {msg}");
+        } else {
+            self.wait_copies()?;
+            self.flush();
+            if let Some(msg) = self.lock_error().take() {
+                bail!("CUDA: {msg}");
+            }
         }
         // Pinned: a copy into pageable memory is several times slower (batched decode
         // reads a row of logits per sequence every step).
         let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-        if pinned.as_ref().is_none_or(|p| p.len() < len) {
-            *pinned = None;
-            // SAFETY: the buffer is only read after the copy into it has completed (the
-            // synchronize in `check`).
-            let buf = unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) }
-                .map_err(|e| anyhow::anyhow!("allocating a pinned host buffer: {e:?}"))?;
-            *pinned = Some(buf);
-        }
-        let Some(host) = pinned.as_mut() else {
-            bail!("no pinned host buffer");
-        };
+        let host = self.pinned_room(&mut pinned, len)?;
         // The driver sees the page-locked address whatever the slice type; cudarc wants
         // equal lengths, so copy into a plain sub-slice of it.
         let values = host
             .as_mut_slice()
             .map_err(|e| anyhow::anyhow!("reading the pinned host buffer: {e:?}"))?;
-        self.stream
-            .memcpy_dtoh(&x.buf.slice(..len), &mut values[..len])
-            .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
-        self.check()?;
+        if !ahead {
+            self.stream
+                .memcpy_dtoh(&x.buf.slice(..len), &mut values[..len])
+                .map_err(|e| anyhow::anyhow!("copying results from the GPU: {e:?}"))?;
+            self.check()?;
+        }
         Ok(f(&values[..len]))
+    }
+
+    /// The pinned read-back buffer held in `slot`, grown to at least `len` values (a read-
+    /// ahead filled it with `len` values already: it is never grown then).
+    fn pinned_room<'a>(
+        &self,
+        slot: &'a mut Option<cudarc::driver::PinnedHostSlice<f32>>,
+        len: usize,
+    ) -> anyhow::Result<&'a mut cudarc::driver::PinnedHostSlice<f32>> {
+        if slot.as_ref().is_none_or(|p| p.len() < len) {
+            *slot = None; // free the old one first
+            // SAFETY: the buffer is only read after the copies into it have completed (the
+            // synchronize in `check`, `wait_copies` for the read-ahead's).
+            let buf = unsafe { self.ctx.alloc_pinned::<f32>(len.next_power_of_two()) }
+                .map_err(|e| anyhow::anyhow!("allocating a pinned host buffer: {e:?}"))?;
+            *slot = Some(buf);
+        }
+        slot.as_mut().context("no pinned host buffer")
     }
 
     /// The pending merged product of exactly these q, k, v and `n` tokens, taken (it is

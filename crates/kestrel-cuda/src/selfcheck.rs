@@ -687,10 +687,21 @@ fn random_matrix(
     Ok((weight, wq))
 }
 
-/// `out = x · Wᵀ` on the GPU for a random `rows × cols` matrix of type `ty` and `n` random
-/// token rows, compared with f64 dot products of the dequantized rows. `gated`: the gated
-/// product of two such matrices instead, `silu(x · Gᵀ) * (x · Uᵀ)` (the feed-forward
-/// block's gate and up).
+/// Which product [`compare_gemv`] checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Product {
+    /// `out = x · Wᵀ` (the backend's `matmul`).
+    Plain,
+    /// `silu(x · Gᵀ) * (x · Uᵀ)` for two such matrices (the feed-forward block's gate and
+    /// up: `gate_up_of`).
+    Gated,
+    /// `residual += x · Wᵀ` (`matmul_add`, as the attention output and the down projection
+    /// use it), into a random residual.
+    AddInto,
+}
+
+/// A product of a random `rows × cols` matrix of type `ty` and `n` random token rows on the
+/// GPU, compared with f64 dot products of the dequantized rows.
 pub fn compare_gemv(
     backend: &CudaBackend,
     ty: GgmlType,
@@ -698,12 +709,12 @@ pub fn compare_gemv(
     cols: usize,
     n: usize,
     seed: u64,
-    gated: bool,
+    product: Product,
 ) -> anyhow::Result<GemvReport> {
     use kestrel_model::Backend;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let (weight, wq) = random_matrix(backend, &mut rng, ty, rows, cols)?;
-    let up = if gated {
+    let up = if product == Product::Gated {
         Some(random_matrix(backend, &mut rng, ty, rows, cols)?)
     } else {
         None
@@ -711,8 +722,15 @@ pub fn compare_gemv(
     let x: Vec<f32> = (0..n * cols)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
+    let residual: Vec<f32> = if product == Product::AddInto {
+        (0..n * rows)
+            .map(|_| rng.random_range(-4.0f32..4.0))
+            .collect()
+    } else {
+        vec![f32::NAN; n * rows]
+    };
     let xt = backend.upload_tensor(n, cols, &x)?;
-    let mut out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+    let mut out = backend.upload_tensor(n, rows, &residual)?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
     let via_mmh = backend.matmul_uses_mmh(&weight, n);
@@ -738,13 +756,18 @@ pub fn compare_gemv(
                 &mut up_out,
             );
         }
+        None if product == Product::AddInto => {
+            let mut tmp = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
+            backend.matmul_add(&xt, &weight, n, &mut tmp, &mut out);
+        }
         None => backend.matmul(&xt, &weight, n, &mut out),
     }
-    // The 8-bit paths' reference uses the activations they see: x rounded as their
-    // quantization rounds it (`mmk_t8*` per 256 values, the others per 32).
+    // The reference uses the activations the product sees: x rounded as the 8-bit paths'
+    // quantization rounds it (`mmk_t8*` per 256 values, the others per 32), or to f16 for
+    // the f16 tensor-core products (cuBLAS, `mmh_*`, `mmw_*`).
     let x = if via_q8 {
         quantize_q8_like_gpu(&x, if via_mmk { 256 } else { 32 })
-    } else if via_mmh || via_mmw {
+    } else if via_cublas || via_mmh || via_mmw {
         x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
     } else {
         x
@@ -758,12 +781,13 @@ pub fn compare_gemv(
             .map(|(&a, &b)| a as f64 * b as f64)
             .sum()
     };
-    let (rel_err, non_finite) = rel_error(&got, n, rows, |t, r| match &up {
-        Some((_, uq)) => {
+    let (rel_err, non_finite) = rel_error(&got, n, rows, |t, r| match (&up, product) {
+        (Some((_, uq)), _) => {
             let g = dot(&wq, t, r);
             g / (1.0 + (-g).exp()) * dot(uq, t, r)
         }
-        None => dot(&wq, t, r),
+        (None, Product::AddInto) => residual[t * rows + r] as f64 + dot(&wq, t, r),
+        (None, _) => dot(&wq, t, r),
     });
     Ok(GemvReport {
         ty,
@@ -903,66 +927,6 @@ pub fn mms_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
         (rows, steps * 256, rng.random_range(lo..=hi), rng.random())
     })
     .collect()
-}
-
-/// `residual += x · Wᵀ` (the backend's `matmul_add`, as the attention output and the down
-/// projection use it) for a random `rows × cols` matrix of type `ty` and `n` random token
-/// rows, against f64 sums of the residual and the dot products of the dequantized rows
-/// (x rounded to f16 where the product reads f16 activations: cuBLAS, mmh, mmw).
-pub fn compare_matmul_add(
-    backend: &CudaBackend,
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-    n: usize,
-    seed: u64,
-) -> anyhow::Result<GemvReport> {
-    use kestrel_model::Backend;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let (weight, wq) = random_matrix(backend, &mut rng, ty, rows, cols)?;
-    let x: Vec<f32> = (0..n * cols)
-        .map(|_| rng.random_range(-1.0f32..1.0))
-        .collect();
-    let residual: Vec<f32> = (0..n * rows)
-        .map(|_| rng.random_range(-4.0f32..4.0))
-        .collect();
-    let xt = backend.upload_tensor(n, cols, &x)?;
-    let mut tmp = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-    let mut out = backend.upload_tensor(n, rows, &residual)?;
-    let via_cublas = backend.matmul_uses_cublas(&weight, n);
-    let via_mmh = backend.matmul_uses_mmh(&weight, n);
-    let via_mmw = backend.matmul_uses_mmw_plain(&weight, n);
-    backend.matmul_add(&xt, &weight, n, &mut tmp, &mut out);
-    let x: Vec<f32> = if via_cublas || via_mmh || via_mmw {
-        x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
-    } else {
-        x
-    };
-    let mut got = Vec::new();
-    backend.read_rows(&out, n, &mut got)?;
-    let (rel_err, non_finite) = rel_error(&got, n, rows, |t, r| {
-        let dot: f64 = wq[r * cols..(r + 1) * cols]
-            .iter()
-            .zip(&x[t * cols..(t + 1) * cols])
-            .map(|(&a, &b)| a as f64 * b as f64)
-            .sum();
-        residual[t * rows + r] as f64 + dot
-    });
-    Ok(GemvReport {
-        ty,
-        rows,
-        cols,
-        tokens: n,
-        rel_err,
-        non_finite,
-        via_cublas,
-        via_q8: false,
-        via_mmh,
-        via_mmw,
-        via_mmk: false,
-        via_mms: false,
-        via_ws: false,
-    })
 }
 
 /// A logit-sized product (≥ 8 MB of output) read back three times: plainly, then with its

@@ -302,8 +302,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else if variant != 0 {
                 backend.set_gemv_q8_rows(variant);
             }
-            let result =
-                selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, kind.ends_with("-gated"));
+            let result = selfcheck::compare_gemv(
+                &backend,
+                ty,
+                rows,
+                cols,
+                n,
+                s,
+                if kind.ends_with("-gated") {
+                    selfcheck::Product::Gated
+                } else {
+                    selfcheck::Product::Plain
+                },
+            );
             backend.set_gemv_q8_rows(gemv_rows_default);
             backend.set_gemm_force_lt(false);
             if kind == "mmk" {
@@ -395,76 +406,54 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             );
         }
     }
-    // Q4_K gate/up of 33..=64 tokens on mmw_gated (4-bit weights repacked for f16 mma),
-    // with 1..=8 warps a block forced on some cases.
+    // Q4_K products of 33..=64 tokens on the mmw layout (4-bit weights repacked for f16
+    // mma), with 1..=8 warps a block forced on some cases: gate/up on `mmw_gated`, and the
+    // opt-in `mmw_add` into a fresh output and into a residual.
     if backend.mmw_min() <= 64 {
+        use selfcheck::Product;
         let ty = kestrel_gguf::GgmlType::Q4K;
-        for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(880)) {
-            backend.set_mmw_warps(warps);
-            let result = selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, true);
-            backend.set_mmw_warps(0);
-            let ok = match &result {
-                Ok(r) => r.passed() && r.via_mmw,
-                Err(_) => false,
-            };
-            failures += usize::from(!ok);
-            match result {
-                Ok(r) => println!(
-                    "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
-                    r.rel_err,
-                    if r.via_mmw {
-                        ""
-                    } else {
-                        " (did not run on mmw_gated)"
-                    },
-                    if r.non_finite > 0 {
-                        format!(" ({} non-finite)", r.non_finite)
-                    } else {
-                        String::new()
-                    },
-                    if ok { "ok" } else { "FAIL" }
-                ),
-                Err(e) => println!("mmw-gated Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
-            }
-        }
-        // The same shapes, one matrix: mmw_add (opt-in), into a fresh output and into a
-        // residual.
         let add_default = backend.mmw_add();
-        backend.set_mmw_add(true);
-        for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(890)) {
-            backend.set_mmw_warps(warps);
-            for add in [false, true] {
-                let result = if add {
-                    selfcheck::compare_matmul_add(&backend, ty, rows, cols, n, s)
-                } else {
-                    selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, false)
-                };
-                let ok = match &result {
-                    Ok(r) => r.passed() && r.via_mmw,
-                    Err(_) => false,
-                };
-                failures += usize::from(!ok);
-                let name = if add { "mmw-add" } else { "mmw" };
-                match result {
-                    Ok(r) => println!(
-                        "{name} Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
-                        r.rel_err,
-                        if r.via_mmw {
-                            ""
-                        } else {
-                            " (did not run on mmw_add)"
-                        },
-                        if r.non_finite > 0 {
-                            format!(" ({} non-finite)", r.non_finite)
-                        } else {
-                            String::new()
-                        },
-                        if ok { "ok" } else { "FAIL" }
-                    ),
-                    Err(e) => println!("{name} Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
+        let groups: [(u64, &[Product]); 2] = [
+            (880, &[Product::Gated]),
+            (890, &[Product::Plain, Product::AddInto]),
+        ];
+        for (seed_offset, products) in groups {
+            backend.set_mmw_add(products[0] != Product::Gated);
+            for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(seed_offset)) {
+                backend.set_mmw_warps(warps);
+                for &product in products {
+                    let result = selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, product);
+                    let ok = match &result {
+                        Ok(r) => r.passed() && r.via_mmw,
+                        Err(_) => false,
+                    };
+                    failures += usize::from(!ok);
+                    let (name, kernel) = match product {
+                        Product::Gated => ("mmw-gated", "mmw_gated"),
+                        Product::Plain => ("mmw", "mmw_add"),
+                        Product::AddInto => ("mmw-add", "mmw_add"),
+                    };
+                    match result {
+                        Ok(r) => println!(
+                            "{name} Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
+                            r.rel_err,
+                            if r.via_mmw {
+                                String::new()
+                            } else {
+                                format!(" (did not run on {kernel})")
+                            },
+                            if r.non_finite > 0 {
+                                format!(" ({} non-finite)", r.non_finite)
+                            } else {
+                                String::new()
+                            },
+                            if ok { "ok" } else { "FAIL" }
+                        ),
+                        Err(e) => println!("{name} Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
+                    }
                 }
+                backend.set_mmw_warps(0);
             }
-            backend.set_mmw_warps(0);
         }
         backend.set_mmw_add(add_default);
     } else {
