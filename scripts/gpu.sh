@@ -33,6 +33,10 @@
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
+#   scripts/gpu.sh bound     on the GPU host: tg128 of the five peer-table models as they run and
+#                            with every kernel but the GEMVs, LM head, embedding and argmax left
+#                            out (KESTREL_CUDA_SKIP: wrong tokens, the most any fusion of the
+#                            small kernels could give), plus each one's per-kernel profile
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -116,6 +120,27 @@ build-base)
     ls -l .gpu .gpu/cuda-cache
     ;;
 remote) remote_cmd ;;
+bound)
+    gpu_env
+    out=${OUT:-/tmp}
+    small=rms_norm_q8,rms_norm,quantize_x_q8,rope_store_kv,attention_split_tiled128,attention_combine,gather_rows
+    specs=("qwen2 qwen2.5-1.5b q4_k_m" "llama llama3-8b q4_k_m" "llama llama3-8b q4_0"
+        "llama llama3-8b q8_0" "llama llama3-8b f16")
+    for spec in "${specs[@]}"; do  # made side by side: ~2.5 minutes for all five
+        set -- $spec
+        f=/tmp/$2-$3.gguf
+        [ -f "$f" ] || .gpu/kestrel synth --arch "$1" --preset "$2" --type "$3" -o "$f" >/dev/null &
+    done
+    wait
+    tg() { env "$@" | grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+'; }
+    for spec in "${specs[@]}"; do
+        set -- $spec
+        f=/tmp/$2-$3.gguf
+        run=(.gpu/kestrel bench -m "$f" --device cuda -p 0 -n 128 -r 3)
+        echo "$2 $3: $(tg "${run[@]}") as it runs, $(tg KESTREL_CUDA_SKIP=$small "${run[@]}") without the small kernels"
+        .gpu/kestrel bench -m "$f" --device cuda -p 0 -n 32 --profile >"$out/profile-$2-$3.txt" 2>&1
+    done
+    ;;
 bench)
     gpu_env
     out=${OUT:-/tmp}
