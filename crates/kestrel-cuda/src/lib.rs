@@ -2326,9 +2326,21 @@ impl CudaBackend {
     /// of 4 per SM: `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows
     /// only with `KESTREL_CUDA_WS=0`, fits 4 since its 64-value units — the rule was measured
     /// at 5 and kept: Qwen2.5-1.5B tg128 with `KESTREL_CUDA_WS=0` 712–724 against 689–750 on
-    /// `gemv_ws_r1` in the tenth session, within the spread).
+    /// `gemv_ws_r1` in the tenth session, within the spread). Short rows stay on one row a
+    /// warp only up to `KESTREL_CUDA_R1_MAX_WAVES` (default 8) such waves: a logit product
+    /// over a large vocabulary (Qwen2.5-1.5B's LM head: 151,936 rows of 1,536 values, 72
+    /// waves) keeps too few bytes in flight a SM with one short row a warp (~1.3 KB: it read
+    /// at ~2.0 TB/s, Llama-3-8B's two-row LM head at 2.9).
     fn gemv_q8_one_row(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
-        k <= 2048 || gemv_warps(segs, gated, 1) <= self.sm_count * 20
+        static MAX_WAVES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let max_waves = *MAX_WAVES.get_or_init(|| {
+            std::env::var("KESTREL_CUDA_R1_MAX_WAVES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(8)
+        });
+        let warps = gemv_warps(segs, gated, 1);
+        (k <= 2048 && warps <= self.sm_count * 20 * max_waves) || warps <= self.sm_count * 20
     }
 
     /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
