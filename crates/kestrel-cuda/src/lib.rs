@@ -2328,7 +2328,7 @@ impl CudaBackend {
     /// at 5 and kept: Qwen2.5-1.5B tg128 with `KESTREL_CUDA_WS=0` 712–724 against 689–750 on
     /// `gemv_ws_r1` in the tenth session, within the spread). Short rows stay on one row a
     /// warp only up to `KESTREL_CUDA_R1_MAX_WAVES` (default 8) such waves: a logit product
-    /// over a large vocabulary (Qwen2.5-1.5B's LM head: 151,936 rows of 1,536 values, 72
+    /// over a large vocabulary (Qwen2.5-1.5B's LM head: 151,936 rows of 1,536 values, 58
     /// waves) keeps too few bytes in flight a SM with one short row a warp (~1.3 KB: it read
     /// at ~2.0 TB/s, Llama-3-8B's two-row LM head at 2.9).
     fn gemv_q8_one_row(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
