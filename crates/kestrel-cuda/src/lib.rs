@@ -2321,23 +2321,24 @@ impl CudaBackend {
         Ok((back_to_back, alone))
     }
 
-    /// Whether an unforced single-token 8-bit launch takes one row per warp: short rows, and
-    /// launches where one row per warp still fits in one wave of resident warps (5 blocks
-    /// of 4 per SM: `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows
-    /// only with `KESTREL_CUDA_WS=0`, fits 4 since its 64-value units — the rule was measured
-    /// at 5 and kept: Qwen2.5-1.5B tg128 with `KESTREL_CUDA_WS=0` 712–724 against 689–750 on
-    /// `gemv_ws_r1` in the tenth session, within the spread). Short rows stay on one row a
-    /// warp only up to `KESTREL_CUDA_R1_MAX_WAVES` (default 8) such waves: a logit product
-    /// over a large vocabulary (Qwen2.5-1.5B's LM head: 151,936 rows of 1,536 values, 58
-    /// waves) keeps too few bytes in flight a SM with one short row a warp (~1.3 KB: it read
-    /// at ~2.0 TB/s, Llama-3-8B's two-row LM head at 2.9).
+    /// Whether an unforced single-token 8-bit launch takes one row per warp: launches where
+    /// one row per warp still fits in one wave of resident warps (5 blocks of 4 per SM:
+    /// `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows only with
+    /// `KESTREL_CUDA_WS=0`, fits 4 since its 64-value units — the rule was measured at 5 and
+    /// kept: Qwen2.5-1.5B tg128 with `KESTREL_CUDA_WS=0` 712–724 against 689–750 on
+    /// `gemv_ws_r1` in the tenth session, within the spread). Short rows (≤ 2,048 values)
+    /// used to take one row a warp at any size; with one short row a warp, a launch of
+    /// several waves keeps too few bytes in flight a SM (~1.3 KB a warp). Two rows a warp
+    /// beyond one wave (`KESTREL_CUDA_R1_MAX_WAVES=N`: short rows keep one up to N waves),
+    /// on Qwen2.5-1.5B's gate/up (3.4 waves) and LM head (58): tg128 +3.5% (five alternated
+    /// pairs in two calls, means 755 → 781, four of five pairs for; the LM head alone +1.2%).
     fn gemv_q8_one_row(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
         static MAX_WAVES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
         let max_waves = *MAX_WAVES.get_or_init(|| {
             std::env::var("KESTREL_CUDA_R1_MAX_WAVES")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(8)
+                .unwrap_or(1)
         });
         let warps = gemv_warps(segs, gated, 1);
         (k <= 2048 && warps <= self.sm_count * 20 * max_waves) || warps <= self.sm_count * 20
