@@ -239,6 +239,22 @@ __device__ __forceinline__ void mw_rows(const u16* xh, int n, int k, const u8* c
     cp_async_wait_all();
 }
 
+// Calls store(tok, r, t, e) for each accumulator acc[.][t][e] of this warp's tile that holds a
+// real output (token tok < n, row r < rows); nothing for a warp past the last tile.
+template <class Store>
+__device__ __forceinline__ void mw_each_output(int tile, int tiles, int rows, int n,
+                                               Store store) {
+    if (tile >= tiles) return;
+    const int lane = threadIdx.x & 31, r0 = tile * 16 + (lane >> 2), c = lane & 3;
+#pragma unroll
+    for (int t = 0; t < 8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int tok = 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
+            if (tok < n && r < rows) store(tok, r, t, e);
+        }
+}
+
 // gate[t][r] = act(G[r]·x[t]) · (U[r]·x[t]) for n ≤ 64 tokens (xh: f16 [n][k], k a multiple
 // of 256), also as f16 into h (null: not). G and U: `rows` rows each in the mmw layout.
 // Grid: ceil(tiles / warps) blocks of up to MW_MAX_WARPS warps, one tile each; one block a
@@ -249,23 +265,16 @@ extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
     mmw_gated(const u16* xh, int n, int k, const u8* wg, const u8* wu, int rows, int act,
               float* gate, u16* h) {
     pdl_enter();
-    const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5;
     const int tile0 = blockIdx.x * (blockDim.x >> 5);
     const u8* const wm[2] = {wg, wu};
     float acc[2][8][4];
     mw_rows<2>(xh, n, k, wm, tile0, tiles, 0, k >> 8, acc);
-    if (tile0 + warp >= tiles) return;
-    const int r0 = (tile0 + warp) * 16 + (lane >> 2), c = lane & 3;
-#pragma unroll
-    for (int t = 0; t < 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int tok = 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
-            if (tok >= n || r >= rows) continue;
-            const float v = gated_value(acc[0][t][e], acc[1][t][e], act);
-            gate[(size_t)tok * rows + r] = v;
-            if (h) h[(size_t)tok * rows + r] = f2h(v);
-        }
+    mw_each_output(tile0 + warp, tiles, rows, n, [&](int tok, int r, int t, int e) {
+        const float v = gated_value(acc[0][t][e], acc[1][t][e], act);
+        gate[(size_t)tok * rows + r] = v;
+        if (h) h[(size_t)tok * rows + r] = f2h(v);
+    });
 }
 
 // out[t][r] = W[r]·x[t] (+ bias[r]; accumulate: + out[t][r]) for n ≤ 64 tokens (xh: f16
@@ -281,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
     constexpr int PER = 32;  // accumulators a thread
     __shared__ int mw_last;
     pdl_enter();
-    const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tiles = (rows + 15) >> 4, warp = threadIdx.x >> 5;
     const int tile0 = blockIdx.x * (blockDim.x >> 5), splits = gridDim.y, steps = k >> 8;
     const int per = (steps + splits - 1) / splits;
     const int s0 = min(steps, (int)blockIdx.y * per), s1 = min(steps, s0 + per);
@@ -313,15 +322,8 @@ extern "C" __global__ void __launch_bounds__(MW_MAX_WARPS * 32, 1)
             }
         if (threadIdx.x == 0) count[blockIdx.x] = 0;
     }
-    if (tile0 + warp >= tiles) return;
-    const int r0 = (tile0 + warp) * 16 + (lane >> 2), c = lane & 3;
-#pragma unroll
-    for (int t = 0; t < 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int tok = 8 * t + 2 * c + (e & 1), r = r0 + 8 * (e >> 1);
-            if (tok >= n || r >= rows) continue;
-            float* o = out + (size_t)tok * ld + r;
-            *o = acc[0][t][e] + (bias ? bias[r] : 0.0f) + (accumulate ? *o : 0.0f);
-        }
+    mw_each_output(tile0 + warp, tiles, rows, n, [&](int tok, int r, int t, int e) {
+        float* o = out + (size_t)tok * ld + r;
+        *o = acc[0][t][e] + (bias ? bias[r] : 0.0f) + (accumulate ? *o : 0.0f);
+    });
 }
