@@ -61,11 +61,21 @@ gpu_env() {
     cp .gpu/cuda-cache/*.cubin "$KESTREL_HOME/cuda-cache/" 2>/dev/null || true
 }
 
-# Synthetic Llama-3-8B Q4_K_M (made once per warm host); prints its path.
-llama3_8b() {
-    local f=/tmp/llama3-8b-q4_k_m.gguf
-    [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m -o "$f" >/dev/null
+# The peer table's models (`synth` arch, preset, type).
+PEER_MODELS=("qwen2 qwen2.5-1.5b q4_k_m" "llama llama3-8b q4_k_m" "llama llama3-8b q4_0"
+    "llama llama3-8b q8_0" "llama llama3-8b f16")
+
+# `peer_model ARCH PRESET TYPE`: prints the synthetic model's path, made first if missing
+# (kept in /tmp: a warm host reuses it on the next call).
+peer_model() {
+    local f=/tmp/$2-$3.gguf
+    [ -f "$f" ] || .gpu/kestrel synth --arch "$1" --preset "$2" --type "$3" -o "$f" >/dev/null
     echo "$f"
+}
+
+# Synthetic Llama-3-8B Q4_K_M; prints its path.
+llama3_8b() {
+    peer_model llama llama3-8b q4_k_m
 }
 
 # `serve_start PORT LOG [VAR=VALUE ...]`: the server the batched runs use, on MODEL, in the
@@ -124,18 +134,14 @@ bound)
     gpu_env
     out=${OUT:-/tmp}
     small=rms_norm_q8,rms_norm,quantize_x_q8,rope_store_kv,attention_split_tiled128,attention_combine,gather_rows
-    specs=("qwen2 qwen2.5-1.5b q4_k_m" "llama llama3-8b q4_k_m" "llama llama3-8b q4_0"
-        "llama llama3-8b q8_0" "llama llama3-8b f16")
-    for spec in "${specs[@]}"; do  # made side by side: ~2.5 minutes for all five
-        set -- $spec
-        f=/tmp/$2-$3.gguf
-        [ -f "$f" ] || .gpu/kestrel synth --arch "$1" --preset "$2" --type "$3" -o "$f" >/dev/null &
+    for spec in "${PEER_MODELS[@]}"; do  # made side by side: ~2.5 minutes for all five
+        peer_model $spec >/dev/null &
     done
     wait
     tg() { env "$@" | grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+'; }
-    for spec in "${specs[@]}"; do
+    for spec in "${PEER_MODELS[@]}"; do
         set -- $spec
-        f=/tmp/$2-$3.gguf
+        f=$(peer_model "$@")
         run=(.gpu/kestrel bench -m "$f" --device cuda -p 0 -n 128 -r 3)
         echo "$2 $3: $(tg "${run[@]}") as it runs, $(tg KESTREL_CUDA_SKIP=$small "${run[@]}") without the small kernels"
         .gpu/kestrel bench -m "$f" --device cuda -p 0 -n 32 --profile >"$out/profile-$2-$3.txt" 2>&1
@@ -144,14 +150,11 @@ bound)
 bench)
     gpu_env
     out=${OUT:-/tmp}
-    for spec in "qwen2 qwen2.5-1.5b q4_k_m" "llama llama3-8b q4_k_m" "llama llama3-8b q4_0" \
-        "llama llama3-8b q8_0" "llama llama3-8b f16"; do
+    for spec in "${PEER_MODELS[@]}"; do
         set -- $spec
-        f=/tmp/$2-$3.gguf
-        [ -f "$f" ] || .gpu/kestrel synth --arch "$1" --preset "$2" --type "$3" -o "$f" >/dev/null
+        f=$(peer_model "$@")
         .gpu/kestrel bench -m "$f" --device cuda -p 512 -n 128 -r 3 --json > "$out/bench-$2-$3.json"
         echo "$2 $3: $(grep -E '"(n_prompt|n_gen|avg_ts|stddev_ts|achieved_gb_s)"' "$out/bench-$2-$3.json" | tr -d ' \n')"
-        # kept: a warm host reuses the files on the next call
     done
     ;;
 ceilings)
@@ -189,8 +192,8 @@ batched)
     ;;
 verify)
     gpu_env
+    peer_model llama llama3-8b q4_0 >/dev/null &
     q4_0=/tmp/llama3-8b-q4_0.gguf
-    [ -f "$q4_0" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_0 -o "$q4_0" >/dev/null &
     .gpu/kestrel gpu-check | grep -vE " ok$"
     model=$(llama3_8b)
     wait
@@ -249,8 +252,7 @@ decode-ab)
     # separated VAR=VALUE[,VAR=VALUE] sets; "-" for the defaults), on synthetic Qwen2.5-1.5B
     # and Llama-3-8B Q4_K_M: A/B comparisons of kernel switches in one call.
     gpu_env
-    qwen=/tmp/qwen2.5-1.5b-q4_k_m.gguf
-    [ -f "$qwen" ] || .gpu/kestrel synth --arch qwen2 --preset qwen2.5-1.5b --type q4_k_m -o "$qwen" >/dev/null
+    qwen=$(peer_model qwen2 qwen2.5-1.5b q4_k_m)
     model=$(llama3_8b)
     for set in ${AB:--}; do
         vars=() bin=.gpu/kestrel
@@ -273,8 +275,7 @@ mega)
     # and Llama-3-8B Q4_K_M with its per-phase profile under each flags value of
     # ${FLAGS:-0} (KESTREL_CUDA_MEGA_FLAGS), and the launch path beside them.
     gpu_env
-    qwen=/tmp/qwen2.5-1.5b-q4_k_m.gguf
-    [ -f "$qwen" ] || .gpu/kestrel synth --arch qwen2 --preset qwen2.5-1.5b --type q4_k_m -o "$qwen" >/dev/null
+    qwen=$(peer_model qwen2 qwen2.5-1.5b q4_k_m)
     timeout 300 .gpu/kestrel gpu-check --mega "$qwen" --mega-cpu --generate 30 | grep -vE ' ok$' || true
     model=$(llama3_8b)
     for m in "$qwen" "$model"; do
