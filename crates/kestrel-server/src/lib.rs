@@ -905,8 +905,8 @@ async fn collect_one(
                 let mut finish = finish_name(reason);
                 let choice = if job.chat {
                     let mut message = json!({"role": "assistant", "content": text});
-                    if job.tools.is_some() {
-                        let (content, calls) = tools::parse_calls(&text);
+                    if let Some(tools) = &job.tools {
+                        let (content, calls) = tools.calls_in(&text);
                         if !calls.is_empty() {
                             message["content"] = if content.is_empty() {
                                 Value::Null
@@ -1080,9 +1080,9 @@ fn stream_response(state: Shared, job: Job, gens: Vec<Generation>) -> Response {
                         } else {
                             json!({"content": text})
                         };
-                        if let Some(h) = held[index].take() {
+                        if let (Some(h), Some(tools)) = (held[index].take(), &job.tools) {
                             let all = h + &text;
-                            let (content, calls) = tools::parse_calls(&all);
+                            let (content, calls) = tools.calls_in(&all);
                             if calls.is_empty() {
                                 delta = json!({"content": all});
                             } else {

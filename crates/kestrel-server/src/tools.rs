@@ -201,6 +201,24 @@ fn function_name(tool: &Value) -> Option<&str> {
     tool.pointer("/function/name").and_then(Value::as_str)
 }
 
+impl Tools {
+    /// [`parse_calls`], keeping only calls to these tools: text calling an unknown
+    /// function stays content.
+    pub fn calls_in(&self, text: &str) -> (String, Vec<ToolCall>) {
+        let (content, calls) = parse_calls(text);
+        let known = |c: &ToolCall| {
+            self.list
+                .as_array()
+                .is_some_and(|l| l.iter().any(|t| function_name(t) == Some(c.name.as_str())))
+        };
+        if calls.iter().all(known) {
+            (content, calls)
+        } else {
+            (text.trim().to_string(), Vec::new())
+        }
+    }
+}
+
 /// Splits a model's text into its plain content and its tool calls, whichever of the
 /// known formats it uses. Text that is not a well-formed call stays content.
 pub fn parse_calls(text: &str) -> (String, Vec<ToolCall>) {
@@ -238,9 +256,16 @@ pub fn parse_calls(text: &str) -> (String, Vec<ToolCall>) {
         return (text.to_string(), Vec::new());
     }
     // Llama 3: one JSON object (or several separated by ';'), maybe after <|python_tag|>.
+    // Small models also wrap it in a Markdown code fence.
     let body = trimmed
         .strip_prefix("<|python_tag|>")
         .unwrap_or(trimmed)
+        .trim();
+    let body = body
+        .strip_prefix("```json")
+        .or_else(|| body.strip_prefix("```"))
+        .and_then(|b| b.trim_end().strip_suffix("```"))
+        .unwrap_or(body)
         .trim();
     if body.starts_with('{') {
         let calls: Option<Vec<ToolCall>> = body
@@ -274,7 +299,7 @@ fn value_call(v: &Value, args_key: &str) -> Option<ToolCall> {
 /// streaming response holds it back instead of sending it as content.
 pub fn may_be_call(text: &str) -> bool {
     let t = text.trim_start();
-    ["<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{"]
+    ["<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "```"]
         .iter()
         .any(|m| t.starts_with(m) || m.starts_with(t))
 }
@@ -328,12 +353,29 @@ mod tests {
             parse_calls(llama),
             (String::new(), vec![call("f", "{\"x\":2}")])
         );
+        let fenced = "```json\n{\"name\": \"f\", \"arguments\": {\"x\": 3}}\n```";
+        assert_eq!(
+            parse_calls(fenced),
+            (String::new(), vec![call("f", "{\"x\":3}")])
+        );
         // Not calls: stays content.
         for text in ["hello", "{\"a\": 1}", "<tool_call>\nnot json\n</tool_call>"] {
             let (content, calls) = parse_calls(text);
             assert!(calls.is_empty(), "{text}");
             assert_eq!(content, text.trim());
         }
+    }
+
+    #[test]
+    fn calls_to_unknown_tools_stay_content() {
+        let tools = vec![json!({"type": "function", "function": {"name": "f"}})];
+        let t = Tools::parse(Some(&tools), None, None).unwrap().unwrap();
+        let text = "{\"name\": \"g\", \"arguments\": {}}";
+        assert_eq!(t.calls_in(text), (text.to_string(), Vec::new()));
+        assert_eq!(
+            t.calls_in("{\"name\": \"f\", \"arguments\": {}}").1,
+            vec![call("f", "{}")]
+        );
     }
 
     #[test]

@@ -10,13 +10,14 @@ use common::{Setup, real, real_with_template};
 use kestrel_tokenizer::ChatTemplate;
 use serde_json::json;
 
-fn run_client(srv: &common::TestServer, group: &str) {
+fn run_client(srv: &common::TestServer, group: &str, model: &std::path::Path) {
     let out = std::process::Command::new("python3")
         .arg("tests/features_client.py")
         .arg(&srv.url)
         .arg("test-key")
         .arg("test-model")
         .arg(group)
+        .arg(model)
         .output()
         .expect("running python3");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -41,24 +42,23 @@ fn setup() -> Setup {
 #[test]
 fn structured_output_and_api_extras_through_the_openai_client() {
     let path = kestrel_hub::resolve_model("gemma-3-270m").expect("gemma-3-270m");
-    run_client(&real(&path, setup()), "structured");
+    run_client(&real(&path, setup()), "structured", &path);
 }
 
 #[test]
 fn tool_calls_through_the_openai_client() {
     let path = kestrel_hub::resolve_model("qwen2.5-coder-1.5b").expect("qwen2.5-coder-1.5b");
-    run_client(&real(&path, setup()), "tools");
+    run_client(&real(&path, setup()), "tools", &path);
 }
 
 #[test]
 fn hostile_templates_fail_the_request_and_the_server_keeps_answering() {
     let path = kestrel_hub::resolve_model("gemma-3-270m").expect("gemma-3-270m");
+    // One of each kind (the tokenizer's tests cover every limit): a loop, an allocation,
+    // a walk of a huge lazy list, recursion.
     let hostile = [
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
         "{{ 'a\nb' | indent(2**62) }}",
-        "{{ messages | tojson(indent=2**62) }}",
-        "{{ '%999999999999d' | format(1) }}",
-        "{{ ([1] * 10**12) | list }}",
         "{{ [1] * 10**12 }}",
         "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
     ];

@@ -1,12 +1,13 @@
 """Drives a running Kestrel server's structured output, tool calls and API extras with the
 official OpenAI Python client, validating every output.
 
-Usage: python3 features_client.py BASE_URL API_KEY MODEL GROUP
+Usage: python3 features_client.py BASE_URL API_KEY MODEL GROUP MODEL_PATH
 GROUP `structured`: json_schema on every schema of data/schemas.json (each output is
 validated with `jsonschema`), json_object, the `regex` and `grammar` extensions,
 logit_bias, n = 2, the developer role, unknown fields, /v1/models/{id}, /tokenize and
 /detokenize. GROUP `tools`: tool calls with `auto`, `required` and a named function, parallel
-calls, streaming tool-call deltas, and tool results in the history.
+calls, streaming tool-call deltas, and a call and its result in the history rendered as
+transformers renders the model's template.
 Exits non-zero (with the failing check) if anything differs from what the API promises.
 """
 
@@ -21,6 +22,7 @@ import jsonschema
 import openai
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_PATH = None
 
 
 def post(url, key, path, body):
@@ -179,14 +181,14 @@ def check_calls(calls, names):
 
 def tools(url, key, model, client):
     ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-    r = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, TIME], max_tokens=60, temperature=0)
+    r = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, TIME], max_tokens=40, temperature=0)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", (c.finish_reason, c.message)
     check_calls(c.message.tool_calls, {"get_weather"})
 
     chat = [{"role": "user", "content": "Tell me a one-line joke."}]
     r = client.chat.completions.create(
-        model=model, messages=chat, tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, temperature=0
+        model=model, messages=chat, tools=[WEATHER, TIME], tool_choice="required", max_tokens=40, temperature=0
     )
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
     check_calls(r.choices[0].message.tool_calls, {"get_weather", "get_time"})
@@ -238,13 +240,37 @@ def tools(url, key, model, client):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21, "sky": "sunny"}'},
     ]
-    r = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=30, temperature=0)
-    answer = r.choices[0].message.content or ""
-    assert "21" in answer, answer
+    r = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=1, temperature=0)
+    # Oracle: the prompt is the model's template rendered by jinja2 the way transformers
+    # does (the call's arguments as an object), tokenized by the server.
+    want = render_hf(history, [WEATHER])
+    assert "<tool_response>" in want and '"city": "Paris"' in want, want
+    n_want = len(post(url, key, "/tokenize", {"content": want})["tokens"])
+    assert r.usage.prompt_tokens == n_want, (r.usage.prompt_tokens, n_want, want)
+
+
+def render_hf(messages, tools):
+    """The GGUF's chat template rendered as transformers renders it."""
+    import gguf
+    import jinja2.sandbox
+
+    reader = gguf.GGUFReader(MODEL_PATH)
+    field = reader.fields["tokenizer.chat_template"]
+    source = bytes(field.parts[field.data[0]]).decode()
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    msgs = json.loads(json.dumps(messages))
+    for m in msgs:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return env.from_string(source).render(messages=msgs, tools=tools, add_generation_prompt=True)
 
 
 def main() -> None:
-    url, key, model, group = sys.argv[1:5]
+    global MODEL_PATH
+    url, key, model, group, MODEL_PATH = sys.argv[1:6]
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
     {"structured": structured, "tools": tools}[group](url, key, model, client)
     print(f"features ({group}): all checks passed")
