@@ -192,13 +192,31 @@ impl TokenFilter for RequestFilter {
             return;
         };
         let eos_ok = (self.eos as usize) < mask.len() && mask.is_allowed(self.eos);
-        for (id, l) in logits.iter_mut().enumerate() {
-            let id = id as u32;
-            let allowed = (id as usize) < mask.len() && mask.is_allowed(id)
-                || eos_ok && self.eog.contains(&id);
-            if !allowed {
-                *l = f32::NEG_INFINITY;
+        // Every end-of-generation token is allowed with the grammar's EOS.
+        let saved: Vec<(usize, f32)> = if eos_ok {
+            let row = &*logits;
+            self.eog
+                .iter()
+                .filter_map(|&t| row.get(t as usize).map(|&l| (t as usize, l)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // A word of the mask covers 32 tokens: whole words are allowed or banned at once.
+        let words = mask.as_slice();
+        for (chunk, w) in logits.chunks_mut(32).enumerate() {
+            let bits = words.get(chunk).copied().unwrap_or(0);
+            if bits == u32::MAX {
+                continue;
             }
+            for (b, l) in w.iter_mut().enumerate() {
+                if bits & (1 << b) == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for (t, l) in saved {
+            logits[t] = l;
         }
     }
 
