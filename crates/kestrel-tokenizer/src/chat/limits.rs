@@ -187,10 +187,10 @@ pub fn check_width(value: &Value) -> Result<(), Error> {
 /// Rejects printf (`%10d`) and `str.format` (`{:10}`) specifications whose widths or
 /// precisions exceed [`MAX_WIDTH`]. Numbers outside a specification (plain text) are free.
 fn check_format_spec(spec: &str) -> Result<(), Error> {
-    let mut in_spec = false;
+    let (mut in_brace, mut in_percent) = (false, false);
     let mut number: u64 = 0;
     for c in spec.chars() {
-        if in_spec && c.is_ascii_digit() {
+        if (in_brace || in_percent) && c.is_ascii_digit() {
             number = number
                 .saturating_mul(10)
                 .saturating_add(u64::from(c as u8 - b'0'));
@@ -203,9 +203,11 @@ fn check_format_spec(spec: &str) -> Result<(), Error> {
         }
         number = 0;
         match c {
-            '%' | '{' | ':' => in_spec = true,
-            '}' => in_spec = false,
-            c if in_spec && c.is_ascii_alphabetic() => in_spec = false,
+            '{' => in_brace = true,
+            '}' => in_brace = false,
+            // `%%` is a literal percent sign: the second one closes the first.
+            '%' => in_percent = !in_percent,
+            c if in_percent && c.is_ascii_alphabetic() => in_percent = false,
             _ => {}
         }
     }
@@ -266,6 +268,34 @@ pub fn render(
         )),
         Err(mpsc::RecvTimeoutError::Disconnected) => {
             Err("the rendering thread ended without a result".to_string())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_format_spec;
+
+    #[test]
+    fn format_widths_are_bounded_only_inside_specifications() {
+        for ok in [
+            "%5d",
+            "%-10.3f",
+            "{:>8}",
+            "{0:1024}",
+            "year 20000 %s",
+            "100%% of 99999",
+        ] {
+            assert!(check_format_spec(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "%1025d",
+            "%.99999f",
+            "{:99999}",
+            "{0:>2000}",
+            "x %5s %9999999999999999999999d",
+        ] {
+            assert!(check_format_spec(bad).is_err(), "{bad}");
         }
     }
 }
