@@ -7,7 +7,7 @@ use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, Batch, Model, ModelConfig, SamplingBatch, Scratch};
 
 use crate::kv::BlockManager;
-use crate::sampler::{Sampler, SamplerParams};
+use crate::sampler::{Sampler, SamplerParams, TokenFilter};
 
 /// Sizes of the engine's buffers.
 #[derive(Debug, Clone)]
@@ -464,6 +464,45 @@ impl<B: Backend> Engine<B> {
                 *ids.first()
                     .ok_or_else(|| anyhow::anyhow!("a decode step returned no token id"))?,
             );
+        }
+        Ok(out)
+    }
+
+    /// [`Engine::generate`] with every token restricted by `filter` (a grammar's mask, a
+    /// logit bias): each step's logit row comes to the host, the filter adjusts it, and the
+    /// sampler picks from what is left. Stops when the filter says the output is complete;
+    /// a token the filter rejects is an error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_filtered(
+        &mut self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        params: &SamplerParams,
+        max_tokens: usize,
+        filter: &mut dyn TokenFilter,
+        is_eog: impl Fn(u32) -> bool,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> anyhow::Result<Vec<u32>> {
+        let mut sampler = Sampler::new(params.clone());
+        let mut out = Vec::new();
+        let mut logits = Vec::new();
+        let mut feed = prompt.to_vec();
+        while out.len() < max_tokens {
+            self.eval(seq, &feed, false, |_, l| {
+                logits.clear();
+                logits.extend_from_slice(l);
+            })?;
+            filter.prepare();
+            filter.apply(&mut logits);
+            let id = sampler.sample(&logits, &seq.tokens);
+            out.push(id);
+            let eog = is_eog(id);
+            let complete = !eog && filter.accept(id).map_err(anyhow::Error::msg)?;
+            let go_on = on_token(id);
+            if eog || complete || !go_on || seq.tokens.len() + 1 > self.ctx {
+                break;
+            }
+            feed = vec![id];
         }
         Ok(out)
     }

@@ -109,6 +109,20 @@ impl SamplerParams {
     }
 }
 
+/// Restricts or biases a sequence's next token beyond the sampling settings: a grammar's
+/// token mask (constrained decoding), a logit bias. The scheduler samples a filtered
+/// sequence from its logit row on the host.
+pub trait TokenFilter: Send {
+    /// Prepares the restriction of the next token (e.g. computes a grammar's mask). The
+    /// scheduler calls it on another thread while the step's forward pass runs. A failure
+    /// is kept and reported by the next [`TokenFilter::accept`].
+    fn prepare(&mut self);
+    /// Adjusts a logit row before penalties and sampling; a banned token gets `-inf`.
+    fn apply(&self, logits: &mut [f32]);
+    /// Records the chosen token. `Ok(true)`: the output is complete, end the generation.
+    fn accept(&mut self, token: u32) -> Result<bool, String>;
+}
+
 /// A stateful sampler: the parameters and a seeded RNG. The filters and the draw are
 /// [`kestrel_model::sampling`]'s (shared with the backends that sample on the device): a
 /// sampler turns its settings, the history and one uniform draw into a [`RowSampling`].

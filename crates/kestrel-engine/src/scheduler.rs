@@ -37,7 +37,7 @@ use kestrel_model::{Backend, Batch, SamplingBatch};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
-use crate::sampler::{Sampler, SamplerParams, log_softmax, top_n};
+use crate::sampler::{Sampler, SamplerParams, TokenFilter, log_softmax, top_n};
 
 /// Where a request's events go. Implemented for `std::sync::mpsc::Sender<Event>`; the server
 /// wraps its async channel in one.
@@ -190,7 +190,7 @@ pub struct SchedulerStats {
 /// The submitting side; cheap to clone.
 #[derive(Clone)]
 pub struct SchedulerHandle {
-    tx: mpsc::Sender<Request>,
+    tx: mpsc::Sender<(Request, Option<Box<dyn TokenFilter>>)>,
     info: Arc<SchedulerInfo>,
     stats: Arc<SchedulerStats>,
 }
@@ -206,6 +206,15 @@ impl SchedulerHandle {
 
     /// Checks a request and queues it. Its events arrive on its sink.
     pub fn submit(&self, req: Request) -> Result<(), SubmitError> {
+        self.submit_filtered(req, None)
+    }
+
+    /// [`Self::submit`] with a [`TokenFilter`] restricting the request's tokens.
+    pub fn submit_filtered(
+        &self,
+        req: Request,
+        filter: Option<Box<dyn TokenFilter>>,
+    ) -> Result<(), SubmitError> {
         let info = &self.info;
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
@@ -233,7 +242,7 @@ impl SchedulerHandle {
         }
         req.params.validate().map_err(SubmitError::BadParams)?;
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        self.tx.send(req).map_err(|_| {
+        self.tx.send((req, filter)).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             SubmitError::Stopped
         })
@@ -247,7 +256,7 @@ where
     B: Backend + 'static,
     F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
 {
-    let (tx, rx) = mpsc::channel::<Request>();
+    let (tx, rx) = mpsc::channel::<(Request, Option<Box<dyn TokenFilter>>)>();
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<SchedulerInfo>>();
     let stats = Arc::new(SchedulerStats::default());
     let thread_stats = stats.clone();
@@ -293,6 +302,8 @@ struct Seq {
     logprobs: Option<usize>,
     cached_prompt_tokens: Option<usize>,
     sink: Box<dyn TokenSink>,
+    /// Grammar mask / logit bias: the sequence is sampled on the host.
+    filter: Option<Box<dyn TokenFilter>>,
 }
 
 /// Names one prefix-cache entry: its table key and its id (ids are never reused, so a link
@@ -433,7 +444,7 @@ impl PrefixCache {
 struct Scheduler<B: Backend> {
     engine: Engine<B>,
     opts: SchedulerOptions,
-    rx: mpsc::Receiver<Request>,
+    rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
     stats: Arc<SchedulerStats>,
     waiting: VecDeque<Seq>,
     /// Oldest first: the last one is preempted first.
@@ -469,7 +480,7 @@ impl<B: Backend> Scheduler<B> {
     fn new(
         engine: Engine<B>,
         opts: SchedulerOptions,
-        rx: mpsc::Receiver<Request>,
+        rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
         stats: Arc<SchedulerStats>,
     ) -> Self {
         let s = Scheduler {
@@ -545,7 +556,7 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    fn enqueue(&mut self, req: Request) {
+    fn enqueue(&mut self, (req, filter): (Request, Option<Box<dyn TokenFilter>>)) {
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let prompt_len = req.prompt.len();
         self.waiting.push_back(Seq {
@@ -561,6 +572,7 @@ impl<B: Backend> Scheduler<B> {
             logprobs: req.logprobs,
             cached_prompt_tokens: None,
             sink: req.sink,
+            filter,
         });
     }
 
@@ -764,8 +776,9 @@ impl<B: Backend> Scheduler<B> {
                 usize::from(samples),
             );
             if samples {
-                all_plain &= seq.sampler.is_argmax() && seq.logprobs.is_none();
-                rows_needed |= seq.logprobs.is_some();
+                let host = seq.logprobs.is_some() || seq.filter.is_some();
+                all_plain &= seq.sampler.is_argmax() && !host;
+                rows_needed |= host;
             }
         }
         let sample_rows = !all_plain && !rows_needed;
@@ -785,13 +798,33 @@ impl<B: Backend> Scheduler<B> {
         let mut logits = std::mem::take(&mut self.logits);
         let forward_started = Instant::now();
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
-        let result = if all_plain {
-            self.engine.step_argmax(&batch, &mut argmax_ids)
-        } else if sample_rows {
-            self.engine.step_sample(&batch, &draws, &mut argmax_ids)
-        } else {
-            self.engine.step_into(&batch, &mut logits)
-        };
+        // The filters of the sequences sampling this step prepare their next token's
+        // restriction on another thread while the forward pass runs.
+        let mut filters: Vec<&mut Box<dyn TokenFilter>> = Vec::new();
+        let mut plan_at = plan.iter().peekable();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            let Some(&(_, n)) = plan_at.next_if(|p| p.0 == i) else {
+                continue;
+            };
+            if seq.n_cached + n == seq.tokens.len()
+                && let Some(f) = seq.filter.as_mut()
+            {
+                filters.push(f);
+            }
+        }
+        let engine = &mut self.engine;
+        let result = std::thread::scope(|scope| {
+            if !filters.is_empty() {
+                scope.spawn(|| filters.par_iter_mut().for_each(|f| f.prepare()));
+            }
+            if all_plain {
+                engine.step_argmax(&batch, &mut argmax_ids)
+            } else if sample_rows {
+                engine.step_sample(&batch, &draws, &mut argmax_ids)
+            } else {
+                engine.step_into(&batch, &mut logits)
+            }
+        });
         self.last_forward_us = forward_started.elapsed().as_micros() as u64;
         if step_log() {
             let prefill: usize = plan.iter().filter(|p| p.1 > 1).map(|p| p.1).sum();
@@ -844,6 +877,11 @@ impl<B: Backend> Scheduler<B> {
                 argmax_ids.iter().map(|&id| Some(id)).collect(),
             )
         } else {
+            for (row, &i) in logits.chunks_exact_mut(vocab).zip(&sampling) {
+                if let Some(f) = &self.running[i].filter {
+                    f.apply(row);
+                }
+            }
             let rows: Vec<&[f32]> = logits.chunks_exact(vocab).take(sampling.len()).collect();
             // Every sampling sequence's sampler with its history, in `sampling` order: each
             // row is sampled on its own core. One thread took ~0.5 ms a row with top-k over a
@@ -923,6 +961,15 @@ impl<B: Backend> Scheduler<B> {
         if eog.contains(&id) {
             return Some(Some(FinishReason::Stop));
         }
+        // A filter that rejects the token (or failed preparing) ends the request.
+        let complete = match seq.filter.as_mut().map(|f| f.accept(id)) {
+            Some(Err(e)) => {
+                seq.sink.send(Event::Error(e));
+                return Some(None);
+            }
+            Some(Ok(complete)) => complete,
+            None => false,
+        };
         let logprob = seq.logprobs.map(|k| {
             let lp = log_softmax(row);
             TokenLogprob {
@@ -932,6 +979,9 @@ impl<B: Backend> Scheduler<B> {
         });
         if !seq.sink.send(Event::Token { id, logprob }) {
             return Some(None);
+        }
+        if complete {
+            return Some(Some(FinishReason::Stop));
         }
         if seq.generated >= seq.max_tokens || seq.tokens.len() + 1 > ctx {
             return Some(Some(FinishReason::Length));

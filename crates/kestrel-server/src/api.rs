@@ -2,9 +2,87 @@
 
 use kestrel_engine::sampler::SamplerParams;
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
+use crate::constrain::Constraint;
 use crate::error::ApiError;
+
+/// Fields both generation endpoints take.
+const SAMPLING_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_penalty",
+    "seed",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "logit_bias",
+    "response_format",
+    "grammar",
+    "regex",
+];
+/// Fields only `/v1/chat/completions` takes.
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+/// Fields only `/v1/completions` takes.
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo"];
+/// Fields accepted and ignored: they change nothing in the output.
+pub const IGNORED_FIELDS: &[&str] = &["user", "metadata", "store"];
+
+/// A 400 naming the first field of `body` not in `known` (endpoints outside the OpenAI
+/// API, which have no ignored fields).
+pub fn check_keys(body: &Value, known: &[&str]) -> Result<(), ApiError> {
+    let Value::Object(map) = body else {
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+        ));
+    };
+    match map.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(key) => Err(ApiError::invalid(
+            format!("the field '{key}' is not supported"),
+            Some(key),
+        )
+        .with_code("unsupported_parameter")),
+        None => Ok(()),
+    }
+}
+
+/// A 400 naming the first top-level field that is neither taken by the endpoint nor in
+/// [`IGNORED_FIELDS`]: a setting Kestrel does not honour is never silently dropped.
+pub fn check_fields(body: &Value, endpoint: &[&str]) -> Result<(), ApiError> {
+    let Value::Object(map) = body else {
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+        ));
+    };
+    for key in map.keys() {
+        let k = key.as_str();
+        if !SAMPLING_FIELDS.contains(&k) && !endpoint.contains(&k) && !IGNORED_FIELDS.contains(&k) {
+            return Err(ApiError::invalid(
+                format!("the field '{key}' is not supported"),
+                Some(key),
+            )
+            .with_code("unsupported_parameter"));
+        }
+    }
+    Ok(())
+}
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -39,6 +117,14 @@ pub struct Sampling {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Token id (as a string) to a bias in [-100, 100] added to its logit.
+    pub logit_bias: Option<Map<String, Value>>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
+    pub response_format: Option<Value>,
+    /// Extension: a Lark grammar the output must follow (llguidance's dialect).
+    pub grammar: Option<String>,
+    /// Extension: a regular expression the output must match.
+    pub regex: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -61,6 +147,11 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    /// Function tools: `[{"type": "function", "function": {name, description, parameters}}]`.
+    pub tools: Option<Vec<Value>>,
+    /// `"auto"`, `"none"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -69,6 +160,11 @@ pub struct ChatMessageIn {
     /// A string, a list of `{"type": "text", "text": ...}` parts, or null.
     #[serde(default)]
     pub content: Value,
+    /// An assistant message's tool calls (OpenAI's shape).
+    pub tool_calls: Option<Value>,
+    /// A tool message's answer to this call id.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 impl ChatMessageIn {
@@ -115,13 +211,69 @@ impl Sampling {
             .is_some_and(|o| o.include_usage)
     }
 
+    /// `n`: how many choices to generate (1..=16).
+    pub fn choices(&self) -> Result<usize, ApiError> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
+            Some(n) => Err(ApiError::invalid(
+                format!("n must be in 1..={MAX_CHOICES}, got {n}"),
+                Some("n"),
+            )),
+        }
+    }
+
+    /// `logit_bias` as (token id, bias) pairs, checked against the vocabulary size.
+    pub fn logit_bias(&self, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+        let bad = |m: String| ApiError::invalid(m, Some("logit_bias"));
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(k, v)| {
+                let id: u32 = k
+                    .parse()
+                    .ok()
+                    .filter(|&id| (id as usize) < vocab)
+                    .ok_or_else(|| bad(format!("'{k}' is not a token id below {vocab}")))?;
+                let b = v
+                    .as_f64()
+                    .filter(|b| (-100.0..=100.0).contains(b))
+                    .ok_or_else(|| {
+                        bad(format!("the bias of {k} must be a number in [-100, 100]"))
+                    })?;
+                Ok((id, b as f32))
+            })
+            .collect()
+    }
+
+    /// The output constraint of `response_format`, `grammar` or `regex` (at most one).
+    pub fn constraint(&self) -> Result<Option<Constraint>, ApiError> {
+        let from_format = match &self.response_format {
+            None => None,
+            Some(f) => response_format(f)?,
+        };
+        let mut given = [
+            from_format.map(|c| ("response_format", c)),
+            self.grammar
+                .clone()
+                .map(|g| ("grammar", Constraint::Lark(g))),
+            self.regex.clone().map(|r| ("regex", Constraint::Regex(r))),
+        ]
+        .into_iter()
+        .flatten();
+        let first = given.next();
+        if let Some((name, _)) = given.next() {
+            return Err(ApiError::invalid(
+                "response_format, grammar and regex exclude one another",
+                Some(name),
+            ));
+        }
+        Ok(first.map(|(_, c)| c))
+    }
+
     /// Sampler settings with OpenAI's defaults (temperature 1, no top-k/top-p/min-p).
     pub fn params(&self) -> Result<SamplerParams, ApiError> {
-        if let Some(n) = self.n
-            && n != 1
-        {
-            return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
-        }
         if self.stops().len() > 4 {
             return Err(ApiError::invalid("at most 4 stop sequences", Some("stop")));
         }
@@ -151,6 +303,38 @@ impl Sampling {
             return Err(ApiError::invalid(msg, param.as_deref()));
         }
         Ok(p)
+    }
+}
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 16;
+
+/// `response_format`: `text` (no constraint), `json_object`, or `json_schema` with its
+/// `schema` and `strict`.
+fn response_format(f: &Value) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: &str| ApiError::invalid(m, Some("response_format"));
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::json_object())),
+        Some("json_schema") => {
+            let js = f
+                .get("json_schema")
+                .ok_or_else(|| bad("json_schema is missing"))?;
+            let schema = match js.get("schema") {
+                Some(s @ Value::Object(_)) => s.clone(),
+                Some(_) => return Err(bad("json_schema.schema must be an object")),
+                None => return Err(bad("json_schema.schema is missing")),
+            };
+            let strict = match js.get("strict") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => return Err(bad("json_schema.strict must be a boolean")),
+            };
+            Ok(Some(Constraint::JsonSchema { schema, strict }))
+        }
+        _ => Err(bad(
+            "response_format.type must be text, json_object or json_schema",
+        )),
     }
 }
 

@@ -73,7 +73,7 @@ def main() -> None:
     for call, exc in [
         (lambda: client.completions.create(model="no-such-model", prompt="x"), openai.NotFoundError),
         (lambda: client.completions.create(model=model, prompt="x", max_tokens=-1), openai.BadRequestError),
-        (lambda: client.completions.create(model=model, prompt="x", n=3), openai.BadRequestError),
+        (lambda: client.completions.create(model=model, prompt="x", n=99), openai.BadRequestError),
         (
             lambda: openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list(),
             openai.AuthenticationError,

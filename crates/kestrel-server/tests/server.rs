@@ -238,7 +238,7 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": [1], "n": 2}).to_string(),
+            json!({"prompt": [1], "n": 17}).to_string(),
             400,
         ),
         (

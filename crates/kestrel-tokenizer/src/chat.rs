@@ -1,10 +1,14 @@
 //! Chat templates: Jinja sources (from `tokenizer.chat_template`, a file, or a built-in
 //! one) rendered with minijinja the way Hugging Face transformers renders them with
 //! jinja2 (`trim_blocks`, `lstrip_blocks`, loop controls, Python string methods,
-//! `raise_exception`, a `tojson` that writes like Python's `json.dumps`).
+//! `raise_exception`, a `tojson` that writes like Python's `json.dumps`). Templates are
+//! untrusted: [`limits`] bounds the time, memory and output of every rendering.
+
+mod limits;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kestrel_gguf::GgufFile;
 use minijinja::value::{Kwargs, ValueKind};
@@ -65,6 +69,12 @@ pub struct ChatMessage {
     /// Tool calls of an assistant message, in the OpenAI shape the templates expect.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` message's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The name of the tool (`tool` messages) or participant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -73,6 +83,8 @@ impl ChatMessage {
             role: role.into(),
             content: content.into(),
             tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 
@@ -93,7 +105,7 @@ impl ChatMessage {
 pub struct ChatTemplate {
     name: String,
     source: String,
-    env: Environment<'static>,
+    env: Arc<Environment<'static>>,
     bos_token: String,
     eos_token: String,
 }
@@ -120,6 +132,7 @@ impl ChatTemplate {
             name: name.clone(),
             message: describe(&e),
         })?;
+        let env = Arc::new(env);
         Ok(ChatTemplate {
             name,
             source,
@@ -230,11 +243,6 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
-        let render_error = |e: Error| ChatTemplateError::Render {
-            name: self.name.clone(),
-            message: describe(&e),
-        };
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(render_error)?;
         let ctx = context! {
             messages => Value::from_serialize(messages),
             tools => tools.map(Value::from_serialize).unwrap_or(Value::from(())),
@@ -242,7 +250,10 @@ impl ChatTemplate {
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
         };
-        template.render(ctx).map_err(render_error)
+        limits::render(&self.env, TEMPLATE_NAME, ctx).map_err(|message| ChatTemplateError::Render {
+            name: self.name.clone(),
+            message,
+        })
     }
 
     /// Renders a prompt ready to be encoded with `add_special = true` and
@@ -299,7 +310,7 @@ fn make_environment(source: &str) -> Result<Environment<'static>, Error> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    limits::install(&mut env);
     env.add_function("raise_exception", raise_exception);
     env.add_filter("tojson", tojson);
     env.add_template_owned(TEMPLATE_NAME, source.to_string())?;
@@ -323,8 +334,11 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => match (v.as_i64(), v.as_str()) {
-            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
-            (None, Some(s)) => Some(s.to_string()),
+            (Some(n), _) => {
+                limits::check_width(&v)?;
+                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
+            }
+            (None, Some(s)) if s.len() <= limits::MAX_WIDTH => Some(s.to_string()),
             _ => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
@@ -368,6 +382,9 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     };
     let mut out = String::new();
     write_json(&mut out, &value, &opts, 0)?;
+    if out.len() > limits::MAX_OUTPUT {
+        return Err(too_long_json());
+    }
     Ok(Value::from(out))
 }
 
@@ -379,12 +396,26 @@ struct JsonOptions {
     sort_keys: bool,
 }
 
+fn too_long_json() -> Error {
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!(
+            "chat template limit: tojson output of more than {} bytes",
+            limits::MAX_OUTPUT
+        ),
+    )
+}
+
 fn write_json(
     out: &mut String,
     value: &Value,
     opts: &JsonOptions,
     depth: usize,
 ) -> Result<(), Error> {
+    // Checked as the text grows: indentation multiplies with depth.
+    if out.len() > limits::MAX_OUTPUT {
+        return Err(too_long_json());
+    }
     match value.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
@@ -400,13 +431,17 @@ fn write_json(
             write_json_string(out, value.as_str().unwrap_or_default(), opts.ensure_ascii)
         }
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = value.try_iter()?.collect();
+            let items: Vec<Value> = limits::collect_bounded(value)?.try_iter()?.collect();
             write_container(out, '[', ']', &items, opts, depth, |out, item, depth| {
                 write_json(out, item, opts, depth)
             })?;
         }
         ValueKind::Map => {
-            let mut keys: Vec<Value> = value.try_iter()?.collect();
+            let mut keys: Vec<Value> = limits::collect_bounded(&Value::from_iter(
+                value.try_iter()?.take(limits::MAX_ITEMS + 1),
+            ))?
+            .try_iter()?
+            .collect();
             if opts.sort_keys {
                 keys.sort_by_key(|k| k.to_string());
             }

@@ -3,11 +3,14 @@
 use std::io::Write;
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use anyhow::Context;
 use kestrel_engine::{Sequence, StopMatcher};
+use kestrel_server::constrain::{Constraint, Grammars};
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
-use super::common::{ModelArgs, SamplingArgs, load_any_engine};
+use super::common::{ModelArgs, SamplingArgs, load_any_engine, with_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -33,14 +36,29 @@ pub struct Args {
     /// Print one JSON object {"prompt_ids", "ids", "text"} at the end instead of streaming.
     #[arg(long)]
     pub json: bool,
+    /// Constrain the output to this JSON Schema (a JSON file).
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<std::path::PathBuf>,
+    /// Constrain the output to this Lark grammar (llguidance's dialect).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<std::path::PathBuf>,
     /// The prompt.
     pub prompt: String,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let params = args.sampling.params()?;
+    let constraint = constraint(&args)?;
     let (mut engine, file) = load_any_engine(&args.model, 1)?;
-    let tokenizer = Tokenizer::from_gguf(&file).context("loading the tokenizer")?;
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&file).context("loading the tokenizer")?);
+    let mut filter = match &constraint {
+        Some(c) => Some(
+            Grammars::new(tokenizer.clone())
+                .filter(c, Vec::new())
+                .map_err(|e| anyhow::anyhow!("bad grammar or schema: {e}"))?,
+        ),
+        None => None,
+    };
 
     let prompt_ids = if args.chat {
         let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
@@ -67,28 +85,41 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let mut seq = Sequence::default();
     let mut stopped_by_string = false;
-    let ids = engine.generate(
-        &mut seq,
-        &prompt_ids,
-        &params,
-        args.n_predict,
-        |id| tokenizer.is_eog(id),
-        |id| {
-            first_token_at.get_or_insert_with(Instant::now);
-            if tokenizer.is_eog(id) {
-                return false;
-            }
-            let piece = decoder.push(id);
-            let (out, stop) = stops.push(&piece);
-            text.push_str(&out);
-            if !args.json {
-                let _ = stdout.write_all(out.as_bytes());
-                let _ = stdout.flush();
-            }
-            stopped_by_string = stop;
-            !stop
-        },
-    )?;
+    let is_eog = |id: u32| tokenizer.is_eog(id);
+    let on_token = |id: u32| {
+        first_token_at.get_or_insert_with(Instant::now);
+        if tokenizer.is_eog(id) {
+            return false;
+        }
+        let piece = decoder.push(id);
+        let (out, stop) = stops.push(&piece);
+        text.push_str(&out);
+        if !args.json {
+            let _ = stdout.write_all(out.as_bytes());
+            let _ = stdout.flush();
+        }
+        stopped_by_string = stop;
+        !stop
+    };
+    let ids = match &mut filter {
+        Some(f) => with_engine!(&mut engine, e => e.generate_filtered(
+            &mut seq,
+            &prompt_ids,
+            &params,
+            args.n_predict,
+            f.as_mut(),
+            is_eog,
+            on_token,
+        ))?,
+        None => engine.generate(
+            &mut seq,
+            &prompt_ids,
+            &params,
+            args.n_predict,
+            is_eog,
+            on_token,
+        )?,
+    };
     if !stopped_by_string {
         let (out, _) = stops.push(&decoder.finish());
         let tail = out + &stops.finish();
@@ -117,4 +148,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ids.len().saturating_sub(1) as f64 / decode_s.max(1e-9),
     );
     Ok(())
+}
+
+/// The output constraint of `--json-schema` or `--grammar`, read from its file.
+fn constraint(args: &Args) -> anyhow::Result<Option<Constraint>> {
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    };
+    if let Some(path) = &args.json_schema {
+        let schema: serde_json::Value = serde_json::from_str(&read(path)?)
+            .with_context(|| format!("{} is not JSON", path.display()))?;
+        return Ok(Some(Constraint::JsonSchema {
+            schema,
+            strict: true,
+        }));
+    }
+    match &args.grammar {
+        Some(path) => Ok(Some(Constraint::Lark(read(path)?))),
+        None => Ok(None),
+    }
 }

@@ -58,9 +58,58 @@ pub struct Args {
     /// Do not share the KV blocks of identical prompt prefixes.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Allow browsers from this origin (`*`: any) to call the API (CORS).
+    #[arg(long)]
+    pub cors: Option<String>,
 }
 
+/// Binds the port first (`/health` says `loading` meanwhile), then loads the model on
+/// another thread and starts answering once it is ready.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
+    if let Some(origin) = &args.cors {
+        // A bad origin is a startup error, not a silently missing header.
+        let _ = kestrel_server::http::cors(origin).map_err(anyhow::Error::msg)?;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .with_context(|| format!("binding {addr}"))?;
+    eprintln!(
+        "listening on http://{} (loading the model; Ctrl-C stops)",
+        listener.local_addr()?
+    );
+    let slot = kestrel_server::app_slot();
+    let loaded = slot.clone();
+    std::thread::Builder::new()
+        .name("kestrel-load".into())
+        .spawn(move || match load(&args) {
+            Ok(state) => {
+                let name = state.model_name.clone();
+                let _ = loaded.set(kestrel_server::router(Arc::new(state)));
+                eprintln!("serving '{name}' (OpenAI API under /v1)");
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        })?;
+    runtime.block_on(async move {
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        kestrel_server::http::serve_slot(listener, slot, shutdown).await?;
+        anyhow::Ok(())
+    })
+}
+
+/// Loads the model, its tokenizer and chat template, and starts the scheduler.
+fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
     let path = kestrel_hub::resolve_model(&args.model)?;
     let file =
         Arc::new(GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?);
@@ -128,34 +177,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
 
     let name = args.name.clone().unwrap_or_else(|| args.model.clone());
-    let state = Arc::new(kestrel_server::AppState::new(
-        sched,
-        tokenizer,
-        template,
-        name.clone(),
-        args.api_key.clone(),
-    ));
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        eprintln!(
-            "serving '{name}' on http://{} (OpenAI API under /v1; Ctrl-C stops)",
-            listener.local_addr()?
-        );
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        kestrel_server::serve(listener, state, shutdown).await?;
-        anyhow::Ok(())
-    })
+    Ok(
+        kestrel_server::AppState::new(sched, tokenizer, template, name, args.api_key.clone())
+            .with_cors(args.cors.clone()),
+    )
 }
 
 /// The chosen template, else the file's, else the built-in one of the model's family.

@@ -60,7 +60,16 @@ pub fn real(path: &Path, setup: Setup) -> TestServer {
     start(path, setup, "test-model")
 }
 
+/// A model file with its tokenizer and the given chat template.
+pub fn real_with_template(path: &Path, setup: Setup, template: ChatTemplate) -> TestServer {
+    start_with(path, setup, "test-model", Some(template))
+}
+
 fn start(path: &Path, setup: Setup, name: &str) -> TestServer {
+    start_with(path, setup, name, None)
+}
+
+fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTemplate>) -> TestServer {
     let file = Arc::new(GgufFile::open(path).expect("open model"));
     let tokenizer = Tokenizer::from_gguf(&file).ok();
     // The file's template, else the family's built-in one (as `kestrel serve` does).
@@ -69,9 +78,11 @@ fn start(path: &Path, setup: Setup, name: &str) -> TestServer {
         Some("llama") => "llama3",
         _ => "chatml",
     };
-    let template = ChatTemplate::resolve(&file, None)
-        .or_else(|_| ChatTemplate::resolve(&file, Some(family)))
-        .ok();
+    let template = template.or_else(|| {
+        ChatTemplate::resolve(&file, None)
+            .or_else(|_| ChatTemplate::resolve(&file, Some(family)))
+            .ok()
+    });
     let opts = EngineOptions {
         ctx: setup.ctx,
         max_batch_tokens: setup.batch,
@@ -93,7 +104,8 @@ fn start(path: &Path, setup: Setup, name: &str) -> TestServer {
         },
     )
     .expect("scheduler");
-    let state = AppState::new(sched, tokenizer, template, name, setup.api_key.clone());
+    let state = AppState::new(sched, tokenizer, template, name, setup.api_key.clone())
+        .with_cors(Some("https://app.example".into()));
     let server = kestrel_server::spawn(state, "127.0.0.1:0".parse().unwrap()).expect("bind");
     let url = format!("http://{}", server.addr);
     let agent: ureq::Agent = ureq::Agent::config_builder()

@@ -1,0 +1,164 @@
+//! Token filters (grammar masks, logit bias) in the continuous-batching scheduler: a
+//! filtered sequence only ever gets allowed tokens, is prepared before each of its samples,
+//! ends when its filter says the output is complete, and leaves unfiltered neighbours in
+//! the same batches exactly as they are alone.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+
+use kestrel_cpu::{CpuBackend, Kernels};
+use kestrel_engine::sampler::{SamplerParams, TokenFilter};
+use kestrel_engine::scheduler::{self, Event, FinishReason, Request, SchedulerOptions};
+use kestrel_engine::{Engine, EngineOptions};
+use kestrel_gguf::GgufFile;
+use kestrel_model::Arch;
+use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+
+/// Allows only `allowed` (in this order: the i-th sample must be `allowed[i % len]`, a
+/// cycle a grammar would impose); complete after `len` tokens. Counts prepares.
+struct Cycle {
+    allowed: Vec<u32>,
+    at: usize,
+    prepared: Arc<AtomicUsize>,
+    ready: bool,
+}
+
+impl TokenFilter for Cycle {
+    fn prepare(&mut self) {
+        self.prepared.fetch_add(1, Ordering::Relaxed);
+        self.ready = true;
+    }
+    fn apply(&self, logits: &mut [f32]) {
+        assert!(self.ready, "apply before prepare");
+        let want = self.allowed[self.at % self.allowed.len()] as usize;
+        for (id, l) in logits.iter_mut().enumerate() {
+            if id != want {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    fn accept(&mut self, token: u32) -> Result<bool, String> {
+        if !self.ready {
+            return Err("accept before prepare".into());
+        }
+        self.ready = false;
+        if token != self.allowed[self.at % self.allowed.len()] {
+            return Err(format!("token {token} is not allowed"));
+        }
+        self.at += 1;
+        Ok(self.at == 2 * self.allowed.len())
+    }
+}
+
+fn events(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
+    let mut ids = Vec::new();
+    loop {
+        match rx.recv().expect("event") {
+            Event::Token { id, .. } => ids.push(id),
+            done => return (ids, done),
+        }
+    }
+}
+
+#[test]
+fn filtered_sequences_follow_their_filter_beside_unfiltered_ones() {
+    let cfg = SynthConfig::tiny(Arch::Qwen2);
+    let ty: WeightType = "q8_0".parse().expect("weight type");
+    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 3).expect("synth");
+    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 64,
+        max_logit_rows: 8,
+        block_size: 16,
+        max_seqs: 8,
+    };
+    let h = scheduler::spawn(
+        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
+        SchedulerOptions {
+            max_seqs: 8,
+            max_prefill_tokens: 32,
+            prefix_cache: false,
+            eog: Vec::new(),
+        },
+    )
+    .expect("scheduler");
+    let submit = |prompt: Vec<u32>, params: SamplerParams, filter: Option<Box<dyn TokenFilter>>| {
+        let (tx, rx) = mpsc::channel();
+        h.submit_filtered(
+            Request {
+                prompt,
+                params,
+                max_tokens: 40,
+                logprobs: None,
+                sink: Box::new(tx),
+            },
+            filter,
+        )
+        .expect("submit");
+        rx
+    };
+    // The unfiltered reference, alone.
+    let prompt: Vec<u32> = (1..40).collect();
+    let (alone, _) = events(&submit(prompt.clone(), SamplerParams::greedy(), None));
+
+    let prepared = Arc::new(AtomicUsize::new(0));
+    let mut filtered = Vec::new();
+    let cycles = [vec![7u32, 9, 11], vec![100, 3], vec![5]];
+    for (k, allowed) in cycles.iter().enumerate() {
+        let filter = Cycle {
+            allowed: allowed.clone(),
+            at: 0,
+            prepared: prepared.clone(),
+            ready: false,
+        };
+        // Sampled at temperature 1: the mask, not the sampler's luck, must pick.
+        let params = SamplerParams {
+            seed: Some(k as u64),
+            ..SamplerParams::default()
+        };
+        filtered.push(submit(
+            vec![2, 3, 4 + k as u32],
+            params,
+            Some(Box::new(filter)),
+        ));
+    }
+    let beside = submit(prompt, SamplerParams::greedy(), None);
+    let mut total = 0;
+    for (rx, allowed) in filtered.iter().zip(&cycles) {
+        let (ids, done) = events(rx);
+        let want: Vec<u32> = allowed.iter().chain(allowed).copied().collect();
+        assert_eq!(ids, want);
+        assert!(
+            matches!(
+                done,
+                Event::Done {
+                    reason: FinishReason::Stop,
+                    ..
+                }
+            ),
+            "{done:?}"
+        );
+        total += ids.len();
+    }
+    assert_eq!(prepared.load(Ordering::Relaxed), total);
+    let (ids, _) = events(&beside);
+    assert_eq!(ids, alone, "an unfiltered neighbour changed");
+
+    // A filter that rejects the sampled token ends its request with an error.
+    struct Reject;
+    impl TokenFilter for Reject {
+        fn prepare(&mut self) {}
+        fn apply(&self, _: &mut [f32]) {}
+        fn accept(&mut self, _: u32) -> Result<bool, String> {
+            Err("no token fits".into())
+        }
+    }
+    let (ids, done) = events(&submit(
+        vec![1, 2],
+        SamplerParams::greedy(),
+        Some(Box::new(Reject)),
+    ));
+    assert!(ids.is_empty());
+    assert_eq!(done, Event::Error("no token fits".into()));
+}
