@@ -1,10 +1,16 @@
 //! From a Hugging Face checkpoint to any GGUF quantization, as llama.cpp's tools do it:
+//! - [`convert`]: a Hugging Face checkpoint ([`checkpoint`]: safetensors + config.json;
+//!   [`vocab`]: tokenizer.json) to GGUF (`kestrel convert`);
 //! - [`ftype`]: llama-quantize's file types and per-tensor type choice;
 //! - [`quantize`]: rewriting a GGUF file in another type (`kestrel quantize`).
 
+pub mod checkpoint;
+pub mod convert;
 pub mod ftype;
 pub mod quantize;
+pub mod vocab;
 
+pub use convert::Conversion;
 pub use ftype::FileType;
 pub use quantize::{Plan, QuantizeOptions, write_quantized};
 
