@@ -49,24 +49,30 @@ pub fn read_json(dir: &Path, name: &str) -> Result<Option<Value>> {
     Ok(Some(value))
 }
 
+/// `config.json` (for multimodal wrappers, merged with its `text_config`).
+pub fn read_config(dir: &Path) -> Result<Value> {
+    if !dir.is_dir() {
+        bail!("{} is not a folder", dir.display());
+    }
+    let mut config = read_json(dir, "config.json")?
+        .with_context(|| format!("{} has no config.json", dir.display()))?;
+    if !config.is_object() {
+        bail!("config.json is not a JSON object");
+    }
+    // Multimodal checkpoints keep the language model's settings in `text_config`.
+    if let Some(Value::Object(text)) = config.get("text_config").cloned()
+        && let Value::Object(top) = &mut config
+    {
+        for (k, v) in text {
+            top.insert(k, v);
+        }
+    }
+    Ok(config)
+}
+
 impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        if !dir.is_dir() {
-            bail!("{} is not a folder", dir.display());
-        }
-        let mut config = read_json(dir, "config.json")?
-            .with_context(|| format!("{} has no config.json", dir.display()))?;
-        if !config.is_object() {
-            bail!("config.json is not a JSON object");
-        }
-        // Multimodal checkpoints keep the language model's settings in `text_config`.
-        if let Some(Value::Object(text)) = config.get("text_config").cloned()
-            && let Value::Object(top) = &mut config
-        {
-            for (k, v) in text {
-                top.insert(k, v);
-            }
-        }
+        let config = read_config(dir)?;
         let files = weight_files(dir)?;
         let mut maps = Vec::new();
         let mut tensors = BTreeMap::new();

@@ -77,9 +77,9 @@ pub struct Conversion {
 impl Conversion {
     /// Reads the checkpoint in `dir` and plans the GGUF file of type `ftype`.
     pub fn new(dir: &Path, ftype: FileType) -> Result<Conversion> {
-        let ckpt = Checkpoint::open(dir)?;
-        let hf_arch = ckpt
-            .config
+        // The architecture first: an unsupported one is reported before any weight is read.
+        let config = crate::checkpoint::read_config(dir)?;
+        let hf_arch = config
             .get("architectures")
             .and_then(|a| a.get(0))
             .and_then(Json::as_str)
@@ -91,6 +91,7 @@ impl Conversion {
                 ARCHITECTURES.map(|(hf, _)| hf).join(", ")
             );
         };
+        let ckpt = Checkpoint::open(dir)?;
         let mut metadata = arch_metadata(&ckpt, arch, ftype)?;
         metadata.extend(crate::vocab::tokenizer_metadata(&ckpt)?);
         let mut tensors = plan_tensors(&ckpt, arch)?;

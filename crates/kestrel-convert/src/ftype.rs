@@ -411,3 +411,57 @@ fn layer_info(facts: &ModelFacts, counter: i64, name: &str) -> Result<(i64, i64)
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_as_llama_quantize_takes_them() {
+        for t in FileType::ALL {
+            assert_eq!(FileType::parse(t.name()).unwrap(), t);
+            assert_eq!(FileType::parse(&t.name().to_lowercase()).unwrap(), t);
+        }
+        assert_eq!(FileType::parse("q4_k").unwrap(), FileType::Q4KM);
+        assert_eq!(FileType::parse("Q3_K").unwrap(), FileType::Q3KM);
+        assert!(FileType::parse("Q4_K_X").is_err());
+        assert!(FileType::parse("").is_err());
+    }
+
+    #[test]
+    fn fallbacks_follow_tensor_type_fallback() {
+        use GgmlType as T;
+        // Whole blocks: unchanged.
+        for ty in [T::Q2K, T::Q4K, T::Q6K, T::Q8_0] {
+            assert_eq!(fallback(ty, 512), ty);
+        }
+        assert_eq!(fallback(T::Q2K, 96), T::Q4_0);
+        assert_eq!(fallback(T::Q3K, 96), T::Q4_0);
+        assert_eq!(fallback(T::Q4K, 96), T::Q5_0);
+        assert_eq!(fallback(T::Q5K, 96), T::Q5_1);
+        assert_eq!(fallback(T::Q6K, 96), T::Q8_0);
+        // Not even whole 32-blocks: F16.
+        assert_eq!(fallback(T::Q4K, 100), T::F16);
+        assert_eq!(fallback(T::Q8_0, 100), T::F16);
+    }
+
+    #[test]
+    fn use_more_bits_matches_llama_cpp_on_32_layers() {
+        // Layers llama.cpp gives more bits in a 32-layer model (n/8 = 4, 7n/8 = 28).
+        let more: Vec<i64> = (0..32).filter(|&i| use_more_bits(i, 32)).collect();
+        assert_eq!(
+            more,
+            [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+        );
+    }
+
+    #[test]
+    fn vectors_and_norms_are_never_quantized() {
+        assert!(!allows_quantization("blk.0.attn_norm.weight", 1));
+        assert!(!allows_quantization("blk.0.attn_q_norm.weight", 2));
+        assert!(!allows_quantization("blk.0.attn_q.bias", 2));
+        assert!(!allows_quantization("blk.0.ffn_gate_inp.weight", 2));
+        assert!(allows_quantization("blk.0.attn_q.weight", 2));
+        assert!(allows_quantization("token_embd.weight", 2));
+    }
+}

@@ -15,6 +15,7 @@ Commands:
   expect DIR FTYPE PRE OUT   write what convert_hf_to_gguf.py --outtype FTYPE writes for the
                              checkpoint DIR (tokenizer.ggml.pre given as PRE)
   compare A B                print {"metadata": [differences], "tensors": [differences]}
+  check DIR FTYPE PRE OURS   expect into OURS + ".expected.gguf", then compare OURS with it
 """
 import json
 import math
@@ -286,6 +287,12 @@ def compare(a, b):
     print(json.dumps({"metadata": meta, "tensors": tens, "n_tensors": len(ta), "n_keys": len(fa)}))
 
 
+def check(d, ftype_name, pre, ours):
+    expected = ours + ".expected.gguf"
+    expect(d, ftype_name, pre, expected)
+    compare(ours, expected)
+
+
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"tokenizer": tokenizer, "expect": expect, "compare": compare}[cmd](*args)
+    {"tokenizer": tokenizer, "expect": expect, "compare": compare, "check": check}[cmd](*args)
