@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kestrel_convert::FileType;
 use kestrel_convert::quantize::{Plan, QuantizeOptions, write_quantized};
 use kestrel_gguf::GgufFile;
@@ -13,8 +13,9 @@ use kestrel_convert::progress_bar;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Input GGUF file (F32/F16/BF16, or already quantized: requantizing loses precision).
-    pub input: PathBuf,
+    /// Input GGUF model: a file, a catalog name or a URL (F32/F16/BF16, or already
+    /// quantized: requantizing loses precision).
+    pub input: String,
     /// Output GGUF file (written to a temporary file, renamed when complete).
     pub output: PathBuf,
     /// Type, as llama-quantize names it: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q2_K_S, Q3_K_S,
@@ -29,8 +30,8 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let ftype = FileType::parse(&args.ty)?;
-    let file = GgufFile::open(&args.input)
-        .with_context(|| format!("cannot read {}", args.input.display()))?;
+    let input = kestrel_hub::resolve_model(&args.input)?;
+    let file = GgufFile::open(&input)?;
     let opts = QuantizeOptions { ftype };
     let plan = Plan::new(&file, &opts)?;
     if !plan.requantized.is_empty() {
