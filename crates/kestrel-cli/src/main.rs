@@ -22,6 +22,10 @@ struct Cli {
 enum Command {
     /// Download a catalog model or a URL into the model cache; prints the local path.
     Pull(cmd::pull::Args),
+    /// Convert a Hugging Face checkpoint (safetensors + config.json + tokenizer) to GGUF.
+    Convert(cmd::convert::Args),
+    /// Rewrite a GGUF model in another quantization (llama-quantize's types and mixtures).
+    Quantize(cmd::quantize::Args),
     /// Show a GGUF file's metadata, tokenizer summary and tensors.
     Inspect(cmd::inspect::Args),
     /// Turn text into token ids with a model's tokenizer.
@@ -48,6 +52,8 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
+        Command::Convert(args) => cmd::convert::run(args),
+        Command::Quantize(args) => cmd::quantize::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Run(args) => cmd::run::run(args),

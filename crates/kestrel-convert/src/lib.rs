@@ -1,0 +1,30 @@
+//! From a Hugging Face checkpoint to any GGUF quantization, as llama.cpp's tools do it:
+//! - [`convert`]: a Hugging Face checkpoint ([`checkpoint`]: safetensors + config.json;
+//!   [`vocab`]: tokenizer.json) to GGUF (`kestrel convert`);
+//! - [`ftype`]: llama-quantize's file types and per-tensor type choice;
+//! - [`quantize`]: rewriting a GGUF file in another type (`kestrel quantize`).
+
+pub mod checkpoint;
+pub mod convert;
+pub mod ftype;
+pub mod quantize;
+pub mod vocab;
+
+pub use convert::Conversion;
+pub use ftype::FileType;
+pub use quantize::{Plan, QuantizeOptions, write_quantized};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// A progress bar on stderr counting `total` bytes (hidden when stderr is not a terminal).
+pub fn progress_bar(total: u64, message: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template(
+        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar.set_message(message.to_string());
+    bar
+}
