@@ -53,10 +53,13 @@ pub enum WeightType {
     Q4KM,
     Q5K,
     Q6K,
+    Iq4Nl,
+    Iq4Xs,
+    Mxfp4,
 }
 
 impl WeightType {
-    pub const ALL: [WeightType; 11] = [
+    pub const ALL: [WeightType; 14] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::Bf16,
@@ -68,6 +71,9 @@ impl WeightType {
         WeightType::Q4KM,
         WeightType::Q5K,
         WeightType::Q6K,
+        WeightType::Iq4Nl,
+        WeightType::Iq4Xs,
+        WeightType::Mxfp4,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +89,9 @@ impl WeightType {
             WeightType::Q4KM => "q4_k_m",
             WeightType::Q5K => "q5_k",
             WeightType::Q6K => "q6_k",
+            WeightType::Iq4Nl => "iq4_nl",
+            WeightType::Iq4Xs => "iq4_xs",
+            WeightType::Mxfp4 => "mxfp4",
         }
     }
 
@@ -105,17 +114,20 @@ impl WeightType {
     /// has no type of its own; it gets the `_S` variant, the mix closest to it.
     pub fn file_type(self) -> u32 {
         match self {
-            WeightType::F32 => 0,   // LLAMA_FTYPE_ALL_F32
-            WeightType::F16 => 1,   // MOSTLY_F16
-            WeightType::Q4_0 => 2,  // MOSTLY_Q4_0
-            WeightType::Q4_1 => 3,  // MOSTLY_Q4_1
-            WeightType::Q8_0 => 7,  // MOSTLY_Q8_0
-            WeightType::Q5_0 => 8,  // MOSTLY_Q5_0
-            WeightType::Q4K => 14,  // MOSTLY_Q4_K_S
-            WeightType::Q4KM => 15, // MOSTLY_Q4_K_M
-            WeightType::Q5K => 16,  // MOSTLY_Q5_K_S
-            WeightType::Q6K => 18,  // MOSTLY_Q6_K
-            WeightType::Bf16 => 32, // MOSTLY_BF16
+            WeightType::F32 => 0,    // LLAMA_FTYPE_ALL_F32
+            WeightType::F16 => 1,    // MOSTLY_F16
+            WeightType::Q4_0 => 2,   // MOSTLY_Q4_0
+            WeightType::Q4_1 => 3,   // MOSTLY_Q4_1
+            WeightType::Q8_0 => 7,   // MOSTLY_Q8_0
+            WeightType::Q5_0 => 8,   // MOSTLY_Q5_0
+            WeightType::Q4K => 14,   // MOSTLY_Q4_K_S
+            WeightType::Q4KM => 15,  // MOSTLY_Q4_K_M
+            WeightType::Q5K => 16,   // MOSTLY_Q5_K_S
+            WeightType::Q6K => 18,   // MOSTLY_Q6_K
+            WeightType::Bf16 => 32,  // MOSTLY_BF16
+            WeightType::Iq4Nl => 25, // MOSTLY_IQ4_NL
+            WeightType::Iq4Xs => 30, // MOSTLY_IQ4_XS
+            WeightType::Mxfp4 => 38, // MOSTLY_MXFP4_MOE
         }
     }
 
@@ -132,6 +144,9 @@ impl WeightType {
             WeightType::Q4K | WeightType::Q4KM => GgmlType::Q4K,
             WeightType::Q5K => GgmlType::Q5K,
             WeightType::Q6K => GgmlType::Q6K,
+            WeightType::Iq4Nl => GgmlType::IQ4NL,
+            WeightType::Iq4Xs => GgmlType::IQ4XS,
+            WeightType::Mxfp4 => GgmlType::MXFP4,
         }
     }
 }
@@ -428,7 +443,7 @@ impl SynthConfig {
     ///
     /// Other types are pure: every matrix has the chosen type. As in llama.cpp, a K-quant
     /// whose row length is not a multiple of 256 falls back to a 32-block type of similar
-    /// size (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0).
+    /// size (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, IQ4_XS → IQ4_NL).
     pub fn tensor_type(&self, ty: WeightType, role: Role, row_len: u64) -> GgmlType {
         let chosen = self.preferred_type(ty, role);
         if row_len.is_multiple_of(chosen.block_size() as u64) {
@@ -438,6 +453,7 @@ impl SynthConfig {
             GgmlType::Q4K => GgmlType::Q5_0,
             GgmlType::Q5K => GgmlType::Q5_1,
             GgmlType::Q6K => GgmlType::Q8_0,
+            GgmlType::IQ4XS => GgmlType::IQ4NL,
             other => other,
         }
     }
