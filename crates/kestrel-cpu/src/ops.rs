@@ -96,24 +96,48 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
     let m = Matmul::new(be, w, n);
     debug_assert_eq!(out.cols, m.n_out);
     debug_assert_eq!(x.cols, m.k);
-    let (ty, k) = (m.ty, m.k);
-    let x = &x.data[..n * k];
-    // llama.cpp's numerics: the input rounded to the weight's activation format, then
-    // integer kernels where there are some, else f32 kernels on the rounded values.
-    if be.numerics == Numerics::Ggml
-        && let Some(act) = numerics::activation_type(ty)
-    {
-        if m.integer_act() == Some(act) {
-            m.integer(act, x, &mut out.data);
-        } else {
-            ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
-                numerics::round_trip(act, x, bytes, rounded);
-                m.run(rounded, &mut out.data);
-            });
+    m.apply(&x.data[..n * m.k], &mut out.data);
+}
+
+/// `out = x · W[rows]ᵀ` for the `n` rows of `x` (`[n × k]`, `out` `[n × rows.len()]`)
+/// and a range of rows of a matrix or stacked-matrix weight (one expert of a 3-D tensor),
+/// computed exactly as [`matmul`] computes those rows.
+pub fn matmul_rows(
+    be: &CpuBackend,
+    x: &[f32],
+    w: &CpuWeight,
+    rows: std::ops::Range<usize>,
+    n: usize,
+    out: &mut [f32],
+) {
+    let mut m = Matmul::new(be, w, n);
+    m.data = &m.data[rows.start * m.row_bytes..rows.end * m.row_bytes];
+    m.n_out = rows.len();
+    // The repacked groups are laid out for the whole matrix.
+    m.packed = None;
+    m.apply(&x[..n * m.k], out);
+}
+
+impl Matmul<'_> {
+    /// The product with llama.cpp's numerics where the backend has them: the input rounded
+    /// to the weight's activation format, then integer kernels where there are some, else
+    /// f32 kernels on the rounded values.
+    fn apply(&self, x: &[f32], out: &mut [f32]) {
+        if self.be.numerics == Numerics::Ggml
+            && let Some(act) = numerics::activation_type(self.ty)
+        {
+            if self.integer_act() == Some(act) {
+                self.integer(act, x, out);
+            } else {
+                ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
+                    numerics::round_trip(act, x, bytes, rounded);
+                    self.run(rounded, out);
+                });
+            }
+            return;
         }
-        return;
+        self.run(x, out);
     }
-    m.run(x, &mut out.data);
 }
 
 thread_local! {
@@ -802,7 +826,7 @@ pub fn gated_activation(
 }
 
 /// `g = act(g) * u`, element by element.
-fn gate_values(numerics: Numerics, g: &mut [f32], u: &[f32], act: Activation) {
+pub(crate) fn gate_values(numerics: Numerics, g: &mut [f32], u: &[f32], act: Activation) {
     match (act, numerics) {
         (Activation::Silu, _) => g
             .iter_mut()

@@ -13,6 +13,8 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Qwen3 attention with a mixture-of-experts feed-forward block in every layer.
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -22,6 +24,7 @@ impl Arch {
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
             "gemma3" => Ok(Arch::Gemma3),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -32,6 +35,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 }
@@ -43,6 +47,31 @@ pub enum Activation {
     Silu,
     /// GELU with the tanh approximation (Gemma).
     GeluTanh,
+}
+
+/// The feed-forward block of every layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnKind {
+    /// One gated MLP: `down(act(gate(x)) * up(x))`.
+    Dense,
+    /// A mixture of experts (see [`MoeConfig`]).
+    Moe(MoeConfig),
+}
+
+/// A mixture-of-experts feed-forward block, as llama.cpp's `build_moe_ffn` computes it:
+/// router logits `ffn_gate_inp · x`, their softmax, the `n_expert_used` most probable
+/// experts (weights renormalized to sum 1 when `norm_top_k`), and the weighted sum of those
+/// experts' gated MLPs. Expert weights are 3-D tensors `[n_expert, rows, row length]`
+/// (`ffn_{gate,up,down}_exps`); only the selected experts' rows are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    /// Hidden size of one expert (`expert_feed_forward_length`).
+    pub n_ff_exp: usize,
+    /// Renormalize the selected experts' probabilities (`expert_weights_norm`; Qwen3-MoE
+    /// does, and llama.cpp assumes it where the key is absent).
+    pub norm_top_k: bool,
 }
 
 /// RoPE frequency scaling, as `<arch>.rope.scaling.*` asks.
@@ -170,6 +199,8 @@ pub struct ModelConfig {
     pub post_norms: bool,
     /// The LM head reuses `token_embd.weight`.
     pub tied_embeddings: bool,
+    /// Dense or mixture-of-experts feed-forward blocks.
+    pub ffn: FfnKind,
 }
 
 impl ModelConfig {
@@ -319,7 +350,7 @@ impl ModelConfig {
         let mut embed_scale = None;
         let mut activation = Activation::Silu;
         let mut post_norms = false;
-        let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3);
+        let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
         let qkv_bias = matches!(arch, Arch::Qwen2);
 
         if n_rot > head_dim || n_rot % 2 != 0 {
@@ -347,6 +378,24 @@ impl ModelConfig {
             post_norms = true;
         }
 
+        let ffn = match arch {
+            Arch::Qwen3Moe => {
+                let moe = MoeConfig {
+                    n_expert: req_u("expert_count")?,
+                    n_expert_used: req_u("expert_used_count")?,
+                    n_ff_exp: req_u("expert_feed_forward_length")?,
+                    norm_top_k: file.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                };
+                if moe.n_ff_exp == 0 || !(1..=moe.n_expert).contains(&moe.n_expert_used) {
+                    return Err(ModelError::Invalid(format!(
+                        "bad experts: {} used of {}, hidden size {}",
+                        moe.n_expert_used, moe.n_expert, moe.n_ff_exp
+                    )));
+                }
+                FfnKind::Moe(moe)
+            }
+            _ => FfnKind::Dense,
+        };
         let tied_embeddings = file.tensor("output.weight").is_none();
         Ok(ModelConfig {
             arch,
@@ -370,6 +419,7 @@ impl ModelConfig {
             qk_norm,
             post_norms,
             tied_embeddings,
+            ffn,
         })
     }
 }

@@ -186,10 +186,23 @@ pub struct SynthConfig {
     pub tied_embeddings: bool,
     /// Sliding-window attention width (Gemma 3 only; 0 elsewhere).
     pub sliding_window: u32,
+    /// Experts of each mixture-of-experts block, how many each token uses, and the hidden
+    /// size of one (all 0 for dense models).
+    pub n_expert: u32,
+    pub n_expert_used: u32,
+    pub n_ff_exp: u32,
+    /// Standard deviation of the weight matrices' values.
+    pub weight_std: f32,
 }
 
 /// Names accepted by [`SynthConfig::preset`].
-pub const PRESETS: [&str; 4] = ["tiny", "llama3-8b", "qwen2.5-1.5b", "qwen2.5-7b"];
+pub const PRESETS: [&str; 5] = [
+    "tiny",
+    "llama3-8b",
+    "qwen2.5-1.5b",
+    "qwen2.5-7b",
+    "qwen3-30b-a3b",
+];
 
 /// Size overrides on top of a preset (the CLI's `--layers`, `--embd`, ... flags).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -210,8 +223,9 @@ impl SynthConfig {
     pub fn tiny(arch: Arch) -> SynthConfig {
         let (rope_freq_base, rms_eps) = match arch {
             Arch::Llama => (10_000.0, 1e-5),
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => (1_000_000.0, 1e-6),
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => (1_000_000.0, 1e-6),
         };
+        let moe = arch == Arch::Qwen3Moe;
         SynthConfig {
             arch,
             name: format!("kestrel synth {} tiny", arch.name()),
@@ -230,6 +244,27 @@ impl SynthConfig {
             // Qwen3-0.6B and Gemma 3 tie.
             tied_embeddings: arch != Arch::Llama,
             sliding_window: if arch == Arch::Gemma3 { 128 } else { 0 },
+            // Eight experts of which each token uses two.
+            n_expert: if moe { 8 } else { 0 },
+            n_expert_used: if moe { 2 } else { 0 },
+            n_ff_exp: if moe { 256 } else { 0 },
+            // The MoE model's weights are at about 1.3 / sqrt(n_embd), so that each product
+            // keeps its input's scale: router and output logits spread over several units
+            // (with 0.02 they would be almost flat at this width, every expert and token
+            // about equally likely).
+            weight_std: if moe { 0.08 } else { Init::WEIGHT.std },
+        }
+    }
+
+    /// The fields a dense model without sliding windows has, for presets to fill in.
+    fn dense() -> SynthConfig {
+        SynthConfig {
+            sliding_window: 0,
+            n_expert: 0,
+            n_expert_used: 0,
+            n_ff_exp: 0,
+            weight_std: Init::WEIGHT.std,
+            ..SynthConfig::tiny(Arch::Llama)
         }
     }
 
@@ -256,7 +291,7 @@ impl SynthConfig {
                 rms_eps: 1e-5,
                 qkv_bias: false,
                 tied_embeddings: false,
-                sliding_window: 0,
+                ..SynthConfig::dense()
             },
             "qwen2.5-1.5b" => SynthConfig {
                 arch: Arch::Qwen2,
@@ -273,7 +308,7 @@ impl SynthConfig {
                 rms_eps: 1e-6,
                 qkv_bias: true,
                 tied_embeddings: true,
-                sliding_window: 0,
+                ..SynthConfig::dense()
             },
             "qwen2.5-7b" => SynthConfig {
                 arch: Arch::Qwen2,
@@ -290,7 +325,29 @@ impl SynthConfig {
                 rms_eps: 1e-6,
                 qkv_bias: true,
                 tied_embeddings: false,
+                ..SynthConfig::dense()
+            },
+            // Qwen3-30B-A3B: 128 experts of 768, 8 used per token.
+            "qwen3-30b-a3b" => SynthConfig {
+                arch: Arch::Qwen3Moe,
+                name: "kestrel synth qwen3-30b-a3b".into(),
+                n_layer: 48,
+                n_embd: 2048,
+                n_ff: 6144,
+                n_head: 32,
+                n_head_kv: 4,
+                head_dim: 128,
+                n_vocab: 151_936,
+                n_ctx: 40960,
+                rope_freq_base: 1_000_000.0,
+                rms_eps: 1e-6,
+                qkv_bias: false,
+                tied_embeddings: false,
                 sliding_window: 0,
+                n_expert: 128,
+                n_expert_used: 8,
+                n_ff_exp: 768,
+                weight_std: Init::WEIGHT.std,
             },
             other => {
                 return Err(invalid(format!(
@@ -345,6 +402,11 @@ impl SynthConfig {
         Ok(())
     }
 
+    /// Whether the feed-forward blocks are mixtures of experts.
+    pub fn is_moe(&self) -> bool {
+        self.arch == Arch::Qwen3Moe
+    }
+
     fn q_dim(&self) -> u64 {
         self.n_head as u64 * self.head_dim as u64
     }
@@ -382,6 +444,20 @@ impl SynthConfig {
                 self.head_dim
             )));
         }
+        if self.arch == Arch::Qwen3Moe
+            && (self.n_ff_exp == 0 || self.n_expert_used == 0 || self.n_expert_used > self.n_expert)
+        {
+            return Err(invalid(format!(
+                "a {} model needs experts: {} used of {}, hidden size {}",
+                self.arch.name(),
+                self.n_expert_used,
+                self.n_expert,
+                self.n_ff_exp
+            )));
+        }
+        if !(self.weight_std.is_finite() && self.weight_std > 0.0) {
+            return Err(invalid("weight standard deviation must be positive"));
+        }
         if !(self.rope_freq_base.is_finite() && self.rope_freq_base > 0.0) {
             return Err(invalid("rope base must be positive"));
         }
@@ -413,7 +489,7 @@ impl SynthConfig {
         // embedding_length / head_count unless the keys say otherwise.
         let default_head =
             self.n_embd.is_multiple_of(self.n_head) && self.n_embd / self.n_head == self.head_dim;
-        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) || !default_head {
+        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe) || !default_head {
             m.push((key("attention.key_length"), self.head_dim.into()));
             m.push((key("attention.value_length"), self.head_dim.into()));
         }
@@ -423,6 +499,11 @@ impl SynthConfig {
         }
         if self.arch == Arch::Gemma3 {
             m.push((key("attention.sliding_window"), self.sliding_window.into()));
+        }
+        if self.is_moe() {
+            m.push((key("expert_count"), self.n_expert.into()));
+            m.push((key("expert_used_count"), self.n_expert_used.into()));
+            m.push((key("expert_feed_forward_length"), self.n_ff_exp.into()));
         }
         m.push(("general.file_type".into(), ty.file_type().into()));
         m.push(("general.quantization_version".into(), 2u32.into()));
@@ -495,7 +576,7 @@ impl SynthConfig {
             if self.qkv_bias {
                 out.push(vector(b("attn_v.bias"), kv_dim, Init::BIAS));
             }
-            if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
+            if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe) {
                 out.push(vector(b("attn_q_norm.weight"), head, Init::NORM));
                 out.push(vector(b("attn_k_norm.weight"), head, Init::NORM));
             }
@@ -504,9 +585,35 @@ impl SynthConfig {
                 out.push(vector(b("post_attention_norm.weight"), embd, Init::NORM));
             }
             out.push(vector(b("ffn_norm.weight"), embd, Init::NORM));
-            out.push(self.matrix(ty, b("ffn_gate.weight"), embd, ff, Role::Other)?);
-            out.push(self.matrix(ty, b("ffn_up.weight"), embd, ff, Role::Other)?);
-            out.push(self.matrix(ty, b("ffn_down.weight"), ff, embd, Role::FfnDown(i))?);
+            if self.is_moe() {
+                // The router stays f32, as llama.cpp's converter and quantizer keep it.
+                let (n_exp, ff_exp) = (self.n_expert as u64, self.n_ff_exp as u64);
+                let router = self.matrix(
+                    WeightType::F32,
+                    b("ffn_gate_inp.weight"),
+                    embd,
+                    n_exp,
+                    Role::Other,
+                )?;
+                out.push(router);
+                let gate = self.matrix(ty, b("ffn_gate_exps.weight"), embd, ff_exp, Role::Other)?;
+                let up = self.matrix(ty, b("ffn_up_exps.weight"), embd, ff_exp, Role::Other)?;
+                let down = self.matrix(
+                    ty,
+                    b("ffn_down_exps.weight"),
+                    ff_exp,
+                    embd,
+                    Role::FfnDown(i),
+                )?;
+                for mut spec in [gate, up, down] {
+                    spec.dims.push(n_exp);
+                    out.push(spec);
+                }
+            } else {
+                out.push(self.matrix(ty, b("ffn_gate.weight"), embd, ff, Role::Other)?);
+                out.push(self.matrix(ty, b("ffn_up.weight"), embd, ff, Role::Other)?);
+                out.push(self.matrix(ty, b("ffn_down.weight"), ff, embd, Role::FfnDown(i))?);
+            }
             if self.arch == Arch::Gemma3 {
                 out.push(vector(b("post_ffw_norm.weight"), embd, Init::NORM));
             }
@@ -549,7 +656,10 @@ impl SynthConfig {
             name,
             dims: vec![row_len, rows],
             ty: t,
-            init: Init::WEIGHT,
+            init: Init {
+                mean: 0.0,
+                std: self.weight_std,
+            },
         })
     }
 }

@@ -6,7 +6,7 @@ use kestrel_gguf::GgufFile;
 
 use crate::ModelError;
 use crate::backend::Backend;
-use crate::config::ModelConfig;
+use crate::config::{FfnKind, ModelConfig};
 
 /// The weights of one transformer block.
 pub struct LayerWeights<W> {
@@ -22,6 +22,11 @@ pub struct LayerWeights<W> {
     pub attn_output: W,
     pub post_attention_norm: Option<W>,
     pub ffn_norm: W,
+    /// The router of a mixture-of-experts block (`ffn_gate_inp`, `[n_expert × n_embd]`).
+    pub ffn_gate_inp: Option<W>,
+    /// Gate, up and down projections: `[n_ff × n_embd]` matrices of a dense block, or
+    /// every expert's stacked into a 3-D `[n_expert × n_ff_exp × n_embd]` tensor
+    /// (`ffn_*_exps`) in a mixture-of-experts block.
     pub ffn_gate: W,
     pub ffn_up: W,
     pub ffn_down: W,
@@ -82,6 +87,15 @@ impl<W> ModelWeights<W> {
                 .load_weight(file, info)
                 .map_err(|e| ModelError::Backend(format!("loading {name}: {e:#}")))
         };
+        let experts = |name: &str, dims: &[usize]| -> Result<W, ModelError> {
+            check_shape(file, name, dims)?;
+            let info = file
+                .tensor(name)
+                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+            backend
+                .load_experts(file, info)
+                .map_err(|e| ModelError::Backend(format!("loading {name}: {e:#}")))
+        };
         let opt = |name: &str, dims: &[usize], wanted: bool| -> Result<Option<W>, ModelError> {
             if wanted {
                 load(name, dims).map(Some)
@@ -100,6 +114,20 @@ impl<W> ModelWeights<W> {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{il}.{s}");
+            let (ffn_gate_inp, ffn_gate, ffn_up, ffn_down) = match cfg.ffn {
+                FfnKind::Dense => (
+                    None,
+                    load(&n("ffn_gate.weight"), &[d, ff])?,
+                    load(&n("ffn_up.weight"), &[d, ff])?,
+                    load(&n("ffn_down.weight"), &[ff, d])?,
+                ),
+                FfnKind::Moe(m) => (
+                    Some(load(&n("ffn_gate_inp.weight"), &[d, m.n_expert])?),
+                    experts(&n("ffn_gate_exps.weight"), &[d, m.n_ff_exp, m.n_expert])?,
+                    experts(&n("ffn_up_exps.weight"), &[d, m.n_ff_exp, m.n_expert])?,
+                    experts(&n("ffn_down_exps.weight"), &[m.n_ff_exp, d, m.n_expert])?,
+                ),
+            };
             layers.push(LayerWeights {
                 attn_norm: load(&n("attn_norm.weight"), &[d])?,
                 attn_q: load(&n("attn_q.weight"), &[d, q])?,
@@ -113,9 +141,10 @@ impl<W> ModelWeights<W> {
                 attn_output: load(&n("attn_output.weight"), &[q, d])?,
                 post_attention_norm: opt(&n("post_attention_norm.weight"), &[d], cfg.post_norms)?,
                 ffn_norm: load(&n("ffn_norm.weight"), &[d])?,
-                ffn_gate: load(&n("ffn_gate.weight"), &[d, ff])?,
-                ffn_up: load(&n("ffn_up.weight"), &[d, ff])?,
-                ffn_down: load(&n("ffn_down.weight"), &[ff, d])?,
+                ffn_gate_inp,
+                ffn_gate,
+                ffn_up,
+                ffn_down,
                 post_ffw_norm: opt(&n("post_ffw_norm.weight"), &[d], cfg.post_norms)?,
             });
         }
