@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""llama.cpp's log-probs on the tiny synthetic Qwen3-MoE models, and its own spread.
+"""llama.cpp's log-probs on the tiny synthetic mixture-of-experts models, and its own spread.
 
-For each weight type below, `kestrel synth --arch qwen3moe --preset tiny --type T --seed S`
+For each (architecture, weight type) below, `kestrel synth --arch A --preset tiny --type T
+--seed S`
 writes a model (the bytes depend only on the seed; their FNV-1a hash is recorded so the
 test can tell when synth changed and this must be rerun). llama.cpp (llama-cpp-python
 0.3.36, CPU) evaluates a fixed sequence of token ids in one batch: the top log-probs of
@@ -12,7 +13,7 @@ tokens): the spread any second evaluation shows, which the test
 (crates/kestrel-engine/tests/moe_fidelity.rs) holds Kestrel to.
 
 usage: python3 scripts/moe_reference.py [KESTREL_BIN] [OUT.json]
-  defaults: target/release/kestrel, crates/kestrel-engine/tests/data/qwen3moe_tiny.llamacpp.json
+  defaults: target/release/kestrel, crates/kestrel-engine/tests/data/moe_tiny.llamacpp.json
 needs: pip install llama-cpp-python==0.3.36 numpy  (~1 min on 2 cores)
 """
 import json
@@ -26,7 +27,8 @@ from llama_cpp import Llama
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, '..')
-TYPES = ['q8_0', 'q4_k_m', 'iq4_nl', 'iq4_xs', 'mxfp4']
+CASES = [('qwen3moe', t) for t in ['q8_0', 'q4_k_m', 'iq4_nl', 'iq4_xs', 'mxfp4']] + [
+    ('gpt-oss', t) for t in ['q8_0', 'mxfp4']]
 SEED = 29
 N_IDS = 64
 TOP = 8
@@ -67,13 +69,13 @@ def spread(lp, ref):
 def main():
     kestrel = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, 'target/release/kestrel')
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(
-        ROOT, 'crates/kestrel-engine/tests/data/qwen3moe_tiny.llamacpp.json')
+        ROOT, 'crates/kestrel-engine/tests/data/moe_tiny.llamacpp.json')
     ids = [int(t) for t in np.random.RandomState(SEED).randint(0, 512, N_IDS)]
     result = {'seed': SEED, 'ids': ids, 'top': TOP, 'models': {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for ty in TYPES:
-            path = os.path.join(tmp, f'{ty}.gguf')
-            subprocess.run([kestrel, 'synth', '--arch', 'qwen3moe', '--preset', 'tiny',
+        for arch, ty in CASES:
+            path = os.path.join(tmp, f'{arch}-{ty}.gguf')
+            subprocess.run([kestrel, 'synth', '--arch', arch, '--preset', 'tiny',
                             '--type', ty, '--seed', str(SEED), '-o', path], check=True,
                            capture_output=True)
             with open(path, 'rb') as f:
@@ -91,8 +93,8 @@ def main():
             }
             # How peaked the predictions are: a flat model would make top-1 meaningless.
             top1_p = float(np.mean(np.exp(lp[:-1].max(1))))
-            print(f'{ty}: llama.cpp spread {worst}, mean top-1 probability {top1_p:.3f}')
-            result['models'][ty] = {'fnv1a': digest, 'positions': ref, 'spread': runs,
+            print(f'{arch} {ty}: llama.cpp spread {worst}, mean top-1 probability {top1_p:.3f}')
+            result['models'][f'{arch}/{ty}'] = {'fnv1a': digest, 'positions': ref, 'spread': runs,
                                     'worst': worst, 'mean_top1_prob': top1_p}
     with open(out, 'w') as f:
         json.dump(result, f, indent=None, separators=(',', ':'))

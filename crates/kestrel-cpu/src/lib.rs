@@ -550,8 +550,34 @@ impl kestrel_model::Backend for CpuBackend {
         profile::timed(
             || profile::op("attention", n),
             0,
-            || ops::attention(self, q, cache, params, &step.batch, n, out),
+            || ops::attention(self, q, cache, params, None, &step.batch, n, out),
         );
+    }
+
+    fn attention_sinks(
+        &self,
+        q: &CpuTensor,
+        cache: &CpuCache,
+        params: &kestrel_model::AttnParams,
+        sinks: &CpuWeight,
+        step: &CpuStep,
+        n: usize,
+        out: &mut CpuTensor,
+    ) -> anyhow::Result<()> {
+        let sinks = sinks.vector();
+        if sinks.len() != params.n_head {
+            bail!(
+                "{} attention sinks for {} heads",
+                sinks.len(),
+                params.n_head
+            );
+        }
+        profile::timed(
+            || profile::op("attention", n),
+            0,
+            || ops::attention(self, q, cache, params, Some(sinks), &step.batch, n, out),
+        );
+        Ok(())
     }
 
     fn gated_activation(

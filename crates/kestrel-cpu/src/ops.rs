@@ -59,13 +59,20 @@ fn matrix(w: &CpuWeight) -> (kestrel_gguf::GgmlType, usize, usize, &[u8]) {
 }
 
 pub fn embed(table: &CpuWeight, tokens: &[u32], out: &mut CpuTensor) {
-    let (ty, _rows, cols, data) = matrix(table);
-    let row_bytes = ty.bytes_for(cols as u64).unwrap_or(0) as usize;
+    let cols = out.cols;
     for (i, &t) in tokens.iter().enumerate() {
-        let src = &data[t as usize * row_bytes..(t as usize + 1) * row_bytes];
-        // Row lengths were validated at load; the token ids by the batch check.
-        let _ = kestrel_quant::dequantize_row(ty, src, &mut out.data[i * cols..(i + 1) * cols]);
+        row(table, t as usize, &mut out.data[i * cols..(i + 1) * cols]);
     }
+}
+
+/// Row `r` of a matrix weight, dequantized into `out` (its row length).
+pub(crate) fn row(w: &CpuWeight, r: usize, out: &mut [f32]) {
+    let (ty, _rows, cols, data) = matrix(w);
+    let row_bytes = ty.bytes_for(cols as u64).unwrap_or(0) as usize;
+    let src = &data[r * row_bytes..(r + 1) * row_bytes];
+    // Row lengths were validated at load; the row index (a token id, an expert) by the
+    // caller.
+    let _ = kestrel_quant::dequantize_row(ty, src, out);
 }
 
 pub fn rms_norm(x: &CpuTensor, w: &[f32], eps: f32, n: usize, out: &mut CpuTensor) {
@@ -715,11 +722,13 @@ struct AttnScratch {
     q_row: Vec<f32>,
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     be: &CpuBackend,
     q: &CpuTensor,
     cache: &CpuCache,
     p: &AttnParams,
+    sinks: Option<&[f32]>,
     batch: &Batch,
     n: usize,
     out: &mut CpuTensor,
@@ -763,8 +772,14 @@ pub fn attention(
         }
         for h in 0..group {
             let sc = &mut scr.scores[h * len..(h + 1) * len];
-            let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
+            // A head's sink logit counts in the softmax's maximum and denominator only.
+            let sink = sinks.map(|s| s[g * group + h]);
+            let max = sc
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = sink.map_or(0.0, |s| (s - max).exp());
             sc.iter_mut().for_each(|v| {
                 *v = (*v - max).exp();
                 sum += *v;

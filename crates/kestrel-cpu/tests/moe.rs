@@ -1,18 +1,20 @@
-//! The CPU's mixture-of-experts block on the tiny synthetic Qwen3-MoE model: its output
-//! against an f64 evaluation of the definition (softmax router, top-k, renormalized
-//! weights, SwiGLU experts) from the dequantized weights, and proof that only the selected
-//! experts' bytes are read (the others poisoned with NaN change nothing).
+//! The CPU's mixture-of-experts block on the tiny synthetic Qwen3-MoE and gpt-oss models:
+//! its output against an f64 evaluation of the definition (Qwen3-MoE: softmax router,
+//! top-k, renormalized weights, SwiGLU experts; gpt-oss: biased router, softmax over the
+//! top-k logits, biased experts with clamped SwiGLU) from the dequantized weights, and
+//! proof that only the selected experts' bytes are read (the others poisoned with NaN
+//! change nothing).
 
 use std::sync::Arc;
 
 use kestrel_cpu::{CpuBackend, CpuTensor, CpuWeight, Kernels, Numerics};
 use kestrel_gguf::GgufFile;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
-use kestrel_model::{Activation, Arch, Backend, FfnKind, Model, MoeConfig};
+use kestrel_model::{Activation, Arch, Backend, FfnKind, Gating, Model, MoeConfig};
 use rand::{Rng, SeedableRng};
 
-fn tiny_moe(ty: WeightType, seed: u64) -> Vec<u8> {
-    let cfg = SynthConfig::tiny(Arch::Qwen3Moe);
+fn tiny_moe(arch: Arch, ty: WeightType, seed: u64) -> Vec<u8> {
+    let cfg = SynthConfig::tiny(arch);
     write_synth_to(Vec::new(), &cfg, ty, seed).expect("synth").0
 }
 
@@ -61,35 +63,62 @@ fn reference(file: &GgufFile, moe: &MoeConfig, layer: usize, d: usize, x: &[f32]
         deq(file, &name("ffn_down_exps.weight")),
     );
     let ff = moe.n_ff_exp;
+    // gpt-oss's biases (zeros where the model has none).
+    let bias = |s: &str, len: usize| match file.tensor(&name(s)) {
+        Some(_) => deq(file, &name(s)),
+        None => vec![0.0; len],
+    };
+    let router_b = bias("ffn_gate_inp.bias", moe.n_expert);
+    let (gate_b, up_b, down_b) = (
+        bias("ffn_gate_exps.bias", moe.n_expert * ff),
+        bias("ffn_up_exps.bias", moe.n_expert * ff),
+        bias("ffn_down_exps.bias", moe.n_expert * d),
+    );
+    let act = |g: f64, u: f64| match moe.clamped_swiglu {
+        Some(c) => {
+            let (limit, alpha) = (c.limit as f64, c.alpha as f64);
+            let x = g.min(limit);
+            x / (1.0 + (-alpha * x).exp()) * (u.clamp(-limit, limit) + 1.0)
+        }
+        None => g / (1.0 + (-g).exp()) * u,
+    };
     let dot = |w: &[f32], v: &[f64]| -> f64 { w.iter().zip(v).map(|(&a, &b)| a as f64 * b).sum() };
     let mut out = Vec::new();
     for xt in x.chunks_exact(d) {
         let xt: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
-        let logits: Vec<f64> = router.chunks_exact(d).map(|r| dot(r, &xt)).collect();
-        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-        let mut probs: Vec<(usize, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(e, l)| (e, (l - max).exp() / z))
+        let logits: Vec<f64> = router
+            .chunks_exact(d)
+            .zip(&router_b)
+            .map(|(r, &b)| dot(r, &xt) + b as f64)
             .collect();
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let top = &probs[..moe.n_expert_used];
-        let total: f64 = top.iter().map(|p| p.1).sum();
+        let mut order: Vec<usize> = (0..moe.n_expert).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        let top = &order[..moe.n_expert_used];
+        // Softmax over all experts or over the selected ones, then renormalized or not.
+        let pool: &[usize] = match moe.gating {
+            Gating::Softmax => &order,
+            Gating::TopKSoftmax => top,
+        };
+        let z: f64 = pool.iter().map(|&e| logits[e].exp()).sum();
+        let total: f64 = if moe.norm_top_k {
+            top.iter().map(|&e| logits[e].exp() / z).sum()
+        } else {
+            1.0
+        };
         let mut y = vec![0f64; d];
-        for &(e, p) in top {
-            let w = if moe.norm_top_k { p / total } else { p };
+        for &e in top {
+            let w = logits[e].exp() / z / total;
             let h: Vec<f64> = (0..ff)
                 .map(|j| {
                     let row = (e * ff + j) * d;
-                    let g = dot(&gate[row..row + d], &xt);
-                    let u = dot(&up[row..row + d], &xt);
-                    g / (1.0 + (-g).exp()) * u
+                    let g = dot(&gate[row..row + d], &xt) + gate_b[e * ff + j] as f64;
+                    let u = dot(&up[row..row + d], &xt) + up_b[e * ff + j] as f64;
+                    act(g, u)
                 })
                 .collect();
             for (i, yi) in y.iter_mut().enumerate() {
                 let row = (e * d + i) * ff;
-                *yi += w * dot(&down[row..row + ff], &h);
+                *yi += w * (dot(&down[row..row + ff], &h) + down_b[e * d + i] as f64);
             }
         }
         out.extend(y);
@@ -102,13 +131,24 @@ fn moe_block_matches_the_f64_definition() {
     let seed: u64 = rand::random();
     eprintln!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    for ty in [WeightType::F32, WeightType::Q8_0, WeightType::Q4KM] {
-        let file = Arc::new(GgufFile::from_bytes(tiny_moe(ty, rng.random())).expect("parses"));
+    for (arch, ty) in [
+        (Arch::Qwen3Moe, WeightType::F32),
+        (Arch::Qwen3Moe, WeightType::Q8_0),
+        (Arch::Qwen3Moe, WeightType::Q4KM),
+        (Arch::GptOss, WeightType::F32),
+        (Arch::GptOss, WeightType::Mxfp4),
+    ] {
+        let bytes = tiny_moe(arch, ty, rng.random());
+        let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
         for kernels in [Kernels::Scalar, Kernels::Fast] {
             let be = CpuBackend::with_numerics(kernels, Numerics::F32);
             let model = Model::load(&be, file.clone()).expect("loads");
             let (d, moe) = (model.config.n_embd, moe_of(&model));
-            assert!(moe.norm_top_k, "Qwen3-MoE renormalizes its top-k weights");
+            assert_eq!(
+                moe.norm_top_k,
+                arch == Arch::Qwen3Moe,
+                "Qwen3-MoE renormalizes its top-k weights"
+            );
             for n in [1usize, 2, 7] {
                 let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
                 let got = run_moe(&be, &model, 1, &x);
@@ -121,7 +161,7 @@ fn moe_block_matches_the_f64_definition() {
                     .fold(0f64, f64::max);
                 assert!(
                     worst <= 1e-4 * scale,
-                    "{ty} {kernels:?} n={n}: off by {worst:e} of {scale:e}"
+                    "{arch:?} {ty} {kernels:?} n={n}: off by {worst:e} of {scale:e}"
                 );
             }
         }
@@ -133,7 +173,7 @@ fn only_the_selected_experts_are_read() {
     let seed: u64 = rand::random();
     eprintln!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let bytes = tiny_moe(WeightType::F32, rng.random());
+    let bytes = tiny_moe(Arch::Qwen3Moe, WeightType::F32, rng.random());
     let file = Arc::new(GgufFile::from_bytes(bytes.clone()).expect("parses"));
     let be = CpuBackend::with_numerics(Kernels::Fast, Numerics::Ggml);
     let model = Model::load(&be, file.clone()).expect("loads");

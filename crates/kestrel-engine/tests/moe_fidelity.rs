@@ -1,7 +1,8 @@
-//! Fidelity of the mixture-of-experts path against llama.cpp on the tiny synthetic
-//! Qwen3-MoE models (one per weight type, the codebook formats included): teacher-forced
-//! log-probs over a fixed sequence of ids, compared with llama.cpp's in
-//! tests/data/qwen3moe_tiny.llamacpp.json (made by scripts/moe_reference.py, which also
+//! Fidelity of the mixture-of-experts architectures against llama.cpp on tiny synthetic
+//! models: Qwen3-MoE of five weight types (the codebook formats included) and gpt-oss
+//! (attention sinks, sliding-window layers, biases, clamped SwiGLU experts) of two.
+//! Teacher-forced log-probs over a fixed sequence of ids are compared with llama.cpp's in
+//! tests/data/moe_tiny.llamacpp.json (made by scripts/moe_reference.py, which also
 //! records how far llama.cpp is from itself when only its batch size changes).
 //!
 //! Bounds, as in fidelity.rs: top-1 agreement at least llama.cpp's own lowest minus 2
@@ -42,10 +43,10 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 #[test]
-fn qwen3moe_tiny_matches_llama_cpp() {
+fn tiny_moe_models_match_llama_cpp() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/qwen3moe_tiny.llamacpp.json"
+        "/tests/data/moe_tiny.llamacpp.json"
     );
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(path).expect("reference file"))
@@ -53,14 +54,15 @@ fn qwen3moe_tiny_matches_llama_cpp() {
     let seed = reference["seed"].as_u64().expect("seed");
     let text = ids(&reference["ids"]);
     let mut failures = Vec::new();
-    for (ty, model) in reference["models"].as_object().expect("models") {
+    for (case, model) in reference["models"].as_object().expect("models") {
+        let (arch, ty) = case.split_once('/').expect("arch/type");
         let wt: WeightType = ty.parse().expect("weight type");
-        let cfg = SynthConfig::tiny(Arch::Qwen3Moe);
+        let cfg = SynthConfig::tiny(Arch::from_name(arch).expect("architecture"));
         let (bytes, _) = write_synth_to(Vec::new(), &cfg, wt, seed).expect("synth");
         assert_eq!(
             fnv1a(&bytes),
             model["fnv1a"].as_str().expect("hash"),
-            "{ty}: the synthetic model is not the one llama.cpp scored; rerun \
+            "{case}: the synthetic model is not the one llama.cpp scored; rerun \
              scripts/moe_reference.py"
         );
         let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
@@ -93,7 +95,7 @@ fn qwen3moe_tiny_matches_llama_cpp() {
         let env_top1 = worst["top1_agreement"].as_f64().expect("top1");
         let env_mean = worst["mean_abs_logprob_diff"].as_f64().expect("mean");
         eprintln!(
-            "qwen3moe tiny {ty}: top-1 agreement {:.1}% (llama.cpp in small batches: ≥ \
+            "{arch} tiny {ty}: top-1 agreement {:.1}% (llama.cpp in small batches: ≥ \
              {:.1}%), mean |Δ logprob| {mean:.4} (llama.cpp: ≤ {env_mean:.4}), largest \
              top-1 gap {worst_gap:.4}",
             agreement * 100.0,
@@ -101,17 +103,17 @@ fn qwen3moe_tiny_matches_llama_cpp() {
         );
         if agreement < env_top1 - 0.02 {
             failures.push(format!(
-                "{ty}: top-1 agreement {agreement:.3} < {env_top1:.3}"
+                "{case}: top-1 agreement {agreement:.3} < {env_top1:.3}"
             ));
         }
         if mean > (1.25 * env_mean).max(0.01) {
             failures.push(format!(
-                "{ty}: mean |Δ logprob| {mean:.4} > 1.25 × {env_mean:.4}"
+                "{case}: mean |Δ logprob| {mean:.4} > 1.25 × {env_mean:.4}"
             ));
         }
         if worst_gap > 0.25 {
             failures.push(format!(
-                "{ty}: llama.cpp's top-1 is {worst_gap:.3} below ours"
+                "{case}: llama.cpp's top-1 is {worst_gap:.3} below ours"
             ));
         }
     }

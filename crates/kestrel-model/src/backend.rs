@@ -132,6 +132,26 @@ pub trait Backend: Sync {
         out: &mut Self::Tensor,
     );
 
+    /// [`Self::attention`] with a learned logit per query head (`sinks`, `n_head` values)
+    /// joining each softmax's denominator (gpt-oss). Default: an error, for backends
+    /// without it.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks(
+        &self,
+        _q: &Self::Tensor,
+        _cache: &Self::Cache,
+        _params: &AttnParams,
+        _sinks: &Self::Weight,
+        _step: &Self::Step,
+        _n: usize,
+        _out: &mut Self::Tensor,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "attention sinks are not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
     /// `gate = act(gate) * up`, element-wise.
     fn gated_activation(
         &self,

@@ -15,6 +15,9 @@ pub enum Arch {
     Gemma3,
     /// Qwen3 attention with a mixture-of-experts feed-forward block in every layer.
     Qwen3Moe,
+    /// OpenAI's gpt-oss: attention sinks, alternating sliding-window layers, biases, and
+    /// mixture-of-experts blocks with clamped SwiGLU experts.
+    GptOss,
 }
 
 impl Arch {
@@ -25,6 +28,7 @@ impl Arch {
             "qwen3" => Ok(Arch::Qwen3),
             "gemma3" => Ok(Arch::Gemma3),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
+            "gpt-oss" => Ok(Arch::GptOss),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -36,6 +40,7 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 }
@@ -50,7 +55,7 @@ pub enum Activation {
 }
 
 /// The feed-forward block of every layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum FfnKind {
     /// One gated MLP: `down(act(gate(x)) * up(x))`.
     Dense,
@@ -59,19 +64,39 @@ pub enum FfnKind {
 }
 
 /// A mixture-of-experts feed-forward block, as llama.cpp's `build_moe_ffn` computes it:
-/// router logits `ffn_gate_inp · x`, their softmax, the `n_expert_used` most probable
-/// experts (weights renormalized to sum 1 when `norm_top_k`), and the weighted sum of those
+/// router logits `ffn_gate_inp · x` (plus its bias where the model has one), the
+/// `n_expert_used` experts chosen and weighted by `gating`, and the weighted sum of those
 /// experts' gated MLPs. Expert weights are 3-D tensors `[n_expert, rows, row length]`
 /// (`ffn_{gate,up,down}_exps`); only the selected experts' rows are read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeConfig {
     pub n_expert: usize,
     pub n_expert_used: usize,
     /// Hidden size of one expert (`expert_feed_forward_length`).
     pub n_ff_exp: usize,
+    pub gating: Gating,
     /// Renormalize the selected experts' probabilities (`expert_weights_norm`; Qwen3-MoE
     /// does, and llama.cpp assumes it where the key is absent).
     pub norm_top_k: bool,
+    /// The experts' activation, if not the model's `activation`: gpt-oss's clamped SwiGLU.
+    pub clamped_swiglu: Option<ClampedSwiglu>,
+}
+
+/// How router logits become expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over all experts, then the most probable (Qwen3-MoE).
+    Softmax,
+    /// The largest logits, then a softmax over just those (gpt-oss).
+    TopKSoftmax,
+}
+
+/// gpt-oss's expert activation (ggml's `swiglu_oai`): with `g = min(gate, limit)` and
+/// `u = clamp(up, -limit, limit)`, `g · sigmoid(alpha · g) · (u + 1)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClampedSwiglu {
+    pub alpha: f32,
+    pub limit: f32,
 }
 
 /// RoPE frequency scaling, as `<arch>.rope.scaling.*` asks.
@@ -201,6 +226,10 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Dense or mixture-of-experts feed-forward blocks.
     pub ffn: FfnKind,
+    /// gpt-oss: a learned logit per head (`attn_sinks`) joins each softmax's denominator.
+    pub attn_sinks: bool,
+    /// gpt-oss: a bias on the attention output projection.
+    pub attn_out_bias: bool,
 }
 
 impl ModelConfig {
@@ -351,7 +380,7 @@ impl ModelConfig {
         let mut activation = Activation::Silu;
         let mut post_norms = false;
         let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
-        let qkv_bias = matches!(arch, Arch::Qwen2);
+        let qkv_bias = matches!(arch, Arch::Qwen2 | Arch::GptOss);
 
         if n_rot > head_dim || n_rot % 2 != 0 {
             return Err(ModelError::Invalid(format!(
@@ -378,13 +407,32 @@ impl ModelConfig {
             post_norms = true;
         }
 
+        if arch == Arch::GptOss {
+            // gpt-oss: even layers attend over a sliding window (llama.cpp's swa pattern 2),
+            // with the same RoPE as the others.
+            sliding_window = opt_u("attention.sliding_window");
+            for (il, swa) in layer_is_swa.iter_mut().enumerate() {
+                *swa = sliding_window.is_some() && il % 2 == 0;
+            }
+        }
         let ffn = match arch {
-            Arch::Qwen3Moe => {
+            Arch::Qwen3Moe | Arch::GptOss => {
+                let oss = arch == Arch::GptOss;
                 let moe = MoeConfig {
                     n_expert: req_u("expert_count")?,
                     n_expert_used: req_u("expert_used_count")?,
                     n_ff_exp: req_u("expert_feed_forward_length")?,
-                    norm_top_k: file.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                    gating: if oss {
+                        Gating::TopKSoftmax
+                    } else {
+                        Gating::Softmax
+                    },
+                    norm_top_k: !oss && file.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                    // llama.cpp's constants for gpt-oss.
+                    clamped_swiglu: oss.then_some(ClampedSwiglu {
+                        alpha: 1.702,
+                        limit: 7.0,
+                    }),
                 };
                 if moe.n_ff_exp == 0 || !(1..=moe.n_expert).contains(&moe.n_expert_used) {
                     return Err(ModelError::Invalid(format!(
@@ -420,6 +468,8 @@ impl ModelConfig {
             post_norms,
             tied_embeddings,
             ffn,
+            attn_sinks: arch == Arch::GptOss,
+            attn_out_bias: arch == Arch::GptOss,
         })
     }
 }

@@ -144,11 +144,20 @@ impl<B: Backend> Model<B> {
                 scale: cfg.attn_scale,
                 window: cfg.layer_window(il),
             };
-            backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn);
+            match &layer.attn_sinks {
+                Some(sinks) => {
+                    backend.attention_sinks(&s.q, cache, &params, sinks, &s.step, n, &mut s.attn)?
+                }
+                None => backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn),
+            }
             if let Some(pn) = &layer.post_attention_norm {
                 backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
                 backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
                 backend.add(&mut s.x, &s.h, n);
+            } else if let Some(bias) = &layer.attn_output_bias {
+                backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
+                backend.add_bias(&mut s.proj, bias, n);
+                backend.add(&mut s.x, &s.proj, n);
             } else {
                 backend.matmul_add(&s.attn, &layer.attn_output, n, &mut s.proj, &mut s.x);
             }

@@ -12,7 +12,8 @@ pub mod weights;
 pub use backend::{AttnParams, Backend, argmax};
 pub use batch::{Batch, SeqSlot};
 pub use config::{
-    Activation, Arch, FfnKind, ModelConfig, MoeConfig, RopeConstants, RopeParams, RopeScaling,
+    Activation, Arch, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig, RopeConstants,
+    RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch};
@@ -21,7 +22,9 @@ pub use weights::{LayerWeights, ModelWeights};
 /// Errors about a model file's contents.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe)")]
+    #[error(
+        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss)"
+    )]
     UnsupportedArch(String),
     #[error("missing metadata key {0}")]
     MissingKey(String),

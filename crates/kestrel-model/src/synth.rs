@@ -196,12 +196,13 @@ pub struct SynthConfig {
 }
 
 /// Names accepted by [`SynthConfig::preset`].
-pub const PRESETS: [&str; 5] = [
+pub const PRESETS: [&str; 6] = [
     "tiny",
     "llama3-8b",
     "qwen2.5-1.5b",
     "qwen2.5-7b",
     "qwen3-30b-a3b",
+    "gpt-oss-20b",
 ];
 
 /// Size overrides on top of a preset (the CLI's `--layers`, `--embd`, ... flags).
@@ -224,8 +225,9 @@ impl SynthConfig {
         let (rope_freq_base, rms_eps) = match arch {
             Arch::Llama => (10_000.0, 1e-5),
             Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => (1_000_000.0, 1e-6),
+            Arch::GptOss => (150_000.0, 1e-5),
         };
-        let moe = arch == Arch::Qwen3Moe;
+        let moe = matches!(arch, Arch::Qwen3Moe | Arch::GptOss);
         SynthConfig {
             arch,
             name: format!("kestrel synth {} tiny", arch.name()),
@@ -239,11 +241,17 @@ impl SynthConfig {
             n_ctx: 2048,
             rope_freq_base,
             rms_eps,
-            qkv_bias: arch == Arch::Qwen2,
+            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss),
             // As the small real models of each family: Llama 3 8B unties, Qwen2.5-1.5B,
-            // Qwen3-0.6B and Gemma 3 tie.
-            tied_embeddings: arch != Arch::Llama,
-            sliding_window: if arch == Arch::Gemma3 { 128 } else { 0 },
+            // Qwen3-0.6B and Gemma 3 tie; gpt-oss never does (llama.cpp requires output.weight).
+            tied_embeddings: !matches!(arch, Arch::Llama | Arch::GptOss),
+            // gpt-oss's window is 128 too; 16 here, so that the fidelity test's 64 tokens
+            // reach past it.
+            sliding_window: match arch {
+                Arch::Gemma3 => 128,
+                Arch::GptOss => 16,
+                _ => 0,
+            },
             // Eight experts of which each token uses two.
             n_expert: if moe { 8 } else { 0 },
             n_expert_used: if moe { 2 } else { 0 },
@@ -349,6 +357,28 @@ impl SynthConfig {
                 n_ff_exp: 768,
                 weight_std: Init::WEIGHT.std,
             },
+            // gpt-oss-20b (its YaRN keys are not written: RoPE unscaled).
+            "gpt-oss-20b" => SynthConfig {
+                arch: Arch::GptOss,
+                name: "kestrel synth gpt-oss-20b".into(),
+                n_layer: 24,
+                n_embd: 2880,
+                n_ff: 2880,
+                n_head: 64,
+                n_head_kv: 8,
+                head_dim: 64,
+                n_vocab: 201_088,
+                n_ctx: 131_072,
+                rope_freq_base: 150_000.0,
+                rms_eps: 1e-5,
+                qkv_bias: true,
+                tied_embeddings: false,
+                sliding_window: 128,
+                n_expert: 32,
+                n_expert_used: 4,
+                n_ff_exp: 2880,
+                weight_std: Init::WEIGHT.std,
+            },
             other => {
                 return Err(invalid(format!(
                     "unknown preset '{other}' (expected one of {})",
@@ -404,7 +434,7 @@ impl SynthConfig {
 
     /// Whether the feed-forward blocks are mixtures of experts.
     pub fn is_moe(&self) -> bool {
-        self.arch == Arch::Qwen3Moe
+        matches!(self.arch, Arch::Qwen3Moe | Arch::GptOss)
     }
 
     fn q_dim(&self) -> u64 {
@@ -444,7 +474,7 @@ impl SynthConfig {
                 self.head_dim
             )));
         }
-        if self.arch == Arch::Qwen3Moe
+        if self.is_moe()
             && (self.n_ff_exp == 0 || self.n_expert_used == 0 || self.n_expert_used > self.n_expert)
         {
             return Err(invalid(format!(
@@ -489,7 +519,11 @@ impl SynthConfig {
         // embedding_length / head_count unless the keys say otherwise.
         let default_head =
             self.n_embd.is_multiple_of(self.n_head) && self.n_embd / self.n_head == self.head_dim;
-        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe) || !default_head {
+        let states_head = matches!(
+            self.arch,
+            Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe | Arch::GptOss
+        );
+        if states_head || !default_head {
             m.push((key("attention.key_length"), self.head_dim.into()));
             m.push((key("attention.value_length"), self.head_dim.into()));
         }
@@ -497,7 +531,7 @@ impl SynthConfig {
             // The Llama converter writes the rotary dimension (the whole head).
             m.push((key("rope.dimension_count"), self.head_dim.into()));
         }
-        if self.arch == Arch::Gemma3 {
+        if matches!(self.arch, Arch::Gemma3 | Arch::GptOss) {
             m.push((key("attention.sliding_window"), self.sliding_window.into()));
         }
         if self.is_moe() {
@@ -581,10 +615,25 @@ impl SynthConfig {
                 out.push(vector(b("attn_k_norm.weight"), head, Init::NORM));
             }
             out.push(self.matrix(ty, b("attn_output.weight"), q_dim, embd, Role::Other)?);
+            let oss = self.arch == Arch::GptOss;
+            if oss {
+                out.push(vector(b("attn_output.bias"), embd, Init::BIAS));
+                out.push(vector(
+                    b("attn_sinks.weight"),
+                    self.n_head as u64,
+                    Init::SINK,
+                ));
+            }
             if self.arch == Arch::Gemma3 {
                 out.push(vector(b("post_attention_norm.weight"), embd, Init::NORM));
             }
-            out.push(vector(b("ffn_norm.weight"), embd, Init::NORM));
+            // gpt-oss calls the norm before its feed-forward block the post-attention norm.
+            let ffn_norm = if oss {
+                "post_attention_norm.weight"
+            } else {
+                "ffn_norm.weight"
+            };
+            out.push(vector(b(ffn_norm), embd, Init::NORM));
             if self.is_moe() {
                 // The router stays f32, as llama.cpp's converter and quantizer keep it.
                 let (n_exp, ff_exp) = (self.n_expert as u64, self.n_ff_exp as u64);
@@ -596,6 +645,16 @@ impl SynthConfig {
                     Role::Other,
                 )?;
                 out.push(router);
+                // gpt-oss biases every expert projection (f32 rows per expert).
+                let bias = |name: &str, dims: Vec<u64>| TensorSpec {
+                    name: b(name),
+                    dims,
+                    ty: GgmlType::F32,
+                    init: Init::BIAS,
+                };
+                if oss {
+                    out.push(vector(b("ffn_gate_inp.bias"), n_exp, Init::BIAS));
+                }
                 let gate = self.matrix(ty, b("ffn_gate_exps.weight"), embd, ff_exp, Role::Other)?;
                 let up = self.matrix(ty, b("ffn_up_exps.weight"), embd, ff_exp, Role::Other)?;
                 let down = self.matrix(
@@ -605,9 +664,13 @@ impl SynthConfig {
                     embd,
                     Role::FfnDown(i),
                 )?;
-                for mut spec in [gate, up, down] {
+                let biases = [("gate", ff_exp), ("up", ff_exp), ("down", embd)];
+                for (mut spec, (proj, rows)) in [gate, up, down].into_iter().zip(biases) {
                     spec.dims.push(n_exp);
                     out.push(spec);
+                    if oss {
+                        out.push(bias(&format!("ffn_{proj}_exps.bias"), vec![rows, n_exp]));
+                    }
                 }
             } else {
                 out.push(self.matrix(ty, b("ffn_gate.weight"), embd, ff, Role::Other)?);
@@ -715,6 +778,11 @@ impl Init {
     pub const BIAS: Init = Init {
         mean: 0.0,
         std: 0.02,
+    };
+    /// Attention sink logits (gpt-oss): of the order of the attention scores.
+    pub const SINK: Init = Init {
+        mean: 0.0,
+        std: 1.0,
     };
 }
 

@@ -6,7 +6,7 @@ use kestrel_gguf::GgufFile;
 
 use crate::ModelError;
 use crate::backend::Backend;
-use crate::config::{FfnKind, ModelConfig};
+use crate::config::{Arch, FfnKind, ModelConfig};
 
 /// The weights of one transformer block.
 pub struct LayerWeights<W> {
@@ -20,6 +20,9 @@ pub struct LayerWeights<W> {
     pub attn_q_norm: Option<W>,
     pub attn_k_norm: Option<W>,
     pub attn_output: W,
+    /// gpt-oss: the output projection's bias and each head's sink logit.
+    pub attn_output_bias: Option<W>,
+    pub attn_sinks: Option<W>,
     pub post_attention_norm: Option<W>,
     pub ffn_norm: W,
     /// The router of a mixture-of-experts block (`ffn_gate_inp`, `[n_expert × n_embd]`).
@@ -30,6 +33,12 @@ pub struct LayerWeights<W> {
     pub ffn_gate: W,
     pub ffn_up: W,
     pub ffn_down: W,
+    /// gpt-oss: biases of the router and of each expert's projections (rows of
+    /// `[n_expert × rows]` tensors for the experts).
+    pub ffn_gate_inp_bias: Option<W>,
+    pub ffn_gate_exps_bias: Option<W>,
+    pub ffn_up_exps_bias: Option<W>,
+    pub ffn_down_exps_bias: Option<W>,
     pub post_ffw_norm: Option<W>,
 }
 
@@ -111,9 +120,22 @@ impl<W> ModelWeights<W> {
         } else {
             Some(load("output.weight", &[d, vocab])?)
         };
+        // Expert biases are read per expert like the experts; the router's is a vector.
+        let (n_expert, n_ff_exp) = match cfg.ffn {
+            FfnKind::Moe(m) => (m.n_expert, m.n_ff_exp),
+            FfnKind::Dense => (0, 0),
+        };
+        let moe_bias = |name: &str, dims: &[usize]| -> Result<Option<W>, ModelError> {
+            match dims.len() {
+                _ if cfg.arch != Arch::GptOss => Ok(None),
+                1 => load(name, dims).map(Some),
+                _ => experts(name, dims).map(Some),
+            }
+        };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{il}.{s}");
+            let oss = cfg.arch == Arch::GptOss;
             let (ffn_gate_inp, ffn_gate, ffn_up, ffn_down) = match cfg.ffn {
                 FfnKind::Dense => (
                     None,
@@ -139,12 +161,26 @@ impl<W> ModelWeights<W> {
                 attn_q_norm: opt(&n("attn_q_norm.weight"), &[hd], cfg.qk_norm)?,
                 attn_k_norm: opt(&n("attn_k_norm.weight"), &[hd], cfg.qk_norm)?,
                 attn_output: load(&n("attn_output.weight"), &[q, d])?,
+                attn_output_bias: opt(&n("attn_output.bias"), &[d], cfg.attn_out_bias)?,
+                attn_sinks: opt(&n("attn_sinks.weight"), &[cfg.n_head], cfg.attn_sinks)?,
                 post_attention_norm: opt(&n("post_attention_norm.weight"), &[d], cfg.post_norms)?,
-                ffn_norm: load(&n("ffn_norm.weight"), &[d])?,
+                // gpt-oss names the norm before its MoE block the post-attention norm.
+                ffn_norm: load(
+                    &n(if oss {
+                        "post_attention_norm.weight"
+                    } else {
+                        "ffn_norm.weight"
+                    }),
+                    &[d],
+                )?,
                 ffn_gate_inp,
                 ffn_gate,
                 ffn_up,
                 ffn_down,
+                ffn_gate_inp_bias: moe_bias(&n("ffn_gate_inp.bias"), &[n_expert])?,
+                ffn_gate_exps_bias: moe_bias(&n("ffn_gate_exps.bias"), &[n_ff_exp, n_expert])?,
+                ffn_up_exps_bias: moe_bias(&n("ffn_up_exps.bias"), &[n_ff_exp, n_expert])?,
+                ffn_down_exps_bias: moe_bias(&n("ffn_down_exps.bias"), &[d, n_expert])?,
                 post_ffw_norm: opt(&n("post_ffw_norm.weight"), &[d], cfg.post_norms)?,
             });
         }
