@@ -18,6 +18,8 @@ pub enum Arch {
     /// OpenAI's gpt-oss: attention sinks, alternating sliding-window layers, biases, and
     /// mixture-of-experts blocks with clamped SwiGLU experts.
     GptOss,
+    /// Microsoft's Phi-3: Llama's block with fused Q/K/V and gate/up matrices.
+    Phi3,
 }
 
 impl Arch {
@@ -29,6 +31,7 @@ impl Arch {
             "gemma3" => Ok(Arch::Gemma3),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "gpt-oss" => Ok(Arch::GptOss),
+            "phi3" => Ok(Arch::Phi3),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -41,6 +44,7 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::GptOss => "gpt-oss",
+            Arch::Phi3 => "phi3",
         }
     }
 }
@@ -343,6 +347,13 @@ impl ModelConfig {
             return Err(ModelError::Invalid(format!(
                 "bad rope scaling factor {factor}"
             )));
+        }
+        if file.tensor("rope_factors_long.weight").is_some() {
+            return Err(ModelError::Invalid(
+                "LongRoPE (rope_factors_long/short, Phi-3's 128k-context models) is not \
+                 supported yet"
+                    .into(),
+            ));
         }
         let freq_factors = match file.tensor("rope_freqs.weight") {
             None => None,

@@ -23,7 +23,7 @@ pub use weights::{LayerWeights, ModelWeights};
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(
-        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss)"
+        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3)"
     )]
     UnsupportedArch(String),
     #[error("missing metadata key {0}")]

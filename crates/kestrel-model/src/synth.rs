@@ -223,7 +223,7 @@ impl SynthConfig {
     /// types, K-quants included, apply to every matrix.
     pub fn tiny(arch: Arch) -> SynthConfig {
         let (rope_freq_base, rms_eps) = match arch {
-            Arch::Llama => (10_000.0, 1e-5),
+            Arch::Llama | Arch::Phi3 => (10_000.0, 1e-5),
             Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => (1_000_000.0, 1e-6),
             Arch::GptOss => (150_000.0, 1e-5),
         };
@@ -243,8 +243,9 @@ impl SynthConfig {
             rms_eps,
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss),
             // As the small real models of each family: Llama 3 8B unties, Qwen2.5-1.5B,
-            // Qwen3-0.6B and Gemma 3 tie; gpt-oss never does (llama.cpp requires output.weight).
-            tied_embeddings: !matches!(arch, Arch::Llama | Arch::GptOss),
+            // Qwen3-0.6B and Gemma 3 tie; gpt-oss never does (llama.cpp requires output.weight),
+            // nor Phi-3.
+            tied_embeddings: !matches!(arch, Arch::Llama | Arch::GptOss | Arch::Phi3),
             // gpt-oss's window is 128 too; 16 here, so that the fidelity test's 64 tokens
             // reach past it.
             sliding_window: match arch {
@@ -256,11 +257,16 @@ impl SynthConfig {
             n_expert: if moe { 8 } else { 0 },
             n_expert_used: if moe { 2 } else { 0 },
             n_ff_exp: if moe { 256 } else { 0 },
-            // The MoE model's weights are at about 1.3 / sqrt(n_embd), so that each product
-            // keeps its input's scale: router and output logits spread over several units
-            // (with 0.02 they would be almost flat at this width, every expert and token
-            // about equally likely).
-            weight_std: if moe { 0.08 } else { Init::WEIGHT.std },
+            // The newer architectures' weights are at about 1.3 / sqrt(n_embd), so that each
+            // product keeps its input's scale: router and output logits spread over several
+            // units (with 0.02 they would be almost flat at this width, every expert and
+            // token about equally likely, and a fidelity check would compare noise). The
+            // older ones keep 0.02, which their reference files were made with.
+            weight_std: if moe || arch == Arch::Phi3 {
+                0.08
+            } else {
+                Init::WEIGHT.std
+            },
         }
     }
 
@@ -527,8 +533,8 @@ impl SynthConfig {
             m.push((key("attention.key_length"), self.head_dim.into()));
             m.push((key("attention.value_length"), self.head_dim.into()));
         }
-        if self.arch == Arch::Llama {
-            // The Llama converter writes the rotary dimension (the whole head).
+        if matches!(self.arch, Arch::Llama | Arch::Phi3) {
+            // The Llama and Phi-3 converters write the rotary dimension (the whole head).
             m.push((key("rope.dimension_count"), self.head_dim.into()));
         }
         if matches!(self.arch, Arch::Gemma3 | Arch::GptOss) {
@@ -598,17 +604,24 @@ impl SynthConfig {
         for i in 0..self.n_layer {
             let b = |s: &str| format!("blk.{i}.{s}");
             out.push(vector(b("attn_norm.weight"), embd, Init::NORM));
-            out.push(self.matrix(ty, b("attn_q.weight"), embd, q_dim, Role::Other)?);
-            if self.qkv_bias {
-                out.push(vector(b("attn_q.bias"), q_dim, Init::BIAS));
-            }
-            out.push(self.matrix(ty, b("attn_k.weight"), embd, kv_dim, Role::Other)?);
-            if self.qkv_bias {
-                out.push(vector(b("attn_k.bias"), kv_dim, Init::BIAS));
-            }
-            out.push(self.matrix(ty, b("attn_v.weight"), embd, kv_dim, Role::AttnV(i))?);
-            if self.qkv_bias {
-                out.push(vector(b("attn_v.bias"), kv_dim, Init::BIAS));
+            let phi3 = self.arch == Arch::Phi3;
+            if phi3 {
+                // Phi-3 keeps Q, K and V in one matrix.
+                let rows = q_dim + 2 * kv_dim;
+                out.push(self.matrix(ty, b("attn_qkv.weight"), embd, rows, Role::Other)?);
+            } else {
+                out.push(self.matrix(ty, b("attn_q.weight"), embd, q_dim, Role::Other)?);
+                if self.qkv_bias {
+                    out.push(vector(b("attn_q.bias"), q_dim, Init::BIAS));
+                }
+                out.push(self.matrix(ty, b("attn_k.weight"), embd, kv_dim, Role::Other)?);
+                if self.qkv_bias {
+                    out.push(vector(b("attn_k.bias"), kv_dim, Init::BIAS));
+                }
+                out.push(self.matrix(ty, b("attn_v.weight"), embd, kv_dim, Role::AttnV(i))?);
+                if self.qkv_bias {
+                    out.push(vector(b("attn_v.bias"), kv_dim, Init::BIAS));
+                }
             }
             if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe) {
                 out.push(vector(b("attn_q_norm.weight"), head, Init::NORM));
@@ -672,6 +685,10 @@ impl SynthConfig {
                         out.push(bias(&format!("ffn_{proj}_exps.bias"), vec![rows, n_exp]));
                     }
                 }
+            } else if phi3 {
+                // Phi-3's up matrix holds the gate rows, then the up rows.
+                out.push(self.matrix(ty, b("ffn_up.weight"), embd, 2 * ff, Role::Other)?);
+                out.push(self.matrix(ty, b("ffn_down.weight"), ff, embd, Role::FfnDown(i))?);
             } else {
                 out.push(self.matrix(ty, b("ffn_gate.weight"), embd, ff, Role::Other)?);
                 out.push(self.matrix(ty, b("ffn_up.weight"), embd, ff, Role::Other)?);

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kestrel_gguf::GgufFile;
+use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::ModelError;
 use crate::backend::Backend;
@@ -105,6 +105,26 @@ impl<W> ModelWeights<W> {
                 .load_experts(file, info)
                 .map_err(|e| ModelError::Backend(format!("loading {name}: {e:#}")))
         };
+        // Rows `rows` of a fused matrix (Phi-3's `attn_qkv`, and its `ffn_up` holding gate
+        // then up) as a weight of their own, read in place like any matrix.
+        let part = |name: &str, dims: &[usize], rows: std::ops::Range<usize>, what: &str| {
+            check_shape(file, name, dims)?;
+            let info = file
+                .tensor(name)
+                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+            let row_bytes = info.ty.bytes_for(dims[0] as u64).ok_or_else(|| {
+                ModelError::Invalid(format!("{name}: rows are not whole {} blocks", info.ty))
+            })?;
+            let slice = TensorInfo {
+                name: format!("{name} ({what})"),
+                dims: vec![dims[0] as u64, rows.len() as u64],
+                ty: info.ty,
+                offset: info.offset + rows.start as u64 * row_bytes,
+            };
+            backend
+                .load_weight(file, &slice)
+                .map_err(|e| ModelError::Backend(format!("loading {}: {e:#}", slice.name)))
+        };
         let opt = |name: &str, dims: &[usize], wanted: bool| -> Result<Option<W>, ModelError> {
             if wanted {
                 load(name, dims).map(Some)
@@ -136,7 +156,14 @@ impl<W> ModelWeights<W> {
         for il in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{il}.{s}");
             let oss = cfg.arch == Arch::GptOss;
+            let fused_up = n("ffn_up.weight");
             let (ffn_gate_inp, ffn_gate, ffn_up, ffn_down) = match cfg.ffn {
+                FfnKind::Dense if cfg.arch == Arch::Phi3 => (
+                    None,
+                    part(&fused_up, &[d, 2 * ff], 0..ff, "gate")?,
+                    part(&fused_up, &[d, 2 * ff], ff..2 * ff, "up")?,
+                    load(&n("ffn_down.weight"), &[ff, d])?,
+                ),
                 FfnKind::Dense => (
                     None,
                     load(&n("ffn_gate.weight"), &[d, ff])?,
@@ -150,11 +177,26 @@ impl<W> ModelWeights<W> {
                     experts(&n("ffn_down_exps.weight"), &[m.n_ff_exp, d, m.n_expert])?,
                 ),
             };
+            let qkv = n("attn_qkv.weight");
+            let (attn_q, attn_k, attn_v) = if file.tensor(&qkv).is_some() {
+                let dims = [d, q + 2 * kv];
+                (
+                    part(&qkv, &dims, 0..q, "q")?,
+                    part(&qkv, &dims, q..q + kv, "k")?,
+                    part(&qkv, &dims, q + kv..q + 2 * kv, "v")?,
+                )
+            } else {
+                (
+                    load(&n("attn_q.weight"), &[d, q])?,
+                    load(&n("attn_k.weight"), &[d, kv])?,
+                    load(&n("attn_v.weight"), &[d, kv])?,
+                )
+            };
             layers.push(LayerWeights {
                 attn_norm: load(&n("attn_norm.weight"), &[d])?,
-                attn_q: load(&n("attn_q.weight"), &[d, q])?,
-                attn_k: load(&n("attn_k.weight"), &[d, kv])?,
-                attn_v: load(&n("attn_v.weight"), &[d, kv])?,
+                attn_q,
+                attn_k,
+                attn_v,
                 attn_q_bias: opt(&n("attn_q.bias"), &[q], cfg.qkv_bias)?,
                 attn_k_bias: opt(&n("attn_k.bias"), &[kv], cfg.qkv_bias)?,
                 attn_v_bias: opt(&n("attn_v.bias"), &[kv], cfg.qkv_bias)?,

@@ -1,8 +1,9 @@
-//! Fidelity of the mixture-of-experts architectures against llama.cpp on tiny synthetic
-//! models: Qwen3-MoE of five weight types (the codebook formats included) and gpt-oss
-//! (attention sinks, sliding-window layers, biases, clamped SwiGLU experts) of two.
+//! Fidelity of the newer architectures against llama.cpp on tiny synthetic models:
+//! Qwen3-MoE of five weight types (the codebook formats included), gpt-oss (attention
+//! sinks, sliding-window layers, biases, clamped SwiGLU experts) of two, and Phi-3 (fused
+//! Q/K/V and gate/up matrices).
 //! Teacher-forced log-probs over a fixed sequence of ids are compared with llama.cpp's in
-//! tests/data/moe_tiny.llamacpp.json (made by scripts/moe_reference.py, which also
+//! tests/data/tiny_archs.llamacpp.json (made by scripts/tiny_archs_reference.py, which also
 //! records how far llama.cpp is from itself when only its batch size changes).
 //!
 //! Bounds, as in fidelity.rs: top-1 agreement at least llama.cpp's own lowest minus 2
@@ -11,9 +12,9 @@
 //! sizes agree with its reference exactly or almost (its spread is 0 to 0.011), so the
 //! floor is what binds; and where our top-1 differs from llama.cpp's, the two are a
 //! near-tie in our distribution (at most 0.25 apart; fidelity.rs allows 1.5 on the real
-//! models). Measured: mean |Δ| 0.004–0.011, one top-1 difference in 315 positions (MXFP4,
-//! llama.cpp's own top two 0.06 apart there, ours 0.14: a discrete expert choice amplifies
-//! a small difference).
+//! models). Measured: mean |Δ| 0.0002–0.011; two top-1 differences in 504 positions
+//! (Qwen3-MoE MXFP4: llama.cpp's own top two 0.06 apart there, ours 0.14, a discrete expert
+//! choice amplifying a small difference; Phi-3: 0.02).
 
 use std::sync::Arc;
 
@@ -43,10 +44,10 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 #[test]
-fn tiny_moe_models_match_llama_cpp() {
+fn tiny_models_of_the_newer_architectures_match_llama_cpp() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/moe_tiny.llamacpp.json"
+        "/tests/data/tiny_archs.llamacpp.json"
     );
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(path).expect("reference file"))
@@ -63,7 +64,7 @@ fn tiny_moe_models_match_llama_cpp() {
             fnv1a(&bytes),
             model["fnv1a"].as_str().expect("hash"),
             "{case}: the synthetic model is not the one llama.cpp scored; rerun \
-             scripts/moe_reference.py"
+             scripts/tiny_archs_reference.py"
         );
         let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
         let opts = EngineOptions {

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""llama.cpp's log-probs on the tiny synthetic mixture-of-experts models, and its own spread.
+"""llama.cpp's log-probs on the tiny synthetic models of the newer architectures (Qwen3-MoE,
+gpt-oss, Phi-3), and its own spread.
 
 For each (architecture, weight type) below, `kestrel synth --arch A --preset tiny --type T
 --seed S`
@@ -10,10 +11,10 @@ each position are the reference. It then evaluates the same ids in batches of 1,
 tokens (other kernels, other orders of additions) and records how far those runs are
 from its own reference (top-1 agreement, mean |Δ log-prob| over the reference's top
 tokens): the spread any second evaluation shows, which the test
-(crates/kestrel-engine/tests/moe_fidelity.rs) holds Kestrel to.
+(crates/kestrel-engine/tests/arch_fidelity.rs) holds Kestrel to.
 
-usage: python3 scripts/moe_reference.py [KESTREL_BIN] [OUT.json]
-  defaults: target/release/kestrel, crates/kestrel-engine/tests/data/moe_tiny.llamacpp.json
+usage: python3 scripts/tiny_archs_reference.py [KESTREL_BIN] [OUT.json]
+  defaults: target/release/kestrel, crates/kestrel-engine/tests/data/tiny_archs.llamacpp.json
 needs: pip install llama-cpp-python==0.3.36 numpy  (~1 min on 2 cores)
 """
 import json
@@ -28,7 +29,7 @@ from llama_cpp import Llama
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, '..')
 CASES = [('qwen3moe', t) for t in ['q8_0', 'q4_k_m', 'iq4_nl', 'iq4_xs', 'mxfp4']] + [
-    ('gpt-oss', t) for t in ['q8_0', 'mxfp4']]
+    ('gpt-oss', t) for t in ['q8_0', 'mxfp4']] + [('phi3', 'q4_k_m')]
 SEED = 29
 N_IDS = 64
 TOP = 8
@@ -69,7 +70,7 @@ def spread(lp, ref):
 def main():
     kestrel = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, 'target/release/kestrel')
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(
-        ROOT, 'crates/kestrel-engine/tests/data/moe_tiny.llamacpp.json')
+        ROOT, 'crates/kestrel-engine/tests/data/tiny_archs.llamacpp.json')
     ids = [int(t) for t in np.random.RandomState(SEED).randint(0, 512, N_IDS)]
     result = {'seed': SEED, 'ids': ids, 'top': TOP, 'models': {}}
     with tempfile.TemporaryDirectory() as tmp:
