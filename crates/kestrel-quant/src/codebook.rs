@@ -13,7 +13,8 @@
 //! j + 16 in its high one.
 //!
 //! The quantizers follow ggml-quants.c (`quantize_iq4_nl`, `quantize_iq4_xs` without an
-//! importance matrix, `quantize_row_mxfp4_ref`) step for step.
+//! importance matrix, `quantize_row_mxfp4_ref`) step for step and give the same bytes
+//! (tests/ggml_lib_quantizers.rs checks them against llama.cpp's C code).
 
 use crate::float::{f32_to_f16, read_f16};
 use crate::kquants::nearest_int;
