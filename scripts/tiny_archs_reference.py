@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """llama.cpp's log-probs on the tiny synthetic models of the newer architectures (Qwen3-MoE,
-gpt-oss, Phi-3), and its own spread.
+gpt-oss, Phi-3, Mistral 3), and its own spread.
 
 For each (architecture, weight type) below, `kestrel synth --arch A --preset tiny --type T
 --seed S`
@@ -29,7 +29,7 @@ from llama_cpp import Llama
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, '..')
 CASES = [('qwen3moe', t) for t in ['q8_0', 'q4_k_m', 'iq4_nl', 'iq4_xs', 'mxfp4']] + [
-    ('gpt-oss', t) for t in ['q8_0', 'mxfp4']] + [('phi3', 'q4_k_m')]
+    ('gpt-oss', t) for t in ['q8_0', 'mxfp4']] + [('phi3', 'q4_k_m'), ('mistral3', 'q4_k_m')]
 SEED = 29
 N_IDS = 64
 TOP = 8

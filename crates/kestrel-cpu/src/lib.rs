@@ -554,6 +554,24 @@ impl kestrel_model::Backend for CpuBackend {
         );
     }
 
+    fn scale_by_position(
+        &self,
+        x: &mut CpuTensor,
+        temp: &kestrel_model::AttnTemperature,
+        step: &CpuStep,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let cols = x.cols;
+        for (row, &pos) in x.data[..n * cols]
+            .chunks_exact_mut(cols)
+            .zip(&step.batch.positions)
+        {
+            let f = temp.factor(pos);
+            row.iter_mut().for_each(|v| *v *= f);
+        }
+        Ok(())
+    }
+
     fn attention_sinks(
         &self,
         q: &CpuTensor,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::batch::Batch;
-use crate::config::{Activation, ModelConfig, MoeConfig, RopeParams};
+use crate::config::{Activation, AttnTemperature, ModelConfig, MoeConfig, RopeParams};
 use crate::sampling::SamplingBatch;
 use crate::weights::LayerWeights;
 
@@ -148,6 +148,21 @@ pub trait Backend: Sync {
     ) -> anyhow::Result<()> {
         anyhow::bail!(
             "attention sinks are not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
+    /// Multiplies each token's row of `x` by `temp.factor(its position)` (Mistral 3's
+    /// attention temperature). Default: an error, for backends without it.
+    fn scale_by_position(
+        &self,
+        _x: &mut Self::Tensor,
+        _temp: &AttnTemperature,
+        _step: &Self::Step,
+        _n: usize,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "attention temperature scaling is not supported on the {} backend yet",
             self.name()
         )
     }

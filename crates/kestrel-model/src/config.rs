@@ -20,6 +20,8 @@ pub enum Arch {
     GptOss,
     /// Microsoft's Phi-3: Llama's block with fused Q/K/V and gate/up matrices.
     Phi3,
+    /// Mistral 3 (Ministral): Llama's block with YaRN and an attention temperature.
+    Mistral3,
 }
 
 impl Arch {
@@ -32,6 +34,7 @@ impl Arch {
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "gpt-oss" => Ok(Arch::GptOss),
             "phi3" => Ok(Arch::Phi3),
+            "mistral3" => Ok(Arch::Mistral3),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -45,6 +48,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::GptOss => "gpt-oss",
             Arch::Phi3 => "phi3",
+            Arch::Mistral3 => "mistral3",
         }
     }
 }
@@ -101,6 +105,23 @@ pub enum Gating {
 pub struct ClampedSwiglu {
     pub alpha: f32,
     pub limit: f32,
+}
+
+/// Mistral 3's attention temperature (llama.cpp's "llama 4 scaling"): the queries of a
+/// token at position `p` are multiplied by `1 + scale · ln(floor(p / floor_scale) + 1)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnTemperature {
+    pub scale: f32,
+    /// YaRN's original context length.
+    pub floor_scale: u32,
+}
+
+impl AttnTemperature {
+    /// The query multiplier at position `pos`, computed as llama.cpp computes it.
+    pub fn factor(&self, pos: u32) -> f32 {
+        let steps = (pos as f32 / self.floor_scale as f32).floor() as f64;
+        ((steps + 1.0).ln() * self.scale as f64 + 1.0) as f32
+    }
 }
 
 /// RoPE frequency scaling, as `<arch>.rope.scaling.*` asks.
@@ -234,6 +255,8 @@ pub struct ModelConfig {
     pub attn_sinks: bool,
     /// gpt-oss: a bias on the attention output projection.
     pub attn_out_bias: bool,
+    /// Mistral 3: queries scaled by position (`attention.temperature_scale`).
+    pub attn_temperature: Option<AttnTemperature>,
 }
 
 impl ModelConfig {
@@ -328,7 +351,13 @@ impl ModelConfig {
                     orig_ctx: opt_u("rope.scaling.original_context_length")
                         .unwrap_or(context_length) as u32,
                     ext_factor: opt_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
-                    attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0),
+                    // `yarn_log_multiplier` (Mistral 3's `mscale_all_dim`) divides the
+                    // magnitude scale, as llama.cpp's context setup does.
+                    attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0)
+                        / match opt_f("rope.scaling.yarn_log_multiplier") {
+                            Some(m) if m != 0.0 && factor > 1.0 => 1.0 + 0.1 * m * factor.ln(),
+                            _ => 1.0,
+                        },
                     beta_fast: opt_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
                     beta_slow: opt_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
                 }
@@ -375,7 +404,7 @@ impl ModelConfig {
                 )));
             }
         };
-        let neox = !matches!(arch, Arch::Llama);
+        let neox = !matches!(arch, Arch::Llama | Arch::Mistral3);
         let rope = RopeParams {
             neox,
             n_rot,
@@ -455,6 +484,24 @@ impl ModelConfig {
             }
             _ => FfnKind::Dense,
         };
+        let attn_temperature = match opt_f("attention.temperature_scale") {
+            Some(scale) if arch == Arch::Mistral3 && scale != 0.0 => {
+                let floor_scale = opt_u("rope.scaling.original_context_length")
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| {
+                        ModelError::Invalid(
+                            "attention temperature scaling needs \
+                             rope.scaling.original_context_length"
+                                .into(),
+                        )
+                    })?;
+                Some(AttnTemperature {
+                    scale,
+                    floor_scale: floor_scale as u32,
+                })
+            }
+            _ => None,
+        };
         let tied_embeddings = file.tensor("output.weight").is_none();
         Ok(ModelConfig {
             arch,
@@ -481,6 +528,7 @@ impl ModelConfig {
             ffn,
             attn_sinks: arch == Arch::GptOss,
             attn_out_bias: arch == Arch::GptOss,
+            attn_temperature,
         })
     }
 }

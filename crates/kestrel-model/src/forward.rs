@@ -136,6 +136,9 @@ impl<B: Backend> Model<B> {
                 &s.step,
                 n,
             );
+            if let Some(temp) = &cfg.attn_temperature {
+                backend.scale_by_position(&mut s.q, temp, &s.step, n)?;
+            }
             let params = AttnParams {
                 layer: il,
                 n_head: cfg.n_head,

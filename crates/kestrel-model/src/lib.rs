@@ -12,8 +12,8 @@ pub mod weights;
 pub use backend::{AttnParams, Backend, argmax};
 pub use batch::{Batch, SeqSlot};
 pub use config::{
-    Activation, Arch, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig, RopeConstants,
-    RopeParams, RopeScaling,
+    Activation, Arch, AttnTemperature, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig,
+    RopeConstants, RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch};
@@ -23,7 +23,7 @@ pub use weights::{LayerWeights, ModelWeights};
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(
-        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3)"
+        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3, mistral3)"
     )]
     UnsupportedArch(String),
     #[error("missing metadata key {0}")]

@@ -193,6 +193,19 @@ pub struct SynthConfig {
     pub n_ff_exp: u32,
     /// Standard deviation of the weight matrices' values.
     pub weight_std: f32,
+    /// YaRN RoPE scaling and Mistral 3's attention temperature (`mistral3` only).
+    pub yarn: Option<SynthYarn>,
+}
+
+/// The RoPE keys of a Mistral 3 file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthYarn {
+    pub factor: f32,
+    pub orig_ctx: u32,
+    /// `rope.scaling.yarn_log_multiplier`.
+    pub log_mul: f32,
+    /// `attention.temperature_scale` (0: none).
+    pub temperature_scale: f32,
 }
 
 /// Names accepted by [`SynthConfig::preset`].
@@ -224,6 +237,7 @@ impl SynthConfig {
     pub fn tiny(arch: Arch) -> SynthConfig {
         let (rope_freq_base, rms_eps) = match arch {
             Arch::Llama | Arch::Phi3 => (10_000.0, 1e-5),
+            Arch::Mistral3 => (1_000_000.0, 1e-5),
             Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => (1_000_000.0, 1e-6),
             Arch::GptOss => (150_000.0, 1e-5),
         };
@@ -262,11 +276,19 @@ impl SynthConfig {
             // units (with 0.02 they would be almost flat at this width, every expert and
             // token about equally likely, and a fidelity check would compare noise). The
             // older ones keep 0.02, which their reference files were made with.
-            weight_std: if moe || arch == Arch::Phi3 {
+            weight_std: if moe || matches!(arch, Arch::Phi3 | Arch::Mistral3) {
                 0.08
             } else {
                 Init::WEIGHT.std
             },
+            // Mistral 3's keys, with an original context of 16 so that the 64 tokens of the
+            // fidelity test see four temperature steps.
+            yarn: (arch == Arch::Mistral3).then_some(SynthYarn {
+                factor: 4.0,
+                orig_ctx: 16,
+                log_mul: 1.0,
+                temperature_scale: 0.1,
+            }),
         }
     }
 
@@ -278,6 +300,7 @@ impl SynthConfig {
             n_expert_used: 0,
             n_ff_exp: 0,
             weight_std: Init::WEIGHT.std,
+            yarn: None,
             ..SynthConfig::tiny(Arch::Llama)
         }
     }
@@ -362,6 +385,7 @@ impl SynthConfig {
                 n_expert_used: 8,
                 n_ff_exp: 768,
                 weight_std: Init::WEIGHT.std,
+                yarn: None,
             },
             // gpt-oss-20b (its YaRN keys are not written: RoPE unscaled).
             "gpt-oss-20b" => SynthConfig {
@@ -384,6 +408,7 @@ impl SynthConfig {
                 n_expert_used: 4,
                 n_ff_exp: 2880,
                 weight_std: Init::WEIGHT.std,
+                yarn: None,
             },
             other => {
                 return Err(invalid(format!(
@@ -533,8 +558,24 @@ impl SynthConfig {
             m.push((key("attention.key_length"), self.head_dim.into()));
             m.push((key("attention.value_length"), self.head_dim.into()));
         }
-        if matches!(self.arch, Arch::Llama | Arch::Phi3) {
-            // The Llama and Phi-3 converters write the rotary dimension (the whole head).
+        if let Some(y) = self.yarn {
+            m.push((key("rope.scaling.type"), "yarn".into()));
+            m.push((key("rope.scaling.factor"), y.factor.into()));
+            m.push((
+                key("rope.scaling.original_context_length"),
+                y.orig_ctx.into(),
+            ));
+            m.push((key("rope.scaling.yarn_log_multiplier"), y.log_mul.into()));
+            if y.temperature_scale != 0.0 {
+                m.push((
+                    key("attention.temperature_scale"),
+                    y.temperature_scale.into(),
+                ));
+            }
+        }
+        if matches!(self.arch, Arch::Llama | Arch::Phi3 | Arch::Mistral3) {
+            // The Llama, Phi-3 and Mistral 3 converters write the rotary dimension (the
+            // whole head).
             m.push((key("rope.dimension_count"), self.head_dim.into()));
         }
         if matches!(self.arch, Arch::Gemma3 | Arch::GptOss) {

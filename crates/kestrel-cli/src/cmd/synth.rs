@@ -10,8 +10,8 @@ use kestrel_model::synth::{self, SynthConfig, SynthOverrides, WeightType};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Architecture: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss or phi3. Needed for
-    /// `tiny`; the other presets imply theirs.
+    /// Architecture: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3 or mistral3. Needed
+    /// for `tiny`; the other presets imply theirs.
     #[arg(long)]
     pub arch: Option<String>,
     /// Model shape: tiny, llama3-8b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b or gpt-oss-20b.
