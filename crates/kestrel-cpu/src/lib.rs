@@ -6,6 +6,7 @@
 //! fast path is tested against.
 
 pub mod gemm;
+mod moe;
 pub mod numerics;
 mod ops;
 pub mod packed;
@@ -137,6 +138,81 @@ impl CpuBackend {
     pub fn isa(&self) -> Isa {
         self.isa
     }
+
+    /// A weight as [`kestrel_model::Backend::load_weight`] prepares it, its rows repacked
+    /// for the integer kernels only where `repack` allows.
+    fn load(
+        &self,
+        file: &Arc<GgufFile>,
+        info: &TensorInfo,
+        repack: bool,
+    ) -> anyhow::Result<CpuWeight> {
+        let cols = info.dims.first().copied().unwrap_or(1) as usize;
+        let rows = info.dims.iter().skip(1).product::<u64>() as usize;
+        if info.dims.len() <= 1 {
+            let mut v = vec![0f32; cols];
+            kestrel_quant::dequantize_row(info.ty, file.tensor_data(info), &mut v)
+                .with_context(|| format!("tensor {}", info.name))?;
+            return Ok(CpuWeight::Vector(v));
+        }
+        if info.ty.bytes_for(cols as u64).is_none() {
+            bail!(
+                "tensor {}: rows of {cols} values are not whole {} blocks",
+                info.name,
+                info.ty
+            );
+        }
+        // Repacked where the layout applies and memory allows: a matrix is left in its
+        // file layout, and the row-by-row kernels, when less than twice its repacked size
+        // is available.
+        let len = packed::packed_len(info.ty, rows, cols);
+        let packed = if repack
+            && self.kernels == Kernels::Fast
+            && self.numerics == Numerics::Ggml
+            && packed::applies(info.ty, rows, cols)
+            && mem_available().is_none_or(|b| b >= 2 * len as u64)
+        {
+            let data = file.tensor_data(info);
+            let packed =
+                HugeCopy::filled(len, |out| packed::pack_into(info.ty, data, rows, cols, out))
+                    .context("allocating the repacked weights")?;
+            Some(Arc::new(packed))
+        } else {
+            None
+        };
+        // The file's huge-page copy serves the matrices read in their file layout: made
+        // when the first of them loads, never for a model whose matrices are all repacked
+        // (the embedding rows are then read from the mapped file).
+        let file_layout = packed.is_none() || !rows.is_multiple_of(packed::ROWS);
+        let copy = if self.kernels == Kernels::Fast && file_layout {
+            let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+            copies.retain(|(f, c)| f.strong_count() > 0 && c.strong_count() > 0);
+            let known = copies
+                .iter()
+                .find(|(f, _)| std::ptr::eq(f.as_ptr(), Arc::as_ptr(file)))
+                .and_then(|(_, c)| c.upgrade());
+            match known {
+                Some(c) => Some(c),
+                None if hugepages(file.as_bytes().len()) => {
+                    let c = Arc::new(HugeCopy::of(file.as_bytes()).context("copying the weights")?);
+                    copies.push((Arc::downgrade(file), Arc::downgrade(&c)));
+                    Some(c)
+                }
+                None => None,
+            }
+        } else {
+            None
+        };
+        Ok(CpuWeight::Matrix {
+            copy,
+            packed,
+            file: file.clone(),
+            info: info.clone(),
+            ty: info.ty,
+            rows,
+            cols,
+        })
+    }
 }
 
 impl Drop for CpuBackend {
@@ -230,70 +306,29 @@ impl kestrel_model::Backend for CpuBackend {
     }
 
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CpuWeight> {
-        let cols = info.dims.first().copied().unwrap_or(1) as usize;
-        let rows = info.dims.iter().skip(1).product::<u64>() as usize;
-        if info.dims.len() <= 1 {
-            let mut v = vec![0f32; cols];
-            kestrel_quant::dequantize_row(info.ty, file.tensor_data(info), &mut v)
-                .with_context(|| format!("tensor {}", info.name))?;
-            return Ok(CpuWeight::Vector(v));
-        }
-        if info.ty.bytes_for(cols as u64).is_none() {
-            bail!(
-                "tensor {}: rows of {cols} values are not whole {} blocks",
-                info.name,
-                info.ty
-            );
-        }
-        // Repacked where the layout applies and memory allows: a matrix is left in its
-        // file layout, and the row-by-row kernels, when less than twice its repacked size
-        // is available.
-        let len = packed::packed_len(info.ty, rows, cols);
-        let packed = if self.kernels == Kernels::Fast
-            && self.numerics == Numerics::Ggml
-            && packed::applies(info.ty, rows, cols)
-            && mem_available().is_none_or(|b| b >= 2 * len as u64)
-        {
-            let data = file.tensor_data(info);
-            let packed =
-                HugeCopy::filled(len, |out| packed::pack_into(info.ty, data, rows, cols, out))
-                    .context("allocating the repacked weights")?;
-            Some(Arc::new(packed))
-        } else {
-            None
-        };
-        // The file's huge-page copy serves the matrices read in their file layout: made
-        // when the first of them loads, never for a model whose matrices are all repacked
-        // (the embedding rows are then read from the mapped file).
-        let file_layout = packed.is_none() || !rows.is_multiple_of(packed::ROWS);
-        let copy = if self.kernels == Kernels::Fast && file_layout {
-            let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
-            copies.retain(|(f, c)| f.strong_count() > 0 && c.strong_count() > 0);
-            let known = copies
-                .iter()
-                .find(|(f, _)| std::ptr::eq(f.as_ptr(), Arc::as_ptr(file)))
-                .and_then(|(_, c)| c.upgrade());
-            match known {
-                Some(c) => Some(c),
-                None if hugepages(file.as_bytes().len()) => {
-                    let c = Arc::new(HugeCopy::of(file.as_bytes()).context("copying the weights")?);
-                    copies.push((Arc::downgrade(file), Arc::downgrade(&c)));
-                    Some(c)
-                }
-                None => None,
-            }
-        } else {
-            None
-        };
-        Ok(CpuWeight::Matrix {
-            copy,
-            packed,
-            file: file.clone(),
-            info: info.clone(),
-            ty: info.ty,
-            rows,
-            cols,
-        })
+        self.load(file, info, true)
+    }
+
+    /// Stacked experts are matrices of `n_expert × rows` rows read one expert at a time,
+    /// left in the file's layout (the repacked one serves whole-matrix products only).
+    fn load_experts(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CpuWeight> {
+        self.load(file, info, false)
+    }
+
+    fn moe_ffn(
+        &self,
+        x: &CpuTensor,
+        layer: &kestrel_model::LayerWeights<CpuWeight>,
+        moe: &kestrel_model::MoeConfig,
+        act: kestrel_model::Activation,
+        n: usize,
+        out: &mut CpuTensor,
+    ) -> anyhow::Result<()> {
+        profile::timed(
+            || profile::op("moe_ffn", n),
+            0,
+            || moe::moe_ffn(self, x, layer, moe, act, n, out),
+        )
     }
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<CpuTensor> {
@@ -515,8 +550,52 @@ impl kestrel_model::Backend for CpuBackend {
         profile::timed(
             || profile::op("attention", n),
             0,
-            || ops::attention(self, q, cache, params, &step.batch, n, out),
+            || ops::attention(self, q, cache, params, None, &step.batch, n, out),
         );
+    }
+
+    fn scale_by_position(
+        &self,
+        x: &mut CpuTensor,
+        temp: &kestrel_model::AttnTemperature,
+        step: &CpuStep,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let cols = x.cols;
+        for (row, &pos) in x.data[..n * cols]
+            .chunks_exact_mut(cols)
+            .zip(&step.batch.positions)
+        {
+            let f = temp.factor(pos);
+            row.iter_mut().for_each(|v| *v *= f);
+        }
+        Ok(())
+    }
+
+    fn attention_sinks(
+        &self,
+        q: &CpuTensor,
+        cache: &CpuCache,
+        params: &kestrel_model::AttnParams,
+        sinks: &CpuWeight,
+        step: &CpuStep,
+        n: usize,
+        out: &mut CpuTensor,
+    ) -> anyhow::Result<()> {
+        let sinks = sinks.vector();
+        if sinks.len() != params.n_head {
+            bail!(
+                "{} attention sinks for {} heads",
+                sinks.len(),
+                params.n_head
+            );
+        }
+        profile::timed(
+            || profile::op("attention", n),
+            0,
+            || ops::attention(self, q, cache, params, Some(sinks), &step.batch, n, out),
+        );
+        Ok(())
     }
 
     fn gated_activation(

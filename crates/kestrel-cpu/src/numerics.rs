@@ -50,9 +50,9 @@ impl Numerics {
 pub fn activation_type(ty: GgmlType) -> Option<GgmlType> {
     use GgmlType as T;
     match ty {
-        T::Q4_0 | T::Q5_0 | T::Q8_0 => Some(T::Q8_0),
+        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4NL | T::MXFP4 => Some(T::Q8_0),
         T::Q4_1 | T::Q5_1 => Some(T::Q8_1),
-        T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K => Some(T::Q8K),
+        T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K | T::IQ4XS => Some(T::Q8K),
         T::F16 => Some(T::F16),
         T::BF16 => Some(T::BF16),
         _ => None,

@@ -59,13 +59,20 @@ fn matrix(w: &CpuWeight) -> (kestrel_gguf::GgmlType, usize, usize, &[u8]) {
 }
 
 pub fn embed(table: &CpuWeight, tokens: &[u32], out: &mut CpuTensor) {
-    let (ty, _rows, cols, data) = matrix(table);
-    let row_bytes = ty.bytes_for(cols as u64).unwrap_or(0) as usize;
+    let cols = out.cols;
     for (i, &t) in tokens.iter().enumerate() {
-        let src = &data[t as usize * row_bytes..(t as usize + 1) * row_bytes];
-        // Row lengths were validated at load; the token ids by the batch check.
-        let _ = kestrel_quant::dequantize_row(ty, src, &mut out.data[i * cols..(i + 1) * cols]);
+        row(table, t as usize, &mut out.data[i * cols..(i + 1) * cols]);
     }
+}
+
+/// Row `r` of a matrix weight, dequantized into `out` (its row length).
+pub(crate) fn row(w: &CpuWeight, r: usize, out: &mut [f32]) {
+    let (ty, _rows, cols, data) = matrix(w);
+    let row_bytes = ty.bytes_for(cols as u64).unwrap_or(0) as usize;
+    let src = &data[r * row_bytes..(r + 1) * row_bytes];
+    // Row lengths were validated at load; the row index (a token id, an expert) by the
+    // caller.
+    let _ = kestrel_quant::dequantize_row(ty, src, out);
 }
 
 pub fn rms_norm(x: &CpuTensor, w: &[f32], eps: f32, n: usize, out: &mut CpuTensor) {
@@ -96,24 +103,48 @@ pub fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, n: usize, out: &mut
     let m = Matmul::new(be, w, n);
     debug_assert_eq!(out.cols, m.n_out);
     debug_assert_eq!(x.cols, m.k);
-    let (ty, k) = (m.ty, m.k);
-    let x = &x.data[..n * k];
-    // llama.cpp's numerics: the input rounded to the weight's activation format, then
-    // integer kernels where there are some, else f32 kernels on the rounded values.
-    if be.numerics == Numerics::Ggml
-        && let Some(act) = numerics::activation_type(ty)
-    {
-        if m.integer_act() == Some(act) {
-            m.integer(act, x, &mut out.data);
-        } else {
-            ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
-                numerics::round_trip(act, x, bytes, rounded);
-                m.run(rounded, &mut out.data);
-            });
+    m.apply(&x.data[..n * m.k], &mut out.data);
+}
+
+/// `out = x · W[rows]ᵀ` for the `n` rows of `x` (`[n × k]`, `out` `[n × rows.len()]`)
+/// and a range of rows of a matrix or stacked-matrix weight (one expert of a 3-D tensor),
+/// computed exactly as [`matmul`] computes those rows.
+pub fn matmul_rows(
+    be: &CpuBackend,
+    x: &[f32],
+    w: &CpuWeight,
+    rows: std::ops::Range<usize>,
+    n: usize,
+    out: &mut [f32],
+) {
+    let mut m = Matmul::new(be, w, n);
+    m.data = &m.data[rows.start * m.row_bytes..rows.end * m.row_bytes];
+    m.n_out = rows.len();
+    // The repacked groups are laid out for the whole matrix.
+    m.packed = None;
+    m.apply(&x[..n * m.k], out);
+}
+
+impl Matmul<'_> {
+    /// The product with llama.cpp's numerics where the backend has them: the input rounded
+    /// to the weight's activation format, then integer kernels where there are some, else
+    /// f32 kernels on the rounded values.
+    fn apply(&self, x: &[f32], out: &mut [f32]) {
+        if self.be.numerics == Numerics::Ggml
+            && let Some(act) = numerics::activation_type(self.ty)
+        {
+            if self.integer_act() == Some(act) {
+                self.integer(act, x, out);
+            } else {
+                ROUNDED_X.with_borrow_mut(|(bytes, rounded)| {
+                    numerics::round_trip(act, x, bytes, rounded);
+                    self.run(rounded, out);
+                });
+            }
+            return;
         }
-        return;
+        self.run(x, out);
     }
-    m.run(x, &mut out.data);
 }
 
 thread_local! {
@@ -691,11 +722,13 @@ struct AttnScratch {
     q_row: Vec<f32>,
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     be: &CpuBackend,
     q: &CpuTensor,
     cache: &CpuCache,
     p: &AttnParams,
+    sinks: Option<&[f32]>,
     batch: &Batch,
     n: usize,
     out: &mut CpuTensor,
@@ -739,8 +772,14 @@ pub fn attention(
         }
         for h in 0..group {
             let sc = &mut scr.scores[h * len..(h + 1) * len];
-            let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
+            // A head's sink logit counts in the softmax's maximum and denominator only.
+            let sink = sinks.map(|s| s[g * group + h]);
+            let max = sc
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = sink.map_or(0.0, |s| (s - max).exp());
             sc.iter_mut().for_each(|v| {
                 *v = (*v - max).exp();
                 sum += *v;
@@ -802,7 +841,7 @@ pub fn gated_activation(
 }
 
 /// `g = act(g) * u`, element by element.
-fn gate_values(numerics: Numerics, g: &mut [f32], u: &[f32], act: Activation) {
+pub(crate) fn gate_values(numerics: Numerics, g: &mut [f32], u: &[f32], act: Activation) {
     match (act, numerics) {
         (Activation::Silu, _) => g
             .iter_mut()

@@ -60,7 +60,7 @@ fn ggml_matmul_is_the_f32_product_of_the_rounded_input_and_batch_invariant() {
     let scalar_f32 = CpuBackend::with_numerics(Kernels::Scalar, Numerics::F32);
     let mut checked = std::collections::BTreeSet::new();
     for ty in [
-        "f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_m", "q6_k",
+        "f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_m", "q6_k", "iq4_nl", "iq4_xs", "mxfp4",
     ] {
         let (file, infos) = matrices(ty, rng.random());
         for info in infos {

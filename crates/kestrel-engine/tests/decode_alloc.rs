@@ -49,7 +49,16 @@ fn decode_steps_do_not_allocate() {
 }
 
 fn decode_steps_do_not_allocate_on_this_pool() {
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
+    for arch in [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma3,
+        Arch::Qwen3Moe,
+        Arch::GptOss,
+        Arch::Phi3,
+        Arch::Mistral3,
+    ] {
         let cfg = SynthConfig::tiny(arch);
         let ty: WeightType = "q4_k_m".parse().expect("weight type");
         let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 7).expect("synth");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::batch::Batch;
-use crate::config::{Activation, ModelConfig, RopeParams};
+use crate::config::{Activation, AttnTemperature, ModelConfig, MoeConfig, RopeParams};
 use crate::sampling::SamplingBatch;
 use crate::weights::LayerWeights;
 
@@ -41,6 +41,20 @@ pub trait Backend: Sync {
 
     /// Prepares a weight from the file (zero-copy where the backend can read the blocks).
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<Self::Weight>;
+
+    /// Prepares a 3-D tensor of stacked expert matrices (`ffn_*_exps`) for
+    /// [`Self::moe_ffn`]. Default: an error, for backends without mixture-of-experts
+    /// kernels (so such a model fails to load there rather than running wrongly).
+    fn load_experts(
+        &self,
+        _file: &Arc<GgufFile>,
+        _info: &TensorInfo,
+    ) -> anyhow::Result<Self::Weight> {
+        anyhow::bail!(
+            "mixture-of-experts layers are not supported on the {} backend yet",
+            self.name()
+        )
+    }
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<Self::Tensor>;
 
@@ -118,6 +132,41 @@ pub trait Backend: Sync {
         out: &mut Self::Tensor,
     );
 
+    /// [`Self::attention`] with a learned logit per query head (`sinks`, `n_head` values)
+    /// joining each softmax's denominator (gpt-oss). Default: an error, for backends
+    /// without it.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks(
+        &self,
+        _q: &Self::Tensor,
+        _cache: &Self::Cache,
+        _params: &AttnParams,
+        _sinks: &Self::Weight,
+        _step: &Self::Step,
+        _n: usize,
+        _out: &mut Self::Tensor,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "attention sinks are not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
+    /// Multiplies each token's row of `x` by `temp.factor(its position)` (Mistral 3's
+    /// attention temperature). Default: an error, for backends without it.
+    fn scale_by_position(
+        &self,
+        _x: &mut Self::Tensor,
+        _temp: &AttnTemperature,
+        _step: &Self::Step,
+        _n: usize,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "attention temperature scaling is not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
     /// `gate = act(gate) * up`, element-wise.
     fn gated_activation(
         &self,
@@ -184,6 +233,25 @@ pub trait Backend: Sync {
         self.with_rows(x, n, scratch, &mut |rows| {
             sampling.sample_host(rows, n, out)
         })
+    }
+
+    /// The mixture-of-experts block ([`MoeConfig`] defines it): `out = Σ w_e · down_e(
+    /// act(gate_e(x)) * up_e(x))` over each token's selected experts `e`. Default: an
+    /// error (see [`Self::load_experts`]).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn(
+        &self,
+        _x: &Self::Tensor,
+        _layer: &LayerWeights<Self::Weight>,
+        _moe: &MoeConfig,
+        _act: Activation,
+        _n: usize,
+        _out: &mut Self::Tensor,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "mixture-of-experts layers are not supported on the {} backend yet",
+            self.name()
+        )
     }
 
     // ---- fused operations; the defaults compose the basic ones ----

@@ -13,6 +13,15 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Qwen3 attention with a mixture-of-experts feed-forward block in every layer.
+    Qwen3Moe,
+    /// OpenAI's gpt-oss: attention sinks, alternating sliding-window layers, biases, and
+    /// mixture-of-experts blocks with clamped SwiGLU experts.
+    GptOss,
+    /// Microsoft's Phi-3: Llama's block with fused Q/K/V and gate/up matrices.
+    Phi3,
+    /// Mistral 3 (Ministral): Llama's block with YaRN and an attention temperature.
+    Mistral3,
 }
 
 impl Arch {
@@ -22,6 +31,10 @@ impl Arch {
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
             "gemma3" => Ok(Arch::Gemma3),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
+            "gpt-oss" => Ok(Arch::GptOss),
+            "phi3" => Ok(Arch::Phi3),
+            "mistral3" => Ok(Arch::Mistral3),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -32,6 +45,10 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::GptOss => "gpt-oss",
+            Arch::Phi3 => "phi3",
+            Arch::Mistral3 => "mistral3",
         }
     }
 }
@@ -43,6 +60,68 @@ pub enum Activation {
     Silu,
     /// GELU with the tanh approximation (Gemma).
     GeluTanh,
+}
+
+/// The feed-forward block of every layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FfnKind {
+    /// One gated MLP: `down(act(gate(x)) * up(x))`.
+    Dense,
+    /// A mixture of experts (see [`MoeConfig`]).
+    Moe(MoeConfig),
+}
+
+/// A mixture-of-experts feed-forward block, as llama.cpp's `build_moe_ffn` computes it:
+/// router logits `ffn_gate_inp · x` (plus its bias where the model has one), the
+/// `n_expert_used` experts chosen and weighted by `gating`, and the weighted sum of those
+/// experts' gated MLPs. Expert weights are 3-D tensors `[n_expert, rows, row length]`
+/// (`ffn_{gate,up,down}_exps`); only the selected experts' rows are read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    /// Hidden size of one expert (`expert_feed_forward_length`).
+    pub n_ff_exp: usize,
+    pub gating: Gating,
+    /// Renormalize the selected experts' probabilities (`expert_weights_norm`; Qwen3-MoE
+    /// does, and llama.cpp assumes it where the key is absent).
+    pub norm_top_k: bool,
+    /// The experts' activation, if not the model's `activation`: gpt-oss's clamped SwiGLU.
+    pub clamped_swiglu: Option<ClampedSwiglu>,
+}
+
+/// How router logits become expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over all experts, then the most probable (Qwen3-MoE).
+    Softmax,
+    /// The largest logits, then a softmax over just those (gpt-oss).
+    TopKSoftmax,
+}
+
+/// gpt-oss's expert activation (ggml's `swiglu_oai`): with `g = min(gate, limit)` and
+/// `u = clamp(up, -limit, limit)`, `g · sigmoid(alpha · g) · (u + 1)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClampedSwiglu {
+    pub alpha: f32,
+    pub limit: f32,
+}
+
+/// Mistral 3's attention temperature (llama.cpp's "llama 4 scaling"): the queries of a
+/// token at position `p` are multiplied by `1 + scale · ln(floor(p / floor_scale) + 1)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnTemperature {
+    pub scale: f32,
+    /// YaRN's original context length.
+    pub floor_scale: u32,
+}
+
+impl AttnTemperature {
+    /// The query multiplier at position `pos`, computed as llama.cpp computes it.
+    pub fn factor(&self, pos: u32) -> f32 {
+        let steps = (pos as f32 / self.floor_scale as f32).floor() as f64;
+        ((steps + 1.0).ln() * self.scale as f64 + 1.0) as f32
+    }
 }
 
 /// RoPE frequency scaling, as `<arch>.rope.scaling.*` asks.
@@ -170,6 +249,14 @@ pub struct ModelConfig {
     pub post_norms: bool,
     /// The LM head reuses `token_embd.weight`.
     pub tied_embeddings: bool,
+    /// Dense or mixture-of-experts feed-forward blocks.
+    pub ffn: FfnKind,
+    /// gpt-oss: a learned logit per head (`attn_sinks`) joins each softmax's denominator.
+    pub attn_sinks: bool,
+    /// gpt-oss: a bias on the attention output projection.
+    pub attn_out_bias: bool,
+    /// Mistral 3: queries scaled by position (`attention.temperature_scale`).
+    pub attn_temperature: Option<AttnTemperature>,
 }
 
 impl ModelConfig {
@@ -264,7 +351,13 @@ impl ModelConfig {
                     orig_ctx: opt_u("rope.scaling.original_context_length")
                         .unwrap_or(context_length) as u32,
                     ext_factor: opt_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
-                    attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0),
+                    // `yarn_log_multiplier` (Mistral 3's `mscale_all_dim`) divides the
+                    // magnitude scale, as llama.cpp's context setup does.
+                    attn_factor: opt_f("rope.scaling.attn_factor").unwrap_or(1.0)
+                        / match opt_f("rope.scaling.yarn_log_multiplier") {
+                            Some(m) if m != 0.0 && factor > 1.0 => 1.0 + 0.1 * m * factor.ln(),
+                            _ => 1.0,
+                        },
                     beta_fast: opt_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
                     beta_slow: opt_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
                 }
@@ -283,6 +376,13 @@ impl ModelConfig {
             return Err(ModelError::Invalid(format!(
                 "bad rope scaling factor {factor}"
             )));
+        }
+        if file.tensor("rope_factors_long.weight").is_some() {
+            return Err(ModelError::Invalid(
+                "LongRoPE (rope_factors_long/short, Phi-3's 128k-context models) is not \
+                 supported yet"
+                    .into(),
+            ));
         }
         let freq_factors = match file.tensor("rope_freqs.weight") {
             None => None,
@@ -304,7 +404,7 @@ impl ModelConfig {
                 )));
             }
         };
-        let neox = !matches!(arch, Arch::Llama);
+        let neox = !matches!(arch, Arch::Llama | Arch::Mistral3);
         let rope = RopeParams {
             neox,
             n_rot,
@@ -319,8 +419,8 @@ impl ModelConfig {
         let mut embed_scale = None;
         let mut activation = Activation::Silu;
         let mut post_norms = false;
-        let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3);
-        let qkv_bias = matches!(arch, Arch::Qwen2);
+        let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
+        let qkv_bias = matches!(arch, Arch::Qwen2 | Arch::GptOss);
 
         if n_rot > head_dim || n_rot % 2 != 0 {
             return Err(ModelError::Invalid(format!(
@@ -347,6 +447,61 @@ impl ModelConfig {
             post_norms = true;
         }
 
+        if arch == Arch::GptOss {
+            // gpt-oss: even layers attend over a sliding window (llama.cpp's swa pattern 2),
+            // with the same RoPE as the others.
+            sliding_window = opt_u("attention.sliding_window");
+            for (il, swa) in layer_is_swa.iter_mut().enumerate() {
+                *swa = sliding_window.is_some() && il % 2 == 0;
+            }
+        }
+        let ffn = match arch {
+            Arch::Qwen3Moe | Arch::GptOss => {
+                let oss = arch == Arch::GptOss;
+                let moe = MoeConfig {
+                    n_expert: req_u("expert_count")?,
+                    n_expert_used: req_u("expert_used_count")?,
+                    n_ff_exp: req_u("expert_feed_forward_length")?,
+                    gating: if oss {
+                        Gating::TopKSoftmax
+                    } else {
+                        Gating::Softmax
+                    },
+                    norm_top_k: !oss && file.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                    // llama.cpp's constants for gpt-oss.
+                    clamped_swiglu: oss.then_some(ClampedSwiglu {
+                        alpha: 1.702,
+                        limit: 7.0,
+                    }),
+                };
+                if moe.n_ff_exp == 0 || !(1..=moe.n_expert).contains(&moe.n_expert_used) {
+                    return Err(ModelError::Invalid(format!(
+                        "bad experts: {} used of {}, hidden size {}",
+                        moe.n_expert_used, moe.n_expert, moe.n_ff_exp
+                    )));
+                }
+                FfnKind::Moe(moe)
+            }
+            _ => FfnKind::Dense,
+        };
+        let attn_temperature = match opt_f("attention.temperature_scale") {
+            Some(scale) if arch == Arch::Mistral3 && scale != 0.0 => {
+                let floor_scale = opt_u("rope.scaling.original_context_length")
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| {
+                        ModelError::Invalid(
+                            "attention temperature scaling needs \
+                             rope.scaling.original_context_length"
+                                .into(),
+                        )
+                    })?;
+                Some(AttnTemperature {
+                    scale,
+                    floor_scale: floor_scale as u32,
+                })
+            }
+            _ => None,
+        };
         let tied_embeddings = file.tensor("output.weight").is_none();
         Ok(ModelConfig {
             arch,
@@ -370,6 +525,10 @@ impl ModelConfig {
             qk_norm,
             post_norms,
             tied_embeddings,
+            ffn,
+            attn_sinks: arch == Arch::GptOss,
+            attn_out_bias: arch == Arch::GptOss,
+            attn_temperature,
         })
     }
 }

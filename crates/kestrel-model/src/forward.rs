@@ -7,7 +7,7 @@ use kestrel_gguf::GgufFile;
 use crate::ModelError;
 use crate::backend::{AttnParams, Backend};
 use crate::batch::Batch;
-use crate::config::ModelConfig;
+use crate::config::{FfnKind, ModelConfig};
 use crate::weights::ModelWeights;
 
 /// A loaded model on a backend.
@@ -136,6 +136,9 @@ impl<B: Backend> Model<B> {
                 &s.step,
                 n,
             );
+            if let Some(temp) = &cfg.attn_temperature {
+                backend.scale_by_position(&mut s.q, temp, &s.step, n)?;
+            }
             let params = AttnParams {
                 layer: il,
                 n_head: cfg.n_head,
@@ -144,19 +147,34 @@ impl<B: Backend> Model<B> {
                 scale: cfg.attn_scale,
                 window: cfg.layer_window(il),
             };
-            backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn);
+            match &layer.attn_sinks {
+                Some(sinks) => {
+                    backend.attention_sinks(&s.q, cache, &params, sinks, &s.step, n, &mut s.attn)?
+                }
+                None => backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn),
+            }
             if let Some(pn) = &layer.post_attention_norm {
                 backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
                 backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
                 backend.add(&mut s.x, &s.h, n);
+            } else if let Some(bias) = &layer.attn_output_bias {
+                backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
+                backend.add_bias(&mut s.proj, bias, n);
+                backend.add(&mut s.x, &s.proj, n);
             } else {
                 backend.matmul_add(&s.attn, &layer.attn_output, n, &mut s.proj, &mut s.x);
             }
 
-            // Feed-forward block.
+            // Feed-forward block: its output goes to `s.proj` unless it is a dense block
+            // without a post-norm, whose down projection adds into the residual directly.
             backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
-            if let Some(pn) = &layer.post_ffw_norm {
-                backend.feed_forward(
+            match (&cfg.ffn, &layer.post_ffw_norm) {
+                (FfnKind::Dense, None) => {
+                    backend.gate_up(&s.h, layer, cfg.activation, n, &mut s.gate, &mut s.up);
+                    backend.matmul_add(&s.gate, &layer.ffn_down, n, &mut s.proj, &mut s.x);
+                    continue;
+                }
+                (FfnKind::Dense, Some(_)) => backend.feed_forward(
                     &s.h,
                     layer,
                     cfg.activation,
@@ -164,12 +182,16 @@ impl<B: Backend> Model<B> {
                     &mut s.gate,
                     &mut s.up,
                     &mut s.proj,
-                );
+                ),
+                (FfnKind::Moe(moe), _) => {
+                    backend.moe_ffn(&s.h, layer, moe, cfg.activation, n, &mut s.proj)?
+                }
+            }
+            if let Some(pn) = &layer.post_ffw_norm {
                 backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
                 backend.add(&mut s.x, &s.h, n);
             } else {
-                backend.gate_up(&s.h, layer, cfg.activation, n, &mut s.gate, &mut s.up);
-                backend.matmul_add(&s.gate, &layer.ffn_down, n, &mut s.proj, &mut s.x);
+                backend.add(&mut s.x, &s.proj, n);
             }
         }
 

@@ -5,12 +5,16 @@ pub mod backend;
 pub mod batch;
 pub mod config;
 pub mod forward;
+pub mod moe;
 pub mod sampling;
 pub mod weights;
 
 pub use backend::{AttnParams, Backend, argmax};
 pub use batch::{Batch, SeqSlot};
-pub use config::{Activation, Arch, ModelConfig, RopeConstants, RopeParams, RopeScaling};
+pub use config::{
+    Activation, Arch, AttnTemperature, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig,
+    RopeConstants, RopeParams, RopeScaling,
+};
 pub use forward::{Model, Scratch};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch};
 pub use weights::{LayerWeights, ModelWeights};
@@ -18,7 +22,9 @@ pub use weights::{LayerWeights, ModelWeights};
 /// Errors about a model file's contents.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3)")]
+    #[error(
+        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3, mistral3)"
+    )]
     UnsupportedArch(String),
     #[error("missing metadata key {0}")]
     MissingKey(String),

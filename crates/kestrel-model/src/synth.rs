@@ -53,10 +53,13 @@ pub enum WeightType {
     Q4KM,
     Q5K,
     Q6K,
+    Iq4Nl,
+    Iq4Xs,
+    Mxfp4,
 }
 
 impl WeightType {
-    pub const ALL: [WeightType; 11] = [
+    pub const ALL: [WeightType; 14] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::Bf16,
@@ -68,6 +71,9 @@ impl WeightType {
         WeightType::Q4KM,
         WeightType::Q5K,
         WeightType::Q6K,
+        WeightType::Iq4Nl,
+        WeightType::Iq4Xs,
+        WeightType::Mxfp4,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +89,9 @@ impl WeightType {
             WeightType::Q4KM => "q4_k_m",
             WeightType::Q5K => "q5_k",
             WeightType::Q6K => "q6_k",
+            WeightType::Iq4Nl => "iq4_nl",
+            WeightType::Iq4Xs => "iq4_xs",
+            WeightType::Mxfp4 => "mxfp4",
         }
     }
 
@@ -105,17 +114,20 @@ impl WeightType {
     /// has no type of its own; it gets the `_S` variant, the mix closest to it.
     pub fn file_type(self) -> u32 {
         match self {
-            WeightType::F32 => 0,   // LLAMA_FTYPE_ALL_F32
-            WeightType::F16 => 1,   // MOSTLY_F16
-            WeightType::Q4_0 => 2,  // MOSTLY_Q4_0
-            WeightType::Q4_1 => 3,  // MOSTLY_Q4_1
-            WeightType::Q8_0 => 7,  // MOSTLY_Q8_0
-            WeightType::Q5_0 => 8,  // MOSTLY_Q5_0
-            WeightType::Q4K => 14,  // MOSTLY_Q4_K_S
-            WeightType::Q4KM => 15, // MOSTLY_Q4_K_M
-            WeightType::Q5K => 16,  // MOSTLY_Q5_K_S
-            WeightType::Q6K => 18,  // MOSTLY_Q6_K
-            WeightType::Bf16 => 32, // MOSTLY_BF16
+            WeightType::F32 => 0,    // LLAMA_FTYPE_ALL_F32
+            WeightType::F16 => 1,    // MOSTLY_F16
+            WeightType::Q4_0 => 2,   // MOSTLY_Q4_0
+            WeightType::Q4_1 => 3,   // MOSTLY_Q4_1
+            WeightType::Q8_0 => 7,   // MOSTLY_Q8_0
+            WeightType::Q5_0 => 8,   // MOSTLY_Q5_0
+            WeightType::Q4K => 14,   // MOSTLY_Q4_K_S
+            WeightType::Q4KM => 15,  // MOSTLY_Q4_K_M
+            WeightType::Q5K => 16,   // MOSTLY_Q5_K_S
+            WeightType::Q6K => 18,   // MOSTLY_Q6_K
+            WeightType::Bf16 => 32,  // MOSTLY_BF16
+            WeightType::Iq4Nl => 25, // MOSTLY_IQ4_NL
+            WeightType::Iq4Xs => 30, // MOSTLY_IQ4_XS
+            WeightType::Mxfp4 => 38, // MOSTLY_MXFP4_MOE
         }
     }
 
@@ -132,6 +144,9 @@ impl WeightType {
             WeightType::Q4K | WeightType::Q4KM => GgmlType::Q4K,
             WeightType::Q5K => GgmlType::Q5K,
             WeightType::Q6K => GgmlType::Q6K,
+            WeightType::Iq4Nl => GgmlType::IQ4NL,
+            WeightType::Iq4Xs => GgmlType::IQ4XS,
+            WeightType::Mxfp4 => GgmlType::MXFP4,
         }
     }
 }
@@ -171,10 +186,37 @@ pub struct SynthConfig {
     pub tied_embeddings: bool,
     /// Sliding-window attention width (Gemma 3 only; 0 elsewhere).
     pub sliding_window: u32,
+    /// Experts of each mixture-of-experts block, how many each token uses, and the hidden
+    /// size of one (all 0 for dense models).
+    pub n_expert: u32,
+    pub n_expert_used: u32,
+    pub n_ff_exp: u32,
+    /// Standard deviation of the weight matrices' values.
+    pub weight_std: f32,
+    /// YaRN RoPE scaling and Mistral 3's attention temperature (`mistral3` only).
+    pub yarn: Option<SynthYarn>,
+}
+
+/// The RoPE keys of a Mistral 3 file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthYarn {
+    pub factor: f32,
+    pub orig_ctx: u32,
+    /// `rope.scaling.yarn_log_multiplier`.
+    pub log_mul: f32,
+    /// `attention.temperature_scale` (0: none).
+    pub temperature_scale: f32,
 }
 
 /// Names accepted by [`SynthConfig::preset`].
-pub const PRESETS: [&str; 4] = ["tiny", "llama3-8b", "qwen2.5-1.5b", "qwen2.5-7b"];
+pub const PRESETS: [&str; 6] = [
+    "tiny",
+    "llama3-8b",
+    "qwen2.5-1.5b",
+    "qwen2.5-7b",
+    "qwen3-30b-a3b",
+    "gpt-oss-20b",
+];
 
 /// Size overrides on top of a preset (the CLI's `--layers`, `--embd`, ... flags).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -194,9 +236,12 @@ impl SynthConfig {
     /// types, K-quants included, apply to every matrix.
     pub fn tiny(arch: Arch) -> SynthConfig {
         let (rope_freq_base, rms_eps) = match arch {
-            Arch::Llama => (10_000.0, 1e-5),
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => (1_000_000.0, 1e-6),
+            Arch::Llama | Arch::Phi3 => (10_000.0, 1e-5),
+            Arch::Mistral3 => (1_000_000.0, 1e-5),
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => (1_000_000.0, 1e-6),
+            Arch::GptOss => (150_000.0, 1e-5),
         };
+        let moe = matches!(arch, Arch::Qwen3Moe | Arch::GptOss);
         SynthConfig {
             arch,
             name: format!("kestrel synth {} tiny", arch.name()),
@@ -210,11 +255,53 @@ impl SynthConfig {
             n_ctx: 2048,
             rope_freq_base,
             rms_eps,
-            qkv_bias: arch == Arch::Qwen2,
+            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss),
             // As the small real models of each family: Llama 3 8B unties, Qwen2.5-1.5B,
-            // Qwen3-0.6B and Gemma 3 tie.
-            tied_embeddings: arch != Arch::Llama,
-            sliding_window: if arch == Arch::Gemma3 { 128 } else { 0 },
+            // Qwen3-0.6B and Gemma 3 tie; gpt-oss never does (llama.cpp requires output.weight),
+            // nor Phi-3.
+            tied_embeddings: !matches!(arch, Arch::Llama | Arch::GptOss | Arch::Phi3),
+            // gpt-oss's window is 128 too; 16 here, so that the fidelity test's 64 tokens
+            // reach past it.
+            sliding_window: match arch {
+                Arch::Gemma3 => 128,
+                Arch::GptOss => 16,
+                _ => 0,
+            },
+            // Eight experts of which each token uses two.
+            n_expert: if moe { 8 } else { 0 },
+            n_expert_used: if moe { 2 } else { 0 },
+            n_ff_exp: if moe { 256 } else { 0 },
+            // The newer architectures' weights are at about 1.3 / sqrt(n_embd), so that each
+            // product keeps its input's scale: router and output logits spread over several
+            // units (with 0.02 they would be almost flat at this width, every expert and
+            // token about equally likely, and a fidelity check would compare noise). The
+            // older ones keep 0.02, which their reference files were made with.
+            weight_std: if moe || matches!(arch, Arch::Phi3 | Arch::Mistral3) {
+                0.08
+            } else {
+                Init::WEIGHT.std
+            },
+            // Mistral 3's keys, with an original context of 16 so that the 64 tokens of the
+            // fidelity test see four temperature steps.
+            yarn: (arch == Arch::Mistral3).then_some(SynthYarn {
+                factor: 4.0,
+                orig_ctx: 16,
+                log_mul: 1.0,
+                temperature_scale: 0.1,
+            }),
+        }
+    }
+
+    /// The fields a dense model without sliding windows has, for presets to fill in.
+    fn dense() -> SynthConfig {
+        SynthConfig {
+            sliding_window: 0,
+            n_expert: 0,
+            n_expert_used: 0,
+            n_ff_exp: 0,
+            weight_std: Init::WEIGHT.std,
+            yarn: None,
+            ..SynthConfig::tiny(Arch::Llama)
         }
     }
 
@@ -241,7 +328,7 @@ impl SynthConfig {
                 rms_eps: 1e-5,
                 qkv_bias: false,
                 tied_embeddings: false,
-                sliding_window: 0,
+                ..SynthConfig::dense()
             },
             "qwen2.5-1.5b" => SynthConfig {
                 arch: Arch::Qwen2,
@@ -258,7 +345,7 @@ impl SynthConfig {
                 rms_eps: 1e-6,
                 qkv_bias: true,
                 tied_embeddings: true,
-                sliding_window: 0,
+                ..SynthConfig::dense()
             },
             "qwen2.5-7b" => SynthConfig {
                 arch: Arch::Qwen2,
@@ -275,7 +362,53 @@ impl SynthConfig {
                 rms_eps: 1e-6,
                 qkv_bias: true,
                 tied_embeddings: false,
+                ..SynthConfig::dense()
+            },
+            // Qwen3-30B-A3B: 128 experts of 768, 8 used per token.
+            "qwen3-30b-a3b" => SynthConfig {
+                arch: Arch::Qwen3Moe,
+                name: "kestrel synth qwen3-30b-a3b".into(),
+                n_layer: 48,
+                n_embd: 2048,
+                n_ff: 6144,
+                n_head: 32,
+                n_head_kv: 4,
+                head_dim: 128,
+                n_vocab: 151_936,
+                n_ctx: 40960,
+                rope_freq_base: 1_000_000.0,
+                rms_eps: 1e-6,
+                qkv_bias: false,
+                tied_embeddings: false,
                 sliding_window: 0,
+                n_expert: 128,
+                n_expert_used: 8,
+                n_ff_exp: 768,
+                weight_std: Init::WEIGHT.std,
+                yarn: None,
+            },
+            // gpt-oss-20b (its YaRN keys are not written: RoPE unscaled).
+            "gpt-oss-20b" => SynthConfig {
+                arch: Arch::GptOss,
+                name: "kestrel synth gpt-oss-20b".into(),
+                n_layer: 24,
+                n_embd: 2880,
+                n_ff: 2880,
+                n_head: 64,
+                n_head_kv: 8,
+                head_dim: 64,
+                n_vocab: 201_088,
+                n_ctx: 131_072,
+                rope_freq_base: 150_000.0,
+                rms_eps: 1e-5,
+                qkv_bias: true,
+                tied_embeddings: false,
+                sliding_window: 128,
+                n_expert: 32,
+                n_expert_used: 4,
+                n_ff_exp: 2880,
+                weight_std: Init::WEIGHT.std,
+                yarn: None,
             },
             other => {
                 return Err(invalid(format!(
@@ -330,6 +463,11 @@ impl SynthConfig {
         Ok(())
     }
 
+    /// Whether the feed-forward blocks are mixtures of experts.
+    pub fn is_moe(&self) -> bool {
+        matches!(self.arch, Arch::Qwen3Moe | Arch::GptOss)
+    }
+
     fn q_dim(&self) -> u64 {
         self.n_head as u64 * self.head_dim as u64
     }
@@ -367,6 +505,20 @@ impl SynthConfig {
                 self.head_dim
             )));
         }
+        if self.is_moe()
+            && (self.n_ff_exp == 0 || self.n_expert_used == 0 || self.n_expert_used > self.n_expert)
+        {
+            return Err(invalid(format!(
+                "a {} model needs experts: {} used of {}, hidden size {}",
+                self.arch.name(),
+                self.n_expert_used,
+                self.n_expert,
+                self.n_ff_exp
+            )));
+        }
+        if !(self.weight_std.is_finite() && self.weight_std > 0.0) {
+            return Err(invalid("weight standard deviation must be positive"));
+        }
         if !(self.rope_freq_base.is_finite() && self.rope_freq_base > 0.0) {
             return Err(invalid("rope base must be positive"));
         }
@@ -398,16 +550,41 @@ impl SynthConfig {
         // embedding_length / head_count unless the keys say otherwise.
         let default_head =
             self.n_embd.is_multiple_of(self.n_head) && self.n_embd / self.n_head == self.head_dim;
-        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) || !default_head {
+        let states_head = matches!(
+            self.arch,
+            Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe | Arch::GptOss
+        );
+        if states_head || !default_head {
             m.push((key("attention.key_length"), self.head_dim.into()));
             m.push((key("attention.value_length"), self.head_dim.into()));
         }
-        if self.arch == Arch::Llama {
-            // The Llama converter writes the rotary dimension (the whole head).
+        if let Some(y) = self.yarn {
+            m.push((key("rope.scaling.type"), "yarn".into()));
+            m.push((key("rope.scaling.factor"), y.factor.into()));
+            m.push((
+                key("rope.scaling.original_context_length"),
+                y.orig_ctx.into(),
+            ));
+            m.push((key("rope.scaling.yarn_log_multiplier"), y.log_mul.into()));
+            if y.temperature_scale != 0.0 {
+                m.push((
+                    key("attention.temperature_scale"),
+                    y.temperature_scale.into(),
+                ));
+            }
+        }
+        if matches!(self.arch, Arch::Llama | Arch::Phi3 | Arch::Mistral3) {
+            // The Llama, Phi-3 and Mistral 3 converters write the rotary dimension (the
+            // whole head).
             m.push((key("rope.dimension_count"), self.head_dim.into()));
         }
-        if self.arch == Arch::Gemma3 {
+        if matches!(self.arch, Arch::Gemma3 | Arch::GptOss) {
             m.push((key("attention.sliding_window"), self.sliding_window.into()));
+        }
+        if self.is_moe() {
+            m.push((key("expert_count"), self.n_expert.into()));
+            m.push((key("expert_used_count"), self.n_expert_used.into()));
+            m.push((key("expert_feed_forward_length"), self.n_ff_exp.into()));
         }
         m.push(("general.file_type".into(), ty.file_type().into()));
         m.push(("general.quantization_version".into(), 2u32.into()));
@@ -428,7 +605,7 @@ impl SynthConfig {
     ///
     /// Other types are pure: every matrix has the chosen type. As in llama.cpp, a K-quant
     /// whose row length is not a multiple of 256 falls back to a 32-block type of similar
-    /// size (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0).
+    /// size (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, IQ4_XS → IQ4_NL).
     pub fn tensor_type(&self, ty: WeightType, role: Role, row_len: u64) -> GgmlType {
         let chosen = self.preferred_type(ty, role);
         if row_len.is_multiple_of(chosen.block_size() as u64) {
@@ -438,6 +615,7 @@ impl SynthConfig {
             GgmlType::Q4K => GgmlType::Q5_0,
             GgmlType::Q5K => GgmlType::Q5_1,
             GgmlType::Q6K => GgmlType::Q8_0,
+            GgmlType::IQ4XS => GgmlType::IQ4NL,
             other => other,
         }
     }
@@ -467,30 +645,96 @@ impl SynthConfig {
         for i in 0..self.n_layer {
             let b = |s: &str| format!("blk.{i}.{s}");
             out.push(vector(b("attn_norm.weight"), embd, Init::NORM));
-            out.push(self.matrix(ty, b("attn_q.weight"), embd, q_dim, Role::Other)?);
-            if self.qkv_bias {
-                out.push(vector(b("attn_q.bias"), q_dim, Init::BIAS));
+            let phi3 = self.arch == Arch::Phi3;
+            if phi3 {
+                // Phi-3 keeps Q, K and V in one matrix.
+                let rows = q_dim + 2 * kv_dim;
+                out.push(self.matrix(ty, b("attn_qkv.weight"), embd, rows, Role::Other)?);
+            } else {
+                out.push(self.matrix(ty, b("attn_q.weight"), embd, q_dim, Role::Other)?);
+                if self.qkv_bias {
+                    out.push(vector(b("attn_q.bias"), q_dim, Init::BIAS));
+                }
+                out.push(self.matrix(ty, b("attn_k.weight"), embd, kv_dim, Role::Other)?);
+                if self.qkv_bias {
+                    out.push(vector(b("attn_k.bias"), kv_dim, Init::BIAS));
+                }
+                out.push(self.matrix(ty, b("attn_v.weight"), embd, kv_dim, Role::AttnV(i))?);
+                if self.qkv_bias {
+                    out.push(vector(b("attn_v.bias"), kv_dim, Init::BIAS));
+                }
             }
-            out.push(self.matrix(ty, b("attn_k.weight"), embd, kv_dim, Role::Other)?);
-            if self.qkv_bias {
-                out.push(vector(b("attn_k.bias"), kv_dim, Init::BIAS));
-            }
-            out.push(self.matrix(ty, b("attn_v.weight"), embd, kv_dim, Role::AttnV(i))?);
-            if self.qkv_bias {
-                out.push(vector(b("attn_v.bias"), kv_dim, Init::BIAS));
-            }
-            if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
+            if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe) {
                 out.push(vector(b("attn_q_norm.weight"), head, Init::NORM));
                 out.push(vector(b("attn_k_norm.weight"), head, Init::NORM));
             }
             out.push(self.matrix(ty, b("attn_output.weight"), q_dim, embd, Role::Other)?);
+            let oss = self.arch == Arch::GptOss;
+            if oss {
+                out.push(vector(b("attn_output.bias"), embd, Init::BIAS));
+                out.push(vector(
+                    b("attn_sinks.weight"),
+                    self.n_head as u64,
+                    Init::SINK,
+                ));
+            }
             if self.arch == Arch::Gemma3 {
                 out.push(vector(b("post_attention_norm.weight"), embd, Init::NORM));
             }
-            out.push(vector(b("ffn_norm.weight"), embd, Init::NORM));
-            out.push(self.matrix(ty, b("ffn_gate.weight"), embd, ff, Role::Other)?);
-            out.push(self.matrix(ty, b("ffn_up.weight"), embd, ff, Role::Other)?);
-            out.push(self.matrix(ty, b("ffn_down.weight"), ff, embd, Role::FfnDown(i))?);
+            // gpt-oss calls the norm before its feed-forward block the post-attention norm.
+            let ffn_norm = if oss {
+                "post_attention_norm.weight"
+            } else {
+                "ffn_norm.weight"
+            };
+            out.push(vector(b(ffn_norm), embd, Init::NORM));
+            if self.is_moe() {
+                // The router stays f32, as llama.cpp's converter and quantizer keep it.
+                let (n_exp, ff_exp) = (self.n_expert as u64, self.n_ff_exp as u64);
+                let router = self.matrix(
+                    WeightType::F32,
+                    b("ffn_gate_inp.weight"),
+                    embd,
+                    n_exp,
+                    Role::Other,
+                )?;
+                out.push(router);
+                // gpt-oss biases every expert projection (f32 rows per expert).
+                let bias = |name: &str, dims: Vec<u64>| TensorSpec {
+                    name: b(name),
+                    dims,
+                    ty: GgmlType::F32,
+                    init: Init::BIAS,
+                };
+                if oss {
+                    out.push(vector(b("ffn_gate_inp.bias"), n_exp, Init::BIAS));
+                }
+                let gate = self.matrix(ty, b("ffn_gate_exps.weight"), embd, ff_exp, Role::Other)?;
+                let up = self.matrix(ty, b("ffn_up_exps.weight"), embd, ff_exp, Role::Other)?;
+                let down = self.matrix(
+                    ty,
+                    b("ffn_down_exps.weight"),
+                    ff_exp,
+                    embd,
+                    Role::FfnDown(i),
+                )?;
+                let biases = [("gate", ff_exp), ("up", ff_exp), ("down", embd)];
+                for (mut spec, (proj, rows)) in [gate, up, down].into_iter().zip(biases) {
+                    spec.dims.push(n_exp);
+                    out.push(spec);
+                    if oss {
+                        out.push(bias(&format!("ffn_{proj}_exps.bias"), vec![rows, n_exp]));
+                    }
+                }
+            } else if phi3 {
+                // Phi-3's up matrix holds the gate rows, then the up rows.
+                out.push(self.matrix(ty, b("ffn_up.weight"), embd, 2 * ff, Role::Other)?);
+                out.push(self.matrix(ty, b("ffn_down.weight"), ff, embd, Role::FfnDown(i))?);
+            } else {
+                out.push(self.matrix(ty, b("ffn_gate.weight"), embd, ff, Role::Other)?);
+                out.push(self.matrix(ty, b("ffn_up.weight"), embd, ff, Role::Other)?);
+                out.push(self.matrix(ty, b("ffn_down.weight"), ff, embd, Role::FfnDown(i))?);
+            }
             if self.arch == Arch::Gemma3 {
                 out.push(vector(b("post_ffw_norm.weight"), embd, Init::NORM));
             }
@@ -533,7 +777,10 @@ impl SynthConfig {
             name,
             dims: vec![row_len, rows],
             ty: t,
-            init: Init::WEIGHT,
+            init: Init {
+                mean: 0.0,
+                std: self.weight_std,
+            },
         })
     }
 }
@@ -589,6 +836,11 @@ impl Init {
     pub const BIAS: Init = Init {
         mean: 0.0,
         std: 0.02,
+    };
+    /// Attention sink logits (gpt-oss): of the order of the attention scores.
+    pub const SINK: Init = Init {
+        mean: 0.0,
+        std: 1.0,
     };
 }
 

@@ -189,6 +189,9 @@ fn presets_have_the_published_parameter_counts() {
     assert_eq!(params("llama3-8b"), 8_030_261_248);
     assert_eq!(params("qwen2.5-1.5b"), 1_543_714_304);
     assert_eq!(params("qwen2.5-7b"), 7_615_616_512);
+    // Mixture-of-experts presets: every expert counted (30.5B and 20.9B published).
+    assert_eq!(params("qwen3-30b-a3b"), 30_532_122_624);
+    assert_eq!(params("gpt-oss-20b"), 20_914_757_184);
 }
 
 fn types_under_test() -> [WeightType; 6] {

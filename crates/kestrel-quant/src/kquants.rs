@@ -33,7 +33,7 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
 /// ggml's `nearest_int`: round half to even through the f32 magic-number trick (valid for
 /// |x| < 2^22, which every caller guarantees for finite input).
 #[inline(always)]
-fn nearest_int(x: f32) -> i32 {
+pub(crate) fn nearest_int(x: f32) -> i32 {
     let bits = (x + 12_582_912.0).to_bits() as i32;
     (bits & 0x007f_ffff) - 0x0040_0000
 }

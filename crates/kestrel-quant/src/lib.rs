@@ -11,6 +11,7 @@
 //! are tested against, so it favours clarity; it still avoids allocation and per-value
 //! bounds checks so that it is usable in hot loops.
 
+mod codebook;
 mod error;
 mod float;
 mod kquants;
@@ -43,6 +44,9 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
             | T::Q5K
             | T::Q6K
             | T::Q8K
+            | T::IQ4NL
+            | T::IQ4XS
+            | T::MXFP4
     )
 }
 
@@ -121,6 +125,9 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Q
         T::Q5K => each_block_mut(src, dst, kquants::dequant_q5_k),
         T::Q6K => each_block_mut(src, dst, kquants::dequant_q6_k),
         T::Q8K => each_block_mut(src, dst, kquants::dequant_q8_k),
+        T::IQ4NL => each_block_mut(src, dst, codebook::dequant_iq4_nl),
+        T::IQ4XS => each_block_mut(src, dst, codebook::dequant_iq4_xs),
+        T::MXFP4 => each_block_mut(src, dst, codebook::dequant_mxfp4),
         T::I8 | T::I16 | T::I32 | T::I64 | T::F64 => {
             return Err(QuantError::DequantizeUnsupported(ty));
         }
@@ -192,6 +199,9 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Qua
         T::Q5K => each_block_quant(src, dst, kquants::quant_q5_k),
         T::Q6K => each_block_quant(src, dst, kquants::quant_q6_k),
         T::Q8K => each_block_quant(src, dst, kquants::quant_q8_k),
+        T::IQ4NL => each_block_quant(src, dst, codebook::quant_iq4_nl),
+        T::IQ4XS => each_block_quant(src, dst, codebook::quant_iq4_xs),
+        T::MXFP4 => each_block_quant(src, dst, codebook::quant_mxfp4),
         T::I8 | T::I16 | T::I32 | T::I64 | T::F64 => {
             return Err(QuantError::QuantizeUnsupported(ty));
         }
@@ -313,6 +323,9 @@ pub fn try_vec_dot(ty: GgmlType, row: &[u8], x: &[f32]) -> Result<f32, QuantErro
         T::Q5K => dot_blocks(row, x, kquants::dequant_q5_k),
         T::Q6K => dot_blocks(row, x, kquants::dequant_q6_k),
         T::Q8K => dot_blocks(row, x, kquants::dequant_q8_k),
+        T::IQ4NL => dot_blocks(row, x, codebook::dequant_iq4_nl),
+        T::IQ4XS => dot_blocks(row, x, codebook::dequant_iq4_xs),
+        T::MXFP4 => dot_blocks(row, x, codebook::dequant_mxfp4),
         T::I8 | T::I16 | T::I32 | T::I64 | T::F64 => {
             return Err(QuantError::DequantizeUnsupported(ty));
         }

@@ -21,11 +21,14 @@ pub enum GgmlType {
     I64,
     F64,
     BF16,
+    IQ4NL,
+    IQ4XS,
+    MXFP4,
 }
 
 impl GgmlType {
     /// Every type, for iteration in tests and tables.
-    pub const ALL: [GgmlType; 20] = [
+    pub const ALL: [GgmlType; 23] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -46,6 +49,9 @@ impl GgmlType {
         GgmlType::I64,
         GgmlType::F64,
         GgmlType::BF16,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+        GgmlType::MXFP4,
     ];
 
     /// The type for a GGUF type id, or `None` for ids this build does not know.
@@ -76,6 +82,9 @@ impl GgmlType {
             GgmlType::I64 => 27,
             GgmlType::F64 => 28,
             GgmlType::BF16 => 30,
+            GgmlType::IQ4NL => 20,
+            GgmlType::IQ4XS => 23,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -102,6 +111,9 @@ impl GgmlType {
             GgmlType::I64 => "i64",
             GgmlType::F64 => "f64",
             GgmlType::BF16 => "bf16",
+            GgmlType::IQ4NL => "iq4_nl",
+            GgmlType::IQ4XS => "iq4_xs",
+            GgmlType::MXFP4 => "mxfp4",
         }
     }
 
@@ -121,13 +133,16 @@ impl GgmlType {
             | GgmlType::Q5_0
             | GgmlType::Q5_1
             | GgmlType::Q8_0
-            | GgmlType::Q8_1 => 32,
+            | GgmlType::Q8_1
+            | GgmlType::IQ4NL
+            | GgmlType::MXFP4 => 32,
             GgmlType::Q2K
             | GgmlType::Q3K
             | GgmlType::Q4K
             | GgmlType::Q5K
             | GgmlType::Q6K
-            | GgmlType::Q8K => 256,
+            | GgmlType::Q8K
+            | GgmlType::IQ4XS => 256,
         }
     }
 
@@ -152,6 +167,9 @@ impl GgmlType {
             GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
             GgmlType::Q8K => 292,
+            GgmlType::IQ4NL => 18,
+            GgmlType::IQ4XS => 136,
+            GgmlType::MXFP4 => 17,
         }
     }
 

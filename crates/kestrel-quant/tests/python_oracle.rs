@@ -126,7 +126,7 @@ fn assert_same_bits(what: &str, ours: &[f32], theirs: &[f32]) {
     }
 }
 
-const ALL_FORMATS: [GgmlType; 15] = [
+const ALL_FORMATS: [GgmlType; 18] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -142,10 +142,13 @@ const ALL_FORMATS: [GgmlType; 15] = [
     GgmlType::Q5K,
     GgmlType::Q6K,
     GgmlType::Q8K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Types gguf-py can dequantize (it has no Q8_1 or Q8_K dequantizer).
-const PY_DEQUANTIZABLE: [GgmlType; 13] = [
+const PY_DEQUANTIZABLE: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -159,6 +162,9 @@ const PY_DEQUANTIZABLE: [GgmlType; 13] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Quantizers gguf-py 0.19 has; the test insists on these and also compares any others a
@@ -333,7 +339,13 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, blocks: usize) -> Vec<u8> {
             .collect(),
         _ => {
             let scale_fields: &[usize] = match ty {
-                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+                GgmlType::Q4_0
+                | GgmlType::Q5_0
+                | GgmlType::Q8_0
+                | GgmlType::IQ4NL
+                | GgmlType::IQ4XS => &[0],
+                // Every byte is valid: an E8M0 exponent and 4-bit codes.
+                GgmlType::MXFP4 => &[],
                 GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
                 GgmlType::Q2K => &[80, 82],
                 GgmlType::Q3K => &[108],

@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
-const QUANT_TYPES: [GgmlType; 15] = [
+const QUANT_TYPES: [GgmlType; 18] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -24,6 +24,9 @@ const QUANT_TYPES: [GgmlType; 15] = [
     GgmlType::Q5K,
     GgmlType::Q6K,
     GgmlType::Q8K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Relative RMS error bound (error RMS / data RMS) for Gaussian data. Loose enough for
@@ -45,6 +48,9 @@ fn rms_bound(ty: GgmlType) -> f64 {
         GgmlType::Q4_0 => 0.13,
         GgmlType::Q3K => 0.21,
         GgmlType::Q2K => 0.4,
+        GgmlType::IQ4NL => 0.115,
+        GgmlType::IQ4XS => 0.1,
+        GgmlType::MXFP4 => 0.15,
         _ => f64::INFINITY,
     }
 }

@@ -10,14 +10,15 @@ use kestrel_model::synth::{self, SynthConfig, SynthOverrides, WeightType};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Architecture: llama, qwen2, qwen3 or gemma3. Needed for `tiny`; the other presets
-    /// imply theirs.
+    /// Architecture: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3 or mistral3. Needed
+    /// for `tiny`; the other presets imply theirs.
     #[arg(long)]
     pub arch: Option<String>,
-    /// Model shape: tiny, llama3-8b, qwen2.5-1.5b or qwen2.5-7b.
+    /// Model shape: tiny, llama3-8b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b or gpt-oss-20b.
     #[arg(long, default_value = "tiny")]
     pub preset: String,
-    /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q4_k_m, q5_k or q6_k.
+    /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q4_k_m, q5_k, q6_k, iq4_nl,
+    /// iq4_xs or mxfp4.
     #[arg(long = "type")]
     pub ty: String,
     /// Output file.
