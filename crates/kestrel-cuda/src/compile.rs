@@ -108,9 +108,18 @@ pub const KERNELS: &[&str] = &[
     "mega",
 ];
 
-/// Folder of compiled kernels: `$KESTREL_HOME/cuda-cache`.
+/// Folder of compiled kernels: `$KESTREL_HOME/cuda-cache`, where `KESTREL_HOME` defaults to
+/// `~/.cache/kestrel` (the rule of `kestrel_hub::kestrel_home`, restated here so that the
+/// backend does not depend on the hub crate).
 pub fn cache_dir() -> PathBuf {
-    kestrel_hub::kestrel_home().join("cuda-cache")
+    let home = match std::env::var_os("KESTREL_HOME").filter(|v| !v.is_empty()) {
+        Some(home) => PathBuf::from(home),
+        None => match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+            Some(home) => PathBuf::from(home).join(".cache").join("kestrel"),
+            None => std::env::temp_dir().join("kestrel"),
+        },
+    };
+    home.join("cuda-cache")
 }
 
 /// Where the machine code of `SOURCE` for `arch` is kept. The key is the source and the

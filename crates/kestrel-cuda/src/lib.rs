@@ -21,7 +21,6 @@
 pub mod compile;
 mod gemm_tune;
 mod mega;
-pub mod selfcheck;
 
 use rayon::prelude::*;
 use std::collections::HashMap;

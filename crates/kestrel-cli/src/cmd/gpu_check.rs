@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use kestrel_cuda::selfcheck::{self, ARCHS, MAX_REL_DIFF, MIN_TOP1_AGREEMENT, TYPES};
+use kestrel_gpu_check::{self as selfcheck, ARCHS, MAX_REL_DIFF, MIN_TOP1_AGREEMENT, TYPES};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

@@ -11,7 +11,7 @@ use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
 use kestrel_model::{Arch, Batch, SeqSlot};
 use rand::{Rng, SeedableRng};
 
-use crate::CudaBackend;
+use kestrel_cuda::CudaBackend;
 
 pub const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
@@ -670,7 +670,7 @@ fn random_matrix(
     ty: GgmlType,
     rows: usize,
     cols: usize,
-) -> anyhow::Result<(crate::CudaWeight, Vec<f32>)> {
+) -> anyhow::Result<(kestrel_cuda::CudaWeight, Vec<f32>)> {
     let w: Vec<f32> = (0..rows * cols)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
@@ -861,7 +861,7 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
         let n = if single {
             1
         } else {
-            rng.random_range(1..=crate::GEMV_MAX_TOKENS)
+            rng.random_range(1..=kestrel_cuda::GEMV_MAX_TOKENS)
         };
         (rows, blocks * unit, n, rng.random())
     })
@@ -1033,9 +1033,9 @@ pub fn gemm_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
                 block * rng.random_range(1..=(2048 / block).max(1))
             };
             let n = if i == 0 {
-                crate::GEMM_MIN_TOKENS
+                kestrel_cuda::GEMM_MIN_TOKENS
             } else {
-                rng.random_range(crate::GEMM_MIN_TOKENS..300)
+                rng.random_range(kestrel_cuda::GEMM_MIN_TOKENS..300)
             };
             (rows, cols, n, rng.random())
         })
