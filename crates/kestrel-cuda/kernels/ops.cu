@@ -1370,20 +1370,3 @@ argmax_rows(const float* x, u32* out, int cols) {
     block_argmax(v, idx, sv, si);
     if (threadIdx.x == 0) out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
 }
-
-// Reads n16 16-byte words and keeps nothing (a sink write the compiler cannot drop): the
-// HBM read ceiling of a launch of that many bytes (`kestrel gpu-check --read-bw`). Four
-// independent loads a thread in flight, grid-stride.
-extern "C" __global__ void __launch_bounds__(256) read_bytes(const uint4* p, long long n16,
-                                                             u32* sink) {
-    pdl_enter();
-    u32 acc = 0;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n16; i += 4 * stride) {
-        const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
-        acc ^= a.x ^ b.y ^ c.z ^ d.w;
-    }
-    for (; i < n16; i += stride) acc ^= p[i].x;
-    if (acc == 0x9E3779B9u) sink[0] = acc;
-}

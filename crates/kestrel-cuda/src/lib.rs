@@ -19,8 +19,8 @@
 //! launch list means a replay can never use stale buffers or sizes.
 
 pub mod compile;
-mod gemm_tune;
-mod mega;
+mod cublas;
+mod options;
 
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -34,6 +34,7 @@ use kestrel_model::{
 };
 
 pub use compile::Origin;
+pub use options::{F16Copies, Options, request_profile};
 
 /// Largest head size the attention kernel handles.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -53,15 +54,6 @@ pub const SUPPORTED_TYPES: &[GgmlType] = &[
     GgmlType::Q6K,
 ];
 
-static PROFILE_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes backends created from now on time every launch and print a per-kernel table
-/// (time per step, share, GB/s of the GEMVs' weights) when dropped, as
-/// `KESTREL_CUDA_PROFILE=1` does; graphs are off while profiling.
-pub fn request_profile() {
-    PROFILE_REQUESTED.store(true, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// Number of CUDA devices, or an error saying why there are none usable.
 pub fn device_count() -> anyhow::Result<usize> {
     // SAFETY: only probes whether the shared library can be opened.
@@ -80,43 +72,34 @@ pub const GRAPH_MAX_TOKENS: usize = 8;
 const Q8_GEMV_MAX_TOKENS: usize = 4;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
-/// Most tokens of a step the tensor-core kernels for quantized weights can take
-/// (`kernels/mmq.cu`; `KESTREL_CUDA_MMQ_MAX` sets the limit in use, 0 turns them off).
-pub const MMQ_MAX_TOKENS: usize = 64;
-/// The limit in use by default, and the fewest tokens they take. They take Q4_K and Q6_K
-/// weights, and Q8_0 / Q4_0 up to 8 tokens (see `mmq_reads`; before those rows were stored
-/// 16-byte aligned, Llama-3-8B Q4_0 at B = 8 gave 696 t/s on them against 882 for cuBLAS on
-/// the f16 copies). Steps of 3..=8 tokens run the int8 kernels `mmq_t*` / `mmk_t8*`,
-/// 9..=32 the staged int8 ones `mms_*` (the f16 `mmh_*` with `KESTREL_CUDA_MMS=0`), larger
-/// steps cuBLAS on the f16 copies. Measured on the H100 (Llama-3-8B Q4_K_M, `bench --seqs`,
-/// decode t/s, same call): B = 16 mms 2,641 / 2,582 vs mmh 2,421; 32: 3,605 / 3,446 vs
-/// 3,226; 64: mms 4,335 / 4,119 vs cuBLAS 4,544 (so 64 stays on cuBLAS). Earlier: B = 8
-/// 1,452 (mmh there: 1,440); 64: mmh 3,621 vs cuBLAS 4,249, the per-32 int8 kernels 1,523.
-const MMQ_DEFAULT_MAX_TOKENS: usize = 32;
+/// Most tokens of a step the tensor-core kernels for quantized weights take
+/// (`kernels/mmq.cu`), and the fewest. They take Q4_K and Q6_K weights, and Q8_0 / Q4_0 up
+/// to 8 tokens (see `mmq_reads`; before those rows were stored 16-byte aligned, Llama-3-8B
+/// Q4_0 at B = 8 gave 696 t/s on them against 882 for cuBLAS on the f16 copies). Steps of
+/// 3..=8 tokens run the int8 kernels `mmq_t8` / `mmk_t8*`, 9..=32 the staged int8 ones
+/// `mms_*`, larger steps cuBLAS on the f16 copies. Measured on the H100 (Llama-3-8B Q4_K_M,
+/// `bench --seqs`, decode t/s, same call): B = 16 mms 2,641 / 2,582 vs the f16 `mmh_*`
+/// (since deleted) 2,421; 32: 3,605 / 3,446 vs 3,226; 64: mms 4,335 / 4,119 vs cuBLAS 4,544
+/// (so 64 stays on cuBLAS). Earlier: B = 8 1,452 (mmh there: 1,440).
+pub const MMQ_MAX_TOKENS: usize = 32;
 const MMQ_MIN_TOKENS: usize = 3;
-/// Rows a block of the f16 tensor-core kernels `mmh_*` owns (MH_ROWS in kernels/mmq.cu;
-/// gated launches: half of them of gate, half of up), its threads, and the room for their
-/// split partial sums and arrival counters.
-const MMH_ROWS: usize = 64;
-const MMH_THREADS: u32 = 4 * 32;
-const MMH_WORK_FLOATS: usize = 8 << 20;
-/// Steps of at least this many tokens multiply Q4_K / Q6_K weights in f16 (`mmh_*`).
-const MMH_DEFAULT_MIN_TOKENS: usize = 9;
-const MMH_MAX_TILES: usize = 1 << 16;
-/// Blocks of `mmh_*` resident per SM (their `__launch_bounds__`): the split rule's aim.
-const MMH_BLOCKS_PER_SM: usize = 4;
+/// Fewest tokens of a step whose Q4_K / Q6_K products take the staged kernels `mms_*`.
+const MMS_MIN_TOKENS: usize = 9;
+/// Rows a block of `mms_*` owns (MH_ROWS in kernels/mmq.cu; gated launches: half of them
+/// of gate, half of up), and the room for their split partial sums and arrival counters.
+const MMS_ROWS: usize = 64;
+const MMS_WORK_FLOATS: usize = 8 << 20;
+const MMS_MAX_TILES: usize = 1 << 16;
 /// `mmw_*` (kernels/mmw.cu): bytes of one 16-row tile's 256-value step in the mmw layout,
 /// the most warps (tiles) a block takes, and its staged steps (dynamic shared memory).
 const MW_TILE_BYTES: usize = 2560;
 const MW_MAX_WARPS: usize = 8;
 const MW_STAGES: u32 = 3;
 const MW_XBYTES: u32 = 64 * 528;
-/// The token range of `mmw_*`: steps of 33..=64 tokens (below, the int8 kernels keep them).
-const MMW_DEFAULT_MIN_TOKENS: usize = 33;
+/// The token range of `mmw_gated`: steps of 33..=64 tokens (below, the int8 kernels keep
+/// them).
+const MMW_MIN_TOKENS: usize = 33;
 const MMW_MAX_TOKENS: usize = 64;
-/// `mmw_add`'s split partial sums (floats: blocks × threads × 32) and arrival counters.
-const MW_WORK_FLOATS: usize = 4 << 20;
-const MW_MAX_GROUPS: usize = 4096;
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
 /// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD); runs of fewer tokens take the
 /// split kernels.
@@ -139,25 +122,19 @@ const MAX_GRAPHS: usize = 8;
 /// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
 /// query heads together: each key and value row read once per group) where the tiled
 /// kernels ([`tiled_split_attention`]) do not: grouped heads, a head of 32 · (1 to 4) dims,
-/// at most 8 heads per group. `KESTREL_CUDA_ATTN_GQA=0` keeps the one-block-per-head
-/// kernel (for measurements).
+/// at most 8 heads per group.
 fn gqa_split_attention(p: &AttnParams) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_GQA").map_or(true, |v| v != "0"));
     let group = p.n_head / p.n_head_kv.max(1);
-    on && (2..=8).contains(&group)
+    (2..=8).contains(&group)
         && p.n_head.is_multiple_of(p.n_head_kv)
         && p.head_dim.is_multiple_of(32)
         && p.head_dim <= 128
 }
 
 /// The tensor-core prefill attention kernel for `p`'s heads: 64- or 128-dim heads, whole
-/// groups of query heads per kv head; `None` keeps `attention_prefill` (as does
-/// `KESTREL_CUDA_ATTN_MMA=0`, for measurements).
+/// groups of query heads per kv head; `None` keeps `attention_prefill`.
 fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_MMA").map_or(true, |v| v != "0"));
-    if !on || p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
+    if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
         return None;
     }
     match p.head_dim {
@@ -169,14 +146,10 @@ fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
 
 /// Whether split decode attention runs `attention_split_tiled64` / `attention_split_tiled128`
 /// (tensor cores; one block per kv head and key range, the keys in 16-key chunks through
-/// shared memory): heads of 64 or 128 dims, 1 to 8 query heads per kv head.
-/// `KESTREL_CUDA_ATTN_TILED=0` keeps `attention_split_gqa` / `attention_split` (for
-/// measurements). The kernels need sm_80, as the `mmq_*` kernels of the same module do.
+/// shared memory): heads of 64 or 128 dims, 1 to 8 query heads per kv head. The kernels
+/// need sm_80, as the `mmq_*` kernels do.
 fn tiled_split_attention(p: &AttnParams) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on =
-        *ON.get_or_init(|| std::env::var("KESTREL_CUDA_ATTN_TILED").map_or(true, |v| v != "0"));
-    on && p.n_head_kv > 0
+    p.n_head_kv > 0
         && p.n_head.is_multiple_of(p.n_head_kv)
         && (1..=TILED_ATTN_MAX_GROUP).contains(&(p.n_head / p.n_head_kv))
         && matches!(p.head_dim, 64 | 128)
@@ -342,42 +315,31 @@ fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
 /// The tensor-core kernel families of steps of several tokens (see `CudaBackend::mmq_plan`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum MmqKind {
-    /// `mmq_t*`: int8 activations, every warp loading its own activation fragments.
+    /// `mmq_t8` / `mmk_t8*`: int8 activations, every warp loading its own activation
+    /// fragments.
     Int8,
-    /// `mmh_*`: f16 activations staged in shared memory.
-    Half,
     /// `mms_*`: int8 activations per 256 values (`mmk_t8*`'s layout) staged in shared memory.
     Staged,
 }
 
-/// How many blocks of an `mmh_*` launch (`tiles` tiles, rows of `steps` 256-value steps,
+/// How many blocks of an `mms_*` launch (`tiles` tiles, rows of `steps` 256-value steps,
 /// `npad` tokens) share each tile's row length: enough blocks for `blocks_per_sm` per SM
 /// (as many of the kernel's blocks as are resident at once), at
 /// least two steps each, and room for the partial sums. Every split gets at least one step
 /// (the count is recomputed from the steps per split).
-fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm: usize) -> usize {
-    if tiles == 0 || steps < 4 || tiles > MMH_MAX_TILES {
+fn mms_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm: usize) -> usize {
+    if tiles == 0 || steps < 4 || tiles > MMS_MAX_TILES {
         return 1;
     }
-    // KESTREL_CUDA_MMH_BLOCKS_PER_SM overrides the aim (for measurements); only the
-    // override is cached, each kernel family passes its own default.
-    static PER_SM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let per_sm = PER_SM
-        .get_or_init(|| {
-            std::env::var("KESTREL_CUDA_MMH_BLOCKS_PER_SM")
-                .ok()
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(blocks_per_sm);
-    let want = (per_sm * sms).div_ceil(tiles).min(steps / 2);
+    let want = (blocks_per_sm * sms).div_ceil(tiles).min(steps / 2);
     if want <= 1 {
         return 1;
     }
     let per = steps.div_ceil(want);
     let splits = steps.div_ceil(per);
-    // Floats of partial sums per block: MMH_ROWS rows × npad tokens.
-    let per_block = MMH_ROWS * npad;
-    if tiles * splits * per_block > MMH_WORK_FLOATS {
+    // Floats of partial sums per block: MMS_ROWS rows × npad tokens.
+    let per_block = MMS_ROWS * npad;
+    if tiles * splits * per_block > MMS_WORK_FLOATS {
         return 1;
     }
     splits
@@ -387,22 +349,15 @@ fn mmh_splits(tiles: usize, steps: usize, npad: usize, sms: usize, blocks_per_sm
 /// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
 /// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); others use none.
 fn dynamic_smem(name: &str) -> u32 {
-    if name == "mega" {
-        return mega::SMEM_BYTES;
-    }
     if name == "mmw_gated" {
         return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * 2 * MW_TILE_BYTES) as u32);
-    }
-    if name == "mmw_add" {
-        return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * MW_TILE_BYTES) as u32);
     }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
         "mms_t16" => 16,
         "mms_t32" => 32,
-        "mms_t64" => 64,
         _ => return 0,
     };
-    3 * (MMH_ROWS as u32 * 224 + tokens * (288 + 4))
+    3 * (MMS_ROWS as u32 * 224 + tokens * (288 + 4))
 }
 
 /// Whether single-token `gemv_ws` reads these segments: Q4_K / Q6_K rows (gated: Q4_K
@@ -547,22 +502,11 @@ pub struct CudaBackend {
     /// cuBLAS, for prompt-sized matrix products on the tensor cores (None: library absent
     /// or `KESTREL_CUDA_CUBLAS=0`; the `matmul` kernel is used instead).
     blas: Option<cudarc::cublas::CudaBlas>,
-    /// cuBLASLt algorithms timed per product shape (`KESTREL_CUDA_GEMM_TUNE=1`; otherwise
-    /// only the self-check's forced runs use it; None: library absent).
-    gemm_tuner: Option<gemm_tune::Tuner>,
-    /// `KESTREL_CUDA_GEMV=legacy`: single-token steps use the older `gemv1` kernel (for
-    /// comparisons).
-    legacy_gemv1: bool,
-    /// The single-token f32-activation GEMV variant and its rows per warp
-    /// (`KESTREL_CUDA_GEMV=r1|r2|r4`); None: by launch size (see `gemv`).
-    gemv_dec: Option<(&'static str, usize)>,
-    /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0: by launch, see
-    /// `gemv`): `KESTREL_CUDA_GEMV`'s (r4 takes two), the self-check runs each.
+    /// The settings read from the environment at start.
+    options: Options,
+    /// Rows per warp of every single-token `gemv_q8` launch (1 or 2; 0, the default: by
+    /// launch, see `gemv`); the self-check forces each.
     gemv_q8_rows: std::sync::atomic::AtomicUsize,
-    /// One-row-a-warp single-token products of Q4_K / Q6_K weights on `gemv_ws_r1`
-    /// (weights staged by cp.async per warp) instead of `gemv_q8_r1` (`KESTREL_CUDA_WS=0`
-    /// turns it off).
-    gemv_ws: std::sync::atomic::AtomicBool,
     /// Single-token GEMVs on 8-bit activations (`gemv_q8`; `KESTREL_CUDA_Q8=0` turns it
     /// off: f32 activations everywhere, as the CPU backend computes).
     q8_decode: std::sync::atomic::AtomicBool,
@@ -586,24 +530,11 @@ pub struct CudaBackend {
     /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
     mmq_holds: Mutex<Option<(u64, usize, usize, bool)>>,
     /// Steps of up to 8 tokens on Q4_K / Q6_K weights: `mmk_t8*` (activations quantized per
-    /// 256 values, integer sums per super-block) instead of `mmq_t8*`. 0: off, 1: on, 2 (the
-    /// default): on, plain launches with the next step's weights loaded during the current
-    /// one's products (`KESTREL_CUDA_MMK=off|flat|pipe`).
-    mmk: std::sync::atomic::AtomicU8,
-    /// Waves beyond which a launch stays off `mmk_t8*` (`KESTREL_CUDA_MMK_MAX_WAVES`,
-    /// default MMK_MAX_WAVES).
-    mmk_max_waves: usize,
-    /// Steps of several tokens fold the residual add into the product (mmq / mmh / cuBLAS
-    /// with beta = 1) and the 8-bit quantization into the RMSNorm (`rms_norm_mmq`);
-    /// `KESTREL_CUDA_FUSE=0` runs them as separate kernels (for comparisons).
-    fuse_multi: bool,
-    /// Whether launches allow programmatic dependent launch (`KESTREL_CUDA_PDL=0`: no).
+    /// 256 values, integer sums per super-block) instead of `mmq_t8` (on by default; the
+    /// self-check turns it off to cover `mmq_t8` on those formats, which the LM head takes).
+    mmk: std::sync::atomic::AtomicBool,
+    /// Whether launches allow programmatic dependent launch (the option, on sm_90 and up).
     pdl: bool,
-    /// Steps of MMQ_MIN_TOKENS up to this many tokens multiply Q4_K / Q6_K weights (all
-    /// Q8-capable ones with `mmq_all_formats`) through `mmq_t*` (0: never).
-    mmq_max: std::sync::atomic::AtomicUsize,
-    /// Whether they also take Q8_0 and Q4_0 weights (see [`CudaBackend::mmq_all_formats`]).
-    mmq_all_formats: std::sync::atomic::AtomicBool,
     /// Host buffer the results are read back through.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Read-ahead of logit rows (see [`CudaBackend::gemm_reading_ahead`]): the stream that
@@ -614,10 +545,8 @@ pub struct CudaBackend {
     read_ahead: Mutex<Option<(u64, usize, usize)>>,
     read_ahead_valid: std::sync::atomic::AtomicBool,
     /// Whether the last large read-back was of rows (not sampled ids): the next logits
-    /// product then copies its rows ahead, if `read_ahead_allowed`
-    /// (`KESTREL_CUDA_READ_AHEAD=0`: never).
+    /// product then copies its rows ahead, if the options allow it.
     rows_read_back: std::sync::atomic::AtomicBool,
-    read_ahead_allowed: bool,
     /// Whether the copy stream may still be writing into `pinned`.
     copy_in_flight: std::sync::atomic::AtomicBool,
     /// Reads served by a read-ahead (for the self-check).
@@ -635,59 +564,12 @@ pub struct CudaBackend {
     f16_copies_q8: std::sync::atomic::AtomicU64,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
-    /// Streaming multiprocessors of the device (the `mmh_*` kernels' split rule).
+    /// Streaming multiprocessors of the device (the split rules of `mms_*` and `mmw_gated`).
     sm_count: usize,
-    /// Fewest tokens of a step whose Q4_K / Q6_K products go to the f16 tensor-core kernels
-    /// `mmh_*` instead of the int8 ones (`KESTREL_CUDA_MMH_MIN`; above MMQ_MAX_TOKENS: never).
-    mmh_min: std::sync::atomic::AtomicUsize,
-    /// Fewest tokens of a step whose Q4_K gate/up products go to `mmw_gated` (kernels/
-    /// mmw.cu) when both matrices have mmw copies (`KESTREL_CUDA_MMW_MIN`; above
-    /// MMW_MAX_TOKENS: never).
-    mmw_min: std::sync::atomic::AtomicUsize,
-    /// Warps (16-row tiles) per block of `mmw_*`; 0: by the matrix and the SM count.
+    /// Warps (16-row tiles) per block of `mmw_gated`; 0 (the default): by the matrix and
+    /// the SM count; the self-check forces others.
     mmw_warps: std::sync::atomic::AtomicUsize,
-    /// Whether plain products take `mmw_add` (`KESTREL_CUDA_MMW_ADD=1`).
-    mmw_add: std::sync::atomic::AtomicBool,
-    /// `mmw_add`'s split partial sums and arrival counters (allocated at first use).
-    mmw_work: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
-    /// Whether those steps, when of more than 8 tokens, take the staged int8 kernels
-    /// `mms_*` instead (`KESTREL_CUDA_MMS=0`: no, for comparisons).
-    mms: std::sync::atomic::AtomicBool,
-    /// Single-token steps run as one persistent kernel where it takes their launches
-    /// (`mega`, see src/mega.rs; `KESTREL_CUDA_MEGA=0/1`).
-    mega: std::sync::atomic::AtomicBool,
-    /// Uploaded `mega` programs by the launch list they replace (kept while graphs may
-    /// replay them: more than MAX_GRAPHS).
-    mega_programs: Mutex<Vec<MegaProgram>>,
 }
-
-/// A recorded launch list (`key`), the same list with its `mega` run in place, and the
-/// device buffers that launch reads (None, and no launches: the kernel takes none of it).
-struct MegaProgram {
-    key: Vec<Launch>,
-    launches: Vec<Launch>,
-    buffers: Option<MegaBuffers>,
-    /// `KESTREL_CUDA_MEGA_PROFILE=1`: block 0's clock after each phase's work and after
-    /// its barrier in the last launch, printed when the backend drops.
-    times: Option<MegaTimes>,
-}
-
-/// The device buffers a `mega` launch reads (kept alive with its program).
-struct MegaBuffers {
-    _phases: CudaSlice<u8>,
-    _bounds: CudaSlice<u32>,
-    _counters: CudaSlice<u32>,
-    _part: CudaSlice<f32>,
-}
-
-/// The profile's clock values and each phase's (kind, weight bytes).
-struct MegaTimes {
-    clock: CudaSlice<u64>,
-    phases: Vec<(i32, u64)>,
-}
-
-/// Mega programs kept.
-const MAX_MEGA_PROGRAMS: usize = 64;
 
 /// Int8 activations and their per-32 scales for `gemv_q8` (and for `mmq_t*`: scales with
 /// the block sums, token-minor).
@@ -695,10 +577,8 @@ struct Q8Scratch {
     q: CudaSlice<i8>,
     d: CudaSlice<f32>,
     ds: CudaSlice<f32>,
-    /// The f16 activations of `mmh_*` (as many values as `q`).
-    xh: CudaSlice<u16>,
-    /// Split partial sums of the `mmh_*` kernels (MMH_WORK_FLOATS) and their per-tile
-    /// arrival counters (MMH_MAX_TILES, zero between launches).
+    /// Split partial sums of the `mms_*` kernels (MMS_WORK_FLOATS) and their per-tile
+    /// arrival counters (MMS_MAX_TILES, zero between launches).
     work: CudaSlice<f32>,
     count: CudaSlice<u32>,
     /// Values it holds room for.
@@ -710,7 +590,6 @@ struct Q8Ptrs {
     q: u64,
     d: u64,
     ds: u64,
-    xh: u64,
     work: u64,
     count: u64,
 }
@@ -940,9 +819,8 @@ impl CudaBackend {
             funcs.push(f);
             func_smem.push(smem);
         }
-        let profile = PROFILE_REQUESTED.load(std::sync::atomic::Ordering::Relaxed)
-            || std::env::var("KESTREL_CUDA_PROFILE").is_ok_and(|v| v == "1");
-        let blas = if std::env::var("KESTREL_CUDA_CUBLAS").is_ok_and(|v| v == "0")
+        let options = Options::from_env();
+        let blas = if !options.cublas
             // SAFETY: only probes whether the shared library can be opened.
             || !unsafe { cudarc::cublas::sys::is_culib_present() }
         {
@@ -952,16 +830,6 @@ impl CudaBackend {
                 cudarc::cublas::CudaBlas::new(stream.clone())
                     .map_err(|e| anyhow::anyhow!("creating a cuBLAS handle: {e:?}"))?,
             )
-        };
-        let gemm_tuner = blas
-            .as_ref()
-            .and_then(|_| gemm_tune::Tuner::new(&ctx, &stream));
-        let graphs = !profile && std::env::var("KESTREL_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        let gemv_dec = match std::env::var("KESTREL_CUDA_GEMV").as_deref() {
-            Ok("r1") => Some(("gemv_dec_r1", 1)),
-            Ok("r2") => Some(("gemv_dec", 2)),
-            Ok("r4") => Some(("gemv_dec_r4", 4)),
-            _ => None,
         };
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -973,9 +841,9 @@ impl CudaBackend {
             func_smem,
             func_index,
             recorder: Mutex::new(Recorder::default()),
-            graphs: std::sync::atomic::AtomicBool::new(graphs),
+            graphs: std::sync::atomic::AtomicBool::new(options.graphs),
             replays: Arc::default(),
-            profile: profile.then(|| Mutex::new(Profiler::default())),
+            profile: options.profile.then(|| Mutex::new(Profiler::default())),
             device_name,
             arch,
             origin,
@@ -983,15 +851,7 @@ impl CudaBackend {
             freq_factors: Mutex::new(Vec::new()),
             merged_f16_rows: Mutex::new(HashMap::new()),
             blas,
-            gemm_tuner,
-            legacy_gemv1: std::env::var("KESTREL_CUDA_GEMV").is_ok_and(|v| v == "legacy"),
-            gemv_dec,
-            gemv_q8_rows: std::sync::atomic::AtomicUsize::new(
-                gemv_dec.map_or(0, |(_, rows)| rows.min(2)),
-            ),
-            gemv_ws: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_CUDA_WS").map_or(true, |v| v != "0"),
-            ),
+            gemv_q8_rows: std::sync::atomic::AtomicUsize::new(0),
             f16_copies: Default::default(),
             f16_copies_q8: Default::default(),
             pinned: Mutex::new(None),
@@ -999,233 +859,24 @@ impl CudaBackend {
             read_ahead: Mutex::new(None),
             read_ahead_valid: std::sync::atomic::AtomicBool::new(false),
             rows_read_back: std::sync::atomic::AtomicBool::new(false),
-            read_ahead_allowed: std::env::var("KESTREL_CUDA_READ_AHEAD").as_deref() != Ok("0"),
             copy_in_flight: std::sync::atomic::AtomicBool::new(false),
             read_ahead_hits: std::sync::atomic::AtomicU64::new(0),
             argmax_ids: Mutex::new(None),
             sample_params: Mutex::new((Vec::new(), None)),
-            q8_decode: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_CUDA_Q8").map_or(true, |v| v != "0"),
-            ),
+            q8_decode: std::sync::atomic::AtomicBool::new(options.q8),
             q8_scratch: Mutex::new(None),
-            pdl: std::env::var("KESTREL_CUDA_PDL").map_or(true, |v| v != "0") && major >= 9,
-            mmq_all_formats: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_CUDA_MMQ_FORMATS").is_ok_and(|v| v == "all"),
-            ),
-            mmq_max: std::sync::atomic::AtomicUsize::new(
-                std::env::var("KESTREL_CUDA_MMQ_MAX")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .map_or(MMQ_DEFAULT_MAX_TOKENS, |v| v.min(MMQ_MAX_TOKENS)),
-            ),
+            pdl: options.pdl && major >= 9,
             q8_holds: Mutex::new(None),
             f16_holds: Mutex::new(None),
             pending_split: Mutex::new(None),
             split_waits: std::sync::atomic::AtomicBool::new(false),
             mmq_holds: Mutex::new(None),
-            mmk_max_waves: std::env::var("KESTREL_CUDA_MMK_MAX_WAVES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(MMK_MAX_WAVES),
-            mmk: std::sync::atomic::AtomicU8::new(
-                match std::env::var("KESTREL_CUDA_MMK").as_deref() {
-                    Ok("off") | Ok("0") => 0,
-                    Ok("flat") => 1,
-                    _ => 2,
-                },
-            ),
-            fuse_multi: std::env::var("KESTREL_CUDA_FUSE").map_or(true, |v| v != "0"),
+            mmk: std::sync::atomic::AtomicBool::new(true),
             gemm_scratch: Mutex::default(),
             sm_count,
-            mmh_min: std::sync::atomic::AtomicUsize::new(
-                std::env::var("KESTREL_CUDA_MMH_MIN")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(MMH_DEFAULT_MIN_TOKENS),
-            ),
-            mmw_min: std::sync::atomic::AtomicUsize::new(
-                std::env::var("KESTREL_CUDA_MMW_MIN")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(MMW_DEFAULT_MIN_TOKENS),
-            ),
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
-            mmw_add: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_CUDA_MMW_ADD").is_ok_and(|v| v == "1"),
-            ),
-            mmw_work: Mutex::new(None),
-            mms: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_CUDA_MMS").map_or(true, |v| v != "0"),
-            ),
-            mega: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_CUDA_MEGA").is_ok_and(|v| v == "1"),
-            ),
-            mega_programs: Mutex::default(),
+            options,
         })
-    }
-
-    /// Whether single-token steps run as one persistent kernel where they can.
-    pub fn mega(&self) -> bool {
-        self.mega.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    pub fn set_mega(&self, on: bool) {
-        self.mega.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Launch lists the `mega` kernel took (each uploaded once, run or captured since).
-    pub fn mega_programs(&self) -> usize {
-        let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
-        programs.iter().filter(|p| p.buffers.is_some()).count()
-    }
-
-    /// `launches` with their first run that the `mega` kernel takes replaced by one launch
-    /// of it; None where they stay as they are (it takes none, it is off, or profiling).
-    fn with_mega(&self, launches: &[Launch]) -> Option<Vec<Launch>> {
-        if !self.mega() || self.profile.is_some() {
-            return None;
-        }
-        let mut programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = programs.iter().find(|p| p.key == launches) {
-            return p.buffers.as_ref().map(|_| p.launches.clone());
-        }
-        // A list it does not take is remembered too, so that it is planned once.
-        let program = match mega::plan(launches, self.sm_count)
-            .map(|plan| self.upload_mega(launches, plan))
-        {
-            Some(Ok(p)) => p,
-            failed => {
-                if let Some(Err(e)) = failed {
-                    self.fail(format!("preparing the mega kernel: {e}"));
-                }
-                MegaProgram {
-                    key: launches.to_vec(),
-                    launches: Vec::new(),
-                    buffers: None,
-                    times: None,
-                }
-            }
-        };
-        let out = program.buffers.as_ref().map(|_| program.launches.clone());
-        if programs.len() >= MAX_MEGA_PROGRAMS {
-            programs.remove(0);
-        }
-        programs.push(program);
-        out
-    }
-
-    fn upload_mega(&self, launches: &[Launch], plan: mega::Plan) -> anyhow::Result<MegaProgram> {
-        let func = *self
-            .func_index
-            .get("mega")
-            .context("the mega kernel is not loaded")?;
-        let part = self.alloc::<f32>(plan.part_floats, "attention partials")?;
-        let bounds = self
-            .stream
-            .clone_htod(&plan.bounds)
-            .map_err(|e| anyhow::anyhow!("uploading the mega row bounds: {e:?}"))?;
-        let bytes = plan.phase_bytes(self.ptr(&part), self.ptr(&bounds));
-        let phases = self
-            .stream
-            .clone_htod(&bytes)
-            .map_err(|e| anyhow::anyhow!("uploading the mega phases: {e:?}"))?;
-        let counters = self.alloc::<u32>(plan.barriers + 1, "barrier counters")?;
-        let times = if std::env::var("KESTREL_CUDA_MEGA_PROFILE").is_ok_and(|v| v == "1") {
-            let kinds = plan
-                .phases
-                .iter()
-                .map(|p| (p.kind, p.weight_bytes()))
-                .collect();
-            Some(MegaTimes {
-                clock: self.alloc::<u64>(2 * plan.phases.len() + 1, "mega phase times")?,
-                phases: kinds,
-            })
-        } else {
-            None
-        };
-        let launch = Launch {
-            func,
-            grid: (self.sm_count as u32, 1, 1),
-            block: mega::THREADS,
-            args: vec![
-                Arg::P(self.ptr(&phases)),
-                Arg::I(plan.phases.len() as i32),
-                Arg::P(self.ptr(&counters)),
-                Arg::I(plan.slot_bytes as i32),
-                Arg::I(plan.x_bytes as i32),
-                Arg::I(mega::ring()),
-                Arg::I(mega::flags()),
-                Arg::P(times.as_ref().map_or(0, |t| self.ptr(&t.clock))),
-            ],
-            weight_bytes: plan.weight_bytes,
-        };
-        let mut out = launches[..plan.start].to_vec();
-        out.push(launch);
-        out.extend_from_slice(&launches[plan.end..]);
-        Ok(MegaProgram {
-            key: launches.to_vec(),
-            launches: out,
-            buffers: Some(MegaBuffers {
-                _phases: phases,
-                _bounds: bounds,
-                _counters: counters,
-                _part: part,
-            }),
-            times,
-        })
-    }
-
-    /// The mega profile (see [`MegaProgram::times`]): time per phase kind of each program's
-    /// last launch.
-    fn print_mega_profile(&self) {
-        let programs = self.mega_programs.lock().unwrap_or_else(|p| p.into_inner());
-        for (i, p) in programs.iter().enumerate() {
-            let Some(MegaTimes {
-                clock,
-                phases: kinds,
-            }) = &p.times
-            else {
-                continue;
-            };
-            let Ok(t) = self.stream.clone_dtoh(clock) else {
-                continue;
-            };
-            if t.first().is_none_or(|&t0| t0 == 0) {
-                continue;
-            }
-            // (kind, µs of work, µs at the barrier after it, phases, weight bytes)
-            let mut by_kind: Vec<(i32, f64, f64, usize, u64)> = Vec::new();
-            for (j, &(kind, bytes)) in kinds.iter().enumerate() {
-                let work = t[2 * j + 1].saturating_sub(t[2 * j]) as f64 / 1e3;
-                let wait = t[2 * j + 2].saturating_sub(t[2 * j + 1]) as f64 / 1e3;
-                match by_kind.iter_mut().find(|e| e.0 == kind) {
-                    Some(e) => {
-                        e.1 += work;
-                        e.2 += wait;
-                        e.3 += 1;
-                        e.4 += bytes;
-                    }
-                    None => by_kind.push((kind, work, wait, 1, bytes)),
-                }
-            }
-            let total = t[2 * kinds.len()].saturating_sub(t[0]) as f64 / 1e3;
-            eprintln!(
-                "mega program {i}: {} phases, {total:.1} µs (last launch, block 0)",
-                kinds.len()
-            );
-            for (kind, work, wait, n, bytes) in by_kind {
-                let us = work + wait;
-                let gbs = if bytes > 0 {
-                    format!(", {:.0} GB/s", bytes as f64 / us / 1e3)
-                } else {
-                    String::new()
-                };
-                eprintln!(
-                    "  {:<18} {n:>4} phases {us:>9.1} µs (work {work:.1}, barrier {wait:.1}){gbs}",
-                    mega::kind_name(kind)
-                );
-            }
-        }
     }
 
     /// A `rows × cols` matrix of type `ty` from its GGUF block bytes.
@@ -1320,8 +971,7 @@ impl CudaBackend {
         if ty != GgmlType::Q4K || !cols.is_multiple_of(256) || cols == 0 {
             return false;
         }
-        std::env::var("KESTREL_CUDA_MMW").as_deref() != Ok("0")
-            && Self::leaves_room_for_cache(Self::mmw_bytes(rows, cols))
+        self.options.mmw_copies && Self::leaves_room_for_cache(Self::mmw_bytes(rows, cols))
     }
 
     /// The mmw copy of the Q4_K matrix at `ptr` (kernels/mmw.cu: `repack_q4k_mmw`).
@@ -1526,11 +1176,8 @@ impl CudaBackend {
             rec.pending.clear();
             return;
         }
-        // Captured or launched eagerly below: with the mega kernel's run in place, if any.
-        let rewritten = self.with_mega(&pending);
-        let launches = rewritten.as_deref().unwrap_or(&pending);
         if pending == rec.previous {
-            match self.capture(launches) {
+            match self.capture(&pending) {
                 Ok(graph) => {
                     if let Err(e) = graph.launch() {
                         self.fail(format!("launching a CUDA graph: {e:?}"));
@@ -1553,7 +1200,7 @@ impl CudaBackend {
                 }
             }
         }
-        for l in launches {
+        for l in &pending {
             self.launch_now(l);
         }
         rec.previous = pending;
@@ -1638,17 +1285,6 @@ impl CudaBackend {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
-        // KESTREL_CUDA_SKIP=name[,name...]: those kernels are not launched at all (wrong
-        // results: for bounding what fusing them away could gain, never for real use).
-        static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-        let skip = SKIP.get_or_init(|| {
-            std::env::var("KESTREL_CUDA_SKIP")
-                .map(|v| v.split(',').map(str::to_owned).collect())
-                .unwrap_or_default()
-        });
-        if skip.iter().any(|s| s == name) {
-            return;
-        }
         self.split_pending();
         // Only the GEMVs that read them keep the quantized activations valid.
         if !matches!(
@@ -1693,10 +1329,10 @@ impl CudaBackend {
         if self.blas.is_none() || ty == GgmlType::F16 {
             return false;
         }
-        match std::env::var("KESTREL_CUDA_F16_WEIGHTS").as_deref() {
-            Ok("0") => false,
-            Ok("1") => true,
-            _ => Self::leaves_room_for_cache(len * 2),
+        match self.options.f16_copies {
+            F16Copies::Never => false,
+            F16Copies::Always => true,
+            F16Copies::ByMemory => Self::leaves_room_for_cache(len * 2),
         }
     }
 
@@ -1850,36 +1486,24 @@ impl CudaBackend {
         // (e.g. 64 sequences × 8 kv heads, or no sequence longer than 64) writes the output
         // directly, without attention_combine. The count is a power of two and changes only
         // when the longest length crosses one.
-        // `KESTREL_CUDA_ATTN_SPLITS=N` fixes the count (for such measurements).
         const ATTN_SPLIT_BLOCKS: usize = 512;
-        static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let fixed = *FIXED.get_or_init(|| {
-            std::env::var("KESTREL_CUDA_ATTN_SPLITS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-        });
         let tiled = tiled_split_attention(p);
-        let splits = match fixed {
-            Some(s) => s,
-            None if tiled => {
-                let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
-                let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
-                let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
-                    .checked_ilog2()
-                    .map_or(1, |e| 1 << e);
-                by_len.min(by_blocks)
-            }
-            None => {
-                let heads = if gqa_split_attention(p) {
-                    p.n_head_kv
-                } else {
-                    p.n_head
-                };
-                let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
-                let by_blocks =
-                    ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
-                by_len.min(by_blocks)
-            }
+        let splits = if tiled {
+            let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
+            let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
+            let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
+                .checked_ilog2()
+                .map_or(1, |e| 1 << e);
+            by_len.min(by_blocks)
+        } else {
+            let heads = if gqa_split_attention(p) {
+                p.n_head_kv
+            } else {
+                p.n_head
+            };
+            let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
+            let by_blocks = ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
+            by_len.min(by_blocks)
         }
         .clamp(if tiled { 1 } else { 2 }, MAX_ATTN_SPLITS);
         // The kernels' shared leading arguments, writing to `dest`.
@@ -2073,9 +1697,8 @@ impl CudaBackend {
             q: self.alloc::<i8>(cap, "the quantized activations")?,
             d: self.alloc::<f32>(cap / 32, "the activation scales")?,
             ds: self.alloc::<f32>(cap / 16, "the activation scales and sums")?,
-            xh: self.alloc::<u16>(cap, "the f16 activations")?,
-            work: self.alloc::<f32>(MMH_WORK_FLOATS, "the split partial sums")?,
-            count: self.alloc::<u32>(MMH_MAX_TILES, "the split arrival counters")?,
+            work: self.alloc::<f32>(MMS_WORK_FLOATS, "the split partial sums")?,
+            count: self.alloc::<u32>(MMS_MAX_TILES, "the split arrival counters")?,
             cap,
         });
         Ok(())
@@ -2089,7 +1712,6 @@ impl CudaBackend {
             q: self.ptr(&s.q),
             d: self.ptr(&s.d),
             ds: self.ptr(&s.ds),
-            xh: self.ptr(&s.xh),
             work: self.ptr(&s.work),
             count: self.ptr(&s.count),
         })
@@ -2099,49 +1721,47 @@ impl CudaBackend {
     /// values fills on the way out for the consuming `gemv_q8` (None: n > 1, the f32 paths,
     /// or rows not of whole 32-value blocks).
     fn single_q8_buffers(&self, n: usize, cols: usize) -> Option<Q8Ptrs> {
-        (n == 1 && self.q8_decode() && !self.legacy_gemv1 && cols.is_multiple_of(32))
+        (n == 1 && self.q8_decode() && cols.is_multiple_of(32))
             .then(|| self.q8_buffers(cols))
             .flatten()
     }
 
     /// Where a kernel that writes `n` token rows of `cols` values for an 8-bit multi-token
-    /// product (steps of MMQ_MIN_TOKENS up to the mmh threshold on `mmq_t*` / `mmk_t8*`, and
-    /// 9..=64 on `mms_*`) quantizes them on the way out: the padded row count, whether in
+    /// product (steps of MMQ_MIN_TOKENS..=8 on `mmq_t8` / `mmk_t8*`, and 9..=MMQ_MAX_TOKENS
+    /// on `mms_*`) quantizes them on the way out: the padded row count, whether in
     /// mmk's layout (where a launch of these rows may take `mmk_t8*` or `mms_*`; the
     /// consumer quantizes again if its weights turn out to need the other one) or mmq's,
     /// and the buffers. None where the consumer quantizes its input itself.
     fn multi_q8_layout(&self, n: usize, cols: usize) -> Option<MultiQ8> {
-        let staged = n >= self.mmh_min() && self.mms_on(n) && cols.is_multiple_of(256);
+        let staged = n >= MMS_MIN_TOKENS && cols.is_multiple_of(256);
         let npad = if staged {
             n.next_power_of_two()
         } else {
             mmq_int8_rows(n)
         };
-        if !(self.fuse_multi
-            && n >= MMQ_MIN_TOKENS
-            && n <= self.mmq_max()
-            && (n < self.mmh_min() || staged)
+        if !((MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS).contains(&n)
+            && (n < MMS_MIN_TOKENS || staged)
             && self.q8_decode()
             && cols.is_multiple_of(32))
         {
             return None;
         }
-        let mmk = staged || (npad == 8 && self.mmk_mode() != 0 && cols.is_multiple_of(256));
+        let mmk = staged || (npad == 8 && self.mmk_on() && cols.is_multiple_of(256));
         let q8 = self.q8_buffers(npad * cols)?;
         Some(MultiQ8 { npad, mmk, q8 })
     }
 
     /// Whether products of `n` tokens with `ty` weights go through the tensor-core kernels
-    /// `mmq_t*` (8-bit activations, MMQ_MIN_TOKENS..=mmq_max tokens).
+    /// `mmq_t8` / `mmk_t8*` / `mms_*` (8-bit activations, MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS
+    /// tokens).
     fn mmq_reads(&self, ty: GgmlType, n: usize) -> bool {
         self.q8_decode()
-            && !self.legacy_gemv1
-            && (MMQ_MIN_TOKENS..=self.mmq_max()).contains(&n)
+            && (MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS).contains(&n)
             && match ty {
                 GgmlType::Q4K | GgmlType::Q6K => true,
                 // Faster than cuBLAS on the f16 copies up to 8 tokens since their rows
                 // are 16-byte aligned (B = 8: Q4_0 992 → 1,318, Q8_0 926 → 1,126 t/s).
-                GgmlType::Q8_0 | GgmlType::Q4_0 => self.mmq_all_formats() || n <= 8,
+                GgmlType::Q8_0 | GgmlType::Q4_0 => n <= 8,
                 _ => false,
             }
     }
@@ -2157,8 +1777,8 @@ impl CudaBackend {
 
     /// Whether an int8 launch of `npad` token rows, rows of `k` values, `tiles` 16-row tiles
     /// and these weight types goes to `mmk_t8*` rather than `mmq_t8*`. Launches of more
-    /// than `mmk_max_waves` waves (the LM head) stay on `mmq_t8*`: on the H100 the Q6_K LM head took 305–370 µs there
-    /// against 261 µs on `mmq_t8` (B = 8, `KESTREL_CUDA_PROFILE=1`).
+    /// than MMK_MAX_WAVES waves (the LM head) stay on `mmq_t8`: on the H100 the Q6_K LM head
+    /// took 305–370 µs there against 261 µs on `mmq_t8` (B = 8, `KESTREL_CUDA_PROFILE=1`).
     fn mmk_reads(
         &self,
         k: usize,
@@ -2167,71 +1787,44 @@ impl CudaBackend {
         types: impl IntoIterator<Item = GgmlType>,
     ) -> bool {
         npad == 8
-            && self.mmk_mode() != 0
-            && tiles <= self.mmk_max_waves * 2 * self.sm_count
+            && self.mmk_on()
+            && tiles <= MMK_MAX_WAVES * 2 * self.sm_count
             && k.is_multiple_of(256)
             && types
                 .into_iter()
                 .all(|ty| matches!(ty, GgmlType::Q4K | GgmlType::Q6K))
     }
 
-    /// `mmk_t8*`'s setting (0 off, 1 on, 2 on with the weights of the next step prefetched).
-    pub fn mmk_mode(&self) -> u8 {
+    /// Whether `mmk_t8*` takes the Q4_K / Q6_K launches of up to 8 tokens that it reads (on by
+    /// default).
+    fn mmk_on(&self) -> bool {
         self.mmk.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Sets it (the self-check runs each).
-    pub fn set_mmk_mode(&self, mode: u8) {
-        self.mmk
-            .store(mode.min(2), std::sync::atomic::Ordering::Relaxed);
+    /// Turns `mmk_t8*` off, so that `mmq_t8` takes those launches as it takes the LM head's
+    /// (the self-check covers both).
+    pub fn set_mmk(&self, on: bool) {
+        self.mmk.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
-    /// f16 tensor-core kernels `mmh_*` (a subset of [`Self::mmq_reads`]).
-    fn mmh_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
-        self.wide_mmq_reads(ty, n, k) && !self.mms_on(n)
-    }
-
-    /// Whether those products go through the staged int8 kernels `mms_*` instead.
+    /// staged int8 kernels `mms_*` (Q4_K / Q6_K from MMS_MIN_TOKENS tokens).
     fn mms_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
-        self.wide_mmq_reads(ty, n, k) && self.mms_on(n)
-    }
-
-    /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through
-    /// `mmh_*` or `mms_*` (Q4_K / Q6_K from `mmh_min` tokens).
-    fn wide_mmq_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
         self.mmq_reads(ty, n)
-            && n >= self.mmh_min.load(std::sync::atomic::Ordering::Relaxed)
+            && n >= MMS_MIN_TOKENS
             && k.is_multiple_of(256)
             && matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
     }
 
-    /// Whether steps of `n` tokens that `mmh_*` could take go to `mms_*` (tiles of 16, 32
-    /// and 64 tokens: from 9).
-    fn mms_on(&self, n: usize) -> bool {
-        n > 8 && self.mms.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Turns `mms_*` on or off (the self-check covers both families).
-    pub fn set_mms(&self, on: bool) {
-        self.mms.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether `mms_*` is on.
-    pub fn mms(&self) -> bool {
-        self.mms.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Which tensor-core kernels take an mmq launch of `n` tokens, and the tokens their tile
-    /// holds (the activations are converted or quantized for that many rows): `mms_*` or
-    /// `mmh_*` when they read every segment (tiles of 16, 32 or 64; mmh also 8), else
-    /// `mmq_t*` / `mmk_t8*` (a multiple of 8).
+    /// holds (the activations are quantized for that many rows): `mms_*` when they read
+    /// every segment (tiles of 16 or 32), else `mmq_t8` / `mmk_t8*` (8 tokens).
     fn mmq_plan(&self, n: usize, k: usize, segs: &[GemvSeg]) -> (MmqKind, usize) {
         if segs.iter().all(|s| self.mms_reads(s.ty, n, k)) {
             (MmqKind::Staged, n.next_power_of_two())
-        } else if segs.iter().all(|s| self.mmh_reads(s.ty, n, k)) {
-            (MmqKind::Half, n.next_power_of_two().max(8))
         } else {
+            // (mmq_reads leaves only steps of up to 8 tokens to the 8-token kernels.)
+            debug_assert!(n <= 8);
             (MmqKind::Int8, mmq_int8_rows(n))
         }
     }
@@ -2243,125 +1836,34 @@ impl CudaBackend {
             .store(rows.min(2), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether cuBLAS products can be forced onto cuBLASLt (the library is there).
-    pub fn has_cublaslt(&self) -> bool {
-        self.gemm_tuner.is_some()
-    }
-
-    /// Whether cuBLAS products run on a timed cuBLASLt algorithm even where cublasGemmEx
-    /// is faster (the self-check covers that path on small products); no effect without
-    /// cuBLASLt.
-    pub fn set_gemm_force_lt(&self, force: bool) {
-        if let Some(t) = &self.gemm_tuner {
-            t.set_force(force);
-        }
-    }
-
-    /// Whether single-token products of Q4_K / Q6_K weights run on `gemv_ws`.
-    pub fn gemv_ws(&self) -> bool {
-        self.gemv_ws.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Microseconds per launch of `read_bytes` over `bytes` bytes (rounded down to 16), as
-    /// (`launches` launches back to back, one launch alone after a synchronize): the read
-    /// ceiling of a kernel of that size, launch and ramp included. The launches rotate over
-    /// enough buffers (at least 256 MB in all) that each reads what is not in L2, as a
-    /// decode step's weights are not.
-    pub fn read_launch_us(&self, bytes: usize, launches: usize) -> anyhow::Result<(f64, f64)> {
-        let words = (bytes / 16).max(1);
-        let copies = (256usize << 20).div_ceil(words * 16).max(2);
-        let bufs = (0..copies)
-            .map(|_| {
-                self.stream
-                    .alloc_zeros::<u8>(words * 16)
-                    .map_err(|e| anyhow::anyhow!("allocating {bytes} bytes: {e:?}"))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let sink = self
-            .stream
-            .alloc_zeros::<u32>(1)
-            .map_err(|e| anyhow::anyhow!("allocating: {e:?}"))?;
-        let grid = ((self.sm_count * 8) as u32, 1, 1);
-        let event = || {
-            self.ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow::anyhow!("creating an event: {e:?}"))
-        };
-        let mut next = 0;
-        let mut timed = |count: usize| -> anyhow::Result<f64> {
-            let (a, b) = (event()?, event()?);
-            self.check()?;
-            a.record(&self.stream)
-                .map_err(|e| anyhow::anyhow!("recording an event: {e:?}"))?;
-            for _ in 0..count {
-                let args = [
-                    Arg::P(self.ptr(&bufs[next % copies])),
-                    Arg::L(words as i64),
-                    Arg::P(self.ptr(&sink)),
-                ];
-                next += 1;
-                self.launch("read_bytes", grid, 256, &args);
-            }
-            self.flush();
-            b.record(&self.stream)
-                .map_err(|e| anyhow::anyhow!("recording an event: {e:?}"))?;
-            self.check()?;
-            let ms = a
-                .elapsed_ms(&b)
-                .map_err(|e| anyhow::anyhow!("timing: {e:?}"))?;
-            Ok(ms as f64 * 1000.0 / count as f64)
-        };
-        timed(copies)?; // warm-up: every buffer touched once
-        let back_to_back = timed(launches.max(copies))?;
-        let mut alone = f64::INFINITY;
-        for _ in 0..5 {
-            alone = alone.min(timed(1)?);
-        }
-        Ok((back_to_back, alone))
-    }
-
     /// Whether an unforced single-token 8-bit launch takes one row per warp: launches where
     /// one row per warp still fits in one wave of resident warps (5 blocks of 4 per SM:
-    /// `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows only with
-    /// `KESTREL_CUDA_WS=0`, fits 4 since its 64-value units — the rule was measured at 5 and
-    /// kept: Qwen2.5-1.5B tg128 with `KESTREL_CUDA_WS=0` 712–724 against 689–750 on
+    /// `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows only where
+    /// `gemv_ws_r1` does not, fits 4 since its 64-value units — the rule was measured at 5 and
+    /// kept: Qwen2.5-1.5B tg128 with K-quants on `gemv_q8_r1` 712–724 against 689–750 on
     /// `gemv_ws_r1` in the tenth session, within the spread). Short rows (≤ 2,048 values)
     /// used to take one row a warp at any size; with one short row a warp, a launch of
     /// several waves keeps too few bytes in flight a SM (~1.3 KB a warp). Two rows a warp
-    /// beyond one wave (`KESTREL_CUDA_R1_MAX_WAVES=N`: short rows keep one up to N waves),
-    /// on Qwen2.5-1.5B's gate/up (3.4 waves) and LM head (58): tg128 +3.5% (five alternated
-    /// pairs in two calls, means 755 → 781, four of five pairs for; the LM head alone +1.2%).
-    fn gemv_q8_one_row(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
-        static MAX_WAVES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let max_waves = *MAX_WAVES.get_or_init(|| {
-            std::env::var("KESTREL_CUDA_R1_MAX_WAVES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1)
-        });
-        let warps = gemv_warps(segs, gated, 1);
-        (k <= 2048 && warps <= self.sm_count * 20 * max_waves) || warps <= self.sm_count * 20
+    /// beyond one wave for short rows too, on Qwen2.5-1.5B's gate/up (3.4 waves) and LM head
+    /// (58): tg128 +3.5% (five alternated pairs in two calls, means 755 → 781, four of five
+    /// pairs for; the LM head alone +1.2%).
+    fn gemv_q8_one_row(&self, segs: &[GemvSeg], gated: bool) -> bool {
+        gemv_warps(segs, gated, 1) <= self.sm_count * 20
     }
 
     /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
     pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix { cols, .. } = w else {
-            return false;
-        };
         let Some(seg) = GemvSeg::of(w, 0, 0, 0) else {
             return false;
         };
-        n == 1 && self.matmul_uses_q8(w, n) && self.ws_launch(*cols, &[seg], false)
+        n == 1 && self.matmul_uses_q8(w, n) && self.ws_launch(&[seg], false)
     }
 
     /// Whether an 8-bit single-token launch over `segs` (rows of `k` values) runs on
     /// `gemv_ws_r1`: rows per warp not forced, the kernel on, formats and alignment it
     /// reads, and one row a warp by [`Self::gemv_q8_one_row`].
-    fn ws_launch(&self, k: usize, segs: &[GemvSeg], gated: bool) -> bool {
-        self.gemv_q8_rows() == 0
-            && self.gemv_ws()
-            && ws_takes(segs, gated)
-            && self.gemv_q8_one_row(k, segs, gated)
+    fn ws_launch(&self, segs: &[GemvSeg], gated: bool) -> bool {
+        self.gemv_q8_rows() == 0 && ws_takes(segs, gated) && self.gemv_q8_one_row(segs, gated)
     }
 
     /// The forced rows per warp of single-token `gemv_q8` launches (0: by launch).
@@ -2369,60 +1871,14 @@ impl CudaBackend {
         self.gemv_q8_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Sets the fewest tokens that take `mmh_*` (the self-check covers both families).
-    pub fn set_mmh_min(&self, n: usize) {
-        self.mmh_min.store(n, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The fewest tokens that take `mmh_*`.
-    pub fn mmh_min(&self) -> usize {
-        self.mmh_min.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Whether `matmul` of `n` tokens with `w` runs on the f16 tensor-core kernels.
-    pub fn matmul_uses_mmh(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix { ty, cols, .. } = w else {
-            return false;
-        };
-        self.mmh_reads(*ty, n, *cols) && gemv_supported(*ty, *cols) && !self.prefer_gemm(w, n)
-    }
-
     /// Whether [`Self::gemv`] takes these segments for `n` tokens.
     fn gemv_takes(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
         n <= GEMV_MAX_TOKENS || self.mmq_applies(k, n, segs, gated)
     }
 
-    /// The most tokens of a step the tensor-core kernels take (0: none).
-    pub fn mmq_max(&self) -> usize {
-        self.mmq_max.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Whether the tensor-core kernels also take Q8_0 and Q4_0 weights in steps of more than
-    /// 8 tokens (off by default: not measured against cuBLAS there;
-    /// `KESTREL_CUDA_MMQ_FORMATS=all` turns it on). Up to 8 tokens they always do.
-    pub fn mmq_all_formats(&self) -> bool {
-        self.mmq_all_formats
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Turns that on or off (the self-check covers every format).
-    pub fn set_mmq_all_formats(&self, on: bool) {
-        self.mmq_all_formats
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Sets that limit (at most MMQ_MAX_TOKENS; the self-check covers every tile size).
-    pub fn set_mmq_max(&self, n: usize) {
-        self.mmq_max
-            .store(n.min(MMQ_MAX_TOKENS), std::sync::atomic::Ordering::Relaxed);
-    }
-
     /// Whether the 8-bit GEMVs (`gemv_q8*`) are on and read `ty` for `n` tokens.
     fn q8_gemv_reads(&self, ty: GgmlType, n: usize) -> bool {
-        self.q8_decode()
-            && !self.legacy_gemv1
-            && (1..=GEMV_MAX_TOKENS).contains(&n)
-            && q8_supported(ty)
+        self.q8_decode() && (1..=GEMV_MAX_TOKENS).contains(&n) && q8_supported(ty)
     }
 
     /// Whether a single-token product with these segments runs on 8-bit activations.
@@ -2461,7 +1917,6 @@ impl CudaBackend {
             return false;
         };
         (self.q8_gemv_reads(*ty, n) || self.mmq_reads(*ty, n))
-            && !self.mmh_reads(*ty, n, *cols)
             && gemv_supported(*ty, *cols)
             && !self.prefer_gemm(w, n)
     }
@@ -2561,7 +2016,7 @@ impl CudaBackend {
     fn f16_copy_for_gemm(&self, n: usize, cols: usize) -> Option<u64> {
         let gemm_step = self.blas.is_some()
             && n >= GEMM_MIN_TOKENS
-            && n > self.mmq_max()
+            && n > MMQ_MAX_TOKENS
             && !self.lock_recorder().deferring;
         gemm_step
             .then(|| self.scratch_ptr(|s| &mut s.x, n * cols))
@@ -2718,7 +2173,7 @@ impl CudaBackend {
         out: &CudaTensor,
     ) -> bool {
         let len = n * out.cols;
-        if !self.read_ahead_allowed
+        if !self.options.read_ahead
             || !self
                 .rows_read_back
                 .load(std::sync::atomic::Ordering::Relaxed)
@@ -2850,15 +2305,8 @@ impl CudaBackend {
             self.fail("GEMM without cuBLAS".into());
             return;
         };
-        let shape = gemm_tune::Shape { rows, cols, n, ld };
-        // The shape's fastest cuBLASLt algorithm where one beats cublasGemmEx's choice
-        // (tuning on, or forced by the self-check).
-        if let Some(tuner) = &self.gemm_tuner
-            && tuner.run(blas, shape, a, xh, out, accumulate)
-        {
-            return;
-        }
-        if let Err(e) = gemm_tune::gemm_ex_raw(blas, shape, a, xh, out, accumulate) {
+        let shape = cublas::Shape { rows, cols, n, ld };
+        if let Err(e) = cublas::gemm_ex_raw(blas, shape, a, xh, out, accumulate) {
             self.fail(format!("cuBLAS GEMM ({rows}×{cols} by {n} tokens): {e}"));
         }
     }
@@ -2941,7 +2389,8 @@ impl CudaBackend {
             self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes);
             return;
         }
-        // Only the single-token kernels and mmq_* / mmh_* add into their outputs.
+        // Only the single-token kernels and the mmq_t8 / mmk_t8* / mms_* add into their
+        // outputs.
         debug_assert!(n == 1 || segs.iter().all(|s| !s.accumulate));
         debug_assert!(n <= GEMV_MAX_TOKENS);
         if self.q8_applies(k, n, segs) {
@@ -2978,14 +2427,14 @@ impl CudaBackend {
                 // (down: 1,536 rows of 8,960) 635 / 636 -> 674 / 680 t/s; Llama-3-8B, whose
                 // 4,096-row launches would take 1.6 waves, stays on two (309 / 311 against
                 // 282 / 286 with one).
-                _ if self.gemv_q8_one_row(k, segs, gated.is_some()) => ("gemv_q8_r1", 1),
+                _ if self.gemv_q8_one_row(segs, gated.is_some()) => ("gemv_q8_r1", 1),
                 _ => ("gemv_q8", 2),
             };
             // One-row launches on the staged kernel where it reads the formats (tg128 H100,
             // alternated: Qwen2.5-1.5B, all one-row launches, 709 / 679 -> 723 / 724 t/s;
             // Llama-3-8B's two-row launches lost on it, 329 / 325 -> 312 / 316, so they stay).
             // (n == 1 and unforced, ws_launch implies the one-row gemv_q8_r1 above.)
-            let kernel = if n == 1 && self.ws_launch(k, segs, gated.is_some()) {
+            let kernel = if n == 1 && self.ws_launch(segs, gated.is_some()) {
                 "gemv_ws_r1"
             } else if n == 1
                 && segs
@@ -3008,7 +2457,7 @@ impl CudaBackend {
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &q8_args, weight_bytes);
             return;
         }
-        if n == 1 && !self.legacy_gemv1 {
+        if n == 1 {
             // gemv_dec: `rows` rows per warp, 4 warps per block, per matrix.
             // Rows of at most SHORT_ROW values: one row per warp (a lane then has one or two
             // units of the row, so a second row adds latency instead of bytes in flight).
@@ -3017,17 +2466,16 @@ impl CudaBackend {
             // 201 on Llama-3-8B (rows of 4096 and 14336); splitting by launch size instead
             // (< 8192 rows: r1) gave 448 and 192.
             const SHORT_ROW: usize = 2048;
-            let (kernel, rows) = self.gemv_dec.unwrap_or(if k <= SHORT_ROW {
+            let (kernel, rows) = if k <= SHORT_ROW {
                 ("gemv_dec_r1", 1)
             } else {
                 ("gemv_dec", 2)
-            });
+            };
             let warps = gemv_warps(segs, gated.is_some(), rows);
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
             return;
         }
-        let kernel = if n == 1 { "gemv1" } else { "gemv" };
-        self.launch_reading(kernel, grid_1d(total, rpb), 128, &args, weight_bytes);
+        self.launch_reading("gemv", grid_1d(total, rpb), 128, &args, weight_bytes);
     }
 
     /// The GEMV launch `args` (see [`Self::gemv`]) on the tensor cores: x quantized to 8 bits
@@ -3050,32 +2498,12 @@ impl CudaBackend {
         let Q8Ptrs {
             q: q_ptr,
             ds: ds_ptr,
-            xh,
             work,
             count,
             ..
         } = bufs;
-        // Kernel names by tile (8, 16, 32, 64 tokens) and gated.
-        const MMH: [[&str; 2]; 4] = [
-            ["mmh_t8", "mmh_t8_gated"],
-            ["mmh_t16", "mmh_t16_gated"],
-            ["mmh_t32", "mmh_t32_gated"],
-            ["mmh_t64", "mmh_t64_gated"],
-        ];
-        const MMQ: [[&str; 2]; 4] = [
-            ["mmq_t8", "mmq_t8_gated"],
-            ["mmq_t16", "mmq_t16_gated"],
-            ["mmq_t32", "mmq_t32_gated"],
-            ["mmq_t64", "mmq_t64_gated"],
-        ];
-        let tile = match npad {
-            8 => 0,
-            16 => 1,
-            24 | 32 => 2,
-            _ => 3,
-        };
-        // The activations as the kernels read them (f16, or 8 bits with the block sums; npad
-        // rows), then the product: its kernel, grid, block and leading arguments.
+        // The activations as the kernels read them (8 bits with the block sums; npad rows),
+        // then the product: its kernel, grid, block and leading arguments.
         let prep_args = [
             Arg::P(x.ptr),
             Arg::I(k as i32),
@@ -3083,37 +2511,18 @@ impl CudaBackend {
             Arg::I(npad as i32),
         ];
         let (kernel, blocks, threads, mut kernel_args) = match kind {
-            MmqKind::Half => {
-                let outs = [Arg::P(xh)];
-                self.launch(
-                    "convert_x_mmh",
-                    grid_1d(npad * k / 8, 256),
-                    256,
-                    &[&prep_args[..], &outs].concat(),
-                );
-                let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
-                let splits = mmh_splits(tiles, k / 256, npad, self.sm_count, MMH_BLOCKS_PER_SM);
-                let args = vec![
-                    Arg::P(xh),
-                    Arg::I(splits as i32),
-                    Arg::P(work),
-                    Arg::P(count),
-                ];
-                (MMH[tile][gated as usize], tiles * splits, MMH_THREADS, args)
-            }
             MmqKind::Staged => {
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, true)) {
                     self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
                 }
-                const MMS: [[&str; 2]; 3] = [
-                    ["mms_t16", "mms_t16_gated"],
-                    ["mms_t32", "mms_t32_gated"],
-                    ["mms_t64", "mms_t64_gated"],
-                ];
-                let tiles = gemv_warps(segs, gated, if gated { MMH_ROWS / 2 } else { MMH_ROWS });
-                let per_sm = if npad > 32 { 2 } else { 3 }; // MMS_KERNEL's launch bounds
-                let splits = mmh_splits(tiles, k / 256, npad, self.sm_count, per_sm);
+                // Kernel names by tile (16, 32 tokens) and gated.
+                const MMS: [[&str; 2]; 2] =
+                    [["mms_t16", "mms_t16_gated"], ["mms_t32", "mms_t32_gated"]];
+                let tile = usize::from(npad > 16);
+                let tiles = gemv_warps(segs, gated, if gated { MMS_ROWS / 2 } else { MMS_ROWS });
+                let per_sm = 3; // MMS_KERNEL's launch bounds for tiles of up to 32 tokens
+                let splits = mms_splits(tiles, k / 256, npad, self.sm_count, per_sm);
                 let args = vec![
                     Arg::P(q_ptr),
                     Arg::P(xk),
@@ -3125,12 +2534,7 @@ impl CudaBackend {
                 ];
                 // MS_THREADS (kernels/mmq.cu): two warps per 16 rows, each half the tokens.
                 const MMS_THREADS: u32 = 8 * 32;
-                (
-                    MMS[tile - 1][gated as usize],
-                    tiles * splits,
-                    MMS_THREADS,
-                    args,
-                )
+                (MMS[tile][gated as usize], tiles * splits, MMS_THREADS, args)
             }
             MmqKind::Int8 => {
                 let tiles = gemv_warps(segs, gated, 16);
@@ -3152,17 +2556,17 @@ impl CudaBackend {
                 // MQ_WARPS / MK_WARPS (kernels/mmq.cu) warps a block, one block per 16 rows.
                 const MMQ_THREADS: u32 = 8 * 32;
                 if mmk {
-                    let name = match (gated, self.mmk_mode()) {
-                        (true, _) if segs[0].ty == GgmlType::Q4K => "mmk_t8_gated_q4k",
-                        (true, _) => "mmk_t8_gated_q6k",
-                        (false, 2) => "mmk_t8_pipe",
-                        (false, _) => "mmk_t8",
+                    let name = match gated {
+                        true if segs[0].ty == GgmlType::Q4K => "mmk_t8_gated_q4k",
+                        true => "mmk_t8_gated_q6k",
+                        false => "mmk_t8_pipe",
                     };
                     let args = vec![Arg::P(q_ptr), Arg::P(xk), Arg::P(xb), Arg::I(npad as i32)];
                     (name, tiles, MMQ_THREADS, args)
                 } else {
                     let args = vec![Arg::P(q_ptr), Arg::P(ds_ptr), Arg::I(npad as i32)];
-                    (MMQ[tile][gated as usize], tiles, MMQ_THREADS, args)
+                    let name = if gated { "mmq_t8_gated" } else { "mmq_t8" };
+                    (name, tiles, MMQ_THREADS, args)
                 }
             }
         };
@@ -3271,7 +2675,7 @@ impl CudaBackend {
     }
 
     /// Whether gate and up of `n` tokens go to `mmw_gated` (both Q4_K with mmw copies, as
-    /// many rows, n in mmw_min..=MMW_MAX_TOKENS).
+    /// many rows, n in MMW_MIN_TOKENS..=MMW_MAX_TOKENS).
     pub fn matmul_uses_mmw(&self, gate_w: &CudaWeight, up_w: &CudaWeight, n: usize) -> bool {
         let shape = |w: &CudaWeight| match w {
             CudaWeight::Matrix {
@@ -3282,7 +2686,7 @@ impl CudaBackend {
             } => Some((*rows, *cols)),
             _ => None,
         };
-        n >= self.mmw_min() && n <= MMW_MAX_TOKENS && {
+        (MMW_MIN_TOKENS..=MMW_MAX_TOKENS).contains(&n) && {
             let g = shape(gate_w);
             g.is_some() && g == shape(up_w)
         }
@@ -3351,125 +2755,11 @@ impl CudaBackend {
         true
     }
 
-    /// Whether a product of `n` tokens with `w` goes to `mmw_add` (Q4_K with an mmw copy,
-    /// n in mmw_min..=MMW_MAX_TOKENS; only with `KESTREL_CUDA_MMW_ADD=1` or forced by the
-    /// self-check: slower than cuBLAS on the f16 copies so far, o 40 against 14 µs).
-    pub fn matmul_uses_mmw_plain(&self, w: &CudaWeight, n: usize) -> bool {
-        self.mmw_add.load(std::sync::atomic::Ordering::Relaxed)
-            && matches!(w, CudaWeight::Matrix { mmw: Some(_), .. })
-            && n >= self.mmw_min()
-            && n <= MMW_MAX_TOKENS
-    }
-
-    /// `out (+)= x · wᵀ (+ bias)` on `mmw_add` when [`Self::matmul_uses_mmw_plain`].
-    fn matmul_mmw(
-        &self,
-        x: &CudaTensor,
-        w: &CudaWeight,
-        n: usize,
-        out: &CudaTensor,
-        accumulate: bool,
-    ) -> bool {
-        if !self.matmul_uses_mmw_plain(w, n) {
-            return false;
-        }
-        let CudaWeight::Matrix {
-            mmw: Some(copy),
-            rows,
-            cols,
-            ..
-        } = w
-        else {
-            return false;
-        };
-        if x.cols != *cols || out.cols != *rows || n > x.rows || n > out.rows {
-            return false;
-        }
-        let (tiles, steps) = (rows.div_ceil(16), cols / 256);
-        let nt = match self.mmw_warps.load(std::sync::atomic::Ordering::Relaxed) {
-            0 => MW_MAX_WARPS,
-            w => w,
-        }
-        .clamp(1, MW_MAX_WARPS)
-        .min(tiles);
-        let groups = tiles.div_ceil(nt);
-        if groups > MW_MAX_GROUPS {
-            return false;
-        }
-        // Splits of the row length so that the launch fills every SM once.
-        let threads = nt * 32;
-        let max_splits = MW_WORK_FLOATS / (groups * threads * 32);
-        let splits = (self.sm_count / groups)
-            .clamp(1, steps.max(1))
-            .min(max_splits.max(1));
-        let Some(xh) = self.x_to_f16(x, n) else {
-            return true; // the failure is recorded
-        };
-        let (work, count) = {
-            let mut slot = self.mmw_work.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.is_none() {
-                match (
-                    self.alloc::<f32>(MW_WORK_FLOATS, "mmw partial sums"),
-                    self.alloc::<u32>(MW_MAX_GROUPS, "mmw counters"),
-                ) {
-                    (Ok(a), Ok(b)) => *slot = Some((a, b)),
-                    (Err(e), _) | (_, Err(e)) => {
-                        self.fail(format!("{e:#}"));
-                        return true;
-                    }
-                }
-            }
-            let Some((a, b)) = slot.as_ref() else {
-                return true;
-            };
-            (self.ptr(a), self.ptr(b))
-        };
-        self.launch(
-            "mmw_add",
-            (groups as u32, splits as u32, 1),
-            threads as u32,
-            &[
-                Arg::P(xh),
-                Arg::I(n as i32),
-                Arg::I(*cols as i32),
-                Arg::P(self.ptr(copy)),
-                Arg::I(*rows as i32),
-                Arg::P(out.ptr),
-                Arg::I(out.cols as i32),
-                Arg::I(i32::from(accumulate)),
-                Arg::P(0),
-                Arg::P(work),
-                Arg::P(count),
-            ],
-        );
-        true
-    }
-
-    /// Sets the fewest tokens that take `mmw_gated` (the self-check covers its range).
-    pub fn set_mmw_min(&self, n: usize) {
-        self.mmw_min.store(n, std::sync::atomic::Ordering::Relaxed);
-    }
-
     /// Forces the warps per block of `mmw_*` (0: chosen by shape; the self-check's small
     /// matrices would otherwise only see one).
     pub fn set_mmw_warps(&self, warps: usize) {
         self.mmw_warps
             .store(warps, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Sets whether plain products take `mmw_add` (off by default).
-    pub fn set_mmw_add(&self, on: bool) {
-        self.mmw_add.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether plain products take `mmw_add`.
-    pub fn mmw_add(&self) -> bool {
-        self.mmw_add.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The fewest tokens that take `mmw_gated`.
-    pub fn mmw_min(&self) -> usize {
-        self.mmw_min.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -3712,11 +3002,10 @@ impl kestrel_model::Backend for CudaBackend {
         }
         let gathered_only =
             info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
-        // The 4-bit tensor-core copy: gate and up (mmw_gated), or every matrix when plain
-        // products take mmw_add too.
+        // The 4-bit tensor-core copy of gate and up (mmw_gated).
         let gate_or_up =
             info.name.ends_with("ffn_gate.weight") || info.name.ends_with("ffn_up.weight");
-        if !gathered_only && (gate_or_up || self.mmw_add()) {
+        if !gathered_only && gate_or_up {
             self.add_mmw_copy(&mut w)
                 .with_context(|| format!("tensor {}", info.name))?;
         }
@@ -3887,11 +3176,7 @@ impl kestrel_model::Backend for CudaBackend {
                 || [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0]
                     .into_iter()
                     .any(|ty| copies_q8 & (1 << ty.id()) != 0 && !q8_kernels_take(ty)));
-        let graph_max = if self.mmq_max() >= MMQ_MIN_TOKENS {
-            GRAPH_MAX_TOKENS.max(self.mmq_max())
-        } else {
-            GRAPH_MAX_TOKENS
-        };
+        let graph_max = GRAPH_MAX_TOKENS.max(MMQ_MAX_TOKENS);
         if n <= graph_max && !uses_cublas && self.graphs.load(std::sync::atomic::Ordering::Relaxed)
         {
             self.lock_recorder().deferring = true;
@@ -3971,7 +3256,7 @@ impl kestrel_model::Backend for CudaBackend {
             return;
         }
         // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
-        // the mmh threshold): quantize them on the way out, in that kernel's layout.
+        // MMQ_MAX_TOKENS): quantize them on the way out, in that kernel's layout.
         if let Some(MultiQ8 { npad, mmk, q8 }) = self.multi_q8_layout(n, x.cols) {
             let Q8Ptrs { q, ds, .. } = q8;
             let tail = [Arg::I(n as i32), Arg::I(npad as i32), Arg::P(q), Arg::P(ds)];
@@ -4029,9 +3314,6 @@ impl kestrel_model::Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &mut CudaTensor) {
-        if self.matmul_mmw(x, w, n, out, false) {
-            return;
-        }
         let CudaWeight::Matrix {
             ptr,
             ty,
@@ -4532,23 +3814,18 @@ impl kestrel_model::Backend for CudaBackend {
     ) {
         // Single-token steps and the tensor-core kernels of a few tokens add into the
         // residual themselves.
-        if !self.legacy_gemv1
-            && !self.prefer_gemm(w, n)
+        if !self.prefer_gemm(w, n)
             && let Some(mut seg) = self.gemv_seg(x, w, residual, None)
         {
             seg.accumulate = true;
             let segs = [seg];
-            if n == 1 || (self.fuse_multi && self.mmq_applies(x.cols, n, &segs, false)) {
+            if n == 1 || self.mmq_applies(x.cols, n, &segs, false) {
                 self.gemv(x, n, &segs, None);
                 return;
             }
         }
-        if self.matmul_mmw(x, w, n, residual, true) {
-            return;
-        }
         // Prompt-sized steps on cuBLAS: the product added into the residual by the GEMM.
-        if self.fuse_multi
-            && self.blas.is_some()
+        if self.blas.is_some()
             && self.prefer_gemm(w, n)
             && w.cols() == Some(x.cols)
             && let Some(xh) = self.x_to_f16(x, n)
@@ -4656,7 +3933,6 @@ impl CudaWeight {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        self.print_mega_profile();
         let Some(p) = &self.profile else {
             return;
         };
