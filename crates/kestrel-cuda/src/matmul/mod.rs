@@ -1,0 +1,591 @@
+//! Matrix products: which kernel family takes a product (the predicates below, asked once
+//! per product), and the products the forward pass asks for (`matmul`, `qkv`, `gate_up`,
+//! `matmul_add`). The launchers of each family live beside this file: `gemv` (decode-sized,
+//! kernels/gemv.cu), `mmq` (int8 tensor cores, kernels/mmq.cu), `mmw` (4-bit repacked gate/up,
+//! kernels/mmw.cu), `cublas` (f16 products through cuBLAS).
+
+use crate::*;
+use kestrel_model::Backend;
+
+pub(crate) mod cublas;
+pub(crate) mod gemv;
+pub(crate) mod mmq;
+pub(crate) mod mmw;
+
+pub(crate) use cublas::*;
+pub(crate) use gemv::*;
+pub(crate) use mmq::*;
+pub(crate) use mmw::*;
+
+/// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
+pub(crate) const Q8_GEMV_MAX_TOKENS: usize = 4;
+
+pub(crate) const MMQ_MIN_TOKENS: usize = 3;
+
+/// Fewest tokens of a step whose Q4_K / Q6_K products take the staged kernels `mms_*`.
+pub(crate) const MMS_MIN_TOKENS: usize = 9;
+
+/// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
+pub(crate) const MMK_MAX_WAVES: usize = 8;
+
+/// The tensor-core kernel families of steps of several tokens (see `CudaBackend::mmq_plan`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MmqKind {
+    /// `mmq_t8` / `mmk_t8*`: int8 activations, every warp loading its own activation
+    /// fragments.
+    Int8,
+    /// `mms_*`: int8 activations per 256 values (`mmk_t8*`'s layout) staged in shared memory.
+    Staged,
+}
+
+/// A merged Q/K/V product (`qkv` through cuBLAS) whose split into q, k and v waits for the
+/// next launch: `rope_store_kv` takes it and reads its heads straight from the product; any
+/// other launch, or the end of the step, splits it first (`split_qkv`).
+pub(crate) struct PendingSplit {
+    /// `split_qkv`'s arguments: the product, q, k, v, the three biases (0: none), the
+    /// widths of q and k, the values.
+    pub(crate) args: [Arg; 10],
+    pub(crate) n: usize,
+}
+
+/// The most tokens a step multiplies through the merged Q/K/V f16 copy (see `qkv`).
+pub(crate) const MERGED_QKV_MAX_TOKENS: usize = 512;
+
+/// [`CudaBackend::multi_q8_layout`]'s answer.
+pub(crate) struct MultiQ8 {
+    pub(crate) npad: usize,
+    pub(crate) mmk: bool,
+    pub(crate) q8: Q8Ptrs,
+}
+
+impl CudaBackend {
+    /// Whether a product of `n` tokens with `w` should go through cuBLAS: never while a
+    /// step is being recorded for graph replay (cuBLAS calls are not recorded launches);
+    /// from GEMM_MIN_TOKENS tokens, or from 2 when `w` needs no dequantizing (f16 copy or
+    /// F16 weights: one read of 2 bytes per weight beats the GEMV kernels' per-token cost).
+    pub(crate) fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        if let CudaWeight::Matrix { ty, cols, .. } = w
+            && self.mmq_reads(*ty, n)
+            && gemv_supported(*ty, *cols)
+        {
+            return false;
+        }
+        // Small batches of Q8-capable weights stay on the 8-bit GEMVs (one read of the
+        // quantized rows for all tokens) up to Q8_GEMV_MAX_TOKENS when an f16 copy exists
+        // (measured at 8 tokens, Llama-3-8B Q4_K_M: gemv_q8_t8 575 t/s, cuBLAS on the f16
+        // copies 705), up to GEMV_MAX_TOKENS otherwise.
+        let q8_gemv = n <= Q8_GEMV_MAX_TOKENS
+            && matches!(w, CudaWeight::Matrix { ty, .. } if self.q8_gemv_reads(*ty, n));
+        self.blas.is_some()
+            && !self.lock_recorder().deferring
+            && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16() && !q8_gemv))
+    }
+
+    /// Whether products of `n` tokens with `ty` weights go through the tensor-core kernels
+    /// `mmq_t8` / `mmk_t8*` / `mms_*` (8-bit activations, MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS
+    /// tokens).
+    pub(crate) fn mmq_reads(&self, ty: GgmlType, n: usize) -> bool {
+        self.q8_decode()
+            && (MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS).contains(&n)
+            && match ty {
+                GgmlType::Q4K | GgmlType::Q6K => true,
+                // Faster than cuBLAS on the f16 copies up to 8 tokens since their rows
+                // are 16-byte aligned (B = 8: Q4_0 992 → 1,318, Q8_0 926 → 1,126 t/s).
+                GgmlType::Q8_0 | GgmlType::Q4_0 => n <= 8,
+                _ => false,
+            }
+    }
+
+    /// Whether one `mmq_t*` launch computes these segments for `n` tokens (gated: gate and
+    /// up of one format and row length).
+    pub(crate) fn mmq_applies(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
+        k.is_multiple_of(32)
+            && segs.iter().all(|s| self.mmq_reads(s.ty, n))
+            && (!gated || (segs[0].ty == segs[1].ty && segs[0].row_bytes == segs[1].row_bytes))
+            && self.q8_buffers(self.mmq_plan(n, k, segs).1 * k).is_some()
+    }
+
+    /// Whether an int8 launch of `npad` token rows, rows of `k` values, `tiles` 16-row tiles
+    /// and these weight types goes to `mmk_t8*` rather than `mmq_t8*`. Launches of more
+    /// than MMK_MAX_WAVES waves (the LM head) stay on `mmq_t8`: on the H100 the Q6_K LM head
+    /// took 305–370 µs there against 261 µs on `mmq_t8` (B = 8, `KESTREL_CUDA_PROFILE=1`).
+    pub(crate) fn mmk_reads(
+        &self,
+        k: usize,
+        npad: usize,
+        tiles: usize,
+        types: impl IntoIterator<Item = GgmlType>,
+    ) -> bool {
+        npad == 8
+            && self.mmk_on()
+            && tiles <= MMK_MAX_WAVES * 2 * self.sm_count
+            && k.is_multiple_of(256)
+            && types
+                .into_iter()
+                .all(|ty| matches!(ty, GgmlType::Q4K | GgmlType::Q6K))
+    }
+
+    /// Whether `mmk_t8*` takes the Q4_K / Q6_K launches of up to 8 tokens that it reads (on by
+    /// default).
+    pub(crate) fn mmk_on(&self) -> bool {
+        self.mmk.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns `mmk_t8*` off, so that `mmq_t8` takes those launches as it takes the LM head's
+    /// (the self-check covers both).
+    pub fn set_mmk(&self, on: bool) {
+        self.mmk.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
+    /// staged int8 kernels `mms_*` (Q4_K / Q6_K from MMS_MIN_TOKENS tokens).
+    pub(crate) fn mms_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
+        self.mmq_reads(ty, n)
+            && n >= MMS_MIN_TOKENS
+            && k.is_multiple_of(256)
+            && matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
+    }
+
+    /// Which tensor-core kernels take an mmq launch of `n` tokens, and the tokens their tile
+    /// holds (the activations are quantized for that many rows): `mms_*` when they read
+    /// every segment (tiles of 16 or 32), else `mmq_t8` / `mmk_t8*` (8 tokens).
+    pub(crate) fn mmq_plan(&self, n: usize, k: usize, segs: &[GemvSeg]) -> (MmqKind, usize) {
+        if segs.iter().all(|s| self.mms_reads(s.ty, n, k)) {
+            (MmqKind::Staged, n.next_power_of_two())
+        } else {
+            // (mmq_reads leaves only steps of up to 8 tokens to the 8-token kernels.)
+            debug_assert!(n <= 8);
+            (MmqKind::Int8, mmq_int8_rows(n))
+        }
+    }
+
+    /// Whether an unforced single-token 8-bit launch takes one row per warp: launches where
+    /// one row per warp still fits in one wave of resident warps (5 blocks of 4 per SM:
+    /// `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows only where
+    /// `gemv_ws_r1` does not, fits 4 since its 64-value units — the rule was measured at 5 and
+    /// kept: Qwen2.5-1.5B tg128 with K-quants on `gemv_q8_r1` 712–724 against 689–750 on
+    /// `gemv_ws_r1` in the tenth session, within the spread). Short rows (≤ 2,048 values)
+    /// used to take one row a warp at any size; with one short row a warp, a launch of
+    /// several waves keeps too few bytes in flight a SM (~1.3 KB a warp). Two rows a warp
+    /// beyond one wave for short rows too, on Qwen2.5-1.5B's gate/up (3.4 waves) and LM head
+    /// (58): tg128 +3.5% (five alternated pairs in two calls, means 755 → 781, four of five
+    /// pairs for; the LM head alone +1.2%).
+    pub(crate) fn gemv_q8_one_row(&self, segs: &[GemvSeg], gated: bool) -> bool {
+        gemv_warps(segs, gated, 1) <= self.sm_count * 20
+    }
+
+    /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
+    pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
+        let Some(seg) = GemvSeg::of(w, 0, 0, 0) else {
+            return false;
+        };
+        n == 1 && self.matmul_uses_q8(w, n) && self.ws_launch(&[seg], false)
+    }
+
+    /// Whether an 8-bit single-token launch over `segs` (rows of `k` values) runs on
+    /// `gemv_ws_r1`: rows per warp not forced, the kernel on, formats and alignment it
+    /// reads, and one row a warp by [`Self::gemv_q8_one_row`].
+    pub(crate) fn ws_launch(&self, segs: &[GemvSeg], gated: bool) -> bool {
+        self.gemv_q8_rows() == 0 && ws_takes(segs, gated) && self.gemv_q8_one_row(segs, gated)
+    }
+
+    /// Whether [`Self::gemv`] takes these segments for `n` tokens.
+    pub(crate) fn gemv_takes(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
+        n <= GEMV_MAX_TOKENS || self.mmq_applies(k, n, segs, gated)
+    }
+
+    /// Whether the 8-bit GEMVs (`gemv_q8*`) are on and read `ty` for `n` tokens.
+    pub(crate) fn q8_gemv_reads(&self, ty: GgmlType, n: usize) -> bool {
+        self.q8_decode() && (1..=GEMV_MAX_TOKENS).contains(&n) && q8_supported(ty)
+    }
+
+    /// Whether a single-token product with these segments runs on 8-bit activations.
+    pub(crate) fn q8_applies(&self, k: usize, n: usize, segs: &[GemvSeg]) -> bool {
+        k.is_multiple_of(32)
+            && segs.iter().all(|s| self.q8_gemv_reads(s.ty, n))
+            // Only the single-token kernels add into their outputs.
+            && (n == 1 || segs.iter().all(|s| !s.accumulate))
+            && self.q8_buffers(n * k).is_some()
+    }
+
+    /// Whether a product of `n` tokens with `w` runs on activations quantized per 256
+    /// values: `mmk_t8*` or `mms_*` (a subset of [`Self::matmul_uses_q8`]).
+    pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, rows, .. } = w else {
+            return false;
+        };
+        self.matmul_uses_q8(w, n)
+            && self.mmq_reads(*ty, n)
+            && (self.mms_reads(*ty, n, *cols)
+                || self.mmk_reads(*cols, mmq_int8_rows(n), rows.div_ceil(16), [*ty]))
+    }
+
+    /// Whether a product of `n` tokens with `w` runs on `mms_*`.
+    pub fn matmul_uses_mms(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, .. } = w else {
+            return false;
+        };
+        self.matmul_uses_q8(w, n) && self.mms_reads(*ty, n, *cols)
+    }
+
+    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
+    /// 8-bit activations.
+    pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
+        let CudaWeight::Matrix { ty, cols, .. } = w else {
+            return false;
+        };
+        (self.q8_gemv_reads(*ty, n) || self.mmq_reads(*ty, n))
+            && gemv_supported(*ty, *cols)
+            && !self.prefer_gemm(w, n)
+    }
+
+    /// Whether `matmul` of `n` tokens with `w` goes through cuBLAS (f16 operands) when no
+    /// step is being recorded.
+    pub fn matmul_uses_cublas(&self, w: &CudaWeight, n: usize) -> bool {
+        self.prefer_gemm(w, n)
+    }
+
+    /// Whether prompt-sized products go through cuBLAS.
+    pub fn uses_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// The pending merged product of exactly these q, k, v and `n` tokens, taken (it is
+    /// then split by whoever took it); None when there is none or another waits.
+    pub(crate) fn take_split_of(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        n: usize,
+    ) -> Option<PendingSplit> {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        if !self.split_waits.load(relaxed) {
+            return None;
+        }
+        let mut slot = self.pending_split.lock().unwrap_or_else(|p| p.into_inner());
+        let ours = slot.as_ref().is_some_and(|p| {
+            p.n == n
+                && p.args[1] == Arg::P(q.ptr)
+                && p.args[2] == Arg::P(k.ptr)
+                && p.args[3] == Arg::P(v.ptr)
+        });
+        if !ours {
+            return None;
+        }
+        self.split_waits.store(false, relaxed);
+        slot.take()
+    }
+
+    /// Launches the split of a pending merged Q/K/V product, if any.
+    pub(crate) fn split_pending(&self) {
+        if !self
+            .split_waits
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        let pending = self
+            .pending_split
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(p) = pending {
+            let Arg::L(len) = p.args[9] else {
+                return;
+            };
+            self.elementwise("split_qkv", len as usize, &p.args);
+        }
+    }
+
+    /// `gate = act(gate_w·x) * (up_w·x)`: one gated launch where the GEMV or tensor-core
+    /// kernels take both matrices, else two products and the activation (the backend's
+    /// `gate_up`; public for the self-check).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gate_up_of(
+        &self,
+        x: &CudaTensor,
+        gate_w: &CudaWeight,
+        up_w: &CudaWeight,
+        act: Activation,
+        n: usize,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+    ) {
+        if self.gate_up_mmw(x, gate_w, up_w, act, n, gate) {
+            return;
+        }
+        let fused = !self.prefer_gemm(gate_w, n)
+            && match (
+                self.gemv_seg(x, gate_w, gate, None),
+                self.gemv_seg(x, up_w, up, None),
+            ) {
+                (Some(g), Some(u)) if g.rows == u.rows => {
+                    let segs = [g, u];
+                    let takes = self.gemv_takes(x.cols, n, &segs, true);
+                    if takes {
+                        self.gemv(x, n, &segs, Some(act));
+                    }
+                    takes
+                }
+                _ => false,
+            };
+        if fused {
+            return;
+        }
+        // Through cuBLAS with gate's merged f16 copy (up's rows behind gate's): one product,
+        // the activation reading both halves of each row; steps of more than
+        // MERGED_QKV_MAX_TOKENS (whose f32 product would be large) take the halves as two.
+        if self.prefer_gemm(gate_w, n)
+            // (The activation pairs gate's columns with up's: as many of each.)
+            && let Some((a, rows)) = self.merged_copy(gate_w, &[up_w], x.cols, &[gate, up])
+                .filter(|_| up.cols == gate.cols)
+            && let Some(xh) = self.x_to_f16(x, n)
+        {
+            let merged = if n <= MERGED_QKV_MAX_TOKENS {
+                self.scratch_ptr(|s| &mut s.gate_up, 2 * n * rows)
+            } else {
+                None
+            };
+            let Some(merged) = merged else {
+                let half = rows / 2;
+                let up_at = a + (half * x.cols * 2) as u64;
+                self.gemm_f16_raw(a, half, x.cols, xh, n, gate.ptr, half, false);
+                self.gemm_f16_raw(up_at, half, x.cols, xh, n, up.ptr, half, false);
+                kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+                return;
+            };
+            self.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
+            let len = n * gate.cols;
+            let h = self.f16_copy_for_gemm(n, gate.cols);
+            self.elementwise(
+                "gated_act_merged",
+                len,
+                &[
+                    Arg::P(merged),
+                    Arg::I(gate.cols as i32),
+                    Arg::I(len as i32),
+                    Arg::I(activation_id(act)),
+                    Arg::P(gate.ptr),
+                    Arg::P(h.unwrap_or(0)),
+                ],
+            );
+            if let Some(h) = h {
+                // The down projection's input, as gated_act_f16 leaves it.
+                *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
+            }
+            return;
+        }
+        self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+        kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+    }
+
+    /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
+    /// conversion of x when every product goes there, one `matmul` each otherwise.
+    pub(crate) fn matmuls_of(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        products: &mut [(&CudaWeight, &mut CudaTensor)],
+    ) {
+        let shared = products
+            .iter()
+            .all(|(w, _)| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
+        match shared.then(|| self.x_to_f16(x, n)).flatten() {
+            Some(xh) => {
+                for (w, out) in products.iter() {
+                    self.gemm_f16_from(xh, w, n, out);
+                }
+            }
+            None => {
+                for (w, out) in products.iter_mut() {
+                    kestrel_model::Backend::matmul(self, x, w, n, out);
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn matmul(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    w: &CudaWeight,
+    n: usize,
+    out: &mut CudaTensor,
+) {
+    let CudaWeight::Matrix {
+        ptr,
+        ty,
+        rows,
+        cols,
+        row_bytes,
+        ..
+    } = w
+    else {
+        backend.fail("matmul: the weight is not a matrix".into());
+        return;
+    };
+    if x.cols != *cols || out.cols != *rows {
+        backend.fail(format!(
+            "matmul: x has {} columns, out {}, weight is {rows}×{cols}",
+            x.cols, out.cols
+        ));
+        return;
+    }
+    if backend.prefer_gemm(w, n) && backend.gemm_f16(x, w, n, out) {
+        return;
+    }
+    if let Some(seg) = backend.gemv_seg(x, w, out, None)
+        && backend.gemv_takes(x.cols, n, std::slice::from_ref(&seg), false)
+    {
+        backend.gemv(x, n, &[seg], None);
+        return;
+    }
+    const ROWS_PER_BLOCK: usize = 8;
+    const TOKENS_PER_BLOCK: usize = 4;
+    let grid_y = n.div_ceil(TOKENS_PER_BLOCK);
+    if grid_y > 65535 {
+        backend.fail(format!("matmul: {n} tokens in one call is too many"));
+        return;
+    }
+    backend.launch(
+        "matmul",
+        (rows.div_ceil(ROWS_PER_BLOCK) as u32, grid_y as u32, 1),
+        (ROWS_PER_BLOCK * 32) as u32,
+        &[
+            Arg::P(*ptr),
+            Arg::I(ty.id() as i32),
+            Arg::L(*row_bytes as i64),
+            Arg::I(*cols as i32),
+            Arg::I(*rows as i32),
+            Arg::P(x.ptr),
+            Arg::P(out.ptr),
+            Arg::I(n as i32),
+        ],
+    );
+}
+
+pub(crate) fn qkv(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    layer: &LayerWeights<CudaWeight>,
+    n: usize,
+    q: &mut CudaTensor,
+    k: &mut CudaTensor,
+    v: &mut CudaTensor,
+) {
+    if !backend.prefer_gemm(&layer.attn_q, n) {
+        let segs = [
+            backend.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
+            backend.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
+            backend.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
+        ];
+        if let [Some(a), Some(b), Some(c)] = segs {
+            let segs = [a, b, c];
+            if backend.gemv_takes(x.cols, n, &segs, false) {
+                backend.gemv(x, n, &segs, None);
+                return;
+            }
+        }
+    }
+    // Through cuBLAS: one product over Q's merged f16 copy (K's and V's rows behind
+    // Q's), split into q, k and v with the biases added.
+    // (Only where prefer_gemm agrees: a step recorded for graph replay must not call
+    // cuBLAS, and formats the GEMVs do not read come here in such steps too.) Up to
+    // MERGED_QKV_MAX_TOKENS: Llama-3-8B Q4_K_M, B = 64 decode with device argmax
+    // 6,710 / 6,738 / 6,803 -> 6,902 / 7,047 / 6,885 t/s, pp512 +0.9%; its 2,048-token
+    // prefill steps lost 2.5% to the split's extra pass over the outputs.
+    if n <= MERGED_QKV_MAX_TOKENS
+        && backend.prefer_gemm(&layer.attn_q, n)
+        && let Some((a, rows)) = backend.merged_copy(
+            &layer.attn_q,
+            &[&layer.attn_k, &layer.attn_v],
+            x.cols,
+            &[q, k, v],
+        )
+        && let Some(xh) = backend.x_to_f16(x, n)
+        && let Some(merged) = backend.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
+    {
+        let bias = |b: &Option<CudaWeight>| match b {
+            Some(b) => backend.vector_ptr(b, "qkv bias"),
+            None => Some(0),
+        };
+        let (Some(bq), Some(bk), Some(bv)) = (
+            bias(&layer.attn_q_bias),
+            bias(&layer.attn_k_bias),
+            bias(&layer.attn_v_bias),
+        ) else {
+            return;
+        };
+        backend.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
+        // The split waits for rope_store_kv, which does it on the way (one launch and
+        // one pass over the outputs fewer; see PendingSplit).
+        backend.split_pending();
+        backend
+            .split_waits
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        *backend
+            .pending_split
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(PendingSplit {
+            args: [
+                Arg::P(merged),
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(bq),
+                Arg::P(bk),
+                Arg::P(bv),
+                Arg::I(q.cols as i32),
+                Arg::I(k.cols as i32),
+                Arg::L((n * rows) as i64),
+            ],
+            n,
+        });
+        return;
+    }
+    // Through cuBLAS: x converted to f16 once for the three products.
+    backend.matmuls_of(
+        x,
+        n,
+        &mut [
+            (&layer.attn_q, &mut *q),
+            (&layer.attn_k, &mut *k),
+            (&layer.attn_v, &mut *v),
+        ],
+    );
+    backend.add_qkv_biases(layer, n, q, k, v);
+}
+
+pub(crate) fn matmul_add(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    w: &CudaWeight,
+    n: usize,
+    tmp: &mut CudaTensor,
+    residual: &mut CudaTensor,
+) {
+    // Single-token steps and the tensor-core kernels of a few tokens add into the
+    // residual themselves.
+    if !backend.prefer_gemm(w, n)
+        && let Some(mut seg) = backend.gemv_seg(x, w, residual, None)
+    {
+        seg.accumulate = true;
+        let segs = [seg];
+        if n == 1 || backend.mmq_applies(x.cols, n, &segs, false) {
+            backend.gemv(x, n, &segs, None);
+            return;
+        }
+    }
+    // Prompt-sized steps on cuBLAS: the product added into the residual by the GEMM.
+    if backend.blas.is_some()
+        && backend.prefer_gemm(w, n)
+        && w.cols() == Some(x.cols)
+        && let Some(xh) = backend.x_to_f16(x, n)
+    {
+        backend.gemm_f16_into(xh, w, n, residual, true);
+        return;
+    }
+    backend.matmul(x, w, n, tmp);
+    backend.add(residual, tmp, n);
+}
