@@ -297,8 +297,10 @@ pub(crate) fn prepare_step(
     // cuBLAS calls are not launches the recorder can replay.
     let relaxed = std::sync::atomic::Ordering::Relaxed;
     let copies_q8 = backend.f16_copies_q8.load(relaxed);
-    let q8_kernels_take =
-        |ty: GgmlType| backend.mmq_reads(ty, n) || (n <= Q8_GEMV_MAX_TOKENS && backend.q8_decode());
+    let q8_kernels_take = |ty: GgmlType| {
+        plan::mmq_reads(ty, n, backend.q8_decode())
+            || (n <= Q8_GEMV_MAX_TOKENS && backend.q8_decode())
+    };
     let uses_cublas = backend.blas.is_some()
         && n >= 2
         && (backend.f16_copies.load(relaxed)

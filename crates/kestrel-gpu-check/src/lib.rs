@@ -728,6 +728,9 @@ pub fn compare_gemv(
     };
     let xt = backend.upload_tensor(n, cols, &x)?;
     let mut out = backend.upload_tensor(n, rows, &residual)?;
+    // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16 or 32);
+    // reserved first, since the kernel choice depends on the room there.
+    backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
     let via_mmw = match &up {
@@ -737,8 +740,6 @@ pub fn compare_gemv(
     let via_mmk = backend.matmul_uses_mmk(&weight, n);
     let via_mms = backend.matmul_uses_mms(&weight, n);
     let via_ws = backend.matmul_uses_ws(&weight, n);
-    // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16 or 32).
-    backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     match &up {
         Some((up_w, _)) => {
             let mut up_out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;

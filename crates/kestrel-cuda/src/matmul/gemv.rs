@@ -17,32 +17,18 @@ pub(crate) struct GemvSeg {
     pub(crate) accumulate: bool,
 }
 
-/// Whether the GEMV kernels read `ty` with rows of `cols` values.
-pub(crate) fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
-    match ty {
-        GgmlType::Q4K | GgmlType::Q6K => cols.is_multiple_of(256),
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => cols.is_multiple_of(32),
-        GgmlType::F16 | GgmlType::BF16 => cols.is_multiple_of(8),
-        GgmlType::F32 => cols.is_multiple_of(4),
-        _ => false,
+impl GemvSeg {
+    /// The segment's matrix as the kernel choice sees it (rows of `k` values).
+    pub(crate) fn matrix(&self, k: usize) -> Matrix {
+        Matrix {
+            ty: self.ty,
+            rows: self.rows,
+            cols: k,
+            row_bytes: self.row_bytes,
+            aligned: self.ptr.is_multiple_of(16) && self.row_bytes.is_multiple_of(16),
+            f16: false,
+        }
     }
-}
-
-/// Whether single-token `gemv_ws` reads these segments: Q4_K / Q6_K rows (gated: Q4_K
-/// gate and up of equal row bytes), 16-byte aligned (cp.async).
-pub(crate) fn ws_takes(segs: &[GemvSeg], gated: bool) -> bool {
-    let aligned = segs
-        .iter()
-        .all(|s| s.ptr.is_multiple_of(16) && s.row_bytes.is_multiple_of(16));
-    let formats = if gated {
-        segs[0].ty == GgmlType::Q4K
-            && segs[1].ty == GgmlType::Q4K
-            && segs[0].row_bytes == segs[1].row_bytes
-    } else {
-        segs.iter()
-            .all(|s| matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K))
-    };
-    aligned && formats
 }
 
 /// Warps of a `gemv_dec` / `gemv_q8` launch at `rows_per_warp`: each matrix's rows in
@@ -86,14 +72,6 @@ pub(crate) struct Q8Ptrs {
     pub(crate) ds: u64,
     pub(crate) work: u64,
     pub(crate) count: u64,
-}
-
-/// Weight types `gemv_q8` reads.
-pub(crate) fn q8_supported(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::Q4_0
-    )
 }
 
 impl GemvSeg {
@@ -159,6 +137,12 @@ impl CudaBackend {
             cap,
         });
         Ok(())
+    }
+
+    /// Values the 8-bit activation buffers hold (0: none yet).
+    pub(crate) fn q8_capacity(&self) -> usize {
+        let s = self.q8_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        s.as_ref().map_or(0, |s| s.cap)
     }
 
     /// Device addresses of the Q8 activation buffers — the int8 values, the per-32 scales
@@ -250,6 +234,7 @@ impl CudaBackend {
         n: usize,
         segs: &[GemvSeg],
         gated: Option<Activation>,
+        family: Kernel,
     ) {
         debug_assert!(!segs.is_empty() && segs.len() <= 3);
         let k = x.cols;
@@ -300,15 +285,15 @@ impl CudaBackend {
             args.push(Arg::I(s.ld as i32));
             args.push(Arg::P(s.bias));
         }
-        if self.mmq_applies(k, n, segs, gated.is_some()) {
-            self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes);
+        if family.tensor_core() {
+            self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes, family);
             return;
         }
         // Only the single-token kernels and the mmq_t8 / mmk_t8* / mms_* add into their
         // outputs.
         debug_assert!(n == 1 || segs.iter().all(|s| !s.accumulate));
         debug_assert!(n <= GEMV_MAX_TOKENS);
-        if self.q8_applies(k, n, segs) {
+        if family.q8() {
             let Some(Q8Ptrs {
                 q: q_ptr, d: d_ptr, ..
             }) = self.q8_buffers(n * k)
@@ -342,14 +327,16 @@ impl CudaBackend {
                 // (down: 1,536 rows of 8,960) 635 / 636 -> 674 / 680 t/s; Llama-3-8B, whose
                 // 4,096-row launches would take 1.6 waves, stays on two (309 / 311 against
                 // 282 / 286 with one).
-                _ if self.gemv_q8_one_row(segs, gated.is_some()) => ("gemv_q8_r1", 1),
+                _ if plan::one_row_a_warp(gemv_warps(segs, gated.is_some(), 1), self.sm_count) => {
+                    ("gemv_q8_r1", 1)
+                }
                 _ => ("gemv_q8", 2),
             };
             // One-row launches on the staged kernel where it reads the formats (tg128 H100,
             // alternated: Qwen2.5-1.5B, all one-row launches, 709 / 679 -> 723 / 724 t/s;
             // Llama-3-8B's two-row launches lost on it, 329 / 325 -> 312 / 316, so they stay).
-            // (n == 1 and unforced, ws_launch implies the one-row gemv_q8_r1 above.)
-            let kernel = if n == 1 && self.ws_launch(segs, gated.is_some()) {
+            // (GemvWs, single-token and unforced, implies the one-row gemv_q8_r1 above.)
+            let kernel = if family == Kernel::GemvWs {
                 "gemv_ws_r1"
             } else if n == 1
                 && segs
@@ -372,7 +359,7 @@ impl CudaBackend {
             self.launch_reading(kernel, grid_1d(warps, 4), 128, &q8_args, weight_bytes);
             return;
         }
-        if n == 1 {
+        if family == Kernel::GemvDec {
             // gemv_dec: `rows` rows per warp, 4 warps per block, per matrix.
             // Rows of at most SHORT_ROW values: one row per warp (a lane then has one or two
             // units of the row, so a second row adds latency instead of bytes in flight).

@@ -50,6 +50,7 @@ pub(crate) fn mmq_int8_rows(n: usize) -> usize {
 impl CudaBackend {
     /// The GEMV launch `args` (see [`Self::gemv`]) on the tensor cores: x quantized to 8 bits
     /// for a multiple of 8 tokens, then one block per 16 rows.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn mmq(
         &self,
         x: &CudaTensor,
@@ -58,9 +59,10 @@ impl CudaBackend {
         gated: bool,
         args: &[Arg],
         weight_bytes: u64,
+        kernel: Kernel,
     ) {
         let k = x.cols;
-        let (kind, npad) = self.mmq_plan(n, k, segs);
+        let npad = plan::mmq_rows(kernel, n);
         let Some(bufs) = self.q8_buffers(npad * k) else {
             return;
         };
@@ -80,8 +82,8 @@ impl CudaBackend {
             Arg::I(n as i32),
             Arg::I(npad as i32),
         ];
-        let (kernel, blocks, threads, mut kernel_args) = match kind {
-            MmqKind::Staged => {
+        let (kernel, blocks, threads, mut kernel_args) = match kernel {
+            Kernel::Mms => {
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, true)) {
                     self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
@@ -106,9 +108,9 @@ impl CudaBackend {
                 const MMS_THREADS: u32 = 8 * 32;
                 (MMS[tile][gated as usize], tiles * splits, MMS_THREADS, args)
             }
-            MmqKind::Int8 => {
+            _ => {
                 let tiles = gemv_warps(segs, gated, 16);
-                let mmk = self.mmk_reads(k, npad, tiles, segs.iter().map(|s| s.ty));
+                let mmk = kernel == Kernel::Mmk;
                 let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
                 if held != Some((x.ptr, n, npad, mmk)) {
                     if mmk {

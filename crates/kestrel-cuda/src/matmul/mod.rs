@@ -11,11 +11,14 @@ pub(crate) mod cublas;
 pub(crate) mod gemv;
 pub(crate) mod mmq;
 pub(crate) mod mmw;
+pub mod plan;
 
 pub(crate) use cublas::*;
 pub(crate) use gemv::*;
 pub(crate) use mmq::*;
 pub(crate) use mmw::*;
+pub use plan::Kernel;
+pub(crate) use plan::{Context, Matrix, gemv_supported, q8_supported};
 
 /// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
 pub(crate) const Q8_GEMV_MAX_TOKENS: usize = 4;
@@ -25,18 +28,8 @@ pub(crate) const MMQ_MIN_TOKENS: usize = 3;
 /// Fewest tokens of a step whose Q4_K / Q6_K products take the staged kernels `mms_*`.
 pub(crate) const MMS_MIN_TOKENS: usize = 9;
 
-/// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `mmk_reads`).
+/// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `plan::mmk_reads`).
 pub(crate) const MMK_MAX_WAVES: usize = 8;
-
-/// The tensor-core kernel families of steps of several tokens (see `CudaBackend::mmq_plan`).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum MmqKind {
-    /// `mmq_t8` / `mmk_t8*`: int8 activations, every warp loading its own activation
-    /// fragments.
-    Int8,
-    /// `mms_*`: int8 activations per 256 values (`mmk_t8*`'s layout) staged in shared memory.
-    Staged,
-}
 
 /// A merged Q/K/V product (`qkv` through cuBLAS) whose split into q, k and v waits for the
 /// next launch: `rope_store_kv` takes it and reads its heads straight from the product; any
@@ -59,70 +52,55 @@ pub(crate) struct MultiQ8 {
 }
 
 impl CudaBackend {
-    /// Whether a product of `n` tokens with `w` should go through cuBLAS: never while a
-    /// step is being recorded for graph replay (cuBLAS calls are not recorded launches);
-    /// from GEMM_MIN_TOKENS tokens, or from 2 when `w` needs no dequantizing (f16 copy or
-    /// F16 weights: one read of 2 bytes per weight beats the GEMV kernels' per-token cost).
-    pub(crate) fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
-        if let CudaWeight::Matrix { ty, cols, .. } = w
-            && self.mmq_reads(*ty, n)
-            && gemv_supported(*ty, *cols)
-        {
-            return false;
+    /// What the kernel choice depends on besides the product (see [`plan::Context`]).
+    pub(crate) fn plan_context(&self) -> Context {
+        Context {
+            cublas: self.blas.is_some() && !self.lock_recorder().deferring,
+            q8: self.q8_decode(),
+            mmk: self.mmk_on(),
+            forced_rows: self.gemv_q8_rows(),
+            sm_count: self.sm_count,
+            q8_capacity: self.q8_capacity(),
         }
-        // Small batches of Q8-capable weights stay on the 8-bit GEMVs (one read of the
-        // quantized rows for all tokens) up to Q8_GEMV_MAX_TOKENS when an f16 copy exists
-        // (measured at 8 tokens, Llama-3-8B Q4_K_M: gemv_q8_t8 575 t/s, cuBLAS on the f16
-        // copies 705), up to GEMV_MAX_TOKENS otherwise.
-        let q8_gemv = n <= Q8_GEMV_MAX_TOKENS
-            && matches!(w, CudaWeight::Matrix { ty, .. } if self.q8_gemv_reads(*ty, n));
-        self.blas.is_some()
-            && !self.lock_recorder().deferring
-            && (n >= GEMM_MIN_TOKENS || (n >= 2 && w.has_f16() && !q8_gemv))
     }
 
-    /// Whether products of `n` tokens with `ty` weights go through the tensor-core kernels
-    /// `mmq_t8` / `mmk_t8*` / `mms_*` (8-bit activations, MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS
-    /// tokens).
-    pub(crate) fn mmq_reads(&self, ty: GgmlType, n: usize) -> bool {
-        self.q8_decode()
-            && (MMQ_MIN_TOKENS..=MMQ_MAX_TOKENS).contains(&n)
-            && match ty {
-                GgmlType::Q4K | GgmlType::Q6K => true,
-                // Faster than cuBLAS on the f16 copies up to 8 tokens since their rows
-                // are 16-byte aligned (B = 8: Q4_0 992 → 1,318, Q8_0 926 → 1,126 t/s).
-                GgmlType::Q8_0 | GgmlType::Q4_0 => n <= 8,
-                _ => false,
-            }
+    /// The kernel of `out = x · wᵀ` for `n` tokens ([`plan::plan`]); `matmul` when `w` is
+    /// not a matrix.
+    pub fn plan_of(&self, w: &CudaWeight, n: usize) -> Kernel {
+        match Matrix::of(w) {
+            Some(m) => plan::plan(&m, n, &self.plan_context()).0,
+            None => Kernel::Matmul,
+        }
     }
 
-    /// Whether one `mmq_t*` launch computes these segments for `n` tokens (gated: gate and
-    /// up of one format and row length).
-    pub(crate) fn mmq_applies(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
-        k.is_multiple_of(32)
-            && segs.iter().all(|s| self.mmq_reads(s.ty, n))
-            && (!gated || (segs[0].ty == segs[1].ty && segs[0].row_bytes == segs[1].row_bytes))
-            && self.q8_buffers(self.mmq_plan(n, k, segs).1 * k).is_some()
-    }
-
-    /// Whether an int8 launch of `npad` token rows, rows of `k` values, `tiles` 16-row tiles
-    /// and these weight types goes to `mmk_t8*` rather than `mmq_t8*`. Launches of more
-    /// than MMK_MAX_WAVES waves (the LM head) stay on `mmq_t8`: on the H100 the Q6_K LM head
-    /// took 305–370 µs there against 261 µs on `mmq_t8` (B = 8, `KESTREL_CUDA_PROFILE=1`).
-    pub(crate) fn mmk_reads(
+    /// The GEMV-family kernel of one launch over `segs` (rows of `k` values) for `n`
+    /// tokens ([`plan::plan_launch`]); None when none takes it.
+    pub(crate) fn plan_segs(
         &self,
         k: usize,
-        npad: usize,
-        tiles: usize,
-        types: impl IntoIterator<Item = GgmlType>,
-    ) -> bool {
-        npad == 8
-            && self.mmk_on()
-            && tiles <= MMK_MAX_WAVES * 2 * self.sm_count
-            && k.is_multiple_of(256)
-            && types
-                .into_iter()
-                .all(|ty| matches!(ty, GgmlType::Q4K | GgmlType::Q6K))
+        n: usize,
+        segs: &[GemvSeg],
+        gated: bool,
+    ) -> Option<Kernel> {
+        let mats: Vec<Matrix> = segs.iter().map(|s| s.matrix(k)).collect();
+        let launch = plan::Launch {
+            mats: &mats,
+            k,
+            n,
+            gated,
+            accumulate: segs.iter().any(|s| s.accumulate),
+        };
+        plan::plan_launch(&launch, &self.plan_context())
+    }
+
+    /// Whether a product of `n` tokens with `w` goes through cuBLAS
+    /// ([`plan::prefer_gemm`]; vectors: from GEMM_MIN_TOKENS, where cuBLAS is usable).
+    pub(crate) fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        let cx = self.plan_context();
+        match Matrix::of(w) {
+            Some(m) => plan::prefer_gemm(&m, n, &cx),
+            None => cx.cublas && n >= GEMM_MIN_TOKENS,
+        }
     }
 
     /// Whether `mmk_t8*` takes the Q4_K / Q6_K launches of up to 8 tokens that it reads (on by
@@ -137,106 +115,26 @@ impl CudaBackend {
         self.mmk.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether products of `n` tokens with `ty` weights of rows of `k` values go through the
-    /// staged int8 kernels `mms_*` (Q4_K / Q6_K from MMS_MIN_TOKENS tokens).
-    pub(crate) fn mms_reads(&self, ty: GgmlType, n: usize, k: usize) -> bool {
-        self.mmq_reads(ty, n)
-            && n >= MMS_MIN_TOKENS
-            && k.is_multiple_of(256)
-            && matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
-    }
-
-    /// Which tensor-core kernels take an mmq launch of `n` tokens, and the tokens their tile
-    /// holds (the activations are quantized for that many rows): `mms_*` when they read
-    /// every segment (tiles of 16 or 32), else `mmq_t8` / `mmk_t8*` (8 tokens).
-    pub(crate) fn mmq_plan(&self, n: usize, k: usize, segs: &[GemvSeg]) -> (MmqKind, usize) {
-        if segs.iter().all(|s| self.mms_reads(s.ty, n, k)) {
-            (MmqKind::Staged, n.next_power_of_two())
-        } else {
-            // (mmq_reads leaves only steps of up to 8 tokens to the 8-token kernels.)
-            debug_assert!(n <= 8);
-            (MmqKind::Int8, mmq_int8_rows(n))
-        }
-    }
-
-    /// Whether an unforced single-token 8-bit launch takes one row per warp: launches where
-    /// one row per warp still fits in one wave of resident warps (5 blocks of 4 per SM:
-    /// `gemv_ws_r1` and `gemv_q8_b_r1`; `gemv_q8_r1`, which takes K-quant rows only where
-    /// `gemv_ws_r1` does not, fits 4 since its 64-value units — the rule was measured at 5 and
-    /// kept: Qwen2.5-1.5B tg128 with K-quants on `gemv_q8_r1` 712–724 against 689–750 on
-    /// `gemv_ws_r1` in the tenth session, within the spread). Short rows (≤ 2,048 values)
-    /// used to take one row a warp at any size; with one short row a warp, a launch of
-    /// several waves keeps too few bytes in flight a SM (~1.3 KB a warp). Two rows a warp
-    /// beyond one wave for short rows too, on Qwen2.5-1.5B's gate/up (3.4 waves) and LM head
-    /// (58): tg128 +3.5% (five alternated pairs in two calls, means 755 → 781, four of five
-    /// pairs for; the LM head alone +1.2%).
-    pub(crate) fn gemv_q8_one_row(&self, segs: &[GemvSeg], gated: bool) -> bool {
-        gemv_warps(segs, gated, 1) <= self.sm_count * 20
-    }
-
     /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
     pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
-        let Some(seg) = GemvSeg::of(w, 0, 0, 0) else {
-            return false;
-        };
-        n == 1 && self.matmul_uses_q8(w, n) && self.ws_launch(&[seg], false)
-    }
-
-    /// Whether an 8-bit single-token launch over `segs` (rows of `k` values) runs on
-    /// `gemv_ws_r1`: rows per warp not forced, the kernel on, formats and alignment it
-    /// reads, and one row a warp by [`Self::gemv_q8_one_row`].
-    pub(crate) fn ws_launch(&self, segs: &[GemvSeg], gated: bool) -> bool {
-        self.gemv_q8_rows() == 0 && ws_takes(segs, gated) && self.gemv_q8_one_row(segs, gated)
-    }
-
-    /// Whether [`Self::gemv`] takes these segments for `n` tokens.
-    pub(crate) fn gemv_takes(&self, k: usize, n: usize, segs: &[GemvSeg], gated: bool) -> bool {
-        n <= GEMV_MAX_TOKENS || self.mmq_applies(k, n, segs, gated)
-    }
-
-    /// Whether the 8-bit GEMVs (`gemv_q8*`) are on and read `ty` for `n` tokens.
-    pub(crate) fn q8_gemv_reads(&self, ty: GgmlType, n: usize) -> bool {
-        self.q8_decode() && (1..=GEMV_MAX_TOKENS).contains(&n) && q8_supported(ty)
-    }
-
-    /// Whether a single-token product with these segments runs on 8-bit activations.
-    pub(crate) fn q8_applies(&self, k: usize, n: usize, segs: &[GemvSeg]) -> bool {
-        k.is_multiple_of(32)
-            && segs.iter().all(|s| self.q8_gemv_reads(s.ty, n))
-            // Only the single-token kernels add into their outputs.
-            && (n == 1 || segs.iter().all(|s| !s.accumulate))
-            && self.q8_buffers(n * k).is_some()
+        self.plan_of(w, n) == Kernel::GemvWs
     }
 
     /// Whether a product of `n` tokens with `w` runs on activations quantized per 256
     /// values: `mmk_t8*` or `mms_*` (a subset of [`Self::matmul_uses_q8`]).
     pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix { ty, cols, rows, .. } = w else {
-            return false;
-        };
-        self.matmul_uses_q8(w, n)
-            && self.mmq_reads(*ty, n)
-            && (self.mms_reads(*ty, n, *cols)
-                || self.mmk_reads(*cols, mmq_int8_rows(n), rows.div_ceil(16), [*ty]))
+        self.plan_of(w, n).per_256()
     }
 
     /// Whether a product of `n` tokens with `w` runs on `mms_*`.
     pub fn matmul_uses_mms(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix { ty, cols, .. } = w else {
-            return false;
-        };
-        self.matmul_uses_q8(w, n) && self.mms_reads(*ty, n, *cols)
+        self.plan_of(w, n) == Kernel::Mms
     }
 
-    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs a GEMV on
-    /// 8-bit activations.
+    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs on 8-bit
+    /// activations.
     pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
-        let CudaWeight::Matrix { ty, cols, .. } = w else {
-            return false;
-        };
-        (self.q8_gemv_reads(*ty, n) || self.mmq_reads(*ty, n))
-            && gemv_supported(*ty, *cols)
-            && !self.prefer_gemm(w, n)
+        self.plan_of(w, n).q8()
     }
 
     /// Whether `matmul` of `n` tokens with `w` goes through cuBLAS (f16 operands) when no
@@ -322,11 +220,11 @@ impl CudaBackend {
             ) {
                 (Some(g), Some(u)) if g.rows == u.rows => {
                     let segs = [g, u];
-                    let takes = self.gemv_takes(x.cols, n, &segs, true);
-                    if takes {
-                        self.gemv(x, n, &segs, Some(act));
+                    let kernel = self.plan_segs(x.cols, n, &segs, true);
+                    if let Some(kernel) = kernel {
+                        self.gemv(x, n, &segs, Some(act), kernel);
                     }
-                    takes
+                    kernel.is_some()
                 }
                 _ => false,
             };
@@ -432,14 +330,20 @@ pub(crate) fn matmul(
         ));
         return;
     }
-    if backend.prefer_gemm(w, n) && backend.gemm_f16(x, w, n, out) {
-        return;
-    }
-    if let Some(seg) = backend.gemv_seg(x, w, out, None)
-        && backend.gemv_takes(x.cols, n, std::slice::from_ref(&seg), false)
-    {
-        backend.gemv(x, n, &[seg], None);
-        return;
+    // One choice of kernel for the product (see `plan`).
+    match backend.plan_of(w, n) {
+        Kernel::Cublas => {
+            if backend.gemm_f16(x, w, n, out) {
+                return;
+            }
+        }
+        Kernel::Matmul => {}
+        kernel => {
+            if let Some(seg) = backend.gemv_seg(x, w, out, None) {
+                backend.gemv(x, n, &[seg], None, kernel);
+                return;
+            }
+        }
     }
     const ROWS_PER_BLOCK: usize = 8;
     const TOKENS_PER_BLOCK: usize = 4;
@@ -482,8 +386,8 @@ pub(crate) fn qkv(
         ];
         if let [Some(a), Some(b), Some(c)] = segs {
             let segs = [a, b, c];
-            if backend.gemv_takes(x.cols, n, &segs, false) {
-                backend.gemv(x, n, &segs, None);
+            if let Some(kernel) = backend.plan_segs(x.cols, n, &segs, false) {
+                backend.gemv(x, n, &segs, None, kernel);
                 return;
             }
         }
@@ -572,9 +476,12 @@ pub(crate) fn matmul_add(
     {
         seg.accumulate = true;
         let segs = [seg];
-        if n == 1 || backend.mmq_applies(x.cols, n, &segs, false) {
-            backend.gemv(x, n, &segs, None);
-            return;
+        match backend.plan_segs(x.cols, n, &segs, false) {
+            Some(kernel) if n == 1 || kernel.tensor_core() => {
+                backend.gemv(x, n, &segs, None, kernel);
+                return;
+            }
+            _ => {}
         }
     }
     // Prompt-sized steps on cuBLAS: the product added into the residual by the GEMM.
