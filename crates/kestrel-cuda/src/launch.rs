@@ -14,6 +14,38 @@ pub(crate) enum Arg {
     F(f32),
 }
 
+/// Activation copies held for the product that reads them next (`q8_holds`: a single
+/// token's 8-bit row; `mmq_holds`: a few tokens in the int8 tensor-core layouts; `f16_holds`:
+/// rows in f16 for cuBLAS): the normalization or activation that writes a tensor also writes
+/// the copy its consumer needs, and the consumer then converts nothing. A launch says which
+/// copies it makes or reads (`launch_keeping`); every other launch drops them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Keeps {
+    pub(crate) q8: bool,
+    pub(crate) mmq: bool,
+    pub(crate) f16: bool,
+}
+
+impl Keeps {
+    pub(crate) const NOTHING: Keeps = Keeps {
+        q8: false,
+        mmq: false,
+        f16: false,
+    };
+    pub(crate) const Q8: Keeps = Keeps {
+        q8: true,
+        ..Keeps::NOTHING
+    };
+    pub(crate) const MMQ: Keeps = Keeps {
+        mmq: true,
+        ..Keeps::NOTHING
+    };
+    pub(crate) const F16: Keeps = Keeps {
+        f16: true,
+        ..Keeps::NOTHING
+    };
+}
+
 /// One kernel launch, as recorded for a step.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Launch {
@@ -373,7 +405,7 @@ impl CudaBackend {
         block: u32,
         args: &[Arg],
     ) {
-        self.launch_reading(name, grid, block, args, 0);
+        self.launch_keeping(name, grid, block, args, 0, Keeps::NOTHING);
     }
 
     /// [`Self::launch`] of a kernel that streams `weight_bytes` of weights (the profiler
@@ -386,6 +418,20 @@ impl CudaBackend {
         args: &[Arg],
         weight_bytes: u64,
     ) {
+        self.launch_keeping(name, grid, block, args, weight_bytes, Keeps::NOTHING);
+    }
+
+    /// The launch of a kernel that makes or reads the held activation copies `keeps` names:
+    /// they stay valid across it; every other launch drops them.
+    pub(crate) fn launch_keeping(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        weight_bytes: u64,
+        keeps: Keeps,
+    ) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
@@ -397,22 +443,14 @@ impl CudaBackend {
             return;
         };
         self.split_pending();
-        // Only the GEMVs that read them keep the quantized activations valid.
-        if !matches!(
-            name,
-            "rms_norm_q8" | "gemv_q8" | "gemv_q8_r1" | "gemv_q8_b" | "gemv_q8_b_r1" | "gemv_ws_r1"
-        ) {
+        // Any other launch may write the tensors the held copies were made from.
+        if !keeps.q8 {
             *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
-        if !matches!(name, "rms_norm_f16" | "gated_act_f16") {
+        if !keeps.f16 {
             *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
-        if !(name == "rms_norm_mmq"
-            || name == "rms_norm_mmk"
-            || name.starts_with("mmq_t")
-            || name.starts_with("mmk_t")
-            || name.starts_with("mms_t"))
-        {
+        if !keeps.mmq {
             *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         let l = Launch {

@@ -107,7 +107,7 @@ pub(crate) fn rms_norm(
         // Qwen2.5-1.5B Q4_K_M, H100), 305 / 303 against 310 / 307 on Llama-3-8B.
         let (grid, threads) = (grid_1d(x.cols, 256), 256);
         let args = [&head[..], &[Arg::P(q_ptr), Arg::P(d_ptr)]].concat();
-        backend.launch("rms_norm_q8", grid, threads, &args);
+        backend.launch_keeping("rms_norm_q8", grid, threads, &args, 0, Keeps::Q8);
         *backend.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
         return;
     }
@@ -121,10 +121,11 @@ pub(crate) fn rms_norm(
         if mmk {
             args.push(Arg::P(q8.mmk_steps_sums(npad, x.cols).1));
             let threads = 64 * (x.cols / 256).min(16) as u32;
-            backend.launch("rms_norm_mmk", (1, npad as u32, 1), threads, &args);
+            let grid = (1, npad as u32, 1);
+            backend.launch_keeping("rms_norm_mmk", grid, threads, &args, 0, Keeps::MMQ);
         } else {
             let grid = (x.cols.div_ceil(256) as u32, npad as u32, 1);
-            backend.launch("rms_norm_mmq", grid, 256, &args);
+            backend.launch_keeping("rms_norm_mmq", grid, 256, &args, 0, Keeps::MMQ);
         }
         *backend.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
             Some((out.ptr, n, npad, mmk));
@@ -134,7 +135,8 @@ pub(crate) fn rms_norm(
     // conversion launches a layer less).
     if let Some(h) = backend.f16_copy_for_gemm(n, x.cols) {
         let args = [&head[..], &[Arg::P(h)]].concat();
-        backend.launch("rms_norm_f16", (n as u32, 1, 1), block, &args);
+        let grid = (n as u32, 1, 1);
+        backend.launch_keeping("rms_norm_f16", grid, block, &args, 0, Keeps::F16);
         *backend.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((out.ptr, n, h));
         return;
     }
@@ -223,7 +225,8 @@ pub(crate) fn gated_activation(
     // The down projection's input for cuBLAS: its f16 copy on the way out.
     if let Some(h) = backend.f16_copy_for_gemm(n, gate.cols) {
         args.push(Arg::P(h));
-        backend.elementwise("gated_act_f16", len, &args);
+        let grid = grid_1d(len, 256);
+        backend.launch_keeping("gated_act_f16", grid, 256, &args, 0, Keeps::F16);
         *backend.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
         return;
     }

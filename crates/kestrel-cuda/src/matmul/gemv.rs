@@ -356,7 +356,10 @@ impl CudaBackend {
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
             q8_args.extend_from_slice(&args);
-            self.launch_reading(kernel, grid_1d(warps, 4), 128, &q8_args, weight_bytes);
+            // A single token's 8-bit row stays held across its products (see `Keeps`).
+            let keeps = if n == 1 { Keeps::Q8 } else { Keeps::NOTHING };
+            let grid = grid_1d(warps, 4);
+            self.launch_keeping(kernel, grid, 128, &q8_args, weight_bytes, keeps);
             return;
         }
         if family == Kernel::GemvDec {

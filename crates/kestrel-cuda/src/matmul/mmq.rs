@@ -143,12 +143,14 @@ impl CudaBackend {
             }
         };
         kernel_args.extend_from_slice(args);
-        self.launch_reading(
+        let grid = (blocks as u32, 1, 1);
+        self.launch_keeping(
             kernel,
-            (blocks as u32, 1, 1),
+            grid,
             threads,
             &kernel_args,
             weight_bytes,
+            Keeps::MMQ,
         );
     }
 
