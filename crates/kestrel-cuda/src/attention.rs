@@ -1,18 +1,34 @@
-//! Attention (kernels/ops.cu): RoPE and the KV-cache store, the split decode kernels
+//! Attention (kernels/attention.cu): RoPE and the KV-cache store, the split decode kernels
 //! (tiled on the tensor cores, grouped, or one block a head) with their combine, and the
 //! prefill kernels.
 
 use crate::*;
 
+/// The kernels this module launches (kernels/attention.cu).
+pub(crate) const KERNELS: &[&str] = &[
+    "store_kv",
+    "rope_store_kv",
+    "attention",
+    "attention_split",
+    "attention_split_gqa",
+    "attention_split_tiled64",
+    "attention_split_tiled128",
+    "attention_combine",
+    "attention_combine_mmk",
+    "attention_prefill",
+    "attention_prefill_mma64",
+    "attention_prefill_mma128",
+];
+
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
-/// (`attention_prefill` in kernels/ops.cu: FA_Q and FA_HD); runs of fewer tokens take the
+/// (`attention_prefill` in kernels/attention.cu: FA_Q and FA_HD); runs of fewer tokens take the
 /// split kernels.
 pub(crate) const PREFILL_ATTN_TOKENS: usize = 16;
 
 pub(crate) const PREFILL_ATTN_MAX_HEAD_DIM: usize = 128;
 
 /// Tokens per block of the tensor-core prefill attention (`attention_prefill_mma64` and
-/// `attention_prefill_mma128` in kernels/ops.cu: FM_Q).
+/// `attention_prefill_mma128` in kernels/attention.cu: FM_Q).
 pub(crate) const PREFILL_MMA_TOKENS: usize = 64;
 
 /// Most tokens of a step the split (decode) attention handles.

@@ -162,7 +162,7 @@ impl CudaBackend {
             };
             eprintln!(
                 "{:<20} {:>18} {:>8} {:>10.3} {:>9.2} {:>11.2} {:>5.1}% {:>8}",
-                compile::KERNELS[*func],
+                self.func_names[*func],
                 format!("{}x{}x{}", grid.0, grid.1, grid.2),
                 calls,
                 ms,
@@ -290,7 +290,7 @@ impl CudaBackend {
             )
         };
         if r != sys::CUresult::CUDA_SUCCESS {
-            self.fail(format!("launching {}: {r:?}", compile::KERNELS[l.func]));
+            self.fail(format!("launching {}: {r:?}", self.func_names[l.func]));
         }
     }
 

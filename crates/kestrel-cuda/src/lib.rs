@@ -101,6 +101,8 @@ pub struct CudaBackend {
     /// Dynamic shared memory of each kernel's launches (bytes; see [`dynamic_smem`]).
     func_smem: Vec<u32>,
     func_index: HashMap<&'static str, usize>,
+    /// Each kernel's name, by index.
+    func_names: Vec<&'static str>,
     recorder: Mutex<Recorder>,
     /// Whether decode steps are captured and replayed as graphs.
     graphs: std::sync::atomic::AtomicBool,
@@ -295,7 +297,8 @@ impl CudaBackend {
         let mut funcs = Vec::new();
         let mut func_smem = Vec::new();
         let mut func_index = HashMap::new();
-        for &name in compile::KERNELS {
+        let mut func_names = Vec::new();
+        for name in compile::kernels() {
             let f = module
                 .load_function(name)
                 .map_err(|e| anyhow::anyhow!("kernel {name} missing from the module: {e:?}"))?;
@@ -310,6 +313,7 @@ impl CudaBackend {
                 })?;
             }
             func_index.insert(name, funcs.len());
+            func_names.push(name);
             funcs.push(f);
             func_smem.push(smem);
         }
@@ -334,6 +338,7 @@ impl CudaBackend {
             funcs,
             func_smem,
             func_index,
+            func_names,
             recorder: Mutex::new(Recorder::default()),
             graphs: std::sync::atomic::AtomicBool::new(options.graphs),
             replays: Arc::default(),

@@ -1,9 +1,26 @@
 //! RMSNorm (with the 8-bit or f16 copy of its output for the product that reads it next),
-//! RoPE, the embedding gather and the element-wise kernels (kernels/ops.cu).
+//! RoPE, the embedding gather and the element-wise kernels (kernels/norm_rope.cu,
+//! kernels/elementwise.cu).
 
 use crate::*;
 
-/// The kernels' code of an activation (`gated_value` in kernels/ops.cu).
+/// The kernels this module launches (kernels/norm_rope.cu, kernels/elementwise.cu, the embedding gather of kernels/quant.cu; rms_norm_mmq / rms_norm_mmk write mmq.cu's layouts).
+pub(crate) const KERNELS: &[&str] = &[
+    "embed",
+    "scale_f32",
+    "add_f32",
+    "add_bias",
+    "gated_act",
+    "gated_act_f16",
+    "rms_norm",
+    "rms_norm_f16",
+    "rms_norm_q8",
+    "rms_norm_mmq",
+    "rms_norm_mmk",
+    "rope",
+];
+
+/// The kernels' code of an activation (`gated_value` in kernels/elementwise.cu).
 pub(crate) fn activation_id(act: Activation) -> i32 {
     match act {
         Activation::Silu => 0,
@@ -12,7 +29,7 @@ pub(crate) fn activation_id(act: Activation) -> i32 {
 }
 
 impl CudaBackend {
-    /// The trailing `ROPE_PARAMS` arguments of the RoPE kernels (kernels/ops.cu), or None
+    /// The trailing `ROPE_PARAMS` arguments of the RoPE kernels (kernels/norm_rope.cu), or None
     /// when the frequency factors could not be uploaded (the failure is recorded).
     pub(crate) fn rope_args(&self, head_dim: usize, rope: &RopeParams) -> Option<[Arg; 10]> {
         let c = rope.constants();

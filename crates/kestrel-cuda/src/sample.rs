@@ -1,8 +1,11 @@
-//! Token choice on the device (kernels/sample.cu, kernels/ops.cu): greedy `argmax_rows` and
+//! Token choice on the device (kernels/argmax.cu, kernels/sample.cu): greedy `argmax_rows` and
 //! `sample_rows` (temperature, top-k, top-p, min-p, penalties).
 
 use crate::*;
 use kestrel_model::Backend;
+
+/// The kernels this module launches (kernels/argmax.cu, kernels/sample.cu).
+pub(crate) const KERNELS: &[&str] = &["argmax_rows", "sample_rows"];
 
 impl CudaBackend {
     /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its

@@ -3,6 +3,9 @@
 
 use crate::*;
 
+/// The kernels this module launches (kernels/attention.cu).
+pub(crate) const KERNELS: &[&str] = &["gather_rows"];
+
 /// Products whose output is at least this large copy their rows to the host as they are
 /// made while the host reads every step's rows (see `gemm_reading_ahead`), in this many
 /// column chunks.

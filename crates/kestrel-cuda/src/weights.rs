@@ -4,6 +4,9 @@
 
 use crate::*;
 
+/// The kernels this module launches (kernels/mmw.cu).
+pub(crate) const KERNELS: &[&str] = &["repack_q4k_mmw"];
+
 /// A Q6_K block as the GPU stores it (`Q6K_GPU_BYTES` in kernels/quant.cu).
 pub(crate) const Q6K_GPU_BLOCK_BYTES: usize = 224;
 

@@ -5,6 +5,9 @@
 
 use crate::*;
 
+/// The kernels this module launches (kernels/quant.cu: the f16 operands).
+pub(crate) const KERNELS: &[&str] = &["dequant_f16", "f32_to_f16"];
+
 /// One product shape: rows × cols weights (row-major f16) times n tokens, outputs with
 /// leading dimension ld.
 #[derive(Clone, Copy, Hash, PartialEq, Eq, Debug)]

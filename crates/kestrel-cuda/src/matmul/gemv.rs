@@ -4,6 +4,21 @@
 
 use crate::*;
 
+/// The kernels this module launches (kernels/gemv.cu).
+pub(crate) const KERNELS: &[&str] = &[
+    "gemv",
+    "gemv_dec",
+    "gemv_dec_r1",
+    "quantize_x_q8",
+    "gemv_q8",
+    "gemv_q8_r1",
+    "gemv_q8_b",
+    "gemv_q8_b_r1",
+    "gemv_q8_t4",
+    "gemv_q8_t8",
+    "gemv_ws_r1",
+];
+
 /// One matrix of a GEMV launch.
 pub(crate) struct GemvSeg {
     pub(crate) ptr: u64,

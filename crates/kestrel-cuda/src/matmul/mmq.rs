@@ -4,6 +4,21 @@
 
 use crate::*;
 
+/// The kernels this module launches (kernels/mmq.cu).
+pub(crate) const KERNELS: &[&str] = &[
+    "quantize_x_mmq",
+    "mmq_t8",
+    "mmq_t8_gated",
+    "quantize_x_mmk",
+    "mmk_t8_gated_q4k",
+    "mmk_t8_gated_q6k",
+    "mmk_t8_pipe",
+    "mms_t16",
+    "mms_t32",
+    "mms_t16_gated",
+    "mms_t32_gated",
+];
+
 /// Rows a block of `mms_*` owns (MH_ROWS in kernels/mmq.cu; gated launches: half of them
 /// of gate, half of up), and the room for their split partial sums and arrival counters.
 pub(crate) const MMS_ROWS: usize = 64;

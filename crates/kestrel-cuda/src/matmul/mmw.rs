@@ -3,6 +3,9 @@
 
 use crate::*;
 
+/// The kernels this module launches (kernels/mmw.cu).
+pub(crate) const KERNELS: &[&str] = &["mmw_gated"];
+
 /// `mmw_*` (kernels/mmw.cu): bytes of one 16-row tile's 256-value step in the mmw layout,
 /// the most warps (tiles) a block takes, and its staged steps (dynamic shared memory).
 pub(crate) const MW_TILE_BYTES: usize = 2560;

@@ -20,6 +20,9 @@ pub(crate) use mmw::*;
 pub use plan::Kernel;
 pub(crate) use plan::{Context, Matrix, gemv_supported, q8_supported};
 
+/// The kernels this module launches (matmul (kernels/quant.cu) for what no other kernel takes; the merged cuBLAS products' split and activation (kernels/elementwise.cu)).
+pub(crate) const KERNELS: &[&str] = &["matmul", "split_qkv", "gated_act_merged"];
+
 /// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
 pub(crate) const Q8_GEMV_MAX_TOKENS: usize = 4;
 

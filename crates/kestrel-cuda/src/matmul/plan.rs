@@ -33,7 +33,7 @@ pub enum Kernel {
     GemvDec,
     /// `gemv`: 2..=8 tokens on f32 activations (kernels/gemv.cu).
     Gemv,
-    /// `matmul`: any format and size, the fallback (kernels/ops.cu).
+    /// `matmul`: any format and size, the fallback (kernels/quant.cu).
     Matmul,
 }
 
