@@ -5,14 +5,15 @@ pub mod backend;
 pub mod batch;
 pub mod config;
 pub mod forward;
+mod load;
 pub mod sampling;
 pub mod weights;
 
-pub use backend::{AttnParams, Backend, argmax};
+pub use backend::{AttnParams, Backend};
 pub use batch::{Batch, SeqSlot};
 pub use config::{Activation, Arch, ModelConfig, RopeConstants, RopeParams, RopeScaling};
 pub use forward::{Model, Scratch};
-pub use sampling::{RowSampler, RowSampling, SamplingBatch};
+pub use sampling::{RowSampler, RowSampling, SamplingBatch, argmax};
 pub use weights::{LayerWeights, ModelWeights};
 
 /// Errors about a model file's contents.

@@ -85,9 +85,13 @@ impl CudaBackend {
         segs: &[GemvSeg],
         gated: bool,
     ) -> Option<Kernel> {
-        let mats: Vec<Matrix> = segs.iter().map(|s| s.matrix(k)).collect();
+        // (On the stack: asked for every launch of every step.)
+        let mut mats = [segs[0].matrix(k); 3];
+        for (m, s) in mats.iter_mut().zip(segs) {
+            *m = s.matrix(k);
+        }
         let launch = plan::Launch {
-            mats: &mats,
+            mats: &mats[..segs.len().min(3)],
             k,
             n,
             gated,

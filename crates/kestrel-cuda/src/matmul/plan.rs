@@ -241,14 +241,19 @@ pub fn mmq_rows(kernel: Kernel, n: usize) -> usize {
 /// tokens outside the tensor-core kernels' range).
 pub fn plan_launch(l: &Launch, cx: &Context) -> Option<Kernel> {
     let (k, n) = (l.k, l.n);
-    let types: Vec<GgmlType> = l.mats.iter().map(|m| m.ty).collect();
+    // (On the stack: the choice runs for every product of every step.)
+    let mut formats = [GgmlType::F32; 3];
+    for (f, m) in formats.iter_mut().zip(l.mats) {
+        *f = m.ty;
+    }
+    let types = &formats[..l.mats.len().min(3)];
     // Gated launches need gate and up of one format and row length.
     let same_pair =
         !l.gated || (types[0] == types[1] && l.mats[0].row_bytes == l.mats[1].row_bytes);
     if k.is_multiple_of(32) && l.all(|m| mmq_reads(m.ty, n, cx.q8)) && same_pair {
         let kernel = if l.all(|m| mms_reads(m.ty, n, k, cx.q8)) {
             Kernel::Mms
-        } else if mmk_reads(k, l.warps(16), &types, cx) {
+        } else if mmk_reads(k, l.warps(16), types, cx) {
             Kernel::Mmk
         } else {
             Kernel::Mmq
