@@ -42,8 +42,7 @@ pub fn tiny_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFil
 }
 
 /// The tiny model with real models' attention shape: 128-dim heads, 4 query heads per kv
-/// head (`attention_split_tiled128`; with `KESTREL_CUDA_ATTN_TILED=0` the vectorized path
-/// of `attention_split_gqa`, which 64-dim heads do not take).
+/// head (`attention_split_tiled128`, `attention_prefill_mma128`).
 pub fn tiny_model_wide_heads(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
     tiny_model_heads(arch, ty, seed, WIDE_HEADS)
 }
