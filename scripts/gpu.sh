@@ -15,28 +15,18 @@
 #                            timed (per-kernel table when it stops)
 #   scripts/gpu.sh verify    on the GPU host: gpu-check, then `bench --seqs 4,8` on synthetic
 #                            Llama-3-8B Q4_K_M and Q4_0 (the small-batch routing by format)
-#   scripts/gpu.sh seqs-ab   on the GPU host: `kestrel bench --seqs $SEQS` on synthetic
-#                            Llama-3-8B Q4_K_M with the tensor-core kernels for 2..64-token
-#                            steps (mmq) on, then off (KESTREL_CUDA_MMQ_MAX=0)
 #   scripts/gpu.sh decode-ab on the GPU host: tg128 of synthetic Qwen2.5-1.5B and Llama-3-8B
-#                            Q4_K_M (and `--seqs $SEQS` if set) under each env set of $AB
+#                            Q4_K_M (and `--seqs $SEQS` if set) under each set of $AB (another
+#                            build: `BIN=.gpu/kestrel-base`, or operational env settings)
 #   scripts/gpu.sh build-base  build revision ${BASE:-HEAD} as .gpu/kestrel-${NAME:-base} (after `build`:
 #                            it adds its cubin to .gpu/cuda-cache) for `AB="BIN=.gpu/kestrel-base -"`
 #   scripts/gpu.sh sampled   on the GPU host: `kestrel serve` at 64 clients, greedy and sampled
 #                            (temperature 1; llama.cpp's defaults), for each binary of $BINS
-#   scripts/gpu.sh mega      on the GPU host: the persistent single-token kernel's checks, then
-#                            its per-phase profile on Qwen2.5-1.5B and Llama-3-8B Q4_K_M for each
-#                            KESTREL_CUDA_MEGA_FLAGS value of $FLAGS, the launch path beside it
-#   scripts/gpu.sh ceilings  on the GPU host: ncu durations of `read_bytes` at the single-token
-#                            launches' sizes and of each launch of 8-layer Llama-3-8B models
-#                            (${TYPES:-q4_k_m q8_0}), measured alike (scripts/ncu_launches.py)
+#   scripts/gpu.sh ceilings  on the GPU host: ncu durations and DRAM bytes of each launch of
+#                            8-layer Llama-3-8B models (${TYPES:-q4_k_m q8_0}; scripts/ncu_launches.py)
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
-#   scripts/gpu.sh bound     on the GPU host: tg128 of the five peer-table models as they run and
-#                            with every kernel but the GEMVs, LM head, embedding and argmax left
-#                            out (KESTREL_CUDA_SKIP: wrong tokens, the most any fusion of the
-#                            small kernels could give), plus each one's per-kernel profile
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -130,23 +120,6 @@ build-base)
     ls -l .gpu .gpu/cuda-cache
     ;;
 remote) remote_cmd ;;
-bound)
-    gpu_env
-    out=${OUT:-/tmp}
-    small=rms_norm_q8,rms_norm,quantize_x_q8,rope_store_kv,attention_split_tiled128,attention_combine,gather_rows
-    for spec in "${PEER_MODELS[@]}"; do  # made side by side: ~2.5 minutes for all five
-        peer_model $spec >/dev/null &
-    done
-    wait
-    tg() { env "$@" | grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+'; }
-    for spec in "${PEER_MODELS[@]}"; do
-        set -- $spec
-        f=$(peer_model "$@")
-        run=(.gpu/kestrel bench -m "$f" --device cuda -p 0 -n 128 -r 3)
-        echo "$2 $3: $(tg "${run[@]}") as it runs, $(tg KESTREL_CUDA_SKIP=$small "${run[@]}") without the small kernels"
-        .gpu/kestrel bench -m "$f" --device cuda -p 0 -n 32 --profile >"$out/profile-$2-$3.txt" 2>&1
-    done
-    ;;
 bench)
     gpu_env
     out=${OUT:-/tmp}
@@ -158,15 +131,11 @@ bench)
     done
     ;;
 ceilings)
-    # GEMV launches against a plain read of the same bytes, both under ncu (caches flushed,
-    # no launch latency; BENCHMARKS.md, "Fourteenth session").
+    # Each launch's duration and DRAM bytes under ncu (caches flushed, no launch latency).
     gpu_env
     out=${OUT:-/tmp}
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     metrics=gpu__time_duration.sum,dram__bytes_read.sum
-    "$ncu" --clock-control none --csv --metrics $metrics --kernel-name read_bytes \
-        --launch-count 560 .gpu/kestrel gpu-check --read-bw >"$out/ncu-read.csv" 2>&1
-    python3 scripts/ncu_launches.py read "$out/ncu-read.csv"
     for t in ${TYPES:-q4_k_m q8_0}; do
         f=/tmp/l8-$t.gguf
         [ -f "$f" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type "$t" --layers 8 \
@@ -199,15 +168,6 @@ verify)
     wait
     for m in "$model" "$q4_0"; do
         .gpu/kestrel bench -m "$m" --device cuda --seqs 4,8 -p 512 -n 128 -r 1
-    done
-    ;;
-seqs-ab)
-    gpu_env
-    model=$(llama3_8b)
-    for max in 64 0; do
-        echo "KESTREL_CUDA_MMQ_MAX=$max"
-        KESTREL_CUDA_MMQ_MAX=$max .gpu/kestrel bench -m "$model" --device cuda \
-            --seqs "${SEQS:-1,4,8,16,32,64}" -p 512 -n 128 -r 1
     done
     ;;
 sampled)
@@ -250,7 +210,7 @@ serve-profile)
 decode-ab)
     # Single-token decode (tg128) and `--seqs $SEQS` under each setting of $AB (space-
     # separated VAR=VALUE[,VAR=VALUE] sets; "-" for the defaults), on synthetic Qwen2.5-1.5B
-    # and Llama-3-8B Q4_K_M: A/B comparisons of kernel switches in one call.
+    # and Llama-3-8B Q4_K_M: A/B comparisons of builds (BIN=...) in one call.
     gpu_env
     qwen=$(peer_model qwen2 qwen2.5-1.5b q4_k_m)
     model=$(llama3_8b)
@@ -269,29 +229,9 @@ decode-ab)
             --seqs "$SEQS" -p 512 -n 128 -r 1 | grep -E '^\|' | tail -n +3
     done
     ;;
-mega)
-    # The persistent single-token kernel (KESTREL_CUDA_MEGA=1): its checks (tiny models,
-    # then synthetic Qwen2.5-1.5B against the launches and the CPU), then tg128 of Qwen2.5-1.5B
-    # and Llama-3-8B Q4_K_M with its per-phase profile under each flags value of
-    # ${FLAGS:-0} (KESTREL_CUDA_MEGA_FLAGS), and the launch path beside them.
-    gpu_env
-    qwen=$(peer_model qwen2 qwen2.5-1.5b q4_k_m)
-    timeout 300 .gpu/kestrel gpu-check --mega "$qwen" --mega-cpu --generate 30 | grep -vE ' ok$' || true
-    model=$(llama3_8b)
-    for m in "$qwen" "$model"; do
-        for f in ${FLAGS:-0}; do
-            echo "$(basename "$m") KESTREL_CUDA_MEGA_FLAGS=$f:"
-            KESTREL_CUDA_MEGA=1 KESTREL_CUDA_MEGA_PROFILE=1 KESTREL_CUDA_MEGA_FLAGS=$f timeout 120 \
-                .gpu/kestrel bench -m "$m" --device cuda -p 512 -n 128 -r 1 2>&1 |
-                grep -E '^  |tg128|rror'
-        done
-        echo "$(basename "$m") launches: $(.gpu/kestrel bench -m "$m" --device cuda -p 512 -n 128 -r 3 |
-            grep -oE 'tg128 \| [0-9.]+ ± [0-9.]+')"
-    done
-    ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|seqs-ab|decode-ab|batched|serve-profile|mega]" >&2
+    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|decode-ab|batched|serve-profile|sampled|ceilings]" >&2
     exit 2
     ;;
 esac

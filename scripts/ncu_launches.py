@@ -1,7 +1,6 @@
 """Per-launch durations and DRAM bytes from `ncu --csv --metrics
 gpu__time_duration.sum,dram__bytes_read.sum` output (see `scripts/gpu.sh ceilings`).
 
-  python3 scripts/ncu_launches.py read FILE     read_bytes launches by size: median µs, GB/s
   python3 scripts/ncu_launches.py kernels FILE  each kernel and grid: mean µs, MB read, GB/s
 """
 import collections
@@ -26,22 +25,15 @@ def launches(path):
 
 def main():
     mode, path = sys.argv[1], sys.argv[2]
-    if mode == "read":
-        by_size = collections.defaultdict(list)
-        for m in launches(path).values():
-            by_size[round(m["dram__bytes_read.sum"] / 1e6)].append(m["gpu__time_duration.sum"])
-        for mb, times in sorted(by_size.items()):
-            times.sort()
-            med = times[len(times) // 2]
-            print(f"{mb:8.0f} MB  {len(times):4} launches  median {med:8.2f} µs  {mb * 1e3 / med:6.0f} GB/s")
-    else:
-        by_kernel = collections.defaultdict(list)
-        for (_, kernel, grid), m in launches(path).items():
-            by_kernel[(kernel, grid)].append((m["gpu__time_duration.sum"], m["dram__bytes_read.sum"]))
-        for (kernel, grid), v in by_kernel.items():
-            us = sum(t for t, _ in v) / len(v)
-            b = sum(b for _, b in v) / len(v)
-            print(f"{kernel:28} {grid:>14} {len(v):3} launches {us:8.2f} µs {b / 1e6:8.2f} MB {b / 1e3 / us:6.0f} GB/s")
+    if mode != "kernels":
+        sys.exit(f"unknown mode {mode}")
+    by_kernel = collections.defaultdict(list)
+    for (_, kernel, grid), m in launches(path).items():
+        by_kernel[(kernel, grid)].append((m["gpu__time_duration.sum"], m["dram__bytes_read.sum"]))
+    for (kernel, grid), v in by_kernel.items():
+        us = sum(t for t, _ in v) / len(v)
+        b = sum(b for _, b in v) / len(v)
+        print(f"{kernel:28} {grid:>14} {len(v):3} launches {us:8.2f} µs {b / 1e6:8.2f} MB {b / 1e3 / us:6.0f} GB/s")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "kestrel",
     version,
-    about = "Run GGUF language models on the CPU"
+    about = "Run GGUF language models on the CPU or an NVIDIA GPU"
 )]
 struct Cli {
     #[command(subcommand)]

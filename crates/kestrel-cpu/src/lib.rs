@@ -75,7 +75,7 @@ impl HugeCopy {
         const HUGE: usize = HugeCopy::HUGE;
         Self::filled(bytes.len(), |out| {
             // Faulting the pages in is most of the time: on all the pool's threads.
-            let dst = ops::SharedMut(out.as_mut_ptr());
+            let dst = pool::SharedMut(out.as_mut_ptr());
             pool::pool().run(bytes.len().div_ceil(HUGE), &|c| {
                 let src = &bytes[c * HUGE..((c + 1) * HUGE).min(bytes.len())];
                 // SAFETY: chunk c of the destination (which holds `bytes.len()` bytes) is

@@ -5,32 +5,9 @@ use half::slice::HalfFloatSliceExt;
 use kestrel_model::{Activation, AttnParams, Batch, RopeParams};
 
 use crate::numerics::{self, Numerics};
+use crate::pool::SharedMut;
 use crate::{CpuBackend, CpuCache, CpuTensor, CpuWeight, Kernels};
 use crate::{gemm, packed, qdot, qdot8, simd};
-
-/// A pointer that tasks writing disjoint elements of one buffer may share.
-pub(crate) struct SharedMut<T>(pub(crate) *mut T);
-impl<T> Clone for SharedMut<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for SharedMut<T> {}
-// SAFETY: only used to write disjoint elements from different tasks.
-unsafe impl<T> Send for SharedMut<T> {}
-unsafe impl<T> Sync for SharedMut<T> {}
-
-impl<T> SharedMut<T> {
-    /// The element pointer at `offset` (a method, so closures capture the whole
-    /// `SharedMut`, which is `Send`, not its raw pointer field).
-    ///
-    /// # Safety
-    /// `offset` must lie inside the buffer.
-    pub(crate) unsafe fn at(self, offset: usize) -> *mut T {
-        // SAFETY: in bounds by the caller's guarantee.
-        unsafe { self.0.add(offset) }
-    }
-}
 
 /// Splits a matrix weight into what the kernels need: type, rows, row length, bytes.
 fn matrix(w: &CpuWeight) -> (kestrel_gguf::GgmlType, usize, usize, &[u8]) {

@@ -85,7 +85,7 @@ pub fn pack_into(ty: GgmlType, data: &[u8], rows: usize, k: usize, out: &mut [u8
         out.len() >= rows / ROWS * group_bytes,
         "packed output too small"
     );
-    let dst = crate::ops::SharedMut(out.as_mut_ptr());
+    let dst = crate::pool::SharedMut(out.as_mut_ptr());
     crate::pool::pool().run(rows / ROWS, &|g| {
         // SAFETY: group g's bytes of `out` (which holds rows / 16 groups) are written by
         // this task alone.

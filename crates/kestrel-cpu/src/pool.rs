@@ -236,6 +236,30 @@ fn worker(s: &Shared, me: usize) {
     }
 }
 
+/// A pointer that tasks writing disjoint elements of one buffer may share.
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
+// SAFETY: only used to write disjoint elements from different tasks.
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// The element pointer at `offset` (a method, so closures capture the whole
+    /// `SharedMut`, which is `Send`, not its raw pointer field).
+    ///
+    /// # Safety
+    /// `offset` must lie inside the buffer.
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut T {
+        // SAFETY: in bounds by the caller's guarantee.
+        unsafe { self.0.add(offset) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -455,8 +455,7 @@ __device__ __forceinline__ float gv_act(float g, int act) {
 // rows0 rows (gate, up) and out0[t][r] = act(gate·x) * (up·x), act 0 = SiLU, 1 = GELU.
 // Each block has GV_THREADS threads and handles rpb rows (1, 2 or 4), 4/rpb warps per row.
 // out rows have ld_s floats.
-// The body of gemv and gemv1 (inlined: with n a constant 1 the per-token arrays shrink to
-// one register each, so the single-token kernel runs at a higher occupancy).
+// The body of gemv (2..8 tokens of the formats and paths the other kernels do not take).
 __device__ __forceinline__ void
 gemv_body(const float* x, int k, int n, int rpb, int total, int gated, int act,
      const u8* w0, long long rb0, int ty0, int rows0, float* out0, int ld0, const float* bias0,
@@ -529,14 +528,6 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS) gemv(GEMV_PARAMS) {
     pdl_enter();
     __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
     gemv_body(x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
-              ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
-}
-
-// Exactly one token (decode of one sequence); `n` is ignored.
-extern "C" __global__ void __launch_bounds__(GV_THREADS, 8) gemv1(GEMV_PARAMS) {
-    pdl_enter();
-    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
-    gemv_body(x, k, 1, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1,
               ty1, rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2, red);
 }
 
@@ -1478,7 +1469,7 @@ __device__ __forceinline__ void gemv_rows_body(const i8* xq, const float* xd, GE
     x, k, n, rpb, total, gated, act, w0, rb0, ty0, rows0, out0, ld0, bias0, w1, rb1, ty1,      \
         rows1, out1, ld1, bias1, w2, rb2, ty2, out2, ld2, bias2
 
-// Variants by rows per warp (the host's KESTREL_CUDA_GEMV picks one; r2 is the default).
+// By rows per warp: one for rows of up to 2,048 values, two for longer ones (see `gemv`).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec(GEMV_PARAMS) {
     pdl_enter();
     gemv_rows_body<2, 2, false>(nullptr, nullptr, GEMV_ARGS);
@@ -1486,10 +1477,6 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec(GEMV_PAR
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r1(GEMV_PARAMS) {
     pdl_enter();
     gemv_rows_body<1, 4, false>(nullptr, nullptr, GEMV_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_r4(GEMV_PARAMS) {
-    pdl_enter();
-    gemv_rows_body<4, 1, false>(nullptr, nullptr, GEMV_ARGS);
 }
 
 // 4 blocks per SM (at most 128 registers): the 64-value Q4_K / Q6_K units hold four rows'

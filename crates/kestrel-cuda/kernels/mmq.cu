@@ -429,9 +429,10 @@ __device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npa
     if (warp == 0) mq_store<J, UP>(acc, acc_up, t, t.r0, n, act, out0, ld0);
 }
 
-// By tokens: up to 8, 16, 32 and 64 (the host picks the smallest that holds the step); plain
-// and gated (`_gated`: gate and up) launches apart, so that the plain kernels keep fewer
-// registers; at least BLOCKS blocks per SM (a register cap).
+// Steps of up to 8 tokens (J = 1; the template takes more, and tiles of 16 to 64 tokens
+// were measured: the staged kernels below and cuBLAS won there); plain and gated (`_gated`:
+// gate and up) launches apart, so that the plain kernels keep fewer registers; at least
+// BLOCKS blocks per SM (a register cap).
 #define MMQ_KERNEL(NAME, J, UP, BLOCKS)                                                        \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * 32, BLOCKS)                        \
         NAME(const i8* xq, const float* xds, int npad, GEMV_PARAMS) {                          \
@@ -439,13 +440,7 @@ __device__ __forceinline__ void mmq_body(const i8* xq, const float* xds, int npa
         mmq_body<J, UP>(xq, xds, npad, GEMV_ARGS);                                             \
     }
 MMQ_KERNEL(mmq_t8, 1, false, 3)
-MMQ_KERNEL(mmq_t16, 2, false, 2)
-MMQ_KERNEL(mmq_t32, 4, false, 2)
-MMQ_KERNEL(mmq_t64, 8, false, 1)
 MMQ_KERNEL(mmq_t8_gated, 1, true, 2)
-MMQ_KERNEL(mmq_t16_gated, 2, true, 2)
-MMQ_KERNEL(mmq_t32_gated, 4, true, 1)
-MMQ_KERNEL(mmq_t64_gated, 8, true, 1)
 
 // ---------------------------------------------------------------------------------------
 // Steps of up to 8 tokens on K-quant weights (mmk_t8*): the int8 mma of mmq_t8 with the
@@ -852,64 +847,23 @@ __device__ __forceinline__ void mmk_body(const GvRows& t, const i8* xq, const fl
 // TY < 0: the block's format picks the body (plain launches may mix formats: Q, K, V);
 // gated launches have one format (the host checks), and a kernel per format keeps the other
 // body's registers out (the two-format gated kernel spilled 116 bytes).
-MMK_KERNEL(mmk_t8, -1, false, false)
 MMK_KERNEL(mmk_t8_pipe, -1, false, true)
 MMK_KERNEL(mmk_t8_gated_q4k, T_Q4_K, true, false)
 MMK_KERNEL(mmk_t8_gated_q6k, T_Q6_K, true, false)
 
 // ---------------------------------------------------------------------------------------
-// Steps of up to 64 tokens with f16 activations (mmh_*): each weight block is expanded to
-// f16 in registers, scales applied, and multiplied with mma.sync m16n8k16 (f16 operands,
-// f32 accumulators) — no per-block scale arithmetic after the multiply, which is what
-// bounds the int8 kernels above at 16–64 tokens (~20 instructions per mma). Numerically it
-// is the f16 cuBLAS path's product (f16 weights and activations, f32 sums) without the f16
-// copies of the weights.
-//
-// Tiling: a block of MH_WARPS warps owns MH_ROWS rows, 16 a warp (gated launches: the first
-// half of the warps take MH_ROWS / 2 rows of gate, the others the same rows of up), and
-// walks the row length
-// in 256-value steps. Each step's activations (all tokens) are copied once into shared
-// memory by the whole block and every warp reads its B fragments from there. Narrow
-// matrices split the row length across `splits` blocks; their partial sums meet in
-// `work`, added in split order by the block that finishes last (a per-tile arrival
+// The tiling of the staged kernels (`mms_*` below): a block of MH_WARPS row groups owns
+// MH_ROWS rows, 16 a group (gated launches: the first half of the groups take MH_ROWS / 2
+// rows of gate, the others the same rows of up), and walks the row length in 256-value
+// steps. Narrow matrices split the row length across `splits` blocks; their partial sums
+// meet in `work`, added in split order by the block that finishes last (a per-tile arrival
 // counter, reset by that block): the result does not depend on which block finishes first.
-//
-// Fragments (PTX m16n8k16): lane (g, c) holds A rows g and g + 8 at k = 2c, 2c+1 (a0, a1)
-// and 2c+8, 2c+9 (a2, a3), and B column (token) g at k = 2c, 2c+1 (b0) and 2c+8, 2c+9 (b1).
-// A 32-value block is two mma; lane c takes its values 8c .. 8c + 7 (one 4-byte word of
-// Q4_K nibbles per 4 values, one 16-byte load of activations), the first mma values
-// 8c + {0, 2 | 1, 3} at k = {2c, 2c+1 | 2c+8, 2c+9}, the second 8c + 4 + the same — a
-// permutation of k that A and B share. The even/odd split is what a byte-pair expansion of
-// 4 quants gives (bytes 0, 2 and 1, 3 of a word), so convert_x_mmh stores each 8 values of
-// x in the order 0 2 1 3 4 6 5 7.
+// (The f16 kernels `mmh_*` that first used this tiling lost to `mms_*` and were deleted.)
 
 #define MH_WARPS 4
 #define MH_ROWS (16 * MH_WARPS)
-// Bytes per token row of a staged step (256 halves + 64 bytes: a quarter-warp's 16-byte
-// loads, tokens g and g + 1, fall in distinct banks).
-#define MH_XROW 576
 
-// f16 activations of an mmh launch: xh[t][k] for npad token rows (rows >= n zero), each 8
-// values in the order 0 2 1 3 4 6 5 7. One thread per 8 values (k a multiple of 8).
-extern "C" __global__ void convert_x_mmh(const float* x, int k, int n, int npad, u16* xh) {
-    pdl_enter();
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)npad * k / 8) return;
-    const size_t e = i * 8;
-    const int t = (int)(e / k);
-    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-    if (t < n) {
-        a = *(const float4*)(x + e);
-        b = *(const float4*)(x + e + 4);
-    }
-    uint4 o;
-    o.x = (u32)f2h(a.x) | ((u32)f2h(a.z) << 16);
-    o.y = (u32)f2h(a.y) | ((u32)f2h(a.w) << 16);
-    o.z = (u32)f2h(b.x) | ((u32)f2h(b.z) << 16);
-    o.w = (u32)f2h(b.y) | ((u32)f2h(b.w) << 16);
-    *(uint4*)(xh + e) = o;
-}
-
+// f16 pair arithmetic (mmw.cu expands its 4-bit weights with these).
 __device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
     u32 d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -920,110 +874,6 @@ __device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
-__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-__device__ __forceinline__ u32 h2_dup(float f) {
-    const u32 h = f2h(f);
-    return h | (h << 16);
-}
-
-// Bytes v0..v3 (each < 64) of a word as f16 pairs minus `bias`: (v0, v2) and (v1, v3).
-// 0x6400 | v is the f16 1024 + v, exactly; `bias2` holds 1024 + the format's offset.
-__device__ __forceinline__ void mh_expand(u32 v, u32 bias2, u32& p02, u32& p13) {
-    p02 = h2_sub((v & 0x003F003Fu) | 0x64006400u, bias2);
-    p13 = h2_sub(((v >> 8) & 0x003F003Fu) | 0x64006400u, bias2);
-}
-
-// One 32-value block of rows g, g + 8: w[r][h] holds the block's 8 values of row r (0: g,
-// 1: g + 8) at this lane, f16 pairs (h = 0: values 0 2, 1: 1 3, 2: 4 6, 3: 5 7), multiplied
-// with every token tile; `xs` is the lane's token-g row of the stage at the block's values
-// 8c.. (tile j at xs + j * 8 * MH_XROW).
-template <int J>
-__device__ __forceinline__ void mh_block(const u32 (&w)[2][4], const u8* xs, float (&acc)[J][4]) {
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const uint4 b = *(const uint4*)(xs + j * 8 * MH_XROW);
-        mma_f16(acc[j], {w[0][0], w[1][0], w[0][1], w[1][1]}, b.x, b.y);
-        mma_f16(acc[j], {w[0][2], w[1][2], w[0][3], w[1][3]}, b.z, b.w);
-    }
-}
-
-template <int TY> struct Mh;
-
-// Q4_K: each 32-value block's nibbles (Q4kStep) expanded with its 6-bit scale and minimum.
-template <> struct Mh<T_Q4_K> {
-    using Raw = Q4kStep<2>;
-    template <int J>
-    static __device__ __forceinline__ void compute(const Raw& raw, const u8* xs,
-                                                   float (&acc)[J][4]) {
-        const u32 bias2 = 0x64006400u;  // 1024: nibbles have no offset (minimums apart)
-#pragma unroll
-        for (int ch = 0; ch < 4; ch++) {
-            u32 scale[2][2], minus[2][2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const float d = h2f((u16)(raw.h[r].x & 0xFFFF));
-                const float dmin = h2f((u16)(raw.h[r].x >> 16));
-                int sc[2], mn[2];
-                q4k_scale_min_pair(raw.h[r], ch, sc, mn);
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    scale[r][i] = h2_dup(d * (float)sc[i]);
-                    minus[r][i] = h2_dup(-dmin * (float)mn[i]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                u32 w[2][4];
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    u32 p[4];
-                    mh_expand((raw.q[r][ch].x >> (4 * i)) & 0x0F0F0F0Fu, bias2, p[0], p[1]);
-                    mh_expand((raw.q[r][ch].y >> (4 * i)) & 0x0F0F0F0Fu, bias2, p[2], p[3]);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) w[r][e] = h2_fma(p[e], scale[r][i], minus[r][i]);
-                }
-                mh_block<J>(w, xs + (2 * ch + i) * 64, acc);
-            }
-        }
-    }
-};
-
-// Q6_K: block s of a step is quarter s % 4 of half s / 4; the lane's values 8c.. of it take
-// one 16-value scale (c < 2: the block's first).
-template <> struct Mh<T_Q6_K> {
-    using Raw = Q6kStep<2>;
-    template <int J>
-    static __device__ __forceinline__ void compute(const Raw& raw, const u8* xs,
-                                                   float (&acc)[J][4]) {
-        const int c = threadIdx.x & 3;
-        const u32 bias2 = 0x64206420u;  // 1024 + 32
-#pragma unroll
-        for (int s = 0; s < 8; s++) {
-            const int hf = s >> 2, qq = s & 3;
-            const int sl = 4 * (qq >> 1), sh = 2 * qq;
-            const int si = 8 * hf + 2 * qq + (c >> 1);  // this lane's 16-value scale
-            u32 w[2][4];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const uint2 l = raw.ql[r][hf][qq & 1], hb = raw.qh[r][hf];
-                const u32 v0 = ((l.x >> sl) & 0x0F0F0F0Fu) | (((hb.x >> sh) & 0x03030303u) << 4);
-                const u32 v1 = ((l.y >> sl) & 0x0F0F0F0Fu) | (((hb.y >> sh) & 0x03030303u) << 4);
-                const int sc = (int)(signed char)((raw.sw[r][si >> 2] >> (8 * (si & 3))) & 0xFF);
-                const u32 scale = h2_dup(raw.d[r] * (float)sc);
-                u32 p[4];
-                mh_expand(v0, bias2, p[0], p[1]);
-                mh_expand(v1, bias2, p[2], p[3]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) w[r][e] = h2_mul(p[e], scale);
-            }
-            mh_block<J>(w, xs + s * 64, acc);
-        }
-    }
-};
 
 // With splits, a block's partial sums go to `work` (work[block][e][thread], coalesced)
 // and the tile's last block to arrive adds every split's partials in split order; false
@@ -1058,35 +908,6 @@ __device__ __forceinline__ bool mq_split_sum(float (&acc)[J][4], int splits, flo
     return true;
 }
 
-// Steps [s0, s1) of format TY for this warp's rows. Each step's activations are copied
-// into `sx` (one buffer) while the next step's weights are loaded into registers, so the
-// weights' DRAM latency is hidden behind a step of math; the block's other warps and the
-// SM's other blocks cover the copy.
-template <int TY, int J>
-__device__ __forceinline__ void mh_rows(const u8* const (&rw)[2], int s0, int s1, int k,
-                                        const u16* xh, u8* sx, float (&acc)[J][4]) {
-    constexpr int NT = 8 * J;
-    const int lane = threadIdx.x & 31;
-    const u8* xs = sx + (lane >> 2) * MH_XROW + (lane & 3) * 16;
-    typename Mh<TY>::Raw cur, next;
-    const int c = threadIdx.x & 3;
-    if (s0 < s1) cur.load(rw, s0, c);
-    for (int st = s0; st < s1; st++) {
-        // NT rows of 32 chunks of 16 bytes.
-        for (int i = threadIdx.x; i < NT * 32; i += MH_WARPS * 32) {
-            const int tok = i >> 5, ch = i & 31;
-            cp_async16(sx + tok * MH_XROW + ch * 16, xh + (size_t)tok * k + st * 256 + ch * 8);
-        }
-        cp_async_commit();
-        if (st + 1 < s1) next.load(rw, st + 1, c);
-        cp_async_wait_all();
-        __syncthreads();
-        Mh<TY>::template compute<J>(cur, xs, acc);
-        __syncthreads();  // before the next step's copy overwrites the stage
-        cur = next;
-    }
-}
-
 // A warp's 16 rows r0 .. r0 + 15 of a matrix (w, rows of `rbytes` bytes, `rows` rows; rows
 // past the end read the last one), and this lane's two of them (g and g + 8).
 struct WarpRows {
@@ -1096,21 +917,6 @@ struct WarpRows {
     int r0, rows;
     __device__ __forceinline__ const u8* row(int i) const {
         return w + (size_t)min(r0 + i, rows - 1) * rbytes;
-    }
-};
-
-// The rows of a warp of `mmh_*` for the formats they read.
-template <int J> struct MhRows {
-    static constexpr int SMEM = 8 * J * MH_XROW;  // one stage
-    const u16* xh;
-    int k;
-    __device__ __forceinline__ void operator()(int ty, const WarpRows& wr, int, int s0, int s1,
-                                               u8* sx, float (&acc)[J][4]) const {
-        switch (ty) {
-        case T_Q4_K: mh_rows<T_Q4_K, J>(wr.lane, s0, s1, k, xh, sx, acc); break;
-        case T_Q6_K: mh_rows<T_Q6_K, J>(wr.lane, s0, s1, k, xh, sx, acc); break;
-        default: break;
-        }
     }
 };
 
@@ -1176,25 +982,10 @@ __device__ __forceinline__ void tile_body(const Rows& rows, u8* sx, int splits, 
     mq_store<JW, true>(acc, acc_up, t, r0, n, act, out0, ld0, tok0);
 }
 
-#define MMH_KERNEL(NAME, J, UP)                                                                \
-    extern "C" __global__ void __launch_bounds__(MH_WARPS * 32, 4)                             \
-        NAME(const u16* xh, int splits, float* work, u32* count, GEMV_PARAMS) {                \
-        __shared__ __align__(16) u8 sx[MhRows<J>::SMEM];                                       \
-        pdl_enter();                                                                           \
-        tile_body<J, UP, 1>(MhRows<J>{xh, k}, sx, splits, work, count, GEMV_ARGS);             \
-    }
-MMH_KERNEL(mmh_t8, 1, false)
-MMH_KERNEL(mmh_t16, 2, false)
-MMH_KERNEL(mmh_t32, 4, false)
-MMH_KERNEL(mmh_t64, 8, false)
-MMH_KERNEL(mmh_t8_gated, 1, true)
-MMH_KERNEL(mmh_t16_gated, 2, true)
-MMH_KERNEL(mmh_t32_gated, 4, true)
-MMH_KERNEL(mmh_t64_gated, 8, true)
-
 // ---------------------------------------------------------------------------------------
-// Steps of 9..64 tokens on int8 activations in mmk_t8's layout (`mms_*`): the tiling of
-// mmh_* (MH_WARPS row groups of 16 rows, splits of the row length), the int8 super-block
+// Steps of 9..32 tokens on int8 activations in mmk_t8's layout (`mms_*`; the template takes
+// tiles of 64 tokens too, which lost to cuBLAS): the tiling above (MH_WARPS row groups of 16
+// rows, splits of the row length), the int8 super-block
 // products of mmk_t8 (integer sums per super-block, MsStep) on 8-token tiles. Both operands
 // go through shared memory by cp.async, MS_STAGES steps deep: each step's activations of all
 // tokens (values, group sums, steps) once for the block, each row group's 16 weight rows by
@@ -1210,7 +1001,8 @@ MMH_KERNEL(mmh_t64_gated, 8, true)
 
 #define MS_STAGES 3
 // Token parts: a block has MS_TS warps per 16-row group, each taking 8J / MS_TS tokens of
-// the step (twice the warps of mmh_* for the same operands in shared memory).
+// the step (twice the warps of the deleted f16 mmh_* for the same operands in shared
+// memory).
 #define MS_TS 2
 #define MS_THREADS (MH_WARPS * MS_TS * 32)
 // Bytes per weight row of a stage: Q6_K's 224 (56 words ≡ 24 mod 32 banks), Q4_K's 144
@@ -1465,7 +1257,5 @@ template <int J> struct MsRows {
     }
 MMS_KERNEL(mms_t16, 2, false)
 MMS_KERNEL(mms_t32, 4, false)
-MMS_KERNEL(mms_t64, 8, false)
 MMS_KERNEL(mms_t16_gated, 2, true)
 MMS_KERNEL(mms_t32_gated, 4, true)
-MMS_KERNEL(mms_t64_gated, 8, true)

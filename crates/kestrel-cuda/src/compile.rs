@@ -16,101 +16,51 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/mmq.cu"),
     "\n",
-    include_str!("../kernels/ops.cu"),
+    include_str!("../kernels/elementwise.cu"),
+    "\n",
+    include_str!("../kernels/norm_rope.cu"),
+    "\n",
+    include_str!("../kernels/attention.cu"),
+    "\n",
+    include_str!("../kernels/argmax.cu"),
     "\n",
     include_str!("../kernels/mmw.cu"),
     "\n",
     include_str!("../kernels/sample.cu"),
-    "\n",
-    include_str!("../kernels/mega.cu"),
 );
 
-/// Names of the kernels the backend loads from the module.
-pub const KERNELS: &[&str] = &[
-    "embed",
-    "matmul",
-    "gemv",
-    "gemv1",
-    "gemv_dec",
-    "gemv_dec_r1",
-    "gemv_dec_r4",
-    "quantize_x_q8",
-    "gemv_q8",
-    "gemv_q8_r1",
-    "gemv_q8_b",
-    "gemv_q8_b_r1",
-    "gemv_q8_t4",
-    "gemv_q8_t8",
-    "gemv_ws_r1",
-    "read_bytes",
-    "sample_rows",
-    "quantize_x_mmq",
-    "rms_norm_mmq",
-    "mmq_t8",
-    "mmq_t16",
-    "mmq_t32",
-    "mmq_t64",
-    "mmq_t8_gated",
-    "mmq_t16_gated",
-    "mmq_t32_gated",
-    "mmq_t64_gated",
-    "quantize_x_mmk",
-    "rms_norm_mmk",
-    "mmk_t8",
-    "mmk_t8_gated_q4k",
-    "mmk_t8_gated_q6k",
-    "mmk_t8_pipe",
-    "convert_x_mmh",
-    "mmh_t8",
-    "mmh_t16",
-    "mmh_t32",
-    "mmh_t64",
-    "mmh_t8_gated",
-    "mmh_t16_gated",
-    "mmh_t32_gated",
-    "mmh_t64_gated",
-    "mms_t16",
-    "mms_t32",
-    "mms_t64",
-    "mms_t16_gated",
-    "mms_t32_gated",
-    "mms_t64_gated",
-    "repack_q4k_mmw",
-    "mmw_gated",
-    "mmw_add",
-    "scale_f32",
-    "add_f32",
-    "add_bias",
-    "gated_act",
-    "gated_act_f16",
-    "split_qkv",
-    "gated_act_merged",
-    "rms_norm",
-    "rms_norm_f16",
-    "rms_norm_q8",
-    "rope",
-    "store_kv",
-    "rope_store_kv",
-    "attention",
-    "attention_split",
-    "attention_split_gqa",
-    "attention_split_tiled64",
-    "attention_split_tiled128",
-    "attention_combine",
-    "attention_combine_mmk",
-    "attention_prefill",
-    "attention_prefill_mma64",
-    "attention_prefill_mma128",
-    "gather_rows",
-    "argmax_rows",
-    "dequant_f16",
-    "f32_to_f16",
-    "mega",
-];
+/// Names of the kernels the backend loads from the module: each family's list, declared
+/// beside its launcher.
+pub fn kernels() -> impl Iterator<Item = &'static str> {
+    [
+        crate::matmul::KERNELS,
+        crate::matmul::gemv::KERNELS,
+        crate::matmul::mmq::KERNELS,
+        crate::matmul::mmw::KERNELS,
+        crate::matmul::cublas::KERNELS,
+        crate::weights::KERNELS,
+        crate::norm_rope::KERNELS,
+        crate::attention::KERNELS,
+        crate::step::KERNELS,
+        crate::sample::KERNELS,
+    ]
+    .into_iter()
+    .flatten()
+    .copied()
+}
 
-/// Folder of compiled kernels: `$KESTREL_HOME/cuda-cache`.
+/// Folder of compiled kernels: `$KESTREL_HOME/cuda-cache`, where `KESTREL_HOME` defaults to
+/// `~/.cache/kestrel` (the rule of `kestrel_hub::kestrel_home`, restated here so that the
+/// backend does not depend on the hub crate).
 pub fn cache_dir() -> PathBuf {
-    kestrel_hub::kestrel_home().join("cuda-cache")
+    let home = match std::env::var_os("KESTREL_HOME").filter(|v| !v.is_empty()) {
+        Some(home) => PathBuf::from(home),
+        None => match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+            Some(home) => PathBuf::from(home).join(".cache").join("kestrel"),
+            None => std::env::temp_dir().join("kestrel"),
+        },
+    };
+    home.join("cuda-cache")
 }
 
 /// Where the machine code of `SOURCE` for `arch` is kept. The key is the source and the
@@ -245,6 +195,26 @@ mod tests {
                 !(code.contains("](auto") || code.contains("] (auto")),
                 "kernel source line {}: a generic lambda: {line}",
                 n + 1
+            );
+        }
+    }
+
+    /// No two modules declare the same kernel, and every declared name is in the source (the
+    /// module loader then finds it, or `CudaBackend::new` says which is missing;
+    /// `scripts/kernel_check.py` lists what the source defines).
+    #[test]
+    fn declared_kernels_are_unique_and_in_the_source() {
+        let names: Vec<&str> = super::kernels().collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), names.len(), "a kernel declared twice");
+        for name in names {
+            // (attention_prefill_mma64 / 128 are pasted by a macro: attention_prefill_mma##HD.)
+            let stem = name.trim_end_matches(|c: char| c.is_ascii_digit());
+            assert!(
+                super::SOURCE.contains(name) || super::SOURCE.contains(&format!("{stem}##")),
+                "kernel {name} is not in the source"
             );
         }
     }

@@ -6,17 +6,18 @@ pub mod batch;
 pub mod config;
 pub mod forward;
 pub mod moe;
+mod load;
 pub mod sampling;
 pub mod weights;
 
-pub use backend::{AttnParams, Backend, argmax};
+pub use backend::{AttnParams, Backend};
 pub use batch::{Batch, SeqSlot};
 pub use config::{
     Activation, Arch, AttnTemperature, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig,
     RopeConstants, RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
-pub use sampling::{RowSampler, RowSampling, SamplingBatch};
+pub use sampling::{RowSampler, RowSampling, SamplingBatch, argmax};
 pub use weights::{LayerWeights, ModelWeights};
 
 /// Errors about a model file's contents.

@@ -24,8 +24,6 @@ use std::cmp::Ordering;
 
 use rayon::prelude::*;
 
-use crate::backend::argmax;
-
 /// One row's settings and its uniform draw.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSampling {
@@ -385,6 +383,31 @@ fn survivors(logits: &[f32], spec: &RowSampling, max: f32, cands: &mut Vec<Candi
         }
         m = (m * 4).min(cands.len());
     }
+}
+
+/// Index of the largest logit, the lowest index among ties; NaN never wins unless every value
+/// is NaN (then 0).
+pub fn argmax(logits: &[f32]) -> u32 {
+    // Two passes the compiler vectorizes (a 128K vocabulary per row, dozens of rows per
+    // server step): the largest non-NaN value (`v > m` is false for NaN), then its first
+    // index. All NaN: no index matches, 0.
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut max = lanes
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+    for &v in rest {
+        max = if v > max { v } else { max };
+    }
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
 #[cfg(test)]

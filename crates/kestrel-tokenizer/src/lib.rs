@@ -24,13 +24,14 @@ pub mod chat;
 mod decode;
 mod special;
 mod spm;
+mod stream;
 mod tokenizer;
 mod vocab;
 
 pub use chat::{ChatMessage, ChatTemplate, ChatTemplateError};
-pub use decode::StreamDecoder;
-pub use tokenizer::{Tokenizer, TokenizerKind};
-pub use vocab::{PreTokenizer, TokenAttrs, TokenType, TokenizerConfig};
+pub use stream::StreamDecoder;
+pub use tokenizer::Tokenizer;
+pub use vocab::{PreTokenizer, TokenAttrs, TokenType, TokenizerConfig, TokenizerKind};
 
 /// Errors building a tokenizer from metadata.
 #[derive(Debug, thiserror::Error)]

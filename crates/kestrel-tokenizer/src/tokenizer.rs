@@ -9,16 +9,7 @@ use crate::bpe::BpeModel;
 use crate::decode::{self, Pieces};
 use crate::special::{Fragment, SpecialTokens};
 use crate::spm::{self, SpmVocab};
-use crate::vocab::{PreTokenizer, TokenAttrs, TokenType, TokenizerConfig};
-
-/// The tokenization algorithm of a vocabulary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TokenizerKind {
-    /// Byte-level BPE with merges (`tokenizer.ggml.model = "gpt2"`).
-    Bpe,
-    /// SentencePiece-style BPE with scores and byte fallback (`"llama"`).
-    Spm,
-}
+use crate::vocab::{PreTokenizer, TokenAttrs, TokenType, TokenizerConfig, TokenizerKind};
 
 // Tokens llama.cpp recognises by their text (llama-vocab.cpp, the version behind the
 // reference data: llama-cpp-python 0.3.36). Where llama.cpp takes the first match of an

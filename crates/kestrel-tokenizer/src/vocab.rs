@@ -4,6 +4,15 @@ use kestrel_gguf::{GgufFile, Value};
 
 use crate::TokenizerError;
 
+/// The tokenization algorithm of a vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenizerKind {
+    /// Byte-level BPE with merges (`tokenizer.ggml.model = "gpt2"`).
+    Bpe,
+    /// SentencePiece-style BPE with scores and byte fallback (`"llama"`).
+    Spm,
+}
+
 /// The type of a vocabulary entry (`tokenizer.ggml.token_type`, llama.cpp's numbering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TokenType {

@@ -3,7 +3,11 @@
 
 use std::time::Instant;
 
-use kestrel_cuda::selfcheck::{self, ARCHS, MAX_REL_DIFF, MIN_TOP1_AGREEMENT, TYPES};
+use kestrel_cuda::CudaBackend;
+use kestrel_gguf::GgmlType;
+use kestrel_gpu_check::{
+    self as selfcheck, ARCHS, GemvReport, MAX_REL_DIFF, MIN_TOP1_AGREEMENT, Product, TYPES,
+};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -27,54 +31,6 @@ pub struct Args {
     pub pp: usize,
     #[arg(long, default_value_t = 128)]
     pub tg: usize,
-    /// Instead of the checks, time plain reads of the byte counts a Llama-3-8B Q4_K_M
-    /// decode step's launches stream (the per-launch read ceiling, launch and ramp
-    /// included).
-    #[arg(long)]
-    pub read_bw: bool,
-    /// Instead of the checks, only the persistent single-token kernel's: the tiny models,
-    /// then each of these GGUF models (real shapes), each against separate launches.
-    #[arg(long, num_args = 0.., value_name = "GGUF")]
-    pub mega: Option<Vec<std::path::PathBuf>>,
-    /// With `--mega FILE`: the CPU backend's logits as the oracle too (slow on large models).
-    #[arg(long)]
-    pub mega_cpu: bool,
-}
-
-/// `--read-bw`: µs and GB/s of a read-only kernel over each size, back to back and alone.
-fn read_bw(args: &Args) -> anyhow::Result<()> {
-    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
-    println!(
-        "device {}: read-only launches (read_bytes)",
-        backend.device_name()
-    );
-    println!(
-        "{:>24} {:>10} {:>14} {:>10} {:>14} {:>10}",
-        "bytes", "MB", "µs (b2b)", "GB/s", "µs (alone)", "GB/s"
-    );
-    // Llama-3-8B Q4_K_M single-token launches: o (Q4_K), QKV, down (Q6_K half the
-    // layers), gate/up, LM head (Q6_K, padded); then 1 GB.
-    let sizes: [(&str, usize); 7] = [
-        ("o 4096x4096 q4_K", 4096 * 16 * 144),
-        ("qkv 6144x4096", 5120 * 16 * 144 + 1024 * 16 * 224),
-        ("down 4096x14336 q4_K", 4096 * 56 * 144),
-        ("down 4096x14336 q6_K", 4096 * 56 * 224),
-        ("gate/up 2x14336x4096", 2 * 14336 * 16 * 144),
-        ("lm head 128256x4096", 128256 * 16 * 224),
-        ("1 GB", 1 << 30),
-    ];
-    for (name, bytes) in sizes {
-        let launches = (2_000_000_000 / bytes).clamp(4, 200);
-        let (b2b, alone) = backend.read_launch_us(bytes, launches)?;
-        let gbs = |us: f64| bytes as f64 / us / 1e3;
-        println!(
-            "{name:>24} {:>10.1} {b2b:>14.2} {:>10.0} {alone:>14.2} {:>10.0}",
-            bytes as f64 / 1e6,
-            gbs(b2b),
-            gbs(alone)
-        );
-    }
-    Ok(())
 }
 
 /// Times prefill and decode of a model file on the GPU (random token ids).
@@ -166,16 +122,10 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.read_bw {
-        return read_bw(&args);
-    }
     if let Some(path) = &args.bench {
         return bench(&args, path);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
-    if let Some(files) = &args.mega {
-        return mega_only(&args, files, seed);
-    }
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
     println!(
@@ -185,280 +135,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend.kernels_origin(),
         start.elapsed().as_secs_f64()
     );
-    let mut failures = 0;
-    println!(
-        "matmul kernels vs f64 oracle: pass if ‖Δ‖/‖ref‖ <= {:.0e} (gemv, ≤ {} tokens) or {:.0e} (gemm, f16 operands{})",
-        selfcheck::MAX_GEMV_REL_ERR,
-        kestrel_cuda::GEMV_MAX_TOKENS,
-        selfcheck::MAX_GEMM_REL_ERR,
-        if backend.uses_cublas() {
-            ", cuBLAS"
-        } else {
-            "; cuBLAS absent: matmul kernel"
-        }
-    );
-    // Single-token products of the Q8-capable formats run on 8-bit activations by default:
-    // check them with that path off too ("gemv-f32").
-    let q8_default = backend.q8_decode();
-    let gemv = selfcheck::GEMV_TYPES.into_iter().map(|ty| ("gemv", ty));
-    let gemv_f32 = selfcheck::GEMV_TYPES
-        .into_iter()
-        .filter(|_| q8_default)
-        .map(|ty| ("gemv-f32", ty));
-    // Single-token gate/up launches (gate and up read together; `gemv_ws` for Q4_K).
-    let gemv_gated = selfcheck::MMQ_TYPES
-        .into_iter()
-        .filter(|_| q8_default)
-        .map(|ty| ("gemv-gated", ty));
-    // Steps of 3..=64 tokens of those formats run on the tensor cores: int8 ("mmq"), or
-    // for Q4_K / Q6_K on f16 operands ("mmh") and on int8 with activations quantized per
-    // 256 values, up to 8 tokens ("mmk") and from 9 staged in shared memory ("mms");
-    // "-gated": the gate and up matrices of a feed-forward block in one launch.
-    let mmq = selfcheck::MMQ_TYPES
-        .into_iter()
-        .filter(|_| q8_default)
-        .flat_map(|ty| {
-            let mut kinds = vec![("mmq", ty), ("mmq-gated", ty)];
-            if matches!(
-                ty,
-                kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
-            ) {
-                kinds.extend([
-                    ("mmh", ty),
-                    ("mmh-gated", ty),
-                    ("mmk", ty),
-                    ("mmk-gated", ty),
-                    ("mms", ty),
-                    ("mms-gated", ty),
-                ]);
-            }
-            kinds
-        });
-    let gemm = kestrel_cuda::SUPPORTED_TYPES.iter().map(|&ty| ("gemm", ty));
-    for (it, (kind, ty)) in gemv
-        .chain(gemv_f32)
-        .chain(gemv_gated)
-        .chain(mmq)
-        .chain(gemm)
-        .enumerate()
-    {
-        backend.set_q8_decode(q8_default && kind != "gemv-f32");
-        // Gated Q4_K steps of 33..=64 tokens would take mmw_gated (checked below).
-        let mmw_default = backend.mmw_min();
-        backend.set_mmw_min(usize::MAX);
-        let mmq_default = (
-            backend.mmq_max(),
-            backend.mmq_all_formats(),
-            backend.mmh_min(),
-            backend.mmk_mode(),
-            backend.mms(),
-        );
-        if kind.starts_with("mm") {
-            backend.set_mmq_max(kestrel_cuda::MMQ_MAX_TOKENS);
-            backend.set_mmq_all_formats(true);
-            backend.set_mmh_min(match kind {
-                _ if kind.starts_with("mmh") => 1,
-                _ if kind.starts_with("mms") => 9,
-                _ => usize::MAX,
-            });
-            backend.set_mms(kind.starts_with("mms"));
-            // "mmq" checks the per-32 int8 kernels, which "mmk" replaces where it applies.
-            backend.set_mmk_mode(if kind.starts_with("mmk") { 2 } else { 0 });
-        }
-        let mut worst: Option<selfcheck::GemvReport> = None;
-        let mut error = None;
-        let case_seed = seed.wrapping_add(500 + it as u64);
-        let cases = if kind.starts_with("gemv") {
-            selfcheck::gemv_cases(ty, case_seed)
-        } else if kind.starts_with("mmk") {
-            selfcheck::mmk_cases(case_seed)
-        } else if kind.starts_with("mms") {
-            selfcheck::mms_cases(case_seed)
-        } else if kind.starts_with("mm") {
-            selfcheck::mmq_cases(ty, case_seed)
-        } else {
-            selfcheck::gemm_cases(ty, case_seed)
-        };
-        // Single-token 8-bit products: each rows-per-warp variant of gemv_q8 (small test
-        // launches would otherwise all take one row a warp).
-        let gemv_rows_default = backend.gemv_q8_rows();
-        // `mmk_t8`: with and without the next step's weights loaded ahead (variants 1, 2).
-        // cuBLAS products (`gemm`): variant 1 on a cuBLASLt algorithm even where
-        // cublasGemmEx is faster (small products would otherwise keep it).
-        let row_variants: &[usize] = match kind {
-            "gemv" | "gemv-gated" => &[0, 1, 2],
-            "mmk" => &[1, 2],
-            "gemm" if backend.has_cublaslt() => &[0, 1],
-            _ => &[0],
-        };
-        let runs = cases
-            .into_iter()
-            .flat_map(|case| row_variants.iter().map(move |&v| (case, v)));
-        for ((rows, cols, n, s), variant) in runs {
-            if kind == "mmk" {
-                backend.set_mmk_mode(variant as u8);
-            } else if kind == "gemm" {
-                backend.set_gemm_force_lt(variant == 1);
-            } else if variant != 0 {
-                backend.set_gemv_q8_rows(variant);
-            }
-            let result = selfcheck::compare_gemv(
-                &backend,
-                ty,
-                rows,
-                cols,
-                n,
-                s,
-                if kind.ends_with("-gated") {
-                    selfcheck::Product::Gated
-                } else {
-                    selfcheck::Product::Plain
-                },
-            );
-            backend.set_gemv_q8_rows(gemv_rows_default);
-            backend.set_gemm_force_lt(false);
-            if kind == "mmk" {
-                backend.set_mmk_mode(2);
-            }
-            match result {
-                Ok(r) => {
-                    // An mmq case that took another path tests nothing it names.
-                    if kind.starts_with("mmq") && !r.via_q8 {
-                        error = Some(format!(
-                            "{rows}x{cols} n={n} did not run on 8-bit activations"
-                        ));
-                    }
-                    let per_256 = kind.starts_with("mmk") || kind.starts_with("mms");
-                    if kind.starts_with("mm") && per_256 != r.via_mmk {
-                        error = Some(format!(
-                            "{rows}x{cols} n={n}: activations per 256 {} (expected the other way)",
-                            if r.via_mmk { "ran" } else { "did not run" }
-                        ));
-                    }
-                    // Default single-token products of Q4_K / Q6_K (rows per warp not forced,
-                    // e.g. by KESTREL_CUDA_GEMV): gemv_ws.
-                    if kind == "gemv"
-                        && variant == 0
-                        && n == 1
-                        && matches!(
-                            ty,
-                            kestrel_gguf::GgmlType::Q4K | kestrel_gguf::GgmlType::Q6K
-                        )
-                        && backend.gemv_ws()
-                        && backend.gemv_q8_rows() == 0
-                        && !r.via_ws
-                    {
-                        error = Some(format!("{rows}x{cols} n=1 did not run on gemv_ws"));
-                    }
-                    if kind.starts_with("mms") && !r.via_mms {
-                        error = Some(format!("{rows}x{cols} n={n} did not run on mms_*"));
-                    }
-                    if kind.starts_with("mmh") && !r.via_mmh {
-                        error = Some(format!(
-                            "{rows}x{cols} n={n} did not run on the f16 tensor-core kernels"
-                        ));
-                    }
-                    failures += usize::from(!r.passed());
-                    if worst
-                        .as_ref()
-                        .is_none_or(|w| r.rel_err > w.rel_err || !r.passed())
-                    {
-                        worst = Some(r);
-                    }
-                }
-                Err(e) => error = Some(format!("{e:#}")),
-            }
-        }
-        backend.set_mmq_max(mmq_default.0);
-        backend.set_mmq_all_formats(mmq_default.1);
-        backend.set_mmh_min(mmq_default.2);
-        backend.set_mmk_mode(mmq_default.3);
-        backend.set_mms(mmq_default.4);
-        backend.set_mmw_min(mmw_default);
-        if let Some(e) = error {
-            failures += 1;
-            println!("{kind} {:<6} ERROR {e}", ty.name());
-        } else if let Some(r) = worst {
-            println!(
-                "{kind} {:<6} worst {}x{} n={}{}: rel err {:.2e}{}  {}",
-                ty.name(),
-                r.rows,
-                r.cols,
-                r.tokens,
-                if r.via_mmk {
-                    " (8-bit activations per 256)"
-                } else if r.via_q8 {
-                    " (8-bit activations)"
-                } else if r.via_mmh {
-                    " (f16 tensor cores)"
-                } else if r.via_cublas {
-                    " (cuBLAS, f16)"
-                } else {
-                    ""
-                },
-                r.rel_err,
-                if r.non_finite > 0 {
-                    format!(" ({} non-finite)", r.non_finite)
-                } else {
-                    String::new()
-                },
-                if r.passed() { "ok" } else { "FAIL" }
-            );
-        }
-    }
-    // Q4_K products of 33..=64 tokens on the mmw layout (4-bit weights repacked for f16
-    // mma), with 1..=8 warps a block forced on some cases: gate/up on `mmw_gated`, and the
-    // opt-in `mmw_add` into a fresh output and into a residual.
-    if backend.mmw_min() <= 64 {
-        use selfcheck::Product;
-        let ty = kestrel_gguf::GgmlType::Q4K;
-        let add_default = backend.mmw_add();
-        let groups: [(u64, &[Product]); 2] = [
-            (880, &[Product::Gated]),
-            (890, &[Product::Plain, Product::AddInto]),
-        ];
-        for (seed_offset, products) in groups {
-            backend.set_mmw_add(products[0] != Product::Gated);
-            for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(seed_offset)) {
-                backend.set_mmw_warps(warps);
-                for &product in products {
-                    let result = selfcheck::compare_gemv(&backend, ty, rows, cols, n, s, product);
-                    let ok = match &result {
-                        Ok(r) => r.passed() && r.via_mmw,
-                        Err(_) => false,
-                    };
-                    failures += usize::from(!ok);
-                    let (name, kernel) = match product {
-                        Product::Gated => ("mmw-gated", "mmw_gated"),
-                        Product::Plain => ("mmw", "mmw_add"),
-                        Product::AddInto => ("mmw-add", "mmw_add"),
-                    };
-                    match result {
-                        Ok(r) => println!(
-                            "{name} Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
-                            r.rel_err,
-                            if r.via_mmw {
-                                String::new()
-                            } else {
-                                format!(" (did not run on {kernel})")
-                            },
-                            if r.non_finite > 0 {
-                                format!(" ({} non-finite)", r.non_finite)
-                            } else {
-                                String::new()
-                            },
-                            if ok { "ok" } else { "FAIL" }
-                        ),
-                        Err(e) => println!("{name} Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
-                    }
-                }
-                backend.set_mmw_warps(0);
-            }
-        }
-        backend.set_mmw_add(add_default);
-    } else {
-        println!("mmw-gated: off (KESTREL_CUDA_MMW_MIN above 64)");
-    }
+    let mut failures = check_products(&backend, seed);
     // Logit rows copied to the host while their product runs (after a large read of rows).
     match selfcheck::compare_read_ahead(&backend, seed.wrapping_add(870)) {
         Ok(r) => {
@@ -721,7 +398,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
-    failures += mega_tiny(&args, seed);
     println!("total {:.1} s", start.elapsed().as_secs_f64());
     if failures > 0 {
         anyhow::bail!("{failures} GPU check(s) failed");
@@ -730,87 +406,324 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints one mega comparison; whether it passed.
-fn mega_line(what: &str, r: anyhow::Result<selfcheck::MegaReport>) -> bool {
-    match r {
-        Ok(r) => {
-            let ok = r.passed();
-            let cpu = r.cpu.as_ref().map_or(String::new(), |(m, l)| {
-                format!(
-                    "; against the CPU: kernel top-1 {:.2}% max |Δ| {:.4}, launches top-1 {:.2}% max |Δ| {:.4}",
-                    100.0 * m.top1_agreement_ties,
-                    m.max_abs_diff,
-                    100.0 * l.top1_agreement_ties,
-                    l.max_abs_diff
-                )
-            });
-            println!(
-                "mega {what:<28} {} programs, top-1 {:.2}% ({:.2}% with ties), max |Δ| {:.4} of {:.2}{cpu}  {}",
-                r.programs,
-                100.0 * r.logits.top1_agreement,
-                100.0 * r.logits.top1_agreement_ties,
-                r.logits.max_abs_diff,
-                r.logits.max_abs_logit,
-                if ok { "ok" } else { "FAIL" }
-            );
-            ok
-        }
-        Err(e) => {
-            println!("mega {what:<28} ERROR {e:#}");
-            false
-        }
-    }
+/// A weight type and the token-count cases of one product check: (rows, cols, tokens, seed).
+type Cases = fn(GgmlType, u64) -> Vec<(usize, usize, usize, u64)>;
+
+/// Why a product check's case fails besides its error bound (it took another kernel than
+/// the one the row names): `None` when it ran where it should.
+type Expect = fn(&GemvReport, usize) -> Option<String>;
+
+/// One row of the product checks: the weights of `types` times random activations of each
+/// case, against an f64 oracle, with the backend's choices set as the row says.
+struct ProductCheck {
+    kind: &'static str,
+    types: &'static [GgmlType],
+    cases: Cases,
+    product: Product,
+    /// 8-bit activations: `Some(false)` forces them off (the f32 GEMVs), `Some(true)` needs
+    /// them (the row is left out when they are off by default), `None` as by default.
+    q8: Option<bool>,
+    /// Whether `mmk_t8*` takes K-quant steps of up to 8 tokens (off: `mmq_t8`, as for the
+    /// LM head).
+    mmk: bool,
+    /// Forced rows per warp of single-token `gemv_q8` launches, each case run once per entry
+    /// (0: by launch; small test launches would otherwise all take one row a warp).
+    row_variants: &'static [usize],
+    expect: Expect,
 }
 
-/// The mega checks on tiny models of the architectures it takes; failures.
-fn mega_tiny(args: &Args, seed: u64) -> usize {
+const K_QUANTS: &[GgmlType] = &[GgmlType::Q4K, GgmlType::Q6K];
+
+/// Any path.
+fn anywhere(_: &GemvReport, _: usize) -> Option<String> {
+    None
+}
+
+/// Default single-token products of Q4_K / Q6_K: `gemv_ws`.
+fn on_ws(r: &GemvReport, variant: usize) -> Option<String> {
+    let k_quant = matches!(r.ty, GgmlType::Q4K | GgmlType::Q6K);
+    (variant == 0 && r.tokens == 1 && k_quant && !r.via_ws)
+        .then(|| format!("{}x{} n=1 did not run on gemv_ws", r.rows, r.cols))
+}
+
+/// On 8-bit activations, quantized per 256 values exactly when `per_256`.
+fn on_q8(r: &GemvReport, per_256: bool) -> Option<String> {
+    let (rows, cols, n) = (r.rows, r.cols, r.tokens);
+    if !r.via_q8 {
+        return Some(format!(
+            "{rows}x{cols} n={n} did not run on 8-bit activations"
+        ));
+    }
+    (per_256 != r.via_mmk).then(|| {
+        format!(
+            "{rows}x{cols} n={n}: activations per 256 {} (expected the other way)",
+            if r.via_mmk { "ran" } else { "did not run" }
+        )
+    })
+}
+
+fn on_mmq(r: &GemvReport, _: usize) -> Option<String> {
+    on_q8(r, false)
+}
+
+fn on_mmk(r: &GemvReport, _: usize) -> Option<String> {
+    on_q8(r, true)
+}
+
+fn on_mms(r: &GemvReport, _: usize) -> Option<String> {
+    on_q8(r, true).or_else(|| {
+        (!r.via_mms).then(|| format!("{}x{} n={} did not run on mms_*", r.rows, r.cols, r.tokens))
+    })
+}
+
+/// The product checks, one row per kernel family (its types, cases and expected path).
+const PRODUCT_CHECKS: &[ProductCheck] = &[
+    ProductCheck {
+        kind: "gemv",
+        types: &selfcheck::GEMV_TYPES,
+        cases: selfcheck::gemv_cases,
+        product: Product::Plain,
+        q8: None,
+        mmk: true,
+        row_variants: &[0, 1, 2],
+        expect: on_ws,
+    },
+    // Single-token products of the Q8-capable formats run on 8-bit activations by default:
+    // checked with that path off too.
+    ProductCheck {
+        kind: "gemv-f32",
+        types: &selfcheck::GEMV_TYPES,
+        cases: selfcheck::gemv_cases,
+        product: Product::Plain,
+        q8: Some(false),
+        mmk: true,
+        row_variants: &[0],
+        expect: anywhere,
+    },
+    // Single-token gate/up launches (gate and up read together; `gemv_ws` for Q4_K).
+    ProductCheck {
+        kind: "gemv-gated",
+        types: &selfcheck::MMQ_TYPES,
+        cases: selfcheck::gemv_cases,
+        product: Product::Gated,
+        q8: Some(true),
+        mmk: true,
+        row_variants: &[0, 1, 2],
+        expect: anywhere,
+    },
+    // Steps of 3..=32 tokens of those formats run on the tensor cores: `mmq_t8` (int8 per
+    // 32 values), for Q4_K / Q6_K `mmk_t8*` (per 256 values, up to 8 tokens) and `mms_*`
+    // (from 9, staged in shared memory); "-gated": gate and up in one launch.
+    ProductCheck {
+        kind: "mmq",
+        types: &selfcheck::MMQ_TYPES,
+        cases: selfcheck::mmq_cases,
+        product: Product::Plain,
+        q8: Some(true),
+        mmk: false,
+        row_variants: &[0],
+        expect: on_mmq,
+    },
+    ProductCheck {
+        kind: "mmq-gated",
+        types: &selfcheck::MMQ_TYPES,
+        cases: selfcheck::mmq_cases,
+        product: Product::Gated,
+        q8: Some(true),
+        mmk: false,
+        row_variants: &[0],
+        expect: on_mmq,
+    },
+    ProductCheck {
+        kind: "mmk",
+        types: K_QUANTS,
+        cases: |_, seed| selfcheck::mmk_cases(seed),
+        product: Product::Plain,
+        q8: Some(true),
+        mmk: true,
+        row_variants: &[0],
+        expect: on_mmk,
+    },
+    ProductCheck {
+        kind: "mmk-gated",
+        types: K_QUANTS,
+        cases: |_, seed| selfcheck::mmk_cases(seed),
+        product: Product::Gated,
+        q8: Some(true),
+        mmk: true,
+        row_variants: &[0],
+        expect: on_mmk,
+    },
+    ProductCheck {
+        kind: "mms",
+        types: K_QUANTS,
+        cases: |_, seed| selfcheck::mms_cases(seed),
+        product: Product::Plain,
+        q8: Some(true),
+        mmk: true,
+        row_variants: &[0],
+        expect: on_mms,
+    },
+    ProductCheck {
+        kind: "mms-gated",
+        types: K_QUANTS,
+        cases: |_, seed| selfcheck::mms_cases(seed),
+        product: Product::Gated,
+        q8: Some(true),
+        mmk: true,
+        row_variants: &[0],
+        expect: on_mms,
+    },
+    // Residual adds (the attention output and the down projection): single-token and
+    // tensor-core kernels add into the residual themselves, cuBLAS with beta = 1.
+    ProductCheck {
+        kind: "gemv-add",
+        types: &selfcheck::MMQ_TYPES,
+        cases: selfcheck::gemv_cases,
+        product: Product::AddInto,
+        q8: None,
+        mmk: true,
+        row_variants: &[0],
+        expect: anywhere,
+    },
+    ProductCheck {
+        kind: "mms-add",
+        types: K_QUANTS,
+        cases: |_, seed| selfcheck::mms_cases(seed),
+        product: Product::AddInto,
+        q8: Some(true),
+        mmk: true,
+        row_variants: &[0],
+        expect: on_mms,
+    },
+    ProductCheck {
+        kind: "gemm",
+        types: kestrel_cuda::SUPPORTED_TYPES,
+        cases: selfcheck::gemm_cases,
+        product: Product::Plain,
+        q8: None,
+        mmk: true,
+        row_variants: &[0],
+        expect: anywhere,
+    },
+    ProductCheck {
+        kind: "gemm-add",
+        types: &selfcheck::MMQ_TYPES,
+        cases: selfcheck::gemm_cases,
+        product: Product::AddInto,
+        q8: None,
+        mmk: true,
+        row_variants: &[0],
+        expect: anywhere,
+    },
+];
+
+/// Every row of [`PRODUCT_CHECKS`], then `mmw_gated` (Q4_K gate/up of 33..=64 tokens on the
+/// repacked 4-bit copies, 1..=8 warps a block forced on some cases); the failures.
+fn check_products(backend: &CudaBackend, seed: u64) -> usize {
     println!(
-        "persistent single-token kernel (mega) vs launches, 3 + {0} + 40 + {0} positions:",
-        args.generate
+        "matmul kernels vs f64 oracle: pass if ‖Δ‖/‖ref‖ <= {:.0e} (gemv, ≤ {} tokens) or {:.0e} (gemm, f16 operands{})",
+        selfcheck::MAX_GEMV_REL_ERR,
+        kestrel_cuda::GEMV_MAX_TOKENS,
+        selfcheck::MAX_GEMM_REL_ERR,
+        if backend.uses_cublas() {
+            ", cuBLAS"
+        } else {
+            "; cuBLAS absent: matmul kernel"
+        }
     );
+    let q8_default = backend.q8_decode();
     let mut failures = 0;
-    for (ia, arch) in [selfcheck::ARCHS[0], selfcheck::ARCHS[1]]
-        .into_iter()
-        .enumerate()
-    {
-        for ty in ["q4_k_m", "q8_0", "q4_0"] {
-            for (ih, heads) in [(8, 2, 128), (6, 1, 64), (12, 2, 128)]
-                .into_iter()
-                .enumerate()
-            {
-                let case_seed = seed.wrapping_add(21_000 + 10 * ia as u64 + ih as u64);
-                let r =
-                    selfcheck::compare_mega(arch, ty, heads, args.generate, case_seed, args.gpu);
-                failures += usize::from(!mega_line(&format!("{} {ty} {heads:?}", arch.name()), r));
+    let rows = PRODUCT_CHECKS
+        .iter()
+        .filter(|c| c.q8 != Some(true) || q8_default)
+        .flat_map(|c| c.types.iter().map(move |&ty| (c, ty)));
+    for (it, (check, ty)) in rows.enumerate() {
+        backend.set_q8_decode(check.q8.unwrap_or(q8_default));
+        backend.set_mmk(check.mmk);
+        let mut worst: Option<GemvReport> = None;
+        let mut error = None;
+        let cases = (check.cases)(ty, seed.wrapping_add(500 + it as u64));
+        for (rows, cols, n, s) in cases {
+            for &variant in check.row_variants {
+                backend.set_gemv_q8_rows(variant);
+                let result = selfcheck::compare_gemv(backend, ty, rows, cols, n, s, check.product);
+                backend.set_gemv_q8_rows(0);
+                match result {
+                    Ok(r) => {
+                        if let Some(e) = (check.expect)(&r, variant) {
+                            error = Some(e);
+                        }
+                        failures += usize::from(!r.passed());
+                        if worst
+                            .as_ref()
+                            .is_none_or(|w| r.rel_err > w.rel_err || !r.passed())
+                        {
+                            worst = Some(r);
+                        }
+                    }
+                    Err(e) => error = Some(format!("{e:#}")),
+                }
             }
+        }
+        let kind = check.kind;
+        if let Some(e) = error {
+            failures += 1;
+            println!("{kind} {:<6} ERROR {e}", ty.name());
+        } else if let Some(r) = worst {
+            println!(
+                "{kind} {:<6} worst {}x{} n={}{}: rel err {:.2e}{}  {}",
+                ty.name(),
+                r.rows,
+                r.cols,
+                r.tokens,
+                if r.via_mmk {
+                    " (8-bit activations per 256)"
+                } else if r.via_q8 {
+                    " (8-bit activations)"
+                } else if r.via_cublas {
+                    " (cuBLAS, f16)"
+                } else {
+                    ""
+                },
+                r.rel_err,
+                non_finite_note(&r),
+                if r.passed() { "ok" } else { "FAIL" }
+            );
+        }
+    }
+    backend.set_q8_decode(q8_default);
+    backend.set_mmk(true);
+    let ty = GgmlType::Q4K;
+    for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(880)) {
+        backend.set_mmw_warps(warps);
+        let result = selfcheck::compare_gemv(backend, ty, rows, cols, n, s, Product::Gated);
+        backend.set_mmw_warps(0);
+        let ok = result.as_ref().is_ok_and(|r| r.passed() && r.via_mmw);
+        failures += usize::from(!ok);
+        match result {
+            Ok(r) => println!(
+                "mmw-gated Q4_K {rows}x{cols} n={n} warps={warps}: rel err {:.2e}{}{}  {}",
+                r.rel_err,
+                if r.via_mmw {
+                    ""
+                } else {
+                    " (did not run on mmw_gated)"
+                },
+                non_finite_note(&r),
+                if ok { "ok" } else { "FAIL" }
+            ),
+            Err(e) => println!("mmw-gated Q4_K {rows}x{cols} n={n}: ERROR {e:#}"),
         }
     }
     failures
 }
 
-/// `--mega`: the tiny models' mega checks, then each file's.
-fn mega_only(args: &Args, files: &[std::path::PathBuf], seed: u64) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let mut failures = mega_tiny(args, seed);
-    for path in files {
-        let file = std::sync::Arc::new(
-            kestrel_gguf::GgufFile::open(path)
-                .with_context(|| format!("opening {}", path.display()))?,
-        );
-        let r = selfcheck::compare_mega_file(
-            file,
-            kestrel_model::Arch::Llama,
-            "file",
-            args.generate,
-            seed,
-            args.gpu,
-            args.mega_cpu,
-        );
-        failures += usize::from(!mega_line(&path.display().to_string(), r));
+/// " (N non-finite)" when a product left outputs non-finite.
+fn non_finite_note(r: &GemvReport) -> String {
+    if r.non_finite > 0 {
+        format!(" ({} non-finite)", r.non_finite)
+    } else {
+        String::new()
     }
-    if failures > 0 {
-        anyhow::bail!("{failures} mega check(s) failed");
-    }
-    println!("all mega checks passed");
-    Ok(())
 }

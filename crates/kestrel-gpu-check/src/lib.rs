@@ -11,7 +11,7 @@ use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
 use kestrel_model::{Arch, Batch, SeqSlot};
 use rand::{Rng, SeedableRng};
 
-use crate::CudaBackend;
+use kestrel_cuda::CudaBackend;
 
 pub const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
@@ -42,8 +42,7 @@ pub fn tiny_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFil
 }
 
 /// The tiny model with real models' attention shape: 128-dim heads, 4 query heads per kv
-/// head (`attention_split_tiled128`; with `KESTREL_CUDA_ATTN_TILED=0` the vectorized path
-/// of `attention_split_gqa`, which 64-dim heads do not take).
+/// head (`attention_split_tiled128`, `attention_prefill_mma128`).
 pub fn tiny_model_wide_heads(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
     tiny_model_heads(arch, ty, seed, WIDE_HEADS)
 }
@@ -592,9 +591,6 @@ pub struct GemvReport {
     pub via_cublas: bool,
     /// Whether it ran on 8-bit activations (the reference then uses them too).
     pub via_q8: bool,
-    /// Whether it ran on the f16 tensor-core kernels `mmh_*` (f16 operands, as cuBLAS;
-    /// the reference uses x rounded to f16).
-    pub via_mmh: bool,
     /// Whether it ran on `mmw_gated` (4-bit weights repacked, f16 operands; the reference
     /// uses x rounded to f16).
     pub via_mmw: bool,
@@ -639,7 +635,7 @@ pub const MAX_GEMM_REL_ERR: f64 = 2e-3;
 impl GemvReport {
     /// The bound this case is held to (f32 kernels, or f16 operands on the tensor cores).
     pub fn limit(&self) -> f64 {
-        if self.via_cublas || self.via_mmh || self.via_mmw {
+        if self.via_cublas || self.via_mmw {
             MAX_GEMM_REL_ERR
         } else {
             MAX_GEMV_REL_ERR
@@ -670,7 +666,7 @@ fn random_matrix(
     ty: GgmlType,
     rows: usize,
     cols: usize,
-) -> anyhow::Result<(crate::CudaWeight, Vec<f32>)> {
+) -> anyhow::Result<(kestrel_cuda::CudaWeight, Vec<f32>)> {
     let w: Vec<f32> = (0..rows * cols)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
@@ -731,18 +727,18 @@ pub fn compare_gemv(
     };
     let xt = backend.upload_tensor(n, cols, &x)?;
     let mut out = backend.upload_tensor(n, rows, &residual)?;
+    // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16 or 32);
+    // reserved first, since the kernel choice depends on the room there.
+    backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     let via_cublas = backend.matmul_uses_cublas(&weight, n);
     let via_q8 = backend.matmul_uses_q8(&weight, n);
-    let via_mmh = backend.matmul_uses_mmh(&weight, n);
     let via_mmw = match &up {
         Some((up_w, _)) => backend.matmul_uses_mmw(&weight, up_w, n),
-        None => backend.matmul_uses_mmw_plain(&weight, n),
+        None => false,
     };
     let via_mmk = backend.matmul_uses_mmk(&weight, n);
     let via_mms = backend.matmul_uses_mms(&weight, n);
     let via_ws = backend.matmul_uses_ws(&weight, n);
-    // The tensor-core kernels quantize a multiple of 8 tokens (the staged ones 16, 32 or 64).
-    backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
     match &up {
         Some((up_w, _)) => {
             let mut up_out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
@@ -764,10 +760,10 @@ pub fn compare_gemv(
     }
     // The reference uses the activations the product sees: x rounded as the 8-bit paths'
     // quantization rounds it (`mmk_t8*` per 256 values, the others per 32), or to f16 for
-    // the f16 tensor-core products (cuBLAS, `mmh_*`, `mmw_*`).
+    // the f16 tensor-core products (cuBLAS, `mmw_gated`).
     let x = if via_q8 {
         quantize_q8_like_gpu(&x, if via_mmk { 256 } else { 32 })
-    } else if via_cublas || via_mmh || via_mmw {
+    } else if via_cublas || via_mmw {
         x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
     } else {
         x
@@ -798,7 +794,6 @@ pub fn compare_gemv(
         non_finite,
         via_cublas,
         via_q8,
-        via_mmh,
         via_mmw,
         via_mmk,
         via_mms,
@@ -861,7 +856,7 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
         let n = if single {
             1
         } else {
-            rng.random_range(1..=crate::GEMV_MAX_TOKENS)
+            rng.random_range(1..=kestrel_cuda::GEMV_MAX_TOKENS)
         };
         (rows, blocks * unit, n, rng.random())
     })
@@ -869,28 +864,26 @@ pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     .collect()
 }
 
-/// Types the tensor-core kernels for 2..=MMQ_MAX_TOKENS tokens read (`kernels/mmq.cu`).
+/// Types the tensor-core kernels for 3..=MMQ_MAX_TOKENS tokens read (`kernels/mmq.cu`).
 pub const MMQ_TYPES: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0];
 
-/// Random cases for the tensor-core kernels (with their limit raised to MMQ_MAX_TOKENS):
-/// token counts from each of their four tile sizes (3..=8, 9..=16, 17..=32, 33..=64), awkward
-/// row counts (not multiples of 16), row lengths of 6 and 14 steps of 256 (the staged kernels
-/// split those across blocks), and for the 32-value formats row lengths that are not
-/// multiples of 256 (the unstaged kernels) as well as one that is.
+/// Random cases for `mmq_t8` (3..=8 tokens; Q4_K / Q6_K only where `mmk_t8*` is off, as
+/// for the LM head): awkward row counts (not multiples of 16), and for the 32-value formats
+/// row lengths that are not multiples of 256 as well as ones that are.
 pub fn mmq_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let lengths: [usize; 4] = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
-        [256, 768, 1536, 3584]
+    let lengths: [usize; 5] = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+        [256, 768, 1536, 3584, 512]
     } else {
-        [32, 224, 2048, 2080]
+        [32, 224, 2048, 2080, 4096]
     };
-    [(3, 8), (9, 16), (17, 32), (33, 64), (64, 64)]
+    lengths
         .iter()
         .enumerate()
-        .map(|(i, &(lo, hi))| {
+        .map(|(i, &cols)| {
             let rows = rng.random_range(1..300);
-            let cols = lengths[i % lengths.len()];
-            (rows, cols, rng.random_range(lo..=hi), rng.random())
+            let n = if i == 0 { 8 } else { rng.random_range(3..=8) };
+            (rows, cols, n, rng.random())
         })
         .collect()
 }
@@ -908,9 +901,9 @@ pub fn mmk_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
         .collect()
 }
 
-/// Random cases for `mms_*` (9..=64 tokens, Q4_K / Q6_K): each of its tile sizes (16, 32,
-/// 64 tokens, full and partly filled), awkward row counts, and row lengths of 1 to 56 steps
-/// of 256 (narrow launches split them across blocks, odd step counts per split included).
+/// Random cases for `mms_*` (9..=32 tokens, Q4_K / Q6_K): each of its tile sizes (16 and 32
+/// tokens, full and partly filled), awkward row counts, and row lengths of 1 to 56 steps of
+/// 256 (narrow launches split them across blocks, odd step counts per split included).
 pub fn mms_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     [
@@ -918,8 +911,8 @@ pub fn mms_cases(seed: u64) -> Vec<(usize, usize, usize, u64)> {
         (16, 16, 14),
         (17, 32, 3),
         (32, 32, 9),
-        (33, 64, 56),
-        (64, 64, 16),
+        (17, 32, 56),
+        (9, 16, 16),
     ]
     .iter()
     .map(|&(lo, hi, steps)| {
@@ -1033,9 +1026,9 @@ pub fn gemm_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
                 block * rng.random_range(1..=(2048 / block).max(1))
             };
             let n = if i == 0 {
-                crate::GEMM_MIN_TOKENS
+                kestrel_cuda::GEMM_MIN_TOKENS
             } else {
-                rng.random_range(crate::GEMM_MIN_TOKENS..300)
+                rng.random_range(kestrel_cuda::GEMM_MIN_TOKENS..300)
             };
             (rows, cols, n, rng.random())
         })
@@ -1096,100 +1089,6 @@ pub fn compare_graph_replay(
         replays: replays.load(std::sync::atomic::Ordering::Relaxed),
         identical,
     })
-}
-
-/// The single-token step as one persistent kernel (`mega`) against the same steps as
-/// separate launches, on one model: both engines on the GPU, teacher-forced over a short
-/// prompt, `steps` single-token steps, a 40-token chunk, then `steps` more (attention over
-/// up to ~2·steps + 43 keys: one to many key splits, the current token's key both in
-/// the middle and at the end of a split). The GEMVs are gemv_q8's arithmetic, but the
-/// activations' 8-bit rounding multiplies by the reciprocal step and attention sums in
-/// another order, so the logits are held to the 8-bit bound.
-#[derive(Debug, Clone)]
-pub struct MegaReport {
-    pub logits: LogitReport,
-    /// Launch lists the persistent kernel took (0: it took none; the check fails).
-    pub programs: usize,
-    /// With the CPU as the oracle: (the kernel against it, the launches against it). Deep
-    /// random-weight models carry 8-bit rounding differences through every layer, so the
-    /// kernel is held to the launches' own distance from the CPU (within a quarter more).
-    pub cpu: Option<(LogitReport, LogitReport)>,
-}
-
-impl MegaReport {
-    pub fn passed(&self) -> bool {
-        let close = match &self.cpu {
-            Some((mega, launches)) => {
-                mega.passed_within(mega.max_abs_bound().max(1.25 * launches.max_abs_diff))
-            }
-            None => self.logits.passed(),
-        };
-        close && self.programs > 0
-    }
-}
-
-pub fn compare_mega_file(
-    file: Arc<GgufFile>,
-    arch: Arch,
-    ty: &str,
-    steps: usize,
-    seed: u64,
-    ordinal: usize,
-    cpu_reference: bool,
-) -> anyhow::Result<MegaReport> {
-    let with = CudaBackend::new(ordinal)?;
-    with.set_mega(true);
-    let without = CudaBackend::new(ordinal)?;
-    without.set_mega(false);
-    let mut a = Engine::new(without, file.clone(), &options(100))?;
-    let mut b = Engine::new(with, file.clone(), &options(100))?;
-    let vocab = a.config().vocab_size as u32;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x3e6a);
-    let mut parts = vec![3];
-    parts.extend(std::iter::repeat_n(1, steps));
-    parts.push(40);
-    parts.extend(std::iter::repeat_n(1, steps));
-    let n: usize = parts.iter().sum();
-    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
-    let la = all_logits_in_parts(&mut a, &tokens, &parts)?;
-    let lb = all_logits_in_parts(&mut b, &tokens, &parts)?;
-    anyhow::ensure!(
-        la.len() == n && lb.len() == n,
-        "expected {n} rows of logits, got {} and {}",
-        la.len(),
-        lb.len()
-    );
-    let mut logits = logit_report(arch, ty, &la, &lb);
-    logits.q8 = true;
-    logits.q8_reference = true;
-    let cpu = if cpu_reference {
-        let lc = all_logits(&mut cpu_engine(&file)?, &tokens)?;
-        let mut mega = logit_report(arch, ty, &lc, &lb);
-        let mut launches = logit_report(arch, ty, &lc, &la);
-        mega.q8 = true;
-        launches.q8 = true;
-        Some((mega, launches))
-    } else {
-        None
-    };
-    Ok(MegaReport {
-        logits,
-        programs: b.backend.mega_programs(),
-        cpu,
-    })
-}
-
-/// [`compare_mega_file`] on [`tiny_model_heads`].
-pub fn compare_mega(
-    arch: Arch,
-    ty: &str,
-    heads: (usize, usize, usize),
-    steps: usize,
-    seed: u64,
-    ordinal: usize,
-) -> anyhow::Result<MegaReport> {
-    let file = tiny_model_heads(arch, ty, seed, heads)?;
-    compare_mega_file(file, arch, ty, steps, seed, ordinal, false)
 }
 
 /// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,

@@ -1,7 +1,7 @@
 //! The CUDA backend against the CPU backend on tiny synthetic models. Needs a GPU: without
 //! one (CI) each test prints a notice and returns.
 
-use kestrel_cuda::selfcheck::{self, ARCHS, TYPES};
+use kestrel_gpu_check::{self as selfcheck, ARCHS, TYPES};
 use rand::Rng;
 
 /// True when a CUDA device can be used; otherwise prints why the test is skipped.

@@ -1,0 +1,49 @@
+// out[r] = the index of the largest value of row r (lowest index among ties; NaN never
+// wins; 0 when the whole row is NaN): greedy sampling without reading logits back.
+// One block of ARGMAX_THREADS per row.
+#define ARGMAX_THREADS 256
+#define ARGMAX_NONE 0xffffffffu
+__device__ __forceinline__ void argmax_merge(float& v, u32& i, float ov, u32 oi) {
+    if (oi == ARGMAX_NONE) return;
+    if (i == ARGMAX_NONE || ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+// Every thread's (v, i) merged across the block (argmax_merge: a total order, so the order
+// of merging does not matter); every thread gets the result. sv / si: shared arrays of
+// blockDim.x / 32 entries.
+__device__ __forceinline__ void block_argmax(float& v, u32& i, float* sv, u32* si) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const u32 oi = __shfl_xor_sync(0xffffffffu, i, o);
+        argmax_merge(v, i, ov, oi);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, i, sv[w], si[w]);
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_rows(const float* x, u32* out, int cols) {
+    pdl_enter();
+    __shared__ float sv[ARGMAX_THREADS / 32];
+    __shared__ u32 si[ARGMAX_THREADS / 32];
+    const float* row = x + (size_t)blockIdx.x * cols;
+    float v = NEG_INF;
+    u32 idx = ARGMAX_NONE;
+    for (int j = threadIdx.x; j < cols; j += ARGMAX_THREADS) {
+        const float y = row[j];
+        // Ascending j per thread: a later equal value never replaces an earlier one.
+        if (y == y && (idx == ARGMAX_NONE || y > v)) {
+            v = y;
+            idx = (u32)j;
+        }
+    }
+    block_argmax(v, idx, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
+}

@@ -1,0 +1,499 @@
+//! Attention (kernels/attention.cu): RoPE and the KV-cache store, the split decode kernels
+//! (tiled on the tensor cores, grouped, or one block a head) with their combine, and the
+//! prefill kernels.
+
+use crate::*;
+
+/// The kernels this module launches (kernels/attention.cu).
+pub(crate) const KERNELS: &[&str] = &[
+    "store_kv",
+    "rope_store_kv",
+    "attention",
+    "attention_split",
+    "attention_split_gqa",
+    "attention_split_tiled64",
+    "attention_split_tiled128",
+    "attention_combine",
+    "attention_combine_mmk",
+    "attention_prefill",
+    "attention_prefill_mma64",
+    "attention_prefill_mma128",
+];
+
+/// Tokens per block of the prefill attention kernel, and the largest head it handles
+/// (`attention_prefill` in kernels/attention.cu: FA_Q and FA_HD); runs of fewer tokens take the
+/// split kernels.
+pub(crate) const PREFILL_ATTN_TOKENS: usize = 16;
+
+pub(crate) const PREFILL_ATTN_MAX_HEAD_DIM: usize = 128;
+
+/// Tokens per block of the tensor-core prefill attention (`attention_prefill_mma64` and
+/// `attention_prefill_mma128` in kernels/attention.cu: FM_Q).
+pub(crate) const PREFILL_MMA_TOKENS: usize = 64;
+
+/// Most tokens of a step the split (decode) attention handles.
+pub(crate) const SPLIT_ATTN_MAX_TOKENS: usize = 64;
+
+/// Most key ranges the decode attention splits a (token, head) into.
+pub(crate) const MAX_ATTN_SPLITS: usize = 64;
+
+/// Most query heads per kv head the tiled decode attention takes (TA_MAX_GROUP).
+pub(crate) const TILED_ATTN_MAX_GROUP: usize = 8;
+
+/// Keys one block of the tiled decode attention covers per round (4 warps × 16).
+pub(crate) const TILED_ATTN_KEYS_PER_ROUND: usize = 64;
+
+/// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
+/// query heads together: each key and value row read once per group) where the tiled
+/// kernels ([`tiled_split_attention`]) do not: grouped heads, a head of 32 · (1 to 4) dims,
+/// at most 8 heads per group.
+pub(crate) fn gqa_split_attention(p: &AttnParams) -> bool {
+    let group = p.n_head / p.n_head_kv.max(1);
+    (2..=8).contains(&group)
+        && p.n_head.is_multiple_of(p.n_head_kv)
+        && p.head_dim.is_multiple_of(32)
+        && p.head_dim <= 128
+}
+
+/// The tensor-core prefill attention kernel for `p`'s heads: 64- or 128-dim heads, whole
+/// groups of query heads per kv head; `None` keeps `attention_prefill`.
+pub(crate) fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
+    if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
+        return None;
+    }
+    match p.head_dim {
+        64 => Some("attention_prefill_mma64"),
+        128 => Some("attention_prefill_mma128"),
+        _ => None,
+    }
+}
+
+/// Whether split decode attention runs `attention_split_tiled64` / `attention_split_tiled128`
+/// (tensor cores; one block per kv head and key range, the keys in 16-key chunks through
+/// shared memory): heads of 64 or 128 dims, 1 to 8 query heads per kv head. The kernels
+/// need sm_80, as the `mmq_*` kernels do.
+pub(crate) fn tiled_split_attention(p: &AttnParams) -> bool {
+    p.n_head_kv > 0
+        && p.n_head.is_multiple_of(p.n_head_kv)
+        && (1..=TILED_ATTN_MAX_GROUP).contains(&(p.n_head / p.n_head_kv))
+        && matches!(p.head_dim, 64 | 128)
+}
+
+/// Buffers and sizes one layer's attention launches share.
+pub(crate) struct AttnLaunch {
+    pub(crate) q: u64,
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) out: u64,
+    pub(crate) block_size: usize,
+    pub(crate) window: i32,
+    /// Single-token steps: the 8-bit activation buffers (values, block steps) the output's
+    /// quantization goes to as well, for the output projection's gemv_q8.
+    pub(crate) q8: Option<(u64, u64)>,
+    /// Steps of a few tokens whose output projection reads mmk's layout: the padded row
+    /// count and the buffers (values, per-256 steps, group sums) attention_combine_mmk
+    /// writes.
+    pub(crate) mmk: Option<(usize, [u64; 3])>,
+}
+
+impl CudaBackend {
+    /// Attention of tokens `tok0 .. tok0 + n` of any sequences: split across key ranges
+    /// (the count below), in ranges of at most
+    /// SPLIT_ATTN_MAX_TOKENS tokens; the one-block-per-(token, head) kernel when the
+    /// partials buffer is too small.
+    /// Returns whether the launches wrote `a.q8` (the kernels that write the normalized
+    /// output do: attention_split_tiled* with one split, attention_combine).
+    pub(crate) fn attention_short(
+        &self,
+        a: &AttnLaunch,
+        p: &AttnParams,
+        step: &CudaStep,
+        tok0: usize,
+        n: usize,
+    ) -> bool {
+        // About ATTN_SPLIT_BLOCKS blocks in all, and at least ~16 keys a split of the
+        // longest sequence (its length rounded up to a power of two, so that a recorded graph
+        // serves every step until it doubles). Measured on the H100, Llama-3-8B Q4_K_M, ~600
+        // keys, decode t/s with 4 / 8 / 16 / 32 / 64 splits: 1 sequence 210 / 242 / 255 /
+        // 264 / 265, 8 sequences 1,207 / 1,341 / 1,287 / 1,228 / 1,144: both best at ~512
+        // blocks. (Splits used to follow the cache size: 64 for 8 sequences.)
+        //
+        // The tiled kernels instead take at most ATTN_SPLIT_BLOCKS blocks (about one wave on
+        // the H100: 132 SMs × 4 resident blocks of the 128-dim kernel, 5 of the 64-dim one;
+        // a block's warps stream 16-key chunks with the next chunk in flight, so one wave
+        // already keeps enough bytes in flight), the count rounded down to a power of two,
+        // and splits of TILED_ATTN_KEYS_PER_ROUND keys or more of the longest length rounded
+        // up to a power of two (32 to 64 keys of the longest sequence: a 16-key chunk for
+        // 2 to 4 of the block's 4 warps; more, shorter splits would not shorten a block's one
+        // round of loads, and each split is one more partial to write and merge). One split
+        // (e.g. 64 sequences × 8 kv heads, or no sequence longer than 64) writes the output
+        // directly, without attention_combine. The count is a power of two and changes only
+        // when the longest length crosses one.
+        const ATTN_SPLIT_BLOCKS: usize = 512;
+        let tiled = tiled_split_attention(p);
+        let splits = if tiled {
+            let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
+            let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
+            let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
+                .checked_ilog2()
+                .map_or(1, |e| 1 << e);
+            by_len.min(by_blocks)
+        } else {
+            let heads = if gqa_split_attention(p) {
+                p.n_head_kv
+            } else {
+                p.n_head
+            };
+            let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
+            let by_blocks = ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
+            by_len.min(by_blocks)
+        }
+        .clamp(if tiled { 1 } else { 2 }, MAX_ATTN_SPLITS);
+        // The kernels' shared leading arguments, writing to `dest`.
+        let common = |dest: u64| {
+            [
+                &[Arg::P(a.q), Arg::P(a.k), Arg::P(a.v), Arg::P(dest)][..],
+                &step.slot_args(),
+                &[
+                    Arg::I(a.block_size as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::F(p.scale),
+                    Arg::I(a.window),
+                ],
+            ]
+            .concat()
+        };
+        let (q8, q8d) = a.q8.unwrap_or((0, 0));
+        // The merge kernels' leading arguments: the partials, the output, their geometry.
+        let merge = [
+            Arg::P(step.attn_part_ptr),
+            Arg::P(a.out),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::I(splits as i32),
+        ];
+        let combine = |m: usize, t: usize| {
+            let tail = [Arg::I(t as i32), Arg::P(q8), Arg::P(q8d)];
+            let grid = (m as u32, p.n_head as u32, 1);
+            self.launch(
+                "attention_combine",
+                grid,
+                128,
+                &[&merge[..], &tail].concat(),
+            );
+        };
+        // The merge into mmk's layout: all n tokens in one launch (tok0 = 0).
+        let combine_mmk = |npad: usize, [q, xk, xb]: [u64; 3]| {
+            let tail = [
+                Arg::I(n as i32),
+                Arg::I(npad as i32),
+                Arg::P(q),
+                Arg::P(xk),
+                Arg::P(xb),
+            ];
+            let grid = (npad as u32, (p.n_head * p.head_dim / 256) as u32, 1);
+            self.launch(
+                "attention_combine_mmk",
+                grid,
+                256,
+                &[&merge[..], &tail].concat(),
+            );
+        };
+        let mmk = a.mmk.filter(|_| tok0 == 0 && n <= SPLIT_ATTN_MAX_TOKENS);
+        let mut wrote_q8 = false;
+        let mut done = 0;
+        while done < n {
+            let m = (n - done).min(SPLIT_ATTN_MAX_TOKENS);
+            let t = tok0 + done;
+            let part_len = m * p.n_head * splits * (p.head_dim + 2);
+            let fits = part_len <= step.attn_part_len;
+            if tiled && (splits == 1 || fits) {
+                let name = if p.head_dim == 64 {
+                    "attention_split_tiled64"
+                } else {
+                    "attention_split_tiled128"
+                };
+                // One split: the output itself (normalized); otherwise the partials.
+                let dest = if splits == 1 {
+                    a.out
+                } else {
+                    step.attn_part_ptr
+                };
+                let mut args = common(dest);
+                args.push(Arg::I(splits as i32));
+                args.push(Arg::I(t as i32));
+                let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
+                args.extend([Arg::P(q8), Arg::P(q8d)]);
+                self.launch(
+                    name,
+                    (m as u32, p.n_head_kv as u32, splits as u32),
+                    128,
+                    &args,
+                );
+                match mmk {
+                    _ if splits == 1 => {}
+                    Some((npad, bufs)) => combine_mmk(npad, bufs),
+                    None => combine(m, t),
+                }
+                wrote_q8 = a.q8.is_some() || (mmk.is_some() && splits > 1);
+            } else if splits > 1 && fits {
+                let mut args = common(step.attn_part_ptr);
+                args.push(Arg::I(splits as i32));
+                args.push(Arg::I(t as i32));
+                if gqa_split_attention(p) {
+                    self.launch(
+                        "attention_split_gqa",
+                        (m as u32, p.n_head_kv as u32, splits as u32),
+                        128,
+                        &args,
+                    );
+                } else {
+                    self.launch(
+                        "attention_split",
+                        (m as u32, p.n_head as u32, splits as u32),
+                        128,
+                        &args,
+                    );
+                }
+                match mmk {
+                    Some((npad, bufs)) => combine_mmk(npad, bufs),
+                    None => combine(m, t),
+                }
+                wrote_q8 = a.q8.is_some() || mmk.is_some();
+            } else {
+                let mut args = common(a.out);
+                args.push(Arg::I(t as i32));
+                self.launch("attention", (m as u32, p.n_head as u32, 1), 128, &args);
+                wrote_q8 = false;
+            }
+            done += m;
+        }
+        wrote_q8
+    }
+
+    /// Attention of one sequence's run of tokens `tok0 .. tok0 + n` (a prompt chunk),
+    /// flash style: on the tensor cores in tiles of PREFILL_MMA_TOKENS (grid: heads, then
+    /// tiles) where [`prefill_mma_kernel`] has a kernel, else in tiles of
+    /// PREFILL_ATTN_TOKENS (grid: tiles, then heads). Same arguments for both.
+    pub(crate) fn attention_prefill(
+        &self,
+        a: &AttnLaunch,
+        p: &AttnParams,
+        step: &CudaStep,
+        tok0: usize,
+        n: usize,
+    ) {
+        let (name, grid) = match prefill_mma_kernel(p) {
+            Some(name) => (
+                name,
+                (p.n_head as u32, n.div_ceil(PREFILL_MMA_TOKENS) as u32, 1),
+            ),
+            None => (
+                "attention_prefill",
+                (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
+            ),
+        };
+        self.launch(
+            name,
+            grid,
+            128,
+            &[
+                &[Arg::P(a.q), Arg::P(a.k), Arg::P(a.v), Arg::P(a.out)][..],
+                &step.slot_args(),
+                &[
+                    Arg::I(a.block_size as i32),
+                    Arg::I(tok0 as i32),
+                    Arg::I(n as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(p.head_dim as i32),
+                    Arg::F(p.scale),
+                    Arg::I(a.window),
+                ],
+            ]
+            .concat(),
+        );
+    }
+}
+
+pub(crate) fn store_kv(
+    backend: &CudaBackend,
+    cache: &mut CudaCache,
+    layer: usize,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    step: &CudaStep,
+    n: usize,
+) {
+    if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
+        backend.fail(format!(
+            "store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
+            k.cols, v.cols, cache.kv_dim
+        ));
+        return;
+    }
+    backend.launch(
+        "store_kv",
+        (n as u32, 1, 1),
+        128,
+        &[
+            &[
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(cache.k_ptr[layer]),
+                Arg::P(cache.v_ptr[layer]),
+            ][..],
+            &step.slot_args(),
+            &[Arg::I(cache.block_size as i32), Arg::I(cache.kv_dim as i32)],
+        ]
+        .concat(),
+    );
+}
+
+pub(crate) fn attention(
+    backend: &CudaBackend,
+    q: &CudaTensor,
+    cache: &CudaCache,
+    p: &AttnParams,
+    step: &CudaStep,
+    n: usize,
+    out: &mut CudaTensor,
+) {
+    if p.head_dim > MAX_HEAD_DIM {
+        backend.fail(format!(
+            "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
+            p.head_dim
+        ));
+        return;
+    }
+    if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
+        backend.fail(format!("attention: bad geometry for layer {}", p.layer));
+        return;
+    }
+    let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+    let width = p.n_head * p.head_dim;
+    // A single token's output feeds the output projection's gemv_q8: quantized by the
+    // kernel that writes it (no quantize_x_q8 launch), as rms_norm_q8 does for its rows.
+    let q8 = backend
+        .single_q8_buffers(n, width)
+        .filter(|_| p.head_dim.is_multiple_of(32))
+        .map(|b| (b.q, b.d));
+    // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
+    // split merge quantizes them (256-value blocks of whole heads).
+    let mmk = backend
+        .multi_q8_layout(n, width)
+        .filter(|l| l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
+        .map(|l| {
+            let (xk, xb) = l.q8.mmk_steps_sums(l.npad, width);
+            (l.npad, [l.q8.q, xk, xb])
+        });
+    let ctx = AttnLaunch {
+        q: q.ptr,
+        k: cache.k_ptr[p.layer],
+        v: cache.v_ptr[p.layer],
+        out: out.ptr,
+        block_size: cache.block_size,
+        window,
+        q8,
+        mmk,
+    };
+    // After launches that wrote the whole step's quantized output: the consumer finds it.
+    let note_quantized = || {
+        if let Some((npad, _)) = mmk {
+            *backend.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((out.ptr, n, npad, true));
+        } else {
+            *backend.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
+        }
+    };
+    if n <= GEMV_MAX_TOKENS {
+        // Decode: one launch list whatever the sequences (graph replay).
+        if backend.attention_short(&ctx, p, step, 0, n) {
+            note_quantized();
+        }
+        return;
+    }
+    // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
+    // prompt chunks go to the tiled prefill kernels, the short runs between them (decode
+    // tokens of other sequences) to the split kernels, gathered into ranges.
+    let prefill_ok = p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM && p.head_dim.is_multiple_of(4);
+    let mut short: Option<(usize, usize)> = None;
+    for (start, len) in step.sequence_runs(n) {
+        if prefill_ok && len >= PREFILL_ATTN_TOKENS {
+            if let Some((a, b)) = short.take() {
+                backend.attention_short(&ctx, p, step, a, b - a);
+            }
+            backend.attention_prefill(&ctx, p, step, start, len);
+        } else {
+            short = match short {
+                Some((a, b)) if b == start => Some((a, start + len)),
+                Some((a, b)) => {
+                    backend.attention_short(&ctx, p, step, a, b - a);
+                    Some((start, start + len))
+                }
+                None => Some((start, start + len)),
+            };
+        }
+    }
+    if let Some((a, b)) = short
+        && backend.attention_short(&ctx, p, step, a, b - a)
+        && (a, b) == (0, n)
+    {
+        note_quantized();
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
+pub(crate) fn rope_store_kv(
+    backend: &CudaBackend,
+    q: &mut CudaTensor,
+    k: &mut CudaTensor,
+    v: &CudaTensor,
+    head_dim: usize,
+    rope: &RopeParams,
+    cache: &mut CudaCache,
+    layer: usize,
+    step: &CudaStep,
+    n: usize,
+) {
+    if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
+        backend.fail(format!(
+            "rope_store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
+            k.cols, v.cols, cache.kv_dim
+        ));
+        return;
+    }
+    let Some(rope_args) = backend.rope_args(head_dim, rope) else {
+        return;
+    };
+    let heads = q.cols / head_dim + k.cols / head_dim;
+    let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
+    // The merged product of these q, k and v, if it waits unsplit: the kernel splits it
+    // on the way (the product and the three biases), else it reads q, k and v.
+    let source = match backend.take_split_of(q, k, v, n) {
+        Some(p) => [p.args[0], p.args[4], p.args[5], p.args[6]],
+        None => [Arg::P(0); 4],
+    };
+    let args = [
+        &source[..],
+        &[
+            Arg::P(q.ptr),
+            Arg::P(k.ptr),
+            Arg::P(v.ptr),
+            Arg::P(cache.k_ptr[layer]),
+            Arg::P(cache.v_ptr[layer]),
+        ],
+        &step.slot_args(),
+        &[
+            Arg::I(cache.block_size as i32),
+            Arg::I((q.cols / head_dim) as i32),
+            Arg::I((k.cols / head_dim) as i32),
+        ],
+        &rope_args,
+    ]
+    .concat();
+    // One block per (token, query or key head); a thread per rotated pair.
+    backend.launch("rope_store_kv", (n as u32, heads as u32, 1), threads, &args);
+}

@@ -1,0 +1,485 @@
+//! Kernel launches: the launch record, recording a step for CUDA graph replay, the graph
+//! cache, programmatic dependent launch, the per-kernel profiler, and the deferred error
+//! every operation reports through.
+
+use crate::*;
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device pointer.
+    P(u64),
+    I(i32),
+    L(i64),
+    F(f32),
+}
+
+/// Activation copies held for the product that reads them next (`q8_holds`: a single
+/// token's 8-bit row; `mmq_holds`: a few tokens in the int8 tensor-core layouts; `f16_holds`:
+/// rows in f16 for cuBLAS): the normalization or activation that writes a tensor also writes
+/// the copy its consumer needs, and the consumer then converts nothing. A launch says which
+/// copies it makes or reads (`launch_keeping`); every other launch drops them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Keeps {
+    pub(crate) q8: bool,
+    pub(crate) mmq: bool,
+    pub(crate) f16: bool,
+}
+
+impl Keeps {
+    pub(crate) const NOTHING: Keeps = Keeps {
+        q8: false,
+        mmq: false,
+        f16: false,
+    };
+    pub(crate) const Q8: Keeps = Keeps {
+        q8: true,
+        ..Keeps::NOTHING
+    };
+    pub(crate) const MMQ: Keeps = Keeps {
+        mmq: true,
+        ..Keeps::NOTHING
+    };
+    pub(crate) const F16: Keeps = Keeps {
+        f16: true,
+        ..Keeps::NOTHING
+    };
+}
+
+/// One kernel launch, as recorded for a step.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Launch {
+    pub(crate) func: usize,
+    pub(crate) grid: (u32, u32, u32),
+    pub(crate) block: u32,
+    pub(crate) args: Vec<Arg>,
+    /// Weight bytes the launch streams (GEMVs; 0 otherwise), for the profiler's GB/s.
+    pub(crate) weight_bytes: u64,
+}
+
+/// A captured step.
+pub(crate) struct StepGraph(CudaGraph);
+
+/// Launches of the step being recorded, the last list run eagerly, and the graphs.
+#[derive(Default)]
+pub(crate) struct Recorder {
+    /// Whether launches are being recorded instead of issued.
+    pub(crate) deferring: bool,
+    pub(crate) pending: Vec<Launch>,
+    pub(crate) previous: Vec<Launch>,
+    pub(crate) graphs: Vec<(Vec<Launch>, StepGraph)>,
+    pub(crate) captures: u64,
+}
+
+/// Launches bracketed by timing events, and the totals per (kernel, grid).
+/// A (kernel, grid) pair the profiler totals by.
+pub(crate) type KernelKey = (usize, (u32, u32, u32));
+
+/// A launch bracketed by two timing events.
+pub(crate) type TimedLaunch = (
+    KernelKey,
+    u64,
+    cudarc::driver::CudaEvent,
+    cudarc::driver::CudaEvent,
+);
+
+#[derive(Default)]
+pub(crate) struct Profiler {
+    pub(crate) pending: Vec<TimedLaunch>,
+    /// Milliseconds, calls and weight bytes per (kernel, grid).
+    pub(crate) totals: HashMap<KernelKey, (f64, u64, u64)>,
+    /// Steps run (prepare_step calls), for per-step times.
+    pub(crate) steps: u64,
+}
+
+pub(crate) fn grid_1d(len: usize, block: usize) -> (u32, u32, u32) {
+    (len.div_ceil(block) as u32, 1, 1)
+}
+
+/// Dynamic shared memory of a kernel's launches: `mms_*` stage MS_STAGES (3) steps of their
+/// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
+/// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); others use none.
+pub(crate) fn dynamic_smem(name: &str) -> u32 {
+    if name == "mmw_gated" {
+        return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * 2 * MW_TILE_BYTES) as u32);
+    }
+    let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
+        "mms_t16" => 16,
+        "mms_t32" => 32,
+        _ => return 0,
+    };
+    3 * (MMS_ROWS as u32 * 224 + tokens * (288 + 4))
+}
+
+/// Graphs kept (one per distinct launch list, e.g. per batch size).
+pub(crate) const MAX_GRAPHS: usize = 8;
+
+impl PartialEq for Arg {
+    fn eq(&self, other: &Arg) -> bool {
+        match (self, other) {
+            (Arg::P(a), Arg::P(b)) => a == b,
+            (Arg::I(a), Arg::I(b)) => a == b,
+            (Arg::L(a), Arg::L(b)) => a == b,
+            // Bit equality: a graph replays exactly the recorded value.
+            (Arg::F(a), Arg::F(b)) => a.to_bits() == b.to_bits(),
+            _ => false,
+        }
+    }
+}
+
+// SAFETY: a CUDA graph exec handle may be launched from any thread; the backend only
+// touches it under the recorder's mutex.
+unsafe impl Send for StepGraph {}
+
+impl CudaBackend {
+    /// The profiler's per-kernel table on stderr (when profiling; the backend is dropped).
+    pub(crate) fn print_profile(&self) {
+        let Some(p) = &self.profile else {
+            return;
+        };
+        let _ = self.stream.synchronize();
+        self.profile_collect();
+        let p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rows: Vec<_> = p.totals.iter().collect();
+        rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        let all: f64 = rows.iter().map(|r| r.1.0).sum();
+        let steps = p.steps.max(1) as f64;
+        eprintln!(
+            "kernel profile (KESTREL_CUDA_PROFILE=1): {all:.2} ms in kernels over {} steps ({:.3} ms per step; events add a few µs per launch)",
+            p.steps,
+            all / steps
+        );
+        eprintln!(
+            "{:<20} {:>18} {:>8} {:>10} {:>9} {:>11} {:>6} {:>8}",
+            "kernel", "grid", "calls", "total ms", "avg µs", "µs / step", "share", "GB/s"
+        );
+        for ((func, grid), (ms, calls, bytes)) in rows.into_iter().take(40) {
+            // Weight bytes over kernel time: against the ~3.0 TB/s device-copy ceiling.
+            let gbs = if *bytes > 0 {
+                format!("{:.0}", *bytes as f64 / (ms * 1e6))
+            } else {
+                "-".into()
+            };
+            eprintln!(
+                "{:<20} {:>18} {:>8} {:>10.3} {:>9.2} {:>11.2} {:>5.1}% {:>8}",
+                self.func_names[*func],
+                format!("{}x{}x{}", grid.0, grid.1, grid.2),
+                calls,
+                ms,
+                ms * 1e3 / *calls as f64,
+                ms * 1e3 / steps,
+                100.0 * ms / all.max(1e-12),
+                gbs
+            );
+        }
+    }
+
+    /// Turns graph capture and replay of decode steps on or off (on by default; the
+    /// environment variable `KESTREL_CUDA_GRAPHS=0` turns it off).
+    pub fn set_graphs(&self, on: bool) {
+        self.flush();
+        self.graphs.store(on, std::sync::atomic::Ordering::Relaxed);
+        let mut rec = self.lock_recorder();
+        rec.graphs.clear();
+        rec.previous.clear();
+    }
+
+    /// Graphs captured so far.
+    pub fn graphs_captured(&self) -> u64 {
+        self.lock_recorder().captures
+    }
+
+    /// A counter of the steps replayed from a graph, readable after the backend has moved
+    /// into an engine.
+    pub fn replay_counter(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.replays.clone()
+    }
+
+    pub(crate) fn lock_recorder(&self) -> std::sync::MutexGuard<'_, Recorder> {
+        self.recorder.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn launch_now(&self, l: &Launch) {
+        let timing = self.profile.as_ref().and_then(|_| {
+            let ev = || {
+                self.ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .ok()
+            };
+            let (a, b) = (ev()?, ev()?);
+            a.record(&self.stream).ok()?;
+            Some((a, b))
+        });
+        self.launch_raw(l);
+        if let (Some(p), Some((a, b))) = (&self.profile, timing)
+            && b.record(&self.stream).is_ok()
+        {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            p.pending.push(((l.func, l.grid), l.weight_bytes, a, b));
+        }
+    }
+
+    /// Drains the profiler's finished launches into its totals (after a synchronize).
+    pub(crate) fn profile_collect(&self) {
+        if let Some(p) = &self.profile {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = std::mem::take(&mut p.pending);
+            for (key, bytes, a, b) in pending {
+                if let Ok(ms) = a.elapsed_ms(&b) {
+                    let e = p.totals.entry(key).or_default();
+                    e.0 += ms as f64;
+                    e.1 += 1;
+                    e.2 += bytes;
+                }
+            }
+        }
+    }
+
+    /// Issues one launch on the stream, with programmatic stream serialization unless
+    /// `KESTREL_CUDA_PDL=0`: the kernel may be scheduled while the previous one runs, and
+    /// waits for it in `pdl_enter` (kernels/common.cuh), which hides the launch latency
+    /// between the step's kernels.
+    pub(crate) fn launch_raw(&self, l: &Launch) {
+        // Each argument in an 8-byte slot (little-endian: a 4-byte argument is the low
+        // half); the driver reads each parameter's size from the kernel's signature.
+        let mut slots: Vec<u64> = l
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::P(v) => v,
+                Arg::I(v) => u64::from(v as u32),
+                Arg::L(v) => v as u64,
+                Arg::F(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> =
+            slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        // SAFETY: the union is plain data; all-zero is a valid value of every member.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: l.grid.0,
+            gridDimY: l.grid.1,
+            gridDimZ: l.grid.2,
+            blockDimX: l.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: self.func_smem[l.func],
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("binding the CUDA context: {e:?}"));
+            return;
+        }
+        // SAFETY: every kernel's arguments are built by the matching method below, with
+        // pointers to live buffers sized by the same geometry the kernel uses; `params`
+        // points into `slots`, both alive across the call (the driver copies them).
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.funcs[l.func].cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            self.fail(format!("launching {}: {r:?}", self.func_names[l.func]));
+        }
+    }
+
+    /// Issues the recorded launches of the current step: from a graph when the same list
+    /// was seen before, eagerly otherwise.
+    pub(crate) fn flush(&self) {
+        let mut rec = self.lock_recorder();
+        rec.deferring = false;
+        if rec.pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut rec.pending);
+        if let Some(i) = rec.graphs.iter().position(|(l, _)| *l == pending) {
+            if let Err(e) = rec.graphs[i].1.0.launch() {
+                self.fail(format!("launching a CUDA graph: {e:?}"));
+            }
+            self.replays
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            rec.pending = pending;
+            rec.pending.clear();
+            return;
+        }
+        if pending == rec.previous {
+            match self.capture(&pending) {
+                Ok(graph) => {
+                    if let Err(e) = graph.launch() {
+                        self.fail(format!("launching a CUDA graph: {e:?}"));
+                    }
+                    rec.captures += 1;
+                    self.replays
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if rec.graphs.len() >= MAX_GRAPHS {
+                        rec.graphs.remove(0);
+                    }
+                    rec.graphs.push((pending, StepGraph(graph)));
+                    rec.previous.clear();
+                    return;
+                }
+                Err(e) => {
+                    // Run the step eagerly and stop trying.
+                    self.graphs
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
+                    self.fail(format!("capturing a CUDA graph: {e}"));
+                }
+            }
+        }
+        for l in &pending {
+            self.launch_now(l);
+        }
+        rec.previous = pending;
+    }
+
+    /// Captures `launches` on the stream into an instantiated graph.
+    pub(crate) fn capture(&self, launches: &[Launch]) -> anyhow::Result<CudaGraph> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| anyhow::anyhow!("begin capture: {e:?}"))?;
+        for l in launches {
+            self.launch_now(l);
+        }
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| anyhow::anyhow!("end capture: {e:?}"))?;
+        if let Some(msg) = self.lock_error().clone() {
+            bail!("a launch failed during capture: {msg}");
+        }
+        graph.context("the capture produced no graph")
+    }
+
+    /// Waits for the queued work; returns the first error of any operation since the last
+    /// check.
+    pub fn check(&self) -> anyhow::Result<()> {
+        self.split_pending();
+        self.flush();
+        // A step ends here: the next one quantizes its activations afresh.
+        *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let sync = self.stream.synchronize();
+        self.profile_collect();
+        if let Some(msg) = self.lock_error().take() {
+            bail!("CUDA: {msg}");
+        }
+        sync.map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        self.ctx
+            .check_err()
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        Ok(())
+    }
+
+    pub(crate) fn lock_error(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        // A poisoned lock still holds a usable Option.
+        self.error.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn fail(&self, msg: String) {
+        let mut e = self.lock_error();
+        if e.is_none() {
+            *e = Some(msg);
+        }
+    }
+
+    pub(crate) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    pub(crate) fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) {
+        self.launch_keeping(name, grid, block, args, 0, Keeps::NOTHING);
+    }
+
+    /// [`Self::launch`] of a kernel that streams `weight_bytes` of weights (the profiler
+    /// reports its GB/s).
+    pub(crate) fn launch_reading(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        weight_bytes: u64,
+    ) {
+        self.launch_keeping(name, grid, block, args, weight_bytes, Keeps::NOTHING);
+    }
+
+    /// The launch of a kernel that makes or reads the held activation copies `keeps` names:
+    /// they stay valid across it; every other launch drops them.
+    pub(crate) fn launch_keeping(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        weight_bytes: u64,
+        keeps: Keeps,
+    ) {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return;
+        }
+        // Any kernel may write the rows a read-ahead copied: it no longer stands for them.
+        self.read_ahead_valid
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let Some(&func) = self.func_index.get(name) else {
+            self.fail(format!("kernel {name} not loaded"));
+            return;
+        };
+        self.split_pending();
+        // Any other launch may write the tensors the held copies were made from.
+        if !keeps.q8 {
+            *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        if !keeps.f16 {
+            *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        if !keeps.mmq {
+            *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        let l = Launch {
+            func,
+            grid,
+            block,
+            args: args.to_vec(),
+            weight_bytes,
+        };
+        let mut rec = self.lock_recorder();
+        if rec.deferring {
+            rec.pending.push(l);
+        } else {
+            drop(rec);
+            self.launch_now(&l);
+        }
+    }
+
+    pub(crate) fn elementwise(&self, name: &'static str, len: usize, args: &[Arg]) {
+        self.launch(name, grid_1d(len, 256), 256, args);
+    }
+
+    pub(crate) fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+        what: &str,
+    ) -> anyhow::Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(|e| anyhow::anyhow!("allocating {what} ({len} elements) on the GPU: {e:?}"))
+    }
+}

@@ -1,0 +1,505 @@
+//! Matrix products: which kernel family takes a product (the predicates below, asked once
+//! per product), and the products the forward pass asks for (`matmul`, `qkv`, `gate_up`,
+//! `matmul_add`). The launchers of each family live beside this file: `gemv` (decode-sized,
+//! kernels/gemv.cu), `mmq` (int8 tensor cores, kernels/mmq.cu), `mmw` (4-bit repacked gate/up,
+//! kernels/mmw.cu), `cublas` (f16 products through cuBLAS).
+
+use crate::*;
+use kestrel_model::Backend;
+
+pub(crate) mod cublas;
+pub(crate) mod gemv;
+pub(crate) mod mmq;
+pub(crate) mod mmw;
+pub mod plan;
+
+pub(crate) use cublas::*;
+pub(crate) use gemv::*;
+pub(crate) use mmq::*;
+pub(crate) use mmw::*;
+pub use plan::Kernel;
+pub(crate) use plan::{Context, Matrix, gemv_supported, q8_supported};
+
+/// The kernels this module launches (matmul (kernels/quant.cu) for what no other kernel takes; the merged cuBLAS products' split and activation (kernels/elementwise.cu)).
+pub(crate) const KERNELS: &[&str] = &["matmul", "split_qkv", "gated_act_merged"];
+
+/// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
+pub(crate) const Q8_GEMV_MAX_TOKENS: usize = 4;
+
+pub(crate) const MMQ_MIN_TOKENS: usize = 3;
+
+/// Fewest tokens of a step whose Q4_K / Q6_K products take the staged kernels `mms_*`.
+pub(crate) const MMS_MIN_TOKENS: usize = 9;
+
+/// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `plan::mmk_reads`).
+pub(crate) const MMK_MAX_WAVES: usize = 8;
+
+/// A merged Q/K/V product (`qkv` through cuBLAS) whose split into q, k and v waits for the
+/// next launch: `rope_store_kv` takes it and reads its heads straight from the product; any
+/// other launch, or the end of the step, splits it first (`split_qkv`).
+pub(crate) struct PendingSplit {
+    /// `split_qkv`'s arguments: the product, q, k, v, the three biases (0: none), the
+    /// widths of q and k, the values.
+    pub(crate) args: [Arg; 10],
+    pub(crate) n: usize,
+}
+
+/// The most tokens a step multiplies through the merged Q/K/V f16 copy (see `qkv`).
+pub(crate) const MERGED_QKV_MAX_TOKENS: usize = 512;
+
+/// [`CudaBackend::multi_q8_layout`]'s answer.
+pub(crate) struct MultiQ8 {
+    pub(crate) npad: usize,
+    pub(crate) mmk: bool,
+    pub(crate) q8: Q8Ptrs,
+}
+
+impl CudaBackend {
+    /// What the kernel choice depends on besides the product (see [`plan::Context`]).
+    pub(crate) fn plan_context(&self) -> Context {
+        Context {
+            cublas: self.blas.is_some() && !self.lock_recorder().deferring,
+            q8: self.q8_decode(),
+            mmk: self.mmk_on(),
+            forced_rows: self.gemv_q8_rows(),
+            sm_count: self.sm_count,
+            q8_capacity: self.q8_capacity(),
+        }
+    }
+
+    /// The kernel of `out = x · wᵀ` for `n` tokens ([`plan::plan`]); `matmul` when `w` is
+    /// not a matrix.
+    pub fn plan_of(&self, w: &CudaWeight, n: usize) -> Kernel {
+        match Matrix::of(w) {
+            Some(m) => plan::plan(&m, n, &self.plan_context()).0,
+            None => Kernel::Matmul,
+        }
+    }
+
+    /// The GEMV-family kernel of one launch over `segs` (rows of `k` values) for `n`
+    /// tokens ([`plan::plan_launch`]); None when none takes it.
+    pub(crate) fn plan_segs(
+        &self,
+        k: usize,
+        n: usize,
+        segs: &[GemvSeg],
+        gated: bool,
+    ) -> Option<Kernel> {
+        // (On the stack: asked for every launch of every step.)
+        let mut mats = [segs[0].matrix(k); 3];
+        for (m, s) in mats.iter_mut().zip(segs) {
+            *m = s.matrix(k);
+        }
+        let launch = plan::Launch {
+            mats: &mats[..segs.len().min(3)],
+            k,
+            n,
+            gated,
+            accumulate: segs.iter().any(|s| s.accumulate),
+        };
+        plan::plan_launch(&launch, &self.plan_context())
+    }
+
+    /// Whether a product of `n` tokens with `w` goes through cuBLAS
+    /// ([`plan::prefer_gemm`]; vectors: from GEMM_MIN_TOKENS, where cuBLAS is usable).
+    pub(crate) fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        let cx = self.plan_context();
+        match Matrix::of(w) {
+            Some(m) => plan::prefer_gemm(&m, n, &cx),
+            None => cx.cublas && n >= GEMM_MIN_TOKENS,
+        }
+    }
+
+    /// Whether `mmk_t8*` takes the Q4_K / Q6_K launches of up to 8 tokens that it reads (on by
+    /// default).
+    pub(crate) fn mmk_on(&self) -> bool {
+        self.mmk.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns `mmk_t8*` off, so that `mmq_t8` takes those launches as it takes the LM head's
+    /// (the self-check covers both).
+    pub fn set_mmk(&self, on: bool) {
+        self.mmk.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a single-token product with `w` alone runs on `gemv_ws_r1`.
+    pub fn matmul_uses_ws(&self, w: &CudaWeight, n: usize) -> bool {
+        self.plan_of(w, n) == Kernel::GemvWs
+    }
+
+    /// Whether a product of `n` tokens with `w` runs on activations quantized per 256
+    /// values: `mmk_t8*` or `mms_*` (a subset of [`Self::matmul_uses_q8`]).
+    pub fn matmul_uses_mmk(&self, w: &CudaWeight, n: usize) -> bool {
+        self.plan_of(w, n).per_256()
+    }
+
+    /// Whether a product of `n` tokens with `w` runs on `mms_*`.
+    pub fn matmul_uses_mms(&self, w: &CudaWeight, n: usize) -> bool {
+        self.plan_of(w, n) == Kernel::Mms
+    }
+
+    /// Whether `matmul` of `n` tokens with `w` (an `x` of `w`'s row length) runs on 8-bit
+    /// activations.
+    pub fn matmul_uses_q8(&self, w: &CudaWeight, n: usize) -> bool {
+        self.plan_of(w, n).q8()
+    }
+
+    /// Whether `matmul` of `n` tokens with `w` goes through cuBLAS (f16 operands) when no
+    /// step is being recorded.
+    pub fn matmul_uses_cublas(&self, w: &CudaWeight, n: usize) -> bool {
+        self.prefer_gemm(w, n)
+    }
+
+    /// Whether prompt-sized products go through cuBLAS.
+    pub fn uses_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// The pending merged product of exactly these q, k, v and `n` tokens, taken (it is
+    /// then split by whoever took it); None when there is none or another waits.
+    pub(crate) fn take_split_of(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        n: usize,
+    ) -> Option<PendingSplit> {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        if !self.split_waits.load(relaxed) {
+            return None;
+        }
+        let mut slot = self.pending_split.lock().unwrap_or_else(|p| p.into_inner());
+        let ours = slot.as_ref().is_some_and(|p| {
+            p.n == n
+                && p.args[1] == Arg::P(q.ptr)
+                && p.args[2] == Arg::P(k.ptr)
+                && p.args[3] == Arg::P(v.ptr)
+        });
+        if !ours {
+            return None;
+        }
+        self.split_waits.store(false, relaxed);
+        slot.take()
+    }
+
+    /// Launches the split of a pending merged Q/K/V product, if any.
+    pub(crate) fn split_pending(&self) {
+        if !self
+            .split_waits
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        let pending = self
+            .pending_split
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(p) = pending {
+            let Arg::L(len) = p.args[9] else {
+                return;
+            };
+            self.elementwise("split_qkv", len as usize, &p.args);
+        }
+    }
+
+    /// `gate = act(gate_w·x) * (up_w·x)`: one gated launch where the GEMV or tensor-core
+    /// kernels take both matrices, else two products and the activation (the backend's
+    /// `gate_up`; public for the self-check).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gate_up_of(
+        &self,
+        x: &CudaTensor,
+        gate_w: &CudaWeight,
+        up_w: &CudaWeight,
+        act: Activation,
+        n: usize,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+    ) {
+        if self.gate_up_mmw(x, gate_w, up_w, act, n, gate) {
+            return;
+        }
+        let fused = !self.prefer_gemm(gate_w, n)
+            && match (
+                self.gemv_seg(x, gate_w, gate, None),
+                self.gemv_seg(x, up_w, up, None),
+            ) {
+                (Some(g), Some(u)) if g.rows == u.rows => {
+                    let segs = [g, u];
+                    let kernel = self.plan_segs(x.cols, n, &segs, true);
+                    if let Some(kernel) = kernel {
+                        self.gemv(x, n, &segs, Some(act), kernel);
+                    }
+                    kernel.is_some()
+                }
+                _ => false,
+            };
+        if fused {
+            return;
+        }
+        // Through cuBLAS with gate's merged f16 copy (up's rows behind gate's): one product,
+        // the activation reading both halves of each row; steps of more than
+        // MERGED_QKV_MAX_TOKENS (whose f32 product would be large) take the halves as two.
+        if self.prefer_gemm(gate_w, n)
+            // (The activation pairs gate's columns with up's: as many of each.)
+            && let Some((a, rows)) = self.merged_copy(gate_w, &[up_w], x.cols, &[gate, up])
+                .filter(|_| up.cols == gate.cols)
+            && let Some(xh) = self.x_to_f16(x, n)
+        {
+            let merged = if n <= MERGED_QKV_MAX_TOKENS {
+                self.scratch_ptr(|s| &mut s.gate_up, 2 * n * rows)
+            } else {
+                None
+            };
+            let Some(merged) = merged else {
+                let half = rows / 2;
+                let up_at = a + (half * x.cols * 2) as u64;
+                self.gemm_f16_raw(a, half, x.cols, xh, n, gate.ptr, half, false);
+                self.gemm_f16_raw(up_at, half, x.cols, xh, n, up.ptr, half, false);
+                kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+                return;
+            };
+            self.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
+            let len = n * gate.cols;
+            let h = self.f16_copy_for_gemm(n, gate.cols);
+            self.elementwise(
+                "gated_act_merged",
+                len,
+                &[
+                    Arg::P(merged),
+                    Arg::I(gate.cols as i32),
+                    Arg::I(len as i32),
+                    Arg::I(activation_id(act)),
+                    Arg::P(gate.ptr),
+                    Arg::P(h.unwrap_or(0)),
+                ],
+            );
+            if let Some(h) = h {
+                // The down projection's input, as gated_act_f16 leaves it.
+                *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
+            }
+            return;
+        }
+        self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+        kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+    }
+
+    /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
+    /// conversion of x when every product goes there, one `matmul` each otherwise.
+    pub(crate) fn matmuls_of(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        products: &mut [(&CudaWeight, &mut CudaTensor)],
+    ) {
+        let shared = products
+            .iter()
+            .all(|(w, _)| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
+        match shared.then(|| self.x_to_f16(x, n)).flatten() {
+            Some(xh) => {
+                for (w, out) in products.iter() {
+                    self.gemm_f16_from(xh, w, n, out);
+                }
+            }
+            None => {
+                for (w, out) in products.iter_mut() {
+                    kestrel_model::Backend::matmul(self, x, w, n, out);
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn matmul(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    w: &CudaWeight,
+    n: usize,
+    out: &mut CudaTensor,
+) {
+    let CudaWeight::Matrix {
+        ptr,
+        ty,
+        rows,
+        cols,
+        row_bytes,
+        ..
+    } = w
+    else {
+        backend.fail("matmul: the weight is not a matrix".into());
+        return;
+    };
+    if x.cols != *cols || out.cols != *rows {
+        backend.fail(format!(
+            "matmul: x has {} columns, out {}, weight is {rows}×{cols}",
+            x.cols, out.cols
+        ));
+        return;
+    }
+    // One choice of kernel for the product (see `plan`).
+    match backend.plan_of(w, n) {
+        Kernel::Cublas => {
+            if backend.gemm_f16(x, w, n, out) {
+                return;
+            }
+        }
+        Kernel::Matmul => {}
+        kernel => {
+            if let Some(seg) = backend.gemv_seg(x, w, out, None) {
+                backend.gemv(x, n, &[seg], None, kernel);
+                return;
+            }
+        }
+    }
+    const ROWS_PER_BLOCK: usize = 8;
+    const TOKENS_PER_BLOCK: usize = 4;
+    let grid_y = n.div_ceil(TOKENS_PER_BLOCK);
+    if grid_y > 65535 {
+        backend.fail(format!("matmul: {n} tokens in one call is too many"));
+        return;
+    }
+    backend.launch(
+        "matmul",
+        (rows.div_ceil(ROWS_PER_BLOCK) as u32, grid_y as u32, 1),
+        (ROWS_PER_BLOCK * 32) as u32,
+        &[
+            Arg::P(*ptr),
+            Arg::I(ty.id() as i32),
+            Arg::L(*row_bytes as i64),
+            Arg::I(*cols as i32),
+            Arg::I(*rows as i32),
+            Arg::P(x.ptr),
+            Arg::P(out.ptr),
+            Arg::I(n as i32),
+        ],
+    );
+}
+
+pub(crate) fn qkv(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    layer: &LayerWeights<CudaWeight>,
+    n: usize,
+    q: &mut CudaTensor,
+    k: &mut CudaTensor,
+    v: &mut CudaTensor,
+) {
+    if !backend.prefer_gemm(&layer.attn_q, n) {
+        let segs = [
+            backend.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
+            backend.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
+            backend.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
+        ];
+        if let [Some(a), Some(b), Some(c)] = segs {
+            let segs = [a, b, c];
+            if let Some(kernel) = backend.plan_segs(x.cols, n, &segs, false) {
+                backend.gemv(x, n, &segs, None, kernel);
+                return;
+            }
+        }
+    }
+    // Through cuBLAS: one product over Q's merged f16 copy (K's and V's rows behind
+    // Q's), split into q, k and v with the biases added.
+    // (Only where prefer_gemm agrees: a step recorded for graph replay must not call
+    // cuBLAS, and formats the GEMVs do not read come here in such steps too.) Up to
+    // MERGED_QKV_MAX_TOKENS: Llama-3-8B Q4_K_M, B = 64 decode with device argmax
+    // 6,710 / 6,738 / 6,803 -> 6,902 / 7,047 / 6,885 t/s, pp512 +0.9%; its 2,048-token
+    // prefill steps lost 2.5% to the split's extra pass over the outputs.
+    if n <= MERGED_QKV_MAX_TOKENS
+        && backend.prefer_gemm(&layer.attn_q, n)
+        && let Some((a, rows)) = backend.merged_copy(
+            &layer.attn_q,
+            &[&layer.attn_k, &layer.attn_v],
+            x.cols,
+            &[q, k, v],
+        )
+        && let Some(xh) = backend.x_to_f16(x, n)
+        && let Some(merged) = backend.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
+    {
+        let bias = |b: &Option<CudaWeight>| match b {
+            Some(b) => backend.vector_ptr(b, "qkv bias"),
+            None => Some(0),
+        };
+        let (Some(bq), Some(bk), Some(bv)) = (
+            bias(&layer.attn_q_bias),
+            bias(&layer.attn_k_bias),
+            bias(&layer.attn_v_bias),
+        ) else {
+            return;
+        };
+        backend.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
+        // The split waits for rope_store_kv, which does it on the way (one launch and
+        // one pass over the outputs fewer; see PendingSplit).
+        backend.split_pending();
+        backend
+            .split_waits
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        *backend
+            .pending_split
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(PendingSplit {
+            args: [
+                Arg::P(merged),
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(bq),
+                Arg::P(bk),
+                Arg::P(bv),
+                Arg::I(q.cols as i32),
+                Arg::I(k.cols as i32),
+                Arg::L((n * rows) as i64),
+            ],
+            n,
+        });
+        return;
+    }
+    // Through cuBLAS: x converted to f16 once for the three products.
+    backend.matmuls_of(
+        x,
+        n,
+        &mut [
+            (&layer.attn_q, &mut *q),
+            (&layer.attn_k, &mut *k),
+            (&layer.attn_v, &mut *v),
+        ],
+    );
+    backend.add_qkv_biases(layer, n, q, k, v);
+}
+
+pub(crate) fn matmul_add(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    w: &CudaWeight,
+    n: usize,
+    tmp: &mut CudaTensor,
+    residual: &mut CudaTensor,
+) {
+    // Single-token steps and the tensor-core kernels of a few tokens add into the
+    // residual themselves.
+    if !backend.prefer_gemm(w, n)
+        && let Some(mut seg) = backend.gemv_seg(x, w, residual, None)
+    {
+        seg.accumulate = true;
+        let segs = [seg];
+        match backend.plan_segs(x.cols, n, &segs, false) {
+            Some(kernel) if n == 1 || kernel.tensor_core() => {
+                backend.gemv(x, n, &segs, None, kernel);
+                return;
+            }
+            _ => {}
+        }
+    }
+    // Prompt-sized steps on cuBLAS: the product added into the residual by the GEMM.
+    if backend.blas.is_some()
+        && backend.prefer_gemm(w, n)
+        && w.cols() == Some(x.cols)
+        && let Some(xh) = backend.x_to_f16(x, n)
+    {
+        backend.gemm_f16_into(xh, w, n, residual, true);
+        return;
+    }
+    backend.matmul(x, w, n, tmp);
+    backend.add(residual, tmp, n);
+}

@@ -1,0 +1,143 @@
+//! Token choice on the device (kernels/argmax.cu, kernels/sample.cu): greedy `argmax_rows` and
+//! `sample_rows` (temperature, top-k, top-p, min-p, penalties).
+
+use crate::*;
+use kestrel_model::Backend;
+
+/// The kernels this module launches (kernels/argmax.cu, kernels/sample.cu).
+pub(crate) const KERNELS: &[&str] = &["argmax_rows", "sample_rows"];
+
+impl CudaBackend {
+    /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its
+    /// token id into the id buffer (`args` gets its address), and reads the ids into `out`.
+    pub(crate) fn launch_for_ids(
+        &self,
+        kernel: &'static str,
+        n: usize,
+        threads: u32,
+        out: &mut Vec<u32>,
+        args: impl FnOnce(u64) -> Vec<Arg>,
+    ) -> anyhow::Result<()> {
+        // Rows are sampled on the device now: the next logits need no read-ahead.
+        self.rows_read_back
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let mut ids = self.argmax_ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.as_ref().is_none_or(|b| b.len() < n) {
+            *ids = Some(self.alloc::<u32>(n.next_power_of_two(), "token ids")?);
+        }
+        let Some(buf) = ids.as_ref() else {
+            bail!("no token id buffer");
+        };
+        self.launch(kernel, (n as u32, 1, 1), threads, &args(self.ptr(buf)));
+        self.check()?;
+        out.resize(n, 0);
+        self.stream
+            .memcpy_dtoh(&buf.slice(..n), &mut out[..])
+            .map_err(|e| anyhow::anyhow!("copying token ids from the GPU: {e:?}"))?;
+        self.check()
+    }
+}
+
+pub(crate) fn argmax_rows(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    n: usize,
+    _scratch: &mut Vec<f32>,
+    out: &mut Vec<u32>,
+) -> anyhow::Result<()> {
+    if n > x.rows {
+        bail!("argmax_rows: {n} rows asked, tensor has {}", x.rows);
+    }
+    out.clear();
+    if n == 0 {
+        return backend.check();
+    }
+    backend.launch_for_ids("argmax_rows", n, 256, out, |ids| {
+        vec![Arg::P(x.ptr), Arg::P(ids), Arg::I(x.cols as i32)]
+    })
+}
+
+pub(crate) fn sample_rows(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    n: usize,
+    sampling: &SamplingBatch,
+    scratch: &mut Vec<f32>,
+    out: &mut Vec<u32>,
+) -> anyhow::Result<()> {
+    sampling.check_rows(n)?;
+    if n > x.rows {
+        bail!("sample_rows: {n} rows asked, tensor has {}", x.rows);
+    }
+    if sampling.rows.iter().all(|r| r.is_argmax()) {
+        return backend.argmax_rows(x, n, scratch, out);
+    }
+    out.clear();
+    // The kernel's layout (kernels/sample.cu): SAMPLE_WORDS words a row, then the
+    // penalty pairs of every row.
+    const SAMPLE_WORDS: usize = 12;
+    let mut params = backend
+        .sample_params
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let (host, device) = &mut *params;
+    host.clear();
+    for r in &sampling.rows {
+        let inv_t = if r.is_greedy() {
+            0.0
+        } else {
+            1.0 / r.temperature
+        };
+        let u = r.u.to_bits();
+        host.extend_from_slice(&[
+            inv_t.to_bits(),
+            r.top_k,
+            r.top_p.to_bits(),
+            r.min_p_log().to_bits(),
+            r.repeat_penalty.to_bits(),
+            r.presence_penalty.to_bits(),
+            r.frequency_penalty.to_bits(),
+            r.penalty_start,
+            r.penalty_len,
+            u as u32,
+            (u >> 32) as u32,
+            0,
+        ]);
+    }
+    debug_assert_eq!(host.len(), n * SAMPLE_WORDS);
+    let pairs = sampling.penalties.len();
+    if sampling
+        .rows
+        .iter()
+        .any(|r| r.penalty_start as usize + r.penalty_len as usize > pairs)
+    {
+        bail!("a sampling row's penalties lie outside its batch");
+    }
+    host.extend(
+        sampling
+            .penalties
+            .iter()
+            .flat_map(|&(id, count)| [id, count]),
+    );
+    let len = host.len();
+    if device.as_ref().is_none_or(|b| b.len() < len) {
+        *device = Some(backend.alloc::<u32>(len.next_power_of_two(), "sampling settings")?);
+    }
+    let Some(dev) = device.as_mut() else {
+        bail!("no sampling buffer");
+    };
+    backend
+        .stream
+        .memcpy_htod(&host[..], &mut dev.slice_mut(..len))
+        .map_err(|e| anyhow::anyhow!("copying the sampling settings to the GPU: {e:?}"))?;
+    let params_ptr = backend.ptr(dev);
+    drop(params);
+    backend.launch_for_ids("sample_rows", n, 1024, out, |ids| {
+        vec![
+            Arg::P(x.ptr),
+            Arg::P(params_ptr),
+            Arg::P(ids),
+            Arg::I(x.cols as i32),
+        ]
+    })
+}
