@@ -4,6 +4,7 @@
 //! Adding one: a `mod` line in `cmd/mod.rs`, a variant below, and a dispatch arm.
 
 mod cmd;
+mod interrupt;
 
 use clap::{Parser, Subcommand};
 
@@ -46,6 +47,7 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    interrupt::install();
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),

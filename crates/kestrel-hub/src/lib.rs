@@ -8,6 +8,8 @@
 
 mod catalog;
 mod fetch;
+mod partial;
+mod verify;
 
 use std::path::{Path, PathBuf};
 
@@ -15,6 +17,8 @@ use anyhow::{Context, Result, bail};
 
 pub use catalog::{CatalogEntry, DEFAULT_MODEL, MirrorLayout, catalog, find as find_entry};
 pub use fetch::{Expected, Fetcher, Source, hash_file, marker_path, partial_path};
+pub use partial::{clean_stale_partials, remove_partials};
+pub use verify::check_gguf;
 
 /// Kestrel's cache directory: `$KESTREL_HOME`, else `~/.cache/kestrel`.
 pub fn kestrel_home() -> PathBuf {
@@ -33,11 +37,10 @@ pub fn models_dir() -> PathBuf {
     kestrel_home().join("models")
 }
 
-/// True for the URL schemes `pull` understands.
+/// True for the URL schemes `pull` fetches. (`file://` is not one: a local file is just
+/// a path.)
 pub fn is_url(s: &str) -> bool {
-    ["http://", "https://", "file://"]
-        .iter()
-        .any(|p| s.starts_with(p))
+    ["http://", "https://"].iter().any(|p| s.starts_with(p))
 }
 
 /// Downloads a catalog model or a URL into [`models_dir()`] and returns the local path.
@@ -50,6 +53,9 @@ pub fn pull(name_or_url: &str) -> Result<PathBuf> {
 pub fn pull_into(name_or_url: &str, models_dir: &Path, fetcher: &Fetcher) -> Result<PathBuf> {
     if let Some(entry) = catalog::find(name_or_url) {
         return pull_entry(entry, models_dir, fetcher);
+    }
+    if let Some(path) = name_or_url.strip_prefix("file://") {
+        bail!("file:// URLs are not fetched; a local file is just a path: use {path}");
     }
     if is_url(name_or_url) {
         let dest = models_dir.join(file_name_from_url(name_or_url)?);

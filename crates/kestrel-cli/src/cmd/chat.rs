@@ -1,12 +1,12 @@
 //! `kestrel chat`: an interactive conversation that keeps its KV cache between turns.
 
 use std::io::{BufRead, Write};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use kestrel_engine::Sequence;
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
+
+use crate::interrupt;
 
 use super::common::{ModelArgs, SamplingArgs, load_any_engine};
 
@@ -34,16 +34,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
 
     // Ctrl-C stops the answer being generated; a second one at the prompt exits.
-    let interrupted = Arc::new(AtomicBool::new(false));
-    {
-        let flag = interrupted.clone();
-        ctrlc::set_handler(move || {
-            if flag.swap(true, Ordering::SeqCst) {
-                std::process::exit(130);
-            }
-        })
-        .context("installing the Ctrl-C handler")?;
-    }
+    interrupt::handle_in_command();
 
     let fresh = |system: &Option<String>| -> Vec<ChatMessage> {
         system
@@ -59,7 +50,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     loop {
         eprint!("> ");
         let mut line = String::new();
-        interrupted.store(false, Ordering::SeqCst);
+        interrupt::clear();
         if stdin.lock().read_line(&mut line)? == 0 {
             eprintln!();
             break;
@@ -104,7 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 answer.push_str(&piece);
                 let _ = stdout.write_all(piece.as_bytes());
                 let _ = stdout.flush();
-                !interrupted.load(Ordering::SeqCst)
+                !interrupt::interrupted()
             },
         );
         let tail = decoder.finish();

@@ -4,7 +4,7 @@ use anyhow::Result;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Catalog model name (e.g. qwen2.5-coder-1.5b, gemma-3-270m) or an http(s)/file URL.
+    /// Catalog model name (e.g. qwen2.5-coder-1.5b, gemma-3-270m) or an http(s) URL.
     /// Without it, the catalog is listed.
     pub model: Option<String>,
 }

@@ -13,6 +13,7 @@ use kestrel_model::Backend;
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
 use super::common::Device;
+use crate::interrupt;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -150,8 +151,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "serving '{name}' on http://{} (OpenAI API under /v1; Ctrl-C stops)",
             listener.local_addr()?
         );
+        // The first Ctrl-C (or SIGTERM) shuts down gracefully, a second one exits.
+        interrupt::handle_in_command();
         let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
+            while !interrupt::interrupted() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
         };
         kestrel_server::serve(listener, state, shutdown).await?;
         anyhow::Ok(())
