@@ -14,11 +14,12 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use sha2::{Digest, Sha256};
 
 use crate::catalog::MirrorLayout;
 use crate::partial;
+use crate::progress::bytes_bar;
 use crate::verify::check_gguf;
 
 /// What a downloaded file must look like.
@@ -172,7 +173,7 @@ impl Fetcher {
     ) -> Result<(String, File)> {
         let file = partial::create_locked(partial)
             .with_context(|| format!("cannot create {}", partial.display()))?;
-        let progress = progress_bar(expected.map(|e| e.size));
+        let progress = bytes_bar(expected.map(|e| e.size));
         let mut out = HashingWriter {
             inner: BufWriter::with_capacity(1 << 20, file),
             hasher: Sha256::new(),
@@ -366,7 +367,7 @@ fn marker_matches(dest: &Path, dest_meta: &fs::Metadata, exp: &Expected) -> bool
 pub fn hash_file(path: &Path) -> Result<String> {
     let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let len = file.metadata()?.len();
-    let progress = progress_bar(Some(len));
+    let progress = bytes_bar(Some(len));
     progress.set_message(format!("verifying {}", file_label(path)));
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -484,17 +485,6 @@ impl Write for HashingWriter {
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
     }
-}
-
-fn progress_bar(len: Option<u64>) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
-    let style = ProgressStyle::with_template(
-        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-    )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar
 }
 
 fn file_label(path: &Path) -> String {

@@ -11,24 +11,45 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// Files and folders of downloads in progress in this process.
-static IN_PROGRESS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// What a download in progress may leave behind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Temporary {
+    /// A file or a folder.
+    Path(PathBuf),
+    /// Every file with this extension in a folder (another library's temporary files).
+    Pattern(PathBuf, &'static str),
+}
 
-/// Keeps a path in the registry for as long as it lives.
-pub(crate) struct Registered(PathBuf);
+/// The temporaries of downloads in progress in this process.
+static IN_PROGRESS: Mutex<Vec<Temporary>> = Mutex::new(Vec::new());
+
+/// Keeps an entry in the registry for as long as it lives.
+pub(crate) struct Registered(Temporary);
+
+fn register_entry(entry: Temporary) -> Registered {
+    lock_registry().push(entry.clone());
+    Registered(entry)
+}
 
 pub(crate) fn register(path: &Path) -> Registered {
-    lock_registry().push(path.to_path_buf());
-    Registered(path.to_path_buf())
+    register_entry(Temporary::Path(path.to_path_buf()))
+}
+
+/// Registers every `*.{extension}` file in `dir`.
+pub(crate) fn register_pattern(dir: &Path, extension: &'static str) -> Registered {
+    register_entry(Temporary::Pattern(dir.to_path_buf(), extension))
 }
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        lock_registry().retain(|p| p != &self.0);
+        let mut registry = lock_registry();
+        if let Some(i) = registry.iter().position(|e| e == &self.0) {
+            registry.remove(i);
+        }
     }
 }
 
-fn lock_registry() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+fn lock_registry() -> std::sync::MutexGuard<'static, Vec<Temporary>> {
     IN_PROGRESS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -37,12 +58,22 @@ fn lock_registry() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
 /// Deletes the temporary files and folders of every download in progress in this process.
 /// Meant for a signal handler that exits right after.
 pub fn remove_partials() {
-    for path in lock_registry().iter() {
-        let _ = if path.is_dir() {
-            fs::remove_dir_all(path)
-        } else {
-            fs::remove_file(path)
-        };
+    for entry in lock_registry().iter() {
+        match entry {
+            Temporary::Path(path) if path.is_dir() => {
+                let _ = fs::remove_dir_all(path);
+            }
+            Temporary::Path(path) => {
+                let _ = fs::remove_file(path);
+            }
+            Temporary::Pattern(dir, extension) => {
+                for file in fs::read_dir(dir).into_iter().flatten().flatten() {
+                    if file.path().extension().is_some_and(|e| e == *extension) {
+                        let _ = fs::remove_file(file.path());
+                    }
+                }
+            }
+        }
     }
 }
 

