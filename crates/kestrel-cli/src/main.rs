@@ -21,8 +21,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Download a catalog model or a URL into the model cache; prints the local path.
+    /// Download a catalog model, ORG/REPO[:QUANT] or a URL into the caches; prints the path.
     Pull(cmd::pull::Args),
+    /// List the cached models: name, file, size, architecture, quantization, source.
+    List(cmd::list::Args),
+    /// Remove a cached model by name.
+    Rm(cmd::rm::Args),
     /// Show a GGUF file's metadata, tokenizer summary and tensors.
     Inspect(cmd::inspect::Args),
     /// Turn text into token ids with a model's tokenizer.
@@ -50,6 +54,8 @@ fn main() {
     interrupt::install();
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
+        Command::List(args) => cmd::list::run(args),
+        Command::Rm(args) => cmd::rm::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Run(args) => cmd::run::run(args),
