@@ -20,13 +20,19 @@ pub struct ModelArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Threads for the CPU backend (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
-    /// Context size in tokens (prompt + generation).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    /// Context size in tokens (prompt + generation); 0 = the model's, as far as memory
+    /// allows.
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        visible_alias = "ctx",
+        default_value_t = 4096
+    )]
     pub ctx: usize,
     /// Most prompt tokens evaluated in one step.
-    #[arg(long = "batch", default_value_t = 256)]
+    #[arg(long = "batch", default_value_t = 256, value_parser = positive)]
     pub batch: usize,
     /// Sequences the KV cache holds at full context (set by commands, not a flag).
     #[arg(skip = 1usize)]
@@ -53,9 +59,33 @@ pub struct SamplingArgs {
     pub presence_penalty: f32,
     #[arg(long, default_value_t = 0.0)]
     pub frequency_penalty: f32,
-    /// Seed of the sampler (same seed, same output).
-    #[arg(long)]
-    pub seed: Option<u64>,
+    /// Seed of the sampler (same seed, same output); -1 = random, as by default.
+    #[arg(long, allow_negative_numbers = true, value_parser = seed)]
+    pub seed: Option<Seed>,
+}
+
+/// A `--seed` value: `None` for -1 (random).
+#[derive(Debug, Clone, Copy)]
+pub struct Seed(Option<u64>);
+
+/// A count that must be at least 1 (a usage error otherwise).
+pub fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// llama.cpp's seed: a number, or -1 for a random one.
+fn seed(s: &str) -> Result<Seed, String> {
+    match s {
+        "-1" => Ok(Seed(None)),
+        _ => s
+            .parse::<u64>()
+            .map(|n| Seed(Some(n)))
+            .map_err(|_| "expected a number from 0 to 2^64-1, or -1 for random".into()),
+    }
 }
 
 impl SamplingArgs {
@@ -69,7 +99,7 @@ impl SamplingArgs {
             repeat_last_n: self.repeat_last_n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            seed: self.seed,
+            seed: self.seed.and_then(|s| s.0),
         };
         p.validate()
             .map_err(|e| anyhow::anyhow!("bad sampling options: {e}"))?;
@@ -176,9 +206,13 @@ pub fn load_engine(
         ),
     }
     if let Some(t) = args.threads {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if t > cores {
+            eprintln!("kestrel: warning: -t {t} is more threads than the {cores} cores here");
+        }
         // Fails only if the pool was already built, which the commands never do first.
         let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(t.max(1))
+            .num_threads(t)
             .build_global();
     }
     build_engine(CpuBackend::new(Kernels::Fast), true, args, max_logit_rows)

@@ -12,7 +12,7 @@ use kestrel_gguf::GgufFile;
 use kestrel_model::Backend;
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
-use super::common::Device;
+use super::common::{Device, positive};
 use crate::interrupt;
 
 #[derive(clap::Args, Debug)]
@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Threads for the CPU backend (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -36,13 +36,13 @@ pub struct Args {
     /// Context size of each sequence (prompt + generation).
     #[arg(
         short = 'c',
-        long = "ctx",
-        visible_alias = "ctx-size",
+        long = "ctx-size",
+        visible_alias = "ctx",
         default_value_t = 4096
     )]
     pub ctx: usize,
     /// Most tokens in one forward step (decodes plus prompt chunks).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = positive)]
     pub batch: usize,
     /// Most prompt tokens in one step (the rest of the step is left to decodes).
     #[arg(long, default_value_t = 256)]
