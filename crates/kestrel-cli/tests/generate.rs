@@ -84,7 +84,16 @@ fn perplexity_json_has_the_reference_schema_and_value() {
     let tmp = tempfile::tempdir().unwrap();
     let json_path = tmp.path().join("scores.json");
     let out = kestrel()
-        .args(["perplexity", "-m", "gemma-3-270m", "-c", "128", "--chunks", "3", "-f"])
+        .args([
+            "perplexity",
+            "-m",
+            "gemma-3-270m",
+            "-c",
+            "128",
+            "--chunks",
+            "3",
+            "-f",
+        ])
         .arg(dir.join("text_json_decoder.py.txt"))
         .arg("--json")
         .arg(&json_path)
@@ -127,12 +136,21 @@ fn perplexity_json_has_the_reference_schema_and_value() {
         .map(|p| p["next_logprob"].as_f64().unwrap())
         .collect();
     let expected = (-second_half.iter().sum::<f64>() / second_half.len() as f64).exp();
-    assert!((values[0] - expected).abs() < 1e-3, "{} vs {expected}", values[0]);
+    assert!(
+        (values[0] - expected).abs() < 1e-3,
+        "{} vs {expected}",
+        values[0]
+    );
     let last = stdout.lines().last().unwrap();
     assert!(last.starts_with("Final estimate: PPL = "), "{stdout}");
-    let (ppl, se) = last["Final estimate: PPL = ".len()..].split_once(" +/- ").unwrap();
+    let (ppl, se) = last["Final estimate: PPL = ".len()..]
+        .split_once(" +/- ")
+        .unwrap();
     let (ppl, se): (f64, f64) = (ppl.parse().unwrap(), se.parse().unwrap());
-    assert!((ppl - values[2]).abs() < 1e-3 && se > 0.0 && se < ppl, "{last}");
+    assert!(
+        (ppl - values[2]).abs() < 1e-3 && se > 0.0 && se < ppl,
+        "{last}"
+    );
 }
 
 /// Token ids given with --ids are scored as the text's tokens are.
@@ -143,18 +161,32 @@ fn perplexity_of_ids_equals_perplexity_of_their_text() {
     let reference = reference();
     let tmp = tempfile::tempdir().unwrap();
     let ids = tmp.path().join("ids.json");
-    let first: Vec<u64> = reference["texts"]["json_decoder"]["ids"].as_array().unwrap()[..256]
+    let first: Vec<u64> = reference["texts"]["json_decoder"]["ids"]
+        .as_array()
+        .unwrap()[..256]
         .iter()
         .map(|v| v.as_u64().unwrap())
         .collect();
     std::fs::write(&ids, serde_json::to_string(&first).unwrap()).unwrap();
     let run = |input: &[&std::ffi::OsStr]| {
         let out = kestrel()
-            .args(["perplexity", "-m", "gemma-3-270m", "-c", "64", "--chunks", "4"])
+            .args([
+                "perplexity",
+                "-m",
+                "gemma-3-270m",
+                "-c",
+                "64",
+                "--chunks",
+                "4",
+            ])
             .args(input)
             .output()
             .expect("kestrel runs");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     };
     let from_text = run(&["-f".as_ref(), text.as_os_str()]);
