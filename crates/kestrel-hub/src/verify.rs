@@ -10,7 +10,9 @@ use kestrel_gguf::GgufFile;
 /// last tensor's data does (give or take the alignment padding), so a cut-off or padded body
 /// is caught even when it parses.
 pub fn check_gguf(path: &Path) -> Result<()> {
-    let file = GgufFile::open(path).map_err(|e| anyhow::anyhow!("not a valid GGUF file: {e}"))?;
+    // One file at a time: the parts of a split model are checked as they arrive.
+    let file =
+        GgufFile::open_part(path).map_err(|e| anyhow::anyhow!("not a valid GGUF file: {e}"))?;
     let data_end = file
         .tensors()
         .iter()
