@@ -37,3 +37,15 @@ pub fn count_bar(len: u64, unit: &str) -> ProgressBar {
         &format!("{{msg}} [{{bar:30}}] {{pos}}/{{len}} {unit} eta {{eta}}"),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bars_are_hidden_without_a_terminal() {
+        let drawn = std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+        assert_eq!(bytes_bar(Some(10)).is_hidden(), !drawn);
+        assert_eq!(count_bar(10, "windows").is_hidden(), !drawn);
+    }
+}

@@ -245,6 +245,7 @@ fn build_engine<B: Backend>(
         max_seqs: args.max_seqs.max(1),
     };
     let start = std::time::Instant::now();
+    read_with_progress(&file);
     let engine = Engine::new(backend, file.clone(), &opts)
         .with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
@@ -256,6 +257,29 @@ fn build_engine<B: Backend>(
         start.elapsed().as_secs_f64()
     );
     Ok((engine, file))
+}
+
+/// Reads every tensor's pages once under a progress bar (bytes), so that a model coming
+/// from disk shows its progress; the load that follows finds the pages in memory. Does
+/// nothing where no bar is drawn.
+fn read_with_progress(file: &GgufFile) {
+    if !kestrel_hub::stderr_is_terminal() {
+        return;
+    }
+    let total: u64 = file.tensors().iter().map(|t| t.n_bytes()).sum();
+    let bar = kestrel_hub::bytes_bar(Some(total));
+    bar.set_message("loading");
+    let mut checksum = 0u8;
+    for t in file.tensors() {
+        let data = file.tensor_data(t);
+        // One byte per page brings the page in.
+        for chunk in data.chunks(1 << 20) {
+            checksum ^= chunk.iter().step_by(4096).fold(0, |a, &b| a ^ b);
+            bar.inc(chunk.len() as u64);
+        }
+    }
+    std::hint::black_box(checksum);
+    bar.finish_and_clear();
 }
 
 /// Bytes of host memory the KV cache may use (`MemAvailable`), or `None` when the cache
