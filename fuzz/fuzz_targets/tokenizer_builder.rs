@@ -34,7 +34,11 @@ fuzz_target!(|data: &[u8]| {
         pre: None,
         scores: Some((0..tokens.len()).map(|i| -(i as f32)).collect()),
         token_types: Some(token_types),
-        merges: merges.split('\n').filter(|m| !m.is_empty()).map(str::to_string).collect(),
+        merges: merges
+            .split('\n')
+            .filter(|m| !m.is_empty())
+            .map(str::to_string)
+            .collect(),
         bos_token_id: Some(u32::from(header) % n.max(1)),
         eos_token_id: Some(u32::from(header >> 4)),
         tokens,
@@ -45,7 +49,10 @@ fuzz_target!(|data: &[u8]| {
     };
     let ids = tokenizer.encode(input, header & 4 != 0, header & 2 != 0);
     for &id in &ids {
-        assert!((id as usize) < tokenizer.vocab_size(), "id {id} out of range");
+        assert!(
+            (id as usize) < tokenizer.vocab_size(),
+            "id {id} out of range"
+        );
     }
     let _ = tokenizer.detokenize(&ids, true);
     let _ = tokenizer.decode_bytes(&ids, false);

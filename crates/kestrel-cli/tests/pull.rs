@@ -108,7 +108,11 @@ fn url_models_are_named_listed_used_and_removed() {
     let out = kestrel(h, &["pull", &url, "--name", "tiny"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     // No progress bar when the output is not a terminal.
-    assert!(!text(&out.stderr).contains(['\r', '\x1b']), "{:?}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains(['\r', '\x1b']),
+        "{:?}",
+        text(&out.stderr)
+    );
     let path = h.join("models/tiny.gguf");
     assert_eq!(
         text(&out.stdout).lines().last(),
