@@ -92,6 +92,10 @@ fn nonsense_is_a_usage_error_and_doubt_a_warning() {
         (&["run"][..], "PROMPT"),
         (&["run", "-f", "a.txt", "hi"][..], "--file"),
         (&["perplexity", "-m", "gemma-3-270m"][..], "--file"),
+        (
+            &["perplexity", "-f", "x.txt", "--chunks", "0"][..],
+            "--chunks",
+        ),
     ] {
         let out = kestrel(args, None);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -13,7 +13,7 @@ use anyhow::{Context, bail};
 use kestrel_engine::perplexity::score_window;
 use kestrel_tokenizer::Tokenizer;
 
-use super::common::{ModelArgs, load_any_engine, with_engine};
+use super::common::{ModelArgs, load_any_engine, positive, with_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -31,7 +31,7 @@ pub struct Args {
     #[arg(long)]
     pub ids: Option<PathBuf>,
     /// Score only the first N windows.
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     pub chunks: Option<usize>,
     /// Write the first window's per-position scores as JSON (llama.cpp reference schema).
     #[arg(long)]
@@ -83,9 +83,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let ctx = args.model.ctx;
     if ctx < 4 {
         bail!("-c {ctx}: a perplexity window needs at least 4 tokens");
-    }
-    if args.chunks == Some(0) {
-        bail!("--chunks 0 scores nothing; leave it out for the whole file");
     }
     let (mut engine, file) = load_any_engine(&args.model, 128)?;
     let tokenizer = Tokenizer::from_gguf(&file).ok();
