@@ -4,6 +4,7 @@
 //! Adding one: a `mod` line in `cmd/mod.rs`, a variant below, and a dispatch arm.
 
 mod cmd;
+mod interrupt;
 
 use clap::{Parser, Subcommand};
 
@@ -20,12 +21,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Download a catalog model or a URL into the model cache; prints the local path.
+    /// Download a catalog model, ORG/REPO[:QUANT] or a URL into the caches; prints the path.
     Pull(cmd::pull::Args),
     /// Convert a Hugging Face checkpoint (safetensors + config.json + tokenizer) to GGUF.
     Convert(cmd::convert::Args),
     /// Rewrite a GGUF model in another quantization (llama-quantize's types and mixtures).
     Quantize(cmd::quantize::Args),
+    /// List the cached models: name, file, size, architecture, quantization, source.
+    List(cmd::list::Args),
+    /// Remove a cached model by name.
+    Rm(cmd::rm::Args),
     /// Show a GGUF file's metadata, tokenizer summary and tensors.
     Inspect(cmd::inspect::Args),
     /// Turn text into token ids with a model's tokenizer.
@@ -50,10 +55,13 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    interrupt::install();
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
         Command::Convert(args) => cmd::convert::run(args),
         Command::Quantize(args) => cmd::quantize::run(args),
+        Command::List(args) => cmd::list::run(args),
+        Command::Rm(args) => cmd::rm::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Run(args) => cmd::run::run(args),

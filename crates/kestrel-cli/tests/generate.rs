@@ -84,7 +84,16 @@ fn perplexity_json_has_the_reference_schema_and_value() {
     let tmp = tempfile::tempdir().unwrap();
     let json_path = tmp.path().join("scores.json");
     let out = kestrel()
-        .args(["perplexity", "-m", "gemma-3-270m", "--ctx", "128", "-f"])
+        .args([
+            "perplexity",
+            "-m",
+            "gemma-3-270m",
+            "-c",
+            "128",
+            "--chunks",
+            "3",
+            "-f",
+        ])
         .arg(dir.join("text_json_decoder.py.txt"))
         .arg("--json")
         .arg(&json_path)
@@ -110,6 +119,80 @@ fn perplexity_json_has_the_reference_schema_and_value() {
         assert!(p["next_logprob"].as_f64().unwrap() <= 0.0);
     }
     assert!(ours["ppl"].as_f64().unwrap() > 1.0);
+
+    // The first window's running value is llama.cpp's: the second half's predictions only.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let values: Vec<f64> = stdout
+        .lines()
+        .next()
+        .unwrap()
+        .split(',')
+        .filter(|v| !v.is_empty())
+        .map(|v| v.split(']').nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(values.len(), 3, "{stdout}");
+    let second_half: Vec<f64> = positions[64..]
+        .iter()
+        .map(|p| p["next_logprob"].as_f64().unwrap())
+        .collect();
+    let expected = (-second_half.iter().sum::<f64>() / second_half.len() as f64).exp();
+    assert!(
+        (values[0] - expected).abs() < 1e-3,
+        "{} vs {expected}",
+        values[0]
+    );
+    let last = stdout.lines().last().unwrap();
+    assert!(last.starts_with("Final estimate: PPL = "), "{stdout}");
+    let (ppl, se) = last["Final estimate: PPL = ".len()..]
+        .split_once(" +/- ")
+        .unwrap();
+    let (ppl, se): (f64, f64) = (ppl.parse().unwrap(), se.parse().unwrap());
+    assert!(
+        (ppl - values[2]).abs() < 1e-3 && se > 0.0 && se < ppl,
+        "{last}"
+    );
+}
+
+/// Token ids given with --ids are scored as the text's tokens are.
+#[test]
+fn perplexity_of_ids_equals_perplexity_of_their_text() {
+    let dir = kestrel_hub::reference_dir().unwrap();
+    let text = dir.join("text_json_decoder.py.txt");
+    let reference = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = tmp.path().join("ids.json");
+    let first: Vec<u64> = reference["texts"]["json_decoder"]["ids"]
+        .as_array()
+        .unwrap()[..256]
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    std::fs::write(&ids, serde_json::to_string(&first).unwrap()).unwrap();
+    let run = |input: &[&std::ffi::OsStr]| {
+        let out = kestrel()
+            .args([
+                "perplexity",
+                "-m",
+                "gemma-3-270m",
+                "-c",
+                "64",
+                "--chunks",
+                "4",
+            ])
+            .args(input)
+            .output()
+            .expect("kestrel runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let from_text = run(&["-f".as_ref(), text.as_os_str()]);
+    let from_ids = run(&["--ids".as_ref(), ids.as_os_str()]);
+    assert_eq!(from_text, from_ids);
+    assert_eq!(from_text.lines().next().unwrap().matches('[').count(), 4);
 }
 
 #[test]

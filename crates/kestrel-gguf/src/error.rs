@@ -14,6 +14,10 @@ pub enum GgufError {
         source: std::io::Error,
     },
 
+    /// The parts of a split model do not fit together.
+    #[error("split model {path}: {message}")]
+    Split { path: PathBuf, message: String },
+
     /// An I/O error on a caller-provided writer.
     #[error("write failed: {0}")]
     Write(#[source] std::io::Error),
@@ -62,7 +66,10 @@ impl GgufError {
             }
             GgufError::BadMagic { .. } => Some(0),
             GgufError::UnsupportedVersion { .. } => Some(4),
-            GgufError::Io { .. } | GgufError::Write(_) | GgufError::Writer(_) => None,
+            GgufError::Io { .. }
+            | GgufError::Split { .. }
+            | GgufError::Write(_)
+            | GgufError::Writer(_) => None,
         }
     }
 }

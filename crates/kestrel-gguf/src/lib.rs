@@ -46,7 +46,10 @@ mod writer;
 
 pub use error::GgufError;
 pub use kestrel_quant::GgmlType;
-pub use reader::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufFile, MAX_ARRAY_DEPTH};
+pub use reader::{
+    ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufFile, MAX_ARRAY_DEPTH, SPLIT_COUNT_KEY,
+    SPLIT_NO_KEY,
+};
 pub use tensor::{GGML_MAX_DIMS, TensorInfo};
 pub use value::{Value, ValueType};
 pub use writer::{FileStream, GgufWriter, MAX_TENSOR_NAME_LEN, TensorStream};

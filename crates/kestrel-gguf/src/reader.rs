@@ -42,8 +42,16 @@ impl Storage {
 
 /// A parsed GGUF file: header, metadata and tensor table, with the tensor data left in
 /// place (memory-mapped or in an owned buffer) and handed out as slices.
+///
+/// A model split by llama.cpp's `gguf-split` (`NAME-00001-of-0000N.gguf`, metadata
+/// `split.count`) opens as one: [`GgufFile::open`] on the first part maps every part, and the
+/// tensor table holds the tensors of all of them (the metadata is the first part's).
 pub struct GgufFile {
     storage: Storage,
+    /// The other parts of a split model: their storage and data offset.
+    parts: Vec<(Storage, u64)>,
+    /// Per tensor (same index as `tensors`): 0 for this file, `k` for `parts[k - 1]`.
+    tensor_part: Vec<usize>,
     version: u32,
     alignment: u64,
     data_offset: u64,
@@ -66,9 +74,73 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// Metadata keys of a split model.
+pub const SPLIT_COUNT_KEY: &str = "split.count";
+pub const SPLIT_NO_KEY: &str = "split.no";
+
 impl GgufFile {
-    /// Memory-maps and parses the file at `path`.
+    /// Memory-maps and parses the file at `path`; for the first part of a split model, the
+    /// other parts too (beside it, named `NAME-0000k-of-0000N.gguf`), as one model.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
+        let path = path.as_ref();
+        let mut file = Self::open_part(path)?;
+        let count = file.get_u64(SPLIT_COUNT_KEY).unwrap_or(1);
+        if count <= 1 {
+            return Ok(file);
+        }
+        let split_err = |msg: String| GgufError::Split {
+            path: path.to_owned(),
+            message: msg,
+        };
+        if file.get_u64(SPLIT_NO_KEY).unwrap_or(0) != 0 {
+            return Err(split_err(
+                "this is not the first part of a split model; open the -00001-of- file".into(),
+            ));
+        }
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let suffix = format!("-00001-of-{count:05}.gguf");
+        let Some(stem) = name.strip_suffix(&suffix) else {
+            return Err(split_err(format!(
+                "split.count is {count}, but the file name does not end in {suffix}"
+            )));
+        };
+        for k in 2..=count {
+            let part_path = path.with_file_name(format!("{stem}-{k:05}-of-{count:05}.gguf"));
+            let part = Self::open_part(&part_path)?;
+            if part.get_u64(SPLIT_NO_KEY) != Some(k - 1)
+                || part.get_u64(SPLIT_COUNT_KEY) != Some(count)
+            {
+                return Err(split_err(format!(
+                    "{} does not say it is part {k} of {count}",
+                    part_path.display()
+                )));
+            }
+            file.append_part(part).map_err(split_err)?;
+        }
+        Ok(file)
+    }
+
+    /// Adds the tensors of another part of a split model.
+    fn append_part(&mut self, part: GgufFile) -> Result<(), String> {
+        let index = self.parts.len() + 1;
+        for info in part.tensors {
+            match self.tensor_index.entry(info.name.clone()) {
+                Entry::Occupied(_) => {
+                    return Err(format!("tensor '{}' is in two parts", shorten(&info.name)));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(self.tensors.len());
+                }
+            }
+            self.tensors.push(info);
+            self.tensor_part.push(index);
+        }
+        self.parts.push((part.storage, part.data_offset));
+        Ok(())
+    }
+
+    /// Memory-maps and parses one file, whatever its `split.*` metadata says.
+    pub fn open_part(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref();
         let io_err = |action, source| GgufError::Io {
             action,
@@ -110,6 +182,8 @@ impl GgufFile {
             .collect();
         Ok(GgufFile {
             storage,
+            parts: Vec::new(),
+            tensor_part: vec![0; header.tensors.len()],
             version: header.version,
             alignment: header.alignment,
             data_offset: header.data_offset,
@@ -205,17 +279,23 @@ impl GgufFile {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
-    /// The data of a tensor of this file (zero-copy). Every tensor of a parsed file lies
-    /// within the file; for a `TensorInfo` that does not, the slice is empty.
+    /// The data of a tensor of this file (zero-copy), from whichever part of a split model
+    /// holds it. Every tensor of a parsed file lies within its file; for a `TensorInfo` that
+    /// does not, the slice is empty.
     pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
-        let range = self
-            .data_offset
+        let part = self
+            .tensor_index
+            .get(&info.name)
+            .map_or(0, |&i| self.tensor_part[i]);
+        let (storage, data_offset) = match part {
+            0 => (&self.storage, self.data_offset),
+            k => (&self.parts[k - 1].0, self.parts[k - 1].1),
+        };
+        let range = data_offset
             .checked_add(info.offset)
             .and_then(|start| Some(start..start.checked_add(info.n_bytes())?))
             .and_then(|r| Some(usize::try_from(r.start).ok()?..usize::try_from(r.end).ok()?));
-        range
-            .and_then(|r| self.storage.bytes().get(r))
-            .unwrap_or(&[])
+        range.and_then(|r| storage.bytes().get(r)).unwrap_or(&[])
     }
 
     /// The data of the tensor called `name`.

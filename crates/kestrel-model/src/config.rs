@@ -332,6 +332,19 @@ impl ModelConfig {
             )));
         }
         let context_length = opt_u("context_length").unwrap_or(4096);
+        check_against_file(
+            file,
+            &Shape {
+                n_layer,
+                n_embd,
+                n_head,
+                n_head_kv,
+                head_dim,
+                n_ff,
+                vocab_size,
+                context_length,
+            },
+        )?;
         let rms_eps = opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5);
         let rope_base = opt_f("rope.freq_base").unwrap_or(10000.0);
         let n_rot = opt_u("rope.dimension_count").unwrap_or(head_dim);
@@ -531,4 +544,85 @@ impl ModelConfig {
             attn_temperature,
         })
     }
+}
+
+/// The sizes read from metadata, before anything is allocated from them.
+struct Shape {
+    n_layer: usize,
+    n_embd: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    n_ff: usize,
+    vocab_size: usize,
+    context_length: usize,
+}
+
+/// Most positions a model may claim: ggml stores positions as `i32`.
+pub const MAX_CONTEXT_LENGTH: usize = i32::MAX as usize;
+
+/// Checks metadata sizes against each other and against the file's tensor table, so that a
+/// hostile header (say `block_count = 2^31`) is an error before any allocation is sized
+/// from it. Tensor shapes are bounded by the file itself (the reader checks that every
+/// tensor's data lies inside it), so sizes that match them are bounded too.
+fn check_against_file(file: &GgufFile, s: &Shape) -> Result<(), ModelError> {
+    let bad = |msg: String| Err(ModelError::Invalid(msg));
+    // Every block has tensors of its own: more blocks than tensors cannot be.
+    let n_tensors = file.tensors().len();
+    if s.n_layer > n_tensors {
+        return bad(format!(
+            "block_count {} is more than the file's {n_tensors} tensors",
+            s.n_layer
+        ));
+    }
+    if s.context_length == 0 || s.context_length > MAX_CONTEXT_LENGTH {
+        return bad(format!(
+            "context_length {} is outside 1..={MAX_CONTEXT_LENGTH}",
+            s.context_length
+        ));
+    }
+    let embd = file
+        .tensor("token_embd.weight")
+        .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
+    let embd_dims: Vec<u64> = embd.dims.to_vec();
+    if embd_dims != [s.n_embd as u64, s.vocab_size as u64] {
+        return bad(format!(
+            "token_embd.weight has shape {embd_dims:?}, but the metadata says \
+             embedding_length {} and a vocabulary of {}",
+            s.n_embd, s.vocab_size
+        ));
+    }
+    if let Some(tokens) = file.get_array("tokenizer.ggml.tokens")
+        && tokens.len() > s.vocab_size
+    {
+        return bad(format!(
+            "the tokenizer has {} tokens but the embeddings only {} rows",
+            tokens.len(),
+            s.vocab_size
+        ));
+    }
+    // Head products must be the attention tensors' widths (and must not overflow). A
+    // missing tensor is reported when the weights load.
+    let width = |heads: usize, what: &str| {
+        heads.checked_mul(s.head_dim).ok_or_else(|| {
+            ModelError::Invalid(format!("{heads} {what} of size {} overflow", s.head_dim))
+        })
+    };
+    let q_dim = width(s.n_head, "heads")?;
+    let kv_dim = width(s.n_head_kv, "kv heads")?;
+    for (name, want) in [
+        ("blk.0.attn_q.weight", q_dim),
+        ("blk.0.attn_k.weight", kv_dim),
+        ("blk.0.ffn_up.weight", s.n_ff),
+    ] {
+        if let Some(t) = file.tensor(name)
+            && t.dims.to_vec() != [s.n_embd as u64, want as u64]
+        {
+            return bad(format!(
+                "{name} has shape {:?}, but the metadata asks for [{}, {want}]",
+                t.dims, s.n_embd
+            ));
+        }
+    }
+    Ok(())
 }

@@ -6,7 +6,7 @@
 //! first, non-overlapping). Control and unknown tokens take part only when special tokens
 //! are parsed; user-defined tokens always do.
 
-use aho_corasick::{AhoCorasick, MatchKind};
+use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
 
 use crate::vocab::TokenAttrs;
 
@@ -52,6 +52,10 @@ impl SpecialTokens {
         } else {
             AhoCorasick::builder()
                 .match_kind(MatchKind::Standard)
+                // Not the DFA the builder picks for few patterns: its build time and size
+                // grow with pattern length × alphabet, so one hostile 25 KB control token
+                // took seconds (100 KB, minutes). The NFA builds in linear time.
+                .kind(Some(AhoCorasickKind::ContiguousNFA))
                 .build(ordered.iter().map(|&id| tokens[id as usize].as_bytes()))
                 .ok()
         };

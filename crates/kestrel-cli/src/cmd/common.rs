@@ -8,7 +8,7 @@ use kestrel_cuda::CudaBackend;
 use kestrel_engine::sampler::SamplerParams;
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
-use kestrel_model::Backend;
+use kestrel_model::{Backend, ModelConfig};
 
 /// Which model and where to run it.
 #[derive(clap::Args, Debug, Clone)]
@@ -20,13 +20,19 @@ pub struct ModelArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Threads for the CPU backend (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
-    /// Context size in tokens (prompt + generation).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    /// Context size in tokens (prompt + generation); 0 = the model's, as far as memory
+    /// allows.
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        visible_alias = "ctx",
+        default_value_t = 4096
+    )]
     pub ctx: usize,
     /// Most prompt tokens evaluated in one step.
-    #[arg(long = "batch", default_value_t = 256)]
+    #[arg(long = "batch", default_value_t = 256, value_parser = positive)]
     pub batch: usize,
     /// Sequences the KV cache holds at full context (set by commands, not a flag).
     #[arg(skip = 1usize)]
@@ -53,9 +59,33 @@ pub struct SamplingArgs {
     pub presence_penalty: f32,
     #[arg(long, default_value_t = 0.0)]
     pub frequency_penalty: f32,
-    /// Seed of the sampler (same seed, same output).
-    #[arg(long)]
-    pub seed: Option<u64>,
+    /// Seed of the sampler (same seed, same output); -1 = random, as by default.
+    #[arg(long, allow_negative_numbers = true, value_parser = seed)]
+    pub seed: Option<Seed>,
+}
+
+/// A `--seed` value: `None` for -1 (random).
+#[derive(Debug, Clone, Copy)]
+pub struct Seed(Option<u64>);
+
+/// A count that must be at least 1 (a usage error otherwise).
+pub fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// llama.cpp's seed: a number, or -1 for a random one.
+fn seed(s: &str) -> Result<Seed, String> {
+    match s {
+        "-1" => Ok(Seed(None)),
+        _ => s
+            .parse::<u64>()
+            .map(|n| Seed(Some(n)))
+            .map_err(|_| "expected a number from 0 to 2^64-1, or -1 for random".into()),
+    }
 }
 
 impl SamplingArgs {
@@ -69,7 +99,7 @@ impl SamplingArgs {
             repeat_last_n: self.repeat_last_n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            seed: self.seed,
+            seed: self.seed.and_then(|s| s.0),
         };
         p.validate()
             .map_err(|e| anyhow::anyhow!("bad sampling options: {e}"))?;
@@ -156,7 +186,7 @@ pub fn load_any_engine(
         Device::Cuda(ordinal) => {
             let backend = CudaBackend::new(ordinal)
                 .with_context(|| format!("opening device {}", args.device))?;
-            let (engine, file) = build_engine(backend, args, max_logit_rows)?;
+            let (engine, file) = build_engine(backend, false, args, max_logit_rows)?;
             Ok((AnyEngine::Cuda(engine), file))
         }
     }
@@ -176,31 +206,46 @@ pub fn load_engine(
         ),
     }
     if let Some(t) = args.threads {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if t > cores {
+            eprintln!("kestrel: warning: -t {t} is more threads than the {cores} cores here");
+        }
         // Fails only if the pool was already built, which the commands never do first.
         let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(t.max(1))
+            .num_threads(t)
             .build_global();
     }
-    build_engine(CpuBackend::new(Kernels::Fast), args, max_logit_rows)
+    build_engine(CpuBackend::new(Kernels::Fast), true, args, max_logit_rows)
 }
 
-/// Loads the model onto `backend`.
+/// Loads the model onto `backend`; `cache_on_host` when its KV cache is in host memory
+/// (then the context is fitted to the memory available).
 fn build_engine<B: Backend>(
     backend: B,
+    cache_on_host: bool,
     args: &ModelArgs,
     max_logit_rows: usize,
 ) -> anyhow::Result<(Engine<B>, Arc<GgufFile>)> {
     let path = kestrel_hub::resolve_model(&args.model)?;
     let file =
         Arc::new(GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?);
+    let ctx = match host_memory_for_cache(cache_on_host) {
+        Some(available) => {
+            let cfg = ModelConfig::from_gguf(&file)
+                .with_context(|| format!("loading {}", path.display()))?;
+            fit_context(&cfg, args.ctx, args.max_seqs.max(1), available)?
+        }
+        None => args.ctx,
+    };
     let opts = EngineOptions {
-        ctx: args.ctx,
+        ctx,
         max_batch_tokens: args.batch.max(1),
         max_logit_rows,
         block_size: 16,
         max_seqs: args.max_seqs.max(1),
     };
     let start = std::time::Instant::now();
+    read_with_progress(&file);
     let engine = Engine::new(backend, file.clone(), &opts)
         .with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
@@ -212,4 +257,144 @@ fn build_engine<B: Backend>(
         start.elapsed().as_secs_f64()
     );
     Ok((engine, file))
+}
+
+/// Reads every tensor's pages once under a progress bar (bytes), so that a model coming
+/// from disk shows its progress; the load that follows finds the pages in memory. Does
+/// nothing where no bar is drawn.
+fn read_with_progress(file: &GgufFile) {
+    if !kestrel_hub::stderr_is_terminal() {
+        return;
+    }
+    let total: u64 = file.tensors().iter().map(|t| t.n_bytes()).sum();
+    let bar = kestrel_hub::bytes_bar(Some(total));
+    bar.set_message("loading");
+    let mut checksum = 0u8;
+    for t in file.tensors() {
+        let data = file.tensor_data(t);
+        // One byte per page brings the page in.
+        for chunk in data.chunks(1 << 20) {
+            checksum ^= chunk.iter().step_by(4096).fold(0, |a, &b| a ^ b);
+            bar.inc(chunk.len() as u64);
+        }
+    }
+    std::hint::black_box(checksum);
+    bar.finish_and_clear();
+}
+
+/// Bytes of host memory the KV cache may use (`MemAvailable`), or `None` when the cache
+/// does not live in host memory or the amount is unknown.
+fn host_memory_for_cache(cache_on_host: bool) -> Option<u64> {
+    if !cache_on_host {
+        return None;
+    }
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Bytes of the f16 KV cache (keys and values of every layer) for `ctx` positions of
+/// `seqs` sequences, or `None` on overflow.
+fn kv_bytes(cfg: &ModelConfig, ctx: usize, seqs: usize) -> Option<u64> {
+    [
+        cfg.n_layer,
+        cfg.kv_dim(),
+        ctx,
+        seqs,
+        2, /* k and v */
+        2, /* f16 */
+    ]
+    .iter()
+    .try_fold(1u64, |acc, &x| acc.checked_mul(x as u64))
+}
+
+/// Shortest context `-c 0` may shrink to before it is an error instead.
+const MIN_AUTO_CTX: usize = 256;
+
+/// The context the engine gets: `requested`, or the model's with `0` (as llama.cpp's
+/// `-c 0`), never more than the model's. `-c 0` is shrunk to what `available` bytes hold
+/// (with a notice); an explicit size whose cache cannot fit is an error, as is `-c 0` when
+/// not even [`MIN_AUTO_CTX`] positions fit.
+pub fn fit_context(
+    cfg: &ModelConfig,
+    requested: usize,
+    seqs: usize,
+    available: u64,
+) -> anyhow::Result<usize> {
+    let ctx = match requested {
+        0 => cfg.context_length,
+        n => n.min(cfg.context_length),
+    };
+    let per_position = kv_bytes(cfg, 1, seqs).unwrap_or(u64::MAX).max(1);
+    let fits = usize::try_from(available / per_position).unwrap_or(usize::MAX);
+    if ctx <= fits {
+        return Ok(ctx);
+    }
+    let need = kv_bytes(cfg, ctx, seqs).map_or("more than 16 EiB".into(), gib);
+    let have = gib(available);
+    if requested != 0 {
+        bail!(
+            "a context of {ctx} tokens needs a {need} KV cache but only {have} of memory is \
+             available; pass a smaller -c (at most {fits})"
+        );
+    }
+    let capped = fits / MIN_AUTO_CTX * MIN_AUTO_CTX;
+    if capped < MIN_AUTO_CTX {
+        bail!(
+            "-c 0: even {MIN_AUTO_CTX} tokens of context do not fit the {have} of memory \
+             available (the model's {ctx} would need {need})"
+        );
+    }
+    eprintln!(
+        "kestrel: -c 0: the model's context of {ctx} tokens needs a {need} KV cache, more \
+         than the {have} available; using {capped}"
+    );
+    Ok(capped)
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kestrel_model::config::Arch;
+    use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+
+    fn tiny_config(n_ctx: u32) -> ModelConfig {
+        let mut synth = SynthConfig::tiny(Arch::Llama);
+        synth.n_ctx = n_ctx;
+        let (bytes, _) = write_synth_to(Vec::new(), &synth, WeightType::F32, 1).expect("synth");
+        ModelConfig::from_gguf(&GgufFile::from_bytes(bytes).expect("parse")).expect("config")
+    }
+
+    #[test]
+    fn context_fits_memory_or_says_why() {
+        let cfg = tiny_config(1 << 20);
+        // 2 layers × 128 kv values × k and v × 2 bytes = 1 KiB per position.
+        assert_eq!(kv_bytes(&cfg, 1, 1), Some(1024));
+        let plenty = u64::MAX;
+        assert_eq!(fit_context(&cfg, 0, 1, plenty).expect("fits"), 1 << 20);
+        assert_eq!(fit_context(&cfg, 4096, 1, plenty).expect("fits"), 4096);
+        // Asking beyond the model's context gives the model's.
+        assert_eq!(
+            fit_context(&cfg, 1 << 30, 1, plenty).expect("fits"),
+            1 << 20
+        );
+        // -c 0 shrinks to what 1 MiB holds (1024 positions, a multiple of 256)...
+        assert_eq!(
+            fit_context(&cfg, 0, 1, (1 << 20) + 5).expect("capped"),
+            1024
+        );
+        // ...an explicit size that does not fit is an error naming the most that does.
+        let err = fit_context(&cfg, 4096, 1, 1 << 20).expect_err("too big");
+        assert!(err.to_string().contains("at most 1024"), "{err}");
+        // Two sequences need twice the memory.
+        let err = fit_context(&cfg, 1024, 2, 1 << 20).expect_err("too big");
+        assert!(err.to_string().contains("at most 512"), "{err}");
+        let err = fit_context(&cfg, 0, 1, 1000).expect_err("nothing fits");
+        assert!(err.to_string().contains("-c 0"), "{err}");
+    }
 }

@@ -240,7 +240,9 @@ impl<'a> Report<'a> {
             .map(|t| t.name.len())
             .max()
             .unwrap_or(4)
-            .max(4);
+            // Longer names push their row's columns right instead: a format width is at
+            // most 65,535, and a hostile file's tensor name can be longer.
+            .clamp(4, MAX_NAME_COLUMN);
         writeln!(
             out,
             "  {:<name_width$}  {:<6}  {:<22}  {:>12}",
@@ -282,6 +284,9 @@ impl<'a> Report<'a> {
         Ok(())
     }
 }
+
+/// Widest the tensor-name column is padded to.
+const MAX_NAME_COLUMN: usize = 96;
 
 fn write_section(
     out: &mut impl Write,

@@ -1,12 +1,16 @@
-//! `kestrel pull NAME|URL`
+//! `kestrel pull NAME|URL|ORG/REPO[:QUANT]`
 
 use anyhow::Result;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Catalog model name (e.g. qwen2.5-coder-1.5b, gemma-3-270m) or an http(s)/file URL.
+    /// A catalog name (e.g. qwen2.5-coder-1.5b, gemma-3-270m), a Hugging Face name
+    /// ORG/REPO[:QUANT] (e.g. Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:Q4_K_M) or an http(s) URL.
     /// Without it, the catalog is listed.
     pub model: Option<String>,
+    /// Name for a model pulled from a URL (default: from its file name); use it with -m.
+    #[arg(long)]
+    pub name: Option<String>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -14,7 +18,7 @@ pub fn run(args: Args) -> Result<()> {
         list_catalog();
         return Ok(());
     };
-    let path = kestrel_hub::pull(&model)?;
+    let path = kestrel_hub::pull(&model, args.name.as_deref())?;
     // The last line of stdout is the path, for scripts.
     println!("{}", path.display());
     Ok(())

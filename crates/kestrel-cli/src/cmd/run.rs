@@ -1,16 +1,21 @@
-//! `kestrel run`: generate a continuation of a prompt, streamed to stdout.
+//! `kestrel run`: generate a continuation of a prompt, streamed to stdout. The prompt is
+//! an argument, a file (`-f FILE`), stdin (`-` or `-f -`) or raw token ids (`--ids FILE`).
 
-use std::io::Write;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
-use std::sync::Arc;
-
-use anyhow::Context;
+use anyhow::{Context, bail};
 use kestrel_engine::{Sequence, StopMatcher};
 use kestrel_server::constrain::{Constraint, Grammars};
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
-use super::common::{ModelArgs, SamplingArgs, load_any_engine, with_engine};
+use super::common::{AnyEngine, ModelArgs, SamplingArgs, load_any_engine, with_engine};
+
+fn engine_vocab(engine: &AnyEngine) -> usize {
+    with_engine!(engine, e => e.config().vocab_size)
+}
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -42,15 +47,61 @@ pub struct Args {
     /// Constrain the output to this Lark grammar (llguidance's dialect).
     #[arg(long, value_name = "FILE")]
     pub grammar: Option<std::path::PathBuf>,
-    /// The prompt.
-    pub prompt: String,
+    /// Read the prompt from this file (`-` for stdin).
+    #[arg(short = 'f', long, conflicts_with_all = ["prompt", "ids"])]
+    pub file: Option<PathBuf>,
+    /// Evaluate these token ids (a JSON array, `-` for stdin) as the prompt, untokenized.
+    #[arg(long, conflicts_with_all = ["prompt", "chat"])]
+    pub ids: Option<PathBuf>,
+    /// The prompt (`-` reads stdin).
+    #[arg(required_unless_present_any = ["file", "ids"])]
+    pub prompt: Option<String>,
+}
+
+/// Reads `path` (`-` = stdin) as text.
+fn read_text(path: &Path) -> anyhow::Result<String> {
+    let mut text = String::new();
+    if path == Path::new("-") {
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("reading the prompt from stdin")?;
+    } else {
+        text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    }
+    Ok(text)
+}
+
+/// Reads token ids: a JSON array of non-negative integers, from `path` (`-` = stdin).
+pub fn read_ids(path: &Path) -> anyhow::Result<Vec<u32>> {
+    let text = read_text(path)?;
+    serde_json::from_str::<Vec<u32>>(&text).with_context(|| {
+        format!(
+            "{} is not a JSON array of token ids (integers from 0 to 2^32-1)",
+            path.display()
+        )
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let params = args.sampling.params()?;
+    if args.chat_template.is_some() && !args.chat {
+        eprintln!("kestrel: warning: --chat-template has no effect without --chat");
+    }
+    if args.system.is_some() && !args.chat {
+        eprintln!("kestrel: warning: --system has no effect without --chat");
+    }
+    // Read the prompt before loading: a missing file is reported at once.
+    let prompt = match (&args.file, args.prompt.as_deref()) {
+        (Some(path), _) => Some(read_text(path)?),
+        (None, Some("-")) => Some(read_text(Path::new("-"))?),
+        (None, p) => p.map(str::to_string),
+    };
     let constraint = constraint(&args)?;
+    let given_ids = args.ids.as_deref().map(read_ids).transpose()?;
     let (mut engine, file) = load_any_engine(&args.model, 1)?;
     let tokenizer = Arc::new(Tokenizer::from_gguf(&file).context("loading the tokenizer")?);
+    let vocab = engine_vocab(&engine);
     let mut filter = match &constraint {
         Some(c) => Some(
             Grammars::new(tokenizer.clone())
@@ -60,18 +111,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
 
-    let prompt_ids = if args.chat {
+    let prompt_ids = if let Some(ids) = given_ids {
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("token id {bad} is outside the vocabulary (0..{vocab})");
+        }
+        ids
+    } else if args.chat {
+        let prompt = prompt.as_deref().unwrap_or_default();
         let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
             messages.push(ChatMessage::new("system", system));
         }
-        messages.push(ChatMessage::new("user", &args.prompt));
+        messages.push(ChatMessage::new("user", prompt));
         let text = template.render(&messages, true)?;
         // The template writes BOS itself where the model wants one.
         tokenizer.encode(&text, false, true)
     } else {
-        tokenizer.encode(&args.prompt, true, true)
+        tokenizer.encode(prompt.as_deref().unwrap_or_default(), true, true)
     };
     if prompt_ids.is_empty() {
         anyhow::bail!("the prompt is empty after tokenization");

@@ -12,7 +12,8 @@ use kestrel_gguf::GgufFile;
 use kestrel_model::Backend;
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
-use super::common::Device;
+use super::common::{Device, positive};
+use crate::interrupt;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -23,7 +24,7 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Threads for the CPU backend (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -35,13 +36,13 @@ pub struct Args {
     /// Context size of each sequence (prompt + generation).
     #[arg(
         short = 'c',
-        long = "ctx",
-        visible_alias = "ctx-size",
+        long = "ctx-size",
+        visible_alias = "ctx",
         default_value_t = 4096
     )]
     pub ctx: usize,
     /// Most tokens in one forward step (decodes plus prompt chunks).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = positive)]
     pub batch: usize,
     /// Most prompt tokens in one step (the rest of the step is left to decodes).
     #[arg(long, default_value_t = 256)]
@@ -100,8 +101,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         })?;
     runtime.block_on(async move {
+        // The first Ctrl-C (or SIGTERM) shuts down gracefully, a second one exits.
+        interrupt::handle_in_command();
         let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
+            while !interrupt::interrupted() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
         };
         kestrel_server::http::serve_slot(listener, slot, shutdown).await?;
         anyhow::Ok(())

@@ -1,0 +1,130 @@
+//! `kestrel run`'s inputs and llama.cpp idioms on the real Gemma model: the prompt from an
+//! argument, a file, stdin or token ids gives the same greedy tokens; nonsense values are
+//! usage errors (exit 2) and doubtful ones warnings.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value as Json;
+
+const PROMPT: &str = "The capital of France is";
+
+fn kestrel(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kestrel");
+    let mut pipe = child.stdin.take().expect("stdin");
+    pipe.write_all(stdin.unwrap_or("").as_bytes())
+        .expect("write stdin");
+    drop(pipe);
+    child.wait_with_output().expect("wait")
+}
+
+fn greedy(extra: &[&str], stdin: Option<&str>) -> Json {
+    let mut args = vec![
+        "run",
+        "-m",
+        "gemma-3-270m",
+        "--temp",
+        "0",
+        "-n",
+        "4",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let out = kestrel(&args, stdin);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+#[test]
+fn every_prompt_source_gives_the_same_tokens() {
+    let reference = greedy(&[PROMPT], None);
+    assert_eq!(reference["ids"].as_array().expect("ids").len(), 4);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, PROMPT).expect("write");
+    let file = file.to_str().expect("utf-8");
+    assert_eq!(greedy(&["-f", file], None), reference);
+    assert_eq!(greedy(&["-"], Some(PROMPT)), reference);
+    assert_eq!(greedy(&["-f", "-"], Some(PROMPT)), reference);
+    // The prompt's ids, given raw, continue the same way.
+    let ids = dir.path().join("ids.json");
+    std::fs::write(&ids, reference["prompt_ids"].to_string()).expect("write");
+    let from_ids = greedy(&["--ids", ids.to_str().expect("utf-8")], None);
+    assert_eq!(from_ids["ids"], reference["ids"]);
+    // -c 0 takes the model's context; --seed -1 is llama.cpp's random seed.
+    assert_eq!(
+        greedy(&["-c", "0", "--seed", "-1", PROMPT], None)["ids"],
+        reference["ids"]
+    );
+
+    std::fs::write(dir.path().join("bad.json"), "[1, -2]").expect("write");
+    let bad = dir.path().join("bad.json");
+    let out = kestrel(
+        &[
+            "run",
+            "-m",
+            "gemma-3-270m",
+            "--ids",
+            bad.to_str().expect("utf-8"),
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("JSON array of token ids"));
+}
+
+#[test]
+fn nonsense_is_a_usage_error_and_doubt_a_warning() {
+    for (args, flag) in [
+        (&["run", "--batch", "0", "hi"][..], "--batch"),
+        (&["run", "-t", "0", "hi"][..], "--threads"),
+        (&["run", "--seed", "-2", "hi"][..], "--seed"),
+        (&["run"][..], "PROMPT"),
+        (&["run", "-f", "a.txt", "hi"][..], "--file"),
+        (&["perplexity", "-m", "gemma-3-270m"][..], "--file"),
+        (
+            &["perplexity", "-f", "x.txt", "--chunks", "0"][..],
+            "--chunks",
+        ),
+    ] {
+        let out = kestrel(args, None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: ") && err.contains(flag),
+            "{args:?}: {err}"
+        );
+    }
+    let out = kestrel(
+        &[
+            "run",
+            "-m",
+            "gemma-3-270m",
+            "-n",
+            "1",
+            "-t",
+            "64",
+            "--chat-template",
+            "chatml",
+            PROMPT,
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("warning: -t 64"), "{err}");
+    assert!(
+        err.contains("warning: --chat-template has no effect"),
+        "{err}"
+    );
+}
