@@ -5,6 +5,7 @@ pub mod backend;
 pub mod batch;
 pub mod config;
 pub mod forward;
+pub mod kv_type;
 pub mod sampling;
 pub mod weights;
 
@@ -12,6 +13,7 @@ pub use backend::{AttnParams, Backend, argmax};
 pub use batch::{Batch, SeqSlot};
 pub use config::{Activation, Arch, ModelConfig, RopeConstants, RopeParams, RopeScaling};
 pub use forward::{Model, Scratch};
+pub use kv_type::{KvType, KvTypes};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch};
 pub use weights::{LayerWeights, ModelWeights};
 
