@@ -713,9 +713,11 @@ pub fn attention(
     // Bytes of one head's slice of a row (whole blocks: checked when the cache was made).
     let (k_head, v_head) = (cache.types.k.bytes(hd), cache.types.v.bytes(hd));
     // llama.cpp rounds the query to the keys' dot-product format (f16 for f16 keys, Q8_0
-    // for Q8_0 and Q4_0 keys) and the probabilities to f16.
+    // for Q8_0 and Q4_0 keys), and the probabilities to f16 for f16 values only (its
+    // other value types are converted to f32 rows and weighted in f32).
     let ggml = be.numerics == Numerics::Ggml;
     let q_type = numerics::activation_type(kt).unwrap_or(kt);
+    let round_probs = ggml && vt == kestrel_gguf::GgmlType::F16;
     let oc = out.cols;
     // Token i's heads sharing kv head g (`o`: their `group * hd` outputs).
     let per_task = |scr: &mut AttnScratch, i: usize, g: usize, o: &mut [f32]| {
@@ -750,7 +752,7 @@ pub fn attention(
                 sum += *v;
             });
             let inv = 1.0 / sum;
-            if ggml {
+            if round_probs {
                 sc.iter_mut()
                     .for_each(|v| *v = numerics::round_f16(*v * inv));
             } else {

@@ -37,12 +37,28 @@ fn rows(rng: &mut impl Rng, n: usize, cols: usize) -> Vec<f32> {
         .collect()
 }
 
-/// A row through the reference quantizer and back: what the cache should hold.
+/// A row through the quantizer ggml's CPU backend stores it with (the reference one of
+/// kestrel-quant for all but Q8_0, whose x86 rounding `numerics::quantize_q8_0` follows)
+/// and back: what the cache should hold. The values come back within half a step of the
+/// rows (a whole step for Q4_0's clamped top; Q8_0's scale is rounded to f16 too), a bound checked here independently.
 fn stored(t: KvType, row: &[f32]) -> (Vec<u8>, Vec<f32>) {
     let mut bytes = vec![0u8; t.bytes(row.len())];
-    kestrel_quant::quantize_row(t.ggml(), row, &mut bytes).expect("quantizes");
+    assert!(numerics::quantize_like_ggml(t.ggml(), row, &mut bytes));
     let mut back = vec![0f32; row.len()];
     kestrel_quant::dequantize_row(t.ggml(), &bytes, &mut back).expect("dequantizes");
+    for (x, b) in row.chunks(32).zip(back.chunks(32)) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (x, b) in x.iter().zip(b) {
+            let bound = match t {
+                KvType::F16 => x.abs() / 2048.0,
+                KvType::Bf16 => x.abs() / 256.0,
+                // Half a step, plus 127 times the scale's own f16 rounding (2^-11).
+                KvType::Q8_0 => amax / 127.0 * 0.57,
+                KvType::Q4_0 => amax / 8.0 * 1.01,
+            };
+            assert!((x - b).abs() <= bound + 1e-6, "{t}: {x} stored as {b}");
+        }
+    }
     (bytes, back)
 }
 
@@ -62,14 +78,15 @@ fn steps() -> [Batch; 2] {
 }
 
 /// Softmax attention in f64 over the cached rows each token sees. `ggml`: with llama.cpp's
-/// roundings, the query to the keys' dot-product type and the probabilities to f16.
+/// roundings, of the query to the keys' dot-product type and, for f16 values, of the
+/// probabilities to f16.
 fn oracle(
     q: &[f32],
     k: &[Vec<Vec<f32>>],
     v: &[Vec<Vec<f32>>],
     batch: &Batch,
     p: &AttnParams,
-    ggml: Option<KvType>,
+    ggml: Option<KvTypes>,
 ) -> Vec<f32> {
     let (hd, group) = (p.head_dim, p.n_head / p.n_head_kv);
     let mut out = vec![0f32; batch.len() * p.n_head * hd];
@@ -79,8 +96,8 @@ fn oracle(
         for h in 0..p.n_head {
             let g = h / group;
             let mut qh = q[(i * p.n_head + h) * hd..][..hd].to_vec();
-            if let Some(kt) = ggml {
-                let act = numerics::activation_type(kt.ggml()).expect("a dot-product type");
+            if let Some(types) = ggml {
+                let act = numerics::activation_type(types.k.ggml()).expect("a dot-product type");
                 let mut bytes = Vec::new();
                 numerics::round_trip(
                     act,
@@ -102,8 +119,8 @@ fn oracle(
             let w: Vec<f64> = w
                 .iter()
                 .map(|w| match ggml {
-                    Some(_) => half::f16::from_f64(w / sum).to_f64(),
-                    None => w / sum,
+                    Some(t) if t.v == KvType::F16 => half::f16::from_f64(w / sum).to_f64(),
+                    _ => w / sum,
                 })
                 .collect();
             for d in 0..hd {
@@ -186,7 +203,7 @@ fn run(
             cols: q_dim,
         };
         be.attention(&qt, &cache, &p, &step, n, &mut out);
-        let ggml = (be.numerics() == Numerics::Ggml).then_some(types.k);
+        let ggml = (be.numerics() == Numerics::Ggml).then_some(types);
         let want = oracle(q, &k_ref, &v_ref, &step.batch, &p, ggml);
         let worst = out
             .data

@@ -9,10 +9,10 @@ use kestrel_cuda::CudaBackend;
 use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions};
 use kestrel_engine::{Engine, EngineOptions};
 use kestrel_gguf::GgufFile;
-use kestrel_model::Backend;
+use kestrel_model::{Backend, KvTypes};
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
-use super::common::Device;
+use super::common::{CacheArgs, Device};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -58,6 +58,8 @@ pub struct Args {
     /// Do not share the KV blocks of identical prompt prefixes.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    #[command(flatten)]
+    pub cache: CacheArgs,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -105,6 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 || Ok(CpuBackend::new(Kernels::Fast)),
                 &file,
                 opts,
+                args.cache.types(),
                 sched_opts,
             )?
         }
@@ -112,6 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             move || CudaBackend::new(ordinal).context("opening the GPU"),
             &file,
             opts,
+            args.cache.types(),
             sched_opts,
         )?,
     };
@@ -183,11 +187,12 @@ fn start_scheduler<B: Backend + 'static>(
     backend: impl FnOnce() -> anyhow::Result<B> + Send + 'static,
     file: &Arc<GgufFile>,
     opts: EngineOptions,
+    kv: KvTypes,
     sched_opts: SchedulerOptions,
 ) -> anyhow::Result<SchedulerHandle> {
     let file = file.clone();
     scheduler::spawn(
-        move || Engine::new(backend()?, file, &opts).context("loading the model"),
+        move || Engine::with_cache_types(backend()?, file, &opts, kv).context("loading the model"),
         sched_opts,
     )
 }
