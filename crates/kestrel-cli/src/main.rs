@@ -54,7 +54,7 @@ enum Command {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(std::env::args_os().map(llama_flag));
     interrupt::install();
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
@@ -81,6 +81,21 @@ fn main() {
         eprintln!("error: {err:#}");
         std::process::exit(1);
     }
+}
+
+/// llama.cpp's single-dash multi-letter flags `-ctk` / `-ctv` as the long ones (clap would
+/// read `-ctk` as `-c tk`).
+fn llama_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
+    let Some(s) = arg.to_str() else { return arg };
+    for (short, long) in [("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")] {
+        if let Some(rest) = s
+            .strip_prefix(short)
+            .filter(|r| r.is_empty() || r.starts_with('='))
+        {
+            return format!("{long}{rest}").into();
+        }
+    }
+    arg
 }
 
 fn is_broken_pipe(err: &anyhow::Error) -> bool {

@@ -285,3 +285,39 @@ fn bad_input_is_a_clean_error() {
     ]);
     assert_user_error(&out, "/nonexistent/input.txt");
 }
+
+/// `bench -d` with quantized caches given in llama.cpp's spelling (`-ctk` / `-ctv`): one
+/// row per depth and test, each naming its depth and cache types; an unknown cache type is
+/// refused by name.
+#[test]
+fn bench_at_depth_with_quantized_caches() {
+    let m = model_path("gemma-3-270m");
+    let m = m.to_str().expect("UTF-8 path");
+    let out = kestrel(&[
+        "bench", "-m", m, "-d", "0,40", "-p", "8", "-n", "2", "-r", "1", "-ctk", "q8_0", "-ctv",
+        "q4_0", "--json",
+    ]);
+    assert_ok(&out, "bench -d");
+    let rows: Json = serde_json::from_str(&stdout(&out)).expect("bench JSON");
+    let rows = rows.as_array().expect("rows");
+    let field = |r: &Json, k: &str| r[k].as_u64().expect("count");
+    let tests: Vec<_> = rows
+        .iter()
+        .map(|r| (field(r, "n_depth"), field(r, "n_prompt"), field(r, "n_gen")))
+        .collect();
+    assert_eq!(tests, [(0, 8, 0), (0, 0, 2), (40, 8, 0), (40, 0, 2)]);
+    for r in rows {
+        assert_eq!(
+            (r["type_k"].as_str(), r["type_v"].as_str()),
+            (Some("q8_0"), Some("q4_0"))
+        );
+        assert!(r["avg_ts"].as_f64().expect("rate") > 0.0);
+    }
+    let bad = kestrel(&["run", "-m", m, "-ctk", "q5_1", "hi"]);
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("unknown cache type \"q5_1\""),
+        "{}",
+        stderr(&bad)
+    );
+}

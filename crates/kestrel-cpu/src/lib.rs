@@ -19,9 +19,8 @@ pub mod simd;
 use std::sync::{Arc, Weak};
 
 use anyhow::{Context, bail};
-use half::f16;
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
-use kestrel_model::{Batch, ModelConfig};
+use kestrel_model::{Batch, KvType, KvTypes, ModelConfig};
 
 pub use numerics::Numerics;
 pub use simd::Isa;
@@ -272,14 +271,27 @@ impl CpuTensor {
     }
 }
 
-/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` f16 values
-/// for keys and for values.
+/// The paged KV cache: per layer, `n_blocks × block_size` slots, each holding a row of
+/// `kv_dim` keys stored as `types.k` and one of values stored as `types.v` (the bytes of
+/// f16/bf16 values, or of 32-value Q8_0/Q4_0 blocks along the head dimension, so a head's
+/// slice of a row is whole blocks). Attention reads the rows in their storage type.
 pub struct CpuCache {
     pub block_size: usize,
     pub n_blocks: usize,
     pub kv_dim: usize,
-    pub k: Vec<Vec<f16>>,
-    pub v: Vec<Vec<f16>>,
+    pub types: KvTypes,
+    pub k: Vec<Vec<u8>>,
+    pub v: Vec<Vec<u8>>,
+}
+
+impl CpuCache {
+    /// Bytes of one slot's key row and of its value row.
+    pub fn row_bytes(&self) -> (usize, usize) {
+        (
+            self.types.k.bytes(self.kv_dim),
+            self.types.v.bytes(self.kv_dim),
+        )
+    }
 }
 
 /// The batch description, kept on the host.
@@ -344,20 +356,36 @@ impl kestrel_model::Backend for CpuBackend {
         n_blocks: usize,
         block_size: usize,
     ) -> anyhow::Result<CpuCache> {
+        self.new_cache_typed(config, n_blocks, block_size, KvTypes::default())
+    }
+
+    fn cache_types(&self) -> &'static [KvType] {
+        &KvType::ALL
+    }
+
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        types: KvTypes,
+    ) -> anyhow::Result<CpuCache> {
+        types.check(self.cache_types(), config.head_dim, &self.name())?;
         let kv_dim = config.kv_dim();
-        let per_layer = config
+        // Checked in values: a slot's bytes are never more than 2 per value.
+        config
             .kv_cache_len(n_blocks, block_size)
+            .and_then(|n| n.checked_mul(2))
             .context("KV cache size overflows")?;
+        let slots = n_blocks * block_size;
+        let layer = |t: KvType| vec![0u8; slots * t.bytes(kv_dim)];
         Ok(CpuCache {
             block_size,
             n_blocks,
             kv_dim,
-            k: (0..config.n_layer)
-                .map(|_| vec![f16::ZERO; per_layer])
-                .collect(),
-            v: (0..config.n_layer)
-                .map(|_| vec![f16::ZERO; per_layer])
-                .collect(),
+            types,
+            k: (0..config.n_layer).map(|_| layer(types.k)).collect(),
+            v: (0..config.n_layer).map(|_| layer(types.v)).collect(),
         })
     }
 

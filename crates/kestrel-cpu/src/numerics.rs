@@ -6,7 +6,7 @@
 //! rounded to f16, and GELU is read from a table indexed by the f16 input. On small models
 //! that rounding moves log-probs by ~0.1 and flips near-tied choices, so giving llama.cpp's
 //! answers means rounding where it rounds. [`Numerics::Ggml`] does that; [`Numerics::F32`]
-//! keeps activations in f32 (the KV cache is f16 in both).
+//! keeps activations in f32 (the KV cache is in its storage type in both).
 
 use std::sync::OnceLock;
 
@@ -71,14 +71,24 @@ pub fn round_trip(act: GgmlType, x: &[f32], bytes: &mut Vec<u8>, out: &mut Vec<f
     bytes.resize(n_bytes, 0);
     // Row lengths were checked against the weight's block size at load, and every
     // activation format here has the same or a dividing block size: these cannot fail.
-    let quantized = if act == GgmlType::Q8_0 {
-        quantize_q8_0(x, bytes);
-        true
-    } else {
-        kestrel_quant::quantize_row(act, x, bytes).is_ok()
-    };
+    let quantized = quantize_like_ggml(act, x, bytes);
     if !(quantized && kestrel_quant::dequantize_row(act, bytes, out).is_ok()) {
         out.copy_from_slice(x);
+    }
+}
+
+/// Quantizes `x` (whole `ty` blocks) into `out` (exactly their bytes) with the quantizer
+/// ggml's CPU backend runs for `ty` (its `from_float`): Q8_0 by [`quantize_q8_0`], every
+/// other type by its reference quantizer. False if `ty` has none or the sizes are wrong.
+pub fn quantize_like_ggml(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
+    if ty == GgmlType::Q8_0 {
+        if ty.bytes_for(x.len() as u64) != Some(out.len() as u64) {
+            return false;
+        }
+        quantize_q8_0(x, out);
+        true
+    } else {
+        kestrel_quant::quantize_row(ty, x, out).is_ok()
     }
 }
 

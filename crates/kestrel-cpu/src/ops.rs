@@ -1,7 +1,5 @@
 //! The CPU implementations of the backend operations.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use kestrel_model::{Activation, AttnParams, Batch, RopeParams};
 
 use crate::numerics::{self, Numerics};
@@ -651,6 +649,7 @@ thread_local! {
             kv_row: Vec::new(),
             scores: Vec::new(),
             q_row: Vec::new(),
+            q_bytes: Vec::new(),
         }) };
 }
 
@@ -659,6 +658,8 @@ fn slot(block_table: &[u32], block_size: usize, pos: usize) -> usize {
     block_table[pos / block_size] as usize * block_size + pos % block_size
 }
 
+/// Writes each token's key and value rows into its slot, in the cache's storage types
+/// (quantized by the quantizer ggml's CPU backend uses, see [`numerics::quantize_like_ggml`]).
 pub fn store_kv(
     cache: &mut CpuCache,
     layer: usize,
@@ -668,6 +669,8 @@ pub fn store_kv(
     n: usize,
 ) {
     let d = cache.kv_dim;
+    let (kb, vb) = cache.row_bytes();
+    let (kt, vt) = (cache.types.k.ggml(), cache.types.v.ggml());
     for i in 0..n {
         let seq = &batch.seqs[batch.seq_of[i] as usize];
         let s = slot(
@@ -675,18 +678,17 @@ pub fn store_kv(
             cache.block_size,
             batch.positions[i] as usize,
         );
-        for (dst, src) in cache.k[layer][s * d..(s + 1) * d]
-            .iter_mut()
-            .zip(&k.data[i * d..(i + 1) * d])
-        {
-            *dst = f16::from_f32(*src);
-        }
-        for (dst, src) in cache.v[layer][s * d..(s + 1) * d]
-            .iter_mut()
-            .zip(&v.data[i * d..(i + 1) * d])
-        {
-            *dst = f16::from_f32(*src);
-        }
+        // The sizes were checked when the cache was made: these cannot fail.
+        let stored = numerics::quantize_like_ggml(
+            kt,
+            &k.data[i * d..(i + 1) * d],
+            &mut cache.k[layer][s * kb..(s + 1) * kb],
+        ) && numerics::quantize_like_ggml(
+            vt,
+            &v.data[i * d..(i + 1) * d],
+            &mut cache.v[layer][s * vb..(s + 1) * vb],
+        );
+        debug_assert!(stored, "KV rows of {d} values do not fit {kt}/{vt} slots");
     }
 }
 
@@ -695,8 +697,9 @@ pub fn store_kv(
 struct AttnScratch {
     kv_row: Vec<f32>,
     scores: Vec<f32>,
-    /// The query rounded to f16 (`Numerics::Ggml`).
+    /// The query rounded to the keys' dot-product format (`Numerics::Ggml`).
     q_row: Vec<f32>,
+    q_bytes: Vec<u8>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -714,11 +717,17 @@ pub fn attention(
     let hd = p.head_dim;
     let group = p.n_head / p.n_head_kv;
     let q_cols = q.cols;
-    let kv_dim = cache.kv_dim;
     let (kc, vc) = (&cache.k[p.layer], &cache.v[p.layer]);
-    // llama.cpp multiplies the f16 cache with the query and the probabilities rounded to
-    // f16 (its matmuls convert the f32 operand to the f16 one's type).
+    let (kt, vt) = (cache.types.k.ggml(), cache.types.v.ggml());
+    let (k_row, v_row) = cache.row_bytes();
+    // Bytes of one head's slice of a row (whole blocks: checked when the cache was made).
+    let (k_head, v_head) = (cache.types.k.bytes(hd), cache.types.v.bytes(hd));
+    // llama.cpp rounds the query to the keys' dot-product format (f16 for f16 keys, Q8_0
+    // for Q8_0 and Q4_0 keys), and the probabilities to f16 for f16 values only (its
+    // other value types are converted to f32 rows and weighted in f32).
     let ggml = be.numerics == Numerics::Ggml;
+    let q_type = numerics::activation_type(kt).unwrap_or(kt);
+    let round_probs = ggml && vt == kestrel_gguf::GgmlType::F16;
     let oc = out.cols;
     // Token i's heads sharing kv head g (`o`: their `group * hd` outputs).
     let per_task = |scr: &mut AttnScratch, i: usize, g: usize, o: &mut [f32]| {
@@ -729,8 +738,7 @@ pub fn attention(
         let heads = g * group * hd..(g + 1) * group * hd;
         let mut qi = &q.data[i * q_cols..(i + 1) * q_cols][heads];
         if ggml {
-            scr.q_row.clear();
-            scr.q_row.extend(qi.iter().map(|&v| numerics::round_f16(v)));
+            numerics::round_trip(q_type, qi, &mut scr.q_bytes, &mut scr.q_row);
             qi = &scr.q_row;
         }
         o.fill(0.0);
@@ -738,10 +746,8 @@ pub fn attention(
         scr.scores.resize(group * len, 0.0);
         // Scores of the heads sharing kv head g.
         for (t, kp) in (lo..=pos).enumerate() {
-            let s = slot(&seq.block_table, cache.block_size, kp);
-            let src = &kc[s * kv_dim + g * hd..s * kv_dim + (g + 1) * hd];
-            // Exact conversion, vectorized (F16C) by `half` where the CPU has it.
-            src.convert_to_f32_slice(&mut scr.kv_row);
+            let s = slot(&seq.block_table, cache.block_size, kp) * k_row + g * k_head;
+            decode(kt, &kc[s..s + k_head], &mut scr.kv_row);
             for h in 0..group {
                 let qh = &qi[h * hd..(h + 1) * hd];
                 scr.scores[h * len + t] = simd::dot(isa, qh, &scr.kv_row) * p.scale;
@@ -762,7 +768,7 @@ pub fn attention(
                 sum += *v;
             });
             let inv = 1.0 / sum;
-            if ggml {
+            if round_probs {
                 sc.iter_mut()
                     .for_each(|v| *v = numerics::round_f16(*v * inv));
             } else {
@@ -770,10 +776,8 @@ pub fn attention(
             }
         }
         for (t, kp) in (lo..=pos).enumerate() {
-            let s = slot(&seq.block_table, cache.block_size, kp);
-            let src = &vc[s * kv_dim + g * hd..s * kv_dim + (g + 1) * hd];
-            // Exact conversion, vectorized (F16C) by `half` where the CPU has it.
-            src.convert_to_f32_slice(&mut scr.kv_row);
+            let s = slot(&seq.block_table, cache.block_size, kp) * v_row + g * v_head;
+            decode(vt, &vc[s..s + v_head], &mut scr.kv_row);
             for h in 0..group {
                 let w = scr.scores[h * len + t];
                 simd::axpy(isa, w, &scr.kv_row, &mut o[h * hd..(h + 1) * hd]);
@@ -804,6 +808,15 @@ pub fn attention(
             ATTN_SCRATCH.with_borrow_mut(|scr| per_task(scr, i, g, o));
         });
     }
+}
+
+/// One head's keys or values of one position, from the cache's bytes to f32 (exact for
+/// every storage type; f16 through F16C where the CPU has it).
+#[inline]
+fn decode(ty: kestrel_gguf::GgmlType, src: &[u8], out: &mut [f32]) {
+    // The cache's sizes were checked when it was made: this cannot fail.
+    let decoded = kestrel_quant::dequantize_row(ty, src, out);
+    debug_assert!(decoded.is_ok(), "{decoded:?}");
 }
 
 pub fn gated_activation(

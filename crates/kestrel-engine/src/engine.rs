@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use kestrel_gguf::GgufFile;
-use kestrel_model::{Backend, Batch, Model, ModelConfig, SamplingBatch, Scratch};
+use kestrel_model::{Backend, Batch, KvTypes, Model, ModelConfig, SamplingBatch, Scratch};
 
 use crate::kv::BlockManager;
 use crate::sampler::{Sampler, SamplerParams, TokenFilter};
@@ -60,7 +60,19 @@ pub struct Engine<B: Backend> {
 }
 
 impl<B: Backend> Engine<B> {
+    /// An engine whose KV cache stores keys and values as f16.
     pub fn new(backend: B, file: Arc<GgufFile>, opts: &EngineOptions) -> anyhow::Result<Self> {
+        Self::with_cache_types(backend, file, opts, KvTypes::default())
+    }
+
+    /// An engine whose KV cache stores keys and values as `kv`; an error names the types
+    /// the backend supports when it lacks one.
+    pub fn with_cache_types(
+        backend: B,
+        file: Arc<GgufFile>,
+        opts: &EngineOptions,
+        kv: KvTypes,
+    ) -> anyhow::Result<Self> {
         let model = Model::load(&backend, file)?;
         let cfg = &model.config;
         let ctx = if opts.ctx == 0 {
@@ -73,7 +85,7 @@ impl<B: Backend> Engine<B> {
         }
         let n_blocks = ctx.div_ceil(opts.block_size) * opts.max_seqs.max(1);
         let cache = backend
-            .new_cache(cfg, n_blocks, opts.block_size)
+            .new_cache_typed(cfg, n_blocks, opts.block_size, kv)
             .context("allocating the KV cache")?;
         let scratch = Scratch::new(&backend, cfg, opts.max_batch_tokens, opts.max_logit_rows)?;
         Ok(Engine {

@@ -8,6 +8,7 @@ use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::batch::Batch;
 use crate::config::{Activation, AttnTemperature, ModelConfig, MoeConfig, RopeParams};
+use crate::kv_type::{KvType, KvTypes};
 use crate::sampling::{SamplingBatch, argmax};
 use crate::weights::LayerWeights;
 
@@ -64,6 +65,27 @@ pub trait Backend: Sync {
         n_blocks: usize,
         block_size: usize,
     ) -> anyhow::Result<Self::Cache>;
+
+    /// The cache storage types this backend's attention reads (default: f16 only).
+    fn cache_types(&self) -> &'static [KvType] {
+        &[KvType::F16]
+    }
+
+    /// [`Self::new_cache`] with keys and values stored as `kv`; an error names the types
+    /// the backend supports when it lacks one. The default serves f16 only.
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        kv: KvTypes,
+    ) -> anyhow::Result<Self::Cache> {
+        kv.check(self.cache_types(), config.head_dim, &self.name())?;
+        if kv != KvTypes::default() {
+            anyhow::bail!("{}: new_cache_typed is not implemented", self.name());
+        }
+        self.new_cache(config, n_blocks, block_size)
+    }
 
     fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<Self::Step>;
 

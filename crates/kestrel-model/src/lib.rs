@@ -5,8 +5,9 @@ pub mod backend;
 pub mod batch;
 pub mod config;
 pub mod forward;
-pub mod moe;
+pub mod kv_type;
 mod load;
+pub mod moe;
 pub mod sampling;
 pub mod weights;
 
@@ -17,6 +18,7 @@ pub use config::{
     RopeConstants, RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
+pub use kv_type::{KvType, KvTypes};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch, argmax};
 pub use weights::{LayerWeights, ModelWeights};
 

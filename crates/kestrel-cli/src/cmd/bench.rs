@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::bail;
 use kestrel_engine::{Engine, Sequence};
 use kestrel_gguf::GgufFile;
-use kestrel_model::Backend;
+use kestrel_model::{Backend, KvTypes};
 use serde::Serialize;
 
 use super::common::{AnyEngine, ModelArgs, load_any_engine, with_engine};
@@ -31,6 +31,16 @@ pub struct Args {
         default_value = "128"
     )]
     pub n_gen: Vec<usize>,
+    /// Depths to test at, as llama-bench's -d: each test runs after this many (random)
+    /// tokens are already in the cache, evaluated once per depth untimed; the cache is
+    /// truncated back to them after every repetition.
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    pub n_depth: Vec<usize>,
     /// Timed repetitions of each test (after one untimed warm-up).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
@@ -69,6 +79,9 @@ struct TestResult {
     n_threads: usize,
     n_prompt: usize,
     n_gen: usize,
+    n_depth: usize,
+    type_k: String,
+    type_v: String,
     avg_ts: f64,
     stddev_ts: f64,
     /// Nanoseconds of each timed repetition.
@@ -132,32 +145,49 @@ impl Ids {
     }
 }
 
-/// Runs one repetition of a test from an empty cache; returns the seconds it took.
+/// Fills a new sequence with `depth` random tokens (untimed context for the tests).
+fn fill<B: Backend>(
+    engine: &mut Engine<B>,
+    ids: &mut Ids,
+    depth: usize,
+) -> anyhow::Result<Sequence> {
+    let vocab = engine.config().vocab_size;
+    let mut seq = Sequence::default();
+    let context: Vec<u32> = (0..depth).map(|_| ids.next(vocab)).collect();
+    if !context.is_empty() {
+        engine.eval(&mut seq, &context, false, |_, _| {})?;
+    }
+    Ok(seq)
+}
+
+/// Runs one repetition of a test after the tokens already in `seq`, then truncates it
+/// back to them; returns the seconds the test took.
 fn run_once<B: Backend>(
     engine: &mut Engine<B>,
+    seq: &mut Sequence,
     ids: &mut Ids,
     n_prompt: usize,
     n_gen: usize,
     argmax: bool,
 ) -> anyhow::Result<f64> {
     let vocab = engine.config().vocab_size;
-    let mut seq = Sequence::default();
+    let depth = seq.tokens.len();
     let prompt: Vec<u32> = (0..n_prompt).map(|_| ids.next(vocab)).collect();
     let gen_ids: Vec<u32> = (0..n_gen).map(|_| ids.next(vocab)).collect();
     let start = Instant::now();
     if !prompt.is_empty() {
-        engine.eval(&mut seq, &prompt, false, |_, _| {})?;
+        engine.eval(seq, &prompt, false, |_, _| {})?;
     }
     let mut next = Vec::new();
     for &id in &gen_ids {
         if argmax {
-            engine.decode_argmax(std::slice::from_mut(&mut seq), &[id], &mut next)?;
+            engine.decode_argmax(std::slice::from_mut(seq), &[id], &mut next)?;
         } else {
-            engine.eval(&mut seq, &[id], false, |_, _| {})?;
+            engine.eval(seq, &[id], false, |_, _| {})?;
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    engine.release(&mut seq);
+    engine.truncate(seq, depth);
     Ok(secs)
 }
 
@@ -195,8 +225,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("nothing to run: give -p and/or -n a positive length");
     }
     let longest = tests.iter().map(|&(p, g)| p + g).max().unwrap_or(1);
+    let deepest = args.n_depth.iter().copied().max().unwrap_or(0);
     let mut model_args = args.model.clone();
-    model_args.ctx = model_args.ctx.max(longest);
+    model_args.ctx = model_args.ctx.max(deepest + longest);
     // A prompt test evaluates its whole prompt as one batch.
     model_args.batch = model_args
         .batch
@@ -230,12 +261,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
         println!("|---|---:|---:|---|---:|---|---:|---:|---:|");
     }
-    for &(n_prompt, n_gen) in &tests {
-        with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen, args.argmax))?; // warm-up
+    let cache = args.model.cache.types();
+    for (depth, n_prompt, n_gen) in args
+        .n_depth
+        .iter()
+        .flat_map(|&d| tests.iter().map(move |&(p, g)| (d, p, g)))
+    {
+        let mut seq = with_engine!(&mut engine, e => fill(e, &mut ids, depth))?;
         let mut secs = Vec::with_capacity(args.repetitions);
-        for _ in 0..args.repetitions {
-            secs.push(with_engine!(&mut engine, e => run_once(e, &mut ids, n_prompt, n_gen, args.argmax))?);
+        // One untimed warm-up, then the timed repetitions.
+        for rep in 0..=args.repetitions {
+            let s = with_engine!(&mut engine, e => run_once(e, &mut seq, &mut ids, n_prompt, n_gen, args.argmax))?;
+            if rep > 0 {
+                secs.push(s);
+            }
         }
+        engine.release(&mut seq);
         let tokens = (n_prompt + n_gen) as f64;
         let ts: Vec<f64> = secs.iter().map(|s| tokens / s).collect();
         let (avg, sd) = mean_stddev(&ts);
@@ -249,6 +290,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             n_threads: threads,
             n_prompt,
             n_gen,
+            n_depth: depth,
+            type_k: cache.k.name().into(),
+            type_v: cache.v.name().into(),
             avg_ts: avg,
             stddev_ts: sd,
             samples_ns: secs.iter().map(|s| (s * 1e9) as u64).collect(),
@@ -258,11 +302,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             kernels: backend.clone(),
         };
         if !args.json {
-            let test = if n_prompt > 0 {
+            let mut test = if n_prompt > 0 {
                 format!("pp{n_prompt}")
             } else {
                 format!("tg{n_gen}")
             };
+            if depth > 0 {
+                test += &format!(" @ d{depth}");
+            }
+            if cache != KvTypes::default() {
+                test += &format!(" ({}/{} cache)", cache.k, cache.v);
+            }
             println!(
                 "| {} | {:.2} MiB | {:.2} M | {} | {} | {} | {:.2} ± {:.2} | {:.1} MiB | {} |",
                 r.model_type,

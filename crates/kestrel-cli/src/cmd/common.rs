@@ -8,7 +8,7 @@ use kestrel_cuda::CudaBackend;
 use kestrel_engine::sampler::SamplerParams;
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
-use kestrel_model::{Backend, ModelConfig};
+use kestrel_model::{Backend, KvType, KvTypes, ModelConfig};
 
 /// Which model and where to run it.
 #[derive(clap::Args, Debug, Clone)]
@@ -37,6 +37,29 @@ pub struct ModelArgs {
     /// Sequences the KV cache holds at full context (set by commands, not a flag).
     #[arg(skip = 1usize)]
     pub max_seqs: usize,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+}
+
+/// The KV cache's storage types, named as in llama.cpp (`-ctk` / `-ctv` are rewritten to
+/// these by `main`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct CacheArgs {
+    /// Storage type of the cached keys: f16, bf16, q8_0 or q4_0 (CPU; CUDA: f16).
+    #[arg(long = "cache-type-k", default_value = "f16")]
+    pub cache_type_k: KvType,
+    /// Storage type of the cached values: f16, bf16, q8_0 or q4_0 (CPU; CUDA: f16).
+    #[arg(long = "cache-type-v", default_value = "f16")]
+    pub cache_type_v: KvType,
+}
+
+impl CacheArgs {
+    pub fn types(&self) -> KvTypes {
+        KvTypes {
+            k: self.cache_type_k,
+            v: self.cache_type_v,
+        }
+    }
 }
 
 /// Sampling options, named as in llama.cpp.
@@ -246,7 +269,7 @@ fn build_engine<B: Backend>(
     };
     let start = std::time::Instant::now();
     read_with_progress(&file);
-    let engine = Engine::new(backend, file.clone(), &opts)
+    let engine = Engine::with_cache_types(backend, file.clone(), &opts, args.cache.types())
         .with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
         "loaded {} ({}, {} layers) on {} in {:.2} s",

@@ -9,10 +9,10 @@ use kestrel_cuda::CudaBackend;
 use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions};
 use kestrel_engine::{Engine, EngineOptions};
 use kestrel_gguf::GgufFile;
-use kestrel_model::Backend;
+use kestrel_model::{Backend, KvTypes};
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
-use super::common::{Device, positive};
+use super::common::{CacheArgs, Device, positive};
 use crate::interrupt;
 
 #[derive(clap::Args, Debug)]
@@ -62,6 +62,8 @@ pub struct Args {
     /// Allow browsers from this origin (`*`: any) to call the API (CORS).
     #[arg(long)]
     pub cors: Option<String>,
+    #[command(flatten)]
+    pub cache: CacheArgs,
 }
 
 /// Binds the port first (`/health` says `loading` meanwhile), then loads the model on
@@ -159,6 +161,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
                 || Ok(CpuBackend::new(Kernels::Fast)),
                 &file,
                 opts,
+                args.cache.types(),
                 sched_opts,
             )?
         }
@@ -166,6 +169,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
             move || CudaBackend::new(ordinal).context("opening the GPU"),
             &file,
             opts,
+            args.cache.types(),
             sched_opts,
         )?,
     };
@@ -213,11 +217,12 @@ fn start_scheduler<B: Backend + 'static>(
     backend: impl FnOnce() -> anyhow::Result<B> + Send + 'static,
     file: &Arc<GgufFile>,
     opts: EngineOptions,
+    kv: KvTypes,
     sched_opts: SchedulerOptions,
 ) -> anyhow::Result<SchedulerHandle> {
     let file = file.clone();
     scheduler::spawn(
-        move || Engine::new(backend()?, file, &opts).context("loading the model"),
+        move || Engine::with_cache_types(backend()?, file, &opts, kv).context("loading the model"),
         sched_opts,
     )
 }
