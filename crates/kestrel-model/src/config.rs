@@ -613,7 +613,6 @@ fn check_against_file(file: &GgufFile, s: &Shape) -> Result<(), ModelError> {
     for (name, want) in [
         ("blk.0.attn_q.weight", q_dim),
         ("blk.0.attn_k.weight", kv_dim),
-        ("blk.0.ffn_up.weight", s.n_ff),
     ] {
         if let Some(t) = file.tensor(name)
             && t.dims.to_vec() != [s.n_embd as u64, want as u64]
@@ -621,6 +620,18 @@ fn check_against_file(file: &GgufFile, s: &Shape) -> Result<(), ModelError> {
             return bad(format!(
                 "{name} has shape {:?}, but the metadata asks for [{}, {want}]",
                 t.dims, s.n_embd
+            ));
+        }
+    }
+    // Phi-3 stores gate and up in one `ffn_up` (and no `ffn_gate`): twice the FFN width.
+    let fused = file.tensor("blk.0.ffn_gate.weight").is_none();
+    if let Some(t) = file.tensor("blk.0.ffn_up.weight") {
+        let (d, ff) = (s.n_embd as u64, s.n_ff as u64);
+        let dims = t.dims.to_vec();
+        let doubled = ff.checked_mul(2).map(|ff2| [d, ff2]);
+        if dims != [d, ff] && !(fused && doubled.is_some_and(|w| dims == w)) {
+            return bad(format!(
+                "blk.0.ffn_up.weight has shape {dims:?}, but the metadata asks for [{d}, {ff}]"
             ));
         }
     }
