@@ -1,0 +1,153 @@
+//! How many tokens to draft next, and whether speculating pays for this sequence at all.
+//!
+//! The length follows the recent acceptance: a round whose drafts were all accepted drafts
+//! two more next time, any rejection one fewer (Hugging Face's heuristic), within
+//! `min..=max`. Whether speculation pays is measured, not modelled: the seconds per emitted
+//! token of speculative rounds (drafting and verification) against those of plain decode
+//! steps, both as moving averages. Once speculation is the slower, the sequence decodes
+//! plainly for a while and then tries again.
+
+/// Weight of the newest sample in the moving averages.
+const EMA_WEIGHT: f64 = 0.25;
+/// Speculative rounds measured before they may be judged a loss.
+const PROBE_ROUNDS: usize = 4;
+/// Plain steps taken once speculation was a loss, before trying it again.
+const OFF_STEPS: usize = 64;
+
+#[derive(Debug, Clone)]
+pub struct DraftControl {
+    min: usize,
+    max: usize,
+    len: usize,
+    plain_s_per_token: Option<f64>,
+    spec_s_per_token: Option<f64>,
+    spec_rounds: usize,
+    off_steps: usize,
+    /// Times speculation was switched off for being a loss.
+    pub times_off: usize,
+}
+
+fn ema(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| o + EMA_WEIGHT * (new - o)))
+}
+
+impl DraftControl {
+    /// Drafts of `min..=max` tokens (`min` at least 1).
+    pub fn new(min: usize, max: usize) -> DraftControl {
+        let min = min.max(1);
+        DraftControl {
+            min,
+            max: max.max(min),
+            len: max.max(min),
+            plain_s_per_token: None,
+            spec_s_per_token: None,
+            spec_rounds: 0,
+            off_steps: 0,
+            times_off: 0,
+        }
+    }
+
+    /// Forgets everything measured (a new sequence).
+    pub fn reset(&mut self) {
+        *self = DraftControl::new(self.min, self.max);
+    }
+
+    /// Tokens to draft in the next round; 0: take a plain step (none measured yet, or
+    /// speculation is off for now).
+    pub fn draft_len(&self) -> usize {
+        if self.plain_s_per_token.is_none() || self.off_steps > 0 {
+            0
+        } else {
+            self.len
+        }
+    }
+
+    /// The least number of drafts worth verifying.
+    pub fn min_len(&self) -> usize {
+        self.min
+    }
+
+    /// A plain decode step took `secs`.
+    pub fn record_plain(&mut self, secs: f64) {
+        self.plain_s_per_token = ema(self.plain_s_per_token, secs);
+        self.off_steps = self.off_steps.saturating_sub(1);
+    }
+
+    /// A round drafted `drafted` tokens, `accepted` of them were kept, and it took `secs`
+    /// (it emitted `accepted + 1` tokens).
+    pub fn record_round(&mut self, drafted: usize, accepted: usize, secs: f64) {
+        self.len = if accepted >= drafted {
+            (self.len + 2).min(self.max)
+        } else {
+            self.len.saturating_sub(1).max(self.min)
+        };
+        self.spec_s_per_token = ema(self.spec_s_per_token, secs / (accepted + 1) as f64);
+        self.spec_rounds += 1;
+        if let (Some(spec), Some(plain)) = (self.spec_s_per_token, self.plain_s_per_token)
+            && self.spec_rounds >= PROBE_ROUNDS
+            && spec > plain
+        {
+            self.off_steps = OFF_STEPS;
+            self.spec_rounds = 0;
+            self.spec_s_per_token = None;
+            self.len = self.min;
+            self.times_off += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn length_follows_acceptance_within_bounds() {
+        let mut rng = StdRng::seed_from_u64(rand::random());
+        for _ in 0..200 {
+            let min = rng.random_range(1..4);
+            let max = rng.random_range(min..12);
+            let mut c = DraftControl::new(min, max);
+            c.record_plain(1.0);
+            let mut expected = max;
+            for _ in 0..50 {
+                let drafted = c.draft_len();
+                assert_eq!(drafted, expected);
+                let accepted = rng.random_range(0..=drafted);
+                // Fast rounds: speculation never turns off here.
+                c.record_round(drafted, accepted, 0.01);
+                expected = if accepted == drafted {
+                    (expected + 2).min(max)
+                } else {
+                    (expected - 1).max(min)
+                };
+            }
+            assert_eq!(c.times_off, 0);
+        }
+    }
+
+    #[test]
+    fn a_losing_sequence_decodes_plainly_then_tries_again() {
+        let mut c = DraftControl::new(1, 8);
+        assert_eq!(c.draft_len(), 0, "the first step measures a plain decode");
+        c.record_plain(0.1);
+        // Rounds that emit one token for three plain steps' time.
+        for _ in 0..PROBE_ROUNDS {
+            assert!(c.draft_len() > 0);
+            c.record_round(c.draft_len(), 0, 0.3);
+        }
+        assert_eq!(c.times_off, 1);
+        for _ in 0..OFF_STEPS {
+            assert_eq!(c.draft_len(), 0);
+            c.record_plain(0.1);
+        }
+        assert_eq!(c.draft_len(), 1, "back on, at the shortest draft");
+        // Rounds that pay keep it on.
+        for _ in 0..20 {
+            c.record_round(c.draft_len(), c.draft_len(), 0.15);
+        }
+        assert_eq!(c.times_off, 1);
+        assert_eq!(c.draft_len(), 8);
+    }
+}
