@@ -8,7 +8,7 @@ use anyhow::Context;
 use kestrel_engine::Sequence;
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
-use super::common::{ModelArgs, SamplingArgs, load_any_engine};
+use super::common::{ModelArgs, SamplingArgs, SpecArgs, load_any_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -16,6 +16,8 @@ pub struct Args {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Most tokens per answer.
     #[arg(short = 'n', long = "n-predict", default_value_t = 1024)]
     pub n_predict: usize,
@@ -29,7 +31,8 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let params = args.sampling.params()?;
-    let (mut engine, file) = load_any_engine(&args.model, 1)?;
+    let (mut engine, file) = load_any_engine(&args.model, args.spec.max_logit_rows())?;
+    let mut speculator = args.spec.speculator(&engine, &args.model, &file)?;
     let tokenizer = Tokenizer::from_gguf(&file).context("loading the tokenizer")?;
     let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
 
@@ -106,6 +109,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let _ = stdout.flush();
                 !interrupted.load(Ordering::SeqCst)
             },
+            speculator.as_mut(),
         );
         let tail = decoder.finish();
         answer.push_str(&tail);

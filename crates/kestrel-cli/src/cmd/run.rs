@@ -7,7 +7,7 @@ use anyhow::Context;
 use kestrel_engine::{Sequence, StopMatcher};
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
-use super::common::{ModelArgs, SamplingArgs, load_any_engine};
+use super::common::{ModelArgs, SamplingArgs, SpecArgs, load_any_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -15,6 +15,8 @@ pub struct Args {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Most tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
@@ -30,16 +32,22 @@ pub struct Args {
     /// Stop when the output contains this text (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Print one JSON object {"prompt_ids", "ids", "text"} at the end instead of streaming.
+    /// Print one JSON object {"prompt_ids", "ids", "text", "timings"} at the end instead of
+    /// streaming.
     #[arg(long)]
     pub json: bool,
+    /// Also print the speculation's acceptance summary.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
     /// The prompt.
     pub prompt: String,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let params = args.sampling.params()?;
-    let (mut engine, file) = load_any_engine(&args.model, 1)?;
+    args.spec.mode()?;
+    let (mut engine, file) = load_any_engine(&args.model, args.spec.max_logit_rows())?;
+    let mut speculator = args.spec.speculator(&engine, &args.model, &file)?;
     let tokenizer = Tokenizer::from_gguf(&file).context("loading the tokenizer")?;
 
     let prompt_ids = if args.chat {
@@ -67,7 +75,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let mut seq = Sequence::default();
     let mut stopped_by_string = false;
-    let ids = engine.generate(
+    let (ids, spec_stats) = engine.generate(
         &mut seq,
         &prompt_ids,
         &params,
@@ -88,6 +96,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             stopped_by_string = stop;
             !stop
         },
+        speculator.as_mut(),
     )?;
     if !stopped_by_string {
         let (out, _) = stops.push(&decoder.finish());
@@ -97,16 +106,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             stdout.write_all(tail.as_bytes())?;
         }
     }
-    if args.json {
-        let obj = serde_json::json!({ "prompt_ids": prompt_ids, "ids": ids, "text": text });
-        writeln!(stdout, "{obj}")?;
-    } else {
-        writeln!(stdout)?;
-    }
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);
     let prefill_s = (first - start).as_secs_f64();
     let decode_s = (end - first).as_secs_f64();
+    if args.json {
+        let obj = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "ids": ids,
+            "text": text,
+            "timings": {
+                "prompt_tokens": prompt_ids.len(),
+                "prompt_s": prefill_s,
+                "gen_tokens": ids.len(),
+                "gen_s": decode_s,
+                "drafted": spec_stats.drafted,
+                "accepted": spec_stats.accepted,
+            },
+        });
+        writeln!(stdout, "{obj}")?;
+    } else {
+        writeln!(stdout)?;
+    }
     eprintln!(
         "prompt: {} tokens in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s)",
         prompt_ids.len(),
@@ -116,5 +137,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         decode_s,
         ids.len().saturating_sub(1) as f64 / decode_s.max(1e-9),
     );
+    if args.verbose && speculator.is_some() {
+        eprintln!("{}", spec_stats.summary());
+    }
     Ok(())
 }

@@ -52,10 +52,11 @@ impl DraftControl {
         *self = DraftControl::new(self.min, self.max);
     }
 
-    /// Tokens to draft in the next round; 0: take a plain step (none measured yet, or
-    /// speculation is off for now).
+    /// Tokens to draft in the next round; 0: take a plain step (speculation is off for now,
+    /// or a plain step must be measured before speculation can be judged).
     pub fn draft_len(&self) -> usize {
-        if self.plain_s_per_token.is_none() || self.off_steps > 0 {
+        let unmeasured = self.plain_s_per_token.is_none() && self.spec_rounds >= PROBE_ROUNDS;
+        if unmeasured || self.off_steps > 0 {
             0
         } else {
             self.len
@@ -130,13 +131,15 @@ mod tests {
     #[test]
     fn a_losing_sequence_decodes_plainly_then_tries_again() {
         let mut c = DraftControl::new(1, 8);
-        assert_eq!(c.draft_len(), 0, "the first step measures a plain decode");
-        c.record_plain(0.1);
         // Rounds that emit one token for three plain steps' time.
         for _ in 0..PROBE_ROUNDS {
             assert!(c.draft_len() > 0);
             c.record_round(c.draft_len(), 0, 0.3);
         }
+        assert_eq!(c.draft_len(), 0, "a plain step is measured before judging");
+        c.record_plain(0.1);
+        assert!(c.draft_len() > 0);
+        c.record_round(c.draft_len(), 0, 0.3);
         assert_eq!(c.times_off, 1);
         for _ in 0..OFF_STEPS {
             assert_eq!(c.draft_len(), 0);
