@@ -1,34 +1,50 @@
 //! How many tokens to draft next, and whether speculating pays for this sequence at all.
 //!
-//! The length follows the recent acceptance: a round whose drafts were all accepted drafts
-//! two more next time, any rejection one fewer (Hugging Face's heuristic), within
-//! `min..=max`. Whether speculation pays is measured, not modelled: the seconds per emitted
-//! token of speculative rounds (drafting and verification) against those of plain decode
-//! steps, both as moving averages. Once speculation is the slower, the sequence decodes
-//! plainly for a while and then tries again.
+//! The length follows the recent acceptance: it starts at the minimum, a round whose drafts
+//! were all accepted drafts two more next time, a rejection at draft `a` drafts `a + 1`
+//! next time (a failed draft costs in proportion to its length), within `min..=max`.
+//! Whether speculation pays is measured, not modelled: the seconds per emitted token of
+//! speculative rounds (drafting and verification) against those of plain decode steps, each
+//! as a ratio of exponentially decayed sums of seconds and tokens. Once speculation is the
+//! slower, the sequence decodes plainly for a while and then tries again.
 
-/// Weight of the newest sample in the moving averages.
-const EMA_WEIGHT: f64 = 0.25;
+/// Decay per sample of the sums of seconds and tokens (about the last 8 samples count).
+const DECAY: f64 = 0.875;
 /// Speculative rounds measured before they may be judged a loss.
-const PROBE_ROUNDS: usize = 4;
+const PROBE_ROUNDS: usize = 8;
 /// Plain steps taken once speculation was a loss, before trying it again.
-const OFF_STEPS: usize = 64;
+const OFF_STEPS: usize = 16;
+
+/// Exponentially decayed sums of seconds and tokens: their ratio is a recent rate.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    secs: f64,
+    tokens: f64,
+}
+
+impl Rate {
+    fn add(&mut self, secs: f64, tokens: usize) {
+        self.secs = DECAY * self.secs + secs;
+        self.tokens = DECAY * self.tokens + tokens as f64;
+    }
+
+    /// Seconds per token, if anything was measured.
+    fn per_token(&self) -> Option<f64> {
+        (self.tokens > 0.0).then(|| self.secs / self.tokens)
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct DraftControl {
     min: usize,
     max: usize,
     len: usize,
-    plain_s_per_token: Option<f64>,
-    spec_s_per_token: Option<f64>,
+    plain: Rate,
+    spec: Rate,
     spec_rounds: usize,
     off_steps: usize,
     /// Times speculation was switched off for being a loss.
     pub times_off: usize,
-}
-
-fn ema(old: Option<f64>, new: f64) -> Option<f64> {
-    Some(old.map_or(new, |o| o + EMA_WEIGHT * (new - o)))
 }
 
 impl DraftControl {
@@ -38,9 +54,9 @@ impl DraftControl {
         DraftControl {
             min,
             max: max.max(min),
-            len: max.max(min),
-            plain_s_per_token: None,
-            spec_s_per_token: None,
+            len: min,
+            plain: Rate::default(),
+            spec: Rate::default(),
             spec_rounds: 0,
             off_steps: 0,
             times_off: 0,
@@ -55,7 +71,7 @@ impl DraftControl {
     /// Tokens to draft in the next round; 0: take a plain step (speculation is off for now,
     /// or a plain step must be measured before speculation can be judged).
     pub fn draft_len(&self) -> usize {
-        let unmeasured = self.plain_s_per_token.is_none() && self.spec_rounds >= PROBE_ROUNDS;
+        let unmeasured = self.plain.per_token().is_none() && self.spec_rounds >= PROBE_ROUNDS;
         if unmeasured || self.off_steps > 0 {
             0
         } else {
@@ -70,7 +86,7 @@ impl DraftControl {
 
     /// A plain decode step took `secs`.
     pub fn record_plain(&mut self, secs: f64) {
-        self.plain_s_per_token = ema(self.plain_s_per_token, secs);
+        self.plain.add(secs, 1);
         self.off_steps = self.off_steps.saturating_sub(1);
     }
 
@@ -78,19 +94,20 @@ impl DraftControl {
     /// (it emitted `accepted + 1` tokens).
     pub fn record_round(&mut self, drafted: usize, accepted: usize, secs: f64) {
         self.len = if accepted >= drafted {
-            (self.len + 2).min(self.max)
+            self.len + 2
         } else {
-            self.len.saturating_sub(1).max(self.min)
-        };
-        self.spec_s_per_token = ema(self.spec_s_per_token, secs / (accepted + 1) as f64);
+            accepted + 1
+        }
+        .clamp(self.min, self.max);
+        self.spec.add(secs, accepted + 1);
         self.spec_rounds += 1;
-        if let (Some(spec), Some(plain)) = (self.spec_s_per_token, self.plain_s_per_token)
+        if let (Some(spec), Some(plain)) = (self.spec.per_token(), self.plain.per_token())
             && self.spec_rounds >= PROBE_ROUNDS
             && spec > plain
         {
             self.off_steps = OFF_STEPS;
             self.spec_rounds = 0;
-            self.spec_s_per_token = None;
+            self.spec = Rate::default();
             self.len = self.min;
             self.times_off += 1;
         }
@@ -111,7 +128,7 @@ mod tests {
             let max = rng.random_range(min..12);
             let mut c = DraftControl::new(min, max);
             c.record_plain(1.0);
-            let mut expected = max;
+            let mut expected = min;
             for _ in 0..50 {
                 let drafted = c.draft_len();
                 assert_eq!(drafted, expected);
@@ -121,7 +138,7 @@ mod tests {
                 expected = if accepted == drafted {
                     (expected + 2).min(max)
                 } else {
-                    (expected - 1).max(min)
+                    (accepted + 1).max(min)
                 };
             }
             assert_eq!(c.times_off, 0);
@@ -151,6 +168,6 @@ mod tests {
             c.record_round(c.draft_len(), c.draft_len(), 0.15);
         }
         assert_eq!(c.times_off, 1);
-        assert_eq!(c.draft_len(), 8);
+        assert_eq!(c.draft_len(), 8, "grown back to the longest draft");
     }
 }

@@ -54,7 +54,7 @@ impl<B: Backend> Engine<B> {
         };
         let mut pending = sampler.sample(&rows, &seq.tokens);
         if !emit(pending, &mut out) {
-            return Ok((out, stats));
+            return Ok((out, finish(stats, spec)));
         }
         // Every evaluated token and then the pending one: the drafter's context and, with
         // the drafts after it, the penalty windows of the verified rows.
@@ -87,6 +87,7 @@ impl<B: Backend> Engine<B> {
                     draft.dists.truncate(n);
                     if n < s.control.min_len() {
                         draft.clear();
+                        stats.empty_drafts += 1;
                     }
                 }
             }
@@ -167,12 +168,20 @@ impl<B: Backend> Engine<B> {
             pending = next;
             for &id in emitted.iter() {
                 if !emit(id, &mut out) {
-                    return Ok((out, stats));
+                    return Ok((out, finish(stats, spec)));
                 }
             }
         }
-        Ok((out, stats))
+        Ok((out, finish(stats, spec)))
     }
+}
+
+/// The counts with the control's own added.
+fn finish(mut stats: SpecStats, spec: Option<&mut Speculator>) -> SpecStats {
+    if let Some(s) = spec {
+        stats.times_off = s.control.times_off;
+    }
+    stats
 }
 
 fn first_id(ids: &[u32]) -> anyhow::Result<u32> {

@@ -83,6 +83,10 @@ pub struct SpecStats {
     pub rounds: usize,
     /// Plain one-token steps.
     pub plain_steps: usize,
+    /// Rounds where the drafter had nothing to propose (a plain step instead).
+    pub empty_drafts: usize,
+    /// Times speculation switched itself off for a while, being a loss.
+    pub times_off: usize,
 }
 
 impl SpecStats {
@@ -91,6 +95,8 @@ impl SpecStats {
         self.accepted += other.accepted;
         self.rounds += other.rounds;
         self.plain_steps += other.plain_steps;
+        self.empty_drafts += other.empty_drafts;
+        self.times_off += other.times_off;
     }
 
     /// Share of drafted tokens accepted (0 when none was drafted).
@@ -107,13 +113,16 @@ impl SpecStats {
     pub fn summary(&self) -> String {
         format!(
             "speculation: {} drafted, {} accepted ({:.1}%), {} verification steps \
-             (mean accepted length {:.2}), {} plain steps",
+             (mean accepted length {:.2}), {} plain steps ({} for want of a draft); \
+             switched off {} times as a loss",
             self.drafted,
             self.accepted,
             100.0 * self.acceptance(),
             self.rounds,
             self.mean_accepted(),
-            self.plain_steps
+            self.plain_steps,
+            self.empty_drafts,
+            self.times_off
         )
     }
 }
