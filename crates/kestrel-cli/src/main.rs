@@ -46,13 +46,8 @@ enum Command {
 
 fn main() {
     // llama.cpp's two-letter `-md` (draft model), which clap's one-letter shorts cannot spell.
-    let cli = Cli::parse_from(std::env::args_os().map(|a| {
-        if a == "-md" {
-            "--draft".into()
-        } else {
-            a
-        }
-    }));
+    let cli =
+        Cli::parse_from(std::env::args_os().map(|a| if a == "-md" { "--draft".into() } else { a }));
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),

@@ -236,8 +236,14 @@ fn sampled_speculation_keeps_the_target_distribution() {
             counts[index] += 1;
         }
         let (stat, critical) = chi_square(&counts, &expected);
-        eprintln!("{name}: chi2 {stat:.1} (critical {critical:.1}), {}", stats.summary());
-        assert!(stats.rounds > 0 && stats.accepted > 0, "{name}: nothing speculated");
+        eprintln!(
+            "{name}: chi2 {stat:.1} (critical {critical:.1}), {}",
+            stats.summary()
+        );
+        assert!(
+            stats.rounds > 0 && stats.accepted > 0,
+            "{name}: nothing speculated"
+        );
         assert!(stats.accepted < stats.drafted, "{name}: nothing rejected");
         assert!(stat < critical, "{name}: chi2 {stat:.1} over {critical:.1}");
     }

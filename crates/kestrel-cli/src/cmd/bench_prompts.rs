@@ -27,7 +27,11 @@ fn read_workload(path: &Path) -> anyhow::Result<Vec<Task>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut tasks = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let at = || format!("{} line {}", path.display(), i + 1);
         let v: serde_json::Value = serde_json::from_str(line).with_context(at)?;
         let Some(prompt) = v["prompt"].as_str() else {

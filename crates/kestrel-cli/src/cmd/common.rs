@@ -159,14 +159,20 @@ impl SpecArgs {
                             Device::Cuda(n) => n,
                             Device::Cpu => 0,
                         })
-                        .with_context(|| format!("opening device {} for the draft", model.device))?;
+                        .with_context(|| {
+                            format!("opening device {} for the draft", model.device)
+                        })?;
                         let (d, file) = build_engine(backend, &draft_args, 1)?;
                         Box::new(DraftModel::new(d, target, &file)?)
                     }
                 }
             }
         };
-        Ok(Some(Speculator::new(drafter, self.draft_min, self.draft_max)))
+        Ok(Some(Speculator::new(
+            drafter,
+            self.draft_min,
+            self.draft_max,
+        )))
     }
 }
 

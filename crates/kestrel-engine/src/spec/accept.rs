@@ -134,7 +134,11 @@ pub(crate) mod tests {
         for id in 0..vocab {
             if !sparse || rng.random_bool(0.6) {
                 let prob = rng.random_range(0.0f32..1.0).powi(2);
-                d.push(Candidate { id, logit: 0.0, prob });
+                d.push(Candidate {
+                    id,
+                    logit: 0.0,
+                    prob,
+                });
             }
         }
         if d.is_empty() {
@@ -225,7 +229,10 @@ pub(crate) mod tests {
             Verdict::Accept
         });
         let (stat, dof) = chi2(&counts, &expected(&p, vocab));
-        assert!(stat > chi2_critical(dof, 4.0), "chi2 {stat:.1} missed a biased rule");
+        assert!(
+            stat > chi2_critical(dof, 4.0),
+            "chi2 {stat:.1} missed a biased rule"
+        );
     }
 
     #[test]
@@ -237,6 +244,9 @@ pub(crate) mod tests {
         }];
         let no_draw = || -> f64 { panic!("a greedy verdict drew a number") };
         assert_eq!(judge(&p, Proposal::PointMass, 3, no_draw), Verdict::Accept);
-        assert_eq!(judge(&p, Proposal::PointMass, 5, || 0.5), Verdict::Replace(3));
+        assert_eq!(
+            judge(&p, Proposal::PointMass, 5, || 0.5),
+            Verdict::Replace(3)
+        );
     }
 }

@@ -58,10 +58,11 @@ impl<B: Backend> DraftModel<B> {
         let keep = shared.min(context.len() - 1);
         self.engine.truncate(&mut self.seq, keep);
         let row = &mut self.row;
-        self.engine.eval(&mut self.seq, &context[keep..], false, |_, l| {
-            row.clear();
-            row.extend_from_slice(l);
-        })
+        self.engine
+            .eval(&mut self.seq, &context[keep..], false, |_, l| {
+                row.clear();
+                row.extend_from_slice(l);
+            })
     }
 }
 

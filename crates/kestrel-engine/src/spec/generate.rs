@@ -5,8 +5,8 @@
 
 use std::time::Instant;
 
-use kestrel_model::sampling::{Candidate, SamplingBatch};
 use kestrel_model::Backend;
+use kestrel_model::sampling::{Candidate, SamplingBatch};
 
 use super::accept::{Proposal, Verdict, judge};
 use super::{Draft, SpecStats, Speculator};
@@ -100,7 +100,12 @@ impl<B: Backend> Engine<B> {
                 } else {
                     sampling.clear();
                     sampler.push_row(&mut sampling, &history);
-                    self.decode_sampled(std::slice::from_mut(seq), &[pending], &sampling, &mut ids)?;
+                    self.decode_sampled(
+                        std::slice::from_mut(seq),
+                        &[pending],
+                        &sampling,
+                        &mut ids,
+                    )?;
                     first_id(&ids)?
                 };
                 emitted.push(id);
@@ -117,7 +122,12 @@ impl<B: Backend> Engine<B> {
                 let accepted;
                 if sampler.is_argmax() {
                     self.eval_argmax_each(seq, &step_tokens, &mut ids)?;
-                    accepted = draft.tokens.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+                    accepted = draft
+                        .tokens
+                        .iter()
+                        .zip(&ids)
+                        .take_while(|(a, b)| a == b)
+                        .count();
                     emitted.extend_from_slice(&draft.tokens[..accepted]);
                     emitted.push(*ids.get(accepted).ok_or_else(|| {
                         anyhow::anyhow!("a verification step returned too few token ids")
