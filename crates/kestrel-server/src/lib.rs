@@ -401,6 +401,7 @@ fn submit(
             params,
             max_tokens,
             logprobs,
+            speculative: sampling.speculative.unwrap_or(true),
             sink: Box::new(ChannelSink(tx)),
         })
         .map_err(|e| match e {

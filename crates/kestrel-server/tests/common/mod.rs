@@ -90,6 +90,7 @@ fn start(path: &Path, setup: Setup, name: &str) -> TestServer {
                 .as_ref()
                 .map(|t| t.eog_ids().to_vec())
                 .unwrap_or_default(),
+            spec: None,
         },
     )
     .expect("scheduler");
