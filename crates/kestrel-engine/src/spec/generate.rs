@@ -75,6 +75,8 @@ impl<B: Backend> Engine<B> {
                 .min(max_tokens - out.len() - 1)
                 .min(self.max_logit_rows() - 1)
                 .min(self.max_batch_tokens() - 1);
+            // A round's cost includes its drafting.
+            let started = Instant::now();
             draft.clear();
             if let Some(s) = spec.as_deref_mut() {
                 let want = s.control.draft_len().min(room);
@@ -91,7 +93,6 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
-            let started = Instant::now();
             emitted.clear();
             if draft.tokens.is_empty() {
                 let id = if sampler.is_argmax() {
