@@ -5,11 +5,17 @@
 //! next time (a failed draft costs in proportion to its length), within `min..=max`.
 //! Whether speculation pays is measured, not modelled: the seconds per emitted token of
 //! speculative rounds (drafting and verification) against those of plain decode steps, each
-//! as a ratio of exponentially decayed sums of seconds and tokens. Once speculation is the
-//! slower, the sequence decodes plainly for a while and then tries again.
+//! as a ratio of exponentially decayed sums of seconds and tokens. The plain rate is kept
+//! fresh (a plain step at least every 16 rounds, the last few counting most), so that a
+//! machine whose speed drifts compares like with like. Once speculation is the slower, the
+//! sequence decodes plainly for a while and then tries again.
 
-/// Decay per sample of the sums of seconds and tokens (about the last 8 samples count).
-const DECAY: f64 = 0.875;
+/// Decay per sample of the sums of seconds and tokens of speculative rounds (about the last
+/// 8 count) and of plain steps (about the last 2).
+const SPEC_DECAY: f64 = 0.875;
+const PLAIN_DECAY: f64 = 0.5;
+/// Speculative rounds between plain steps that refresh the plain rate.
+const REFRESH_ROUNDS: usize = 16;
 /// Speculative rounds measured before they may be judged a loss.
 const PROBE_ROUNDS: usize = 8;
 /// Plain steps taken once speculation was a loss, before trying it again.
@@ -23,9 +29,9 @@ struct Rate {
 }
 
 impl Rate {
-    fn add(&mut self, secs: f64, tokens: usize) {
-        self.secs = DECAY * self.secs + secs;
-        self.tokens = DECAY * self.tokens + tokens as f64;
+    fn add(&mut self, decay: f64, secs: f64, tokens: usize) {
+        self.secs = decay * self.secs + secs;
+        self.tokens = decay * self.tokens + tokens as f64;
     }
 
     /// Seconds per token, if anything was measured.
@@ -42,6 +48,7 @@ pub struct DraftControl {
     plain: Rate,
     spec: Rate,
     spec_rounds: usize,
+    rounds_since_plain: usize,
     off_steps: usize,
     /// Times speculation was switched off for being a loss.
     pub times_off: usize,
@@ -58,6 +65,7 @@ impl DraftControl {
             plain: Rate::default(),
             spec: Rate::default(),
             spec_rounds: 0,
+            rounds_since_plain: 0,
             off_steps: 0,
             times_off: 0,
         }
@@ -69,10 +77,10 @@ impl DraftControl {
     }
 
     /// Tokens to draft in the next round; 0: take a plain step (speculation is off for now,
-    /// or a plain step must be measured before speculation can be judged).
+    /// or the plain rate needs a fresh measurement before speculation can be judged).
     pub fn draft_len(&self) -> usize {
         let unmeasured = self.plain.per_token().is_none() && self.spec_rounds >= PROBE_ROUNDS;
-        if unmeasured || self.off_steps > 0 {
+        if unmeasured || self.off_steps > 0 || self.rounds_since_plain >= REFRESH_ROUNDS {
             0
         } else {
             self.len
@@ -86,7 +94,8 @@ impl DraftControl {
 
     /// A plain decode step took `secs`.
     pub fn record_plain(&mut self, secs: f64) {
-        self.plain.add(secs, 1);
+        self.plain.add(PLAIN_DECAY, secs, 1);
+        self.rounds_since_plain = 0;
         self.off_steps = self.off_steps.saturating_sub(1);
     }
 
@@ -99,8 +108,9 @@ impl DraftControl {
             accepted + 1
         }
         .clamp(self.min, self.max);
-        self.spec.add(secs, accepted + 1);
+        self.spec.add(SPEC_DECAY, secs, accepted + 1);
         self.spec_rounds += 1;
+        self.rounds_since_plain += 1;
         if let (Some(spec), Some(plain)) = (self.spec.per_token(), self.plain.per_token())
             && self.spec_rounds >= PROBE_ROUNDS
             && spec > plain
@@ -127,9 +137,15 @@ mod tests {
             let min = rng.random_range(1..4);
             let max = rng.random_range(min..12);
             let mut c = DraftControl::new(min, max);
-            c.record_plain(1.0);
             let mut expected = min;
-            for _ in 0..50 {
+            for round in 0..50 {
+                if round % REFRESH_ROUNDS == 0 {
+                    assert!(
+                        round == 0 || c.draft_len() == 0,
+                        "a plain step refreshes the rate"
+                    );
+                    c.record_plain(1.0);
+                }
                 let drafted = c.draft_len();
                 assert_eq!(drafted, expected);
                 let accepted = rng.random_range(0..=drafted);
@@ -163,8 +179,11 @@ mod tests {
             c.record_plain(0.1);
         }
         assert_eq!(c.draft_len(), 1, "back on, at the shortest draft");
-        // Rounds that pay keep it on.
+        // Rounds that pay keep it on (with a plain step whenever one is due).
         for _ in 0..20 {
+            if c.draft_len() == 0 {
+                c.record_plain(0.1);
+            }
             c.record_round(c.draft_len(), c.draft_len(), 0.15);
         }
         assert_eq!(c.times_off, 1);
