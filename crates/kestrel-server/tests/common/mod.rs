@@ -94,7 +94,7 @@ fn start(path: &Path, setup: Setup, name: &str) -> TestServer {
                 .as_ref()
                 .map(|t| t.eog_ids().to_vec())
                 .unwrap_or_default(),
-            spec: setup.speculative.then(|| SchedulerSpec {
+            spec: setup.speculative.then_some(SchedulerSpec {
                 ngram_min: 1,
                 ngram_max: 3,
                 draft_min: 1,
