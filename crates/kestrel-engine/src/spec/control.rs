@@ -18,7 +18,8 @@ const PLAIN_DECAY: f64 = 0.5;
 const REFRESH_ROUNDS: usize = 16;
 /// Speculative rounds measured before they may be judged a loss.
 const PROBE_ROUNDS: usize = 8;
-/// Plain steps taken once speculation was a loss, before trying it again.
+/// Plain steps taken once speculation was a loss, before trying it again (doubling with
+/// each further loss).
 const OFF_STEPS: usize = 16;
 
 /// Exponentially decayed sums of seconds and tokens: their ratio is a recent rate.
@@ -115,7 +116,8 @@ impl DraftControl {
             && self.spec_rounds >= PROBE_ROUNDS
             && spec > plain
         {
-            self.off_steps = OFF_STEPS;
+            // Each further loss keeps it off twice as long (up to 16 times).
+            self.off_steps = OFF_STEPS << self.times_off.min(4);
             self.spec_rounds = 0;
             self.spec = Rate::default();
             self.len = self.min;
