@@ -8,7 +8,8 @@
 //! as a ratio of exponentially decayed sums of seconds and tokens. The plain rate is kept
 //! fresh (a plain step at least every 16 rounds, the last few counting most), so that a
 //! machine whose speed drifts compares like with like. Once speculation is the slower, the
-//! sequence decodes plainly for a while and then tries again.
+//! sequence decodes plainly for a while (twice as long after each further loss) and then
+//! tries again.
 
 /// Decay per sample of the sums of seconds and tokens of speculative rounds (about the last
 /// 8 count) and of plain steps (about the last 2).
