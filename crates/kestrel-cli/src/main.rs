@@ -83,11 +83,16 @@ fn main() {
     }
 }
 
-/// llama.cpp's single-dash multi-letter flags `-ctk` / `-ctv` as the long ones (clap would
-/// read `-ctk` as `-c tk`).
+/// llama.cpp's single-dash multi-letter flags `-ctk` / `-ctv` (cache types) and `-md` (draft
+/// model) as the long ones, which clap's one-letter shorts cannot spell (it would read `-ctk`
+/// as `-c tk`).
 fn llama_flag(arg: std::ffi::OsString) -> std::ffi::OsString {
     let Some(s) = arg.to_str() else { return arg };
-    for (short, long) in [("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")] {
+    for (short, long) in [
+        ("-ctk", "--cache-type-k"),
+        ("-ctv", "--cache-type-v"),
+        ("-md", "--draft"),
+    ] {
         if let Some(rest) = s
             .strip_prefix(short)
             .filter(|r| r.is_empty() || r.starts_with('='))

@@ -207,3 +207,100 @@ fn prompts_longer_than_the_context_are_a_clear_error() {
     assert!(err.contains("context"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// `kestrel run --json` with extra arguments: the parsed object, or the stderr of a failure.
+fn run_json(extra: &[&str], prompt: &str) -> Result<serde_json::Value, String> {
+    let out = kestrel()
+        .args([
+            "run",
+            "-m",
+            "gemma-3-270m",
+            "--temp",
+            "0",
+            "-n",
+            "48",
+            "--json",
+        ])
+        .args(extra)
+        .arg(prompt)
+        .output()
+        .expect("kestrel runs");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let stdout = String::from_utf8(out.stdout).expect("utf-8");
+    Ok(serde_json::from_str(stdout.trim()).expect("one JSON object"))
+}
+
+#[test]
+fn speculative_runs_give_the_plain_ids_and_report_their_drafts() {
+    // A prompt the model continues by copying, with a random part so each run differs.
+    let words: Vec<String> = (0..12)
+        .map(|_| format!("w{}", rand::random::<u16>()))
+        .collect();
+    let list = words.join(", ");
+    let prompt = format!("List: {list}.\nThe same list again: {list}.\nOnce more: ");
+    let plain = run_json(&[], &prompt).expect("plain run");
+    assert_eq!(plain["timings"]["drafted"], 0);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let draft = dir.path().join("draft.gguf");
+    let made = kestrel()
+        .args(["synth", "--from", "gemma-3-270m", "--layers", "4", "-o"])
+        .arg(&draft)
+        .output()
+        .expect("kestrel synth runs");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let draft = draft.to_str().expect("utf-8 path");
+    for extra in [
+        &["--spec", "ngram"][..],
+        &["-md", draft],
+        &["--draft", draft, "--draft-max", "3"],
+    ] {
+        let fast = run_json(extra, &prompt).expect("speculative run");
+        assert_eq!(fast["ids"], plain["ids"], "{extra:?}");
+        let t = &fast["timings"];
+        assert_eq!(t["gen_tokens"], 48);
+        assert!(t["drafted"].as_u64().unwrap() > 0, "{extra:?}: {t}");
+        assert!(t["accepted"].as_u64().unwrap() <= t["drafted"].as_u64().unwrap());
+        assert!(t["prompt_tokens"].as_u64().unwrap() > 0 && t["gen_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn speculative_options_that_do_not_fit_are_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let other = dir.path().join("other.gguf");
+    let made = kestrel()
+        .args(["synth", "--arch", "llama", "--type", "f32", "-o"])
+        .arg(&other)
+        .output()
+        .expect("kestrel synth runs");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let other = other.to_str().expect("utf-8 path");
+    for (extra, says) in [
+        (&["--spec", "draft"][..], "needs a draft model"),
+        (&["--spec", "fast"][..], "unknown speculation"),
+        (
+            &["--spec", "ngram", "--draft", other][..],
+            "goes with --spec draft",
+        ),
+        (&["--draft", other][..], "vocabulary"),
+        (&["--spec", "ngram", "--draft-max", "0"][..], "--draft-max"),
+        (
+            &["--spec", "ngram", "--ngram-min", "3", "--ngram-max", "2"][..],
+            "n-gram sizes",
+        ),
+    ] {
+        let err = run_json(extra, "Hello").expect_err("refused");
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{extra:?}: {err}");
+    }
+}

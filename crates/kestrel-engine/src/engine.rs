@@ -406,6 +406,34 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Appends `tokens` to `seq` in one step and writes into `ids` the greedy next token after
+    /// each of them (speculative verification: one batch, only the ids leave the device).
+    pub fn eval_argmax_each(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        ids: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if tokens.len() > self.max_batch_tokens() || tokens.len() > self.max_logit_rows() {
+            bail!(
+                "{} tokens in one step: at most {} tokens and {} logit rows",
+                tokens.len(),
+                self.max_batch_tokens(),
+                self.max_logit_rows()
+            );
+        }
+        self.reserve(std::slice::from_mut(seq), |_| tokens.len())?;
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear_tokens();
+        batch.push_part(0, tokens, seq.tokens.len(), &seq.block_table, tokens.len());
+        batch.seqs.truncate(1);
+        let result = self.step_argmax(&batch, ids);
+        self.batch = batch;
+        result?;
+        seq.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
     /// Keeps only the first `n` tokens of `seq` (a later `eval` overwrites the rest of the
     /// cache), giving back blocks no longer needed.
     pub fn truncate(&mut self, seq: &mut Sequence, n: usize) {
@@ -427,7 +455,8 @@ impl<B: Backend> Engine<B> {
     /// Generates up to `max_tokens` after `prompt` (appended to `seq`), calling `on_token`
     /// with each sampled id; generation stops when it returns false or at an
     /// end-of-generation token (`is_eog`; that token is passed to `on_token` but not
-    /// evaluated). Returns the generated ids.
+    /// evaluated). Returns the generated ids. [`Engine::generate_speculative`] with no
+    /// speculation.
     pub fn generate(
         &mut self,
         seq: &mut Sequence,
@@ -435,49 +464,10 @@ impl<B: Backend> Engine<B> {
         params: &SamplerParams,
         max_tokens: usize,
         is_eog: impl Fn(u32) -> bool,
-        mut on_token: impl FnMut(u32) -> bool,
+        on_token: impl FnMut(u32) -> bool,
     ) -> anyhow::Result<Vec<u32>> {
-        let mut sampler = Sampler::new(params.clone());
-        let mut out = Vec::new();
-        let mut next_logits = Vec::new();
-        self.eval(seq, prompt, false, |_, l| {
-            next_logits.clear();
-            next_logits.extend_from_slice(l);
-        })?;
-        // After the prompt, each step returns only the sampled id (no logit row comes back
-        // to the host where the backend samples on the device).
-        let mut next_id = None;
-        let mut ids = Vec::new();
-        let mut sampling = SamplingBatch::default();
-        while out.len() < max_tokens {
-            let id = match next_id.take() {
-                Some(id) => id,
-                None => sampler.sample(&next_logits, &seq.tokens),
-            };
-            out.push(id);
-            let go_on = on_token(id);
-            if is_eog(id) || !go_on || out.len() == max_tokens {
-                break;
-            }
-            if seq.tokens.len() + 1 > self.ctx {
-                break;
-            }
-            if sampler.is_argmax() {
-                self.decode_argmax(std::slice::from_mut(seq), &[id], &mut ids)?;
-            } else {
-                // The row's penalty window includes the token this step feeds.
-                sampling.clear();
-                seq.tokens.push(id);
-                sampler.push_row(&mut sampling, &seq.tokens);
-                seq.tokens.pop();
-                self.decode_sampled(std::slice::from_mut(seq), &[id], &sampling, &mut ids)?;
-            }
-            next_id = Some(
-                *ids.first()
-                    .ok_or_else(|| anyhow::anyhow!("a decode step returned no token id"))?,
-            );
-        }
-        Ok(out)
+        self.generate_speculative(seq, prompt, params, max_tokens, is_eog, on_token, None)
+            .map(|(ids, _)| ids)
     }
 
     /// [`Engine::generate`] with every token restricted by `filter` (a grammar's mask, a

@@ -1,10 +1,12 @@
-//! Sequences over the paged KV cache, the sampler and the generation loop.
+//! Sequences over the paged KV cache, the sampler, the generation loop (with speculative
+//! decoding) and the scheduler.
 
 pub mod engine;
 pub mod kv;
 pub mod perplexity;
 pub mod sampler;
 pub mod scheduler;
+pub mod spec;
 pub mod stop;
 
 pub use engine::{Engine, EngineOptions, Sequence};

@@ -211,6 +211,12 @@ impl Sampler {
         );
     }
 
+    /// A fresh uniform draw in `[0, 1)` from this sampler's RNG (speculative decoding's
+    /// acceptance tests and residual draws).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
     /// Whether [`Sampler::sample`] is the plain [`argmax`] of the logits (greedy, no
     /// penalties): callers may then compute it themselves, e.g. for many rows in parallel.
     pub fn is_argmax(&self) -> bool {

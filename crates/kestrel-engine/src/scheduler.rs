@@ -16,6 +16,12 @@
 //! its prompt and the tokens it already generated (its sampler state is kept, so the output is
 //! the same as if it had never been preempted).
 //!
+//! Speculative decoding (prompt lookup, greedy requests): while few sequences run, a
+//! decoding sequence's pending token goes into the step together with the tokens its
+//! [`NgramDrafter`] proposes, each with a logit row; the longest prefix of drafts matching
+//! the target's own argmax is kept, and the rejected drafts leave the block table before any
+//! block can enter the prefix cache. Sequences with different accepted lengths share a step.
+//!
 //! Prefix caching: every full block a sequence computes is entered in a table keyed by a hash
 //! of the block's token ids chained with its predecessor's hash (a block's keys and values
 //! depend on every earlier token). A new sequence whose prompt starts with the same whole
@@ -38,6 +44,7 @@ use rayon::prelude::*;
 
 use crate::engine::Engine;
 use crate::sampler::{Sampler, SamplerParams, TokenFilter, log_softmax, top_n};
+use crate::spec::{DraftControl, NgramDrafter};
 
 /// Where a request's events go. Implemented for `std::sync::mpsc::Sender<Event>`; the server
 /// wraps its async channel in one.
@@ -105,6 +112,8 @@ pub struct Request {
     /// Report log-probabilities with this many top alternatives (`Some(0)`: only the chosen
     /// token's).
     pub logprobs: Option<usize>,
+    /// Whether this request may speculate (when the scheduler does).
+    pub speculative: bool,
     pub sink: Box<dyn TokenSink>,
 }
 
@@ -136,6 +145,22 @@ pub struct SchedulerOptions {
     pub prefix_cache: bool,
     /// Token ids that end generation (end of sequence, end of turn).
     pub eog: Vec<u32>,
+    /// Speculative decoding by prompt lookup for greedy requests; None: off.
+    pub spec: Option<SchedulerSpec>,
+}
+
+/// The scheduler's speculative decoding (prompt lookup).
+#[derive(Debug, Clone)]
+pub struct SchedulerSpec {
+    /// N-gram sizes the lookup matches.
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+    /// Tokens drafted per sequence and step.
+    pub draft_min: usize,
+    pub draft_max: usize,
+    /// Speculate only while at most this many sequences run (a large batch is already
+    /// efficient; drafts would crowd it).
+    pub max_seqs: usize,
 }
 
 impl Default for SchedulerOptions {
@@ -145,6 +170,7 @@ impl Default for SchedulerOptions {
             max_prefill_tokens: 256,
             prefix_cache: true,
             eog: Vec::new(),
+            spec: None,
         }
     }
 }
@@ -185,6 +211,10 @@ pub struct SchedulerStats {
     pub host_us: AtomicU64,
     pub requests_finished: AtomicU64,
     pub requests_cancelled: AtomicU64,
+    /// Speculative decoding: tokens drafted and verified, accepted, and verifications.
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
+    pub spec_rounds: AtomicU64,
 }
 
 /// The submitting side; cheap to clone.
@@ -304,6 +334,10 @@ struct Seq {
     sink: Box<dyn TokenSink>,
     /// Grammar mask / logit bias: the sequence is sampled on the host.
     filter: Option<Box<dyn TokenFilter>>,
+    /// Prompt lookup, when this sequence may speculate (never with a filter).
+    drafter: Option<(NgramDrafter, DraftControl)>,
+    /// Drafts at the end of `tokens` this step (evaluated with the pending token).
+    n_drafts: usize,
 }
 
 /// Names one prefix-cache entry: its table key and its id (ids are never reused, so a link
@@ -474,6 +508,16 @@ impl<B: Backend> Scheduler<B> {
                 opts.max_seqs
             );
         }
+        if let Some(spec) = &opts.spec {
+            NgramDrafter::new(spec.ngram_min, spec.ngram_max)?;
+            if spec.draft_max == 0 || spec.draft_min > spec.draft_max {
+                anyhow::bail!(
+                    "drafts of {}..={} tokens: need 1 <= max and min <= max",
+                    spec.draft_min,
+                    spec.draft_max
+                );
+            }
+        }
         Ok(engine)
     }
 
@@ -559,6 +603,17 @@ impl<B: Backend> Scheduler<B> {
     fn enqueue(&mut self, (req, filter): (Request, Option<Box<dyn TokenFilter>>)) {
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let prompt_len = req.prompt.len();
+        let drafter = self
+            .opts
+            .spec
+            .as_ref()
+            // A filtered sequence (grammar, logit bias) is sampled on the host: no drafts.
+            .filter(|_| req.speculative && filter.is_none())
+            .map(|spec| {
+                let lookup = NgramDrafter::new(spec.ngram_min, spec.ngram_max)
+                    .expect("sizes checked at start");
+                (lookup, DraftControl::new(spec.draft_min, spec.draft_max))
+            });
         self.waiting.push_back(Seq {
             tokens: req.prompt,
             prompt_len,
@@ -573,6 +628,8 @@ impl<B: Backend> Scheduler<B> {
             cached_prompt_tokens: None,
             sink: req.sink,
             filter,
+            drafter,
+            n_drafts: 0,
         });
     }
 
@@ -718,7 +775,21 @@ impl<B: Backend> Scheduler<B> {
         let mut plan: Vec<(usize, usize)> = Vec::new();
         let mut used = 0;
 
-        // Decodes: one pending token each; may need a new block.
+        // Speculation: only while few sequences run and none needs its logit rows on the
+        // host (log-probabilities, a filter); drafts use the logit rows beyond one per
+        // running sequence.
+        let spec_max_seqs = self.opts.spec.as_ref().map_or(0, |s| s.max_seqs);
+        let may_speculate = self.running.len() <= spec_max_seqs
+            && self
+                .running
+                .iter()
+                .all(|s| s.logprobs.is_none() && s.filter.is_none());
+        let mut spare_rows = self
+            .engine
+            .max_logit_rows()
+            .saturating_sub(self.running.len());
+
+        // Decodes: one pending token each (and its drafts); may need a new block.
         let mut i = 0;
         while i < self.running.len() && used < budget {
             let seq = &self.running[i];
@@ -733,12 +804,20 @@ impl<B: Backend> Scheduler<B> {
             }
             plan.push((i, 1));
             used += 1;
+            if may_speculate {
+                let d = self.draft(i, (budget - used).min(spare_rows));
+                if let Some(last) = plan.last_mut() {
+                    last.1 += d;
+                }
+                used += d;
+                spare_rows -= d;
+            }
             i += 1;
         }
         // Prefill chunks (their blocks were taken at admission).
         for (i, seq) in self.running.iter().enumerate() {
             let remaining = seq.tokens.len() - seq.n_cached;
-            if remaining <= 1 {
+            if remaining <= 1 + seq.n_drafts {
                 continue;
             }
             let n = remaining.min(budget - used).min(prefill_budget);
@@ -768,12 +847,14 @@ impl<B: Backend> Scheduler<B> {
             let start = seq.n_cached;
             // The part ending the sequence's tokens samples: one logit row.
             let samples = start + n == seq.tokens.len();
+            // A speculating sequence has a row after its pending token and after each draft.
+            let rows = if samples { 1 + seq.n_drafts } else { 0 };
             batch.push_part(
                 slot,
                 &seq.tokens[start..start + n],
                 start,
                 &seq.block_table,
-                usize::from(samples),
+                rows,
             );
             if samples {
                 let host = seq.logprobs.is_some() || seq.filter.is_some();
@@ -787,7 +868,10 @@ impl<B: Backend> Scheduler<B> {
             for &(i, n) in &plan {
                 let seq = &mut self.running[i];
                 if seq.n_cached + n == seq.tokens.len() {
-                    seq.sampler.push_row(&mut draws, &seq.tokens);
+                    // Speculating sequences are greedy: their rows draw nothing.
+                    for _ in 0..=seq.n_drafts {
+                        seq.sampler.push_row(&mut draws, &seq.tokens);
+                    }
                 }
             }
         }
@@ -863,18 +947,30 @@ impl<B: Backend> Scheduler<B> {
         // The sequences sampling this step, in logit-row order. Their tokens came from the
         // backend unless some row's log-probabilities need the rows here; then every row is
         // sampled here, each on its own core.
+        let step_secs = self.last_forward_us as f64 * 1e-6;
         let mut sampling = Vec::with_capacity(batch.logit_rows.len());
+        // Where each sampling sequence's rows start (a speculating one has 1 + drafts).
+        let mut first_row = Vec::with_capacity(batch.logit_rows.len());
+        let mut next_row = 0;
         for &(i, n) in &plan {
             let seq = &mut self.running[i];
             seq.n_cached += n;
             if seq.n_cached == seq.tokens.len() {
                 sampling.push(i);
+                first_row.push(next_row);
+                next_row += 1 + seq.n_drafts;
+            }
+            if let (1, Some((_, control))) = (n, &mut seq.drafter) {
+                control.record_plain(step_secs);
             }
         }
         let (rows, picks): (Vec<&[f32]>, Vec<Option<u32>>) = if all_plain || sample_rows {
             (
                 vec![&[][..]; sampling.len()],
-                argmax_ids.iter().map(|&id| Some(id)).collect(),
+                first_row
+                    .iter()
+                    .map(|&r| argmax_ids.get(r).copied())
+                    .collect(),
             )
         } else {
             for (row, &i) in logits.chunks_exact_mut(vocab).zip(&sampling) {
@@ -908,8 +1004,15 @@ impl<B: Backend> Scheduler<B> {
             (rows, picks)
         };
         let mut finished = Vec::new();
-        for ((&i, row), pick) in sampling.iter().zip(&rows).zip(picks) {
-            if let Some(reason) = self.sample_into(i, row, pick) {
+        for (k, ((&i, row), pick)) in sampling.iter().zip(&rows).zip(picks).enumerate() {
+            let drafts = self.running[i].n_drafts;
+            let done = if drafts > 0 {
+                let ids = argmax_ids.get(first_row[k]..first_row[k] + 1 + drafts);
+                self.verify(i, ids.unwrap_or(&[]), step_secs)
+            } else {
+                self.sample_into(i, row, pick)
+            };
+            if let Some(reason) = done {
                 finished.push((i, reason));
             }
         }
@@ -987,6 +1090,86 @@ impl<B: Backend> Scheduler<B> {
             return Some(Some(FinishReason::Length));
         }
         seq.tokens.push(id);
+        None
+    }
+
+    /// Appends up to `room` prompt-lookup drafts to decoding sequence `i`'s tokens when it
+    /// speculates and their blocks are free (speculation never evicts or preempts); returns
+    /// how many.
+    fn draft(&mut self, i: usize, room: usize) -> usize {
+        let ctx = self.engine.ctx;
+        let seq = &mut self.running[i];
+        let Some((lookup, control)) = &seq.drafter else {
+            return 0;
+        };
+        if !seq.sampler.is_argmax() {
+            return 0;
+        }
+        // Within the context and the tokens still wanted (the target adds one of its own).
+        let room = room
+            .min(ctx - seq.tokens.len())
+            .min(seq.max_tokens.saturating_sub(seq.generated + 1))
+            .min(control.draft_len());
+        let drafts = lookup.lookup(&seq.tokens, room).to_vec();
+        if drafts.is_empty() || drafts.len() < control.min_len() {
+            return 0;
+        }
+        let blocks = &mut self.engine.blocks;
+        let needed = blocks
+            .blocks_for(seq.tokens.len() + drafts.len())
+            .saturating_sub(seq.block_table.len());
+        if needed > blocks.n_free()
+            || blocks
+                .ensure(&mut seq.block_table, seq.tokens.len() + drafts.len())
+                .is_err()
+        {
+            return 0;
+        }
+        seq.n_drafts = drafts.len();
+        seq.tokens.extend_from_slice(&drafts);
+        drafts.len()
+    }
+
+    /// Keeps the drafts of running sequence `i` that match the target's greedy `ids` (its
+    /// rows' argmax: after the pending token and after each draft), emits them and the
+    /// target's next token as plain decoding would, and gives back the blocks past the kept
+    /// tokens. Returns as [`Self::sample_into`] does.
+    fn verify(&mut self, i: usize, ids: &[u32], secs: f64) -> Option<Option<FinishReason>> {
+        let seq = &mut self.running[i];
+        let d = std::mem::take(&mut seq.n_drafts);
+        let base = seq.tokens.len() - d;
+        let drafts = seq.tokens.split_off(base);
+        let accepted = drafts.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        // The pending token is in the cache; the drafts are re-entered one by one below.
+        seq.n_cached = base;
+        if let Some((_, control)) = &mut seq.drafter {
+            control.record_round(d, accepted, secs);
+        }
+        self.stats
+            .spec_drafted
+            .fetch_add(d as u64, Ordering::Relaxed);
+        self.stats
+            .spec_accepted
+            .fetch_add(accepted as u64, Ordering::Relaxed);
+        self.stats.spec_rounds.fetch_add(1, Ordering::Relaxed);
+        let Some(&next) = ids.get(accepted) else {
+            return Some(Some(FinishReason::Length));
+        };
+        for (k, &id) in drafts[..accepted].iter().chain([&next]).enumerate() {
+            if let Some(done) = self.sample_into(i, &[], Some(id)) {
+                return Some(done);
+            }
+            if k < accepted {
+                // An accepted draft's key and value are in the cache already.
+                self.running[i].n_cached += 1;
+            }
+        }
+        let seq = &mut self.running[i];
+        let keep = self.engine.blocks.blocks_for(seq.tokens.len());
+        if keep < seq.block_table.len() {
+            let mut dropped = seq.block_table.split_off(keep);
+            self.engine.blocks.release(&mut dropped);
+        }
         None
     }
 

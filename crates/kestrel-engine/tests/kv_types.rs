@@ -123,6 +123,7 @@ fn request(h: &scheduler::SchedulerHandle, prompt: &[u32], n: usize) -> (Vec<u32
         params: SamplerParams::greedy(),
         max_tokens: n,
         logprobs: None,
+        speculative: true,
         sink: Box::new(tx),
     })
     .expect("submit");

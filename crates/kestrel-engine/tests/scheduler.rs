@@ -9,7 +9,8 @@ use std::sync::mpsc;
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::sampler::SamplerParams;
 use kestrel_engine::scheduler::{
-    self, Event, FinishReason, Request, SchedulerHandle, SchedulerOptions, SubmitError,
+    self, Event, FinishReason, Request, SchedulerHandle, SchedulerOptions, SchedulerSpec,
+    SubmitError,
 };
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
@@ -110,6 +111,7 @@ fn submit(
         params,
         max_tokens: n,
         logprobs: None,
+        speculative: true,
         sink: Box::new(tx),
     })
     .expect("submit");
@@ -157,6 +159,7 @@ fn batched_generation_equals_single_runs_even_under_preemption() {
             max_prefill_tokens: 24,
             prefix_cache: true,
             eog: vec![],
+            spec: None,
         },
     )
     .expect("spawn");
@@ -290,6 +293,7 @@ fn identical_prompts_reuse_cached_blocks() {
         params: SamplerParams::greedy(),
         max_tokens: 8,
         logprobs: Some(3),
+        speculative: true,
         sink: Box::new(tx),
     })
     .expect("submit");
@@ -342,6 +346,7 @@ fn bad_requests_are_refused() {
         },
         max_tokens,
         logprobs: None,
+        speculative: true,
         sink: Box::new(mpsc::channel().0),
     };
     assert_eq!(
@@ -395,4 +400,81 @@ fn an_engine_that_fails_to_load_is_reported() {
         res.is_err(),
         "4 sequences need 4 logit rows, the engine has 2"
     );
+}
+
+#[test]
+fn speculating_sequences_in_one_batch_keep_their_outputs() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let file = tiny_model(rng.random());
+    let f2 = file.clone();
+    let (max_seqs, draft_max) = (4, 6);
+    let h = scheduler::spawn(
+        move || {
+            Ok(engine_with_cache(
+                &f2,
+                256,
+                4,
+                max_seqs + max_seqs * draft_max,
+                64,
+            ))
+        },
+        SchedulerOptions {
+            max_seqs,
+            max_prefill_tokens: 32,
+            prefix_cache: true,
+            eog: vec![],
+            spec: Some(SchedulerSpec {
+                ngram_min: 1,
+                ngram_max: 3,
+                draft_min: 1,
+                draft_max,
+                max_seqs,
+            }),
+        },
+    )
+    .expect("spawn");
+    let vocab = h.info().vocab_size as u32;
+    // Prompts that repeat a phrase (something to look up), some sharing a prefix.
+    let phrase: Vec<u32> = (0..20).map(|_| rng.random_range(0..vocab)).collect();
+    let mut jobs = Vec::new();
+    for k in 0..8 {
+        let mut prompt = phrase.clone();
+        prompt.extend((0..rng.random_range(1..12)).map(|_| rng.random_range(0..vocab)));
+        prompt.extend(&phrase[..rng.random_range(2..12)]);
+        let params = if k == 7 {
+            SamplerParams {
+                seed: Some(rng.random()),
+                ..SamplerParams::default()
+            }
+        } else {
+            SamplerParams::greedy()
+        };
+        let n = rng.random_range(40..90);
+        let (tx, rx) = mpsc::channel();
+        h.submit(Request {
+            prompt: prompt.clone(),
+            params: params.clone(),
+            max_tokens: n,
+            logprobs: None,
+            speculative: k != 6,
+            sink: Box::new(tx),
+        })
+        .expect("submit");
+        jobs.push((prompt, params, n, rx));
+    }
+    for (k, (prompt, params, n, rx)) in jobs.into_iter().enumerate() {
+        let got = collect(rx);
+        assert_eq!(got.ids, alone(&file, &prompt, &params, n), "request {k}");
+        assert_eq!(got.finish, Some(FinishReason::Length));
+    }
+    let s = h.stats();
+    let drafted = s.spec_drafted.load(Ordering::Relaxed);
+    let accepted = s.spec_accepted.load(Ordering::Relaxed);
+    assert!(
+        drafted > 0 && accepted > 0,
+        "drafted {drafted}, accepted {accepted}"
+    );
+    assert!(s.spec_rounds.load(Ordering::Relaxed) > 0);
+    wait_idle(&h);
+    check_blocks_accounted(&h);
 }

@@ -80,6 +80,7 @@ fn filtered_sequences_follow_their_filter_beside_unfiltered_ones() {
             max_prefill_tokens: 32,
             prefix_cache: false,
             eog: Vec::new(),
+            spec: None,
         },
     )
     .expect("scheduler");
@@ -91,6 +92,7 @@ fn filtered_sequences_follow_their_filter_beside_unfiltered_ones() {
                 params,
                 max_tokens: 40,
                 logprobs: None,
+                speculative: true,
                 sink: Box::new(tx),
             },
             filter,

@@ -112,6 +112,8 @@ pub struct Sampling {
     /// llama.cpp extension.
     pub repeat_penalty: Option<f32>,
     pub seed: Option<u64>,
+    /// Kestrel extension: `false` opts this request out of speculative decoding.
+    pub speculative: Option<bool>,
     pub n: Option<i64>,
     pub stop: Option<Stop>,
     #[serde(default)]

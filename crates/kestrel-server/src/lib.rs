@@ -607,6 +607,9 @@ fn submit(
                     params,
                     max_tokens,
                     logprobs: job.logprobs,
+                    // A request with a grammar or logit bias never speculates (the scheduler
+                    // samples it on the host).
+                    speculative: sampling.speculative.unwrap_or(true),
                     sink: Box::new(ChannelSink(tx)),
                 },
                 make_filter()?,

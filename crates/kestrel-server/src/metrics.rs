@@ -120,6 +120,28 @@ impl Metrics {
             load(&s.requests_cancelled),
         );
         counter("kestrel_steps_total", "Forward steps run.", load(&s.steps));
+        let (drafted, accepted, rounds) = (
+            load(&s.spec_drafted),
+            load(&s.spec_accepted),
+            load(&s.spec_rounds),
+        );
+        counter(
+            "kestrel_spec_drafted_tokens_total",
+            "Speculative decoding: draft tokens verified.",
+            drafted,
+        );
+        counter(
+            "kestrel_spec_accepted_tokens_total",
+            "Speculative decoding: draft tokens accepted.",
+            accepted,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kestrel_spec_mean_accepted_length Draft tokens accepted per verification \
+             step.\n# TYPE kestrel_spec_mean_accepted_length gauge\n\
+             kestrel_spec_mean_accepted_length {:.4}",
+            accepted as f64 / rounds.max(1) as f64
+        );
         // Where the scheduler thread's time goes (µs counters, reported in seconds).
         let _ = writeln!(
             out,

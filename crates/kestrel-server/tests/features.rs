@@ -36,6 +36,7 @@ fn setup() -> Setup {
         max_seqs: 8,
         batch: 256,
         api_key: Some("test-key".into()),
+        ..Setup::default()
     }
 }
 

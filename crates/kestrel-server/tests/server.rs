@@ -133,6 +133,39 @@ fn identical_prompts_reuse_cached_blocks() {
 }
 
 #[test]
+fn speculation_keeps_greedy_outputs_opts_out_per_request_and_is_counted() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let seed = rng.random();
+    let plain = synthetic(Setup::default(), seed);
+    let fast = synthetic(
+        Setup {
+            speculative: true,
+            ..Setup::default()
+        },
+        seed,
+    );
+    // A phrase that comes back: something for prompt lookup to find.
+    let phrase: Vec<u32> = (0..12).map(|_| rng.random_range(0..512)).collect();
+    let prompt = [&phrase[..], &[7, 8], &phrase[..], &phrase[..6]].concat();
+    let body = |speculative: bool| json!({"prompt": prompt, "max_tokens": 48, "temperature": 0, "speculative": speculative});
+    let (s, want) = plain.post("/v1/completions", &body(true));
+    assert_eq!(s, 200, "{want}");
+    let (s, opted_out) = fast.post("/v1/completions", &body(false));
+    assert_eq!(s, 200, "{opted_out}");
+    assert_eq!(fast.metric("kestrel_spec_drafted_tokens_total"), 0.0);
+    let (s, got) = fast.post("/v1/completions", &body(true));
+    assert_eq!(s, 200, "{got}");
+    let drafted = fast.metric("kestrel_spec_drafted_tokens_total");
+    let accepted = fast.metric("kestrel_spec_accepted_tokens_total");
+    assert!(drafted > 0.0, "nothing drafted");
+    assert!(accepted <= drafted);
+    assert!(fast.metric("kestrel_spec_mean_accepted_length") >= 0.0);
+    let want = ids_of(&want["choices"][0]);
+    assert_eq!(ids_of(&opted_out["choices"][0]), want);
+    assert_eq!(ids_of(&got["choices"][0]), want);
+}
+
+#[test]
 fn logprobs_and_seeded_sampling() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
     let srv = synthetic(Setup::default(), rng.random());

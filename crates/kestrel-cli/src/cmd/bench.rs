@@ -9,7 +9,7 @@ use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, KvTypes};
 use serde::Serialize;
 
-use super::common::{AnyEngine, ModelArgs, load_any_engine, with_engine};
+use super::common::{AnyEngine, ModelArgs, SpecArgs, load_any_engine, with_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -66,6 +66,13 @@ pub struct Args {
     /// Print a JSON array (llama-bench field names plus extras) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// A workload of real prompts (JSON lines {"name", "prompt"}, chat template applied):
+    /// each is generated greedily for the first -n tokens (-r times), with --spec's
+    /// speculation; reports tokens/s, acceptance and mean accepted length.
+    #[arg(long)]
+    pub prompts: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 /// One test's result; the first fields are named as llama-bench names them.
@@ -210,6 +217,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bail!("--profile times CUDA kernels: use it with --device cuda");
         }
         kestrel_cuda::request_profile();
+    }
+    if let Some(prompts) = &args.prompts {
+        return super::bench_prompts::run(&args, prompts);
+    }
+    if args.spec.mode()? != kestrel_engine::spec::SpecMode::None {
+        bail!("--spec measures generation on real prompts: give --prompts FILE");
     }
     if !args.seqs.is_empty() {
         return run_batched(args);

@@ -17,7 +17,7 @@ use rustyline::error::ReadlineError;
 
 use crate::interrupt;
 
-use super::common::{ModelArgs, SamplingArgs, load_any_engine, with_engine};
+use super::common::{ModelArgs, SamplingArgs, SpecArgs, load_any_engine, with_engine};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -25,6 +25,8 @@ pub struct Args {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Most tokens per answer.
     #[arg(short = 'n', long = "n-predict", default_value_t = 1024)]
     pub n_predict: usize,
@@ -127,7 +129,8 @@ fn load(path: &Path) -> anyhow::Result<Vec<ChatMessage>> {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let params = args.sampling.params()?;
-    let (mut engine, file) = load_any_engine(&args.model, 1)?;
+    let (mut engine, file) = load_any_engine(&args.model, args.spec.max_logit_rows())?;
+    let mut speculator = args.spec.speculator(&engine, &args.model, &file)?;
     let tokenizer = Tokenizer::from_gguf(&file).context("loading the tokenizer")?;
     let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
     let ctx = with_engine!(&engine, e => e.ctx);
@@ -255,6 +258,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let _ = stdout.flush();
                 !interrupt::interrupted()
             },
+            speculator.as_mut(),
         );
         let tail = decoder.finish();
         answer.push_str(&tail);

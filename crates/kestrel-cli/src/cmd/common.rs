@@ -6,6 +6,7 @@ use anyhow::{Context, bail};
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_cuda::CudaBackend;
 use kestrel_engine::sampler::SamplerParams;
+use kestrel_engine::spec::{DraftModel, Drafter, NgramDrafter, SpecMode, SpecStats, Speculator};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, KvType, KvTypes, ModelConfig};
@@ -130,6 +131,104 @@ impl SamplingArgs {
     }
 }
 
+/// Speculative decoding options (as llama.cpp names them where it has them).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Speculative decoding: none, ngram (prompt lookup) or draft (a draft model, --draft).
+    /// Lossless: greedy output is unchanged, sampled output keeps its distribution.
+    #[arg(long = "spec", default_value = "none")]
+    pub spec: String,
+    /// Draft model with the target's vocabulary (catalog name, path or URL; alias -md);
+    /// implies --spec draft.
+    #[arg(long = "draft", alias = "model-draft")]
+    pub draft: Option<String>,
+    /// Most tokens drafted per step (the number follows the recent acceptance).
+    #[arg(long = "draft-max", default_value_t = 8)]
+    pub draft_max: usize,
+    /// Fewest drafted tokens worth verifying.
+    #[arg(long = "draft-min", default_value_t = 1)]
+    pub draft_min: usize,
+    /// Prompt lookup (--spec ngram): the shortest suffix of the text it matches, in tokens.
+    #[arg(long = "ngram-min", default_value_t = 1)]
+    pub ngram_min: usize,
+    /// Prompt lookup: the longest suffix it matches (longer matches are tried first).
+    #[arg(long = "ngram-max", default_value_t = 4)]
+    pub ngram_max: usize,
+}
+
+impl SpecArgs {
+    /// The drafter chosen, checking that the options agree.
+    pub fn mode(&self) -> anyhow::Result<SpecMode> {
+        let mode: SpecMode = self.spec.parse()?;
+        match (mode, &self.draft) {
+            (SpecMode::None | SpecMode::Draft, Some(_)) => Ok(SpecMode::Draft),
+            (SpecMode::Draft, None) => bail!("--spec draft needs a draft model: --draft MODEL"),
+            (SpecMode::Ngram, Some(_)) => bail!("--draft goes with --spec draft, not ngram"),
+            (mode, None) => Ok(mode),
+        }
+    }
+
+    /// Logit rows a step needs: a verification reads one per drafted token and one more.
+    pub fn max_logit_rows(&self) -> usize {
+        match self.mode() {
+            Ok(SpecMode::None) | Err(_) => 1,
+            Ok(_) => self.draft_max + 1,
+        }
+    }
+
+    /// The speculator for `engine` (loaded from `model`, file `target`), or None without
+    /// speculation. A draft model loads on the same device, with its vocabulary checked.
+    pub fn speculator(
+        &self,
+        engine: &AnyEngine,
+        model: &ModelArgs,
+        target: &GgufFile,
+    ) -> anyhow::Result<Option<Speculator<'static>>> {
+        let mode = self.mode()?;
+        if self.draft_max == 0 || self.draft_min > self.draft_max {
+            bail!(
+                "--draft-min {} and --draft-max {}: need 1 <= max and min <= max",
+                self.draft_min,
+                self.draft_max
+            );
+        }
+        let drafter: Box<dyn Drafter> = match mode {
+            SpecMode::None => return Ok(None),
+            SpecMode::Ngram => Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max)?),
+            SpecMode::Draft => {
+                let draft_args = ModelArgs {
+                    model: self.draft.clone().unwrap_or_default(),
+                    max_seqs: 1,
+                    ..model.clone()
+                };
+                match engine {
+                    AnyEngine::Cpu(_) => {
+                        let backend = CpuBackend::new(Kernels::Fast);
+                        let (d, file) = build_engine(backend, true, &draft_args, 1)?;
+                        Box::new(DraftModel::new(d, target, &file)?)
+                    }
+                    AnyEngine::Cuda(_) => {
+                        let backend = CudaBackend::new(match Device::parse(&model.device)? {
+                            Device::Cuda(n) => n,
+                            Device::Cpu => 0,
+                        })
+                        .with_context(|| {
+                            format!("opening device {} for the draft", model.device)
+                        })?;
+                        let (d, file) = build_engine(backend, false, &draft_args, 1)?;
+                        Box::new(DraftModel::new(d, target, &file)?)
+                    }
+                }
+            }
+        };
+        Ok(Some(Speculator::new(
+            drafter,
+            self.draft_min,
+            self.draft_max,
+        )))
+    }
+}
+
 /// Where to run: `cpu` or `cuda[:N]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -174,6 +273,8 @@ macro_rules! with_engine {
 pub use with_engine;
 
 impl AnyEngine {
+    /// [`Engine::generate_speculative`] on whichever backend.
+    #[allow(clippy::too_many_arguments)]
     pub fn generate(
         &mut self,
         seq: &mut Sequence,
@@ -182,8 +283,9 @@ impl AnyEngine {
         max_tokens: usize,
         is_eog: impl Fn(u32) -> bool,
         on_token: impl FnMut(u32) -> bool,
-    ) -> anyhow::Result<Vec<u32>> {
-        with_engine!(self, e => e.generate(seq, prompt, params, max_tokens, is_eog, on_token))
+        spec: Option<&mut Speculator>,
+    ) -> anyhow::Result<(Vec<u32>, SpecStats)> {
+        with_engine!(self, e => e.generate_speculative(seq, prompt, params, max_tokens, is_eog, on_token, spec))
     }
 
     pub fn truncate(&mut self, seq: &mut Sequence, n: usize) {

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod bench_prompts;
 pub mod bench_serve;
 pub mod chat;
 pub mod common;

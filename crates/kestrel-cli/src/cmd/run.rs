@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use kestrel_engine::spec::{SpecMode, SpecStats};
 use kestrel_engine::{Sequence, StopMatcher};
 use kestrel_server::constrain::{Constraint, Grammars};
 use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
-use super::common::{AnyEngine, ModelArgs, SamplingArgs, load_any_engine, with_engine};
+use super::common::{AnyEngine, ModelArgs, SamplingArgs, SpecArgs, load_any_engine, with_engine};
 
 fn engine_vocab(engine: &AnyEngine) -> usize {
     with_engine!(engine, e => e.config().vocab_size)
@@ -23,6 +24,8 @@ pub struct Args {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Most tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
@@ -38,7 +41,8 @@ pub struct Args {
     /// Stop when the output contains this text (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Print one JSON object {"prompt_ids", "ids", "text"} at the end instead of streaming.
+    /// Print one JSON object {"prompt_ids", "ids", "text", "timings"} at the end instead of
+    /// streaming.
     #[arg(long)]
     pub json: bool,
     /// Constrain the output to this JSON Schema (a JSON file).
@@ -47,6 +51,9 @@ pub struct Args {
     /// Constrain the output to this Lark grammar (llguidance's dialect).
     #[arg(long, value_name = "FILE")]
     pub grammar: Option<std::path::PathBuf>,
+    /// Also print the speculation's acceptance summary.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
     /// Read the prompt from this file (`-` for stdin).
     #[arg(short = 'f', long, conflicts_with_all = ["prompt", "ids"])]
     pub file: Option<PathBuf>,
@@ -99,7 +106,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let constraint = constraint(&args)?;
     let given_ids = args.ids.as_deref().map(read_ids).transpose()?;
-    let (mut engine, file) = load_any_engine(&args.model, 1)?;
+    // A constrained output is sampled token by token on the host: no speculation.
+    let spec_mode = args.spec.mode()?;
+    let speculate = constraint.is_none() && spec_mode != SpecMode::None;
+    if constraint.is_some() && spec_mode != SpecMode::None {
+        eprintln!("kestrel: warning: --spec has no effect with --json-schema or --grammar");
+    }
+    let logit_rows = if speculate {
+        args.spec.max_logit_rows()
+    } else {
+        1
+    };
+    let (mut engine, file) = load_any_engine(&args.model, logit_rows)?;
+    let mut speculator = if speculate {
+        args.spec.speculator(&engine, &args.model, &file)?
+    } else {
+        None
+    };
     let tokenizer = Arc::new(Tokenizer::from_gguf(&file).context("loading the tokenizer")?);
     let vocab = engine_vocab(&engine);
     let mut filter = match &constraint {
@@ -158,16 +181,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stopped_by_string = stop;
         !stop
     };
-    let ids = match &mut filter {
-        Some(f) => with_engine!(&mut engine, e => e.generate_filtered(
-            &mut seq,
-            &prompt_ids,
-            &params,
-            args.n_predict,
-            f.as_mut(),
-            is_eog,
-            on_token,
-        ))?,
+    let (ids, spec_stats) = match &mut filter {
+        Some(f) => {
+            let ids = with_engine!(&mut engine, e => e.generate_filtered(
+                &mut seq,
+                &prompt_ids,
+                &params,
+                args.n_predict,
+                f.as_mut(),
+                is_eog,
+                on_token,
+            ))?;
+            (ids, SpecStats::default())
+        }
         None => engine.generate(
             &mut seq,
             &prompt_ids,
@@ -175,6 +201,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.n_predict,
             is_eog,
             on_token,
+            speculator.as_mut(),
         )?,
     };
     if !stopped_by_string {
@@ -185,16 +212,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             stdout.write_all(tail.as_bytes())?;
         }
     }
-    if args.json {
-        let obj = serde_json::json!({ "prompt_ids": prompt_ids, "ids": ids, "text": text });
-        writeln!(stdout, "{obj}")?;
-    } else {
-        writeln!(stdout)?;
-    }
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);
     let prefill_s = (first - start).as_secs_f64();
     let decode_s = (end - first).as_secs_f64();
+    if args.json {
+        let obj = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "ids": ids,
+            "text": text,
+            "timings": {
+                "prompt_tokens": prompt_ids.len(),
+                "prompt_s": prefill_s,
+                "gen_tokens": ids.len(),
+                "gen_s": decode_s,
+                "drafted": spec_stats.drafted,
+                "accepted": spec_stats.accepted,
+            },
+        });
+        writeln!(stdout, "{obj}")?;
+    } else {
+        writeln!(stdout)?;
+    }
     eprintln!(
         "prompt: {} tokens in {:.2} s ({:.1} t/s); generated: {} tokens in {:.2} s ({:.1} t/s)",
         prompt_ids.len(),
@@ -204,6 +243,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         decode_s,
         ids.len().saturating_sub(1) as f64 / decode_s.max(1e-9),
     );
+    if args.verbose && speculator.is_some() {
+        eprintln!("{}", spec_stats.summary());
+    }
     Ok(())
 }
 

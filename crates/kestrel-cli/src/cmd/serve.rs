@@ -6,7 +6,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_cuda::CudaBackend;
-use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions};
+use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions, SchedulerSpec};
+use kestrel_engine::spec::SpecMode;
 use kestrel_engine::{Engine, EngineOptions};
 use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, KvTypes};
@@ -64,6 +65,24 @@ pub struct Args {
     pub cors: Option<String>,
     #[command(flatten)]
     pub cache: CacheArgs,
+    /// Speculative decoding for greedy requests: none or ngram (prompt lookup; a request
+    /// opts out with "speculative": false).
+    #[arg(long = "spec", default_value = "none")]
+    pub spec: String,
+    /// Most tokens drafted per sequence and step.
+    #[arg(long = "draft-max", default_value_t = 8)]
+    pub draft_max: usize,
+    /// Fewest drafted tokens worth verifying.
+    #[arg(long = "draft-min", default_value_t = 1)]
+    pub draft_min: usize,
+    /// Prompt lookup's shortest and longest matched suffix, in tokens.
+    #[arg(long = "ngram-min", default_value_t = 1)]
+    pub ngram_min: usize,
+    #[arg(long = "ngram-max", default_value_t = 4)]
+    pub ngram_max: usize,
+    /// Speculate only while at most this many sequences run.
+    #[arg(long = "spec-max-seqs", default_value_t = 4)]
+    pub spec_max_seqs: usize,
 }
 
 /// Binds the port first (`/health` says `loading` meanwhile), then loads the model on
@@ -72,6 +91,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
+    // A bad --spec is a startup error, reported before binding.
+    spec_options(&args)?;
     if let Some(origin) = &args.cors {
         // A bad origin is a startup error, not a silently missing header.
         let _ = kestrel_server::http::cors(origin).map_err(anyhow::Error::msg)?;
@@ -133,10 +154,15 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
     } else {
         None
     };
+    let spec = spec_options(args)?;
+    // Drafts take the logit rows beyond one per sequence.
+    let draft_rows = spec
+        .as_ref()
+        .map_or(0, |s| s.draft_max * s.max_seqs.min(args.max_seqs));
     let opts = EngineOptions {
         ctx: args.ctx,
         max_batch_tokens: args.batch.max(1),
-        max_logit_rows: args.max_seqs.max(1),
+        max_logit_rows: args.max_seqs.max(1) + draft_rows,
         block_size: 16,
         max_seqs: args.max_seqs.max(1),
     };
@@ -148,6 +174,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
             .as_ref()
             .map(|t| t.eog_ids().to_vec())
             .unwrap_or_default(),
+        spec,
     };
     let start = std::time::Instant::now();
     let sched = match Device::parse(&args.device)? {
@@ -190,6 +217,23 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         kestrel_server::AppState::new(sched, tokenizer, template, name, args.api_key.clone())
             .with_cors(args.cors.clone()),
     )
+}
+
+/// The scheduler's speculation from `--spec` and its sizes.
+fn spec_options(args: &Args) -> anyhow::Result<Option<SchedulerSpec>> {
+    Ok(match args.spec.parse::<SpecMode>()? {
+        SpecMode::None => None,
+        SpecMode::Ngram => Some(SchedulerSpec {
+            ngram_min: args.ngram_min,
+            ngram_max: args.ngram_max,
+            draft_min: args.draft_min,
+            draft_max: args.draft_max,
+            max_seqs: args.spec_max_seqs,
+        }),
+        SpecMode::Draft => {
+            anyhow::bail!("the server speculates by prompt lookup only: --spec ngram")
+        }
+    })
 }
 
 /// The chosen template, else the file's, else the built-in one of the model's family.

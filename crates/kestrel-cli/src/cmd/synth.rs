@@ -17,10 +17,14 @@ pub struct Args {
     /// Model shape: tiny, llama3-8b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b or gpt-oss-20b.
     #[arg(long, default_value = "tiny")]
     pub preset: String,
-    /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q4_k_m, q5_k, q6_k, iq4_nl,
-    /// iq4_xs or mxfp4.
-    #[arg(long = "type")]
-    pub ty: String,
+    /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q4_k_m, q5_k, q6_k,
+    /// iq4_nl, iq4_xs or mxfp4.
+    #[arg(long = "type", required_unless_present = "from")]
+    pub ty: Option<String>,
+    /// Instead of random weights: copy this model (name, path or URL) keeping its first
+    /// --layers blocks, a same-vocabulary draft model for `--spec draft`.
+    #[arg(long, requires = "layers")]
+    pub from: Option<String>,
     /// Output file.
     #[arg(short = 'o', long)]
     pub output: PathBuf,
@@ -54,13 +58,23 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if let Some(from) = &args.from {
+        let path = kestrel_hub::resolve_model(from)?;
+        let file = kestrel_gguf::GgufFile::open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let layers = args.layers.context("--from needs --layers")?;
+        kestrel_engine::spec::write_truncated(&file, layers.into(), &args.output)
+            .with_context(|| format!("writing {}", args.output.display()))?;
+        println!("{}", args.output.display());
+        return Ok(());
+    }
     let arch = args
         .arch
         .as_deref()
         .map(Arch::from_name)
         .transpose()
         .context("--arch")?;
-    let ty = WeightType::from_name(&args.ty).context("--type")?;
+    let ty = WeightType::from_name(args.ty.as_deref().unwrap_or_default()).context("--type")?;
     let mut cfg = SynthConfig::preset(&args.preset, arch)?;
     cfg.apply(&SynthOverrides {
         n_layer: args.layers,

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kestrel_cpu::{CpuBackend, Kernels};
-use kestrel_engine::scheduler::{self, SchedulerOptions};
+use kestrel_engine::scheduler::{self, SchedulerOptions, SchedulerSpec};
 use kestrel_engine::{Engine, EngineOptions};
 use kestrel_gguf::GgufFile;
 use kestrel_model::Arch;
@@ -30,6 +30,8 @@ pub struct Setup {
     pub max_seqs: usize,
     pub batch: usize,
     pub api_key: Option<String>,
+    /// Prompt-lookup speculation for greedy requests.
+    pub speculative: bool,
 }
 
 impl Default for Setup {
@@ -39,6 +41,7 @@ impl Default for Setup {
             max_seqs: 16,
             batch: 128,
             api_key: None,
+            speculative: false,
         }
     }
 }
@@ -86,7 +89,8 @@ fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTempla
     let opts = EngineOptions {
         ctx: setup.ctx,
         max_batch_tokens: setup.batch,
-        max_logit_rows: setup.max_seqs,
+        // Drafts (8 per sequence while speculating) take rows of their own.
+        max_logit_rows: setup.max_seqs * if setup.speculative { 9 } else { 1 },
         block_size: 16,
         max_seqs: setup.max_seqs,
     };
@@ -101,6 +105,13 @@ fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTempla
                 .as_ref()
                 .map(|t| t.eog_ids().to_vec())
                 .unwrap_or_default(),
+            spec: setup.speculative.then_some(SchedulerSpec {
+                ngram_min: 1,
+                ngram_max: 3,
+                draft_min: 1,
+                draft_max: 8,
+                max_seqs: setup.max_seqs,
+            }),
         },
     )
     .expect("scheduler");
