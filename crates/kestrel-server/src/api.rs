@@ -27,6 +27,7 @@ const SAMPLING_FIELDS: &[&str] = &[
     "response_format",
     "grammar",
     "regex",
+    "speculative",
 ];
 /// Fields only `/v1/chat/completions` takes.
 pub const CHAT_FIELDS: &[&str] = &[
