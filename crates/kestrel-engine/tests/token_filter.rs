@@ -8,7 +8,9 @@ use std::sync::{Arc, mpsc};
 
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::sampler::{SamplerParams, TokenFilter};
-use kestrel_engine::scheduler::{self, Event, FinishReason, Request, SchedulerOptions};
+use kestrel_engine::scheduler::{
+    self, Event, FinishReason, Request, SchedulerOptions, SchedulerSpec,
+};
 use kestrel_engine::{Engine, EngineOptions};
 use kestrel_gguf::GgufFile;
 use kestrel_model::Arch;
@@ -163,4 +165,84 @@ fn filtered_sequences_follow_their_filter_beside_unfiltered_ones() {
     ));
     assert!(ids.is_empty());
     assert_eq!(done, Event::Error("no token fits".into()));
+}
+
+/// With prompt-lookup speculation on, a filtered greedy sequence (whose repetitive prompt
+/// would give the drafter plenty to propose) still follows its filter token by token, and a
+/// speculating neighbour keeps its output.
+#[test]
+fn filtered_sequences_do_not_speculate() {
+    let cfg = SynthConfig::tiny(Arch::Qwen2);
+    let ty: WeightType = "q8_0".parse().expect("weight type");
+    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 3).expect("synth");
+    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 64,
+        max_logit_rows: 16,
+        block_size: 16,
+        max_seqs: 2,
+    };
+    let h = scheduler::spawn(
+        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
+        SchedulerOptions {
+            max_seqs: 2,
+            max_prefill_tokens: 32,
+            prefix_cache: false,
+            eog: Vec::new(),
+            spec: Some(SchedulerSpec {
+                ngram_min: 1,
+                ngram_max: 3,
+                draft_min: 1,
+                draft_max: 4,
+                max_seqs: 2,
+            }),
+        },
+    )
+    .expect("scheduler");
+    let submit = |prompt: Vec<u32>, filter: Option<Box<dyn TokenFilter>>| {
+        let (tx, rx) = mpsc::channel();
+        h.submit_filtered(
+            Request {
+                prompt,
+                params: SamplerParams::greedy(),
+                max_tokens: 24,
+                logprobs: None,
+                speculative: true,
+                sink: Box::new(tx),
+            },
+            filter,
+        )
+        .expect("submit");
+        rx
+    };
+    let prompt: Vec<u32> = [7u32, 9, 11].repeat(8);
+    let (alone, _) = events(&submit(prompt.clone(), None));
+
+    let prepared = Arc::new(AtomicUsize::new(0));
+    let allowed = vec![9u32, 7, 11, 5];
+    let filter = Cycle {
+        allowed: allowed.clone(),
+        at: 0,
+        prepared: prepared.clone(),
+        ready: false,
+    };
+    let filtered = submit(prompt.clone(), Some(Box::new(filter)));
+    let beside = submit(prompt, None);
+    let (ids, done) = events(&filtered);
+    let want: Vec<u32> = allowed.iter().chain(&allowed).copied().collect();
+    assert_eq!(ids, want);
+    assert!(
+        matches!(
+            done,
+            Event::Done {
+                reason: FinishReason::Stop,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    assert_eq!(prepared.load(Ordering::Relaxed), ids.len());
+    let (ids, _) = events(&beside);
+    assert_eq!(ids, alone, "a speculating neighbour changed");
 }

@@ -165,6 +165,41 @@ fn speculation_keeps_greedy_outputs_opts_out_per_request_and_is_counted() {
     assert_eq!(ids_of(&got["choices"][0]), want);
 }
 
+/// A request with a logit bias is sampled on the host: on a speculating server it does not
+/// speculate (nothing drafted) and gets the same tokens as on a plain one.
+#[test]
+fn biased_requests_do_not_speculate() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let seed = rng.random();
+    let plain = synthetic(Setup::default(), seed);
+    let fast = synthetic(
+        Setup {
+            speculative: true,
+            ..Setup::default()
+        },
+        seed,
+    );
+    let phrase: Vec<u32> = (0..12).map(|_| rng.random_range(0..512)).collect();
+    let prompt = [&phrase[..], &[7, 8], &phrase[..], &phrase[..6]].concat();
+    let (s, unbiased) = plain.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{unbiased}");
+    // Ban the first token greedy decoding would pick: the bias must take effect.
+    let banned = ids_of(&unbiased["choices"][0])[0];
+    let body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0,
+        "logit_bias": {banned.to_string(): -100}});
+    let (s, want) = plain.post("/v1/completions", &body);
+    assert_eq!(s, 200, "{want}");
+    let (s, got) = fast.post("/v1/completions", &body);
+    assert_eq!(s, 200, "{got}");
+    let want = ids_of(&want["choices"][0]);
+    assert_ne!(want[0], banned);
+    assert_eq!(ids_of(&got["choices"][0]), want);
+    assert_eq!(fast.metric("kestrel_spec_drafted_tokens_total"), 0.0);
+}
+
 #[test]
 fn logprobs_and_seeded_sampling() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
