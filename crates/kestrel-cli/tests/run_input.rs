@@ -134,3 +134,57 @@ fn nonsense_is_a_usage_error_and_doubt_a_warning() {
         "{err}"
     );
 }
+
+/// A model without a tokenizer (`kestrel synth`) runs from token ids and prints ids; the
+/// ids are the same with prompt lookup on, and a text prompt is a clear error.
+#[test]
+fn a_tokenizer_less_model_runs_on_ids() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny.gguf");
+    let model = model.to_str().expect("utf-8 path");
+    let out = kestrel(
+        &["synth", "--arch", "llama", "--type", "q8_0", "-o", model],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids = dir.path().join("ids.json");
+    std::fs::write(&ids, "[1, 5, 9, 200, 31, 7, 64, 12]").expect("write");
+    let ids = ids.to_str().expect("utf-8 path");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", model, "--ids", ids, "--temp", "0", "-n", "24"];
+        args.extend_from_slice(extra);
+        kestrel(&args, None)
+    };
+    let generated = |out: &Output| -> Vec<u64> {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: Json = serde_json::from_slice(&out.stdout).expect("json");
+        json["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id"))
+            .collect()
+    };
+    let plain = generated(&run(&["--json"]));
+    assert_eq!(plain.len(), 24);
+    assert_eq!(generated(&run(&["--json", "--spec", "ngram"])), plain);
+    // Without --json the ids are printed, space-separated.
+    let printed = run(&[]);
+    assert!(printed.status.success());
+    let shown: Vec<u64> = String::from_utf8_lossy(&printed.stdout)
+        .split_whitespace()
+        .map(|t| t.parse().expect("an id"))
+        .collect();
+    assert_eq!(shown, plain);
+    let text = kestrel(&["run", "-m", model, "hello"], None);
+    assert_eq!(text.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&text.stderr).contains("no tokenizer"));
+}

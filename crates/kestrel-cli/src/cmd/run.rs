@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use kestrel_engine::spec::{SpecMode, SpecStats};
 use kestrel_engine::{Sequence, StopMatcher};
 use kestrel_server::constrain::{Constraint, Grammars};
-use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
+use kestrel_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer, TokenizerError};
 
 use super::common::{AnyEngine, ModelArgs, SamplingArgs, SpecArgs, load_any_engine, with_engine};
 
@@ -123,15 +123,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&file).context("loading the tokenizer")?);
+    let tokenizer = match Tokenizer::from_gguf(&file) {
+        Ok(t) => Some(Arc::new(t)),
+        // A model without a tokenizer (a synthetic one) runs on token ids and prints ids.
+        Err(TokenizerError::NoTokenizer(_)) if given_ids.is_some() && constraint.is_none() => None,
+        Err(e) => return Err(e).context("loading the tokenizer"),
+    };
     let vocab = engine_vocab(&engine);
-    let mut filter = match &constraint {
-        Some(c) => Some(
-            Grammars::new(tokenizer.clone())
+    let mut filter = match (&constraint, &tokenizer) {
+        (Some(c), Some(t)) => Some(
+            Grammars::new(t.clone())
                 .filter(c, Vec::new())
                 .map_err(|e| anyhow::anyhow!("bad grammar or schema: {e}"))?,
         ),
-        None => None,
+        _ => None,
     };
 
     let prompt_ids = if let Some(ids) = given_ids {
@@ -140,6 +145,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         ids
     } else if args.chat {
+        let tokenizer = tokenizer.as_ref().context("the model has no tokenizer")?;
         let prompt = prompt.as_deref().unwrap_or_default();
         let template = ChatTemplate::resolve(&file, args.chat_template.as_deref())?;
         let mut messages = Vec::new();
@@ -151,13 +157,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // The template writes BOS itself where the model wants one.
         tokenizer.encode(&text, false, true)
     } else {
+        let tokenizer = tokenizer.as_ref().context("the model has no tokenizer")?;
         tokenizer.encode(prompt.as_deref().unwrap_or_default(), true, true)
     };
     if prompt_ids.is_empty() {
         anyhow::bail!("the prompt is empty after tokenization");
     }
 
-    let mut decoder = StreamDecoder::new(&tokenizer);
+    let mut decoder = tokenizer.as_deref().map(StreamDecoder::new);
     let mut stops = StopMatcher::new(&args.stop);
     let mut text = String::new();
     let mut stdout = std::io::stdout().lock();
@@ -165,12 +172,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let mut seq = Sequence::default();
     let mut stopped_by_string = false;
-    let is_eog = |id: u32| tokenizer.is_eog(id);
+    let is_eog = |id: u32| tokenizer.as_ref().is_some_and(|t| t.is_eog(id));
     let on_token = |id: u32| {
         first_token_at.get_or_insert_with(Instant::now);
-        if tokenizer.is_eog(id) {
+        if tokenizer.as_ref().is_some_and(|t| t.is_eog(id)) {
             return false;
         }
+        let Some(decoder) = decoder.as_mut() else {
+            if !args.json {
+                let _ = write!(stdout, "{id} ");
+                let _ = stdout.flush();
+            }
+            return true;
+        };
         let piece = decoder.push(id);
         let (out, stop) = stops.push(&piece);
         text.push_str(&out);
@@ -205,7 +219,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )?,
     };
     if !stopped_by_string {
-        let (out, _) = stops.push(&decoder.finish());
+        let rest = decoder
+            .as_mut()
+            .map(StreamDecoder::finish)
+            .unwrap_or_default();
+        let (out, _) = stops.push(&rest);
         let tail = out + &stops.finish();
         text.push_str(&tail);
         if !args.json {
