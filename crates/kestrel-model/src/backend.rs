@@ -40,6 +40,12 @@ pub trait Backend: Sync {
 
     fn name(&self) -> String;
 
+    /// Refuses a model this backend cannot yet run correctly, before any weight loads.
+    /// Default: every model.
+    fn check_model(&self, _cfg: &ModelConfig) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Prepares a weight from the file (zero-copy where the backend can read the blocks).
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<Self::Weight>;
 

@@ -32,6 +32,9 @@ impl<W> ModelWeights<W> {
         file: &Arc<GgufFile>,
         cfg: &ModelConfig,
     ) -> Result<ModelWeights<W>, ModelError> {
+        backend
+            .check_model(cfg)
+            .map_err(|e| ModelError::Backend(format!("{e:#}")))?;
         let (d, q, kv, ff, vocab, hd) = (
             cfg.n_embd,
             cfg.q_dim(),
