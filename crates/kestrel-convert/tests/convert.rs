@@ -22,19 +22,8 @@ use rand::{Rng, SeedableRng};
 use safetensors::{Dtype, tensor::TensorView};
 use serde_json::{Value, json};
 
-fn seed() -> u64 {
-    let seed = std::env::var("KESTREL_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    eprintln!("KESTREL_TEST_SEED={seed}");
-    seed
-}
+mod common;
+use common::seed;
 
 fn oracle(args: &[&str]) -> Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/convert_oracle.py");

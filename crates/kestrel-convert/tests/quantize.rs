@@ -20,19 +20,8 @@ use kestrel_gguf::{GgmlType, GgufFile};
 use kestrel_model::config::Arch;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth};
 
-fn seed() -> u64 {
-    let seed = std::env::var("KESTREL_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    eprintln!("KESTREL_TEST_SEED={seed}");
-    seed
-}
+mod common;
+use common::seed;
 
 /// Runs the oracle; `None` when it exits 3 (llama_cpp missing: a notice is printed).
 fn oracle(args: &[&str]) -> Option<serde_json::Value> {
