@@ -103,6 +103,9 @@ impl CudaBackend {
     /// partials buffer is too small.
     /// Returns whether the launches wrote `a.q8` (the kernels that write the normalized
     /// output do: attention_split_tiled* with one split, attention_combine).
+    /// `alone`: the split count of a single-token step whose sequence holds that many keys
+    /// (rounded up to a power of two), for every token of the launch (batch-invariant
+    /// steps); None: the step's own.
     pub(crate) fn attention_short(
         &self,
         a: &AttnLaunch,
@@ -110,7 +113,12 @@ impl CudaBackend {
         step: &CudaStep,
         tok0: usize,
         n: usize,
+        alone: Option<usize>,
     ) -> bool {
+        let (max_len, n_split) = match alone {
+            Some(len) => (len, 1),
+            None => (step.max_kv_len(), n),
+        };
         // About ATTN_SPLIT_BLOCKS blocks in all, and at least ~16 keys a split of the
         // longest sequence (its length rounded up to a power of two, so that a recorded graph
         // serves every step until it doubles). Measured on the H100, Llama-3-8B Q4_K_M, ~600
@@ -132,8 +140,8 @@ impl CudaBackend {
         const ATTN_SPLIT_BLOCKS: usize = 512;
         let tiled = tiled_split_attention(p);
         let splits = if tiled {
-            let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
-            let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
+            let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
+            let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
             let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
                 .checked_ilog2()
                 .map_or(1, |e| 1 << e);
@@ -144,8 +152,9 @@ impl CudaBackend {
             } else {
                 p.n_head
             };
-            let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
-            let by_blocks = ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
+            let by_len = max_len.next_power_of_two().div_ceil(16);
+            let by_blocks =
+                ATTN_SPLIT_BLOCKS.div_ceil(n_split.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
             by_len.min(by_blocks)
         }
         .clamp(if tiled { 1 } else { 2 }, MAX_ATTN_SPLITS);
@@ -382,9 +391,10 @@ pub(crate) fn attention(
         .map(|b| (b.q, b.d));
     // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
     // split merge quantizes them (256-value blocks of whole heads).
+    let invariant = backend.invariant_step();
     let mmk = backend
         .multi_q8_layout(n, width)
-        .filter(|l| l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
+        .filter(|l| !invariant && l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
         .map(|l| {
             let (xk, xb) = l.q8.mmk_steps_sums(l.npad, width);
             (l.npad, [l.q8.q, xk, xb])
@@ -408,11 +418,28 @@ pub(crate) fn attention(
             npad,
             mmk: true,
         },
-        None => Prepared::Q8 { of: out.ptr },
+        None => Prepared::Q8 { of: out.ptr, n: 1 },
     };
     if n <= GEMV_MAX_TOKENS {
         // Decode: one launch list whatever the sequences (graph replay).
-        if backend.attention_short(&ctx, p, step, 0, n) {
+        if invariant {
+            // Each token with the split count its own single-token step would take (the
+            // count follows the sequence's length rounded up to a power of two): runs of
+            // tokens sharing one, a launch each.
+            let lens: Vec<usize> = (0..n).map(|i| step.position(i) + 1).collect();
+            let mut start = 0;
+            while start < n {
+                let bucket = lens[start].next_power_of_two();
+                let len = lens[start..]
+                    .iter()
+                    .take_while(|l| l.next_power_of_two() == bucket)
+                    .count();
+                backend.attention_short(&ctx, p, step, start, len, Some(bucket));
+                start += len;
+            }
+            return Prepared::Nothing;
+        }
+        if backend.attention_short(&ctx, p, step, 0, n, None) {
             return quantized;
         }
         return Prepared::Nothing;
@@ -425,14 +452,14 @@ pub(crate) fn attention(
     for (start, len) in step.sequence_runs(n) {
         if prefill_ok && len >= PREFILL_ATTN_TOKENS {
             if let Some((a, b)) = short.take() {
-                backend.attention_short(&ctx, p, step, a, b - a);
+                backend.attention_short(&ctx, p, step, a, b - a, None);
             }
             backend.attention_prefill(&ctx, p, step, start, len);
         } else {
             short = match short {
                 Some((a, b)) if b == start => Some((a, start + len)),
                 Some((a, b)) => {
-                    backend.attention_short(&ctx, p, step, a, b - a);
+                    backend.attention_short(&ctx, p, step, a, b - a, None);
                     Some((start, start + len))
                 }
                 None => Some((start, start + len)),
@@ -440,7 +467,7 @@ pub(crate) fn attention(
         }
     }
     if let Some((a, b)) = short
-        && backend.attention_short(&ctx, p, step, a, b - a)
+        && backend.attention_short(&ctx, p, step, a, b - a, None)
         && (a, b) == (0, n)
     {
         return quantized;

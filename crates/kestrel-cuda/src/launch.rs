@@ -23,8 +23,9 @@ pub enum Arg {
 pub enum Prepared {
     #[default]
     Nothing,
-    /// A single token's row in 8 bits in the step's Q8 buffers (the `gemv_q8` family).
-    Q8 { of: u64 },
+    /// `n` token rows in 8 bits, row after row, in the step's Q8 buffers (the `gemv_q8`
+    /// family; one row but in verification steps).
+    Q8 { of: u64, n: usize },
     /// `n` tokens (`npad` rows) in the Q8 buffers in the int8 tensor-core layout: that of
     /// `mmk_t8*` / `mms_*` (`mmk`, 256-value steps) or of `mmq_t*`.
     Mmq {

@@ -140,6 +140,10 @@ pub struct CudaBackend {
     /// 256 values, integer sums per super-block) instead of `mmq_t8` (on by default; the
     /// self-check turns it off to cover `mmq_t8` on those formats, which the LM head takes).
     mmk: std::sync::atomic::AtomicBool,
+    /// Whether the step being run is a batch-invariant one (`Batch::invariant`, 2 to
+    /// [`INVARIANT_MAX_TOKENS`] tokens): every op computes each token as a single-token step
+    /// would (see `invariant_step`).
+    invariant: std::sync::atomic::AtomicBool,
     /// Whether launches allow programmatic dependent launch (the option, on sm_90 and up).
     pdl: bool,
     /// Host buffer the results are read back through.
@@ -352,6 +356,7 @@ impl CudaBackend {
             q8_scratch: Mutex::new(None),
             pdl: options.pdl && major >= 9,
             mmk: std::sync::atomic::AtomicBool::new(true),
+            invariant: std::sync::atomic::AtomicBool::new(false),
             gemm_scratch: Mutex::default(),
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),

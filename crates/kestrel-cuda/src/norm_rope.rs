@@ -114,18 +114,28 @@ pub(crate) fn rms_norm(
         Arg::I(x.cols as i32),
         Arg::F(eps),
     ];
-    // A single-token row whose consumer is a gemv_q8: quantize it on the way out.
+    // A single-token row whose consumer is a gemv_q8: quantize it on the way out (and a
+    // verification step's rows each as alone, `invariant_step`: rms_norm_q8's row sums are
+    // not the plain kernel's).
+    let rows_q8 = if backend.invariant_step() {
+        backend
+            .single_q8_buffers(1, x.cols)
+            .and_then(|_| backend.q8_buffers(n * x.cols))
+    } else {
+        backend.single_q8_buffers(n, x.cols)
+    };
     if let Some(Q8Ptrs {
         q: q_ptr, d: d_ptr, ..
-    }) = backend.single_q8_buffers(n, x.cols)
+    }) = rows_q8
     {
         // One block per 256 values, each summing the whole row (see the kernel). One
         // block for the whole row measured 576 / 585 against 627 / 611 t/s (tg128,
         // Qwen2.5-1.5B Q4_K_M, H100), 305 / 303 against 310 / 307 on Llama-3-8B.
-        let (grid, threads) = (grid_1d(x.cols, 256), 256);
+        let (cols_grid, threads) = (grid_1d(x.cols, 256), 256);
+        let grid = (cols_grid.0, n as u32, 1);
         let args = [&head[..], &[Arg::P(q_ptr), Arg::P(d_ptr)]].concat();
         backend.launch("rms_norm_q8", grid, threads, &args);
-        return Prepared::Q8 { of: out.ptr };
+        return Prepared::Q8 { of: out.ptr, n };
     }
     // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
     // MMQ_MAX_TOKENS): quantize them on the way out, in that kernel's layout.

@@ -23,6 +23,10 @@ pub(crate) use plan::{Context, Matrix, gemv_supported, q8_supported};
 /// The kernels this module launches (matmul (kernels/quant.cu) for what no other kernel takes; the merged cuBLAS products' split and activation (kernels/elementwise.cu)).
 pub(crate) const KERNELS: &[&str] = &["matmul", "split_qkv", "gated_act_merged"];
 
+/// The most tokens of a batch-invariant step (speculative verification: up to 7 drafts
+/// after the pending token) that run as such; longer ones run as any step.
+pub const INVARIANT_MAX_TOKENS: usize = 8;
+
 /// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
 pub(crate) const Q8_GEMV_MAX_TOKENS: usize = 4;
 
@@ -69,9 +73,25 @@ impl CudaBackend {
         }
     }
 
+    /// Whether this step is batch-invariant (`Batch::invariant`: a speculative
+    /// verification): each of its tokens is computed exactly as a step of that token alone
+    /// would compute it, so greedy speculation gives the tokens decoding one at a time
+    /// gives. Products take the single-token kernel family (its multi-token form with the
+    /// same per-token sums: `gemv_q8_t*` / `gemv_q8_tw*`, or one launch a token), norms
+    /// `rms_norm_q8` per row, attention each token's single-token split count.
+    pub(crate) fn invariant_step(&self) -> bool {
+        self.invariant.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The token count a kernel choice is made for: 1 in a batch-invariant step.
+    pub(crate) fn plan_tokens(&self, n: usize) -> usize {
+        if self.invariant_step() { 1 } else { n }
+    }
+
     /// The kernel of `out = x · wᵀ` for `n` tokens ([`plan::plan`]); `matmul` when `w` is
     /// not a matrix.
     pub fn plan_of(&self, w: &CudaWeight, n: usize) -> Kernel {
+        let n = self.plan_tokens(n);
         match Matrix::of(w) {
             Some(m) => plan::plan(&m, n, &self.plan_context()).0,
             None => Kernel::Matmul,
@@ -87,6 +107,7 @@ impl CudaBackend {
         segs: &[GemvSeg],
         gated: bool,
     ) -> Option<Kernel> {
+        let n = self.plan_tokens(n);
         // (On the stack: asked for every launch of every step.)
         let mut mats = [segs[0].matrix(k); 3];
         for (m, s) in mats.iter_mut().zip(segs) {
@@ -105,6 +126,7 @@ impl CudaBackend {
     /// Whether a product of `n` tokens with `w` goes through cuBLAS
     /// ([`plan::prefer_gemm`]; vectors: from GEMM_MIN_TOKENS, where cuBLAS is usable).
     pub(crate) fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        let n = self.plan_tokens(n);
         let cx = self.plan_context();
         match Matrix::of(w) {
             Some(m) => plan::prefer_gemm(&m, n, &cx),
