@@ -414,6 +414,10 @@ impl kestrel_model::Backend for CudaBackend {
         self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
     }
 
+    fn invariant_max_tokens(&self) -> usize {
+        INVARIANT_MAX_TOKENS
+    }
+
     fn check_model(&self, cfg: &kestrel_model::ModelConfig) -> anyhow::Result<()> {
         // A tiny synthetic Phi-3 gave other greedy tokens than the CPU from the 4th on
         // (H100, 2026-11-26): refused until gpu-check covers it.

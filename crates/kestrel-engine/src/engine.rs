@@ -114,6 +114,11 @@ impl<B: Backend> Engine<B> {
         self.scratch.max_tokens
     }
 
+    /// The most tokens a verification step may hold (see `Backend::invariant_max_tokens`).
+    pub fn invariant_max_tokens(&self) -> usize {
+        self.backend.invariant_max_tokens().max(1)
+    }
+
     pub fn max_logit_rows(&self) -> usize {
         self.scratch.max_logit_rows
     }

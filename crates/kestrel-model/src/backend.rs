@@ -46,6 +46,13 @@ pub trait Backend: Sync {
 
     fn name(&self) -> String;
 
+    /// The most tokens of a step this backend computes batch-invariantly when the batch
+    /// asks (`Batch::invariant`): a speculative verification never verifies more. Default:
+    /// any number (the CPU's products are batch-invariant anyway).
+    fn invariant_max_tokens(&self) -> usize {
+        usize::MAX
+    }
+
     /// Refuses a model this backend cannot yet run correctly, before any weight loads.
     /// Default: every model.
     fn check_model(&self, _cfg: &ModelConfig) -> anyhow::Result<()> {

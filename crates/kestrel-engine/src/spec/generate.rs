@@ -70,11 +70,13 @@ impl<B: Backend> Engine<B> {
             let base = seq.tokens.len();
             history.truncate(base);
             history.push(pending);
-            // Drafts must fit the context, the tokens still wanted and one step's rows.
+            // Drafts must fit the context, the tokens still wanted, one step's rows and the
+            // tokens the backend verifies batch-invariantly.
             let room = (self.ctx - base - 1)
                 .min(max_tokens - out.len() - 1)
                 .min(self.max_logit_rows() - 1)
-                .min(self.max_batch_tokens() - 1);
+                .min(self.max_batch_tokens() - 1)
+                .min(self.invariant_max_tokens() - 1);
             // A round's cost includes its drafting.
             let started = Instant::now();
             draft.clear();
