@@ -1650,16 +1650,17 @@ gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
 }
-// Speculative verification: every token as gemv_q8 / gemv_q8_r1 / gemv_q8_b* compute it.
+// Speculative verification: every token as gemv_q8 / gemv_q8_r1 / gemv_q8_b* compute it (one
+// row a warp: a row's sums do not depend on the rows a warp takes, and two rows spilled).
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_tw4(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
-    gemv_q8_t_body<2, 4, true>(xq, xd, GEMV_ARGS);
+    gemv_q8_t_body<1, 4, true>(xq, xd, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_tw8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
-    gemv_q8_t_body<2, 8, true>(xq, xd, GEMV_ARGS);
+    gemv_q8_t_body<1, 8, true>(xq, xd, GEMV_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------

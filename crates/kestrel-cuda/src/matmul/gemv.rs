@@ -355,8 +355,8 @@ impl CudaBackend {
             // gemv_ws_r1's are the plain ones of gemv_q8_t*.
             let wide = family == Kernel::GemvQ8 && self.invariant_step();
             let (kernel, rows) = match (n, forced) {
-                (2..=4, _) if wide => ("gemv_q8_tw4", 2),
-                (5.., _) if wide => ("gemv_q8_tw8", 2),
+                (2..=4, _) if wide => ("gemv_q8_tw4", 1),
+                (5.., _) if wide => ("gemv_q8_tw8", 1),
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
                 (_, 1) => ("gemv_q8_r1", 1),
