@@ -454,6 +454,11 @@ impl kestrel_model::Backend for CudaBackend {
         step::new_cache(self, config, n_blocks, block_size)
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.ctx.bind_to_thread().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
+    }
+
     fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<CudaStep> {
         step::new_step(self, config, max_tokens)
     }

@@ -126,6 +126,11 @@ pub enum SubmitError {
     TokenOutOfRange { index: usize, id: u32, vocab: usize },
     #[error("the prompt has {len} tokens, the context holds {ctx}")]
     PromptTooLong { len: usize, ctx: usize },
+    #[error(
+        "the prompt has {len} tokens, the whole KV cache holds {positions} positions \
+         (the server's --kv-memory)"
+    )]
+    PromptExceedsCache { len: usize, positions: usize },
     #[error("max_tokens must be at least 1")]
     NoTokens,
     #[error("bad sampling parameters: {0}")]
@@ -179,9 +184,12 @@ impl Default for SchedulerOptions {
 #[derive(Debug, Clone)]
 pub struct SchedulerInfo {
     pub vocab_size: usize,
+    /// Most positions of one sequence: the context size, or the whole cache if smaller.
     pub ctx: usize,
     pub n_blocks: usize,
     pub block_size: usize,
+    /// Bytes of keys and values one cached position takes over all layers.
+    pub kv_bytes_per_token: usize,
     pub max_seqs: usize,
     pub arch: String,
     pub backend: String,
@@ -259,6 +267,13 @@ impl SchedulerHandle {
                 index,
                 id,
                 vocab: info.vocab_size,
+            });
+        }
+        let positions = info.n_blocks * info.block_size;
+        if req.prompt.len() > positions {
+            return Err(SubmitError::PromptExceedsCache {
+                len: req.prompt.len(),
+                positions,
             });
         }
         if req.prompt.len() > info.ctx {
@@ -553,6 +568,7 @@ impl<B: Backend> Scheduler<B> {
             ctx: self.engine.ctx,
             n_blocks: self.engine.blocks.n_blocks(),
             block_size: self.engine.blocks.block_size(),
+            kv_bytes_per_token: self.engine.kv_bytes_per_token,
             max_seqs: self.opts.max_seqs,
             arch: cfg.arch.name().to_string(),
             backend: self.engine.backend.name(),
