@@ -21,6 +21,61 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
     }
 }
 
+// Storage kinds of the cache's keys or values (the Rust side's KvType as cuda_kind()).
+// KV_F16: one f16 per value. KV_Q8_0: ggml's Q8_0 numbers (32 values along the head
+// dimension share the f16 scale amax / 127, each an i8 rounded half to even), laid out
+// for aligned loads: a layer's buffer holds every slot's kv_dim quants first (one byte a
+// value, slot-major), then every slot's kv_dim / 32 f16 scales (`sc`, slot-major).
+#define KV_F16 0
+#define KV_Q8_0 1
+
+// Value `off` (of kv_dim) of cache slot `slot`, dequantized.
+__device__ __forceinline__ float kv_load(const u16* c, const u16* sc, int kind, size_t slot,
+                                         int kv_dim, int off) {
+    const size_t at = slot * kv_dim + off;
+    if (kind == KV_F16) return h2f(c[at]);
+    return (float)reinterpret_cast<const i8*>(c)[at] * h2f(sc[at >> 5]);
+}
+
+// Stores value `off` of slot `slot`; for quantized kinds the warp's 32 lanes hold one
+// aligned 32-value block (off = 32 b + lane), whose scale lane 0 writes.
+__device__ __forceinline__ void kv_put(u16* c, u16* sc, int kind, size_t slot, int kv_dim,
+                                       int off, float x) {
+    const size_t at = slot * kv_dim + off;
+    if (kind == KV_F16) {
+        c[at] = f2h(x);
+        return;
+    }
+    // ggml's x86 Q8_0: d = amax / 127 kept as f16, q = round_half_even(x · 127 / amax).
+    float amax = fabsf(x);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    reinterpret_cast<i8*>(c)[at] = (i8)max(-127, min(127, __float2int_rn(x * id)));
+    if ((threadIdx.x & 31) == 0) sc[at >> 5] = f2h(amax / 127.0f);
+}
+
+// store_kv for caches of any kind (kt: keys', vt: values'), quantized here on the device:
+// one block a token, a warp a 32-value block of keys or values at a time. ks / vs: the
+// scale regions (unused for KV_F16).
+extern "C" __global__ void store_kv_q(const float* k, const float* v, u16* kc, u16* vc,
+                                      const u32* positions, const u32* seq_of,
+                                      const u32* table_off, const u32* tables, int block_size,
+                                      int kv_dim, u16* ks, u16* vs, int kt, int vt) {
+    pdl_enter();
+    const int i = blockIdx.x;
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int blocks = kv_dim >> 5;
+    for (int b = warp; b < 2 * blocks; b += n_warps) {
+        const bool val = b >= blocks;
+        const int off = (val ? b - blocks : b) * 32 + lane;
+        const float x = (val ? v : k)[(size_t)i * kv_dim + off];
+        if (val) kv_put(vc, vs, vt, slot, kv_dim, off, x);
+        else kv_put(kc, ks, kt, slot, kv_dim, off, x);
+    }
+}
+
 #define NEG_INF __int_as_float(0xff800000u)
 #define ATT_WARPS 4
 #define ATT_MAX_HD 256
@@ -31,11 +86,17 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
 // in `res` the sum of exp(score - *big) · value over those keys (unnormalized), with the
 // largest score in *big and the sum of exp(score - *big) in *total (0 when the range is
 // empty). The caller's block has ATT_WARPS warps; `res` holds head_dim floats (shared).
+// `ks`, `vs`, `kt`, `vt`: the scales and kinds of quantized caches (kv_load); the f16
+// kernels pass KV_F16, which folds away. With quantized keys the query is rounded to Q8_0
+// (32-value blocks, f16 scale) first, as llama.cpp's CPU backend (and Kestrel's) does
+// for a quantized key's dot product.
 __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const u16* vc,
                                            int i, int h, int k_begin, int k_end,
                                            const u32* table, int block_size, int n_head,
                                            int n_head_kv, int head_dim, float scale,
-                                           float* res, float* big_out, float* total_out) {
+                                           float* res, float* big_out, float* total_out,
+                                           const u16* ks = nullptr, const u16* vs = nullptr,
+                                           int kt = KV_F16, int vt = KV_F16) {
     __shared__ float qs[ATT_MAX_HD];
     __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
     __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
@@ -45,6 +106,19 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
     const float* qr = q + (size_t)i * n_head * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
     __syncthreads();
+    if (kt != KV_F16) {
+        // Warp w rounds blocks w, w + ATT_WARPS, ... (head_dim a multiple of 32).
+        for (int b = warp; b < (head_dim >> 5); b += ATT_WARPS) {
+            const float x = qs[b * 32 + lane];
+            float amax = fabsf(x);
+            for (int o = 16; o > 0; o >>= 1)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            const int qi = max(-127, min(127, __float2int_rn(x * id)));
+            qs[b * 32 + lane] = (float)qi * h2f(f2h(amax / 127.0f));
+        }
+        __syncthreads();
+    }
 
     float m = NEG_INF, l = 0.0f;
     float acc[ATT_PER_LANE];
@@ -52,12 +126,13 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
     for (int j = 0; j < ATT_PER_LANE; j++) acc[j] = 0.0f;
 
     for (int kp = k_begin + warp; kp < k_end; kp += ATT_WARPS) {
-        const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim;
+        const size_t slot = kv_slot(table, block_size, kp);
+        const int head_off = kv_head * head_dim;
         float dot = 0.0f;
 #pragma unroll
         for (int j = 0; j < ATT_PER_LANE; j++) {
             const int d = lane + 32 * j;
-            if (d < head_dim) dot += qs[d] * h2f(kc[base + d]);
+            if (d < head_dim) dot += qs[d] * kv_load(kc, ks, kt, slot, kv_dim, head_off + d);
         }
         const float score = warp_sum(dot) * scale;
         const float m_new = fmaxf(m, score);
@@ -67,7 +142,8 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
 #pragma unroll
         for (int j = 0; j < ATT_PER_LANE; j++) {
             const int d = lane + 32 * j;
-            if (d < head_dim) acc[j] = acc[j] * corr + p * h2f(vc[base + d]);
+            if (d < head_dim)
+                acc[j] = acc[j] * corr + p * kv_load(vc, vs, vt, slot, kv_dim, head_off + d);
         }
         m = m_new;
     }
@@ -154,6 +230,45 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     // The partial sums go straight to `part`: each thread writes its own dims.
     attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size,
                n_head, n_head_kv, head_dim, scale, o, &big, &total);
+    if (threadIdx.x == 0) {
+        o[head_dim] = big;
+        o[head_dim + 1] = total;
+    }
+}
+
+// `attention` and `attention_split` over a cache with quantized keys or values (kinds kt,
+// vt; scales ks, vs: see kv_load): the same arguments with those four last.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_q(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+            const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+            int n_head, int n_head_kv, int head_dim, float scale, int window, int tok0,
+            const u16* ks, const u16* vs, int kt, int vt) {
+    pdl_enter();
+    __shared__ float res[ATT_MAX_HD];
+    const int i = tok0 + blockIdx.x, h = blockIdx.y;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, 1, 0, k_begin, k_end);
+    float big, total;
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size, n_head,
+               n_head_kv, head_dim, scale, res, &big, &total, ks, vs, kt, vt);
+    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = res[d] / total;
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_q(const float* q, const u16* kc, const u16* vc, float* part,
+                  const u32* positions, const u32* seq_of, const u32* table_off,
+                  const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
+                  float scale, int window, int splits, int tok0, const u16* ks, const u16* vs,
+                  int kt, int vt) {
+    pdl_enter();
+    const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
+    float* o = part + (((size_t)li * n_head + h) * splits + s) * (head_dim + 2);
+    float big, total;
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size,
+               n_head, n_head_kv, head_dim, scale, o, &big, &total, ks, vs, kt, vt);
     if (threadIdx.x == 0) {
         o[head_dim] = big;
         o[head_dim + 1] = total;

@@ -44,7 +44,8 @@ use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{
-    Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
+    Activation, AttnParams, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
+    SamplingBatch,
 };
 
 pub use compile::Origin;
@@ -229,15 +230,50 @@ pub struct CudaTensor {
     cols: usize,
 }
 
-/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` f16 values.
+/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` keys and values,
+/// each stored as f16 or quantized (`types`; kernels/attention.cu's `kv_load` gives the
+/// layout: a quantized layer holds every slot's quants, then every slot's scales from
+/// `k_scale` / `v_scale`).
 pub struct CudaCache {
     k: Vec<CudaSlice<u16>>,
     v: Vec<CudaSlice<u16>>,
     k_ptr: Vec<u64>,
     v_ptr: Vec<u64>,
+    /// Each layer's scale region (0 for f16).
+    k_scale: Vec<u64>,
+    v_scale: Vec<u64>,
+    types: KvTypes,
     block_size: usize,
     n_blocks: usize,
     kv_dim: usize,
+}
+
+/// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0).
+pub const CUDA_CACHE_TYPES: [KvType; 2] = [KvType::F16, KvType::Q8_0];
+
+/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0).
+fn cuda_kind(t: KvType) -> i32 {
+    match t {
+        KvType::Q8_0 => 1,
+        _ => 0,
+    }
+}
+
+impl CudaCache {
+    /// Whether keys or values are quantized (the kernels reading `kv_load`'s layouts).
+    fn quantized(&self) -> bool {
+        self.types != KvTypes::default()
+    }
+
+    /// The quantized kernels' trailing arguments for `layer`: scales, kinds.
+    fn quant_args(&self, layer: usize) -> [Arg; 4] {
+        [
+            Arg::P(self.k_scale[layer]),
+            Arg::P(self.v_scale[layer]),
+            Arg::I(cuda_kind(self.types.k)),
+            Arg::I(cuda_kind(self.types.v)),
+        ]
+    }
 }
 
 /// Per-step inputs in one device buffer of u32, at fixed offsets (`T` = max tokens):
@@ -451,7 +487,22 @@ impl kestrel_model::Backend for CudaBackend {
         n_blocks: usize,
         block_size: usize,
     ) -> anyhow::Result<CudaCache> {
-        step::new_cache(self, config, n_blocks, block_size)
+        step::new_cache(self, config, n_blocks, block_size, KvTypes::default())
+    }
+
+    fn cache_types(&self) -> &'static [KvType] {
+        &CUDA_CACHE_TYPES
+    }
+
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        kv: KvTypes,
+    ) -> anyhow::Result<CudaCache> {
+        kv.check(self.cache_types(), config.head_dim, &self.name())?;
+        step::new_cache(self, config, n_blocks, block_size, kv)
     }
 
     fn device_memory(&self) -> Option<(usize, usize)> {
