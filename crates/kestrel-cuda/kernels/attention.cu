@@ -87,9 +87,8 @@ extern "C" __global__ void store_kv_q(const float* k, const float* v, u16* kc, u
 // largest score in *big and the sum of exp(score - *big) in *total (0 when the range is
 // empty). The caller's block has ATT_WARPS warps; `res` holds head_dim floats (shared).
 // `ks`, `vs`, `kt`, `vt`: the scales and kinds of quantized caches (kv_load); the f16
-// kernels pass KV_F16, which folds away. With quantized keys the query is rounded to Q8_0
-// (32-value blocks, f16 scale) first, as llama.cpp's CPU backend (and Kestrel's) does
-// for a quantized key's dot product.
+// kernels pass KV_F16, which folds away. The query stays f32 (llama.cpp's CPU backend
+// rounds it to Q8_0 for quantized keys; this is the f32 arithmetic that approximates).
 __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const u16* vc,
                                            int i, int h, int k_begin, int k_end,
                                            const u32* table, int block_size, int n_head,
@@ -106,19 +105,6 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
     const float* qr = q + (size_t)i * n_head * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
     __syncthreads();
-    if (kt != KV_F16) {
-        // Warp w rounds blocks w, w + ATT_WARPS, ... (head_dim a multiple of 32).
-        for (int b = warp; b < (head_dim >> 5); b += ATT_WARPS) {
-            const float x = qs[b * 32 + lane];
-            float amax = fabsf(x);
-            for (int o = 16; o > 0; o >>= 1)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-            const int qi = max(-127, min(127, __float2int_rn(x * id)));
-            qs[b * 32 + lane] = (float)qi * h2f(f2h(amax / 127.0f));
-        }
-        __syncthreads();
-    }
 
     float m = NEG_INF, l = 0.0f;
     float acc[ATT_PER_LANE];

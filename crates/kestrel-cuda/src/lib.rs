@@ -671,6 +671,50 @@ impl CudaCache {
     pub fn n_blocks(&self) -> usize {
         self.n_blocks
     }
+
+    pub fn types(&self) -> KvTypes {
+        self.types
+    }
+}
+
+impl CudaBackend {
+    /// Layer `layer` of `cache` read back (after the queued work), keys then values, each
+    /// as the rows of its slots in the CPU cache's layout (ggml blocks: for Q8_0 each 32
+    /// values' f16 scale then their 32 quants), for the self-check.
+    pub fn read_cache_layer(
+        &self,
+        cache: &CudaCache,
+        layer: usize,
+    ) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+        anyhow::ensure!(layer < cache.k.len(), "no layer {layer}");
+        self.check()?;
+        let slots = cache.n_blocks * cache.block_size;
+        let read = |buf: &CudaSlice<u16>, t: KvType| -> anyhow::Result<Vec<u8>> {
+            let mut host = vec![0u16; buf.len()];
+            self.stream
+                .memcpy_dtoh(buf, &mut host[..])
+                .map_err(|e| anyhow::anyhow!("copying the cache from the GPU: {e:?}"))?;
+            self.check()?;
+            let bytes: Vec<u8> = host.iter().flat_map(|h| h.to_le_bytes()).collect();
+            let n = slots * cache.kv_dim;
+            Ok(match t {
+                KvType::Q8_0 => {
+                    let (quants, scales) = bytes.split_at(n);
+                    let mut out = Vec::with_capacity(n / 32 * 34);
+                    for (qs, d) in quants.chunks_exact(32).zip(scales.chunks_exact(2)) {
+                        out.extend_from_slice(d);
+                        out.extend_from_slice(qs);
+                    }
+                    out
+                }
+                _ => bytes[..n * 2].to_vec(),
+            })
+        };
+        Ok((
+            read(&cache.k[layer], cache.types.k)?,
+            read(&cache.v[layer], cache.types.v)?,
+        ))
+    }
 }
 
 impl Drop for CudaBackend {

@@ -8,7 +8,7 @@ use kestrel_cpu::{CpuBackend, Kernels, Numerics};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::{GgmlType, GgufFile};
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
-use kestrel_model::{Arch, Batch, SeqSlot};
+use kestrel_model::{Arch, Batch, KvType, KvTypes, SeqSlot};
 use rand::{Rng, SeedableRng};
 
 use kestrel_cuda::CudaBackend;
@@ -337,7 +337,15 @@ pub fn compare_batched(
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
-    compare_batched_of(tiny_model(arch, ty, seed)?, arch, ty, lens, seed, ordinal)
+    compare_batched_of(
+        tiny_model(arch, ty, seed)?,
+        arch,
+        ty,
+        lens,
+        seed,
+        ordinal,
+        KvTypes::default(),
+    )
 }
 
 /// [`compare_batched`] on [`tiny_model_heads`].
@@ -350,7 +358,23 @@ pub fn compare_batched_heads(
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
     let file = tiny_model_heads(arch, ty, seed, heads)?;
-    compare_batched_of(file, arch, ty, lens, seed, ordinal)
+    compare_batched_of(file, arch, ty, lens, seed, ordinal, KvTypes::default())
+}
+
+/// [`compare_batched_heads`] with the cache stored as `kv` (both runs on the GPU): the
+/// quantized attention of several sequences per step (prompt parts, then batched decode)
+/// against each sequence alone.
+pub fn compare_batched_cache(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    lens: &[usize],
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    compare_batched_of(file, arch, ty, lens, seed, ordinal, kv)
 }
 
 fn compare_batched_of(
@@ -360,12 +384,13 @@ fn compare_batched_of(
     lens: &[usize],
     seed: u64,
     ordinal: usize,
+    kv: KvTypes,
 ) -> anyhow::Result<LogitReport> {
     let opts = EngineOptions {
         max_seqs: lens.len() + 1,
         ..options(100)
     };
-    let mut gpu = Engine::new(CudaBackend::new(ordinal)?, file.clone(), &opts)?;
+    let mut gpu = Engine::with_cache_types(CudaBackend::new(ordinal)?, file.clone(), &opts, kv)?;
     let vocab = gpu.config().vocab_size as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xba7c);
     const DECODE: usize = 4;
@@ -1261,5 +1286,159 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
             }
         }
     }
+    Ok(report)
+}
+
+/// The cache storage types (keys, values) the CUDA attention reads besides f16/f16: both
+/// quantized, and each alone (a launch mixing an f16 and a quantized tensor).
+pub const CACHE_TYPES: [(KvType, KvType); 3] = [
+    (KvType::Q8_0, KvType::Q8_0),
+    (KvType::F16, KvType::Q8_0),
+    (KvType::Q8_0, KvType::F16),
+];
+
+/// `store_kv` on the GPU into a cache of `kv`'s types against the CPU backend's quantizer.
+#[derive(Debug, Clone)]
+pub struct StoreReport {
+    pub kv: KvTypes,
+    pub kv_dim: usize,
+    pub tokens: usize,
+    /// Bytes of every written slot's key and value rows (CPU layout) compared.
+    pub bytes: usize,
+    /// Bytes that differ. The GPU quantizes with the same IEEE operations as the CPU
+    /// (`amax`, `127 / amax` as f32, `x · id` rounded half to even, the scale `amax / 127`
+    /// rounded to f16), so the rows must be identical.
+    pub differing: usize,
+    /// The first differing (token, keys or values, byte in its row), if any.
+    pub first: Option<(usize, &'static str, usize)>,
+}
+
+impl StoreReport {
+    pub fn passed(&self) -> bool {
+        self.differing == 0 && self.bytes > 0
+    }
+}
+
+/// Writes `n` random key and value rows (`heads` = (query heads, kv heads, head size)) at
+/// scattered positions of one sequence (a shuffled block table, positions not from 0)
+/// through `Backend::store_kv` into a GPU cache of types `kv`, reads the written slots back
+/// in the CPU's layout and compares them byte for byte with
+/// `kestrel_cpu::numerics::quantize_like_ggml` (what the CPU backend stores) of the same
+/// rows. The rows mix scales (1e-3 to 1e2), all-zero blocks and blocks with a single
+/// non-zero value, where rounding ties and the zero scale show.
+pub fn compare_store_kv(
+    backend: &CudaBackend,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    n: usize,
+    seed: u64,
+) -> anyhow::Result<StoreReport> {
+    use kestrel_model::{Backend, ModelConfig};
+    let file = tiny_model_heads(Arch::Llama, "f16", seed, heads)?;
+    let cfg = ModelConfig::from_gguf(&file)?;
+    let kv_dim = cfg.kv_dim();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x570e);
+    let start = rng.random_range(0..40);
+    let n_blocks = (start + n).div_ceil(16) + 3;
+    let mut cache = backend.new_cache_typed(&cfg, n_blocks, 16, kv)?;
+    let mut table: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..table.len()).rev() {
+        table.swap(i, rng.random_range(0..=i));
+    }
+    table.truncate((start + n).div_ceil(16));
+    let row = |rng: &mut rand::rngs::StdRng| -> Vec<f32> {
+        let mut x = Vec::with_capacity(kv_dim);
+        for _ in 0..kv_dim / 32 {
+            let scale = 10f32.powf(rng.random_range(-3.0..2.0));
+            match rng.random_range(0..8) {
+                0 => x.extend([0.0; 32]),
+                1 => {
+                    let at = rng.random_range(0..32);
+                    x.extend((0..32).map(|j| if j == at { -scale } else { 0.0 }));
+                }
+                _ => x.extend((0..32).map(|_| rng.random_range(-scale..scale))),
+            }
+        }
+        x
+    };
+    let k: Vec<f32> = (0..n).flat_map(|_| row(&mut rng)).collect();
+    let v: Vec<f32> = (0..n).flat_map(|_| row(&mut rng)).collect();
+    let mut batch = Batch::default();
+    let tokens = vec![0u32; n];
+    batch.push_part(0, &tokens, start, &table, 0);
+    let mut step = backend.new_step(&cfg, n)?;
+    backend.prepare_step(&batch, &mut step)?;
+    let kt = backend.upload_tensor(n, kv_dim, &k)?;
+    let vt = backend.upload_tensor(n, kv_dim, &v)?;
+    backend.store_kv(&mut cache, 0, &kt, &vt, &step, n);
+    let (gk, gv) = backend.read_cache_layer(&cache, 0)?;
+    let mut report = StoreReport {
+        kv,
+        kv_dim,
+        tokens: n,
+        bytes: 0,
+        differing: 0,
+        first: None,
+    };
+    for (what, t, src, got) in [("keys", kv.k, &k, &gk), ("values", kv.v, &v, &gv)] {
+        let row_bytes = t.bytes(kv_dim);
+        let mut want = vec![0u8; row_bytes];
+        for i in 0..n {
+            let pos = start + i;
+            let slot = table[pos / 16] as usize * 16 + pos % 16;
+            anyhow::ensure!(
+                kestrel_cpu::numerics::quantize_like_ggml(
+                    t.ggml(),
+                    &src[i * kv_dim..(i + 1) * kv_dim],
+                    &mut want
+                ),
+                "the CPU quantizer refused a row of {kv_dim} values as {t}"
+            );
+            let have = &got[slot * row_bytes..(slot + 1) * row_bytes];
+            report.bytes += row_bytes;
+            for (b, (x, y)) in want.iter().zip(have).enumerate() {
+                if x != y {
+                    report.differing += 1;
+                    report.first.get_or_insert((i, what, b));
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// [`compare_logits_heads`] with both engines' caches stored as `kv`: the CPU (f32
+/// activations) stores its keys and values with the quantizer [`compare_store_kv`] checks
+/// the GPU's against, so the two caches differ only where a key or value computed on the
+/// GPU lands on the other side of a rounding boundary; every step shape goes through the
+/// GPU's `_q` attention kernels (decode steps, 40- and 100-token chunks in 64-token split
+/// launches). Same bound as the f16 check (GPU on f32 activations).
+pub fn compare_logits_cache(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    let cpu_backend = CpuBackend::with_numerics(Kernels::Fast, Numerics::F32);
+    let mut cpu = Engine::with_cache_types(cpu_backend, file.clone(), &options(256), kv)?;
+    let mut gpu = Engine::with_cache_types(CudaBackend::new(ordinal)?, file, &options(100), kv)?;
+    gpu.backend.set_q8_decode(false);
+    let vocab = cpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let a = all_logits(&mut cpu, &tokens)?;
+    let b = all_logits_in_parts(&mut gpu, &tokens, &ATTN_PARTS)?;
+    anyhow::ensure!(
+        a.len() == n && b.len() == n,
+        "expected {n} rows of logits, got {} (cpu) and {} (cuda)",
+        a.len(),
+        b.len()
+    );
+    let mut report = logit_report(arch, &format!("{ty} kv {}/{}", kv.k, kv.v), &a, &b);
+    report.q8 = false;
     Ok(report)
 }
