@@ -26,14 +26,39 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
 // dimension share the f16 scale amax / 127, each an i8 rounded half to even), laid out
 // for aligned loads: a layer's buffer holds every slot's kv_dim quants first (one byte a
 // value, slot-major), then every slot's kv_dim / 32 f16 scales (`sc`, slot-major).
+// KV_FP8: the same layout with E4M3 bytes of x · 448 / amax (nearest even, saturating at
+// ±448) and the f16 scale amax / 448.
 #define KV_F16 0
 #define KV_Q8_0 1
+#define KV_FP8 2
+
+// E4M3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7f / 0xff
+// NaN, unused here) of x rounded to nearest even, saturating at ±448.
+__device__ __forceinline__ u8 f32_to_e4m3(float x) {
+    const u8 sign = (__float_as_uint(x) >> 24) & 0x80;
+    const float a = fminf(fabsf(x), 448.0f);
+    if (a < 0.015625f) {
+        // Subnormal: multiples of 2^-9 (8 · 2^-9 = 2^-6 is the smallest normal, code 0x08).
+        return sign | (u8)__float2int_rn(a * 512.0f);
+    }
+    u32 b = __float_as_uint(a);
+    b += 0x7ffffu + ((b >> 20) & 1u);  // round the mantissa to 3 bits, ties to even
+    const int e = (int)(b >> 23) - 127;  // -6..8 (448 stays 448)
+    return sign | (u8)(((e + 7) << 3) | ((b >> 20) & 7u));
+}
+
+__device__ __forceinline__ float e4m3_to_f32(u8 v) {
+    const u32 e = (v >> 3) & 15u, m = v & 7u;
+    const float a = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (v & 0x80) ? -a : a;
+}
 
 // Value `off` (of kv_dim) of cache slot `slot`, dequantized.
 __device__ __forceinline__ float kv_load(const u16* c, const u16* sc, int kind, size_t slot,
                                          int kv_dim, int off) {
     const size_t at = slot * kv_dim + off;
     if (kind == KV_F16) return h2f(c[at]);
+    if (kind == KV_FP8) return e4m3_to_f32(reinterpret_cast<const u8*>(c)[at]) * h2f(sc[at >> 5]);
     return (float)reinterpret_cast<const i8*>(c)[at] * h2f(sc[at >> 5]);
 }
 
@@ -46,9 +71,15 @@ __device__ __forceinline__ void kv_put(u16* c, u16* sc, int kind, size_t slot, i
         c[at] = f2h(x);
         return;
     }
-    // ggml's x86 Q8_0: d = amax / 127 kept as f16, q = round_half_even(x · 127 / amax).
     float amax = fabsf(x);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (kind == KV_FP8) {
+        const float id = amax != 0.0f ? 448.0f / amax : 0.0f;
+        reinterpret_cast<u8*>(c)[at] = f32_to_e4m3(x * id);
+        if ((threadIdx.x & 31) == 0) sc[at >> 5] = f2h(amax / 448.0f);
+        return;
+    }
+    // ggml's x86 Q8_0: d = amax / 127 kept as f16, q = round_half_even(x · 127 / amax).
     const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     reinterpret_cast<i8*>(c)[at] = (i8)max(-127, min(127, __float2int_rn(x * id)));
     if ((threadIdx.x & 31) == 0) sc[at >> 5] = f2h(amax / 127.0f);

@@ -248,13 +248,15 @@ pub struct CudaCache {
     kv_dim: usize,
 }
 
-/// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0).
-pub const CUDA_CACHE_TYPES: [KvType; 2] = [KvType::F16, KvType::Q8_0];
+/// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0,
+/// KV_FP8).
+pub const CUDA_CACHE_TYPES: [KvType; 3] = [KvType::F16, KvType::Q8_0, KvType::Fp8];
 
-/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0).
+/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0 / KV_FP8).
 fn cuda_kind(t: KvType) -> i32 {
     match t {
         KvType::Q8_0 => 1,
+        KvType::Fp8 => 2,
         _ => 0,
     }
 }
@@ -680,7 +682,7 @@ impl CudaCache {
 impl CudaBackend {
     /// Layer `layer` of `cache` read back (after the queued work), keys then values, each
     /// as the rows of its slots in the CPU cache's layout (ggml blocks: for Q8_0 each 32
-    /// values' f16 scale then their 32 quants), for the self-check.
+    /// values' f16 scale then their 32 quants; fp8 likewise), for the self-check.
     pub fn read_cache_layer(
         &self,
         cache: &CudaCache,
@@ -698,7 +700,7 @@ impl CudaBackend {
             let bytes: Vec<u8> = host.iter().flat_map(|h| h.to_le_bytes()).collect();
             let n = slots * cache.kv_dim;
             Ok(match t {
-                KvType::Q8_0 => {
+                KvType::Q8_0 | KvType::Fp8 => {
                     let (quants, scales) = bytes.split_at(n);
                     let mut out = Vec::with_capacity(n / 32 * 34);
                     for (qs, d) in quants.chunks_exact(32).zip(scales.chunks_exact(2)) {

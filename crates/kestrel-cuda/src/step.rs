@@ -208,7 +208,7 @@ pub(crate) fn new_cache(
     let layout = |t: KvType| -> anyhow::Result<(usize, Option<usize>)> {
         match t {
             KvType::F16 => Ok((per_layer, None)),
-            KvType::Q8_0 => Ok((per_layer / 2 + per_layer / 32, Some(per_layer))),
+            KvType::Q8_0 | KvType::Fp8 => Ok((per_layer / 2 + per_layer / 32, Some(per_layer))),
             other => anyhow::bail!("the CUDA cache has no layout for {other}"),
         }
     };

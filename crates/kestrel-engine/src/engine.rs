@@ -666,6 +666,18 @@ mod tests {
                     assert_eq!(e.ctx, 64.min(positions), "context is at most the cache");
                 }
             }
+            // fp8 is CUDA's: the CPU refuses it by name.
+            let fp8 = KvTypes {
+                k: KvType::Fp8,
+                v: KvType::F16,
+            };
+            let backend = kestrel_cpu::CpuBackend::new(kestrel_cpu::Kernels::Scalar);
+            let opts = EngineOptions::default();
+            let err = Engine::with_cache_types(backend, file.clone(), &opts, fp8)
+                .err()
+                .expect("the CPU has no fp8 cache");
+            let err = format!("{err:#}");
+            assert!(err.contains("fp8"), "{err}");
         }
     }
 

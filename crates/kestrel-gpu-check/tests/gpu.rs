@@ -71,8 +71,8 @@ fn missing_device_is_an_error_not_a_panic() {
 }
 
 /// Quantized K/V on the GPU: `store_kv_q` writes byte for byte what the CPU backend
-/// stores (ggml's Q8_0 rounding), for every decode-attention shape and every cache-type
-/// pair the CUDA attention reads.
+/// stores (ggml's Q8_0 rounding; fp8: the reference quantizer), for every decode-attention
+/// shape and cache-type pair.
 #[test]
 fn quantized_cache_store_matches_the_cpu_quantizer() {
     if !gpu_present("quantized_cache_store_matches_the_cpu_quantizer") {
@@ -81,10 +81,34 @@ fn quantized_cache_store_matches_the_cpu_quantizer() {
     let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
     let mut rng = rand::rng();
     for heads in selfcheck::ATTN_SHAPES {
-        for (k, v) in selfcheck::CACHE_TYPES {
+        for (k, v) in selfcheck::ATTN_CACHE_TYPES {
             let kv = kestrel_model::KvTypes { k, v };
             let (n, seed) = (rng.random_range(1..70), rng.random());
             let r = selfcheck::compare_store_kv(&backend, heads, kv, n, seed).expect("store runs");
+            assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+/// Attention over f16, q8_0 and fp8 caches (and mixed pairs) in steps of 1, 5 and 40 tokens
+/// against f64 attention over the values the cache holds.
+#[test]
+fn attention_over_every_cache_type_matches_f64() {
+    if !gpu_present("attention_over_every_cache_type_matches_f64") {
+        return;
+    }
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for heads in selfcheck::ATTN_SHAPES {
+        for (k, v) in selfcheck::ATTN_CACHE_TYPES {
+            let kv = kestrel_model::KvTypes { k, v };
+            let (n, seed) = (rng.random_range(40..300), rng.random());
+            let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
+                .expect("attention runs");
+            eprintln!(
+                "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} of {:.2e}",
+                r.max_abs_diff, r.max_abs_out
+            );
             assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
         }
     }

@@ -291,13 +291,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
-        "quantized K/V: store_kv_q vs the CPU's quantizer (byte for byte), then logits with the cache stored so on both backends (f32 activations, steps of 1-8 tokens and prompt chunks), then several sequences per step vs alone:"
+        "quantized K/V: store_kv_q vs the CPU's quantizer (byte for byte; fp8 vs the reference one) and attention vs f64 over the stored values, then logits with the cache stored so on both backends (f32 activations, steps of 1-8 tokens and prompt chunks), then several sequences per step vs alone:"
     );
     for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
-        for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::ATTN_CACHE_TYPES.into_iter().enumerate() {
             let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
             let kv = kestrel_model::KvTypes { k, v };
             let (h, hk, d) = heads;
+            match selfcheck::compare_attention_cache(&backend, heads, kv, 40 + positions, case_seed)
+            {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                        r.steps,
+                        r.positions,
+                        r.max_abs_diff,
+                        r.max_abs_out,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
             match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
                 Ok(r) => {
                     failures += usize::from(!r.passed());
