@@ -785,12 +785,13 @@ attention_combine_mmk(const float* part, float* out, int n_head, int head_dim, i
 #define FA_Q 16
 #define FA_K 32
 #define FA_HD 128
-extern "C" __global__ void __launch_bounds__(128)
-attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
-                  const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
-                  int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale,
-                  int window) {
-    pdl_enter();
+// The body of attention_prefill and attention_prefill_q (k_sc, v_sc, kt, vt: a quantized
+// cache's scales and kinds, see kv_load; KV_F16 folds the quantized loads away).
+__device__ __forceinline__ void
+prefill_tiles(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+              const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+              int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale, int window,
+              const u16* k_sc, const u16* v_sc, int kt_kind, int vt_kind) {
     __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
     __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
     __shared__ float vs[FA_K][FA_HD];
@@ -839,13 +840,24 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
             const int kp = kt + key;
             float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
             if (kp <= hi_all) {
-                const size_t base =
-                    kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim + d;
-                const u32 kw = *(const u32*)(kc + base), vw = *(const u32*)(vc + base);
-                k0 = h2f((u16)(kw & 0xFFFF));
-                k1 = h2f((u16)(kw >> 16));
-                v0 = h2f((u16)(vw & 0xFFFF));
-                v1 = h2f((u16)(vw >> 16));
+                const size_t slot = kv_slot(table, block_size, kp);
+                const int off = kv_head * head_dim + d;
+                if (kt_kind == KV_F16) {
+                    const u32 kw = *(const u32*)(kc + slot * kv_dim + off);
+                    k0 = h2f((u16)(kw & 0xFFFF));
+                    k1 = h2f((u16)(kw >> 16));
+                } else {
+                    k0 = kv_load(kc, k_sc, kt_kind, slot, kv_dim, off);
+                    k1 = kv_load(kc, k_sc, kt_kind, slot, kv_dim, off + 1);
+                }
+                if (vt_kind == KV_F16) {
+                    const u32 vw = *(const u32*)(vc + slot * kv_dim + off);
+                    v0 = h2f((u16)(vw & 0xFFFF));
+                    v1 = h2f((u16)(vw >> 16));
+                } else {
+                    v0 = kv_load(vc, v_sc, vt_kind, slot, kv_dim, off);
+                    v1 = kv_load(vc, v_sc, vt_kind, slot, kv_dim, off + 1);
+                }
             }
             ks[key][d] = k0;
             ks[key][d + 1] = k1;
@@ -916,6 +928,29 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
             if (d < head_dim) o[d] = acc[j][c] * inv;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+                  const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+                  int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale,
+                  int window) {
+    pdl_enter();
+    prefill_tiles(q, kc, vc, out, positions, seq_of, table_off, tables, block_size, tok0, n,
+                  n_head, n_head_kv, head_dim, scale, window, nullptr, nullptr, KV_F16, KV_F16);
+}
+
+// attention_prefill over a cache with quantized keys or values (dequantized as the tiles
+// are staged into shared memory): the same arguments, then the scales and kinds.
+extern "C" __global__ void __launch_bounds__(128)
+attention_prefill_q(const float* q, const u16* kc, const u16* vc, float* out,
+                    const u32* positions, const u32* seq_of, const u32* table_off,
+                    const u32* tables, int block_size, int tok0, int n, int n_head,
+                    int n_head_kv, int head_dim, float scale, int window, const u16* k_sc,
+                    const u16* v_sc, int kt, int vt) {
+    pdl_enter();
+    prefill_tiles(q, kc, vc, out, positions, seq_of, table_off, tables, block_size, tok0, n,
+                  n_head, n_head_kv, head_dim, scale, window, k_sc, v_sc, kt, vt);
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style): block (tile of FM_Q = 64

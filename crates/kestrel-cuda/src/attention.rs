@@ -19,6 +19,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_combine",
     "attention_combine_mmk",
     "attention_prefill",
+    "attention_prefill_q",
     "attention_prefill_mma64",
     "attention_prefill_mma128",
 ];
@@ -303,16 +304,23 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        let (name, grid) = match prefill_mma_kernel(p) {
-            Some(name) => (
+        // A quantized cache: the SIMT kernel, dequantizing as it stages the tiles.
+        let mma = prefill_mma_kernel(p).filter(|_| a.quant.is_none());
+        let (name, grid) = match (mma, a.quant) {
+            (Some(name), _) => (
                 name,
                 (p.n_head as u32, n.div_ceil(PREFILL_MMA_TOKENS) as u32, 1),
             ),
-            None => (
-                "attention_prefill",
+            (None, quant) => (
+                if quant.is_some() {
+                    "attention_prefill_q"
+                } else {
+                    "attention_prefill"
+                },
                 (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
             ),
         };
+        let quant = a.quant.as_ref().map_or(&[][..], |q| &q[..]);
         self.launch(
             name,
             grid,
@@ -330,6 +338,7 @@ impl CudaBackend {
                     Arg::F(p.scale),
                     Arg::I(a.window),
                 ],
+                quant,
             ]
             .concat(),
         );
@@ -439,10 +448,7 @@ pub(crate) fn attention(
     // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
     // prompt chunks go to the tiled prefill kernels, the short runs between them (decode
     // tokens of other sequences) to the split kernels, gathered into ranges.
-    // (The prefill kernels read f16 caches only: quantized ones go to the split kernels.)
-    let prefill_ok = p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM
-        && p.head_dim.is_multiple_of(4)
-        && !cache.quantized();
+    let prefill_ok = p.head_dim <= PREFILL_ATTN_MAX_HEAD_DIM && p.head_dim.is_multiple_of(4);
     let mut short: Option<(usize, usize)> = None;
     for (start, len) in step.sequence_runs(n) {
         if prefill_ok && len >= PREFILL_ATTN_TOKENS {
