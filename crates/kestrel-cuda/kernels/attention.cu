@@ -28,9 +28,14 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
 // value, slot-major), then every slot's kv_dim / 32 f16 scales (`sc`, slot-major).
 // KV_FP8: the same layout with E4M3 bytes of x · 448 / amax (nearest even, saturating at
 // ±448) and the f16 scale amax / 448.
+// KV_Q4_0: ggml's Q4_0 numbers (the f16 scale d = m / -8 of the block's value m of largest
+// magnitude, quants min(15, trunc(x / d + 8.5))), packed as ggml packs them: per block 16
+// bytes, byte j holding value j (low nibble) and value j + 16 (high); the scales as above,
+// after every slot's kv_dim / 2 bytes.
 #define KV_F16 0
 #define KV_Q8_0 1
 #define KV_FP8 2
+#define KV_Q4_0 3
 
 // E4M3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7f / 0xff
 // NaN, unused here) of x rounded to nearest even, saturating at ±448.
@@ -58,6 +63,10 @@ __device__ __forceinline__ float kv_load(const u16* c, const u16* sc, int kind, 
                                          int kv_dim, int off) {
     const size_t at = slot * kv_dim + off;
     if (kind == KV_F16) return h2f(c[at]);
+    if (kind == KV_Q4_0) {
+        const u8 b = reinterpret_cast<const u8*>(c)[(at >> 5) * 16 + (at & 15)];
+        return (float)((at & 16 ? b >> 4 : b & 15) - 8) * h2f(sc[at >> 5]);
+    }
     if (kind == KV_FP8) return e4m3_to_f32(reinterpret_cast<const u8*>(c)[at]) * h2f(sc[at >> 5]);
     return (float)reinterpret_cast<const i8*>(c)[at] * h2f(sc[at >> 5]);
 }
@@ -71,18 +80,41 @@ __device__ __forceinline__ void kv_put(u16* c, u16* sc, int kind, size_t slot, i
         c[at] = f2h(x);
         return;
     }
+    const int lane = threadIdx.x & 31;
+    if (kind == KV_Q4_0) {
+        // ggml's quantize_row_q4_0_ref: m = the first value of largest magnitude.
+        float best = fabsf(x);
+        int bi = lane;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+            }
+        }
+        const float m = best > 0.0f ? __shfl_sync(0xffffffffu, x, bi) : 0.0f;
+        const float d = m / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        // Unfused, as the C code: x · id rounded, then + 8.5 rounded, then truncated.
+        const int q = min(15, (int)__fadd_rn(__fmul_rn(x, id), 8.5f));
+        const int hi = __shfl_down_sync(0xffffffffu, q, 16);
+        if (lane < 16) reinterpret_cast<u8*>(c)[(at >> 5) * 16 + lane] = (u8)(q | (hi << 4));
+        if (lane == 0) sc[at >> 5] = f2h(d);
+        return;
+    }
     float amax = fabsf(x);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if (kind == KV_FP8) {
         const float id = amax != 0.0f ? 448.0f / amax : 0.0f;
         reinterpret_cast<u8*>(c)[at] = f32_to_e4m3(x * id);
-        if ((threadIdx.x & 31) == 0) sc[at >> 5] = f2h(amax / 448.0f);
+        if (lane == 0) sc[at >> 5] = f2h(amax / 448.0f);
         return;
     }
     // ggml's x86 Q8_0: d = amax / 127 kept as f16, q = round_half_even(x · 127 / amax).
     const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     reinterpret_cast<i8*>(c)[at] = (i8)max(-127, min(127, __float2int_rn(x * id)));
-    if ((threadIdx.x & 31) == 0) sc[at >> 5] = f2h(amax / 127.0f);
+    if (lane == 0) sc[at >> 5] = f2h(amax / 127.0f);
 }
 
 // store_kv for caches of any kind (kt: keys', vt: values'), quantized here on the device:

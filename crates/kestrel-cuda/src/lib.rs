@@ -249,14 +249,15 @@ pub struct CudaCache {
 }
 
 /// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0,
-/// KV_FP8).
-pub const CUDA_CACHE_TYPES: [KvType; 3] = [KvType::F16, KvType::Q8_0, KvType::Fp8];
+/// KV_FP8, KV_Q4_0).
+pub const CUDA_CACHE_TYPES: [KvType; 4] = [KvType::F16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8];
 
-/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0 / KV_FP8).
+/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0 / KV_FP8 / KV_Q4_0).
 fn cuda_kind(t: KvType) -> i32 {
     match t {
         KvType::Q8_0 => 1,
         KvType::Fp8 => 2,
+        KvType::Q4_0 => 3,
         _ => 0,
     }
 }
@@ -704,6 +705,15 @@ impl CudaBackend {
                     let (quants, scales) = bytes.split_at(n);
                     let mut out = Vec::with_capacity(n / 32 * 34);
                     for (qs, d) in quants.chunks_exact(32).zip(scales.chunks_exact(2)) {
+                        out.extend_from_slice(d);
+                        out.extend_from_slice(qs);
+                    }
+                    out
+                }
+                KvType::Q4_0 => {
+                    let (quants, scales) = bytes.split_at(n / 2);
+                    let mut out = Vec::with_capacity(n / 32 * 18);
+                    for (qs, d) in quants.chunks_exact(16).zip(scales.chunks_exact(2)) {
                         out.extend_from_slice(d);
                         out.extend_from_slice(qs);
                     }

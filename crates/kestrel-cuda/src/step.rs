@@ -209,6 +209,8 @@ pub(crate) fn new_cache(
         match t {
             KvType::F16 => Ok((per_layer, None)),
             KvType::Q8_0 | KvType::Fp8 => Ok((per_layer / 2 + per_layer / 32, Some(per_layer))),
+            // Two values a byte, then the scales.
+            KvType::Q4_0 => Ok((per_layer / 4 + per_layer / 32, Some(per_layer / 2))),
             other => anyhow::bail!("the CUDA cache has no layout for {other}"),
         }
     };

@@ -1291,21 +1291,24 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
 
 /// The cache storage types (keys, values) the CUDA attention reads besides f16/f16: both
 /// quantized, and each alone (a launch mixing an f16 and a quantized tensor).
-pub const CACHE_TYPES: [(KvType, KvType); 3] = [
+pub const CACHE_TYPES: [(KvType, KvType); 4] = [
     (KvType::Q8_0, KvType::Q8_0),
     (KvType::F16, KvType::Q8_0),
     (KvType::Q8_0, KvType::F16),
+    (KvType::Q4_0, KvType::Q4_0),
 ];
 
 /// The cache types of the attention check against f64 ([`compare_attention_cache`]):
 /// f16 (the existing kernels, as a control), q8_0, fp8 (the CPU has no fp8: this is its
 /// only oracle) and mixed pairs.
-pub const ATTN_CACHE_TYPES: [(KvType, KvType); 5] = [
+pub const ATTN_CACHE_TYPES: [(KvType, KvType); 7] = [
     (KvType::F16, KvType::F16),
     (KvType::Q8_0, KvType::Q8_0),
     (KvType::Fp8, KvType::Fp8),
+    (KvType::Q4_0, KvType::Q4_0),
     (KvType::Fp8, KvType::F16),
     (KvType::Q8_0, KvType::Fp8),
+    (KvType::Q4_0, KvType::Q8_0),
 ];
 
 /// E4M3's value of code `c` (0x7f and 0xff are NaN and never written).
@@ -1351,7 +1354,7 @@ pub fn quantize_fp8_blocks(x: &[f32], out: &mut [u8]) {
 }
 
 /// Values of one row stored as `t` in the CPU layout (f16, or blocks of an f16 scale and
-/// 32 Q8_0 / fp8 quants), in f64.
+/// 32 Q8_0 / fp8 quants or 16 bytes of Q4_0 nibbles), in f64.
 fn dequantize_row(t: KvType, bytes: &[u8], out: &mut Vec<f64>) -> anyhow::Result<()> {
     out.clear();
     let f16 = |b: &[u8]| f64::from(half::f16::from_le_bytes([b[0], b[1]]).to_f32());
@@ -1367,6 +1370,13 @@ fn dequantize_row(t: KvType, bytes: &[u8], out: &mut Vec<f64>) -> anyhow::Result
                         e4m3_value(q)
                     }
                 }));
+            }
+        }
+        KvType::Q4_0 => {
+            for blk in bytes.chunks_exact(18) {
+                let d = f16(&blk[..2]);
+                let q = |j: usize| f64::from(blk[2 + (j & 15)] >> (4 * (j >> 4)) & 15) - 8.0;
+                out.extend((0..32).map(|j| d * q(j)));
             }
         }
         other => anyhow::bail!("no CUDA cache layout for {other}"),
@@ -1720,6 +1730,28 @@ mod tests {
             let mid = ((e4m3_value(c) + e4m3_value(c + 1)) / 2.0) as f32;
             assert_eq!(e4m3_like_the_kernel(mid), e4m3_nearest(mid), "{mid:e}");
             assert_eq!(e4m3_nearest(mid) % 2, 0, "{mid:e}");
+        }
+    }
+
+    /// The f64 reference's decoder of the CPU-layout rows against kestrel-quant's.
+    #[test]
+    fn the_reference_decodes_ggml_rows_as_kestrel_quant() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        for t in [KvType::F16, KvType::Q8_0, KvType::Q4_0] {
+            let g = t.ggml().unwrap();
+            let x: Vec<f32> = (0..128).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            let mut bytes = vec![0u8; t.bytes(128)];
+            kestrel_quant::quantize_row(g, &x, &mut bytes).unwrap();
+            let mut want = vec![0f32; 128];
+            kestrel_quant::dequantize_row(g, &bytes, &mut want).unwrap();
+            let mut got = Vec::new();
+            dequantize_row(t, &bytes, &mut got).unwrap();
+            for (a, b) in want.iter().zip(&got) {
+                assert!(
+                    (f64::from(*a) - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "{t}: {a} vs {b}"
+                );
+            }
         }
     }
 
