@@ -1407,14 +1407,11 @@ mod tests {
         e
     }
 
+    /// What the scheduler's channel carries.
+    type Submission = (Request, Option<Box<dyn TokenFilter>>);
+
     /// A request's tokens all arrive on this channel, then `Done`.
-    fn request(
-        prompt: Vec<u32>,
-        max_tokens: usize,
-    ) -> (
-        (Request, Option<Box<dyn TokenFilter>>),
-        mpsc::Receiver<Event>,
-    ) {
+    fn request(prompt: Vec<u32>, max_tokens: usize) -> (Submission, mpsc::Receiver<Event>) {
         let (tx, rx) = mpsc::channel();
         let req = Request {
             prompt,

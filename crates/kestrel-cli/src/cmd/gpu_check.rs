@@ -293,6 +293,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!(
         "quantized K/V: store_kv_q vs the CPU's quantizer (byte for byte; fp8 vs the reference one) and attention vs f64 over the stored values, then logits with the cache stored so on both backends (f32 activations, steps of 1-8 tokens and prompt chunks), then several sequences per step vs alone:"
     );
+    // A backend of its own for the kernel-level checks, gone before the engines' checks.
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
     for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
         for (ik, (k, v)) in selfcheck::ATTN_CACHE_TYPES.into_iter().enumerate() {
             let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
@@ -336,6 +338,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    drop(backend);
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
