@@ -102,8 +102,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
-    // A bad --spec is a startup error, reported before binding.
+    // A bad --spec or cache size is a startup error, reported before binding.
     spec_options(&args)?;
+    cache_size(
+        &args,
+        matches!(Device::parse(&args.device)?, Device::Cuda(_)),
+    )?;
     if let Some(origin) = &args.cors {
         // A bad origin is a startup error, not a silently missing header.
         let _ = kestrel_server::http::cors(origin).map_err(anyhow::Error::msg)?;
