@@ -331,12 +331,13 @@ attention_split_q(const float* q, const u16* kc, const u16* vc, float* part,
 // computes the current one. Same partial-result layout as attention_split.
 #define GQA_MAX_GROUP 8
 #define GQA_MAX_PER 4
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
-                    const u32* positions, const u32* seq_of, const u32* table_off,
-                    const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
-                    float scale, int window, int splits, int tok0) {
-    pdl_enter();
+// The body of attention_split_gqa and attention_split_gqa_q (k_sc, v_sc, kt_kind, vt_kind:
+// a quantized cache's scales and kinds, see kv_load; KV_F16 folds the quantized loads away).
+__device__ __forceinline__ void
+split_gqa(const float* q, const u16* kc, const u16* vc, float* part, const u32* positions,
+          const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
+          int n_head_kv, int head_dim, float scale, int window, int splits, int tok0,
+          const u16* k_sc, const u16* v_sc, int kt_kind, int vt_kind) {
     __shared__ float w_max[ATT_WARPS][GQA_MAX_GROUP], w_sum[ATT_WARPS][GQA_MAX_GROUP];
     __shared__ float w_acc[ATT_WARPS][GQA_MAX_GROUP][GQA_MAX_PER * 32];
     const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
@@ -365,6 +366,16 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
 
     float kn[GQA_MAX_PER], vn[GQA_MAX_PER];
     auto load = [&](int kp, float* kr, float* vr) {
+        if (kt_kind != KV_F16 || vt_kind != KV_F16) {
+            const size_t slot = kv_slot(table, block_size, kp);
+            const int off = kvh * head_dim + lane * per;
+#pragma unroll
+            for (int e = 0; e < GQA_MAX_PER; e++) {
+                kr[e] = e < per ? kv_load(kc, k_sc, kt_kind, slot, kv_dim, off + e) : 0.0f;
+                vr[e] = e < per ? kv_load(vc, v_sc, vt_kind, slot, kv_dim, off + e) : 0.0f;
+            }
+            return;
+        }
         const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kvh * head_dim + lane * per;
         if (per == 4) {
             // 8-byte loads: base is a multiple of 4 halves (head_dim = 128).
@@ -443,6 +454,29 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
             o[head_dim + 1] = total;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
+                    const u32* positions, const u32* seq_of, const u32* table_off,
+                    const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
+                    float scale, int window, int splits, int tok0) {
+    pdl_enter();
+    split_gqa(q, kc, vc, part, positions, seq_of, table_off, tables, block_size, n_head,
+              n_head_kv, head_dim, scale, window, splits, tok0, nullptr, nullptr, KV_F16, KV_F16);
+}
+
+// attention_split_gqa over a cache with quantized keys or values: the same arguments, then
+// the scales and kinds (each key and value row read and dequantized once per group).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_gqa_q(const float* q, const u16* kc, const u16* vc, float* part,
+                      const u32* positions, const u32* seq_of, const u32* table_off,
+                      const u32* tables, int block_size, int n_head, int n_head_kv,
+                      int head_dim, float scale, int window, int splits, int tok0,
+                      const u16* k_sc, const u16* v_sc, int kt, int vt) {
+    pdl_enter();
+    split_gqa(q, kc, vc, part, positions, seq_of, table_off, tables, block_size, n_head,
+              n_head_kv, head_dim, scale, window, splits, tok0, k_sc, v_sc, kt, vt);
 }
 
 // Decode attention on the tensor cores, for grouped (or single) heads of 64 or 128 dims:

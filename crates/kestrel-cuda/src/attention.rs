@@ -14,6 +14,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_split",
     "attention_split_q",
     "attention_split_gqa",
+    "attention_split_gqa_q",
     "attention_split_tiled64",
     "attention_split_tiled128",
     "attention_combine",
@@ -138,7 +139,7 @@ impl CudaBackend {
         // when the longest length crosses one.
         const ATTN_SPLIT_BLOCKS: usize = 512;
         let tiled = a.quant.is_none() && tiled_split_attention(p);
-        let gqa = a.quant.is_none() && gqa_split_attention(p);
+        let gqa = gqa_split_attention(p);
         let splits = if tiled {
             let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
             let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
@@ -246,24 +247,29 @@ impl CudaBackend {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
+                // Quantized caches: the `_q` kernels, the scales and kinds last.
                 if let Some(quant) = a.quant {
                     args.extend(quant);
+                }
+                let q = a.quant.is_some();
+                if gqa {
                     self.launch(
-                        "attention_split_q",
-                        (m as u32, p.n_head as u32, splits as u32),
-                        128,
-                        &args,
-                    );
-                } else if gqa {
-                    self.launch(
-                        "attention_split_gqa",
+                        if q {
+                            "attention_split_gqa_q"
+                        } else {
+                            "attention_split_gqa"
+                        },
                         (m as u32, p.n_head_kv as u32, splits as u32),
                         128,
                         &args,
                     );
                 } else {
                     self.launch(
-                        "attention_split",
+                        if q {
+                            "attention_split_q"
+                        } else {
+                            "attention_split"
+                        },
                         (m as u32, p.n_head as u32, splits as u32),
                         128,
                         &args,
