@@ -250,6 +250,15 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
 
 /// The KV cache's size from `--kv-memory` / `--gpu-memory-utilization` on `cuda` or not.
 fn cache_size(args: &Args, cuda: bool) -> anyhow::Result<KvCacheSize> {
+    if let (Some(bytes), false, Some(free)) = (args.kv_memory, cuda, kestrel_cpu::mem_available())
+        && bytes > free
+    {
+        anyhow::bail!(
+            "--kv-memory {:.0} MiB is more than the {:.0} MiB of memory available",
+            bytes as f64 / (1u64 << 20) as f64,
+            free as f64 / (1u64 << 20) as f64
+        );
+    }
     Ok(match (args.kv_memory, args.gpu_memory_utilization) {
         (Some(bytes), _) => KvCacheSize::Bytes(bytes),
         (None, Some(f)) if cuda => KvCacheSize::DeviceFraction(f),
@@ -404,6 +413,9 @@ mod tests {
         let cpu = size(&["--gpu-memory-utilization", "0.5"], false).unwrap_err();
         assert!(cpu.to_string().contains("--kv-memory"), "{cpu}");
         assert!(parse(&["--kv-memory", "1G", "--gpu-memory-utilization", "0.5"]).is_err());
+        // More than the machine has: refused on the CPU, not left to fail an allocation.
+        let huge = size(&["--kv-memory", "1000000T"], false).unwrap_err();
+        assert!(huge.to_string().contains("available"), "{huge}");
         assert!(parse(&["--kv-memory", "0"]).is_err());
         assert!(parse(&["--gpu-memory-utilization", "1.5"]).is_err());
     }
