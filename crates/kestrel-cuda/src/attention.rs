@@ -395,17 +395,17 @@ pub(crate) fn attention(
     step: &CudaStep,
     n: usize,
     out: &mut CudaTensor,
-) {
+) -> Prepared {
     if p.head_dim > MAX_HEAD_DIM {
         backend.fail(format!(
             "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
             p.head_dim
         ));
-        return;
+        return Prepared::Nothing;
     }
     if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
         backend.fail(format!("attention: bad geometry for layer {}", p.layer));
-        return;
+        return Prepared::Nothing;
     }
     let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
     let width = p.n_head * p.head_dim;
@@ -435,21 +435,23 @@ pub(crate) fn attention(
         mmk,
         quant: cache.quantized().then(|| cache.quant_args(p.layer)),
     };
-    // After launches that wrote the whole step's quantized output: the consumer finds it.
-    let note_quantized = || {
-        if let Some((npad, _)) = mmk {
-            *backend.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((out.ptr, n, npad, true));
-        } else {
-            *backend.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
-        }
+    // After launches that wrote the whole step's quantized output: what the output
+    // projection then reads.
+    let quantized = match mmk {
+        Some((npad, _)) => Prepared::Mmq {
+            of: out.ptr,
+            n,
+            npad,
+            mmk: true,
+        },
+        None => Prepared::Q8 { of: out.ptr },
     };
     if n <= GEMV_MAX_TOKENS {
         // Decode: one launch list whatever the sequences (graph replay).
         if backend.attention_short(&ctx, p, step, 0, n) {
-            note_quantized();
+            return quantized;
         }
-        return;
+        return Prepared::Nothing;
     }
     // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
     // prompt chunks go to the tiled prefill kernels, the short runs between them (decode
@@ -477,8 +479,9 @@ pub(crate) fn attention(
         && backend.attention_short(&ctx, p, step, a, b - a)
         && (a, b) == (0, n)
     {
-        note_quantized();
+        return quantized;
     }
+    Prepared::Nothing
 }
 
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
@@ -487,6 +490,7 @@ pub(crate) fn rope_store_kv(
     q: &mut CudaTensor,
     k: &mut CudaTensor,
     v: &CudaTensor,
+    qkv_ready: Prepared,
     head_dim: usize,
     rope: &RopeParams,
     cache: &mut CudaCache,
@@ -494,6 +498,23 @@ pub(crate) fn rope_store_kv(
     step: &CudaStep,
     n: usize,
 ) {
+    // The merged product of exactly these q, k and v, if `qkv` left it unsplit: the kernel
+    // splits it on the way (the product and the three biases), else it reads q, k and v.
+    let split = match qkv_ready {
+        Prepared::Split(p) => Some(p),
+        _ => None,
+    };
+    let ours = split.filter(|p| {
+        p.n == n
+            && p.args[1] == Arg::P(q.ptr)
+            && p.args[2] == Arg::P(k.ptr)
+            && p.args[3] == Arg::P(v.ptr)
+    });
+    if let Some(p) = split
+        && ours.is_none()
+    {
+        backend.split_qkv(&p);
+    }
     if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
         backend.fail(format!(
             "rope_store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
@@ -513,9 +534,7 @@ pub(crate) fn rope_store_kv(
     };
     let heads = q.cols / head_dim + k.cols / head_dim;
     let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
-    // The merged product of these q, k and v, if it waits unsplit: the kernel splits it
-    // on the way (the product and the three biases), else it reads q, k and v.
-    let source = match backend.take_split_of(q, k, v, n) {
+    let source = match ours {
         Some(p) => [p.args[0], p.args[4], p.args[5], p.args[6]],
         None => [Arg::P(0); 4],
     };

@@ -767,8 +767,9 @@ pub fn compare_gemv(
     match &up {
         Some((up_w, _)) => {
             let mut up_out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-            backend.gate_up_of(
+            let _gated = backend.gate_up_of(
                 &xt,
+                kestrel_cuda::Prepared::Nothing,
                 &weight,
                 up_w,
                 kestrel_model::Activation::Silu,
@@ -779,7 +780,8 @@ pub fn compare_gemv(
         }
         None if product == Product::AddInto => {
             let mut tmp = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-            backend.matmul_add(&xt, &weight, n, &mut tmp, &mut out);
+            let nothing = kestrel_cuda::Prepared::Nothing;
+            backend.matmul_add(&xt, nothing, &weight, n, &mut tmp, &mut out);
         }
         None => backend.matmul(&xt, &weight, n, &mut out),
     }

@@ -246,6 +246,7 @@ impl CudaBackend {
     pub(crate) fn gemv(
         &self,
         x: &CudaTensor,
+        ready: &mut Prepared,
         n: usize,
         segs: &[GemvSeg],
         gated: Option<Activation>,
@@ -301,7 +302,16 @@ impl CudaBackend {
             args.push(Arg::P(s.bias));
         }
         if family.tensor_core() {
-            self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes, family);
+            self.mmq(
+                x,
+                ready,
+                n,
+                segs,
+                gated.is_some(),
+                &args,
+                weight_bytes,
+                family,
+            );
             return;
         }
         // Only the single-token kernels and the mmq_t8 / mmk_t8* / mms_* add into their
@@ -315,8 +325,7 @@ impl CudaBackend {
             else {
                 return;
             };
-            let quantized =
-                n == 1 && *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some(x.ptr);
+            let quantized = n == 1 && *ready == Prepared::Q8 { of: x.ptr };
             if !quantized {
                 // Rows of k values back to back: n·k/32 blocks of 32.
                 self.launch(
@@ -330,6 +339,13 @@ impl CudaBackend {
                         Arg::P(d_ptr),
                     ],
                 );
+                // The buffers now hold this x (a single token's row is read as the
+                // Q8 form's first row by the next product of the same x too).
+                *ready = if n == 1 {
+                    Prepared::Q8 { of: x.ptr }
+                } else {
+                    Prepared::Nothing
+                };
             }
             let forced = self.gemv_q8_rows();
             let (kernel, rows) = match (n, forced) {
@@ -371,10 +387,8 @@ impl CudaBackend {
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
             q8_args.extend_from_slice(&args);
-            // A single token's 8-bit row stays held across its products (see `Keeps`).
-            let keeps = if n == 1 { Keeps::Q8 } else { Keeps::NOTHING };
             let grid = grid_1d(warps, 4);
-            self.launch_keeping(kernel, grid, 128, &q8_args, weight_bytes, keeps);
+            self.launch_reading(kernel, grid, 128, &q8_args, weight_bytes);
             return;
         }
         if family == Kernel::GemvDec {
