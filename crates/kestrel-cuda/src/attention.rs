@@ -523,7 +523,11 @@ pub(crate) fn rope_store_kv(
         return;
     }
     if cache.quantized() {
-        // The fused kernel stores f16: rotate, then quantize on the store.
+        // The fused kernel stores f16: split (if the product waits), rotate, then quantize
+        // on the store.
+        if let Some(p) = &ours {
+            backend.split_qkv(p);
+        }
         norm_rope::rope(backend, q, head_dim, rope, step, n);
         norm_rope::rope(backend, k, head_dim, rope, step, n);
         store_kv(backend, cache, layer, k, v, step, n);
