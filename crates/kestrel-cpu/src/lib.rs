@@ -100,7 +100,7 @@ fn hugepages(len: usize) -> bool {
 }
 
 /// Bytes of memory available to new allocations (Linux's MemAvailable), if known.
-fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let m = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib = line.split_whitespace().nth(1)?.parse::<u64>().ok()?;

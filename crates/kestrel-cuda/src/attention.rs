@@ -7,15 +7,20 @@ use crate::*;
 /// The kernels this module launches (kernels/attention.cu).
 pub(crate) const KERNELS: &[&str] = &[
     "store_kv",
+    "store_kv_q",
     "rope_store_kv",
     "attention",
+    "attention_q",
     "attention_split",
+    "attention_split_q",
     "attention_split_gqa",
+    "attention_split_gqa_q",
     "attention_split_tiled64",
     "attention_split_tiled128",
     "attention_combine",
     "attention_combine_mmk",
     "attention_prefill",
+    "attention_prefill_q",
     "attention_prefill_mma64",
     "attention_prefill_mma128",
 ];
@@ -94,6 +99,9 @@ pub(crate) struct AttnLaunch {
     /// count and the buffers (values, per-256 steps, group sums) attention_combine_mmk
     /// writes.
     pub(crate) mmk: Option<(usize, [u64; 3])>,
+    /// A cache with quantized keys or values: the `_q` kernels' trailing arguments (scales,
+    /// kinds). Every step then runs `attention_split_q` / `attention_q`.
+    pub(crate) quant: Option<[Arg; 4]>,
 }
 
 impl CudaBackend {
@@ -138,7 +146,8 @@ impl CudaBackend {
         // directly, without attention_combine. The count is a power of two and changes only
         // when the longest length crosses one.
         const ATTN_SPLIT_BLOCKS: usize = 512;
-        let tiled = tiled_split_attention(p);
+        let tiled = a.quant.is_none() && tiled_split_attention(p);
+        let gqa = gqa_split_attention(p);
         let splits = if tiled {
             let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
             let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
@@ -147,11 +156,7 @@ impl CudaBackend {
                 .map_or(1, |e| 1 << e);
             by_len.min(by_blocks)
         } else {
-            let heads = if gqa_split_attention(p) {
-                p.n_head_kv
-            } else {
-                p.n_head
-            };
+            let heads = if gqa { p.n_head_kv } else { p.n_head };
             let by_len = max_len.next_power_of_two().div_ceil(16);
             let by_blocks =
                 ATTN_SPLIT_BLOCKS.div_ceil(n_split.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
@@ -251,16 +256,29 @@ impl CudaBackend {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
-                if gqa_split_attention(p) {
+                // Quantized caches: the `_q` kernels, the scales and kinds last.
+                if let Some(quant) = a.quant {
+                    args.extend(quant);
+                }
+                let q = a.quant.is_some();
+                if gqa {
                     self.launch(
-                        "attention_split_gqa",
+                        if q {
+                            "attention_split_gqa_q"
+                        } else {
+                            "attention_split_gqa"
+                        },
                         (m as u32, p.n_head_kv as u32, splits as u32),
                         128,
                         &args,
                     );
                 } else {
                     self.launch(
-                        "attention_split",
+                        if q {
+                            "attention_split_q"
+                        } else {
+                            "attention_split"
+                        },
                         (m as u32, p.n_head as u32, splits as u32),
                         128,
                         &args,
@@ -274,7 +292,14 @@ impl CudaBackend {
             } else {
                 let mut args = common(a.out);
                 args.push(Arg::I(t as i32));
-                self.launch("attention", (m as u32, p.n_head as u32, 1), 128, &args);
+                let name = match a.quant {
+                    Some(quant) => {
+                        args.extend(quant);
+                        "attention_q"
+                    }
+                    None => "attention",
+                };
+                self.launch(name, (m as u32, p.n_head as u32, 1), 128, &args);
                 wrote_q8 = false;
             }
             done += m;
@@ -294,16 +319,23 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        let (name, grid) = match prefill_mma_kernel(p) {
-            Some(name) => (
+        // A quantized cache: the SIMT kernel, dequantizing as it stages the tiles.
+        let mma = prefill_mma_kernel(p).filter(|_| a.quant.is_none());
+        let (name, grid) = match (mma, a.quant) {
+            (Some(name), _) => (
                 name,
                 (p.n_head as u32, n.div_ceil(PREFILL_MMA_TOKENS) as u32, 1),
             ),
-            None => (
-                "attention_prefill",
+            (None, quant) => (
+                if quant.is_some() {
+                    "attention_prefill_q"
+                } else {
+                    "attention_prefill"
+                },
                 (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
             ),
         };
+        let quant = a.quant.as_ref().map_or(&[][..], |q| &q[..]);
         self.launch(
             name,
             grid,
@@ -321,6 +353,7 @@ impl CudaBackend {
                     Arg::F(p.scale),
                     Arg::I(a.window),
                 ],
+                quant,
             ]
             .concat(),
         );
@@ -343,22 +376,24 @@ pub(crate) fn store_kv(
         ));
         return;
     }
-    backend.launch(
-        "store_kv",
-        (n as u32, 1, 1),
-        128,
+    let args = [
         &[
-            &[
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::P(cache.k_ptr[layer]),
-                Arg::P(cache.v_ptr[layer]),
-            ][..],
-            &step.slot_args(),
-            &[Arg::I(cache.block_size as i32), Arg::I(cache.kv_dim as i32)],
-        ]
-        .concat(),
-    );
+            Arg::P(k.ptr),
+            Arg::P(v.ptr),
+            Arg::P(cache.k_ptr[layer]),
+            Arg::P(cache.v_ptr[layer]),
+        ][..],
+        &step.slot_args(),
+        &[Arg::I(cache.block_size as i32), Arg::I(cache.kv_dim as i32)],
+    ]
+    .concat();
+    if cache.quantized() {
+        // Quantized on the device: a warp per 32-value block.
+        let args = [&args[..], &cache.quant_args(layer)].concat();
+        backend.launch("store_kv_q", (n as u32, 1, 1), 128, &args);
+    } else {
+        backend.launch("store_kv", (n as u32, 1, 1), 128, &args);
+    }
 }
 
 pub(crate) fn attention(
@@ -408,6 +443,7 @@ pub(crate) fn attention(
         window,
         q8,
         mmk,
+        quant: cache.quantized().then(|| cache.quant_args(p.layer)),
     };
     // After launches that wrote the whole step's quantized output: what the output
     // projection then reads.
@@ -511,6 +547,17 @@ pub(crate) fn rope_store_kv(
             "rope_store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
             k.cols, v.cols, cache.kv_dim
         ));
+        return;
+    }
+    if cache.quantized() {
+        // The fused kernel stores f16: split (if the product waits), rotate, then quantize
+        // on the store.
+        if let Some(p) = &ours {
+            backend.split_qkv(p);
+        }
+        norm_rope::rope(backend, q, head_dim, rope, step, n);
+        norm_rope::rope(backend, k, head_dim, rope, step, n);
+        store_kv(backend, cache, layer, k, v, step, n);
         return;
     }
     let Some(rope_args) = backend.rope_args(head_dim, rope) else {

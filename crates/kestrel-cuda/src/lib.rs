@@ -44,7 +44,8 @@ use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{
-    Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
+    Activation, AttnParams, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
+    SamplingBatch,
 };
 
 pub use compile::Origin;
@@ -219,15 +220,53 @@ pub struct CudaTensor {
     cols: usize,
 }
 
-/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` f16 values.
+/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` keys and values,
+/// each stored as f16 or quantized (`types`; kernels/attention.cu's `kv_load` gives the
+/// layout: a quantized layer holds every slot's quants, then every slot's scales from
+/// `k_scale` / `v_scale`).
 pub struct CudaCache {
     k: Vec<CudaSlice<u16>>,
     v: Vec<CudaSlice<u16>>,
     k_ptr: Vec<u64>,
     v_ptr: Vec<u64>,
+    /// Each layer's scale region (0 for f16).
+    k_scale: Vec<u64>,
+    v_scale: Vec<u64>,
+    types: KvTypes,
     block_size: usize,
     n_blocks: usize,
     kv_dim: usize,
+}
+
+/// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0,
+/// KV_FP8, KV_Q4_0).
+pub const CUDA_CACHE_TYPES: [KvType; 4] = [KvType::F16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8];
+
+/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0 / KV_FP8 / KV_Q4_0).
+fn cuda_kind(t: KvType) -> i32 {
+    match t {
+        KvType::Q8_0 => 1,
+        KvType::Fp8 => 2,
+        KvType::Q4_0 => 3,
+        _ => 0,
+    }
+}
+
+impl CudaCache {
+    /// Whether keys or values are quantized (the kernels reading `kv_load`'s layouts).
+    fn quantized(&self) -> bool {
+        self.types != KvTypes::default()
+    }
+
+    /// The quantized kernels' trailing arguments for `layer`: scales, kinds.
+    fn quant_args(&self, layer: usize) -> [Arg; 4] {
+        [
+            Arg::P(self.k_scale[layer]),
+            Arg::P(self.v_scale[layer]),
+            Arg::I(cuda_kind(self.types.k)),
+            Arg::I(cuda_kind(self.types.v)),
+        ]
+    }
 }
 
 /// Per-step inputs in one device buffer of u32, at fixed offsets (`T` = max tokens):
@@ -444,7 +483,27 @@ impl kestrel_model::Backend for CudaBackend {
         n_blocks: usize,
         block_size: usize,
     ) -> anyhow::Result<CudaCache> {
-        step::new_cache(self, config, n_blocks, block_size)
+        step::new_cache(self, config, n_blocks, block_size, KvTypes::default())
+    }
+
+    fn cache_types(&self) -> &'static [KvType] {
+        &CUDA_CACHE_TYPES
+    }
+
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        kv: KvTypes,
+    ) -> anyhow::Result<CudaCache> {
+        kv.check(self.cache_types(), config.head_dim, &self.name())?;
+        step::new_cache(self, config, n_blocks, block_size, kv)
+    }
+
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.ctx.bind_to_thread().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
     }
 
     fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<CudaStep> {
@@ -629,6 +688,59 @@ impl kestrel_model::Backend for CudaBackend {
 impl CudaCache {
     pub fn n_blocks(&self) -> usize {
         self.n_blocks
+    }
+
+    pub fn types(&self) -> KvTypes {
+        self.types
+    }
+}
+
+impl CudaBackend {
+    /// Layer `layer` of `cache` read back (after the queued work), keys then values, each
+    /// as the rows of its slots in the CPU cache's layout (ggml blocks: for Q8_0 each 32
+    /// values' f16 scale then their 32 quants; fp8 likewise), for the self-check.
+    pub fn read_cache_layer(
+        &self,
+        cache: &CudaCache,
+        layer: usize,
+    ) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+        anyhow::ensure!(layer < cache.k.len(), "no layer {layer}");
+        self.check()?;
+        let slots = cache.n_blocks * cache.block_size;
+        let read = |buf: &CudaSlice<u16>, t: KvType| -> anyhow::Result<Vec<u8>> {
+            let mut host = vec![0u16; buf.len()];
+            self.stream
+                .memcpy_dtoh(buf, &mut host[..])
+                .map_err(|e| anyhow::anyhow!("copying the cache from the GPU: {e:?}"))?;
+            self.check()?;
+            let bytes: Vec<u8> = host.iter().flat_map(|h| h.to_le_bytes()).collect();
+            let n = slots * cache.kv_dim;
+            Ok(match t {
+                KvType::Q8_0 | KvType::Fp8 => {
+                    let (quants, scales) = bytes.split_at(n);
+                    let mut out = Vec::with_capacity(n / 32 * 34);
+                    for (qs, d) in quants.chunks_exact(32).zip(scales.chunks_exact(2)) {
+                        out.extend_from_slice(d);
+                        out.extend_from_slice(qs);
+                    }
+                    out
+                }
+                KvType::Q4_0 => {
+                    let (quants, scales) = bytes.split_at(n / 2);
+                    let mut out = Vec::with_capacity(n / 32 * 18);
+                    for (qs, d) in quants.chunks_exact(16).zip(scales.chunks_exact(2)) {
+                        out.extend_from_slice(d);
+                        out.extend_from_slice(qs);
+                    }
+                    out
+                }
+                _ => bytes[..n * 2].to_vec(),
+            })
+        };
+        Ok((
+            read(&cache.k[layer], cache.types.k)?,
+            read(&cache.v[layer], cache.types.v)?,
+        ))
     }
 }
 

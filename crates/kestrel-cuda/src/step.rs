@@ -191,6 +191,7 @@ pub(crate) fn new_cache(
     config: &ModelConfig,
     n_blocks: usize,
     block_size: usize,
+    types: KvTypes,
 ) -> anyhow::Result<CudaCache> {
     let kv_dim = config.kv_dim();
     let per_layer = config
@@ -201,15 +202,34 @@ pub(crate) fn new_cache(
         v: Vec::new(),
         k_ptr: Vec::new(),
         v_ptr: Vec::new(),
+        k_scale: Vec::new(),
+        v_scale: Vec::new(),
+        types,
         block_size,
         n_blocks,
         kv_dim,
     };
+    // u16 elements of one layer's buffer and where its scales start (bytes): f16 values, or
+    // a byte a value then an f16 scale per 32 values (kernels/attention.cu, kv_load).
+    let layout = |t: KvType| -> anyhow::Result<(usize, Option<usize>)> {
+        match t {
+            KvType::F16 => Ok((per_layer, None)),
+            KvType::Q8_0 | KvType::Fp8 => Ok((per_layer / 2 + per_layer / 32, Some(per_layer))),
+            // Two values a byte, then the scales.
+            KvType::Q4_0 => Ok((per_layer / 4 + per_layer / 32, Some(per_layer / 2))),
+            other => anyhow::bail!("the CUDA cache has no layout for {other}"),
+        }
+    };
+    let (k_len, k_scales) = layout(types.k)?;
+    let (v_len, v_scales) = layout(types.v)?;
     for _ in 0..config.n_layer {
-        let k = backend.alloc::<u16>(per_layer, "the KV cache")?;
-        let v = backend.alloc::<u16>(per_layer, "the KV cache")?;
-        cache.k_ptr.push(backend.ptr(&k));
-        cache.v_ptr.push(backend.ptr(&v));
+        let k = backend.alloc::<u16>(k_len, "the KV cache")?;
+        let v = backend.alloc::<u16>(v_len, "the KV cache")?;
+        let (kp, vp) = (backend.ptr(&k), backend.ptr(&v));
+        cache.k_ptr.push(kp);
+        cache.v_ptr.push(vp);
+        cache.k_scale.push(k_scales.map_or(0, |at| kp + at as u64));
+        cache.v_scale.push(v_scales.map_or(0, |at| vp + at as u64));
         cache.k.push(k);
         cache.v.push(v);
     }

@@ -85,6 +85,13 @@ pub trait Backend: Sync {
         block_size: usize,
     ) -> anyhow::Result<Self::Cache>;
 
+    /// The device's free and total memory in bytes, for sizing the KV cache by a fraction
+    /// of it (`--gpu-memory-utilization`); `None` (the default) where the backend has no
+    /// memory of its own (the CPU).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     /// The cache storage types this backend's attention reads (default: f16 only).
     fn cache_types(&self) -> &'static [KvType] {
         &[KvType::F16]
