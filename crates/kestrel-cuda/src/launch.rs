@@ -271,16 +271,24 @@ impl CudaBackend {
                 Some(c) => c.all_gather(arg(0), arg(1), arg(2) as usize, stream),
             },
             _ => {
-                // SAFETY: plain data; all-zero is valid for every field.
-                let mut m: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-                m.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-                m.srcDevice = arg(0);
-                m.srcPitch = arg(1) as usize;
-                m.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-                m.dstDevice = arg(2);
-                m.dstPitch = arg(3) as usize;
-                m.WidthInBytes = arg(4) as usize;
-                m.Height = arg(5) as usize;
+                let m = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: arg(0),
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: arg(1) as usize,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: arg(2),
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: arg(3) as usize,
+                    WidthInBytes: arg(4) as usize,
+                    Height: arg(5) as usize,
+                };
                 // SAFETY: both regions lie in live device buffers of this context, sized
                 // by the caller (`copy_2d`) from the same geometry.
                 let r = unsafe { sys::cuMemcpy2DAsync_v2(&m, self.stream.cu_stream()) };

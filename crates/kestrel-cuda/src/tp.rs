@@ -557,7 +557,9 @@ impl Backend for TpBackend {
                 })
             }
         };
-        let gathered_only = name == "token_embd.weight" && file.tensor("output.weight").is_some();
+        // The whole embedding table is only gathered from: a tied LM head gets shards of
+        // its own (`head`).
+        let gathered_only = name == "token_embd.weight";
         let load = |r: usize, b: &CudaBackend, split: &Split, gathered_only: bool| {
             let shape = shape_of(r);
             let (shard_dims, shard_data): (Vec<u64>, Vec<u8>);
