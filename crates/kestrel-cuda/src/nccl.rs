@@ -96,6 +96,20 @@ fn candidates() -> Vec<PathBuf> {
     out
 }
 
+/// The function `name` of `lib` as a `T` (a function pointer type).
+///
+/// SAFETY: `T` must be the symbol's C signature.
+unsafe fn sym<T: Copy>(
+    lib: &libloading::Library,
+    path: &std::path::Path,
+    name: &[u8],
+) -> Result<T, String> {
+    // SAFETY: per the caller.
+    unsafe { lib.get::<T>(name) }
+        .map(|s| *s)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn load() -> Result<Lib, String> {
     // Before NCCL reads its environment: multicast stays off, always.
     // SAFETY: set before libnccl is loaded; the backend's other threads do not read or
@@ -112,21 +126,16 @@ fn load() -> Result<Lib, String> {
         };
         // SAFETY: the symbols have these C signatures in every NCCL 2 release (nccl.h).
         let lib = unsafe {
-            let sym = |name: &[u8]| -> Result<*mut c_void, String> {
-                lib.get::<*mut c_void>(name)
-                    .map(|s| *s)
-                    .map_err(|e| format!("{}: {e}", path.display()))
-            };
             let get_version: unsafe extern "C" fn(*mut c_int) -> Res =
-                std::mem::transmute(sym(b"ncclGetVersion")?);
+                sym(&lib, path, b"ncclGetVersion")?;
             let mut version = 0;
             get_version(&mut version);
             Lib {
-                get_error_string: std::mem::transmute(sym(b"ncclGetErrorString")?),
-                comm_init_all: std::mem::transmute(sym(b"ncclCommInitAll")?),
-                comm_destroy: std::mem::transmute(sym(b"ncclCommDestroy")?),
-                all_reduce: std::mem::transmute(sym(b"ncclAllReduce")?),
-                all_gather: std::mem::transmute(sym(b"ncclAllGather")?),
+                get_error_string: sym(&lib, path, b"ncclGetErrorString")?,
+                comm_init_all: sym(&lib, path, b"ncclCommInitAll")?,
+                comm_destroy: sym(&lib, path, b"ncclCommDestroy")?,
+                all_reduce: sym(&lib, path, b"ncclAllReduce")?,
+                all_gather: sym(&lib, path, b"ncclAllGather")?,
                 version,
                 path: path.clone(),
                 _lib: lib,

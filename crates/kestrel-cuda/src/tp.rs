@@ -933,3 +933,44 @@ pub fn all_reduce_latency(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every job runs exactly once on every rank's thread, with its own element, also after
+    /// the threads have gone to sleep; a panicking job is reported, not lost.
+    #[test]
+    fn pool_runs_each_job_once_per_rank() {
+        for ranks in [1, 2, 3] {
+            let pool = Pool::new(ranks).unwrap();
+            let mut counts = vec![0u64; ranks];
+            let hits = AtomicUsize::new(0);
+            for round in 0..300u64 {
+                let c = PerRank::new(&mut counts);
+                pool.run(&|r| {
+                    // SAFETY: rank r's own element.
+                    *unsafe { c.get(r) } += round + 1;
+                    hits.fetch_add(1, Ordering::Relaxed);
+                });
+                if round == 150 {
+                    // Long enough for the threads to park.
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+            }
+            let want: u64 = (1..=300).sum();
+            assert!(counts.iter().all(|&c| c == want), "{counts:?}");
+            assert_eq!(hits.load(Ordering::Relaxed), 300 * ranks);
+            pool.run(&|r| {
+                if r + 1 == ranks {
+                    panic!("rank {r} failed");
+                }
+            });
+            assert_eq!(
+                pool.take_panic().as_deref(),
+                Some(&*format!("rank {} failed", ranks - 1))
+            );
+            assert!(pool.take_panic().is_none());
+        }
+    }
+}

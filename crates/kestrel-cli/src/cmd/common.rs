@@ -564,3 +564,33 @@ mod tests {
         assert!(err.to_string().contains("-c 0"), "{err}");
     }
 }
+
+#[cfg(test)]
+mod device_tests {
+    use super::Device;
+
+    #[test]
+    fn devices_and_tp_resolve_or_are_refused() {
+        let r = |d: &str, tp| Device::resolve(d, tp).map_err(|e| e.to_string());
+        assert_eq!(r("cpu", None), Ok(Device::Cpu));
+        assert_eq!(r("cuda:3", None), Ok(Device::Cuda(3)));
+        assert_eq!(r("cuda:0,cuda:1", None), Ok(Device::CudaTp(vec![0, 1])));
+        assert_eq!(r("cuda:1, cuda:0", Some(2)), Ok(Device::CudaTp(vec![1, 0])));
+        assert_eq!(r("cpu", Some(2)), Ok(Device::CudaTp(vec![0, 1])));
+        assert_eq!(r("cuda", Some(4)), Ok(Device::CudaTp(vec![0, 1, 2, 3])));
+        assert_eq!(r("cuda:1", Some(1)), Ok(Device::Cuda(1)));
+        assert!(r("cuda:1", Some(2)).unwrap_err().contains("disagree"));
+        assert!(
+            r("cuda:0,cuda:1", Some(3))
+                .unwrap_err()
+                .contains("disagree")
+        );
+        assert!(
+            r("cuda:0,cpu", None)
+                .unwrap_err()
+                .contains("expected cuda:N")
+        );
+        assert!(r("cuda:0,", None).is_err());
+        assert!(r("gpu", None).is_err());
+    }
+}
