@@ -251,7 +251,8 @@ impl Device {
         let d = Device::parse(s)?;
         match (tp, &d) {
             (None, _) => Ok(d),
-            (Some(1), Device::Cuda(_) | Device::Cpu) => Ok(d),
+            (Some(1), Device::Cpu) => Ok(Device::Cuda(0)),
+            (Some(1), Device::Cuda(_)) => Ok(d),
             (Some(n), Device::Cuda(_) | Device::Cpu) if s == "cpu" || s == "cuda" => {
                 Ok(Device::CudaTp((0..n).collect()))
             }
@@ -579,6 +580,7 @@ mod device_tests {
         assert_eq!(r("cpu", Some(2)), Ok(Device::CudaTp(vec![0, 1])));
         assert_eq!(r("cuda", Some(4)), Ok(Device::CudaTp(vec![0, 1, 2, 3])));
         assert_eq!(r("cuda:1", Some(1)), Ok(Device::Cuda(1)));
+        assert_eq!(r("cpu", Some(1)), Ok(Device::Cuda(0)));
         assert!(r("cuda:1", Some(2)).unwrap_err().contains("disagree"));
         assert!(
             r("cuda:0,cuda:1", Some(3))
