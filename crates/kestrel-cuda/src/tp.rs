@@ -25,9 +25,10 @@ use kestrel_model::{
     Activation, AttnParams, Backend, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
 };
 
-use crate::launch::{Arg, Keeps, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
+use crate::launch::{Arg, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
 use crate::weights::{WeightSource, load_weight_from};
-use crate::{CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, QkvWeights, nccl};
+use crate::{CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, nccl};
+use kestrel_model::{KvType, KvTypes};
 
 // ---- the collectives and shapes a rank needs, on the single-GPU backend ----
 
@@ -49,7 +50,6 @@ impl CudaBackend {
             1,
             &[Arg::P(x.ptr), Arg::L(count)],
             0,
-            Keeps::NOTHING,
         );
     }
 
@@ -61,7 +61,6 @@ impl CudaBackend {
             1,
             &[Arg::P(send.ptr), Arg::P(recv.ptr), Arg::L(count as i64)],
             0,
-            Keeps::NOTHING,
         );
     }
 
@@ -99,14 +98,12 @@ impl CudaBackend {
                 Arg::L(rows as i64),
             ],
             0,
-            Keeps::NOTHING,
         );
     }
 
     /// Issues the step's recorded launches (a graph replay, or the launches themselves)
     /// without waiting for them.
     pub fn issue(&self) {
-        self.split_pending();
         self.flush();
     }
 
@@ -329,6 +326,13 @@ pub struct TpWeight {
 
 /// One tensor per rank.
 pub struct TpTensor(Vec<CudaTensor>);
+
+/// The most GPUs of one tensor-parallel group.
+pub const MAX_RANKS: usize = 8;
+
+/// What each rank's operation prepared for the next (see `Backend::Prepared`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TpPrepared([Prepared; MAX_RANKS]);
 /// Each rank's KV cache (its KV heads).
 pub struct TpCache(Vec<CudaCache>);
 /// Each rank's step inputs.
@@ -352,8 +356,11 @@ pub struct TpBackend {
 impl TpBackend {
     /// Opens the GPUs `ordinals` (rank i on `ordinals[i]`) and joins them by NCCL.
     pub fn new(ordinals: &[usize]) -> anyhow::Result<TpBackend> {
-        if ordinals.len() < 2 {
-            bail!("tensor parallelism needs at least two GPUs");
+        if ordinals.len() < 2 || ordinals.len() > MAX_RANKS {
+            bail!(
+                "tensor parallelism takes 2 to {MAX_RANKS} GPUs, not {}",
+                ordinals.len()
+            );
         }
         let mut seen = ordinals.to_vec();
         seen.sort_unstable();
@@ -393,6 +400,16 @@ impl TpBackend {
 
     fn each(&self, f: impl Fn(usize, &CudaBackend) + Sync) {
         self.pool.run(&|r| f(r, &self.ranks[r]));
+    }
+
+    /// [`Self::each`] of an operation returning what it prepared.
+    fn each_prep(&self, f: impl Fn(usize, &CudaBackend) -> Prepared + Sync) -> TpPrepared {
+        let mut out = TpPrepared::default();
+        let o = PerRank::new(&mut out.0[..self.ranks.len()]);
+        // SAFETY: rank r's own slot.
+        self.pool
+            .run(&|r| *unsafe { o.get(r) } = f(r, &self.ranks[r]));
+        out
     }
 
     fn each_ok<T: Send>(
@@ -435,7 +452,14 @@ impl TpBackend {
 
     /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
     /// rank 0's `out`.
-    fn vocab_matmul(&self, x: &TpTensor, w: &[CudaWeight], n: usize, out: &mut TpTensor) {
+    fn vocab_matmul(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        w: &[CudaWeight],
+        n: usize,
+        out: &mut TpTensor,
+    ) {
         let Ok(plan) = self.plan() else {
             return self.ranks[0].fail("the LM head before the model's plan".into());
         };
@@ -472,7 +496,7 @@ impl TpBackend {
             if let Err(e) = local.reshape(cap, w[r].out_len()) {
                 return b.fail(format!("{e:#}"));
             }
-            crate::matmul::matmul(b, &x.0[r], &w[r], n, local);
+            b.matmul_ready(&x.0[r], x_ready.0[r], &w[r], n, local);
             b.all_gather(local, n * chunk, gathered);
             if r == 0 {
                 for (q, range) in plan.vocab.iter().enumerate() {
@@ -501,6 +525,7 @@ fn qkv_of(layer: &LayerWeights<TpWeight>, r: usize) -> QkvWeights<'_> {
         attn_q_bias: layer.attn_q_bias.as_ref().map(|b| &b.ranks[r]),
         attn_k_bias: layer.attn_k_bias.as_ref().map(|b| &b.ranks[r]),
         attn_v_bias: layer.attn_v_bias.as_ref().map(|b| &b.ranks[r]),
+        qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
     }
 }
 
@@ -519,6 +544,7 @@ impl Backend for TpBackend {
     type Tensor = TpTensor;
     type Cache = TpCache;
     type Step = TpStep;
+    type Prepared = TpPrepared;
 
     fn name(&self) -> String {
         format!(
@@ -531,6 +557,44 @@ impl Backend for TpBackend {
                 .collect::<Vec<_>>()
                 .join(",")
         )
+    }
+
+    fn invariant_max_tokens(&self) -> usize {
+        // Two ranks' all-reduce adds the same two numbers whatever the message size;
+        // more ranks' ring order depends on it.
+        match self.ranks.len() {
+            2 => self.ranks[0].invariant_max_tokens(),
+            _ => 1,
+        }
+    }
+
+    fn cache_types(&self) -> &'static [KvType] {
+        self.ranks[0].cache_types()
+    }
+
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        kv: KvTypes,
+    ) -> anyhow::Result<TpCache> {
+        let plan = self.plan()?;
+        Ok(TpCache(self.each_ok(|r, b| {
+            b.new_cache_typed(&plan.rank_config(config, r), n_blocks, block_size, kv)
+        })?))
+    }
+
+    /// The cache is split evenly over the GPUs, so the memory it may take is the ranks'
+    /// smallest free (and total) memory times their number.
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        let m = self
+            .each_ok(|_, b| b.device_memory().context("no memory figure"))
+            .ok()?;
+        let n = m.len();
+        let free = m.iter().map(|x| x.0).min()?;
+        let total = m.iter().map(|x| x.1).min()?;
+        Some((free * n, total * n))
     }
 
     fn check_model(&self, cfg: &ModelConfig) -> anyhow::Result<()> {
@@ -634,9 +698,16 @@ impl Backend for TpBackend {
         self.each(|r, b| b.scale(unsafe { x.get(r) }, n, factor));
     }
 
-    fn rms_norm(&self, x: &TpTensor, weight: &TpWeight, eps: f32, n: usize, out: &mut TpTensor) {
+    fn rms_norm(
+        &self,
+        x: &TpTensor,
+        weight: &TpWeight,
+        eps: f32,
+        n: usize,
+        out: &mut TpTensor,
+    ) -> TpPrepared {
         let o = PerRank::new(&mut out.0);
-        self.each(|r, b| b.rms_norm(&x.0[r], &weight.ranks[r], eps, n, unsafe { o.get(r) }));
+        self.each_prep(|r, b| b.rms_norm(&x.0[r], &weight.ranks[r], eps, n, unsafe { o.get(r) }))
     }
 
     fn rms_norm_heads(
@@ -652,11 +723,22 @@ impl Backend for TpBackend {
     }
 
     fn matmul(&self, x: &TpTensor, w: &TpWeight, n: usize, out: &mut TpTensor) {
+        self.matmul_ready(x, TpPrepared::default(), w, n, out)
+    }
+
+    fn matmul_ready(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        w: &TpWeight,
+        n: usize,
+        out: &mut TpTensor,
+    ) {
         if !w.head.is_empty() {
-            return self.vocab_matmul(x, &w.head, n, out);
+            return self.vocab_matmul(x, x_ready, &w.head, n, out);
         }
         if w.role == Role::Vocab {
-            return self.vocab_matmul(x, &w.ranks, n, out);
+            return self.vocab_matmul(x, x_ready, &w.ranks, n, out);
         }
         let o = PerRank::new(&mut out.0);
         self.each(|r, b| {
@@ -665,7 +747,7 @@ impl Backend for TpBackend {
             if w.role != Role::RowParallel && !reshape_cols(b, out, wr.out_len()) {
                 return;
             }
-            b.matmul(&x.0[r], wr, n, out);
+            b.matmul_ready(&x.0[r], x_ready.0[r], wr, n, out);
             if w.role == Role::RowParallel {
                 b.all_reduce_rows(out, n);
             }
@@ -703,9 +785,10 @@ impl Backend for TpBackend {
         step: &TpStep,
         n: usize,
         out: &mut TpTensor,
-    ) {
+    ) -> TpPrepared {
         let Ok(plan) = self.plan() else {
-            return self.ranks[0].fail("attention before the model's plan".into());
+            self.ranks[0].fail("attention before the model's plan".into());
+            return TpPrepared::default();
         };
         let p = AttnParams {
             n_head: plan.q_heads,
@@ -713,17 +796,24 @@ impl Backend for TpBackend {
             ..*params
         };
         let o = PerRank::new(&mut out.0);
-        self.each(|r, b| {
+        self.each_prep(|r, b| {
             let out = unsafe { o.get(r) };
-            if reshape_cols(b, out, q.0[r].cols) {
-                b.attention(&q.0[r], &cache.0[r], &p, &step.0[r], n, out);
+            if !reshape_cols(b, out, q.0[r].cols) {
+                return Prepared::Nothing;
             }
-        });
+            b.attention(&q.0[r], &cache.0[r], &p, &step.0[r], n, out)
+        })
     }
 
-    fn gated_activation(&self, gate: &mut TpTensor, up: &TpTensor, act: Activation, n: usize) {
+    fn gated_activation(
+        &self,
+        gate: &mut TpTensor,
+        up: &TpTensor,
+        act: Activation,
+        n: usize,
+    ) -> TpPrepared {
         let g = PerRank::new(&mut gate.0);
-        self.each(|r, b| b.gated_activation(unsafe { g.get(r) }, &up.0[r], act, n));
+        self.each_prep(|r, b| b.gated_activation(unsafe { g.get(r) }, &up.0[r], act, n))
     }
 
     fn add(&self, x: &mut TpTensor, y: &TpTensor, n: usize) {
@@ -778,58 +868,63 @@ impl Backend for TpBackend {
     fn qkv(
         &self,
         x: &TpTensor,
+        x_ready: TpPrepared,
         layer: &LayerWeights<TpWeight>,
         n: usize,
         q: &mut TpTensor,
         k: &mut TpTensor,
         v: &mut TpTensor,
-    ) {
+    ) -> TpPrepared {
         let (qs, ks, vs) = (
             PerRank::new(&mut q.0),
             PerRank::new(&mut k.0),
             PerRank::new(&mut v.0),
         );
-        self.each(|r, b| {
+        self.each_prep(|r, b| {
             let w = qkv_of(layer, r);
             let (q, k, v) = unsafe { (qs.get(r), ks.get(r), vs.get(r)) };
-            if reshape_cols(b, q, w.attn_q.out_len())
+            if !(reshape_cols(b, q, w.attn_q.out_len())
                 && reshape_cols(b, k, w.attn_k.out_len())
-                && reshape_cols(b, v, w.attn_v.out_len())
+                && reshape_cols(b, v, w.attn_v.out_len()))
             {
-                crate::matmul::qkv(b, &x.0[r], &w, n, q, k, v);
+                return Prepared::Nothing;
             }
-        });
+            crate::matmul::qkv(b, &x.0[r], x_ready.0[r], &w, n, q, k, v)
+        })
     }
 
     fn gate_up(
         &self,
         x: &TpTensor,
+        x_ready: TpPrepared,
         layer: &LayerWeights<TpWeight>,
         act: Activation,
         n: usize,
         gate: &mut TpTensor,
         up: &mut TpTensor,
-    ) {
+    ) -> TpPrepared {
         let (gs, us) = (PerRank::new(&mut gate.0), PerRank::new(&mut up.0));
-        self.each(|r, b| {
+        self.each_prep(|r, b| {
             let (g, u) = unsafe { (gs.get(r), us.get(r)) };
             let (gw, uw) = (&layer.ffn_gate.ranks[r], &layer.ffn_up.ranks[r]);
-            if reshape_cols(b, g, gw.out_len()) && reshape_cols(b, u, uw.out_len()) {
-                b.gate_up_of(&x.0[r], gw, uw, act, n, g, u);
+            if !(reshape_cols(b, g, gw.out_len()) && reshape_cols(b, u, uw.out_len())) {
+                return Prepared::Nothing;
             }
-        });
+            b.gate_up_of(&x.0[r], x_ready.0[r], gw, uw, act, n, g, u)
+        })
     }
 
     fn matmul_add(
         &self,
         x: &TpTensor,
+        x_ready: TpPrepared,
         w: &TpWeight,
         n: usize,
         tmp: &mut TpTensor,
         residual: &mut TpTensor,
     ) {
         if w.role != Role::RowParallel {
-            self.matmul(x, w, n, tmp);
+            self.matmul_ready(x, x_ready, w, n, tmp);
             return self.add(residual, tmp, n);
         }
         // Rank 0 adds its partial product into the residual, the others write theirs
@@ -838,9 +933,9 @@ impl Backend for TpBackend {
         self.each(|r, b| {
             let (t, res) = unsafe { (ts.get(r), rs.get(r)) };
             if r == 0 {
-                b.matmul_add(&x.0[r], &w.ranks[r], n, t, res);
+                b.matmul_add(&x.0[r], x_ready.0[r], &w.ranks[r], n, t, res);
             } else {
-                b.matmul(&x.0[r], &w.ranks[r], n, res);
+                b.matmul_ready(&x.0[r], x_ready.0[r], &w.ranks[r], n, res);
             }
             b.all_reduce_rows(res, n);
         });
@@ -851,6 +946,7 @@ impl Backend for TpBackend {
         q: &mut TpTensor,
         k: &mut TpTensor,
         v: &TpTensor,
+        qkv_ready: TpPrepared,
         head_dim: usize,
         rope: &RopeParams,
         cache: &mut TpCache,
@@ -865,7 +961,18 @@ impl Backend for TpBackend {
         );
         self.each(|r, b| {
             let (q, k, c) = unsafe { (qs.get(r), ks.get(r), cs.get(r)) };
-            b.rope_store_kv(q, k, &v.0[r], head_dim, rope, c, layer, &step.0[r], n);
+            b.rope_store_kv(
+                q,
+                k,
+                &v.0[r],
+                qkv_ready.0[r],
+                head_dim,
+                rope,
+                c,
+                layer,
+                &step.0[r],
+                n,
+            );
         });
     }
 }

@@ -50,10 +50,12 @@ pub struct ModelArgs {
 /// these by `main`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct CacheArgs {
-    /// Storage type of the cached keys: f16, bf16, q8_0 or q4_0 (CPU; CUDA: f16).
+    /// Storage type of the cached keys: f16, bf16, q8_0 or q4_0 on the CPU; f16, q8_0 or
+    /// fp8 on CUDA.
     #[arg(long = "cache-type-k", default_value = "f16")]
     pub cache_type_k: KvType,
-    /// Storage type of the cached values: f16, bf16, q8_0 or q4_0 (CPU; CUDA: f16).
+    /// Storage type of the cached values: f16, bf16, q8_0 or q4_0 on the CPU; f16, q8_0 or
+    /// fp8 on CUDA.
     #[arg(long = "cache-type-v", default_value = "f16")]
     pub cache_type_v: KvType,
 }

@@ -376,6 +376,85 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
+        "quantized K/V: store_kv_q vs the CPU's quantizer (byte for byte; fp8 vs the reference one) and attention vs f64 over the stored values, then logits with the cache stored so on both backends (f32 activations, steps of 1-8 tokens and prompt chunks), then several sequences per step vs alone:"
+    );
+    // A backend of its own for the kernel-level checks, gone before the engines' checks.
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
+    for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::ATTN_CACHE_TYPES.into_iter().enumerate() {
+            let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
+            let kv = kestrel_model::KvTypes { k, v };
+            let (h, hk, d) = heads;
+            match selfcheck::compare_attention_cache(&backend, heads, kv, 40 + positions, case_seed)
+            {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                        r.steps,
+                        r.positions,
+                        r.max_abs_diff,
+                        r.max_abs_out,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
+            match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "store    {h}/{hk}/{d:<6} kv {k}/{v}: {} of {} bytes differ{}  {}",
+                        r.differing,
+                        r.bytes,
+                        r.first
+                            .map(|(t, what, b)| format!(" (first: token {t} {what} byte {b})"))
+                            .unwrap_or_default(),
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("store    {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
+        }
+    }
+    drop(backend);
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
+            let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
+            let case_seed = seed.wrapping_add(1_200 + (ia * 10 + ik) as u64);
+            let kv = kestrel_model::KvTypes { k, v };
+            let (h, hk, d) = heads;
+            let label = format!("kv {k}/{v} {:<8} {h}/{hk}/{d:<6}", arch.name());
+            let result = selfcheck::compare_logits_cache(
+                arch, "f16", heads, kv, positions, case_seed, args.gpu,
+            );
+            failures += usize::from(!print_logit_report(&label, result));
+        }
+        let kv = kestrel_model::KvTypes {
+            k: kestrel_model::KvType::Q8_0,
+            v: kestrel_model::KvType::Q8_0,
+        };
+        let lens = [150usize, 2, 33];
+        let label = format!("batched {:<8} wide kv q8_0 {:?}:", arch.name(), lens);
+        let case_seed = seed.wrapping_add(1_300 + ia as u64);
+        let result = selfcheck::compare_batched_cache(
+            arch,
+            "f16",
+            selfcheck::WIDE_HEADS,
+            kv,
+            &lens,
+            case_seed,
+            args.gpu,
+        );
+        failures += usize::from(!print_logit_report(&label, result));
+    }
+    println!(
         "on-device argmax of logit rows vs the rows read back (eager and graph-replayed steps):"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
@@ -414,6 +493,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         "{:<8} {:<8} {detail}  {}",
                         arch.name(),
                         ty,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!(
+        "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k"] {
+            let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
+            match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let ids = if r.spec == r.plain {
+                        "ids equal"
+                    } else {
+                        "IDS DIFFER"
+                    };
+                    println!(
+                        "{:<8} {:<8} {} rows, {} differ (max |Δ| {:.2e}); {ids}, {} drafted  {}",
+                        arch.name(),
+                        ty,
+                        r.rows,
+                        r.differing,
+                        r.max_abs_diff,
+                        r.drafted,
                         if ok { "ok" } else { "FAIL" }
                     );
                 }
