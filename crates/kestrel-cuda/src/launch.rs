@@ -52,6 +52,15 @@ pub(crate) struct Launch {
     pub(crate) weight_bytes: u64,
 }
 
+/// Launch records from this index on are not kernels but operations on other devices'
+/// data, recorded and captured like kernels (`run_special`): an NCCL all-reduce
+/// (`[P(buffer), L(count)]`), an NCCL all-gather (`[P(send), P(recv), L(count)]`) and a
+/// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`).
+pub(crate) const SPECIAL_BASE: usize = usize::MAX - 2;
+pub(crate) const SPECIAL_ALL_REDUCE: usize = usize::MAX;
+pub(crate) const SPECIAL_ALL_GATHER: usize = usize::MAX - 1;
+pub(crate) const SPECIAL_COPY_2D: usize = usize::MAX - 2;
+
 /// A captured step.
 pub(crate) struct StepGraph(CudaGraph);
 
@@ -195,6 +204,10 @@ impl CudaBackend {
     }
 
     pub(crate) fn launch_now(&self, l: &Launch) {
+        if l.func >= SPECIAL_BASE {
+            self.run_special(l);
+            return;
+        }
         let timing = self.profile.as_ref().and_then(|_| {
             let ev = || {
                 self.ctx
@@ -227,6 +240,62 @@ impl CudaBackend {
                     e.2 += bytes;
                 }
             }
+        }
+    }
+
+    /// Issues a special record (see [`SPECIAL_BASE`]) on the stream.
+    fn run_special(&self, l: &Launch) {
+        let arg = |i: usize| match l.args.get(i) {
+            Some(Arg::P(v)) => *v,
+            Some(Arg::L(v)) => *v as u64,
+            _ => 0,
+        };
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("binding the CUDA context: {e:?}"));
+            return;
+        }
+        let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
+        let r = match l.func {
+            SPECIAL_ALL_REDUCE | SPECIAL_ALL_GATHER => match self.comm.get() {
+                None => Err(anyhow::anyhow!(
+                    "a collective on a backend without a communicator"
+                )),
+                Some(c) if l.func == SPECIAL_ALL_REDUCE => {
+                    c.all_reduce_sum(arg(0), arg(1) as usize, stream)
+                }
+                Some(c) => c.all_gather(arg(0), arg(1), arg(2) as usize, stream),
+            },
+            _ => {
+                let m = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: arg(0),
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: arg(1) as usize,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: arg(2),
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: arg(3) as usize,
+                    WidthInBytes: arg(4) as usize,
+                    Height: arg(5) as usize,
+                };
+                // SAFETY: both regions lie in live device buffers of this context, sized
+                // by the caller (`copy_2d`) from the same geometry.
+                let r = unsafe { sys::cuMemcpy2DAsync_v2(&m, self.stream.cu_stream()) };
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!("strided copy: {r:?}"))
+                }
+            }
+        };
+        if let Err(e) = r {
+            self.fail(format!("{e:#}"));
         }
     }
 
@@ -412,13 +481,25 @@ impl CudaBackend {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
-        // Any kernel may write the rows a read-ahead copied: it no longer stands for them.
-        self.read_ahead_valid
-            .store(false, std::sync::atomic::Ordering::Relaxed);
         let Some(&func) = self.func_index.get(name) else {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
+        self.enqueue(func, grid, block, args, weight_bytes);
+    }
+
+    /// Records (or issues) launch `func`, kernel or [special](SPECIAL_BASE).
+    pub(crate) fn enqueue(
+        &self,
+        func: usize,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        weight_bytes: u64,
+    ) {
+        // Any launch may write the rows a read-ahead copied: it no longer stands for them.
+        self.read_ahead_valid
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let l = Launch {
             func,
             grid,

@@ -22,10 +22,12 @@ mod attention;
 pub mod compile;
 mod launch;
 mod matmul;
+pub mod nccl;
 mod norm_rope;
 mod options;
 mod sample;
 mod step;
+pub mod tp;
 mod weights;
 
 use attention::*;
@@ -50,8 +52,10 @@ use kestrel_model::{
 
 pub use compile::Origin;
 pub use launch::Prepared;
-pub use matmul::PendingSplit;
+pub use matmul::{PendingSplit, QkvWeights};
 pub use options::{F16Copies, Options, request_profile};
+pub use tp::TpBackend;
+pub use weights::WeightSource;
 
 /// Largest head size the attention kernel handles.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -107,6 +111,8 @@ pub struct CudaBackend {
     /// Each kernel's name, by index.
     func_names: Vec<&'static str>,
     recorder: Mutex<Recorder>,
+    /// This device's NCCL communicator, when it is one rank of a tensor-parallel group.
+    comm: std::sync::OnceLock<nccl::Comm>,
     /// Whether decode steps are captured and replayed as graphs.
     graphs: std::sync::atomic::AtomicBool,
     /// Per-kernel timing (`KESTREL_CUDA_PROFILE=1`; turns graphs off), printed on drop.
@@ -369,6 +375,7 @@ impl CudaBackend {
             func_index,
             func_names,
             recorder: Mutex::new(Recorder::default()),
+            comm: std::sync::OnceLock::new(),
             graphs: std::sync::atomic::AtomicBool::new(options.graphs),
             replays: Arc::default(),
             profile: options.profile.then(|| Mutex::new(Profiler::default())),
@@ -547,7 +554,7 @@ impl kestrel_model::Backend for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) -> Prepared {
-        matmul::qkv(self, x, x_ready, layer, n, q, k, v)
+        matmul::qkv(self, x, x_ready, &QkvWeights::of(layer), n, q, k, v)
     }
 
     fn matmul_add(

@@ -1906,3 +1906,114 @@ mod tests {
         }
     }
 }
+// ---- tensor parallelism ----
+
+/// The tiny model reshaped so that it splits over 2 GPUs with whole quantization blocks
+/// (8 query heads and 2 KV heads of 64 values, feed-forward 1,024): each rank's share of
+/// the attention output's and down projection's rows is 256 values.
+pub fn tp_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
+    cfg.n_embd = 512;
+    cfg.n_head = 8;
+    cfg.n_head_kv = 2;
+    cfg.head_dim = 64;
+    cfg.n_ff = 1024;
+    model_of(cfg, ty, seed)
+}
+
+/// A tensor-parallel engine over `ordinals`, evaluating in the same awkward chunks as
+/// [`cuda_engine`].
+fn tp_engine(
+    file: &Arc<GgufFile>,
+    ordinals: &[usize],
+) -> anyhow::Result<Engine<kestrel_cuda::TpBackend>> {
+    Engine::new(
+        kestrel_cuda::TpBackend::new(ordinals)?,
+        file.clone(),
+        &options(100),
+    )
+}
+
+/// Tensor parallelism checked twice on the same tokens: against the CPU oracle (f32
+/// activations: [`MAX_REL_DIFF_Q8`], as one GPU's check) and against one GPU running the
+/// whole model ([`MAX_REL_DIFF_Q8_BOTH`]: both on 8-bit decode activations, summed in
+/// other orders).
+#[derive(Debug, Clone)]
+pub struct TpReport {
+    pub vs_cpu: LogitReport,
+    pub vs_one_gpu: LogitReport,
+}
+
+impl TpReport {
+    pub fn passed(&self) -> bool {
+        self.vs_cpu.passed() && self.vs_one_gpu.passed()
+    }
+}
+
+/// Teacher-forced logits of `n` random tokens: tensor parallel over `ordinals` against the
+/// CPU and against one GPU (`ordinals[0]`), in the parts of [`PARTS`] (prefill chunks,
+/// graph-replayed decode steps, a mix).
+pub fn compare_tp_logits(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<TpReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7e9a);
+    let vocab = file
+        .tensor("token_embd.weight")
+        .map_or(1, |t| t.dims[1] as u32);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
+    let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
+    let tp = all_logits_in_parts(&mut tp_engine(&file, ordinals)?, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        cpu.len() == n && one.len() == n && tp.len() == n,
+        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
+        cpu.len(),
+        one.len(),
+        tp.len()
+    );
+    let mut vs_cpu = logit_report(arch, ty, &cpu, &tp);
+    vs_cpu.q8 = true;
+    let mut vs_one_gpu = logit_report(arch, ty, &one, &tp);
+    vs_one_gpu.q8 = true;
+    vs_one_gpu.q8_reference = true;
+    Ok(TpReport { vs_cpu, vs_one_gpu })
+}
+
+/// Greedy generation of `n` tokens after a random prompt, tensor parallel (through
+/// `Engine::generate`: the argmax on rank 0's device) against the CPU oracle (its logits
+/// tell a near-tie from a bug).
+pub fn compare_tp_greedy(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<GreedyReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut cpu = cpu_engine(&file)?;
+    let mut tp = tp_engine(&file, ordinals)?;
+    let vocab = cpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e38);
+    let prompt: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab)).collect();
+    let (a, cpu_logits) = greedy(&mut cpu, &prompt, n)?;
+    let mut seq = Sequence::default();
+    let greedy_params = kestrel_engine::sampler::SamplerParams::greedy();
+    let b = tp.generate(&mut seq, &prompt, &greedy_params, n, |_| false, |_| true)?;
+    tp.release(&mut seq);
+    let first_difference = a.iter().zip(&b).position(|(x, y)| x != y).map(|i| {
+        let l = &cpu_logits[i];
+        (i, l[a[i] as usize] - l[b[i] as usize])
+    });
+    Ok(GreedyReport {
+        arch,
+        ty: ty.to_string(),
+        cpu: a,
+        cuda: b,
+        first_difference,
+    })
+}

@@ -186,3 +186,48 @@ fn quantized_cache_batched_equals_alone() {
         }
     }
 }
+
+/// True when at least two CUDA devices can be used; otherwise prints why the test is
+/// skipped.
+fn two_gpus(test: &str) -> bool {
+    match kestrel_cuda::device_count() {
+        Ok(n) if n >= 2 => true,
+        Ok(n) => {
+            eprintln!("{test}: skipped, {n} CUDA device(s) (needs 2)");
+            false
+        }
+        Err(e) => {
+            eprintln!("{test}: skipped, {e:#}");
+            false
+        }
+    }
+}
+
+/// Tensor parallelism over two GPUs: logits against the CPU and against one GPU, greedy
+/// generations against the CPU, for every dense architecture (random seeds, awkward
+/// lengths).
+#[test]
+fn tensor_parallel_matches_one_gpu_and_cpu() {
+    if !two_gpus("tensor_parallel_matches_one_gpu_and_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in ARCHS {
+        for ty in ["f32", "q8_0", "q4_k_m"] {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = selfcheck::compare_tp_logits(arch, ty, n, seed, &[0, 1]).expect("runs");
+            eprintln!(
+                "tp {arch:?} {ty}: vs CPU max |Δ| {:.2e} top-1 {:.2}%; vs 1 GPU max |Δ| {:.2e} top-1 {:.2}%",
+                r.vs_cpu.max_abs_diff,
+                r.vs_cpu.top1_agreement_ties * 100.0,
+                r.vs_one_gpu.max_abs_diff,
+                r.vs_one_gpu.top1_agreement_ties * 100.0
+            );
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+        }
+        let seed = rng.random();
+        let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
+        assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
+    }
+}

@@ -31,6 +31,88 @@ pub struct Args {
     pub pp: usize,
     #[arg(long, default_value_t = 128)]
     pub tg: usize,
+    /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
+    /// all-reduce (its sums against the host's, its latency at decode sizes), then every
+    /// dense architecture's logits against the CPU and one GPU, and greedy generations.
+    #[arg(long, value_parser = crate::cmd::common::positive)]
+    pub tp: Option<usize>,
+}
+
+/// `gpu-check --tp N`.
+fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let ordinals: Vec<usize> = (0..ranks).collect();
+    println!(
+        "{}; NCCL_NVLS_ENABLE={}; seed {seed}",
+        kestrel_cuda::nccl::describe()?,
+        std::env::var("NCCL_NVLS_ENABLE").unwrap_or_default()
+    );
+    let mut failures = 0usize;
+    let sizes = [
+        4 << 10,
+        8 << 10,
+        16 << 10,
+        64 << 10,
+        256 << 10,
+        1 << 20,
+        32 << 20,
+    ];
+    for (bytes, us, err) in kestrel_cuda::tp::all_reduce_latency(&ordinals, &sizes, 200)? {
+        let ok = err <= 1e-3;
+        failures += usize::from(!ok);
+        println!(
+            "all-reduce of {:>8} bytes: {us:7.2} µs per call (back to back), {:6.1} GB/s; max |Δ| vs host sum {err:.1e}  {}",
+            bytes,
+            bytes as f64 / us / 1e3,
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+    for (i, arch) in ARCHS.iter().enumerate() {
+        for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
+            let s = seed.wrapping_add((i * 10 + j) as u64);
+            match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}%; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)  {}",
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("tp{ranks} {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        let s = seed.wrapping_add(100 + i as u64);
+        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
+            Ok(g) => {
+                failures += usize::from(!g.passed());
+                println!(
+                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
+                    g.cpu.len(),
+                    g.first_difference,
+                    if g.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
+    if failures > 0 {
+        anyhow::bail!("{failures} tensor-parallel check(s) failed");
+    }
+    println!("all tensor-parallel checks passed");
+    Ok(())
 }
 
 /// Times prefill and decode of a model file on the GPU (random token ids).
@@ -124,6 +206,9 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.bench {
         return bench(&args, path);
+    }
+    if let Some(n) = args.tp.filter(|&n| n > 1) {
+        return check_tp(&args, n);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
     let start = Instant::now();

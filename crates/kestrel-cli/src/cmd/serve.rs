@@ -21,9 +21,13 @@ pub struct Args {
     /// Model: a catalog name (pulled if missing), a GGUF path or a URL.
     #[arg(short = 'm', long, default_value = "qwen2.5-coder-1.5b")]
     pub model: String,
-    /// Device to run on: `cpu`, `cuda` or `cuda:N`.
-    #[arg(long, default_value = "cpu")]
+    /// Device to run on: `cpu`, `cuda` or `cuda:N`; `cuda:0,cuda:1` (or `--devices`)
+    /// tensor-parallel over those GPUs.
+    #[arg(long, visible_alias = "devices", default_value = "cpu")]
     pub device: String,
+    /// Tensor parallelism over GPUs 0..N.
+    #[arg(long, value_parser = positive)]
+    pub tp: Option<usize>,
     /// Threads for the CPU backend (default: all cores).
     #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
@@ -192,9 +196,16 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         spec,
     };
     let start = std::time::Instant::now();
-    let device = Device::parse(&args.device)?;
-    let size = cache_size(args, matches!(device, Device::Cuda(_)))?;
+    let device = Device::resolve(&args.device, args.tp)?;
+    let size = cache_size(args, matches!(device, Device::Cuda(_) | Device::CudaTp(_)))?;
     let sched = match device {
+        Device::CudaTp(ordinals) => start_scheduler(
+            move || kestrel_cuda::TpBackend::new(&ordinals).context("opening the GPUs"),
+            &file,
+            opts,
+            (args.cache.types(), size),
+            sched_opts,
+        )?,
         Device::Cpu => {
             if let Some(t) = args.threads {
                 let _ = rayon::ThreadPoolBuilder::new()

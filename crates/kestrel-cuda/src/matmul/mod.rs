@@ -370,6 +370,31 @@ pub(crate) fn matmul(
     );
 }
 
+/// The Q, K and V projections of a layer (and their biases), and whether Q/K norms follow.
+pub struct QkvWeights<'a> {
+    pub attn_q: &'a CudaWeight,
+    pub attn_k: &'a CudaWeight,
+    pub attn_v: &'a CudaWeight,
+    pub attn_q_bias: Option<&'a CudaWeight>,
+    pub attn_k_bias: Option<&'a CudaWeight>,
+    pub attn_v_bias: Option<&'a CudaWeight>,
+    pub qk_norm: bool,
+}
+
+impl<'a> QkvWeights<'a> {
+    pub fn of(layer: &'a LayerWeights<CudaWeight>) -> Self {
+        QkvWeights {
+            attn_q: &layer.attn_q,
+            attn_k: &layer.attn_k,
+            attn_v: &layer.attn_v,
+            attn_q_bias: layer.attn_q_bias.as_ref(),
+            attn_k_bias: layer.attn_k_bias.as_ref(),
+            attn_v_bias: layer.attn_v_bias.as_ref(),
+            qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
+        }
+    }
+}
+
 /// Returns the merged product still to split ([`Prepared::Split`]) where the layer has no
 /// Q/K norm, so `rope_store_kv` comes next and splits it on the way.
 #[allow(clippy::too_many_arguments)]
@@ -377,18 +402,18 @@ pub(crate) fn qkv(
     backend: &CudaBackend,
     x: &CudaTensor,
     x_ready: Prepared,
-    layer: &LayerWeights<CudaWeight>,
+    layer: &QkvWeights<'_>,
     n: usize,
     q: &mut CudaTensor,
     k: &mut CudaTensor,
     v: &mut CudaTensor,
 ) -> Prepared {
     let mut ready = x_ready;
-    if !backend.prefer_gemm(&layer.attn_q, n) {
+    if !backend.prefer_gemm(layer.attn_q, n) {
         let segs = [
-            backend.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
-            backend.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
-            backend.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
+            backend.gemv_seg(x, layer.attn_q, q, layer.attn_q_bias),
+            backend.gemv_seg(x, layer.attn_k, k, layer.attn_k_bias),
+            backend.gemv_seg(x, layer.attn_v, v, layer.attn_v_bias),
         ];
         if let [Some(a), Some(b), Some(c)] = segs {
             let segs = [a, b, c];
@@ -406,24 +431,24 @@ pub(crate) fn qkv(
     // 6,710 / 6,738 / 6,803 -> 6,902 / 7,047 / 6,885 t/s, pp512 +0.9%; its 2,048-token
     // prefill steps lost 2.5% to the split's extra pass over the outputs.
     if n <= MERGED_QKV_MAX_TOKENS
-        && backend.prefer_gemm(&layer.attn_q, n)
+        && backend.prefer_gemm(layer.attn_q, n)
         && let Some((a, rows)) = backend.merged_copy(
-            &layer.attn_q,
-            &[&layer.attn_k, &layer.attn_v],
+            layer.attn_q,
+            &[layer.attn_k, layer.attn_v],
             x.cols,
             &[q, k, v],
         )
         && let Some(xh) = backend.x_to_f16(x, n, &mut ready)
         && let Some(merged) = backend.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
     {
-        let bias = |b: &Option<CudaWeight>| match b {
+        let bias = |b: Option<&CudaWeight>| match b {
             Some(b) => backend.vector_ptr(b, "qkv bias"),
             None => Some(0),
         };
         let (Some(bq), Some(bk), Some(bv)) = (
-            bias(&layer.attn_q_bias),
-            bias(&layer.attn_k_bias),
-            bias(&layer.attn_v_bias),
+            bias(layer.attn_q_bias),
+            bias(layer.attn_k_bias),
+            bias(layer.attn_v_bias),
         ) else {
             return Prepared::Nothing;
         };
@@ -444,7 +469,7 @@ pub(crate) fn qkv(
             n,
         };
         // Without Q/K norms rope_store_kv comes next and splits on the way.
-        if layer.attn_q_norm.is_none() && layer.attn_k_norm.is_none() {
+        if !layer.qk_norm {
             return Prepared::Split(split);
         }
         backend.split_qkv(&split);
@@ -456,12 +481,20 @@ pub(crate) fn qkv(
         ready,
         n,
         &mut [
-            (&layer.attn_q, &mut *q),
-            (&layer.attn_k, &mut *k),
-            (&layer.attn_v, &mut *v),
+            (layer.attn_q, &mut *q),
+            (layer.attn_k, &mut *k),
+            (layer.attn_v, &mut *v),
         ],
     );
-    backend.add_qkv_biases(layer, n, q, k, v);
+    for (t, b) in [
+        (q, layer.attn_q_bias),
+        (k, layer.attn_k_bias),
+        (v, layer.attn_v_bias),
+    ] {
+        if let Some(b) = b {
+            crate::norm_rope::add_bias(backend, t, b, n);
+        }
+    }
     Prepared::Nothing
 }
 
