@@ -181,7 +181,13 @@ pub fn dequant_q8_k(b: &[u8; 292], out: &mut [f32; QK_K]) {
 
 /// ggml's `make_qx_quants` for symmetric quants in [-nmax, nmax): returns the scale and
 /// writes `L[i] = q + nmax`. `rmse_type` 1 weights errors by x², then tries 18 nearby scales.
-fn make_qx_quants(x: &[f32], nmax: i32, levels: &mut [i8], rmse_type: i32) -> f32 {
+pub(crate) fn make_qx_quants(
+    x: &[f32],
+    nmax: i32,
+    levels: &mut [i8],
+    rmse_type: i32,
+    qw: Option<&[f32]>,
+) -> f32 {
     let n = x.len();
     let mut max = 0.0f32;
     let mut amax = 0.0f32;
@@ -204,18 +210,19 @@ fn make_qx_quants(x: &[f32], nmax: i32, levels: &mut [i8], rmse_type: i32) -> f3
         }
         return 1.0 / iscale;
     }
-    let weight = |v: f32| match rmse_type {
-        1 => v * v,
-        2 => 1.0,
-        3 => v.abs(),
-        _ => v.abs().sqrt(),
+    let weight = |i: usize, v: f32| match (qw, rmse_type) {
+        (Some(qw), _) => qw[i],
+        (None, 1) => v * v,
+        (None, 2) => 1.0,
+        (None, 3) => v.abs(),
+        (None, _) => v.abs().sqrt(),
     };
     let mut sumlx = 0.0f32;
     let mut suml2 = 0.0f32;
-    for (lv, &v) in levels.iter_mut().zip(x) {
+    for (i, (lv, &v)) in levels.iter_mut().zip(x).enumerate() {
         let l = clamp(nearest_int(iscale * v));
         *lv = (l + nmax) as i8;
-        let w = weight(v);
+        let w = weight(i, v);
         sumlx += w * v * l as f32;
         suml2 += w * l as f32 * l as f32;
     }
@@ -228,9 +235,9 @@ fn make_qx_quants(x: &[f32], nmax: i32, levels: &mut [i8], rmse_type: i32) -> f3
         iscale = -(nmax as f32 + 0.1 * is as f32) / max;
         sumlx = 0.0;
         suml2 = 0.0;
-        for &v in x {
+        for (i, &v) in x.iter().enumerate() {
             let l = clamp(nearest_int(iscale * v));
-            let w = weight(v);
+            let w = weight(i, v);
             sumlx += w * v * l as f32;
             suml2 += w * l as f32 * l as f32;
         }
@@ -628,6 +635,12 @@ pub fn quant_q5_k(x: &[f32; QK_K], b: &mut [u8; 176]) {
 }
 
 pub fn quant_q6_k(x: &[f32; QK_K], b: &mut [u8; 210]) {
+    quant_q6_k_weighted(x, b, None)
+}
+
+/// Q6_K as ggml's `quantize_row_q6_K_impl`: with importance weights `qw` (256, this
+/// super-block's columns) each group's scale search weights its errors by them, else by x².
+pub(crate) fn quant_q6_k_weighted(x: &[f32; QK_K], b: &mut [u8; 210], qw: Option<&[f32]>) {
     let mut levels = [0i8; QK_K];
     let mut scales = [0.0f32; 16];
     let mut max_scale = 0.0f32;
@@ -638,6 +651,7 @@ pub fn quant_q6_k(x: &[f32; QK_K], b: &mut [u8; 210]) {
             32,
             &mut levels[16 * j..16 * j + 16],
             1,
+            qw.map(|w| &w[16 * j..16 * j + 16]),
         );
         scales[j] = scale;
         if scale.abs() > max_abs_scale {
