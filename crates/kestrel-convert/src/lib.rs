@@ -7,11 +7,13 @@
 pub mod checkpoint;
 pub mod convert;
 pub mod ftype;
+pub mod imatrix;
 pub mod quantize;
 pub mod vocab;
 
 pub use convert::Conversion;
 pub use ftype::FileType;
+pub use imatrix::Imatrix;
 pub use quantize::{Plan, QuantizeOptions, write_quantized};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};

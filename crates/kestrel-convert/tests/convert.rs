@@ -321,6 +321,7 @@ fn a_quantized_type_equals_converting_then_quantizing() {
     let file = GgufFile::open(&bf16).unwrap();
     let opts = QuantizeOptions {
         ftype: FileType::Q4KM,
+        imatrix: None,
     };
     let plan = Plan::new(&file, &opts).unwrap();
     write_quantized(&file, &plan, &opts, &two_step, &ProgressBar::hidden()).unwrap();

@@ -59,7 +59,10 @@ pub fn quantize_rows_weighted(
             actual: dst.len(),
         });
     }
-    for (x, out) in src.chunks_exact(row_len).zip(dst.chunks_exact_mut(row_size)) {
+    for (x, out) in src
+        .chunks_exact(row_len)
+        .zip(dst.chunks_exact_mut(row_size))
+    {
         quantize_one_row(ty, x, qw, out);
     }
     Ok(())
@@ -74,14 +77,22 @@ fn quantize_one_row(ty: GgmlType, x: &[f32], qw: &[f32], out: &mut [u8]) {
     match ty {
         T::Q4_0 | T::Q4_1 | T::Q5_0 | T::Q5_1 => {
             let sigma2 = row_sigma2();
-            for ((xb, wb), b) in x.chunks_exact(32).zip(qw.chunks_exact(32)).zip(out.chunks_exact_mut(ts)) {
+            for ((xb, wb), b) in x
+                .chunks_exact(32)
+                .zip(qw.chunks_exact(32))
+                .zip(out.chunks_exact_mut(ts))
+            {
                 let weight: [f32; 32] =
                     std::array::from_fn(|j| wb[j] * (sigma2 + xb[j] * xb[j]).sqrt());
                 legacy_block(ty, xb, &weight, b);
             }
         }
         _ => {
-            for ((xb, wb), b) in x.chunks_exact(bs).zip(qw.chunks_exact(bs)).zip(out.chunks_exact_mut(ts)) {
+            for ((xb, wb), b) in x
+                .chunks_exact(bs)
+                .zip(qw.chunks_exact(bs))
+                .zip(out.chunks_exact_mut(ts))
+            {
                 match ty {
                     T::Q2K => q2_k(xb, wb, b),
                     T::Q3K => q3_k(xb, wb, b),
@@ -621,7 +632,11 @@ fn iq4(x: &[f32], qw: &[f32], b: &mut [u8], xs: bool) {
         qs_at = 8;
     } else {
         put_f16(b, 0, scales[0]);
-        let id = if scales[0] != 0.0 { 1.0 / scales[0] } else { 0.0 };
+        let id = if scales[0] != 0.0 {
+            1.0 / scales[0]
+        } else {
+            0.0
+        };
         for j in 0..32 {
             levels[j] = best_index_int8(values, id * x[j]);
         }

@@ -204,7 +204,10 @@ fn weighted_quantizers_match_llama_cpp_c_code() {
             changed += 1;
         }
     }
-    assert!(changed >= 10, "only {changed} types changed with the imatrix");
+    assert!(
+        changed >= 10,
+        "only {changed} types changed with the imatrix"
+    );
 }
 
 /// Weights of the wrong length are an error, not a panic.
