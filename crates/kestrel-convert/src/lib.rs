@@ -1,6 +1,7 @@
 //! From a Hugging Face checkpoint to any GGUF quantization, as llama.cpp's tools do it:
 //! - [`convert`]: a Hugging Face checkpoint ([`checkpoint`]: safetensors + config.json;
-//!   [`vocab`]: tokenizer.json) to GGUF (`kestrel convert`);
+//!   [`vocab`]: tokenizer.json; [`spm`]: SentencePiece tokenizer.model) to GGUF
+//!   (`kestrel convert`);
 //! - [`ftype`]: llama-quantize's file types and per-tensor type choice;
 //! - [`quantize`]: rewriting a GGUF file in another type (`kestrel quantize`).
 
@@ -9,6 +10,7 @@ pub mod convert;
 pub mod ftype;
 pub mod imatrix;
 pub mod quantize;
+pub mod spm;
 pub mod vocab;
 
 pub use convert::Conversion;
