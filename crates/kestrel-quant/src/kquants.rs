@@ -526,16 +526,171 @@ pub fn quant_q3_k(x: &[f32; QK_K], b: &mut [u8; 110]) {
     }
 }
 
+/// `make_qkx2_quants` (`use_mad` false) of the eight 32-value groups of a super-block at
+/// once, group `k` in lane `k`: every lane performs exactly the scalar function's f32
+/// operations in the scalar order (the lanes only run side by side, so the compiler can
+/// keep them in vector registers), hence the same bits. `xt[i][k]` is value `i` of group
+/// `k`, `wt` its weight. Returns each group's (scale, -min) and writes its levels.
+#[inline(always)]
+fn qkx2_x8_body(
+    xt: &[[f32; 8]; 32],
+    wt: &[[f32; 8]; 32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    levels: &mut [[f32; 8]; 32],
+) -> ([f32; 8], [f32; 8]) {
+    const K: usize = 8;
+    let mut min = xt[0];
+    let mut max = xt[0];
+    let mut sum_w = wt[0];
+    let mut sum_x = [0f32; K];
+    for k in 0..K {
+        sum_x[k] = sum_w[k] * xt[0][k];
+    }
+    for i in 1..32 {
+        for k in 0..K {
+            let v = xt[i][k];
+            if v < min[k] {
+                min[k] = v;
+            }
+            if v > max[k] {
+                max[k] = v;
+            }
+            let w = wt[i][k];
+            sum_w[k] += w;
+            sum_x[k] += w * v;
+        }
+    }
+    let mut flat = [false; K];
+    let mut iscale = [0f32; K];
+    let mut scale = [0f32; K];
+    for k in 0..K {
+        if min[k] > 0.0 {
+            min[k] = 0.0;
+        }
+        flat[k] = max[k] == min[k];
+        iscale[k] = nmax as f32 / (max[k] - min[k]);
+        scale[k] = 1.0 / iscale[k];
+    }
+    let mut best = [0f32; K];
+    for i in 0..32 {
+        for k in 0..K {
+            let l = nearest_int(iscale[k] * (xt[i][k] - min[k])).clamp(0, nmax) as f32;
+            levels[i][k] = l;
+            let diff = scale[k] * l + min[k] - xt[i][k];
+            best[k] += wt[i][k] * (diff * diff);
+        }
+    }
+    let mut aux = [[0f32; K]; 32];
+    for is in 0..=nstep {
+        let mut isc = [0f32; K];
+        for k in 0..K {
+            isc[k] = (rmin + rdelta * is as f32 + nmax as f32) / (max[k] - min[k]);
+        }
+        let (mut sl, mut sl2, mut sxl) = ([0f32; K], [0f32; K], [0f32; K]);
+        for i in 0..32 {
+            for k in 0..K {
+                let l = nearest_int(isc[k] * (xt[i][k] - min[k])).clamp(0, nmax) as f32;
+                aux[i][k] = l;
+                let w = wt[i][k];
+                sl[k] += w * l;
+                sl2[k] += w * l * l;
+                sxl[k] += w * l * xt[i][k];
+            }
+        }
+        let (mut ts, mut tm, mut det) = ([0f32; K], [0f32; K], [0f32; K]);
+        for k in 0..K {
+            det[k] = sum_w[k] * sl2[k] - sl[k] * sl[k];
+            ts[k] = (sum_w[k] * sxl[k] - sum_x[k] * sl[k]) / det[k];
+            tm[k] = (sl2[k] * sum_x[k] - sl[k] * sxl[k]) / det[k];
+            if tm[k] > 0.0 {
+                tm[k] = 0.0;
+                ts[k] = sxl[k] / sl2[k];
+            }
+        }
+        let mut err = [0f32; K];
+        for i in 0..32 {
+            for k in 0..K {
+                let diff = ts[k] * aux[i][k] + tm[k] - xt[i][k];
+                err[k] += wt[i][k] * (diff * diff);
+            }
+        }
+        let mut take = [false; K];
+        for k in 0..K {
+            take[k] = !flat[k] && det[k] > 0.0 && err[k] < best[k];
+            if take[k] {
+                best[k] = err[k];
+                scale[k] = ts[k];
+                min[k] = tm[k];
+            }
+        }
+        for i in 0..32 {
+            for k in 0..K {
+                if take[k] {
+                    levels[i][k] = aux[i][k];
+                }
+            }
+        }
+    }
+    let mut neg_min = [0f32; K];
+    for k in 0..K {
+        if flat[k] {
+            scale[k] = 0.0;
+            for row in levels.iter_mut() {
+                row[k] = 0.0;
+            }
+        }
+        neg_min[k] = -min[k];
+    }
+    (scale, neg_min)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn qkx2_x8_avx2(
+    xt: &[[f32; 8]; 32],
+    wt: &[[f32; 8]; 32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    levels: &mut [[f32; 8]; 32],
+) -> ([f32; 8], [f32; 8]) {
+    qkx2_x8_body(xt, wt, nmax, rmin, rdelta, nstep, levels)
+}
+
+/// [`qkx2_x8_body`] with AVX2 where the CPU has it (no FMA: the products and sums stay
+/// separately rounded, as in ggml's C).
+fn qkx2_x8(
+    xt: &[[f32; 8]; 32],
+    wt: &[[f32; 8]; 32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    levels: &mut [[f32; 8]; 32],
+) -> ([f32; 8], [f32; 8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { qkx2_x8_avx2(xt, wt, nmax, rmin, rdelta, nstep, levels) };
+    }
+    qkx2_x8_body(xt, wt, nmax, rmin, rdelta, nstep, levels)
+}
+
 /// The shared first half of Q4_K and Q5_K: per 32-value group scale and min, packed into
 /// 6 bits each with the super-block's d and dmin, then the levels requantized with them.
 /// Writes d, dmin and the 12 scale bytes into `b[0..16]` and returns the levels.
 fn quant_k4_scales(x: &[f32; QK_K], nmax: i32, rmin: f32, nstep: i32, b: &mut [u8]) -> [u8; QK_K] {
     let mut levels = [0u8; QK_K];
-    let mut scales = [0.0f32; 8];
-    let mut mins = [0.0f32; 8];
-    let mut weights = [0.0f32; 32];
     let mut max_scale = 0.0f32;
     let mut max_min = 0.0f32;
+    // The eight groups side by side (value i of group k at [i][k]), each weighted by
+    // av_x + |x| as in quantize_row_q4_K_ref.
+    let mut xt = [[0f32; 8]; 32];
+    let mut wt = [[0f32; 8]; 32];
     for j in 0..8 {
         let xs = &x[32 * j..32 * j + 32];
         let mut sum_x2 = 0.0f32;
@@ -543,21 +698,20 @@ fn quant_k4_scales(x: &[f32; QK_K], nmax: i32, rmin: f32, nstep: i32, b: &mut [u
             sum_x2 += v * v;
         }
         let av_x = (sum_x2 / 32.0).sqrt();
-        for (w, &v) in weights.iter_mut().zip(xs) {
-            *w = av_x + v.abs();
+        for (i, &v) in xs.iter().enumerate() {
+            xt[i][j] = v;
+            wt[i][j] = av_x + v.abs();
         }
-        let (scale, min) = make_qkx2_quants(
-            xs,
-            &weights,
-            nmax,
-            &mut levels[32 * j..32 * j + 32],
-            rmin,
-            0.1,
-            nstep,
-            false,
-        );
-        scales[j] = scale;
-        mins[j] = min;
+    }
+    let mut lv = [[0f32; 8]; 32];
+    let (scales, mins) = qkx2_x8(&xt, &wt, nmax, rmin, 0.1, nstep, &mut lv);
+    for j in 0..8 {
+        for i in 0..32 {
+            levels[32 * j + i] = lv[i][j] as u8;
+        }
+    }
+    for j in 0..8 {
+        let (scale, min) = (scales[j], mins[j]);
         if scale > max_scale {
             max_scale = scale;
         }

@@ -1,4 +1,5 @@
-//! The codebook quantizers (IQ4_NL, IQ4_XS, MXFP4) against llama.cpp's own C code: the
+//! The codebook quantizers (IQ4_NL, IQ4_XS, MXFP4), the K-quantizers, and every quantizer
+//! with an importance matrix, against llama.cpp's own C code: the
 //! `ggml_quantize_chunk` of the libggml-base that llama-cpp-python ships, called through
 //! ctypes by `tests/ggml_lib_oracle.py`. Same bytes on Gaussian rows at many scales and on
 //! rows that stress the edge cases (zeros, one spike, largest magnitude with both signs,
@@ -54,6 +55,12 @@ fn codebook_quantizers_match_llama_cpp_c_code() {
         (GgmlType::IQ4NL, 32 * 7),
         (GgmlType::IQ4XS, 256 * 2),
         (GgmlType::MXFP4, 32 * 9),
+        // Without an imatrix ggml takes the reference K-quantizers.
+        (GgmlType::Q2K, 256 * 3),
+        (GgmlType::Q3K, 256 * 2),
+        (GgmlType::Q4K, 256 * 5),
+        (GgmlType::Q5K, 256 * 3),
+        (GgmlType::Q6K, 256 * 3),
     ];
     let mut args = Vec::new();
     let mut jobs = Vec::new();
