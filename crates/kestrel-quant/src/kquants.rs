@@ -680,6 +680,111 @@ fn qkx2_x8(
     qkx2_x8_body(xt, wt, nmax, rmin, rdelta, nstep, levels)
 }
 
+/// `make_qx_quants(16, nmax, x, L, 1, NULL)` of the sixteen 16-value groups of a Q6_K
+/// super-block at once, group `k` in lane `k`, each lane doing the scalar function's f32
+/// operations in its order (so the same bits). `xt[i][k]` is value `i` of group `k`;
+/// `levels` gets `q + nmax`; returns the scales.
+#[inline(always)]
+fn qx_x16_body(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) -> [f32; 16] {
+    const K: usize = 16;
+    let (mut max, mut amax) = ([0f32; K], [0f32; K]);
+    for row in xt {
+        for k in 0..K {
+            let ax = row[k].abs();
+            if ax > amax[k] {
+                amax[k] = ax;
+                max[k] = row[k];
+            }
+        }
+    }
+    let mut iscale = [0f32; K];
+    for k in 0..K {
+        iscale[k] = -(nmax as f32) / max[k];
+    }
+    let (mut sumlx, mut suml2) = ([0f32; K], [0f32; K]);
+    for i in 0..16 {
+        for k in 0..K {
+            let v = xt[i][k];
+            let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
+            levels[i][k] = l + nmax;
+            let w = v * v;
+            let lf = l as f32;
+            sumlx[k] += w * v * lf;
+            suml2[k] += w * lf * lf;
+        }
+    }
+    let (mut scale, mut best) = ([0f32; K], [0f32; K]);
+    for k in 0..K {
+        scale[k] = if suml2[k] != 0.0 {
+            sumlx[k] / suml2[k]
+        } else {
+            0.0
+        };
+        best[k] = scale[k] * sumlx[k];
+    }
+    let mut aux = [[0i32; K]; 16];
+    for is in -9..=9 {
+        if is == 0 {
+            continue;
+        }
+        for k in 0..K {
+            iscale[k] = -(nmax as f32 + 0.1 * is as f32) / max[k];
+        }
+        let (mut sumlx, mut suml2) = ([0f32; K], [0f32; K]);
+        for i in 0..16 {
+            for k in 0..K {
+                let v = xt[i][k];
+                let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
+                aux[i][k] = l + nmax;
+                let w = v * v;
+                let lf = l as f32;
+                sumlx[k] += w * v * lf;
+                suml2[k] += w * lf * lf;
+            }
+        }
+        let mut take = [false; K];
+        for k in 0..K {
+            take[k] = suml2[k] > 0.0 && sumlx[k] * sumlx[k] > best[k] * suml2[k];
+            if take[k] {
+                scale[k] = sumlx[k] / suml2[k];
+                best[k] = scale[k] * sumlx[k];
+            }
+        }
+        for i in 0..16 {
+            for k in 0..K {
+                if take[k] {
+                    levels[i][k] = aux[i][k];
+                }
+            }
+        }
+    }
+    for k in 0..K {
+        if amax[k] < GROUP_MAX_EPS {
+            scale[k] = 0.0;
+            for row in levels.iter_mut() {
+                row[k] = 0;
+            }
+        }
+    }
+    scale
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn qx_x16_avx2(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) -> [f32; 16] {
+    qx_x16_body(xt, nmax, levels)
+}
+
+/// [`qx_x16_body`] with AVX2 where the CPU has it (no FMA).
+fn qx_x16(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) -> [f32; 16] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { qx_x16_avx2(xt, nmax, levels) };
+    }
+    qx_x16_body(xt, nmax, levels)
+}
+
 /// The shared first half of Q4_K and Q5_K: per 32-value group scale and min, packed into
 /// 6 bits each with the super-block's d and dmin, then the levels requantized with them.
 /// Writes d, dmin and the 12 scale bytes into `b[0..16]` and returns the levels.
@@ -799,14 +904,33 @@ pub(crate) fn quant_q6_k_weighted(x: &[f32; QK_K], b: &mut [u8; 210], qw: Option
     let mut scales = [0.0f32; 16];
     let mut max_scale = 0.0f32;
     let mut max_abs_scale = 0.0f32;
+    if qw.is_none() {
+        // The sixteen groups' searches side by side (same bits as one by one).
+        let mut xt = [[0f32; 16]; 16];
+        for j in 0..16 {
+            for i in 0..16 {
+                xt[i][j] = x[16 * j + i];
+            }
+        }
+        let mut lv = [[0i32; 16]; 16];
+        scales = qx_x16(&xt, 32, &mut lv);
+        for j in 0..16 {
+            for i in 0..16 {
+                levels[16 * j + i] = lv[i][j] as i8;
+            }
+        }
+    }
     for j in 0..16 {
-        let scale = make_qx_quants(
-            &x[16 * j..16 * j + 16],
-            32,
-            &mut levels[16 * j..16 * j + 16],
-            1,
-            qw.map(|w| &w[16 * j..16 * j + 16]),
-        );
+        let scale = match qw {
+            None => scales[j],
+            Some(w) => make_qx_quants(
+                &x[16 * j..16 * j + 16],
+                32,
+                &mut levels[16 * j..16 * j + 16],
+                1,
+                Some(&w[16 * j..16 * j + 16]),
+            ),
+        };
         scales[j] = scale;
         if scale.abs() > max_abs_scale {
             max_abs_scale = scale.abs();
