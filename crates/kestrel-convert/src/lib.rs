@@ -20,8 +20,13 @@ pub use quantize::{Plan, QuantizeOptions, write_quantized};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-/// A progress bar on stderr counting `total` bytes (hidden when stderr is not a terminal).
+/// A progress bar on stderr counting `total` bytes (hidden unless both stdout and stderr
+/// are terminals, as kestrel-hub's bars).
 pub fn progress_bar(total: u64, message: &str) -> ProgressBar {
+    use std::io::IsTerminal;
+    if !(std::io::stderr().is_terminal() && std::io::stdout().is_terminal()) {
+        return ProgressBar::hidden();
+    }
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     let style = ProgressStyle::with_template(
         "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
