@@ -370,7 +370,7 @@ def spm(d, kind, seed):
     lines += [" ".join(rnd.choice(words) for _ in range(rnd.randint(3, 12))) for _ in range(300)]
     buf = io.BytesIO()
     sp.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=rnd.randint(300, 360),
+        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=rnd.randint(440, 500),
         byte_fallback=True, character_coverage=0.98, split_digits=True, bos_id=1, eos_id=2, unk_id=0,
         pad_id=3 if kind == "gemma" else -1, add_dummy_prefix=(kind == "llama"),
         remove_extra_whitespaces=False, normalization_rule_name="identity", allow_whitespace_only_pieces=True,
