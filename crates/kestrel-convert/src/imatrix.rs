@@ -65,7 +65,11 @@ impl Imatrix {
         let Some(w) = self.entries.get(name) else {
             return Ok(None);
         };
-        let expected = dims.first().copied().unwrap_or(0) * dims.get(2).copied().unwrap_or(1);
+        let expected = dims
+            .first()
+            .copied()
+            .unwrap_or(0)
+            .saturating_mul(dims.get(2).copied().unwrap_or(1));
         if w.len() as u64 != expected {
             if name.starts_with("token_embd.") {
                 return Ok(None);
