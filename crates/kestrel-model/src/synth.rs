@@ -904,10 +904,23 @@ pub fn write_synth(
     ty: WeightType,
     seed: u64,
 ) -> Result<SynthSummary, SynthError> {
+    write_synth_with_progress(path, cfg, ty, seed, &|_, _| {})
+}
+
+/// [`write_synth`], calling `progress(bytes_written, total_bytes)` (tensor data) after each
+/// chunk written, from the writer thread: for a progress bar.
+pub fn write_synth_with_progress(
+    path: impl AsRef<Path>,
+    cfg: &SynthConfig,
+    ty: WeightType,
+    seed: u64,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<SynthSummary, SynthError> {
     let (writer, specs) = prepare(cfg, ty)?;
     let file_size = writer.file_size();
+    let total = data_bytes(&specs);
     let mut stream = writer.stream_to_path(path)?;
-    generate(&mut stream, &specs, seed)?;
+    generate(&mut stream, &specs, seed, total, progress)?;
     stream.finish()?;
     Ok(summary(&specs, file_size))
 }
@@ -921,9 +934,18 @@ pub fn write_synth_to<W: Write + Send>(
 ) -> Result<(W, SynthSummary), SynthError> {
     let (writer, specs) = prepare(cfg, ty)?;
     let file_size = writer.file_size();
+    let total = data_bytes(&specs);
     let mut stream = writer.stream_to(sink)?;
-    generate(&mut stream, &specs, seed)?;
+    generate(&mut stream, &specs, seed, total, &|_, _| {})?;
     Ok((stream.finish()?, summary(&specs, file_size)))
+}
+
+/// Bytes of tensor data (without the alignment padding between tensors).
+fn data_bytes(specs: &[TensorSpec]) -> u64 {
+    specs
+        .iter()
+        .map(|s| s.n_elements() / s.ty.block_size() as u64 * s.ty.type_size() as u64)
+        .sum()
 }
 
 fn summary(specs: &[TensorSpec], file_size: u64) -> SynthSummary {
@@ -969,14 +991,19 @@ fn generate<S: ChunkSink + Send>(
     sink: &mut S,
     specs: &[TensorSpec],
     seed: u64,
+    total: u64,
+    progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<(), SynthError> {
     let pooled = specs.iter().map(TensorSpec::n_elements).sum::<u64>() > POOLED_ABOVE_PARAMS;
     let (tx, rx) = mpsc::sync_channel::<Vec<Vec<u8>>>(2);
     std::thread::scope(|scope| {
         let writer = scope.spawn(move || -> Result<(), GgufError> {
+            let mut done = 0u64;
             for batch in rx {
                 for chunk in &batch {
                     sink.write_chunk(chunk)?;
+                    done += chunk.len() as u64;
+                    progress(done, total);
                 }
             }
             Ok(())

@@ -93,8 +93,16 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     let start = Instant::now();
-    let summary = synth::write_synth(&args.output, &cfg, ty, args.seed)
-        .with_context(|| format!("writing {}", args.output.display()))?;
+    let bar = kestrel_hub::bytes_bar(None);
+    bar.set_message("synth");
+    let summary =
+        synth::write_synth_with_progress(&args.output, &cfg, ty, args.seed, &|done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        })
+        .with_context(|| format!("writing {}", args.output.display()));
+    bar.finish_and_clear();
+    let summary = summary?;
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
         "{} {} ({} layers, embd {}, ff {}, heads {}/{}, head dim {}, vocab {}), {}: \
