@@ -385,11 +385,15 @@ pub(crate) fn qkv(
     k: &mut CudaTensor,
     v: &mut CudaTensor,
 ) {
-    if !backend.prefer_gemm(&layer.attn_q, n) {
+    // Attention layers only (linear-attention models are refused at load here).
+    let Some((attn_q, attn_k, attn_v)) = layer.qkv_weights() else {
+        return;
+    };
+    if !backend.prefer_gemm(attn_q, n) {
         let segs = [
-            backend.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
-            backend.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
-            backend.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
+            backend.gemv_seg(x, attn_q, q, layer.attn_q_bias.as_ref()),
+            backend.gemv_seg(x, attn_k, k, layer.attn_k_bias.as_ref()),
+            backend.gemv_seg(x, attn_v, v, layer.attn_v_bias.as_ref()),
         ];
         if let [Some(a), Some(b), Some(c)] = segs {
             let segs = [a, b, c];
@@ -407,13 +411,8 @@ pub(crate) fn qkv(
     // 6,710 / 6,738 / 6,803 -> 6,902 / 7,047 / 6,885 t/s, pp512 +0.9%; its 2,048-token
     // prefill steps lost 2.5% to the split's extra pass over the outputs.
     if n <= MERGED_QKV_MAX_TOKENS
-        && backend.prefer_gemm(&layer.attn_q, n)
-        && let Some((a, rows)) = backend.merged_copy(
-            &layer.attn_q,
-            &[&layer.attn_k, &layer.attn_v],
-            x.cols,
-            &[q, k, v],
-        )
+        && backend.prefer_gemm(attn_q, n)
+        && let Some((a, rows)) = backend.merged_copy(attn_q, &[attn_k, attn_v], x.cols, &[q, k, v])
         && let Some(xh) = backend.x_to_f16(x, n)
         && let Some(merged) = backend.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
     {
@@ -459,11 +458,7 @@ pub(crate) fn qkv(
     backend.matmuls_of(
         x,
         n,
-        &mut [
-            (&layer.attn_q, &mut *q),
-            (&layer.attn_k, &mut *k),
-            (&layer.attn_v, &mut *v),
-        ],
+        &mut [(attn_q, &mut *q), (attn_k, &mut *k), (attn_v, &mut *v)],
     );
     backend.add_qkv_biases(layer, n, q, k, v);
 }
