@@ -35,13 +35,18 @@ pub struct RecurrentStates {
 }
 
 impl RecurrentStates {
-    /// Sequences with a state in some layer.
+    /// (sequence, layer) states held.
     pub fn len(&self) -> usize {
         self.states.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.states.is_empty()
+    }
+
+    /// Drops every layer's state of the sequence whose first block is `first_block`.
+    pub fn forget(&mut self, first_block: u32) {
+        self.states.retain(|&(b, _), _| b != first_block);
     }
 }
 

@@ -461,6 +461,10 @@ impl kestrel_model::Backend for CpuBackend {
         Ok(())
     }
 
+    fn forget_state(&self, cache: &mut CpuCache, first_block: u32) {
+        cache.recurrent.forget(first_block);
+    }
+
     fn split_gated_query(
         &self,
         qg: &CpuTensor,

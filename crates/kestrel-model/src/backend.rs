@@ -294,6 +294,10 @@ pub trait Backend: Sync {
         )
     }
 
+    /// Forgets the linear-attention state of the sequence whose first cache block is
+    /// `first_block` (it finished). Default: nothing to forget.
+    fn forget_state(&self, _cache: &mut Self::Cache, _first_block: u32) {}
+
     /// Splits each token's `[n_head × 2·head_dim]` row of `qg` (each head's query, then its
     /// gate) into `q` and `gate` (`[n_head × head_dim]` each; Qwen3-Next's gated attention).
     /// Default: an error.
