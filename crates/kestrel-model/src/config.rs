@@ -422,7 +422,13 @@ impl ModelConfig {
         let opt_u = |k: &str| file.get_u64(&key(k)).map(|v| v as usize);
         let opt_f = |k: &str| file.get_f32(&key(k));
 
-        let n_layer = req_u("block_count")?;
+        // Multi-token-prediction blocks (`nextn_predict_layers`, Qwen3-Next's) follow the
+        // model's own blocks in the file; the forward pass does not run them.
+        let n_layer = req_u("block_count")?
+            .checked_sub(opt_u("nextn_predict_layers").unwrap_or(0))
+            .ok_or_else(|| {
+                ModelError::Invalid("nextn_predict_layers exceeds block_count".into())
+            })?;
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
         let n_head_kv = opt_u("attention.head_count_kv").unwrap_or(n_head);
