@@ -813,6 +813,7 @@ mod tests {
             let model = Model::load(&be, file).expect("loads");
             let c = &model.config;
             let layer = &model.weights.layers[0];
+            let (wq, wk, wv) = layer.qkv_weights().expect("an attention layer");
             for n in [1usize, 3, 6] {
                 let x: Vec<f32> = (0..n * c.n_embd)
                     .map(|_| rng.random_range(-2.0f32..2.0))
@@ -825,28 +826,16 @@ mod tests {
                     &x,
                     n,
                     &mut [
-                        (
-                            &layer.attn_q,
-                            &mut q,
-                            layer.attn_q_bias.as_ref().map(|b| b.vector()),
-                        ),
-                        (
-                            &layer.attn_k,
-                            &mut k,
-                            layer.attn_k_bias.as_ref().map(|b| b.vector()),
-                        ),
-                        (
-                            &layer.attn_v,
-                            &mut v,
-                            layer.attn_v_bias.as_ref().map(|b| b.vector()),
-                        ),
+                        (wq, &mut q, layer.attn_q_bias.as_ref().map(|b| b.vector())),
+                        (wk, &mut k, layer.attn_k_bias.as_ref().map(|b| b.vector())),
+                        (wv, &mut v, layer.attn_v_bias.as_ref().map(|b| b.vector())),
                     ],
                     None,
                 );
                 let (mut q2, mut k2, mut v2) = (new(c.q_dim()), new(c.kv_dim()), new(c.kv_dim()));
-                be.matmul(&x, &layer.attn_q, n, &mut q2);
-                be.matmul(&x, &layer.attn_k, n, &mut k2);
-                be.matmul(&x, &layer.attn_v, n, &mut v2);
+                be.matmul(&x, wq, n, &mut q2);
+                be.matmul(&x, wk, n, &mut k2);
+                be.matmul(&x, wv, n, &mut v2);
                 for (t, b) in [
                     (&mut q2, &layer.attn_q_bias),
                     (&mut k2, &layer.attn_k_bias),
