@@ -370,3 +370,239 @@ pub fn add_sigmoid_gated(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The layer's definition in f64, one sequence's tokens in order (exact exp, no fused
+    /// rounding): the oracle for the indexing (head pairing, beta/alpha columns, state
+    /// layout) and the arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        cfg: &DeltaNetConfig,
+        conv_w: &[f32],
+        dt: &[f32],
+        a: &[f32],
+        norm: &[f32],
+        rows: &[(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)],
+        eps: f64,
+    ) -> Vec<Vec<f64>> {
+        let (hk, hv, nv, taps) = (cfg.head_k_dim, cfg.head_v_dim, cfg.n_v_heads, cfg.d_conv);
+        let (key_dim, conv_dim) = (cfg.key_dim(), cfg.conv_dim());
+        let silu = |x: f64| x / (1.0 + (-x).exp());
+        let mut state = vec![vec![0f64; hv * hk]; nv];
+        let mut out = Vec::new();
+        for (t, (mix, z, beta, alpha)) in rows.iter().enumerate() {
+            let mut c = vec![0f64; conv_dim];
+            for (ch, cv) in c.iter_mut().enumerate() {
+                let mut s = 0.0;
+                for i in 0..taps {
+                    // Tap i reads the input taps-1-i tokens back (zero before the start).
+                    let back = taps - 1 - i;
+                    if t >= back {
+                        s += rows[t - back].0[ch] as f64 * conv_w[ch * taps + i] as f64;
+                    }
+                }
+                *cv = silu(s);
+            }
+            let _ = mix;
+            for head in c[..2 * key_dim].chunks_exact_mut(hk) {
+                let n: f64 = head.iter().map(|v| v * v).sum::<f64>() + eps;
+                head.iter_mut().for_each(|v| *v /= n.sqrt());
+            }
+            let mut o = vec![0f64; cfg.value_dim()];
+            for h in 0..nv {
+                let kh = cfg.k_head(h);
+                let q = &c[kh * hk..(kh + 1) * hk];
+                let k = &c[key_dim + kh * hk..key_dim + (kh + 1) * hk];
+                let v = &c[2 * key_dim + h * hv..2 * key_dim + (h + 1) * hv];
+                let (bc, ac) = cfg.beta_alpha_cols(h);
+                let b = 1.0 / (1.0 + (-(beta[bc] as f64)).exp());
+                let x = alpha[ac] as f64 + dt[h] as f64;
+                let g = (1.0 + x.exp()).ln() * a[h] as f64;
+                let s = &mut state[h];
+                s.iter_mut().for_each(|x| *x *= g.exp());
+                for j in 0..hv {
+                    let sk: f64 = (0..hk).map(|i| s[j * hk + i] * k[i]).sum();
+                    let d = (v[j] - sk) * b;
+                    (0..hk).for_each(|i| s[j * hk + i] += k[i] * d);
+                }
+                let oh = &mut o[h * hv..(h + 1) * hv];
+                for (j, oj) in oh.iter_mut().enumerate() {
+                    *oj = (0..hk).map(|i| s[j * hk + i] * q[i]).sum::<f64>() / (hk as f64).sqrt();
+                }
+                let ms = oh.iter().map(|v| v * v).sum::<f64>() / hv as f64;
+                for j in 0..hv {
+                    oh[j] *= norm[j] as f64 / (ms + eps).sqrt() * silu(z[h * hv + j] as f64);
+                }
+            }
+            out.push(o);
+        }
+        out
+    }
+
+    #[test]
+    fn matches_an_f64_reference_across_steps_and_sequences() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for qwen3next_layout in [true, false] {
+            // Awkward sizes: heads of 24, three k heads for six v heads, three taps.
+            let cfg = DeltaNetConfig {
+                d_conv: 3,
+                head_k_dim: 24,
+                head_v_dim: 24,
+                n_k_heads: 3,
+                n_v_heads: 6,
+                qwen3next_layout,
+            };
+            let nv = cfg.n_v_heads;
+            let mut r = |n: usize, s: f32| -> Vec<f32> {
+                (0..n).map(|_| rng.random_range(-s..s)).collect()
+            };
+            let conv_w = r(cfg.conv_dim() * cfg.d_conv, 0.6);
+            let dt = r(nv, 1.0);
+            let a: Vec<f32> = r(nv, 0.2).iter().map(|v| v - 0.3).collect();
+            let norm: Vec<f32> = r(cfg.head_v_dim, 0.2).iter().map(|v| v + 1.0).collect();
+            let ba_cols = if qwen3next_layout { 2 * nv } else { nv };
+            // Two sequences of 9 and 5 tokens.
+            let seqs: Vec<Vec<_>> = [9usize, 5]
+                .iter()
+                .map(|&len| {
+                    (0..len)
+                        .map(|_| {
+                            (
+                                r(cfg.conv_dim(), 2.0),
+                                r(cfg.value_dim(), 2.0),
+                                r(ba_cols, 2.0),
+                                r(nv, 2.0),
+                            )
+                        })
+                        .collect()
+                })
+                .collect();
+            let dummy = || CpuWeight::Vector(Vec::new());
+            let w = DeltaNetWeights {
+                in_qkv: dummy(),
+                gate: dummy(),
+                beta: dummy(),
+                alpha: None,
+                conv: CpuWeight::Vector(conv_w.clone()),
+                dt_bias: CpuWeight::Vector(dt.clone()),
+                a: CpuWeight::Vector(a.clone()),
+                norm: CpuWeight::Vector(norm.clone()),
+                out: dummy(),
+            };
+            let eps = 1e-6;
+            let mut states = RecurrentStates::default();
+            let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 2];
+            // Steps mixing the two sequences: (tokens of seq 0, tokens of seq 1).
+            let mut done = [0usize, 0];
+            for (n0, n1) in [(4usize, 2usize), (1, 1), (4, 2)] {
+                let mut batch = Batch::default();
+                let mut slot = 0;
+                for (s, cnt) in [(0usize, n0), (1, n1)] {
+                    let cnt = cnt.min(seqs[s].len() - done[s]);
+                    if cnt == 0 {
+                        continue;
+                    }
+                    let ids = vec![0u32; cnt];
+                    batch.push_part(slot, &ids, done[s], &[10 + s as u32], cnt);
+                    slot += 1;
+                }
+                batch.seqs.truncate(slot);
+                let n = batch.len();
+                let tensor = |cols: usize| CpuTensor {
+                    data: vec![0.0; n * cols],
+                    cols,
+                };
+                let (mut mix, mut z, mut beta, mut alpha) = (
+                    tensor(cfg.conv_dim()),
+                    tensor(cfg.value_dim()),
+                    tensor(ba_cols),
+                    tensor(nv),
+                );
+                let mut owner = Vec::new();
+                for (s, cnt) in [(0usize, n0), (1, n1)] {
+                    for _ in 0..cnt.min(seqs[s].len() - done[s]) {
+                        let t = owner.len();
+                        let row = &seqs[s][done[s]];
+                        mix.data[t * mix.cols..][..mix.cols].copy_from_slice(&row.0);
+                        z.data[t * z.cols..][..z.cols].copy_from_slice(&row.1);
+                        beta.data[t * beta.cols..][..beta.cols].copy_from_slice(&row.2);
+                        alpha.data[t * alpha.cols..][..alpha.cols].copy_from_slice(&row.3);
+                        owner.push(s);
+                        done[s] += 1;
+                    }
+                }
+                let alpha_t = if qwen3next_layout { &beta } else { &alpha };
+                let mut out = tensor(cfg.value_dim());
+                delta_net(
+                    &mut states,
+                    2,
+                    &cfg,
+                    &w,
+                    &mix,
+                    &z,
+                    &beta,
+                    alpha_t,
+                    eps,
+                    &batch,
+                    n,
+                    &mut out,
+                )
+                .expect("delta_net");
+                for (t, &s) in owner.iter().enumerate() {
+                    got[s].push(out.data[t * out.cols..(t + 1) * out.cols].to_vec());
+                }
+            }
+            for s in 0..2 {
+                let rows: Vec<_> = seqs[s]
+                    .iter()
+                    .map(|(m, z, b, al)| {
+                        let al = if qwen3next_layout {
+                            b.clone()
+                        } else {
+                            al.clone()
+                        };
+                        (m.clone(), z.clone(), b.clone(), al)
+                    })
+                    .collect();
+                let want = reference(&cfg, &conv_w, &dt, &a, &norm, &rows, eps as f64);
+                assert_eq!(got[s].len(), want.len());
+                for (t, (g, w)) in got[s].iter().zip(&want).enumerate() {
+                    for (j, (&gv, &wv)) in g.iter().zip(w).enumerate() {
+                        assert!(
+                            (gv as f64 - wv).abs() <= 1e-4 * (1.0 + wv.abs()),
+                            "layout {qwen3next_layout}, seq {s}, token {t}, value {j}: {gv} vs {wv}"
+                        );
+                    }
+                }
+            }
+            // A sequence that does not continue where its state is: an error.
+            let mut batch = Batch::default();
+            batch.push_part(0, &[0], 3, &[10], 1);
+            let one = |cols: usize| CpuTensor {
+                data: vec![0.0; cols],
+                cols,
+            };
+            let (mix, z, beta) = (one(cfg.conv_dim()), one(cfg.value_dim()), one(ba_cols));
+            let mut out = one(cfg.value_dim());
+            let e = delta_net(
+                &mut states,
+                2,
+                &cfg,
+                &w,
+                &mix,
+                &z,
+                &beta,
+                &beta,
+                eps,
+                &batch,
+                1,
+                &mut out,
+            );
+            assert!(e.is_err());
+        }
+    }
+}
