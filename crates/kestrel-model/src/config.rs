@@ -856,10 +856,20 @@ fn hybrid_layers(
         ));
     }
     // llama.cpp's gated delta rule needs square states (value head size = key head size).
-    if d_inner != d_state.saturating_mul(n_v) {
+    if d_state.checked_mul(n_v) != Some(d_inner) {
         return bad(format!(
             "linear attention inner size {d_inner} is not state size {d_state} × {n_v} heads"
         ));
+    }
+    // Every size the states and the convolution are made of, without overflow (each is
+    // a tensor width, checked against the file when the weights load).
+    let key_dim = d_state.checked_mul(n_k);
+    let sizes = key_dim
+        .and_then(|k| k.checked_mul(2)?.checked_add(d_inner))
+        .and_then(|conv| conv.checked_mul(d_conv))
+        .zip(d_inner.checked_mul(d_state));
+    if sizes.is_none() {
+        return bad("linear attention sizes overflow".into());
     }
     let cfg = DeltaNetConfig {
         d_conv,
@@ -869,16 +879,6 @@ fn hybrid_layers(
         n_v_heads: n_v,
         qwen3next_layout: file.architecture() == Some("qwen3next"),
     };
-    // Every size the state is made of is a tensor width; their products must not overflow.
-    if cfg
-        .value_dim()
-        .checked_mul(d_state)
-        .and_then(|s| s.checked_add(cfg.key_dim().checked_mul(2)?))
-        .and_then(|s| s.checked_mul(d_conv))
-        .is_none()
-    {
-        return bad("linear attention sizes overflow".into());
-    }
     Ok((kinds, Some(cfg)))
 }
 
