@@ -79,8 +79,16 @@ fn inconsistent_linear_attention_sizes_are_refused() {
             ("ssm.inner_size", Value::U32(100), "inner size"),
             ("ssm.state_size", Value::U64(1 << 62), "inner size"),
             ("ssm.inner_size", Value::U64(u64::MAX), "inner size"),
-            ("full_attention_interval", Value::U32(0), "full_attention_interval"),
-            ("nextn_predict_layers", Value::U32(9), "nextn_predict_layers"),
+            (
+                "full_attention_interval",
+                Value::U32(0),
+                "full_attention_interval",
+            ),
+            (
+                "nextn_predict_layers",
+                Value::U32(9),
+                "nextn_predict_layers",
+            ),
         ];
         for (key, value, expect) in cases {
             let bad = with_metadata(&good, &format!("{a}.{key}"), value.clone());
