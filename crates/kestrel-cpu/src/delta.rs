@@ -376,6 +376,9 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    /// One token's projections: conv input, output gate, beta row, alpha row.
+    type Row = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
     /// The layer's definition in f64, one sequence's tokens in order (exact exp, no fused
     /// rounding): the oracle for the indexing (head pairing, beta/alpha columns, state
     /// layout) and the arithmetic.
@@ -386,7 +389,7 @@ mod tests {
         dt: &[f32],
         a: &[f32],
         norm: &[f32],
-        rows: &[(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)],
+        rows: &[Row],
         eps: f64,
     ) -> Vec<Vec<f64>> {
         let (hk, hv, nv, taps) = (cfg.head_k_dim, cfg.head_v_dim, cfg.n_v_heads, cfg.d_conv);
