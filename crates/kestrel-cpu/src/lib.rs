@@ -308,6 +308,7 @@ impl kestrel_model::Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Cache = CpuCache;
     type Step = CpuStep;
+    type Prepared = ();
 
     fn name(&self) -> String {
         match self.kernels {
@@ -543,6 +544,7 @@ impl kestrel_model::Backend for CpuBackend {
     fn qkv(
         &self,
         x: &CpuTensor,
+        _x_ready: (),
         layer: &kestrel_model::LayerWeights<CpuWeight>,
         n: usize,
         q: &mut CpuTensor,
@@ -585,6 +587,7 @@ impl kestrel_model::Backend for CpuBackend {
     fn gate_up(
         &self,
         x: &CpuTensor,
+        _x_ready: (),
         layer: &kestrel_model::LayerWeights<CpuWeight>,
         act: kestrel_model::Activation,
         n: usize,

@@ -103,6 +103,9 @@ impl CudaBackend {
     /// partials buffer is too small.
     /// Returns whether the launches wrote `a.q8` (the kernels that write the normalized
     /// output do: attention_split_tiled* with one split, attention_combine).
+    /// `alone`: the split count of a single-token step whose sequence holds that many keys
+    /// (rounded up to a power of two), for every token of the launch (batch-invariant
+    /// steps); None: the step's own.
     pub(crate) fn attention_short(
         &self,
         a: &AttnLaunch,
@@ -110,7 +113,12 @@ impl CudaBackend {
         step: &CudaStep,
         tok0: usize,
         n: usize,
+        alone: Option<usize>,
     ) -> bool {
+        let (max_len, n_split) = match alone {
+            Some(len) => (len, 1),
+            None => (step.max_kv_len(), n),
+        };
         // About ATTN_SPLIT_BLOCKS blocks in all, and at least ~16 keys a split of the
         // longest sequence (its length rounded up to a power of two, so that a recorded graph
         // serves every step until it doubles). Measured on the H100, Llama-3-8B Q4_K_M, ~600
@@ -132,8 +140,8 @@ impl CudaBackend {
         const ATTN_SPLIT_BLOCKS: usize = 512;
         let tiled = tiled_split_attention(p);
         let splits = if tiled {
-            let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
-            let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
+            let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
+            let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
             let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
                 .checked_ilog2()
                 .map_or(1, |e| 1 << e);
@@ -144,8 +152,9 @@ impl CudaBackend {
             } else {
                 p.n_head
             };
-            let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
-            let by_blocks = ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
+            let by_len = max_len.next_power_of_two().div_ceil(16);
+            let by_blocks =
+                ATTN_SPLIT_BLOCKS.div_ceil(n_split.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
             by_len.min(by_blocks)
         }
         .clamp(if tiled { 1 } else { 2 }, MAX_ATTN_SPLITS);
@@ -360,17 +369,17 @@ pub(crate) fn attention(
     step: &CudaStep,
     n: usize,
     out: &mut CudaTensor,
-) {
+) -> Prepared {
     if p.head_dim > MAX_HEAD_DIM {
         backend.fail(format!(
             "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
             p.head_dim
         ));
-        return;
+        return Prepared::Nothing;
     }
     if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
         backend.fail(format!("attention: bad geometry for layer {}", p.layer));
-        return;
+        return Prepared::Nothing;
     }
     let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
     let width = p.n_head * p.head_dim;
@@ -382,9 +391,10 @@ pub(crate) fn attention(
         .map(|b| (b.q, b.d));
     // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
     // split merge quantizes them (256-value blocks of whole heads).
+    let invariant = backend.invariant_step();
     let mmk = backend
         .multi_q8_layout(n, width)
-        .filter(|l| l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
+        .filter(|l| !invariant && l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
         .map(|l| {
             let (xk, xb) = l.q8.mmk_steps_sums(l.npad, width);
             (l.npad, [l.q8.q, xk, xb])
@@ -399,21 +409,40 @@ pub(crate) fn attention(
         q8,
         mmk,
     };
-    // After launches that wrote the whole step's quantized output: the consumer finds it.
-    let note_quantized = || {
-        if let Some((npad, _)) = mmk {
-            *backend.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((out.ptr, n, npad, true));
-        } else {
-            *backend.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
-        }
+    // After launches that wrote the whole step's quantized output: what the output
+    // projection then reads.
+    let quantized = match mmk {
+        Some((npad, _)) => Prepared::Mmq {
+            of: out.ptr,
+            n,
+            npad,
+            mmk: true,
+        },
+        None => Prepared::Q8 { of: out.ptr, n: 1 },
     };
     if n <= GEMV_MAX_TOKENS {
         // Decode: one launch list whatever the sequences (graph replay).
-        if backend.attention_short(&ctx, p, step, 0, n) {
-            note_quantized();
+        if invariant {
+            // Each token with the split count its own single-token step would take (the
+            // count follows the sequence's length rounded up to a power of two): runs of
+            // tokens sharing one, a launch each.
+            let lens: Vec<usize> = (0..n).map(|i| step.position(i) + 1).collect();
+            let mut start = 0;
+            while start < n {
+                let bucket = lens[start].next_power_of_two();
+                let len = lens[start..]
+                    .iter()
+                    .take_while(|l| l.next_power_of_two() == bucket)
+                    .count();
+                backend.attention_short(&ctx, p, step, start, len, Some(bucket));
+                start += len;
+            }
+            return Prepared::Nothing;
         }
-        return;
+        if backend.attention_short(&ctx, p, step, 0, n, None) {
+            return quantized;
+        }
+        return Prepared::Nothing;
     }
     // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
     // prompt chunks go to the tiled prefill kernels, the short runs between them (decode
@@ -423,14 +452,14 @@ pub(crate) fn attention(
     for (start, len) in step.sequence_runs(n) {
         if prefill_ok && len >= PREFILL_ATTN_TOKENS {
             if let Some((a, b)) = short.take() {
-                backend.attention_short(&ctx, p, step, a, b - a);
+                backend.attention_short(&ctx, p, step, a, b - a, None);
             }
             backend.attention_prefill(&ctx, p, step, start, len);
         } else {
             short = match short {
                 Some((a, b)) if b == start => Some((a, start + len)),
                 Some((a, b)) => {
-                    backend.attention_short(&ctx, p, step, a, b - a);
+                    backend.attention_short(&ctx, p, step, a, b - a, None);
                     Some((start, start + len))
                 }
                 None => Some((start, start + len)),
@@ -438,11 +467,12 @@ pub(crate) fn attention(
         }
     }
     if let Some((a, b)) = short
-        && backend.attention_short(&ctx, p, step, a, b - a)
+        && backend.attention_short(&ctx, p, step, a, b - a, None)
         && (a, b) == (0, n)
     {
-        note_quantized();
+        return quantized;
     }
+    Prepared::Nothing
 }
 
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
@@ -451,6 +481,7 @@ pub(crate) fn rope_store_kv(
     q: &mut CudaTensor,
     k: &mut CudaTensor,
     v: &CudaTensor,
+    qkv_ready: Prepared,
     head_dim: usize,
     rope: &RopeParams,
     cache: &mut CudaCache,
@@ -458,6 +489,23 @@ pub(crate) fn rope_store_kv(
     step: &CudaStep,
     n: usize,
 ) {
+    // The merged product of exactly these q, k and v, if `qkv` left it unsplit: the kernel
+    // splits it on the way (the product and the three biases), else it reads q, k and v.
+    let split = match qkv_ready {
+        Prepared::Split(p) => Some(p),
+        _ => None,
+    };
+    let ours = split.filter(|p| {
+        p.n == n
+            && p.args[1] == Arg::P(q.ptr)
+            && p.args[2] == Arg::P(k.ptr)
+            && p.args[3] == Arg::P(v.ptr)
+    });
+    if let Some(p) = split
+        && ours.is_none()
+    {
+        backend.split_qkv(&p);
+    }
     if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
         backend.fail(format!(
             "rope_store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
@@ -470,9 +518,7 @@ pub(crate) fn rope_store_kv(
     };
     let heads = q.cols / head_dim + k.cols / head_dim;
     let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
-    // The merged product of these q, k and v, if it waits unsplit: the kernel splits it
-    // on the way (the product and the three biases), else it reads q, k and v.
-    let source = match backend.take_split_of(q, k, v, n) {
+    let source = match ours {
         Some(p) => [p.args[0], p.args[4], p.args[5], p.args[6]],
         None => [Arg::P(0); 4],
     };

@@ -6,7 +6,7 @@ use crate::*;
 
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Arg {
+pub enum Arg {
     /// A device pointer.
     P(u64),
     I(i32),
@@ -14,36 +14,31 @@ pub(crate) enum Arg {
     F(f32),
 }
 
-/// Activation copies held for the product that reads them next (`q8_holds`: a single
-/// token's 8-bit row; `mmq_holds`: a few tokens in the int8 tensor-core layouts; `f16_holds`:
-/// rows in f16 for cuBLAS): the normalization or activation that writes a tensor also writes
-/// the copy its consumer needs, and the consumer then converts nothing. A launch says which
-/// copies it makes or reads (`launch_keeping`); every other launch drops them all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Keeps {
-    pub(crate) q8: bool,
-    pub(crate) mmq: bool,
-    pub(crate) f16: bool,
-}
-
-impl Keeps {
-    pub(crate) const NOTHING: Keeps = Keeps {
-        q8: false,
-        mmq: false,
-        f16: false,
-    };
-    pub(crate) const Q8: Keeps = Keeps {
-        q8: true,
-        ..Keeps::NOTHING
-    };
-    pub(crate) const MMQ: Keeps = Keeps {
-        mmq: true,
-        ..Keeps::NOTHING
-    };
-    pub(crate) const F16: Keeps = Keeps {
-        f16: true,
-        ..Keeps::NOTHING
-    };
+/// What a launcher left beside its output for the one product that reads that output next
+/// (this backend's `Backend::Prepared`): the normalization, activation or attention that
+/// writes a tensor also writes the copy its consumer's kernel needs, the forward pass hands
+/// this over, and the consumer then converts nothing. Each copy names the tensor it stands
+/// for (`of`, its device address): a consumer uses it only for that tensor.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Prepared {
+    #[default]
+    Nothing,
+    /// `n` token rows in 8 bits, row after row, in the step's Q8 buffers (the `gemv_q8`
+    /// family; one row but in verification steps).
+    Q8 { of: u64, n: usize },
+    /// `n` tokens (`npad` rows) in the Q8 buffers in the int8 tensor-core layout: that of
+    /// `mmk_t8*` / `mms_*` (`mmk`, 256-value steps) or of `mmq_t*`.
+    Mmq {
+        of: u64,
+        n: usize,
+        npad: usize,
+        mmk: bool,
+    },
+    /// `n` rows in f16 at `h` (a GEMM scratch buffer), for cuBLAS.
+    F16 { of: u64, n: usize, h: u64 },
+    /// A merged Q/K/V product not yet split into q, k and v: `rope_store_kv` reads its
+    /// heads straight from it (see [`PendingSplit`]).
+    Split(PendingSplit),
 }
 
 /// One kernel launch, as recorded for a step.
@@ -364,11 +359,7 @@ impl CudaBackend {
     /// Waits for the queued work; returns the first error of any operation since the last
     /// check.
     pub fn check(&self) -> anyhow::Result<()> {
-        self.split_pending();
         self.flush();
-        // A step ends here: the next one quantizes its activations afresh.
-        *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let sync = self.stream.synchronize();
         self.profile_collect();
         if let Some(msg) = self.lock_error().take() {
@@ -405,7 +396,7 @@ impl CudaBackend {
         block: u32,
         args: &[Arg],
     ) {
-        self.launch_keeping(name, grid, block, args, 0, Keeps::NOTHING);
+        self.launch_reading(name, grid, block, args, 0);
     }
 
     /// [`Self::launch`] of a kernel that streams `weight_bytes` of weights (the profiler
@@ -418,20 +409,6 @@ impl CudaBackend {
         args: &[Arg],
         weight_bytes: u64,
     ) {
-        self.launch_keeping(name, grid, block, args, weight_bytes, Keeps::NOTHING);
-    }
-
-    /// The launch of a kernel that makes or reads the held activation copies `keeps` names:
-    /// they stay valid across it; every other launch drops them.
-    pub(crate) fn launch_keeping(
-        &self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: u32,
-        args: &[Arg],
-        weight_bytes: u64,
-        keeps: Keeps,
-    ) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
@@ -442,17 +419,6 @@ impl CudaBackend {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
-        self.split_pending();
-        // Any other launch may write the tensors the held copies were made from.
-        if !keeps.q8 {
-            *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
-        if !keeps.f16 {
-            *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
-        if !keeps.mmq {
-            *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
         let l = Launch {
             func,
             grid,

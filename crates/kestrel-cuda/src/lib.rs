@@ -48,6 +48,8 @@ use kestrel_model::{
 };
 
 pub use compile::Origin;
+pub use launch::Prepared;
+pub use matmul::PendingSplit;
 pub use options::{F16Copies, Options, request_profile};
 
 /// Largest head size the attention kernel handles.
@@ -134,26 +136,14 @@ pub struct CudaBackend {
     /// The quantized activations of those GEMVs: int8 values and a scale per 32, sized at
     /// `new_step` for the model's widest input so that recorded graphs never see it move.
     q8_scratch: Mutex<Option<Q8Scratch>>,
-    /// The activation tensor whose first row the Q8 buffers hold (set by `rms_norm_q8`;
-    /// any other launch clears it).
-    q8_holds: Mutex<Option<u64>>,
-    /// (tensor, rows, f16 buffer): the f16 copy of those rows of an activation tensor
-    /// that `rms_norm_f16` / `gated_act_f16` left in the GEMM scratch for the cuBLAS
-    /// products reading it next ([`Self::x_to_f16`] then converts nothing; any other
-    /// launch clears it).
-    f16_holds: Mutex<Option<(u64, usize, u64)>>,
-    /// A merged Q/K/V product not yet split into q, k and v (see [`PendingSplit`]), and
-    /// whether there is one (every launch asks; only cuBLAS steps set it).
-    pending_split: Mutex<Option<PendingSplit>>,
-    split_waits: std::sync::atomic::AtomicBool,
-    /// The activation tensor, its token count and padded rows whose quantization for the
-    /// int8 kernels the Q8 buffers hold, and whether in `mmk_t8*`'s layout (set by
-    /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
-    mmq_holds: Mutex<Option<(u64, usize, usize, bool)>>,
     /// Steps of up to 8 tokens on Q4_K / Q6_K weights: `mmk_t8*` (activations quantized per
     /// 256 values, integer sums per super-block) instead of `mmq_t8` (on by default; the
     /// self-check turns it off to cover `mmq_t8` on those formats, which the LM head takes).
     mmk: std::sync::atomic::AtomicBool,
+    /// Whether the step being run is a batch-invariant one (`Batch::invariant`, 2 to
+    /// [`INVARIANT_MAX_TOKENS`] tokens): every op computes each token as a single-token step
+    /// would (see `invariant_step`).
+    invariant: std::sync::atomic::AtomicBool,
     /// Whether launches allow programmatic dependent launch (the option, on sm_90 and up).
     pdl: bool,
     /// Host buffer the results are read back through.
@@ -365,12 +355,8 @@ impl CudaBackend {
             q8_decode: std::sync::atomic::AtomicBool::new(options.q8),
             q8_scratch: Mutex::new(None),
             pdl: options.pdl && major >= 9,
-            q8_holds: Mutex::new(None),
-            f16_holds: Mutex::new(None),
-            pending_split: Mutex::new(None),
-            split_waits: std::sync::atomic::AtomicBool::new(false),
-            mmq_holds: Mutex::new(None),
             mmk: std::sync::atomic::AtomicBool::new(true),
+            invariant: std::sync::atomic::AtomicBool::new(false),
             gemm_scratch: Mutex::default(),
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
@@ -398,6 +384,7 @@ impl kestrel_model::Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Cache = CudaCache;
     type Step = CudaStep;
+    type Prepared = Prepared;
 
     fn name(&self) -> String {
         format!("cuda ({}, {})", self.device_name, self.arch)
@@ -416,13 +403,15 @@ impl kestrel_model::Backend for CudaBackend {
     fn gate_up(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         layer: &LayerWeights<CudaWeight>,
         act: Activation,
         n: usize,
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
-    ) {
-        self.gate_up_of(x, &layer.ffn_gate, &layer.ffn_up, act, n, gate, up);
+    ) -> Prepared {
+        let (gw, uw) = (&layer.ffn_gate, &layer.ffn_up);
+        self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
     }
 
     fn check_model(&self, cfg: &kestrel_model::ModelConfig) -> anyhow::Result<()> {
@@ -471,30 +460,43 @@ impl kestrel_model::Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &mut CudaTensor) {
-        matmul::matmul(self, x, w, n, out)
+        matmul::matmul(self, x, &mut Prepared::Nothing, w, n, out)
+    }
+
+    fn matmul_ready(
+        &self,
+        x: &CudaTensor,
+        x_ready: Prepared,
+        w: &CudaWeight,
+        n: usize,
+        out: &mut CudaTensor,
+    ) {
+        matmul::matmul(self, x, &mut { x_ready }, w, n, out)
     }
 
     fn qkv(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         layer: &LayerWeights<CudaWeight>,
         n: usize,
         q: &mut CudaTensor,
         k: &mut CudaTensor,
         v: &mut CudaTensor,
-    ) {
-        matmul::qkv(self, x, layer, n, q, k, v)
+    ) -> Prepared {
+        matmul::qkv(self, x, x_ready, layer, n, q, k, v)
     }
 
     fn matmul_add(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         w: &CudaWeight,
         n: usize,
         tmp: &mut CudaTensor,
         residual: &mut CudaTensor,
     ) {
-        matmul::matmul_add(self, x, w, n, tmp, residual)
+        matmul::matmul_add(self, x, x_ready, w, n, tmp, residual)
     }
 
     fn store_kv(
@@ -517,7 +519,7 @@ impl kestrel_model::Backend for CudaBackend {
         step: &CudaStep,
         n: usize,
         out: &mut CudaTensor,
-    ) {
+    ) -> Prepared {
         attention::attention(self, q, cache, p, step, n, out)
     }
 
@@ -526,6 +528,7 @@ impl kestrel_model::Backend for CudaBackend {
         q: &mut CudaTensor,
         k: &mut CudaTensor,
         v: &CudaTensor,
+        qkv_ready: Prepared,
         head_dim: usize,
         rope: &RopeParams,
         cache: &mut CudaCache,
@@ -533,7 +536,9 @@ impl kestrel_model::Backend for CudaBackend {
         step: &CudaStep,
         n: usize,
     ) {
-        attention::rope_store_kv(self, q, k, v, head_dim, rope, cache, layer, step, n)
+        attention::rope_store_kv(
+            self, q, k, v, qkv_ready, head_dim, rope, cache, layer, step, n,
+        )
     }
 
     fn embed(&self, table: &CudaWeight, step: &CudaStep, out: &mut CudaTensor) {
@@ -551,7 +556,7 @@ impl kestrel_model::Backend for CudaBackend {
         eps: f32,
         n: usize,
         out: &mut CudaTensor,
-    ) {
+    ) -> Prepared {
         norm_rope::rms_norm(self, x, weight, eps, n, out)
     }
 
@@ -581,7 +586,13 @@ impl kestrel_model::Backend for CudaBackend {
         norm_rope::rope(self, x, head_dim, rope, step, n)
     }
 
-    fn gated_activation(&self, gate: &mut CudaTensor, up: &CudaTensor, act: Activation, n: usize) {
+    fn gated_activation(
+        &self,
+        gate: &mut CudaTensor,
+        up: &CudaTensor,
+        act: Activation,
+        n: usize,
+    ) -> Prepared {
         norm_rope::gated_activation(self, gate, up, act, n)
     }
 

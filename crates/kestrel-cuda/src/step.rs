@@ -45,6 +45,12 @@ impl CudaStep {
             Arg::P(self.tables()),
         ]
     }
+    /// The position of the step's token `i`.
+    pub(crate) fn position(&self, i: usize) -> usize {
+        let t = self.max_tokens;
+        self.host.get(t + i).map_or(0, |&p| p as usize)
+    }
+
     /// The longest sequence (cached positions after this step) among the step's.
     pub(crate) fn max_kv_len(&self) -> usize {
         let t = self.max_tokens;
@@ -296,6 +302,10 @@ pub(crate) fn prepare_step(
         .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
     step.n_tokens = n;
     step.n_logit_rows = batch.logit_rows.len();
+    backend.invariant.store(
+        batch.invariant && (2..=INVARIANT_MAX_TOKENS).contains(&n),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     // Steps whose products go through cuBLAS (see `prefer_gemm`) are not recorded:
     // cuBLAS calls are not launches the recorder can replay.
     let relaxed = std::sync::atomic::Ordering::Relaxed;

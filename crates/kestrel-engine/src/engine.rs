@@ -57,6 +57,9 @@ pub struct Engine<B: Backend> {
     batch: Batch,
     eval_done: Vec<usize>,
     eval_parts: Vec<(usize, usize, usize, usize)>,
+    /// Whether `eval_batch`'s steps are batch-invariant (`Batch::invariant`; see
+    /// [`Engine::eval_invariant`]).
+    invariant: bool,
 }
 
 impl<B: Backend> Engine<B> {
@@ -99,6 +102,7 @@ impl<B: Backend> Engine<B> {
             batch: Batch::default(),
             eval_done: Vec::new(),
             eval_parts: Vec::new(),
+            invariant: false,
         })
     }
 
@@ -218,6 +222,7 @@ impl<B: Backend> Engine<B> {
         let mut result = Ok(());
         while done.iter().zip(tokens).any(|(&d, t)| d < t.len()) {
             batch.clear_tokens();
+            batch.invariant = self.invariant;
             let mut n_slots = 0;
             parts.clear();
             for (i, toks) in tokens.iter().enumerate() {
@@ -406,6 +411,21 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// [`Engine::eval`] with every logit row, each token's row computed exactly as a step of
+    /// that token alone would compute it (`Batch::invariant`): the verification of a
+    /// speculative draft, so that accepting a draft changes no number.
+    pub fn eval_invariant(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        on_logits: impl FnMut(usize, &[f32]),
+    ) -> anyhow::Result<()> {
+        self.invariant = true;
+        let result = self.eval(seq, tokens, true, on_logits);
+        self.invariant = false;
+        result
+    }
+
     /// Appends `tokens` to `seq` in one step and writes into `ids` the greedy next token after
     /// each of them (speculative verification: one batch, only the ids leave the device).
     pub fn eval_argmax_each(
@@ -427,6 +447,8 @@ impl<B: Backend> Engine<B> {
         batch.clear_tokens();
         batch.push_part(0, tokens, seq.tokens.len(), &seq.block_table, tokens.len());
         batch.seqs.truncate(1);
+        // Each token's id as decoding it alone would give (lossless verification).
+        batch.invariant = true;
         let result = self.step_argmax(&batch, ids);
         self.batch = batch;
         result?;

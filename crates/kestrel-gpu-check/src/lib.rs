@@ -742,8 +742,9 @@ pub fn compare_gemv(
     match &up {
         Some((up_w, _)) => {
             let mut up_out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-            backend.gate_up_of(
+            let _gated = backend.gate_up_of(
                 &xt,
+                kestrel_cuda::Prepared::Nothing,
                 &weight,
                 up_w,
                 kestrel_model::Activation::Silu,
@@ -754,7 +755,8 @@ pub fn compare_gemv(
         }
         None if product == Product::AddInto => {
             let mut tmp = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-            backend.matmul_add(&xt, &weight, n, &mut tmp, &mut out);
+            let nothing = kestrel_cuda::Prepared::Nothing;
+            backend.matmul_add(&xt, nothing, &weight, n, &mut tmp, &mut out);
         }
         None => backend.matmul(&xt, &weight, n, &mut out),
     }
@@ -1117,6 +1119,7 @@ pub fn compare_argmax(
             kv_len: n,
         }],
         logit_rows: (0..(n - from) as u32).collect(),
+        invariant: false,
     };
     let (mut compared, mut differ) = (0, 0);
     let mut logits = Vec::new();
@@ -1262,4 +1265,115 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
         }
     }
     Ok(report)
+}
+
+/// Result of [`compare_invariant`].
+#[derive(Debug, Clone)]
+pub struct InvariantReport {
+    pub arch: Arch,
+    pub ty: String,
+    /// Logit rows compared (tokens of the batch-invariant steps).
+    pub rows: usize,
+    /// Rows with any logit not bit-identical to the single-token step's, and the largest
+    /// |Δ| among them.
+    pub differing: usize,
+    pub max_abs_diff: f32,
+    /// Greedy ids of speculative generation (prompt lookup) and of plain generation, and
+    /// the drafts that were verified.
+    pub spec: Vec<u32>,
+    pub plain: Vec<u32>,
+    pub drafted: usize,
+}
+
+impl InvariantReport {
+    pub fn passed(&self) -> bool {
+        self.rows > 0 && self.differing == 0 && self.spec == self.plain && self.drafted > 0
+    }
+}
+
+/// Batch-invariant steps (speculative verification) on the GPU: after a random prompt,
+/// steps of 8, 5 and 2 tokens evaluated as one invariant step each must give every token's
+/// logits bit for bit as single-token steps over the same tokens do (the first step's
+/// positions cross a power of two, where attention's split count changes); then greedy
+/// generation with prompt lookup must give the ids plain generation gives.
+pub fn compare_invariant(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<InvariantReport> {
+    let file = tiny_model(arch, ty, seed)?;
+    let mut gpu = cuda_engine(&file, ordinal)?;
+    let vocab = gpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5bd1);
+    let mut random =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    let prompt = random(29);
+    let steps = [random(8), random(5), random(2)];
+
+    let mut one = Sequence::default();
+    let mut together = Sequence::default();
+    gpu.eval(&mut one, &prompt, false, |_, _| {})?;
+    gpu.eval(&mut together, &prompt, false, |_, _| {})?;
+    let (mut rows, mut differing, mut max_abs_diff) = (0, 0, 0.0f32);
+    for tokens in &steps {
+        let mut alone = Vec::new();
+        for &t in tokens {
+            gpu.eval(&mut one, &[t], false, |_, l| alone.push(l.to_vec()))?;
+        }
+        let mut batched = Vec::new();
+        gpu.eval_invariant(&mut together, tokens, |_, l| batched.push(l.to_vec()))?;
+        anyhow::ensure!(
+            batched.len() == alone.len(),
+            "{} rows for {}",
+            batched.len(),
+            alone.len()
+        );
+        for (a, b) in alone.iter().zip(&batched) {
+            rows += 1;
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            if !same {
+                differing += 1;
+                max_abs_diff = max_abs_diff.max(d);
+            }
+        }
+    }
+    gpu.release(&mut one);
+    gpu.release(&mut together);
+
+    // A prompt that repeats itself, so prompt lookup drafts; greedy either way.
+    let mut prompt = random(24);
+    prompt.extend_from_within(..20);
+    let params = kestrel_engine::sampler::SamplerParams::greedy();
+    let mut seq = Sequence::default();
+    let (plain, _) =
+        gpu.generate_speculative(&mut seq, &prompt, &params, 48, |_| false, |_| true, None)?;
+    gpu.release(&mut seq);
+    let drafter = kestrel_engine::spec::NgramDrafter::new(1, 4)?;
+    let mut spec = kestrel_engine::spec::Speculator::new(Box::new(drafter), 1, 7);
+    let (fast, stats) = gpu.generate_speculative(
+        &mut seq,
+        &prompt,
+        &params,
+        48,
+        |_| false,
+        |_| true,
+        Some(&mut spec),
+    )?;
+    gpu.release(&mut seq);
+    Ok(InvariantReport {
+        arch,
+        ty: ty.to_string(),
+        rows,
+        differing,
+        max_abs_diff,
+        spec: fast,
+        plain,
+        drafted: stats.drafted,
+    })
 }

@@ -60,6 +60,21 @@ fn greedy_generation_matches_cpu() {
 }
 
 #[test]
+fn verification_steps_are_batch_invariant() {
+    if !gpu_present("verification_steps_are_batch_invariant") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in ARCHS {
+        for ty in ["q4_k_m", "q8_0", "f16"] {
+            let seed = rng.random();
+            let r = selfcheck::compare_invariant(arch, ty, seed, 0).expect("steps run");
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+#[test]
 fn missing_device_is_an_error_not_a_panic() {
     // Whatever the machine: asking for a device that does not exist must fail cleanly.
     let err = kestrel_cuda::CudaBackend::new(usize::MAX).err();

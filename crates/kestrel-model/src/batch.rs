@@ -24,6 +24,11 @@ pub struct Batch {
     pub seqs: Vec<SeqSlot>,
     /// Indices of the tokens whose logits are wanted, ascending.
     pub logit_rows: Vec<u32>,
+    /// Compute every token exactly as a step of that token alone would (a speculative
+    /// verification: greedy speculation then yields the tokens of one-at-a-time decoding).
+    /// The CPU backend always does; the CUDA backend does for steps of up to 8 tokens when
+    /// asked, on slower kernels.
+    pub invariant: bool,
 }
 
 // Clone by hand: `clone_from` reuses the vectors' capacity (the derived one reallocates
@@ -50,6 +55,7 @@ impl Clone for Batch {
             seq_of: self.seq_of.clone(),
             seqs: self.seqs.clone(),
             logit_rows: self.logit_rows.clone(),
+            invariant: self.invariant,
         }
     }
 
@@ -58,6 +64,7 @@ impl Clone for Batch {
         self.positions.clone_from(&source.positions);
         self.seq_of.clone_from(&source.seq_of);
         self.seqs.clone_from(&source.seqs);
+        self.invariant = source.invariant;
         self.logit_rows.clone_from(&source.logit_rows);
     }
 }
@@ -83,6 +90,7 @@ impl Batch {
     /// Empties the token lists for a new step. The sequence slots stay, for
     /// [`Batch::push_part`] to refill without allocating.
     pub fn clear_tokens(&mut self) {
+        self.invariant = false;
         self.tokens.clear();
         self.positions.clear();
         self.seq_of.clear();

@@ -156,15 +156,16 @@ impl<B: Backend> Model<B> {
         }
 
         for (il, layer) in w.layers.iter().enumerate() {
-            // Attention block.
-            backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
+            // Attention block (or linear attention). Each `*_ready` is what an operation
+            // prepared for the one that reads its output next (see `Backend::Prepared`).
+            let h_ready = backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
             if let Some(dw) = &layer.delta_net {
                 // Gated DeltaNet linear attention (see `DeltaNetConfig`).
                 let dn = cfg
                     .delta_net
                     .as_ref()
                     .context("a linear-attention layer without its configuration")?;
-                backend.matmul(&s.h, &dw.in_qkv, n, &mut s.mix);
+                backend.matmul_ready(&s.h, h_ready, &dw.in_qkv, n, &mut s.mix);
                 backend.matmul(&s.h, &dw.gate, n, &mut s.z);
                 backend.matmul(&s.h, &dw.beta, n, &mut s.beta);
                 let alpha = match &dw.alpha {
@@ -188,22 +189,27 @@ impl<B: Backend> Model<B> {
                     n,
                     &mut s.dn,
                 )?;
-                backend.matmul_add(&s.dn, &dw.out, n, &mut s.proj, &mut s.x);
+                let ready = B::Prepared::default();
+                backend.matmul_add(&s.dn, ready, &dw.out, n, &mut s.proj, &mut s.x);
             } else {
-                self.attention_block(backend, cache, layer, il, s, n)?;
+                self.attention_block(backend, cache, layer, il, h_ready, s, n)?;
             }
 
             // Feed-forward block: its output goes to `s.proj` unless it is a dense block
             // without a post-norm, whose down projection adds into the residual directly.
-            backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
+            let h_ready = backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
             match (&cfg.ffn, &layer.post_ffw_norm) {
                 (FfnKind::Dense, None) => {
-                    backend.gate_up(&s.h, layer, cfg.activation, n, &mut s.gate, &mut s.up);
-                    backend.matmul_add(&s.gate, &layer.ffn_down, n, &mut s.proj, &mut s.x);
+                    let act = cfg.activation;
+                    let (gate, up) = (&mut s.gate, &mut s.up);
+                    let gated = backend.gate_up(&s.h, h_ready, layer, act, n, gate, up);
+                    let down = &layer.ffn_down;
+                    backend.matmul_add(&s.gate, gated, down, n, &mut s.proj, &mut s.x);
                     continue;
                 }
                 (FfnKind::Dense, Some(_)) => backend.feed_forward(
                     &s.h,
+                    h_ready,
                     layer,
                     cfg.activation,
                     n,
@@ -216,8 +222,9 @@ impl<B: Backend> Model<B> {
                     if let Some(se) = &layer.shared_expert {
                         backend.matmul(&s.h, &se.gate, n, &mut s.sh_gate);
                         backend.matmul(&s.h, &se.up, n, &mut s.sh_up);
-                        backend.gated_activation(&mut s.sh_gate, &s.sh_up, Activation::Silu, n);
-                        backend.matmul(&s.sh_gate, &se.down, n, &mut s.shexp);
+                        let (gate, up) = (&mut s.sh_gate, &s.sh_up);
+                        let r = backend.gated_activation(gate, up, Activation::Silu, n);
+                        backend.matmul_ready(&s.sh_gate, r, &se.down, n, &mut s.shexp);
                         backend.add_sigmoid_gated(&mut s.proj, &s.shexp, &s.h, &se.gate_inp, n)?;
                     }
                 }
@@ -236,50 +243,50 @@ impl<B: Backend> Model<B> {
             return Ok(());
         }
         backend.gather_logit_rows(&s.x, &s.step, &mut s.last);
-        backend.rms_norm(
-            &s.last,
-            &w.output_norm,
-            cfg.rms_eps,
-            n_out,
-            &mut s.last_normed,
-        );
-        backend.matmul(&s.last_normed, w.lm_head(), n_out, &mut s.logits);
+        let normed = &mut s.last_normed;
+        let ready = backend.rms_norm(&s.last, &w.output_norm, cfg.rms_eps, n_out, normed);
+        backend.matmul_ready(&s.last_normed, ready, w.lm_head(), n_out, &mut s.logits);
         Ok(())
     }
 
     /// The attention block of layer `il` (its input, normalized, in `s.h`): its output is
     /// added into the residual `s.x`.
+    #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
         backend: &B,
         cache: &mut B::Cache,
         layer: &crate::weights::LayerWeights<B::Weight>,
         il: usize,
+        h_ready: B::Prepared,
         s: &mut Scratch<B>,
         n: usize,
     ) -> anyhow::Result<()> {
         let cfg = &self.config;
-        if cfg.attn_output_gate {
+        let mut qkv_ready = if cfg.attn_output_gate {
             // Each head's query and its output gate come from one product.
             let (wq, wk, wv) = layer
                 .qkv_weights()
                 .with_context(|| format!("layer {il} has no attention weights"))?;
-            backend.matmul(&s.h, wq, n, &mut s.qg);
+            backend.matmul_ready(&s.h, h_ready, wq, n, &mut s.qg);
             backend.split_gated_query(&s.qg, cfg.head_dim, n, &mut s.q, &mut s.ogate)?;
             backend.matmul(&s.h, wk, n, &mut s.k);
             backend.matmul(&s.h, wv, n, &mut s.v);
+            B::Prepared::default()
         } else {
-            backend.qkv(&s.h, layer, n, &mut s.q, &mut s.k, &mut s.v);
-        }
+            backend.qkv(&s.h, h_ready, layer, n, &mut s.q, &mut s.k, &mut s.v)
+        };
         if let (Some(qn), Some(kn)) = (&layer.attn_q_norm, &layer.attn_k_norm) {
             backend.rms_norm_heads(&mut s.q, qn, cfg.head_dim, cfg.rms_eps, n);
             backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
+            qkv_ready = B::Prepared::default();
         }
         let rope = cfg.layer_rope(il);
         backend.rope_store_kv(
             &mut s.q,
             &mut s.k,
             &s.v,
+            qkv_ready,
             cfg.head_dim,
             rope,
             cache,
@@ -298,29 +305,31 @@ impl<B: Backend> Model<B> {
             scale: cfg.attn_scale,
             window: cfg.layer_window(il),
         };
-        match &layer.attn_sinks {
+        let mut attn_ready = match &layer.attn_sinks {
             Some(sinks) => {
-                backend.attention_sinks(&s.q, cache, &params, sinks, &s.step, n, &mut s.attn)?
+                backend.attention_sinks(&s.q, cache, &params, sinks, &s.step, n, &mut s.attn)?;
+                B::Prepared::default()
             }
             None => backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn),
-        }
+        };
         if cfg.attn_output_gate {
             backend.sigmoid_mul(&mut s.attn, &s.ogate, n)?;
+            attn_ready = B::Prepared::default();
         }
         let wo = layer
             .attn_output
             .as_ref()
             .with_context(|| format!("layer {il} has no attention output"))?;
         if let Some(pn) = &layer.post_attention_norm {
-            backend.matmul(&s.attn, wo, n, &mut s.proj);
+            backend.matmul_ready(&s.attn, attn_ready, wo, n, &mut s.proj);
             backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
             backend.add(&mut s.x, &s.h, n);
         } else if let Some(bias) = &layer.attn_output_bias {
-            backend.matmul(&s.attn, wo, n, &mut s.proj);
+            backend.matmul_ready(&s.attn, attn_ready, wo, n, &mut s.proj);
             backend.add_bias(&mut s.proj, bias, n);
             backend.add(&mut s.x, &s.proj, n);
         } else {
-            backend.matmul_add(&s.attn, wo, n, &mut s.proj, &mut s.x);
+            backend.matmul_add(&s.attn, attn_ready, wo, n, &mut s.proj, &mut s.x);
         }
         Ok(())
     }

@@ -340,6 +340,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
+        "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k"] {
+            let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
+            match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let ids = if r.spec == r.plain {
+                        "ids equal"
+                    } else {
+                        "IDS DIFFER"
+                    };
+                    println!(
+                        "{:<8} {:<8} {} rows, {} differ (max |Δ| {:.2e}); {ids}, {} drafted  {}",
+                        arch.name(),
+                        ty,
+                        r.rows,
+                        r.differing,
+                        r.max_abs_diff,
+                        r.drafted,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!(
         "sampled generation, {} tokens drawn on the GPU (t 0.9, top-k 40, top-p 0.95, min-p 0.05, penalties) vs the host's definition on the same logits (teacher-forced, same seed): pass if every other draw is at an interval's edge (u or top-p moved by 1e-6) and those are <= 5%:",
         args.generate
     );

@@ -143,7 +143,7 @@ impl<B: Backend> Engine<B> {
                     })?);
                 } else {
                     rows.clear();
-                    self.eval(seq, &step_tokens, true, |_, l| rows.extend_from_slice(l))?;
+                    self.eval_invariant(seq, &step_tokens, |_, l| rows.extend_from_slice(l))?;
                     let row = |i: usize| &rows[i * vocab..(i + 1) * vocab];
                     let mut replaced = None;
                     for (i, &x) in draft.tokens.iter().enumerate() {
