@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """llama.cpp's log-probs on the tiny synthetic models of the newer architectures (Qwen3-MoE,
-gpt-oss, Phi-3, Mistral 3), and its own spread.
+gpt-oss, Phi-3, Mistral 3; with `hybrid`, the linear-attention hybrids Qwen3-Next, Qwen3.5
+and Qwen3.5-MoE), and its own spread.
 
 For each (architecture, weight type) below, `kestrel synth --arch A --preset tiny --type T
 --seed S`
@@ -13,8 +14,9 @@ from its own reference (top-1 agreement, mean |Δ log-prob| over the reference's
 tokens): the spread any second evaluation shows, which the test
 (crates/kestrel-engine/tests/arch_fidelity.rs) holds Kestrel to.
 
-usage: python3 scripts/tiny_archs_reference.py [KESTREL_BIN] [OUT.json]
+usage: python3 scripts/tiny_archs_reference.py [KESTREL_BIN] [OUT.json] [hybrid]
   defaults: target/release/kestrel, crates/kestrel-engine/tests/data/tiny_archs.llamacpp.json
+  (hybrid: the hybrids' cases, default output .../hybrid_archs.llamacpp.json)
 needs: pip install llama-cpp-python==0.3.36 numpy  (~1 min on 2 cores)
 """
 import json
@@ -30,6 +32,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, '..')
 CASES = [('qwen3moe', t) for t in ['q8_0', 'q4_k_m', 'iq4_nl', 'iq4_xs', 'mxfp4']] + [
     ('gpt-oss', t) for t in ['q8_0', 'mxfp4']] + [('phi3', 'q4_k_m'), ('mistral3', 'q4_k_m')]
+# (Q8_0 files of the hybrids are not among them yet: there Kestrel departs from llama.cpp
+# by 0.02-0.06 mean |Δ| on some seeds, exactly up to one position and a step after it,
+# which is not explained; see crates/kestrel-engine/tests/arch_fidelity.rs.)
+HYBRID_CASES = [('qwen3next', 'f16'), ('qwen3next', 'q4_k_m'), ('qwen35', 'q4_k_m'),
+                ('qwen35moe', 'q4_k_m')]
 SEED = 29
 N_IDS = 64
 TOP = 8
@@ -68,16 +75,19 @@ def spread(lp, ref):
 
 
 def main():
+    hybrid = len(sys.argv) > 3 and sys.argv[3] == 'hybrid'
     kestrel = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, 'target/release/kestrel')
-    out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(
-        ROOT, 'crates/kestrel-engine/tests/data/tiny_archs.llamacpp.json')
-    ids = [int(t) for t in np.random.RandomState(SEED).randint(0, 512, N_IDS)]
-    result = {'seed': SEED, 'ids': ids, 'top': TOP, 'models': {}}
+    name = 'hybrid_archs' if hybrid else 'tiny_archs'
+    out = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != '-' else os.path.join(
+        ROOT, f'crates/kestrel-engine/tests/data/{name}.llamacpp.json')
+    seed = SEED
+    ids = [int(t) for t in np.random.RandomState(seed).randint(0, 512, N_IDS)]
+    result = {'seed': seed, 'ids': ids, 'top': TOP, 'models': {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for arch, ty in CASES:
+        for arch, ty in (HYBRID_CASES if hybrid else CASES):
             path = os.path.join(tmp, f'{arch}-{ty}.gguf')
             subprocess.run([kestrel, 'synth', '--arch', arch, '--preset', 'tiny',
-                            '--type', ty, '--seed', str(SEED), '-o', path], check=True,
+                            '--type', ty, '--seed', str(seed), '-o', path], check=True,
                            capture_output=True)
             with open(path, 'rb') as f:
                 digest = fnv1a(f.read())

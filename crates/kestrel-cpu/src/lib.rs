@@ -5,6 +5,7 @@
 //! `Kernels::Scalar` runs the plain single-threaded scalar path: it is the oracle the
 //! fast path is tested against.
 
+mod delta;
 pub mod gemm;
 mod moe;
 pub mod numerics;
@@ -280,8 +281,11 @@ pub struct CpuCache {
     pub n_blocks: usize,
     pub kv_dim: usize,
     pub types: KvTypes,
+    /// Keys and values of each layer (empty for linear-attention layers).
     pub k: Vec<Vec<u8>>,
     pub v: Vec<Vec<u8>>,
+    /// The linear-attention layers' per-sequence states (`delta.rs`).
+    pub recurrent: delta::RecurrentStates,
 }
 
 impl CpuCache {
@@ -379,14 +383,19 @@ impl kestrel_model::Backend for CpuBackend {
             .and_then(|n| n.checked_mul(2))
             .context("KV cache size overflows")?;
         let slots = n_blocks * block_size;
-        let layer = |t: KvType| vec![0u8; slots * t.bytes(kv_dim)];
+        // Linear-attention layers keep no keys or values.
+        let layer = |il: usize, t: KvType| match config.layer_kinds[il] {
+            kestrel_model::LayerKind::Attention => vec![0u8; slots * t.bytes(kv_dim)],
+            kestrel_model::LayerKind::DeltaNet => Vec::new(),
+        };
         Ok(CpuCache {
             block_size,
             n_blocks,
             kv_dim,
             types,
-            k: (0..config.n_layer).map(|_| layer(types.k)).collect(),
-            v: (0..config.n_layer).map(|_| layer(types.v)).collect(),
+            k: (0..config.n_layer).map(|il| layer(il, types.k)).collect(),
+            v: (0..config.n_layer).map(|il| layer(il, types.v)).collect(),
+            recurrent: delta::RecurrentStates::default(),
         })
     }
 
@@ -449,6 +458,89 @@ impl kestrel_model::Backend for CpuBackend {
         );
     }
 
+    fn check_linear_attention(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn forget_state(&self, cache: &mut CpuCache, first_block: u32) {
+        cache.recurrent.forget(first_block);
+    }
+
+    fn split_gated_query(
+        &self,
+        qg: &CpuTensor,
+        head_dim: usize,
+        n: usize,
+        q: &mut CpuTensor,
+        gate: &mut CpuTensor,
+    ) -> anyhow::Result<()> {
+        profile::timed(
+            || profile::op("split_gated_query", n),
+            0,
+            || delta::split_gated_query(qg, head_dim, n, q, gate),
+        )
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor, n: usize) -> anyhow::Result<()> {
+        profile::timed(
+            || profile::op("sigmoid_mul", n),
+            0,
+            || delta::sigmoid_mul(x, gate, n),
+        )
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut CpuTensor,
+        y: &CpuTensor,
+        x: &CpuTensor,
+        w: &CpuWeight,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        profile::timed(
+            || profile::op("add_sigmoid_gated", n),
+            0,
+            || delta::add_sigmoid_gated(out, y, x, w, n),
+        )
+    }
+
+    fn delta_net(
+        &self,
+        cache: &mut CpuCache,
+        layer: usize,
+        cfg: &kestrel_model::DeltaNetConfig,
+        w: &kestrel_model::DeltaNetWeights<CpuWeight>,
+        mix: &CpuTensor,
+        z: &CpuTensor,
+        beta: &CpuTensor,
+        alpha: &CpuTensor,
+        eps: f32,
+        step: &CpuStep,
+        n: usize,
+        out: &mut CpuTensor,
+    ) -> anyhow::Result<()> {
+        profile::timed(
+            || profile::op("delta_net", n),
+            0,
+            || {
+                delta::delta_net(
+                    &mut cache.recurrent,
+                    layer,
+                    cfg,
+                    w,
+                    mix,
+                    z,
+                    beta,
+                    alpha,
+                    eps,
+                    &step.batch,
+                    n,
+                    out,
+                )
+            },
+        )
+    }
+
     fn qkv(
         &self,
         x: &CpuTensor,
@@ -462,10 +554,11 @@ impl kestrel_model::Backend for CpuBackend {
         fn bias(b: &Option<CpuWeight>) -> Option<&[f32]> {
             b.as_ref().map(|b| b.vector())
         }
-        let bytes = [&layer.attn_q, &layer.attn_k, &layer.attn_v]
-            .iter()
-            .map(|w| weight_bytes(w))
-            .sum();
+        // The forward pass asks attention layers only, which have all three.
+        let Some((wq, wk, wv)) = layer.qkv_weights() else {
+            return;
+        };
+        let bytes = [wq, wk, wv].iter().map(|w| weight_bytes(w)).sum();
         let fused = profile::timed(
             || profile::op("qkv", n),
             bytes,
@@ -475,18 +568,18 @@ impl kestrel_model::Backend for CpuBackend {
                     x,
                     n,
                     &mut [
-                        (&layer.attn_q, &mut *q, bias(&layer.attn_q_bias)),
-                        (&layer.attn_k, &mut *k, bias(&layer.attn_k_bias)),
-                        (&layer.attn_v, &mut *v, bias(&layer.attn_v_bias)),
+                        (wq, &mut *q, bias(&layer.attn_q_bias)),
+                        (wk, &mut *k, bias(&layer.attn_k_bias)),
+                        (wv, &mut *v, bias(&layer.attn_v_bias)),
                     ],
                     None,
                 )
             },
         );
         if !fused {
-            self.matmul(x, &layer.attn_q, n, q);
-            self.matmul(x, &layer.attn_k, n, k);
-            self.matmul(x, &layer.attn_v, n, v);
+            self.matmul(x, wq, n, q);
+            self.matmul(x, wk, n, k);
+            self.matmul(x, wv, n, v);
             self.add_qkv_biases(layer, n, q, k, v);
         }
     }
@@ -723,6 +816,7 @@ mod tests {
             let model = Model::load(&be, file).expect("loads");
             let c = &model.config;
             let layer = &model.weights.layers[0];
+            let (wq, wk, wv) = layer.qkv_weights().expect("an attention layer");
             for n in [1usize, 3, 6] {
                 let x: Vec<f32> = (0..n * c.n_embd)
                     .map(|_| rng.random_range(-2.0f32..2.0))
@@ -735,28 +829,16 @@ mod tests {
                     &x,
                     n,
                     &mut [
-                        (
-                            &layer.attn_q,
-                            &mut q,
-                            layer.attn_q_bias.as_ref().map(|b| b.vector()),
-                        ),
-                        (
-                            &layer.attn_k,
-                            &mut k,
-                            layer.attn_k_bias.as_ref().map(|b| b.vector()),
-                        ),
-                        (
-                            &layer.attn_v,
-                            &mut v,
-                            layer.attn_v_bias.as_ref().map(|b| b.vector()),
-                        ),
+                        (wq, &mut q, layer.attn_q_bias.as_ref().map(|b| b.vector())),
+                        (wk, &mut k, layer.attn_k_bias.as_ref().map(|b| b.vector())),
+                        (wv, &mut v, layer.attn_v_bias.as_ref().map(|b| b.vector())),
                     ],
                     None,
                 );
                 let (mut q2, mut k2, mut v2) = (new(c.q_dim()), new(c.kv_dim()), new(c.kv_dim()));
-                be.matmul(&x, &layer.attn_q, n, &mut q2);
-                be.matmul(&x, &layer.attn_k, n, &mut k2);
-                be.matmul(&x, &layer.attn_v, n, &mut v2);
+                be.matmul(&x, wq, n, &mut q2);
+                be.matmul(&x, wk, n, &mut k2);
+                be.matmul(&x, wv, n, &mut v2);
                 for (t, b) in [
                     (&mut q2, &layer.attn_q_bias),
                     (&mut k2, &layer.attn_k_bias),

@@ -554,7 +554,12 @@ impl kestrel_model::Backend for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) -> Prepared {
-        matmul::qkv(self, x, x_ready, &QkvWeights::of(layer), n, q, k, v)
+        // Attention layers only (linear-attention models are refused at load here).
+        let Some(w) = QkvWeights::of(layer) else {
+            self.fail("qkv: a layer without Q/K/V projections".into());
+            return Prepared::Nothing;
+        };
+        matmul::qkv(self, x, x_ready, &w, n, q, k, v)
     }
 
     fn matmul_add(

@@ -517,16 +517,18 @@ impl TpBackend {
 }
 
 /// Rank `r`'s part of layer weights, as the single-GPU kernels take them.
-fn qkv_of(layer: &LayerWeights<TpWeight>, r: usize) -> QkvWeights<'_> {
-    QkvWeights {
-        attn_q: &layer.attn_q.ranks[r],
-        attn_k: &layer.attn_k.ranks[r],
-        attn_v: &layer.attn_v.ranks[r],
+/// None for a linear-attention layer (such models are refused at load).
+fn qkv_of(layer: &LayerWeights<TpWeight>, r: usize) -> Option<QkvWeights<'_>> {
+    let (attn_q, attn_k, attn_v) = layer.qkv_weights()?;
+    Some(QkvWeights {
+        attn_q: &attn_q.ranks[r],
+        attn_k: &attn_k.ranks[r],
+        attn_v: &attn_v.ranks[r],
         attn_q_bias: layer.attn_q_bias.as_ref().map(|b| &b.ranks[r]),
         attn_k_bias: layer.attn_k_bias.as_ref().map(|b| &b.ranks[r]),
         attn_v_bias: layer.attn_v_bias.as_ref().map(|b| &b.ranks[r]),
         qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
-    }
+    })
 }
 
 fn reshape_cols(b: &CudaBackend, t: &mut CudaTensor, cols: usize) -> bool {
@@ -881,7 +883,10 @@ impl Backend for TpBackend {
             PerRank::new(&mut v.0),
         );
         self.each_prep(|r, b| {
-            let w = qkv_of(layer, r);
+            let Some(w) = qkv_of(layer, r) else {
+                b.fail("qkv: a layer without Q/K/V projections".into());
+                return Prepared::Nothing;
+            };
             let (q, k, v) = unsafe { (qs.get(r), ks.get(r), vs.get(r)) };
             if !(reshape_cols(b, q, w.attn_q.out_len())
                 && reshape_cols(b, k, w.attn_k.out_len())

@@ -572,6 +572,16 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Drops the per-sequence state of the sequence holding `block_table` (its
+    /// linear-attention layers' state; nothing for other models).
+    pub fn forget_state(&mut self, block_table: &[u32]) {
+        if let Some(&first) = block_table.first()
+            && self.model.config.has_recurrent_layers()
+        {
+            self.backend.forget_state(&mut self.cache, first);
+        }
+    }
+
     /// Keeps only the first `n` tokens of `seq` (a later `eval` overwrites the rest of the
     /// cache), giving back blocks no longer needed.
     pub fn truncate(&mut self, seq: &mut Sequence, n: usize) {
@@ -584,8 +594,10 @@ impl<B: Backend> Engine<B> {
         self.blocks.release(&mut dropped);
     }
 
-    /// Frees a sequence's cache blocks.
+    /// Frees a sequence's cache blocks (and its linear-attention state, where the model
+    /// has one).
     pub fn release(&mut self, seq: &mut Sequence) {
+        self.forget_state(&seq.block_table);
         self.blocks.release(&mut seq.block_table);
         seq.tokens.clear();
     }

@@ -542,6 +542,18 @@ impl<B: Backend> Scheduler<B> {
         rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
         stats: Arc<SchedulerStats>,
     ) -> Self {
+        let mut opts = opts;
+        if engine.config().has_recurrent_layers() && (opts.prefix_cache || opts.spec.is_some()) {
+            // A linear-attention layer's state is one per sequence, not per block: shared
+            // prefix blocks and rejected drafts could not be restored from the cache.
+            eprintln!(
+                "note: {} has linear-attention layers: prefix caching and speculative \
+                 decoding are off for it",
+                engine.config().arch.name()
+            );
+            opts.prefix_cache = false;
+            opts.spec = None;
+        }
         let s = Scheduler {
             engine,
             opts,
@@ -769,6 +781,7 @@ impl<B: Backend> Scheduler<B> {
         for link in seq.shared.drain(..) {
             self.prefix.release(link, self.tick);
         }
+        self.engine.forget_state(&seq.block_table);
         self.engine.blocks.release(&mut seq.block_table);
         seq.n_cached = 0;
         seq.sharing_stopped = false;

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::batch::Batch;
-use crate::config::{Activation, AttnTemperature, ModelConfig, MoeConfig, RopeParams};
+use crate::config::{
+    Activation, AttnTemperature, DeltaNetConfig, ModelConfig, MoeConfig, RopeParams,
+};
 use crate::kv_type::{KvType, KvTypes};
 use crate::sampling::{SamplingBatch, argmax};
-use crate::weights::LayerWeights;
+use crate::weights::{DeltaNetWeights, LayerWeights};
 
 /// Attention geometry of one layer.
 #[derive(Debug, Clone, Copy)]
@@ -305,11 +307,98 @@ pub trait Backend: Sync {
         )
     }
 
+    /// Refuses, at load, a model with gated DeltaNet linear-attention layers where the
+    /// backend lacks [`Self::delta_net`] and the other hybrid-model operations below.
+    /// Default: refused.
+    fn check_linear_attention(&self) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "linear-attention (gated DeltaNet) layers are not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
+    /// Forgets the linear-attention state of the sequence whose first cache block is
+    /// `first_block` (it finished). Default: nothing to forget.
+    fn forget_state(&self, _cache: &mut Self::Cache, _first_block: u32) {}
+
+    /// Splits each token's `[n_head × 2·head_dim]` row of `qg` (each head's query, then its
+    /// gate) into `q` and `gate` (`[n_head × head_dim]` each; Qwen3-Next's gated attention).
+    /// Default: an error.
+    fn split_gated_query(
+        &self,
+        _qg: &Self::Tensor,
+        _head_dim: usize,
+        _n: usize,
+        _q: &mut Self::Tensor,
+        _gate: &mut Self::Tensor,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "gated attention is not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
+    /// `x *= sigmoid(gate)`, element-wise. Default: an error.
+    fn sigmoid_mul(
+        &self,
+        _x: &mut Self::Tensor,
+        _gate: &Self::Tensor,
+        _n: usize,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "gated attention is not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
+    /// `out += y · sigmoid(x · w)` per token, `w` a vector (a shared expert's gate).
+    /// Default: an error.
+    fn add_sigmoid_gated(
+        &self,
+        _out: &mut Self::Tensor,
+        _y: &Self::Tensor,
+        _x: &Self::Tensor,
+        _w: &Self::Weight,
+        _n: usize,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "shared experts are not supported on the {} backend yet",
+            self.name()
+        )
+    }
+
+    /// The core of a gated DeltaNet layer ([`DeltaNetConfig`] defines it) after its input
+    /// projections: `mix` (`[n × conv_dim]`, `attn_qkv · x`), `z` (`[n × value_dim]`),
+    /// `beta` and `alpha` (the beta/alpha projections; the same tensor for Qwen3-Next's
+    /// fused `ssm_ba`). Runs the causal convolution and the gated delta rule token by token
+    /// in each sequence's state (kept in `cache`; a sequence's state starts from zero at
+    /// position 0 and must continue where it stopped), and writes the gated, normalized
+    /// output `[n × value_dim]` to `out` for `ssm_out`. Default: an error.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net(
+        &self,
+        _cache: &mut Self::Cache,
+        _layer: usize,
+        _cfg: &DeltaNetConfig,
+        _w: &DeltaNetWeights<Self::Weight>,
+        _mix: &Self::Tensor,
+        _z: &Self::Tensor,
+        _beta: &Self::Tensor,
+        _alpha: &Self::Tensor,
+        _eps: f32,
+        _step: &Self::Step,
+        _n: usize,
+        _out: &mut Self::Tensor,
+    ) -> anyhow::Result<()> {
+        self.check_linear_attention()
+    }
+
     // ---- fused operations; the defaults compose the basic ones ----
     // Each takes the `Prepared` its input's producer returned (`x_ready`), and those
     // whose output feeds one operation next return what they prepared for it.
 
-    /// Q, K and V projections (with bias where the layer has one). The result must go to
+    /// Q, K and V projections (with bias where the layer has one) of an attention layer
+    /// (nothing for a layer without them). The result must go to
     /// [`Self::rope_store_kv`] where the layer has no Q/K norm: q, k and v may be written
     /// only there (CUDA splits a merged product on the way).
     #[allow(clippy::too_many_arguments)]
@@ -325,10 +414,13 @@ pub trait Backend: Sync {
         v: &mut Self::Tensor,
     ) -> Self::Prepared {
         let _ = x_ready;
-        self.matmul(x, &layer.attn_q, n, q);
-        self.matmul(x, &layer.attn_k, n, k);
-        self.matmul(x, &layer.attn_v, n, v);
-        self.add_qkv_biases(layer, n, q, k, v);
+        // The forward pass calls this for attention layers only, which have all three.
+        if let Some((wq, wk, wv)) = layer.qkv_weights() {
+            self.matmul(x, wq, n, q);
+            self.matmul(x, wk, n, k);
+            self.matmul(x, wv, n, v);
+            self.add_qkv_biases(layer, n, q, k, v);
+        }
         Self::Prepared::default()
     }
 

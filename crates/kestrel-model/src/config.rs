@@ -22,6 +22,14 @@ pub enum Arch {
     Phi3,
     /// Mistral 3 (Ministral): Llama's block with YaRN and an attention temperature.
     Mistral3,
+    /// Qwen3-Next: gated DeltaNet linear-attention layers between gated full-attention
+    /// layers, mixture-of-experts blocks with a gated shared expert.
+    Qwen3Next,
+    /// Qwen3.5: Qwen3-Next's layers with another head pairing in the linear attention,
+    /// separate beta/alpha projections, and a dense feed-forward block.
+    Qwen35,
+    /// Qwen3.5's mixture-of-experts form (with a shared expert).
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -35,6 +43,9 @@ impl Arch {
             "gpt-oss" => Ok(Arch::GptOss),
             "phi3" => Ok(Arch::Phi3),
             "mistral3" => Ok(Arch::Mistral3),
+            "qwen3next" => Ok(Arch::Qwen3Next),
+            "qwen35" => Ok(Arch::Qwen35),
+            "qwen35moe" => Ok(Arch::Qwen35Moe),
             other => Err(ModelError::UnsupportedArch(other.to_string())),
         }
     }
@@ -49,6 +60,9 @@ impl Arch {
             Arch::GptOss => "gpt-oss",
             Arch::Phi3 => "phi3",
             Arch::Mistral3 => "mistral3",
+            Arch::Qwen3Next => "qwen3next",
+            Arch::Qwen35 => "qwen35",
+            Arch::Qwen35Moe => "qwen35moe",
         }
     }
 }
@@ -88,6 +102,94 @@ pub struct MoeConfig {
     pub norm_top_k: bool,
     /// The experts' activation, if not the model's `activation`: gpt-oss's clamped SwiGLU.
     pub clamped_swiglu: Option<ClampedSwiglu>,
+    /// Hidden size of a shared expert every token runs beside its selected ones (Qwen3-Next,
+    /// Qwen3.5-MoE: `ffn_{gate,up,down}_shexp`), whose output is scaled by
+    /// `sigmoid(ffn_gate_inp_shexp · x)` and added to the experts' sum.
+    pub shared_expert: Option<usize>,
+}
+
+/// What mixes information across positions in a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Softmax attention over the paged K/V cache.
+    Attention,
+    /// Gated DeltaNet linear attention ([`DeltaNetConfig`]): a short causal convolution and
+    /// a recurrent state per sequence instead of a K/V cache.
+    DeltaNet,
+}
+
+/// Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), as llama.cpp computes it
+/// (`src/models/qwen3next.cpp`, `ggml_ssm_conv`, `ggml_gated_delta_net`). Per token:
+/// `attn_qkv · x` gives the `conv_dim()` channels (all q heads, all k heads, all v heads),
+/// which pass through a causal depthwise convolution of `d_conv` taps (the previous
+/// `d_conv - 1` inputs are the sequence's conv state) and SiLU; q and k heads are
+/// L2-normalized. Each v head `h` with its k head (`k_head(h)`) updates its
+/// `head_v_dim × head_k_dim` state `S`:
+/// `S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(head_k_dim)`, with
+/// `β = sigmoid(b)`, `g = softplus(a + ssm_dt) · ssm_a` from the beta/alpha projections.
+/// The output is `rms_norm(o) · ssm_norm · silu(attn_gate · x)` per head, then `ssm_out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaNetConfig {
+    /// Convolution taps (`ssm.conv_kernel`).
+    pub d_conv: usize,
+    /// Size of a q/k head (`ssm.state_size`).
+    pub head_k_dim: usize,
+    /// Size of a v head (`ssm.inner_size / ssm.time_step_rank`).
+    pub head_v_dim: usize,
+    /// q/k heads (`ssm.group_count`).
+    pub n_k_heads: usize,
+    /// v heads (`ssm.time_step_rank`).
+    pub n_v_heads: usize,
+    /// Qwen3-Next pairs v head `h` with k head `h / (n_v / n_k)` and stores beta and alpha
+    /// in one `ssm_ba` matrix grouped by k head; Qwen3.5 pairs it with `h % n_k` and has
+    /// `ssm_beta` and `ssm_alpha`.
+    pub qwen3next_layout: bool,
+}
+
+impl DeltaNetConfig {
+    pub fn key_dim(&self) -> usize {
+        self.head_k_dim * self.n_k_heads
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.head_v_dim * self.n_v_heads
+    }
+
+    /// Channels of the convolution: q, k and v of every head.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// The k head v head `h` reads.
+    pub fn k_head(&self, h: usize) -> usize {
+        if self.qwen3next_layout {
+            h / (self.n_v_heads / self.n_k_heads)
+        } else {
+            h % self.n_k_heads
+        }
+    }
+
+    /// Columns of v head `h`'s beta and alpha in the beta/alpha projections' outputs (one
+    /// `[2 · n_v]` row for Qwen3-Next's `ssm_ba`, two `[n_v]` rows for Qwen3.5's).
+    pub fn beta_alpha_cols(&self, h: usize) -> (usize, usize) {
+        if self.qwen3next_layout {
+            let r = self.n_v_heads / self.n_k_heads;
+            let (k, j) = (h / r, h % r);
+            (k * 2 * r + j, k * 2 * r + r + j)
+        } else {
+            (h, h)
+        }
+    }
+
+    /// Values of one layer's recurrent state per sequence.
+    pub fn state_len(&self) -> usize {
+        self.n_v_heads * self.head_v_dim * self.head_k_dim
+    }
+
+    /// Values of one layer's convolution state per sequence.
+    pub fn conv_state_len(&self) -> usize {
+        (self.d_conv - 1) * self.conv_dim()
+    }
 }
 
 /// How router logits become expert weights.
@@ -257,6 +359,13 @@ pub struct ModelConfig {
     pub attn_out_bias: bool,
     /// Mistral 3: queries scaled by position (`attention.temperature_scale`).
     pub attn_temperature: Option<AttnTemperature>,
+    /// Per layer: attention or linear attention (all attention but in the hybrids).
+    pub layer_kinds: Vec<LayerKind>,
+    /// The linear-attention layers' shape, where the model has such layers.
+    pub delta_net: Option<DeltaNetConfig>,
+    /// Qwen3-Next / Qwen3.5: `attn_q` gives each head's query followed by a gate of the
+    /// same size, and the attention output is multiplied by `sigmoid(gate)`.
+    pub attn_output_gate: bool,
 }
 
 impl ModelConfig {
@@ -273,6 +382,12 @@ impl ModelConfig {
         n_blocks
             .checked_mul(block_size)
             .and_then(|s| s.checked_mul(self.kv_dim()))
+    }
+
+    /// Whether some layer keeps a recurrent state per sequence (which prefix caching and
+    /// rollback cannot restore from K/V blocks).
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.layer_kinds.contains(&LayerKind::DeltaNet)
     }
 
     pub fn layer_rope(&self, layer: usize) -> &RopeParams {
@@ -307,7 +422,13 @@ impl ModelConfig {
         let opt_u = |k: &str| file.get_u64(&key(k)).map(|v| v as usize);
         let opt_f = |k: &str| file.get_f32(&key(k));
 
-        let n_layer = req_u("block_count")?;
+        // Multi-token-prediction blocks (`nextn_predict_layers`, Qwen3-Next's) follow the
+        // model's own blocks in the file; the forward pass does not run them.
+        let n_layer = req_u("block_count")?
+            .checked_sub(opt_u("nextn_predict_layers").unwrap_or(0))
+            .ok_or_else(|| {
+                ModelError::Invalid("nextn_predict_layers exceeds block_count".into())
+            })?;
         let n_embd = req_u("embedding_length")?;
         let n_head = req_u("attention.head_count")?;
         let n_head_kv = opt_u("attention.head_count_kv").unwrap_or(n_head);
@@ -343,6 +464,7 @@ impl ModelConfig {
                 n_ff,
                 vocab_size,
                 context_length,
+                gated_q: matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe),
             },
         )?;
         let rms_eps = opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5);
@@ -432,7 +554,8 @@ impl ModelConfig {
         let mut embed_scale = None;
         let mut activation = Activation::Silu;
         let mut post_norms = false;
-        let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
+        let hybrid = matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe);
+        let qk_norm = hybrid || matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
         let qkv_bias = matches!(arch, Arch::Qwen2 | Arch::GptOss);
 
         if n_rot > head_dim || n_rot % 2 != 0 {
@@ -469,22 +592,36 @@ impl ModelConfig {
             }
         }
         let ffn = match arch {
-            Arch::Qwen3Moe | Arch::GptOss => {
+            Arch::Qwen3Moe | Arch::GptOss | Arch::Qwen3Next | Arch::Qwen35Moe => {
                 let oss = arch == Arch::GptOss;
+                let n_expert_used = req_u("expert_used_count")?;
+                let n_ff_exp = match opt_u("expert_feed_forward_length") {
+                    Some(v) => v,
+                    // llama.cpp's default for the hybrids.
+                    None if hybrid => n_ff / n_expert_used.max(1),
+                    None => req_u("expert_feed_forward_length")?,
+                };
                 let moe = MoeConfig {
                     n_expert: req_u("expert_count")?,
-                    n_expert_used: req_u("expert_used_count")?,
-                    n_ff_exp: req_u("expert_feed_forward_length")?,
+                    n_expert_used,
+                    n_ff_exp,
                     gating: if oss {
                         Gating::TopKSoftmax
                     } else {
                         Gating::Softmax
                     },
-                    norm_top_k: !oss && file.get_bool(&key("expert_weights_norm")).unwrap_or(true),
+                    // The hybrids' graphs always renormalize.
+                    norm_top_k: hybrid
+                        || !oss && file.get_bool(&key("expert_weights_norm")).unwrap_or(true),
                     // llama.cpp's constants for gpt-oss.
                     clamped_swiglu: oss.then_some(ClampedSwiglu {
                         alpha: 1.702,
                         limit: 7.0,
+                    }),
+                    shared_expert: hybrid.then(|| {
+                        opt_u("expert_shared_feed_forward_length")
+                            .filter(|&v| v > 0)
+                            .unwrap_or(n_ff)
                     }),
                 };
                 if moe.n_ff_exp == 0 || !(1..=moe.n_expert).contains(&moe.n_expert_used) {
@@ -515,6 +652,14 @@ impl ModelConfig {
             }
             _ => None,
         };
+        let (layer_kinds, delta_net) = if hybrid {
+            hybrid_layers(file, &key, n_layer)?
+        } else {
+            (vec![LayerKind::Attention; n_layer], None)
+        };
+        if hybrid {
+            check_rope_sections(file, &key("rope.dimension_sections"), n_rot)?;
+        }
         let tied_embeddings = file.tensor("output.weight").is_none();
         Ok(ModelConfig {
             arch,
@@ -542,6 +687,9 @@ impl ModelConfig {
             attn_sinks: arch == Arch::GptOss,
             attn_out_bias: arch == Arch::GptOss,
             attn_temperature,
+            layer_kinds,
+            delta_net,
+            attn_output_gate: hybrid,
         })
     }
 }
@@ -556,6 +704,8 @@ struct Shape {
     n_ff: usize,
     vocab_size: usize,
     context_length: usize,
+    /// `attn_q` holds a gate row behind each head's query rows (twice the width).
+    gated_q: bool,
 }
 
 /// Most positions a model may claim: ggml stores positions as `i32`.
@@ -610,8 +760,9 @@ fn check_against_file(file: &GgufFile, s: &Shape) -> Result<(), ModelError> {
     };
     let q_dim = width(s.n_head, "heads")?;
     let kv_dim = width(s.n_head_kv, "kv heads")?;
+    let q_rows = if s.gated_q { 2 * q_dim } else { q_dim };
     for (name, want) in [
-        ("blk.0.attn_q.weight", q_dim),
+        ("blk.0.attn_q.weight", q_rows),
         ("blk.0.attn_k.weight", kv_dim),
     ] {
         if let Some(t) = file.tensor(name)
@@ -634,6 +785,132 @@ fn check_against_file(file: &GgufFile, s: &Shape) -> Result<(), ModelError> {
                 "blk.0.ffn_up.weight has shape {dims:?}, but the metadata asks for [{d}, {ff}]"
             ));
         }
+    }
+    Ok(())
+}
+
+/// The hybrids' layer kinds (`attention.recurrent_layers`, else every
+/// `full_attention_interval`-th layer is attention, llama.cpp's default 4) and their
+/// linear-attention shape (`ssm.*`), checked against each other.
+fn hybrid_layers(
+    file: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    n_layer: usize,
+) -> Result<(Vec<LayerKind>, Option<DeltaNetConfig>), ModelError> {
+    let bad = |msg: String| Err(ModelError::Invalid(msg));
+    let kinds: Vec<LayerKind> = match file.get_array(&key("attention.recurrent_layers")) {
+        Some(flags) => {
+            if flags.len() < n_layer {
+                return bad(format!(
+                    "attention.recurrent_layers has {} entries for {n_layer} layers",
+                    flags.len()
+                ));
+            }
+            flags[..n_layer]
+                .iter()
+                .map(
+                    |v| match v.as_bool().or_else(|| v.as_u64().map(|u| u != 0)) {
+                        Some(true) => Ok(LayerKind::DeltaNet),
+                        Some(false) => Ok(LayerKind::Attention),
+                        None => Err(ModelError::Invalid(
+                            "attention.recurrent_layers must hold booleans".into(),
+                        )),
+                    },
+                )
+                .collect::<Result<_, _>>()?
+        }
+        None => {
+            let interval = file.get_u64(&key("full_attention_interval")).unwrap_or(4) as usize;
+            if interval == 0 {
+                return bad("full_attention_interval must be at least 1".into());
+            }
+            (0..n_layer)
+                .map(|i| {
+                    if (i + 1) % interval != 0 {
+                        LayerKind::DeltaNet
+                    } else {
+                        LayerKind::Attention
+                    }
+                })
+                .collect()
+        }
+    };
+    let req = |k: &str| -> Result<usize, ModelError> {
+        let full = key(k);
+        file.get_u64(&full)
+            .map(|v| v as usize)
+            .ok_or(ModelError::MissingKey(full))
+    };
+    if !kinds.contains(&LayerKind::DeltaNet) {
+        return Ok((kinds, None));
+    }
+    let d_conv = req("ssm.conv_kernel")?;
+    let d_inner = req("ssm.inner_size")?;
+    let d_state = req("ssm.state_size")?;
+    let n_v = req("ssm.time_step_rank")?;
+    let n_k = req("ssm.group_count")?;
+    if d_conv == 0 || d_state == 0 || n_v == 0 || n_k == 0 || n_v % n_k != 0 {
+        return bad(format!(
+            "bad linear attention: conv kernel {d_conv}, state size {d_state}, {n_v} value \
+             heads, {n_k} key heads (a multiple of the key heads is needed)"
+        ));
+    }
+    // llama.cpp's gated delta rule needs square states (value head size = key head size).
+    if d_state.checked_mul(n_v) != Some(d_inner) {
+        return bad(format!(
+            "linear attention inner size {d_inner} is not state size {d_state} × {n_v} heads"
+        ));
+    }
+    // Every size the states and the convolution are made of, without overflow (each is
+    // a tensor width, checked against the file when the weights load).
+    let key_dim = d_state.checked_mul(n_k);
+    let sizes = key_dim
+        .and_then(|k| k.checked_mul(2)?.checked_add(d_inner))
+        .and_then(|conv| conv.checked_mul(d_conv))
+        .zip(d_inner.checked_mul(d_state));
+    if sizes.is_none() {
+        return bad("linear attention sizes overflow".into());
+    }
+    let cfg = DeltaNetConfig {
+        d_conv,
+        head_k_dim: d_state,
+        head_v_dim: d_state,
+        n_k_heads: n_k,
+        n_v_heads: n_v,
+        qwen3next_layout: file.architecture() == Some("qwen3next"),
+    };
+    Ok((kinds, Some(cfg)))
+}
+
+/// Qwen3.5's interleaved M-RoPE (`rope.dimension_sections`) turns text positions (the same
+/// in its three sections) exactly as NeoX RoPE does, as long as every rotated pair falls in
+/// one of those sections; a pair left to the fourth (image) section would not turn.
+fn check_rope_sections(file: &GgufFile, key: &str, n_rot: usize) -> Result<(), ModelError> {
+    let Some(values) = file.get_array(key) else {
+        return Ok(());
+    };
+    let s: Vec<usize> = values
+        .iter()
+        .map(|v| v.as_u64().map(|u| u as usize))
+        .collect::<Option<_>>()
+        .ok_or_else(|| ModelError::Invalid(format!("{key} must hold integers")))?;
+    let sec = |i: usize| s.get(i).copied().unwrap_or(0);
+    let total = s
+        .iter()
+        .try_fold(0usize, |a, &b| a.checked_add(b))
+        .unwrap_or(0);
+    let covered = total > 0
+        && (0..n_rot / 2).all(|i| {
+            let sector = i % total;
+            (sector % 3 == 1 && sector < 3 * sec(1))
+                || (sector % 3 == 2 && sector < 3 * sec(2))
+                || (sector % 3 == 0 && sector < 3 * sec(0))
+        });
+    if !covered {
+        return Err(ModelError::Invalid(format!(
+            "{key} {s:?} leaves rotated dimensions to the image section; only text \
+             positions are supported"
+        )));
     }
     Ok(())
 }

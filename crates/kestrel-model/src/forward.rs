@@ -2,12 +2,13 @@
 
 use std::sync::Arc;
 
+use anyhow::Context;
 use kestrel_gguf::GgufFile;
 
 use crate::ModelError;
 use crate::backend::{AttnParams, Backend};
 use crate::batch::Batch;
-use crate::config::{FfnKind, ModelConfig};
+use crate::config::{Activation, FfnKind, ModelConfig};
 use crate::weights::ModelWeights;
 
 /// A loaded model on a backend.
@@ -34,6 +35,20 @@ pub struct Scratch<B: Backend> {
     up: B::Tensor,
     last: B::Tensor,
     last_normed: B::Tensor,
+    /// Gated attention: each head's query and gate, and the gates (0 wide without).
+    qg: B::Tensor,
+    ogate: B::Tensor,
+    /// Linear attention: the convolution's input channels, the output gate, beta and
+    /// alpha, and the output before `ssm_out` (0 wide without).
+    mix: B::Tensor,
+    z: B::Tensor,
+    beta: B::Tensor,
+    alpha: B::Tensor,
+    dn: B::Tensor,
+    /// A shared expert's gate and up products and its output (0 wide without).
+    sh_gate: B::Tensor,
+    sh_up: B::Tensor,
+    shexp: B::Tensor,
     /// Logits of the requested rows, `[logit rows × vocab]`.
     pub logits: B::Tensor,
 }
@@ -49,6 +64,13 @@ impl<B: Backend> Scratch<B> {
     ) -> anyhow::Result<Self> {
         let t = |cols: usize| backend.new_tensor(max_tokens, cols);
         let max_logit_rows = max_logit_rows.clamp(1, max_tokens);
+        let gated = if cfg.attn_output_gate { cfg.q_dim() } else { 0 };
+        let dn = cfg.delta_net.as_ref();
+        let dn_cols = |f: &dyn Fn(&crate::config::DeltaNetConfig) -> usize| dn.map_or(0, f);
+        let shared = match cfg.ffn {
+            FfnKind::Moe(m) => m.shared_expert.unwrap_or(0),
+            FfnKind::Dense => 0,
+        };
         Ok(Scratch {
             max_tokens,
             max_logit_rows,
@@ -62,6 +84,23 @@ impl<B: Backend> Scratch<B> {
             proj: t(cfg.n_embd)?,
             gate: t(cfg.n_ff)?,
             up: t(cfg.n_ff)?,
+            sh_gate: t(shared)?,
+            sh_up: t(shared)?,
+            qg: t(2 * gated)?,
+            ogate: t(gated)?,
+            mix: t(dn_cols(&|d| d.conv_dim()))?,
+            z: t(dn_cols(&|d| d.value_dim()))?,
+            // Qwen3-Next's `ssm_ba` gives beta and alpha in one row.
+            beta: t(dn_cols(&|d| {
+                if d.qwen3next_layout {
+                    2 * d.n_v_heads
+                } else {
+                    d.n_v_heads
+                }
+            }))?,
+            alpha: t(dn_cols(&|d| d.n_v_heads))?,
+            dn: t(dn_cols(&|d| d.value_dim()))?,
+            shexp: t(if shared > 0 { cfg.n_embd } else { 0 })?,
             last: backend.new_tensor(max_logit_rows, cfg.n_embd)?,
             last_normed: backend.new_tensor(max_logit_rows, cfg.n_embd)?,
             logits: backend.new_tensor(max_logit_rows, cfg.vocab_size)?,
@@ -117,65 +156,43 @@ impl<B: Backend> Model<B> {
         }
 
         for (il, layer) in w.layers.iter().enumerate() {
-            // Attention block. Each `*_ready` is what an operation prepared for the one that
-            // reads its output next (see `Backend::Prepared`).
+            // Attention block (or linear attention). Each `*_ready` is what an operation
+            // prepared for the one that reads its output next (see `Backend::Prepared`).
             let h_ready = backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
-            let mut qkv_ready = backend.qkv(&s.h, h_ready, layer, n, &mut s.q, &mut s.k, &mut s.v);
-            if let (Some(qn), Some(kn)) = (&layer.attn_q_norm, &layer.attn_k_norm) {
-                backend.rms_norm_heads(&mut s.q, qn, cfg.head_dim, cfg.rms_eps, n);
-                backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
-                qkv_ready = B::Prepared::default();
-            }
-            let rope = cfg.layer_rope(il);
-            backend.rope_store_kv(
-                &mut s.q,
-                &mut s.k,
-                &s.v,
-                qkv_ready,
-                cfg.head_dim,
-                rope,
-                cache,
-                il,
-                &s.step,
-                n,
-            );
-            if let Some(temp) = &cfg.attn_temperature {
-                backend.scale_by_position(&mut s.q, temp, &s.step, n)?;
-            }
-            let params = AttnParams {
-                layer: il,
-                n_head: cfg.n_head,
-                n_head_kv: cfg.n_head_kv,
-                head_dim: cfg.head_dim,
-                scale: cfg.attn_scale,
-                window: cfg.layer_window(il),
-            };
-            let attn_ready = match &layer.attn_sinks {
-                Some(sinks) => {
-                    backend.attention_sinks(
-                        &s.q,
-                        cache,
-                        &params,
-                        sinks,
-                        &s.step,
-                        n,
-                        &mut s.attn,
-                    )?;
-                    B::Prepared::default()
-                }
-                None => backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn),
-            };
-            if let Some(pn) = &layer.post_attention_norm {
-                backend.matmul_ready(&s.attn, attn_ready, &layer.attn_output, n, &mut s.proj);
-                backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
-                backend.add(&mut s.x, &s.h, n);
-            } else if let Some(bias) = &layer.attn_output_bias {
-                backend.matmul_ready(&s.attn, attn_ready, &layer.attn_output, n, &mut s.proj);
-                backend.add_bias(&mut s.proj, bias, n);
-                backend.add(&mut s.x, &s.proj, n);
+            if let Some(dw) = &layer.delta_net {
+                // Gated DeltaNet linear attention (see `DeltaNetConfig`).
+                let dn = cfg
+                    .delta_net
+                    .as_ref()
+                    .context("a linear-attention layer without its configuration")?;
+                backend.matmul_ready(&s.h, h_ready, &dw.in_qkv, n, &mut s.mix);
+                backend.matmul(&s.h, &dw.gate, n, &mut s.z);
+                backend.matmul(&s.h, &dw.beta, n, &mut s.beta);
+                let alpha = match &dw.alpha {
+                    Some(a) => {
+                        backend.matmul(&s.h, a, n, &mut s.alpha);
+                        &s.alpha
+                    }
+                    None => &s.beta,
+                };
+                backend.delta_net(
+                    cache,
+                    il,
+                    dn,
+                    dw,
+                    &s.mix,
+                    &s.z,
+                    &s.beta,
+                    alpha,
+                    cfg.rms_eps,
+                    &s.step,
+                    n,
+                    &mut s.dn,
+                )?;
+                let ready = B::Prepared::default();
+                backend.matmul_add(&s.dn, ready, &dw.out, n, &mut s.proj, &mut s.x);
             } else {
-                let (attn, wo) = (&s.attn, &layer.attn_output);
-                backend.matmul_add(attn, attn_ready, wo, n, &mut s.proj, &mut s.x);
+                self.attention_block(backend, cache, layer, il, h_ready, s, n)?;
             }
 
             // Feed-forward block: its output goes to `s.proj` unless it is a dense block
@@ -201,7 +218,15 @@ impl<B: Backend> Model<B> {
                     &mut s.proj,
                 ),
                 (FfnKind::Moe(moe), _) => {
-                    backend.moe_ffn(&s.h, layer, moe, cfg.activation, n, &mut s.proj)?
+                    backend.moe_ffn(&s.h, layer, moe, cfg.activation, n, &mut s.proj)?;
+                    if let Some(se) = &layer.shared_expert {
+                        backend.matmul(&s.h, &se.gate, n, &mut s.sh_gate);
+                        backend.matmul(&s.h, &se.up, n, &mut s.sh_up);
+                        let (gate, up) = (&mut s.sh_gate, &s.sh_up);
+                        let r = backend.gated_activation(gate, up, Activation::Silu, n);
+                        backend.matmul_ready(&s.sh_gate, r, &se.down, n, &mut s.shexp);
+                        backend.add_sigmoid_gated(&mut s.proj, &s.shexp, &s.h, &se.gate_inp, n)?;
+                    }
                 }
             }
             if let Some(pn) = &layer.post_ffw_norm {
@@ -221,6 +246,91 @@ impl<B: Backend> Model<B> {
         let normed = &mut s.last_normed;
         let ready = backend.rms_norm(&s.last, &w.output_norm, cfg.rms_eps, n_out, normed);
         backend.matmul_ready(&s.last_normed, ready, w.lm_head(), n_out, &mut s.logits);
+        Ok(())
+    }
+
+    /// The attention block of layer `il` (its input, normalized, in `s.h`): its output is
+    /// added into the residual `s.x`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        backend: &B,
+        cache: &mut B::Cache,
+        layer: &crate::weights::LayerWeights<B::Weight>,
+        il: usize,
+        h_ready: B::Prepared,
+        s: &mut Scratch<B>,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let mut qkv_ready = if cfg.attn_output_gate {
+            // Each head's query and its output gate come from one product.
+            let (wq, wk, wv) = layer
+                .qkv_weights()
+                .with_context(|| format!("layer {il} has no attention weights"))?;
+            backend.matmul_ready(&s.h, h_ready, wq, n, &mut s.qg);
+            backend.split_gated_query(&s.qg, cfg.head_dim, n, &mut s.q, &mut s.ogate)?;
+            backend.matmul(&s.h, wk, n, &mut s.k);
+            backend.matmul(&s.h, wv, n, &mut s.v);
+            B::Prepared::default()
+        } else {
+            backend.qkv(&s.h, h_ready, layer, n, &mut s.q, &mut s.k, &mut s.v)
+        };
+        if let (Some(qn), Some(kn)) = (&layer.attn_q_norm, &layer.attn_k_norm) {
+            backend.rms_norm_heads(&mut s.q, qn, cfg.head_dim, cfg.rms_eps, n);
+            backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
+            qkv_ready = B::Prepared::default();
+        }
+        let rope = cfg.layer_rope(il);
+        backend.rope_store_kv(
+            &mut s.q,
+            &mut s.k,
+            &s.v,
+            qkv_ready,
+            cfg.head_dim,
+            rope,
+            cache,
+            il,
+            &s.step,
+            n,
+        );
+        if let Some(temp) = &cfg.attn_temperature {
+            backend.scale_by_position(&mut s.q, temp, &s.step, n)?;
+        }
+        let params = AttnParams {
+            layer: il,
+            n_head: cfg.n_head,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            scale: cfg.attn_scale,
+            window: cfg.layer_window(il),
+        };
+        let mut attn_ready = match &layer.attn_sinks {
+            Some(sinks) => {
+                backend.attention_sinks(&s.q, cache, &params, sinks, &s.step, n, &mut s.attn)?;
+                B::Prepared::default()
+            }
+            None => backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn),
+        };
+        if cfg.attn_output_gate {
+            backend.sigmoid_mul(&mut s.attn, &s.ogate, n)?;
+            attn_ready = B::Prepared::default();
+        }
+        let wo = layer
+            .attn_output
+            .as_ref()
+            .with_context(|| format!("layer {il} has no attention output"))?;
+        if let Some(pn) = &layer.post_attention_norm {
+            backend.matmul_ready(&s.attn, attn_ready, wo, n, &mut s.proj);
+            backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
+            backend.add(&mut s.x, &s.h, n);
+        } else if let Some(bias) = &layer.attn_output_bias {
+            backend.matmul_ready(&s.attn, attn_ready, wo, n, &mut s.proj);
+            backend.add_bias(&mut s.proj, bias, n);
+            backend.add(&mut s.x, &s.proj, n);
+        } else {
+            backend.matmul_add(&s.attn, attn_ready, wo, n, &mut s.proj, &mut s.x);
+        }
         Ok(())
     }
 }

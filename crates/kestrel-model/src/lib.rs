@@ -15,20 +15,20 @@ pub mod weights;
 pub use backend::{AttnParams, Backend};
 pub use batch::{Batch, SeqSlot};
 pub use config::{
-    Activation, Arch, AttnTemperature, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig,
-    RopeConstants, RopeParams, RopeScaling,
+    Activation, Arch, AttnTemperature, ClampedSwiglu, DeltaNetConfig, FfnKind, Gating, LayerKind,
+    ModelConfig, MoeConfig, RopeConstants, RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
 pub use kv_type::{KvType, KvTypes};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch, argmax};
 pub use shard::{Role, Split, TpPlan};
-pub use weights::{LayerWeights, ModelWeights};
+pub use weights::{DeltaNetWeights, LayerWeights, ModelWeights, SharedExpertWeights};
 
 /// Errors about a model file's contents.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(
-        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3, mistral3)"
+        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3, mistral3, qwen3next, qwen35, qwen35moe)"
     )]
     UnsupportedArch(String),
     #[error("missing metadata key {0}")]

@@ -8,8 +8,8 @@ use kestrel_gguf::{GgufFile, TensorInfo};
 
 use crate::ModelError;
 use crate::backend::Backend;
-use crate::config::{Arch, FfnKind, ModelConfig};
-use crate::weights::{LayerWeights, ModelWeights};
+use crate::config::{Arch, FfnKind, LayerKind, ModelConfig};
+use crate::weights::{DeltaNetWeights, LayerWeights, ModelWeights, SharedExpertWeights};
 
 /// Checks that a tensor exists with the expected shape (GGUF order: row length first).
 fn check_shape(file: &GgufFile, name: &str, dims: &[usize]) -> Result<(), ModelError> {
@@ -35,6 +35,11 @@ impl<W> ModelWeights<W> {
         backend
             .check_model(cfg)
             .map_err(|e| ModelError::Backend(format!("{e:#}")))?;
+        if cfg.has_recurrent_layers() {
+            backend
+                .check_linear_attention()
+                .map_err(|e| ModelError::Backend(format!("{e:#}")))?;
+        }
         let (d, q, kv, ff, vocab, hd) = (
             cfg.n_embd,
             cfg.q_dim(),
@@ -111,7 +116,9 @@ impl<W> ModelWeights<W> {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{il}.{s}");
-            let oss = cfg.arch == Arch::GptOss;
+            // gpt-oss and the hybrids name the norm before the feed-forward block the
+            // post-attention norm.
+            let oss = cfg.arch == Arch::GptOss || cfg.attn_output_gate;
             let fused_up = n("ffn_up.weight");
             let (ffn_gate_inp, ffn_gate, ffn_up, ffn_down) = match cfg.ffn {
                 FfnKind::Dense if cfg.arch == Arch::Phi3 => (
@@ -133,21 +140,76 @@ impl<W> ModelWeights<W> {
                     experts(&n("ffn_down_exps.weight"), &[m.n_ff_exp, d, m.n_expert])?,
                 ),
             };
+            let attention = cfg.layer_kinds[il] == LayerKind::Attention;
             let qkv = n("attn_qkv.weight");
-            let (attn_q, attn_k, attn_v) = if file.tensor(&qkv).is_some() {
+            let q_rows = if cfg.attn_output_gate { 2 * q } else { q };
+            let (attn_q, attn_k, attn_v) = if !attention {
+                (None, None, None)
+            } else if file.tensor(&qkv).is_some() && !cfg.attn_output_gate {
                 let dims = [d, q + 2 * kv];
                 (
-                    part(&qkv, &dims, 0..q, "q")?,
-                    part(&qkv, &dims, q..q + kv, "k")?,
-                    part(&qkv, &dims, q + kv..q + 2 * kv, "v")?,
+                    Some(part(&qkv, &dims, 0..q, "q")?),
+                    Some(part(&qkv, &dims, q..q + kv, "k")?),
+                    Some(part(&qkv, &dims, q + kv..q + 2 * kv, "v")?),
                 )
             } else {
                 (
-                    load(&n("attn_q.weight"), &[d, q])?,
-                    load(&n("attn_k.weight"), &[d, kv])?,
-                    load(&n("attn_v.weight"), &[d, kv])?,
+                    Some(load(&n("attn_q.weight"), &[d, q_rows])?),
+                    Some(load(&n("attn_k.weight"), &[d, kv])?),
+                    Some(load(&n("attn_v.weight"), &[d, kv])?),
                 )
             };
+            let delta_net = match (&cfg.delta_net, attention) {
+                (Some(dn), false) => {
+                    if file.tensor(&n("ssm_in.weight")).is_some() && file.tensor(&qkv).is_none() {
+                        return Err(ModelError::Invalid(format!(
+                            "blk.{il}: the linear-attention input is one fused `ssm_in` matrix \
+                             (an older llama.cpp conversion); only the `attn_qkv` + `attn_gate` \
+                             layout is supported: convert the model again"
+                        )));
+                    }
+                    let nv = dn.n_v_heads;
+                    let (beta, alpha) = if dn.qwen3next_layout {
+                        (load(&n("ssm_ba.weight"), &[d, 2 * nv])?, None)
+                    } else {
+                        (
+                            load(&n("ssm_beta.weight"), &[d, nv])?,
+                            Some(load(&n("ssm_alpha.weight"), &[d, nv])?),
+                        )
+                    };
+                    Some(DeltaNetWeights {
+                        in_qkv: load(&qkv, &[d, dn.conv_dim()])?,
+                        gate: load(&n("attn_gate.weight"), &[d, dn.value_dim()])?,
+                        beta,
+                        alpha,
+                        conv: load(&n("ssm_conv1d.weight"), &[dn.d_conv, dn.conv_dim()])?,
+                        dt_bias: load(&n("ssm_dt.bias"), &[nv])?,
+                        a: load(&n("ssm_a"), &[nv])?,
+                        norm: load(&n("ssm_norm.weight"), &[dn.head_v_dim])?,
+                        out: load(&n("ssm_out.weight"), &[dn.value_dim(), d])?,
+                    })
+                }
+                (None, false) => {
+                    return Err(ModelError::Invalid(format!(
+                        "blk.{il} is a linear-attention layer without its configuration"
+                    )));
+                }
+                (_, true) => None,
+            };
+            let shared_expert = match cfg.ffn {
+                FfnKind::Moe(m) => match m.shared_expert {
+                    Some(sff) => Some(SharedExpertWeights {
+                        gate_inp: load(&n("ffn_gate_inp_shexp.weight"), &[d])?,
+                        gate: load(&n("ffn_gate_shexp.weight"), &[d, sff])?,
+                        up: load(&n("ffn_up_shexp.weight"), &[d, sff])?,
+                        down: load(&n("ffn_down_shexp.weight"), &[sff, d])?,
+                    }),
+                    None => None,
+                },
+                FfnKind::Dense => None,
+            };
+            let attn_opt =
+                |name: &str, dims: &[usize], wanted: bool| opt(name, dims, wanted && attention);
             layers.push(LayerWeights {
                 attn_norm: load(&n("attn_norm.weight"), &[d])?,
                 attn_q,
@@ -156,9 +218,10 @@ impl<W> ModelWeights<W> {
                 attn_q_bias: opt(&n("attn_q.bias"), &[q], cfg.qkv_bias)?,
                 attn_k_bias: opt(&n("attn_k.bias"), &[kv], cfg.qkv_bias)?,
                 attn_v_bias: opt(&n("attn_v.bias"), &[kv], cfg.qkv_bias)?,
-                attn_q_norm: opt(&n("attn_q_norm.weight"), &[hd], cfg.qk_norm)?,
-                attn_k_norm: opt(&n("attn_k_norm.weight"), &[hd], cfg.qk_norm)?,
-                attn_output: load(&n("attn_output.weight"), &[q, d])?,
+                attn_q_norm: attn_opt(&n("attn_q_norm.weight"), &[hd], cfg.qk_norm)?,
+                attn_k_norm: attn_opt(&n("attn_k_norm.weight"), &[hd], cfg.qk_norm)?,
+                attn_output: attn_opt(&n("attn_output.weight"), &[q, d], true)?,
+                delta_net,
                 attn_output_bias: opt(&n("attn_output.bias"), &[d], cfg.attn_out_bias)?,
                 attn_sinks: opt(&n("attn_sinks.weight"), &[cfg.n_head], cfg.attn_sinks)?,
                 post_attention_norm: opt(&n("post_attention_norm.weight"), &[d], cfg.post_norms)?,
@@ -180,6 +243,7 @@ impl<W> ModelWeights<W> {
                 ffn_up_exps_bias: moe_bias(&n("ffn_up_exps.bias"), &[n_ff_exp, n_expert])?,
                 ffn_down_exps_bias: moe_bias(&n("ffn_down_exps.bias"), &[d, n_expert])?,
                 post_ffw_norm: opt(&n("post_ffw_norm.weight"), &[d], cfg.post_norms)?,
+                shared_expert,
             });
         }
         Ok(ModelWeights {

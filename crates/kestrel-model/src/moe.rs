@@ -58,6 +58,7 @@ mod tests {
             gating,
             norm_top_k,
             clamped_swiglu: None,
+            shared_expert: None,
         }
     }
 

@@ -195,6 +195,31 @@ pub struct SynthConfig {
     pub weight_std: f32,
     /// YaRN RoPE scaling and Mistral 3's attention temperature (`mistral3` only).
     pub yarn: Option<SynthYarn>,
+    /// The linear-attention layers of the hybrids (`qwen3next`, `qwen35`, `qwen35moe`).
+    pub hybrid: Option<SynthHybrid>,
+}
+
+/// The hybrids' linear-attention shape and layer pattern, and their shared expert.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthHybrid {
+    /// `ssm.conv_kernel`, `ssm.state_size` (q/k/v head size), `ssm.group_count` (q/k
+    /// heads), `ssm.time_step_rank` (v heads).
+    pub d_conv: u32,
+    pub d_state: u32,
+    pub n_group: u32,
+    pub n_v_heads: u32,
+    /// Every this many layers one is full attention (`full_attention_interval`).
+    pub full_attn_interval: u32,
+    /// Rotated dimensions of a head (`rope.dimension_count`).
+    pub n_rot: u32,
+    /// Hidden size of the shared expert (0: none).
+    pub n_ff_shexp: u32,
+}
+
+impl SynthHybrid {
+    fn is_attention(&self, layer: u32) -> bool {
+        (layer + 1).is_multiple_of(self.full_attn_interval)
+    }
 }
 
 /// The RoPE keys of a Mistral 3 file.
@@ -209,7 +234,7 @@ pub struct SynthYarn {
 }
 
 /// Names accepted by [`SynthConfig::preset`].
-pub const PRESETS: [&str; 7] = [
+pub const PRESETS: [&str; 8] = [
     "tiny",
     "llama3-8b",
     "llama3-70b",
@@ -217,6 +242,7 @@ pub const PRESETS: [&str; 7] = [
     "qwen2.5-7b",
     "qwen3-30b-a3b",
     "gpt-oss-20b",
+    "qwen3-next-80b-a3b",
 ];
 
 /// Size overrides on top of a preset (the CLI's `--layers`, `--embd`, ... flags).
@@ -241,12 +267,18 @@ impl SynthConfig {
             Arch::Mistral3 => (1_000_000.0, 1e-5),
             Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => (1_000_000.0, 1e-6),
             Arch::GptOss => (150_000.0, 1e-5),
+            Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => (10_000_000.0, 1e-6),
         };
-        let moe = matches!(arch, Arch::Qwen3Moe | Arch::GptOss);
+        let moe = matches!(
+            arch,
+            Arch::Qwen3Moe | Arch::GptOss | Arch::Qwen3Next | Arch::Qwen35Moe
+        );
+        let hybrid = matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe);
         SynthConfig {
             arch,
             name: format!("kestrel synth {} tiny", arch.name()),
-            n_layer: 2,
+            // The hybrids: three linear-attention layers, then one of full attention.
+            n_layer: if hybrid { 4 } else { 2 },
             n_embd: 256,
             n_ff: 512,
             n_head: 4,
@@ -277,7 +309,7 @@ impl SynthConfig {
             // units (with 0.02 they would be almost flat at this width, every expert and
             // token about equally likely, and a fidelity check would compare noise). The
             // older ones keep 0.02, which their reference files were made with.
-            weight_std: if moe || matches!(arch, Arch::Phi3 | Arch::Mistral3) {
+            weight_std: if moe || hybrid || matches!(arch, Arch::Phi3 | Arch::Mistral3) {
                 0.08
             } else {
                 Init::WEIGHT.std
@@ -289,6 +321,17 @@ impl SynthConfig {
                 orig_ctx: 16,
                 log_mul: 1.0,
                 temperature_scale: 0.1,
+            }),
+            // Two q/k heads shared by four v heads (so the pairing of heads matters), a
+            // quarter of each attention head rotated, as in the real models.
+            hybrid: hybrid.then_some(SynthHybrid {
+                d_conv: 4,
+                d_state: 64,
+                n_group: 2,
+                n_v_heads: 4,
+                full_attn_interval: 4,
+                n_rot: 16,
+                n_ff_shexp: if moe { 256 } else { 0 },
             }),
         }
     }
@@ -302,6 +345,7 @@ impl SynthConfig {
             n_ff_exp: 0,
             weight_std: Init::WEIGHT.std,
             yarn: None,
+            hybrid: None,
             ..SynthConfig::tiny(Arch::Llama)
         }
     }
@@ -404,6 +448,7 @@ impl SynthConfig {
                 n_ff_exp: 768,
                 weight_std: Init::WEIGHT.std,
                 yarn: None,
+                hybrid: None,
             },
             // gpt-oss-20b (its YaRN keys are not written: RoPE unscaled).
             "gpt-oss-20b" => SynthConfig {
@@ -427,6 +472,42 @@ impl SynthConfig {
                 n_ff_exp: 2880,
                 weight_std: Init::WEIGHT.std,
                 yarn: None,
+                hybrid: None,
+            },
+            // Qwen3-Next-80B-A3B (its config.json): 48 layers, every fourth full attention
+            // (16 heads of 256, 2 kv heads, a quarter rotated, output gate), the others
+            // gated DeltaNet (16 q/k heads and 32 v heads of 128, 4 taps); 512 experts of
+            // 512, 10 used, and a shared expert of 512 in every layer.
+            "qwen3-next-80b-a3b" => SynthConfig {
+                arch: Arch::Qwen3Next,
+                name: "kestrel synth qwen3-next-80b-a3b".into(),
+                n_layer: 48,
+                n_embd: 2048,
+                n_ff: 5120,
+                n_head: 16,
+                n_head_kv: 2,
+                head_dim: 256,
+                n_vocab: 151_936,
+                n_ctx: 262_144,
+                rope_freq_base: 10_000_000.0,
+                rms_eps: 1e-6,
+                qkv_bias: false,
+                tied_embeddings: false,
+                sliding_window: 0,
+                n_expert: 512,
+                n_expert_used: 10,
+                n_ff_exp: 512,
+                weight_std: Init::WEIGHT.std,
+                yarn: None,
+                hybrid: Some(SynthHybrid {
+                    d_conv: 4,
+                    d_state: 128,
+                    n_group: 16,
+                    n_v_heads: 32,
+                    full_attn_interval: 4,
+                    n_rot: 64,
+                    n_ff_shexp: 512,
+                }),
             },
             other => {
                 return Err(invalid(format!(
@@ -483,7 +564,10 @@ impl SynthConfig {
 
     /// Whether the feed-forward blocks are mixtures of experts.
     pub fn is_moe(&self) -> bool {
-        matches!(self.arch, Arch::Qwen3Moe | Arch::GptOss)
+        matches!(
+            self.arch,
+            Arch::Qwen3Moe | Arch::GptOss | Arch::Qwen3Next | Arch::Qwen35Moe
+        )
     }
 
     fn q_dim(&self) -> u64 {
@@ -534,6 +618,29 @@ impl SynthConfig {
                 self.n_ff_exp
             )));
         }
+        let hybrid_arch = matches!(self.arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe);
+        match (&self.hybrid, hybrid_arch) {
+            (Some(h), true) => {
+                if h.d_conv == 0
+                    || h.d_state == 0
+                    || h.n_group == 0
+                    || h.full_attn_interval == 0
+                    || !h.n_v_heads.is_multiple_of(h.n_group)
+                    || h.n_rot == 0
+                    || h.n_rot > self.head_dim
+                    || !h.n_rot.is_multiple_of(2)
+                {
+                    return Err(invalid(format!("bad linear-attention shape {h:?}")));
+                }
+            }
+            (None, true) => {
+                return Err(invalid(format!(
+                    "a {} model needs its linear-attention shape",
+                    self.arch.name()
+                )));
+            }
+            (_, false) => {}
+        }
         if !(self.weight_std.is_finite() && self.weight_std > 0.0) {
             return Err(invalid("weight standard deviation must be positive"));
         }
@@ -568,10 +675,11 @@ impl SynthConfig {
         // embedding_length / head_count unless the keys say otherwise.
         let default_head =
             self.n_embd.is_multiple_of(self.n_head) && self.n_embd / self.n_head == self.head_dim;
-        let states_head = matches!(
-            self.arch,
-            Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe | Arch::GptOss
-        );
+        let states_head = self.hybrid.is_some()
+            || matches!(
+                self.arch,
+                Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe | Arch::GptOss
+            );
         if states_head || !default_head {
             m.push((key("attention.key_length"), self.head_dim.into()));
             m.push((key("attention.value_length"), self.head_dim.into()));
@@ -603,6 +711,34 @@ impl SynthConfig {
             m.push((key("expert_count"), self.n_expert.into()));
             m.push((key("expert_used_count"), self.n_expert_used.into()));
             m.push((key("expert_feed_forward_length"), self.n_ff_exp.into()));
+        }
+        if let Some(h) = &self.hybrid {
+            // convert_hf_to_gguf.py's Qwen3-Next / Qwen3.5 keys.
+            m.push((key("ssm.conv_kernel"), h.d_conv.into()));
+            m.push((key("ssm.state_size"), h.d_state.into()));
+            m.push((key("ssm.group_count"), h.n_group.into()));
+            m.push((key("ssm.time_step_rank"), h.n_v_heads.into()));
+            m.push((key("ssm.inner_size"), (h.d_state * h.n_v_heads).into()));
+            m.push((key("full_attention_interval"), h.full_attn_interval.into()));
+            m.push((key("rope.dimension_count"), h.n_rot.into()));
+            if h.n_ff_shexp > 0 {
+                m.push((
+                    key("expert_shared_feed_forward_length"),
+                    h.n_ff_shexp.into(),
+                ));
+            }
+            if self.arch != Arch::Qwen3Next {
+                // Qwen3.5's interleaved M-RoPE sections (time, height, width, extra) over
+                // the rotated pairs, as its converter splits them.
+                let pairs = h.n_rot / 2;
+                let (t, hh) = (pairs.div_ceil(3), pairs.div_ceil(3));
+                let w = pairs - t - hh;
+                let secs = [t, hh, w, 0].map(|v| Value::I32(v as i32)).to_vec();
+                m.push((
+                    key("rope.dimension_sections"),
+                    Value::Array(kestrel_gguf::ValueType::I32, secs),
+                ));
+            }
         }
         m.push(("general.file_type".into(), ty.file_type().into()));
         m.push(("general.quantization_version".into(), 2u32.into()));
@@ -664,7 +800,9 @@ impl SynthConfig {
             let b = |s: &str| format!("blk.{i}.{s}");
             out.push(vector(b("attn_norm.weight"), embd, Init::NORM));
             let phi3 = self.arch == Arch::Phi3;
-            if phi3 {
+            if let Some(h) = &self.hybrid {
+                self.hybrid_mixer(ty, h, i, &mut out)?;
+            } else if phi3 {
                 // Phi-3 keeps Q, K and V in one matrix.
                 let rows = q_dim + 2 * kv_dim;
                 out.push(self.matrix(ty, b("attn_qkv.weight"), embd, rows, Role::Other)?);
@@ -686,7 +824,9 @@ impl SynthConfig {
                 out.push(vector(b("attn_q_norm.weight"), head, Init::NORM));
                 out.push(vector(b("attn_k_norm.weight"), head, Init::NORM));
             }
-            out.push(self.matrix(ty, b("attn_output.weight"), q_dim, embd, Role::Other)?);
+            if self.hybrid.is_none() {
+                out.push(self.matrix(ty, b("attn_output.weight"), q_dim, embd, Role::Other)?);
+            }
             let oss = self.arch == Arch::GptOss;
             if oss {
                 out.push(vector(b("attn_output.bias"), embd, Init::BIAS));
@@ -700,7 +840,7 @@ impl SynthConfig {
                 out.push(vector(b("post_attention_norm.weight"), embd, Init::NORM));
             }
             // gpt-oss calls the norm before its feed-forward block the post-attention norm.
-            let ffn_norm = if oss {
+            let ffn_norm = if oss || self.hybrid.is_some() {
                 "post_attention_norm.weight"
             } else {
                 "ffn_norm.weight"
@@ -744,6 +884,33 @@ impl SynthConfig {
                         out.push(bias(&format!("ffn_{proj}_exps.bias"), vec![rows, n_exp]));
                     }
                 }
+                if let Some(h) = self.hybrid.filter(|h| h.n_ff_shexp > 0) {
+                    // The shared expert and its gate (a vector, kept f32).
+                    let sff = h.n_ff_shexp as u64;
+                    out.push(vector(
+                        b("ffn_gate_inp_shexp.weight"),
+                        embd,
+                        Init {
+                            mean: 0.0,
+                            std: self.weight_std,
+                        },
+                    ));
+                    out.push(self.matrix(
+                        ty,
+                        b("ffn_gate_shexp.weight"),
+                        embd,
+                        sff,
+                        Role::Other,
+                    )?);
+                    out.push(self.matrix(ty, b("ffn_up_shexp.weight"), embd, sff, Role::Other)?);
+                    out.push(self.matrix(
+                        ty,
+                        b("ffn_down_shexp.weight"),
+                        sff,
+                        embd,
+                        Role::FfnDown(i),
+                    )?);
+                }
             } else if phi3 {
                 // Phi-3's up matrix holds the gate rows, then the up rows.
                 out.push(self.matrix(ty, b("ffn_up.weight"), embd, 2 * ff, Role::Other)?);
@@ -762,6 +929,75 @@ impl SynthConfig {
             out.push(self.matrix(ty, "output.weight".into(), embd, vocab, Role::Output)?);
         }
         Ok(out)
+    }
+
+    /// A hybrid's layer `i` before its post-attention norm: gated full attention, or gated
+    /// DeltaNet linear attention (llama.cpp's tensor names and shapes).
+    fn hybrid_mixer(
+        &self,
+        ty: WeightType,
+        h: &SynthHybrid,
+        i: u32,
+        out: &mut Vec<TensorSpec>,
+    ) -> Result<(), SynthError> {
+        let b = |s: &str| format!("blk.{i}.{s}");
+        let embd = self.n_embd as u64;
+        let (q_dim, kv_dim, head) = (self.q_dim(), self.kv_dim(), self.head_dim as u64);
+        if h.is_attention(i) {
+            // Each head's query rows, then its gate's.
+            out.push(self.matrix(ty, b("attn_q.weight"), embd, 2 * q_dim, Role::Other)?);
+            out.push(self.matrix(ty, b("attn_k.weight"), embd, kv_dim, Role::Other)?);
+            out.push(self.matrix(ty, b("attn_v.weight"), embd, kv_dim, Role::AttnV(i))?);
+            out.push(self.matrix(ty, b("attn_output.weight"), q_dim, embd, Role::Other)?);
+            out.push(vector(b("attn_q_norm.weight"), head, Init::NORM));
+            out.push(vector(b("attn_k_norm.weight"), head, Init::NORM));
+            return Ok(());
+        }
+        let (ds, nk, nv) = (h.d_state as u64, h.n_group as u64, h.n_v_heads as u64);
+        let (key_dim, value_dim) = (ds * nk, ds * nv);
+        let conv_dim = 2 * key_dim + value_dim;
+        out.push(self.matrix(ty, b("attn_qkv.weight"), embd, conv_dim, Role::Other)?);
+        out.push(self.matrix(ty, b("attn_gate.weight"), embd, value_dim, Role::Other)?);
+        if self.arch == Arch::Qwen3Next {
+            out.push(self.matrix(ty, b("ssm_ba.weight"), embd, 2 * nv, Role::Other)?);
+        } else {
+            out.push(self.matrix(ty, b("ssm_beta.weight"), embd, nv, Role::Other)?);
+            out.push(self.matrix(ty, b("ssm_alpha.weight"), embd, nv, Role::Other)?);
+        }
+        // The convolution taps, time-step bias and decay rates stay f32 (ggml's
+        // convolution reads f32 taps). `ssm_a` is -exp(A_log): slow decays (about 0.9 a
+        // token) so that the state carries over many tokens.
+        let mut conv = self.matrix(
+            WeightType::F32,
+            b("ssm_conv1d.weight"),
+            h.d_conv as u64,
+            conv_dim,
+            Role::Other,
+        )?;
+        conv.init = Init {
+            mean: 0.0,
+            std: 0.3,
+        };
+        out.push(conv);
+        out.push(vector(
+            b("ssm_dt.bias"),
+            nv,
+            Init {
+                mean: 0.0,
+                std: 0.5,
+            },
+        ));
+        out.push(vector(
+            b("ssm_a"),
+            nv,
+            Init {
+                mean: -0.1,
+                std: 0.03,
+            },
+        ));
+        out.push(vector(b("ssm_norm.weight"), ds, Init::NORM));
+        out.push(self.matrix(ty, b("ssm_out.weight"), value_dim, embd, Role::Other)?);
+        Ok(())
     }
 
     /// A weight matrix of `rows` rows of `row_len` values.

@@ -63,3 +63,37 @@ fn inconsistent_sizes_are_refused_with_the_key_named() {
         assert!(err.contains("tokenizer has 513 tokens"), "{err}");
     }
 }
+
+#[test]
+fn inconsistent_linear_attention_sizes_are_refused() {
+    for arch in [Arch::Qwen3Next, Arch::Qwen35] {
+        let good = tiny(arch);
+        let cfg = ModelConfig::from_gguf(&good).expect("the synthetic model loads");
+        let dn = cfg.delta_net.expect("linear attention");
+        assert_eq!((dn.n_k_heads, dn.n_v_heads, dn.head_k_dim), (2, 4, 64));
+        let a = arch.name();
+        let cases: &[(&str, Value, &str)] = &[
+            ("ssm.group_count", Value::U32(3), "key heads"),
+            ("ssm.group_count", Value::U32(0), "key heads"),
+            ("ssm.conv_kernel", Value::U32(0), "conv kernel"),
+            ("ssm.inner_size", Value::U32(100), "inner size"),
+            ("ssm.state_size", Value::U64(1 << 62), "inner size"),
+            ("ssm.inner_size", Value::U64(u64::MAX), "inner size"),
+            (
+                "full_attention_interval",
+                Value::U32(0),
+                "full_attention_interval",
+            ),
+            (
+                "nextn_predict_layers",
+                Value::U32(9),
+                "nextn_predict_layers",
+            ),
+        ];
+        for (key, value, expect) in cases {
+            let bad = with_metadata(&good, &format!("{a}.{key}"), value.clone());
+            let err = ModelConfig::from_gguf(&bad).expect_err(key).to_string();
+            assert!(err.contains(expect), "{a}.{key}: {err}");
+        }
+    }
+}

@@ -193,6 +193,14 @@ fn presets_have_the_published_parameter_counts() {
     // Mixture-of-experts presets: every expert counted (30.5B and 20.9B published).
     assert_eq!(params("qwen3-30b-a3b"), 30_532_122_624);
     assert_eq!(params("gpt-oss-20b"), 20_914_757_184);
+    // Qwen3-Next-80B-A3B: 81.3B published (81,324,862,720 from its config.json by hand:
+    // embeddings and LM head 2 × 151,936 × 2,048; 12 gated-attention layers of
+    // 2,048 × 8,192 + 2 × 2,048 × 512 + 4,096 × 2,048 + 2 × 256; 36 DeltaNet layers of
+    // 2,048 × 12,288 + 2,048 × 64 + 8,192 × 4 + 4,096 × 2,048 + 192; 48 MoE blocks of
+    // 2,048 × 512 + 515 × 3 × 2,048 × 512 + 2,048 and two norms), of which its one
+    // multi-token-prediction block (1,650,471,424: an attention layer, a MoE block,
+    // 4,096 × 2,048 and norms) is not part of the model llama.cpp runs nor of the preset.
+    assert_eq!(params("qwen3-next-80b-a3b"), 81_324_862_720 - 1_650_471_424);
 }
 
 fn types_under_test() -> [WeightType; 6] {

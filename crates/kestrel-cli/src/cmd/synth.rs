@@ -10,13 +10,13 @@ use kestrel_model::synth::{self, SynthConfig, SynthOverrides, WeightType};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Architecture: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3 or mistral3. Needed
-    /// for `tiny`; the other presets imply theirs.
+    /// Architecture: llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, phi3, mistral3,
+    /// qwen3next, qwen35 or qwen35moe. Needed for `tiny`; the other presets imply theirs.
     #[arg(long)]
     pub arch: Option<String>,
-    /// Model shape: tiny, llama3-8b, llama3-70b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b or
-    /// gpt-oss-20b (models over 16B parameters draw each tensor's blocks from a pool of 4,096
-    /// quantized random blocks: valid blocks, about disk speed).
+    /// Model shape: tiny, llama3-8b, llama3-70b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b,
+    /// gpt-oss-20b or qwen3-next-80b-a3b (models over 16B parameters draw each tensor's blocks
+    /// from a pool of 4,096 quantized random blocks: valid blocks, about disk speed).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q4_k_m, q5_k, q6_k,

@@ -382,16 +382,19 @@ pub struct QkvWeights<'a> {
 }
 
 impl<'a> QkvWeights<'a> {
-    pub fn of(layer: &'a LayerWeights<CudaWeight>) -> Self {
-        QkvWeights {
-            attn_q: &layer.attn_q,
-            attn_k: &layer.attn_k,
-            attn_v: &layer.attn_v,
+    /// None for a linear-attention layer (no Q/K/V products; such models are refused at
+    /// load on this backend).
+    pub fn of(layer: &'a LayerWeights<CudaWeight>) -> Option<Self> {
+        let (attn_q, attn_k, attn_v) = layer.qkv_weights()?;
+        Some(QkvWeights {
+            attn_q,
+            attn_k,
+            attn_v,
             attn_q_bias: layer.attn_q_bias.as_ref(),
             attn_k_bias: layer.attn_k_bias.as_ref(),
             attn_v_bias: layer.attn_v_bias.as_ref(),
             qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
-        }
+        })
     }
 }
 

@@ -31,6 +31,14 @@ impl<B: Backend> Engine<B> {
         mut on_token: impl FnMut(u32) -> bool,
         mut spec: Option<&mut Speculator>,
     ) -> anyhow::Result<(Vec<u32>, SpecStats)> {
+        if spec.is_some() && self.config().has_recurrent_layers() {
+            anyhow::bail!(
+                "speculative decoding is not supported for {} models: their linear-attention \
+                 layers keep one recurrent state per sequence, which rejected drafts cannot be \
+                 rolled back from",
+                self.config().arch.name()
+            );
+        }
         let mut sampler = Sampler::new(params.clone());
         let mut stats = SpecStats::default();
         let mut out = Vec::new();
