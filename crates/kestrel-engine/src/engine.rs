@@ -50,7 +50,7 @@ pub struct Engine<B: Backend> {
     pub cache: B::Cache,
     pub blocks: BlockManager,
     pub ctx: usize,
-    scratch: Scratch<B>,
+    pub(crate) scratch: Scratch<B>,
     logits: Vec<f32>,
     /// The batch `eval_batch` fills and reuses, with its per-sequence progress and the
     /// parts of the current step.
@@ -132,7 +132,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks `batch` against the cache and runs the model over it; the logits stay in
     /// the scratch on the backend.
-    fn forward(&mut self, batch: &Batch) -> anyhow::Result<()> {
+    pub(crate) fn forward(&mut self, batch: &Batch) -> anyhow::Result<()> {
         batch.validate(
             self.blocks.block_size(),
             self.blocks.n_blocks(),

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kestrel_model::{Backend, Batch, SamplingBatch};
+use kestrel_model::{Backend, Batch, Pooling, SamplingBatch};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
@@ -117,6 +117,22 @@ pub struct Request {
     pub sink: Box<dyn TokenSink>,
 }
 
+/// An embedding request: one pooled vector per input, computed between generation steps
+/// (see [`Engine::embed`]).
+pub struct EmbedRequest {
+    /// Token ids of each input (each non-empty, within the context).
+    pub inputs: Vec<Vec<u32>>,
+    pub pooling: Pooling,
+    /// Receives one vector per input (not normalized), or why there is none.
+    pub reply: Box<dyn FnOnce(Result<Vec<Vec<f32>>, String>) + Send>,
+}
+
+/// What the scheduler's channel carries.
+enum Job {
+    Generate(Request, Option<Box<dyn TokenFilter>>),
+    Embed(EmbedRequest),
+}
+
 /// Why a request was refused before it reached the queue.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
@@ -185,6 +201,10 @@ pub struct SchedulerInfo {
     pub max_seqs: usize,
     pub arch: String,
     pub backend: String,
+    /// Width of the hidden states (an embedding's length).
+    pub n_embd: usize,
+    /// `<arch>.pooling_type`, when the model file states it.
+    pub pooling: Option<Pooling>,
 }
 
 /// Counters and gauges the scheduler thread updates after every step.
@@ -220,7 +240,7 @@ pub struct SchedulerStats {
 /// The submitting side; cheap to clone.
 #[derive(Clone)]
 pub struct SchedulerHandle {
-    tx: mpsc::Sender<(Request, Option<Box<dyn TokenFilter>>)>,
+    tx: mpsc::Sender<Job>,
     info: Arc<SchedulerInfo>,
     stats: Arc<SchedulerStats>,
 }
@@ -272,10 +292,40 @@ impl SchedulerHandle {
         }
         req.params.validate().map_err(SubmitError::BadParams)?;
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        self.tx.send((req, filter)).map_err(|_| {
+        self.tx.send(Job::Generate(req, filter)).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             SubmitError::Stopped
         })
+    }
+
+    /// Checks an embedding request and queues it; its vectors arrive through its `reply`.
+    pub fn embed(&self, req: EmbedRequest) -> Result<(), SubmitError> {
+        let info = &self.info;
+        if req.inputs.is_empty() || req.inputs.iter().any(Vec::is_empty) {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        for input in &req.inputs {
+            if let Some((index, &id)) = input
+                .iter()
+                .enumerate()
+                .find(|&(_, &id)| id as usize >= info.vocab_size)
+            {
+                return Err(SubmitError::TokenOutOfRange {
+                    index,
+                    id,
+                    vocab: info.vocab_size,
+                });
+            }
+            if input.len() > info.ctx {
+                return Err(SubmitError::PromptTooLong {
+                    len: input.len(),
+                    ctx: info.ctx,
+                });
+            }
+        }
+        self.tx
+            .send(Job::Embed(req))
+            .map_err(|_| SubmitError::Stopped)
     }
 }
 
@@ -286,7 +336,7 @@ where
     B: Backend + 'static,
     F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
 {
-    let (tx, rx) = mpsc::channel::<(Request, Option<Box<dyn TokenFilter>>)>();
+    let (tx, rx) = mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<SchedulerInfo>>();
     let stats = Arc::new(SchedulerStats::default());
     let thread_stats = stats.clone();
@@ -478,9 +528,11 @@ impl PrefixCache {
 struct Scheduler<B: Backend> {
     engine: Engine<B>,
     opts: SchedulerOptions,
-    rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
+    rx: mpsc::Receiver<Job>,
     stats: Arc<SchedulerStats>,
     waiting: VecDeque<Seq>,
+    /// Embedding requests, run one per loop between generation steps.
+    embeds: VecDeque<EmbedRequest>,
     /// Oldest first: the last one is preempted first.
     running: Vec<Seq>,
     prefix: PrefixCache,
@@ -524,7 +576,7 @@ impl<B: Backend> Scheduler<B> {
     fn new(
         engine: Engine<B>,
         opts: SchedulerOptions,
-        rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
+        rx: mpsc::Receiver<Job>,
         stats: Arc<SchedulerStats>,
     ) -> Self {
         let s = Scheduler {
@@ -533,6 +585,7 @@ impl<B: Backend> Scheduler<B> {
             rx,
             stats,
             waiting: VecDeque::new(),
+            embeds: VecDeque::new(),
             running: Vec::new(),
             logits: Vec::new(),
             last_forward_us: 0,
@@ -556,12 +609,14 @@ impl<B: Backend> Scheduler<B> {
             max_seqs: self.opts.max_seqs,
             arch: cfg.arch.name().to_string(),
             backend: self.engine.backend.name(),
+            n_embd: cfg.n_embd,
+            pooling: cfg.pooling,
         }
     }
 
     fn run(&mut self) {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.running.is_empty() && self.waiting.is_empty() && self.embeds.is_empty() {
                 if self.disconnected {
                     return;
                 }
@@ -582,11 +637,12 @@ impl<B: Backend> Scheduler<B> {
             }
             let started = Instant::now();
             self.drop_cancelled();
+            let embed_us = self.run_embed();
             self.admit();
             let worked = self.step();
             self.publish();
             let total = started.elapsed().as_micros() as u64;
-            let forward = std::mem::take(&mut self.last_forward_us);
+            let forward = std::mem::take(&mut self.last_forward_us) + embed_us;
             self.stats
                 .host_us
                 .fetch_add(total.saturating_sub(forward), Ordering::Relaxed);
@@ -600,7 +656,49 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    fn enqueue(&mut self, (req, filter): (Request, Option<Box<dyn TokenFilter>>)) {
+    /// Runs the oldest embedding request, if any: its blocks come from idle prefix-cache
+    /// blocks, then from preempting the youngest running sequences. Returns the
+    /// microseconds it took.
+    fn run_embed(&mut self) -> u64 {
+        let Some(req) = self.embeds.pop_front() else {
+            return 0;
+        };
+        let lens: Vec<usize> = req.inputs.iter().map(Vec::len).collect();
+        let needed = self.engine.embed_blocks(&lens);
+        let total = self.engine.blocks.n_blocks();
+        if needed > total {
+            (req.reply)(Err(format!(
+                "the inputs need {needed} KV blocks at once, the cache has {total}"
+            )));
+            return 0;
+        }
+        while self.engine.blocks.n_free() < needed && self.evict_one() {}
+        while self.engine.blocks.n_free() < needed && !self.running.is_empty() {
+            self.preempt_youngest();
+        }
+        let started = Instant::now();
+        let inputs: Vec<&[u32]> = req.inputs.iter().map(Vec::as_slice).collect();
+        let result = self
+            .engine
+            .embed(&inputs, req.pooling)
+            .map_err(|e| format!("embedding failed: {e:#}"));
+        let us = started.elapsed().as_micros() as u64;
+        self.stats.forward_us.fetch_add(us, Ordering::Relaxed);
+        self.stats
+            .tokens_evaluated
+            .fetch_add(lens.iter().sum::<usize>() as u64, Ordering::Relaxed);
+        (req.reply)(result);
+        us
+    }
+
+    fn enqueue(&mut self, job: Job) {
+        let (req, filter) = match job {
+            Job::Generate(req, filter) => (req, filter),
+            Job::Embed(req) => {
+                self.embeds.push_back(req);
+                return;
+            }
+        };
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let prompt_len = req.prompt.len();
         let drafter = self

@@ -12,10 +12,10 @@ pub mod sampling;
 pub mod weights;
 
 pub use backend::{AttnParams, Backend};
-pub use batch::{Batch, SeqSlot};
+pub use batch::{Batch, Output, SeqSlot};
 pub use config::{
     Activation, Arch, AttnTemperature, ClampedSwiglu, FfnKind, Gating, ModelConfig, MoeConfig,
-    RopeConstants, RopeParams, RopeScaling,
+    Pooling, RopeConstants, RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
 pub use kv_type::{KvType, KvTypes};
