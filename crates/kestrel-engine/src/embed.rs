@@ -90,10 +90,7 @@ impl<B: Backend> Engine<B> {
                 bail!("input {i} has no tokens");
             }
             if t.len() > ctx {
-                bail!(
-                    "input {i} has {} tokens, the context holds {ctx}",
-                    t.len()
-                );
+                bail!("input {i} has {} tokens, the context holds {ctx}", t.len());
             }
             if let Some(&id) = t.iter().find(|&&id| id as usize >= vocab) {
                 bail!("input {i} has token id {id}, the vocabulary has {vocab} tokens");

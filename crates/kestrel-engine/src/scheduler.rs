@@ -124,8 +124,11 @@ pub struct EmbedRequest {
     pub inputs: Vec<Vec<u32>>,
     pub pooling: Pooling,
     /// Receives one vector per input (not normalized), or why there is none.
-    pub reply: Box<dyn FnOnce(Result<Vec<Vec<f32>>, String>) + Send>,
+    pub reply: Box<dyn FnOnce(EmbedResult) + Send>,
 }
+
+/// One vector per input, or why there is none.
+pub type EmbedResult = Result<Vec<Vec<f32>>, String>;
 
 /// What the scheduler's channel carries.
 enum Job {

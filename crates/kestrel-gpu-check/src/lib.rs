@@ -1117,6 +1117,7 @@ pub fn compare_argmax(
             kv_len: n,
         }],
         logit_rows: (0..(n - from) as u32).collect(),
+        ..Batch::default()
     };
     let (mut compared, mut differ) = (0, 0);
     let mut logits = Vec::new();

@@ -1,0 +1,174 @@
+"""`/v1/embeddings` of a running `kestrel serve`, through the official OpenAI Python client,
+against llama.cpp (llama-cpp-python 0.3.36, `Llama(embedding=True).embed(normalize=True)`:
+the same pooled, L2-normalized vectors llama-server's OpenAI endpoint returns).
+
+Tolerances: cosine > 0.9999 and max |diff| < 2e-3 — or, on the real models, twice
+llama.cpp's own distance from itself on the same texts where that is wider: evaluated one
+token a step instead of one input a batch, llama.cpp's Gemma-3-270M vectors move by a cosine
+of ~0.998 (its 8-bit activation rounding amplifies the order of additions; the same spread
+crates/kestrel-engine/tests/fidelity.rs measures on log-probs), and Kestrel's sit as far.
+
+Usage:
+  python3 embeddings_client.py text URL MODEL_PATH SEED POOLING
+      random texts; llama.cpp told POOLING (a llama_pooling_type number; Kestrel takes the
+      last token when the file states no pooling type)
+  python3 embeddings_client.py ids URL MODEL_PATH SEED POOLING
+      random token ids (a model without a tokenizer); llama.cpp reads the pooling type from
+      the file and must find POOLING there
+Exits non-zero, naming the failed check, on any difference beyond the tolerances.
+"""
+
+import base64
+import random
+import struct
+import sys
+
+import numpy as np
+import openai
+from llama_cpp import Llama
+
+MODEL = "test-model"
+MIN_COSINE = 0.9999
+MAX_ABS = 2e-3
+CTX = 512
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her it an were are which "
+    "this be or has had not but their one two new first after also who they its been "
+    "river kestrel falcon hovered above 1987 42 3.14 café naïve 東京 Ελλάδα 🦅 "
+    "def fn() => {x: [1, 2]} // # ; -- ... !? \"quoted\" (paren) snake_case CamelCase"
+).split()
+
+
+def random_text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def vectors(resp) -> np.ndarray:
+    out = []
+    for i, d in enumerate(resp.data):
+        assert d.index == i, (d.index, i)
+        assert d.object == "embedding", d.object
+        e = d.embedding
+        if isinstance(e, str):
+            raw = base64.b64decode(e)
+            e = struct.unpack(f"<{len(raw) // 4}f", raw)
+        out.append(np.asarray(e, np.float64))
+    return np.stack(out)
+
+
+def distance(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(1 - the lowest cosine, the largest |difference|) between rows of a and b."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    cos = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(1 - cos.min()), float(np.max(np.abs(a - b)))
+
+
+def compare(ours: np.ndarray, ref: np.ndarray, what: str, envelope=(0.0, 0.0)) -> None:
+    """Ours within the tolerances of ref, or within twice llama.cpp's own `envelope` (its
+    distance from itself evaluating the same inputs another way) where that is wider."""
+    norms = np.linalg.norm(ours, axis=1)
+    assert np.all(np.abs(norms - 1) < 1e-4), (what, "not unit length", norms)
+    off, diff = distance(ours, ref)
+    print(f"{what}: {len(ours)} vectors of {ours.shape[1]}: min cosine {1 - off:.7f}, "
+          f"max |diff| {diff:.2e}")
+    assert off < max(1 - MIN_COSINE, 2 * envelope[0]), (what, "cosine", 1 - off, envelope)
+    assert diff < max(MAX_ABS, 2 * envelope[1]), (what, "max abs diff", diff, envelope)
+    # Whatever llama.cpp's spread, a wrong vector (other pooling, other layer) is far off.
+    assert off < 0.01, (what, "cosine", 1 - off)
+
+
+def expect_400(client, what: str, **kwargs) -> str:
+    try:
+        client.embeddings.create(model=MODEL, **kwargs)
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        print(f"refused as expected ({what}): {body.get('message')}")
+        return body.get("code") or ""
+    raise AssertionError(f"{what}: accepted")
+
+
+def llama(path: str, pooling: int | None, ubatch: int = CTX) -> Llama:
+    kw = {} if pooling is None else {"pooling_type": pooling}
+    return Llama(path, embedding=True, n_ctx=CTX, n_batch=CTX, n_ubatch=ubatch, n_threads=2,
+                 verbose=False, **kw)
+
+
+def text_mode(client, path: str, rng: random.Random, pooling: int) -> None:
+    lens = [1, 2, 5, 13, 29, rng.randint(40, 90)]
+    rng.shuffle(lens)
+    texts = [random_text(rng, n) for n in lens]
+    llm = llama(path, pooling)
+    # One input per llama.cpp batch, as llama-server evaluates each in a slot of its own.
+    ref = np.asarray([llm.embed(t, normalize=True) for t in texts], np.float64)
+    # llama.cpp's own spread on these inputs (its 8-bit activations amplify the order of
+    # additions): all inputs in one batch, and one token per step (its decode kernels).
+    together = np.asarray(llm.embed(texts, normalize=True), np.float64)
+    by_token = llama(path, pooling, ubatch=1)
+    one_by_one = np.asarray([by_token.embed(t, normalize=True) for t in texts], np.float64)
+    del by_token
+    spreads = [distance(together, ref), distance(one_by_one, ref)]
+    envelope = (max(s[0] for s in spreads), max(s[1] for s in spreads))
+    print(f"llama.cpp vs itself (one batch, one token a step): min cosine "
+          f"{1 - envelope[0]:.7f}, max |diff| {envelope[1]:.2e}")
+    ids = [llm.tokenize(t.encode("utf-8")) for t in texts]
+
+    # The client asks for base64 unless told otherwise; both must agree exactly.
+    r = client.embeddings.create(model=MODEL, input=texts)
+    ours = vectors(r)
+    compare(ours, ref, "Kestrel vs llama.cpp, texts (base64)", envelope)
+    r_float = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert isinstance(r_float.data[0].embedding, list)
+    assert np.array_equal(vectors(r_float), ours.astype(np.float32)), "float vs base64"
+    assert r.usage.prompt_tokens == sum(map(len, ids)), (r.usage, list(map(len, ids)))
+    assert r.usage.total_tokens == r.usage.prompt_tokens
+    assert r.model == MODEL
+
+    # The same inputs as token ids (one list, a list of lists), and one string alone.
+    by_ids = vectors(client.embeddings.create(model=MODEL, input=ids))
+    assert np.max(np.abs(by_ids - ours)) < 1e-6, "ids vs text"
+    one = vectors(client.embeddings.create(model=MODEL, input=ids[0]))
+    assert np.max(np.abs(one[0] - ours[0])) < 1e-6, "one id list"
+    alone = vectors(client.embeddings.create(model=MODEL, input=texts[-1]))
+    assert np.max(np.abs(alone[0] - ours[-1])) < 1e-6, "one string"
+
+    n_embd = ours.shape[1]
+    client.embeddings.create(model=MODEL, input="x", dimensions=n_embd)
+    expect_400(client, "dimensions", input="x", dimensions=n_embd - 1)
+    expect_400(client, "empty string", input="")
+    expect_400(client, "empty list", input=[])
+    expect_400(client, "empty string in a list", input=["a", ""])
+    code = expect_400(client, "too long", input=random_text(rng, CTX * 2))
+    assert code == "context_length_exceeded", code
+    expect_400(client, "unknown field", input="x", extra_body={"pooling": "mean"})
+
+
+def ids_mode(client, path: str, rng: random.Random, pooling: int) -> None:
+    llm = llama(path, None)
+    assert llm.pooling_type() == pooling, (llm.pooling_type(), pooling)
+    vocab = llm.n_vocab()
+    # The model has no tokenizer: each "text" is the ids themselves.
+    llm.tokenize = lambda b, *a, **k: [int(x) for x in b.decode().split(",")]
+    lens = [1, 2, 15, 16, 17, 63, rng.randint(70, 200)]
+    rng.shuffle(lens)
+    ids = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+    ref = np.asarray(llm.embed([",".join(map(str, x)) for x in ids], normalize=True))
+    r = client.embeddings.create(model=MODEL, input=ids)
+    compare(vectors(r), ref, f"Kestrel vs llama.cpp, ids, pooling {pooling}")
+    assert r.usage.prompt_tokens == sum(lens)
+    expect_400(client, "text without a tokenizer", input="hello")
+    expect_400(client, "id out of range", input=[[1, vocab]])
+
+
+def main() -> None:
+    mode, url, path, seed, pooling = sys.argv[1:6]
+    seed = int(seed)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    {"text": text_mode, "ids": ids_mode}[mode](client, path, rng, int(pooling))
+    print("all checks passed")
+
+
+if __name__ == "__main__":
+    main()
