@@ -1,8 +1,8 @@
 //! kestrel-server: an OpenAI-compatible HTTP API over the continuous-batching scheduler.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (text or token-id
-//! prompts), `POST /v1/embeddings`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`,
-//! `GET /health`, `GET /metrics` (Prometheus text). The server knows nothing about
+//! prompts), `POST /v1/embeddings`, `GET /v1/models`, `GET /v1/models/{id}`, `POST
+//! /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics` (Prometheus text). The server knows nothing about
 //! backends: it talks to a [`SchedulerHandle`], whose thread owns the engine. Text comes
 //! from the model's tokenizer; a model without one (synthetic test models) takes token-id
 //! prompts only, and every choice also carries the generated `token_ids` (an extension of
