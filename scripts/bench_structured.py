@@ -80,6 +80,13 @@ def main():
     p.add_argument("--requests", type=int, default=2, help="requests per client and round")
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
+    # Wait for the server to finish loading (the port answers before the model is loaded).
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(args.url + "/health", timeout=5)
+            break
+        except OSError:
+            time.sleep(1)
     run(args, 1, True)  # warm-up (builds the vocabulary trie once)
     run(args, 1, False)
     for clients in args.clients:
