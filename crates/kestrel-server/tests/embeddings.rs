@@ -37,6 +37,10 @@ fn oracle(mode: &str, srv: &TestServer, path: &Path, pooling: u32) {
         .expect("running python3");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(3) {
+        eprintln!("{}", stderr.trim());
+        return;
+    }
     println!("{stdout}");
     assert!(
         out.status.success() && stdout.contains("all checks passed"),
