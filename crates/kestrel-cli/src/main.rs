@@ -54,7 +54,7 @@ enum Command {
 }
 
 fn main() {
-    let cli = Cli::parse_from(std::env::args_os().map(llama_flag));
+    let cli = Cli::parse_from(llama_flags(std::env::args_os()));
     interrupt::install();
     let result = match cli.command {
         Command::Pull(args) => cmd::pull::run(args),
@@ -81,6 +81,24 @@ fn main() {
         eprintln!("error: {err:#}");
         std::process::exit(1);
     }
+}
+
+/// The arguments with llama.cpp's single-dash multi-letter flags spelled as [`llama_flag`]
+/// does, up to a `--` (what follows it is a prompt or other operand, kept as written).
+fn llama_flags(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> impl Iterator<Item = std::ffi::OsString> {
+    let mut operands = false;
+    args.into_iter().map(move |arg| {
+        if operands {
+            return arg;
+        }
+        if arg == "--" {
+            operands = true;
+            return arg;
+        }
+        llama_flag(arg)
+    })
 }
 
 /// llama.cpp's single-dash multi-letter flags `-ctk` / `-ctv` (cache types) and `-md` (draft
@@ -113,4 +131,58 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
                 .downcast_ref::<serde_json::Error>()
                 .is_some_and(|e| e.io_error_kind() == Some(BrokenPipe))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rewrite(args: &[&str]) -> Vec<String> {
+        llama_flags(args.iter().map(std::ffi::OsString::from))
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn llama_flags_are_rewritten_only_before_the_operands() {
+        assert_eq!(
+            rewrite(&[
+                "kestrel",
+                "run",
+                "-ctk",
+                "q8_0",
+                "-ctv=q4_0",
+                "-md",
+                "d.gguf",
+                "-c",
+                "9"
+            ]),
+            [
+                "kestrel",
+                "run",
+                "--cache-type-k",
+                "q8_0",
+                "--cache-type-v=q4_0",
+                "--draft",
+                "d.gguf",
+                "-c",
+                "9"
+            ]
+        );
+        // A prompt that happens to read like one of them stays as written after `--`.
+        assert_eq!(
+            rewrite(&["kestrel", "run", "-ctk", "f16", "--", "-ctk", "-md"]),
+            [
+                "kestrel",
+                "run",
+                "--cache-type-k",
+                "f16",
+                "--",
+                "-ctk",
+                "-md"
+            ]
+        );
+        // Longer flags that merely begin with the same letters are not touched.
+        assert_eq!(rewrite(&["-ctkx", "-mdl"]), ["-ctkx", "-mdl"]);
+    }
 }

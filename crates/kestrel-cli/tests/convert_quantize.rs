@@ -98,3 +98,77 @@ fn convert_fails_cleanly_without_a_checkpoint() {
     assert_user_error(&kestrel(&["convert", &d, "-o", &o, "--type", "q7"]), "q7");
     assert!(!out.exists());
 }
+
+/// `--imatrix`: a legacy `.dat` matrix is read (its summary printed) and changes the
+/// output; a malformed one is a one-line error that writes nothing.
+#[test]
+fn quantize_with_an_imatrix_and_a_malformed_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_string_lossy().into_owned();
+    let synth = kestrel(&[
+        "synth",
+        "--arch",
+        "llama",
+        "--type",
+        "f16",
+        "--embd",
+        "256",
+        "--ff",
+        "512",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "-o",
+        &p("in.gguf"),
+    ]);
+    assert!(synth.status.success(), "{}", stderr(&synth));
+    // One entry, for blk.0.ffn_down.weight (rows of 512), ncall 2, then chunk count and
+    // dataset name.
+    let name = b"blk.0.ffn_down.weight";
+    let mut dat = 1i32.to_le_bytes().to_vec();
+    dat.extend((name.len() as i32).to_le_bytes());
+    dat.extend(name);
+    dat.extend(2i32.to_le_bytes());
+    dat.extend(512i32.to_le_bytes());
+    for i in 0..512 {
+        dat.extend((1.0f32 + (i % 7) as f32 * 3.0).to_le_bytes());
+    }
+    dat.extend(5i32.to_le_bytes());
+    dat.extend(4i32.to_le_bytes());
+    dat.extend(b"wiki");
+    std::fs::write(p("m.dat"), &dat).unwrap();
+    let with = kestrel(&[
+        "quantize",
+        &p("in.gguf"),
+        &p("with.gguf"),
+        "q4_k_m",
+        "--imatrix",
+        &p("m.dat"),
+    ]);
+    assert!(with.status.success(), "{}", stderr(&with));
+    assert!(
+        stderr(&with).contains("1 entries, 5 chunks, dataset wiki"),
+        "{}",
+        stderr(&with)
+    );
+    let without = kestrel(&["quantize", &p("in.gguf"), &p("without.gguf"), "q4_k_m"]);
+    assert!(without.status.success(), "{}", stderr(&without));
+    assert_ne!(
+        std::fs::read(p("with.gguf")).unwrap(),
+        std::fs::read(p("without.gguf")).unwrap()
+    );
+
+    std::fs::write(p("bad.dat"), &dat[..30]).unwrap();
+    let out = kestrel(&[
+        "quantize",
+        &p("in.gguf"),
+        &p("bad.gguf"),
+        "q4_k_m",
+        "--imatrix",
+        &p("bad.dat"),
+    ]);
+    assert_user_error(&out, "bad importance matrix");
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
+    assert!(!std::path::Path::new(&p("bad.gguf")).exists());
+}

@@ -93,7 +93,7 @@ impl Conversion {
         };
         let ckpt = Checkpoint::open(dir)?;
         let mut metadata = arch_metadata(&ckpt, arch, ftype)?;
-        metadata.extend(crate::vocab::tokenizer_metadata(&ckpt)?);
+        metadata.extend(crate::vocab::tokenizer_metadata(&ckpt, arch)?);
         let mut tensors = plan_tensors(&ckpt, arch)?;
         assign_types(&ckpt, arch, ftype, &mut tensors)?;
         Ok(Conversion {
@@ -320,8 +320,12 @@ fn plan_tensors(ckpt: &Checkpoint, arch: &'static str) -> Result<Vec<Planned>> {
     Ok(out)
 }
 
-/// Gemma 3's real vocabulary: tokenizer.json's tokens plus its added tokens.
+/// Gemma 3's real vocabulary: the SentencePiece vocabulary's length when there is a
+/// tokenizer.model, else tokenizer.json's tokens plus its added tokens.
 fn gemma_vocab_rows(ckpt: &Checkpoint) -> Result<usize> {
+    if ckpt.dir.join("tokenizer.model").is_file() {
+        return Ok(crate::spm::sentencepiece_vocab(ckpt)?.tokens.len());
+    }
     let tok =
         crate::checkpoint::read_json(&ckpt.dir, "tokenizer.json")?.context("no tokenizer.json")?;
     let vocab = tok["model"]["vocab"].as_object().map_or(0, |m| m.len());

@@ -43,7 +43,7 @@ const PRE_TOKENIZERS: [(&str, &str); 2] = [
 ];
 
 /// convert_hf_to_gguf.py's `does_token_look_special`.
-fn looks_special(t: &str) -> bool {
+pub(crate) fn looks_special(t: &str) -> bool {
     matches!(t, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
         || (t.starts_with("<|") && t.ends_with("|>"))
         || (t.starts_with("<｜") && t.ends_with("｜>"))
@@ -62,11 +62,17 @@ fn split_regex(pre: &Json) -> Option<&str> {
 }
 
 /// The tokenizer metadata pairs, in the order convert_hf_to_gguf.py writes them.
-pub fn tokenizer_metadata(ckpt: &Checkpoint) -> Result<Vec<(String, Value)>> {
+/// `arch` is the GGUF architecture: Llama and Gemma 3 checkpoints with a SentencePiece
+/// `tokenizer.model` take llama.cpp's SentencePiece path ([`crate::spm`]).
+pub fn tokenizer_metadata(ckpt: &Checkpoint, arch: &str) -> Result<Vec<(String, Value)>> {
     let dir = &ckpt.dir;
+    if crate::spm::uses_sentencepiece(ckpt, arch) {
+        return crate::spm::sentencepiece_metadata(ckpt, arch);
+    }
     if dir.join("tokenizer.model").is_file() && !dir.join("tokenizer.json").is_file() {
         bail!(
-            "SentencePiece tokenizer.model checkpoints are not supported; tokenizer.json is needed"
+            "a SentencePiece tokenizer.model converts only for llama and gemma3 checkpoints \
+             (as in llama.cpp); this {arch} checkpoint needs tokenizer.json"
         );
     }
     let tok = read_json(dir, "tokenizer.json")?
@@ -161,7 +167,7 @@ pub fn tokenizer_metadata(ckpt: &Checkpoint) -> Result<Vec<(String, Value)>> {
             Value::Array(ValueType::String, merges),
         ));
     }
-    out.extend(special_tokens(ckpt, &tok, &added_ids)?);
+    out.extend(special_tokens(ckpt, &tok, &added_ids, None)?);
     Ok(out)
 }
 
@@ -195,11 +201,14 @@ fn merges(model: &Json) -> Result<Vec<Value>> {
 /// gguf-py's `SpecialVocab`: special ids from tokenizer_config.json (resolved through the
 /// added tokens) and config.json, add-BOS/EOS flags from the post-processor and
 /// tokenizer_config.json, and the chat template.
-fn special_tokens(
+/// With `n_vocab` (SentencePiece's `SpecialVocab(n_vocab=…)`), ids not below it are skipped.
+pub(crate) fn special_tokens(
     ckpt: &Checkpoint,
     tok: &Json,
     added_ids: &HashMap<String, usize>,
+    n_vocab: Option<usize>,
 ) -> Result<Vec<(String, Value)>> {
+    let in_range = |id: usize| n_vocab.is_none_or(|n| id < n);
     let cfg = read_json(&ckpt.dir, "tokenizer_config.json")?.unwrap_or(Json::Null);
     let content = |kind: &str| -> Option<String> {
         match cfg.get(format!("{kind}_token"))? {
@@ -256,7 +265,10 @@ fn special_tokens(
         if let Some(v) = cfg.get(format!("add_{kind}_token")).and_then(Json::as_bool) {
             set_add(&mut add, kind, v, false);
         }
-        if let Some(id) = content(kind).and_then(|c| added_ids.get(&c).copied()) {
+        if let Some(id) = content(kind)
+            .and_then(|c| added_ids.get(&c).copied())
+            .filter(|&id| in_range(id))
+        {
             ids.push((kind, id));
         }
     }
@@ -268,6 +280,7 @@ fn special_tokens(
             .config
             .get(format!("{kind}_token_id"))
             .and_then(Json::as_u64)
+            .filter(|&id| usize::try_from(id).is_ok_and(in_range))
         {
             ids.push((kind, id as usize));
         }

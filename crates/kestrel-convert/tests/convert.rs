@@ -121,20 +121,38 @@ struct Shape {
     layers: usize,
 }
 
+/// The tokenizer of a test checkpoint.
+#[derive(Clone, Copy)]
+enum Tok<'a> {
+    /// `small_tokenizer`'s tokenizer.json.
+    Small,
+    /// A tokenizer.json rebuilt from this GGUF model's vocabulary.
+    Gguf(&'a Path),
+    /// A freshly trained SentencePiece tokenizer.model only (`llama` or `gemma` style);
+    /// the oracle's answer (sizes, and strings with sentencepiece's ids) goes here.
+    Spm(&'a str, &'a std::cell::RefCell<Value>),
+}
+
 /// Writes a random checkpoint of `hf_arch` (sharded over two files when `shards`), with the
-/// small tokenizer, or with one rebuilt from a GGUF model's vocabulary.
+/// tokenizer `tok`.
 fn checkpoint(
     dir: &Path,
     hf_arch: &str,
     dtype: Dtype,
     seed: u64,
     shards: bool,
-    tokenizer_from: Option<&Path>,
+    tok: Tok,
 ) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let mut n_tokens = small_tokenizer(dir);
     let mut special_ids = (json!(32), json!(33));
-    if let Some(gguf) = tokenizer_from {
+    if let Tok::Spm(kind, answer) = tok {
+        let info = oracle(&["spm", s(dir), kind, &seed.to_string()]);
+        n_tokens = info["n_tokens"].as_u64().unwrap() as usize;
+        special_ids = (info["bos"].clone(), info["eos"].clone());
+        *answer.borrow_mut() = info;
+    }
+    if let Tok::Gguf(gguf) = tok {
         let info = oracle(&["tokenizer", s(gguf), s(dir), "0"]);
         n_tokens = GgufFile::open(gguf)
             .unwrap()
@@ -282,7 +300,7 @@ fn matches_the_converter_for_every_architecture_and_type() {
     let dtypes = [Dtype::BF16, Dtype::F16, Dtype::F32, Dtype::BF16];
     for (a, (hf_arch, dtype)) in archs.iter().zip(dtypes).enumerate() {
         let dir = tmp.path().join(hf_arch);
-        checkpoint(&dir, hf_arch, dtype, seed + a as u64, a == 1, None);
+        checkpoint(&dir, hf_arch, dtype, seed + a as u64, a == 1, Tok::Small);
         for (ftype, name) in [
             (FileType::F32, "f32"),
             (FileType::F16, "f16"),
@@ -311,7 +329,7 @@ fn a_quantized_type_equals_converting_then_quantizing() {
         Dtype::BF16,
         seed(),
         false,
-        None,
+        Tok::Small,
     );
     let direct = tmp.path().join("direct.gguf");
     let bf16 = tmp.path().join("bf16.gguf");
@@ -321,6 +339,7 @@ fn a_quantized_type_equals_converting_then_quantizing() {
     let file = GgufFile::open(&bf16).unwrap();
     let opts = QuantizeOptions {
         ftype: FileType::Q4KM,
+        imatrix: None,
     };
     let plan = Plan::new(&file, &opts).unwrap();
     write_quantized(&file, &plan, &opts, &two_step, &ProgressBar::hidden()).unwrap();
@@ -346,7 +365,7 @@ fn the_catalog_tokenizer_survives_the_round_trip() {
         Dtype::F16,
         seed(),
         false,
-        Some(&catalog),
+        Tok::Gguf(&catalog),
     );
     let cat = GgufFile::open(&catalog).unwrap();
     let out = tmp.path().join("qwen.gguf");
@@ -407,7 +426,7 @@ fn bad_checkpoints_are_errors() {
     let seed = seed();
     let fresh = |name: &str| {
         let d = tmp.path().join(name);
-        checkpoint(&d, "Qwen2ForCausalLM", Dtype::BF16, seed, false, None)
+        checkpoint(&d, "Qwen2ForCausalLM", Dtype::BF16, seed, false, Tok::Small)
     };
     let err = |dir: &Path| -> String {
         match Conversion::new(dir, FileType::F16) {
@@ -513,7 +532,7 @@ fn converted_models_load_in_kestrel() {
             Dtype::BF16,
             k as u64,
             false,
-            None,
+            Tok::Small,
         );
         for ftype in [FileType::F16, FileType::Q4KM] {
             let out = tmp.path().join(format!("{hf_arch}-{ftype}.gguf"));
@@ -523,5 +542,105 @@ fn converted_models_load_in_kestrel() {
                 panic!("{hf_arch} {ftype}: {e}");
             }
         }
+    }
+}
+
+/// SentencePiece-only checkpoints (tokenizer.model, no tokenizer.json), Llama 2 and Gemma
+/// style, with a tokenizer freshly trained by the `sentencepiece` package: the file equals
+/// what convert_hf_to_gguf.py's `_set_vocab_sentencepiece` writes (the oracle runs its
+/// `_create_vocab_sentencepiece` on sentencepiece itself), and Kestrel's tokenizer on the
+/// converted file gives sentencepiece's ids for random strings.
+#[test]
+fn sentencepiece_checkpoints_convert_and_tokenize_as_sentencepiece() {
+    let tmp = tempfile::tempdir().unwrap();
+    let seed = seed();
+    for (k, (hf_arch, kind)) in [
+        ("LlamaForCausalLM", "llama"),
+        ("Gemma3ForCausalLM", "gemma"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let answer = std::cell::RefCell::new(Value::Null);
+        let dir = checkpoint(
+            &tmp.path().join(kind),
+            hf_arch,
+            Dtype::BF16,
+            seed + k as u64,
+            false,
+            Tok::Spm(kind, &answer),
+        );
+        assert!(!dir.join("tokenizer.json").exists());
+        let ours = tmp.path().join(format!("{kind}.gguf"));
+        convert(&dir, &ours, FileType::F16);
+        let r = oracle(&["check", s(&dir), "f16", "default", s(&ours)]);
+        assert!(
+            r["metadata"].as_array().unwrap().is_empty()
+                && r["tensors"].as_array().unwrap().is_empty(),
+            "{kind}: {r:#}"
+        );
+        let file = GgufFile::open(&ours).unwrap();
+        assert_eq!(file.get_str("tokenizer.ggml.model"), Some("llama"));
+        let types: Vec<i64> = file
+            .get_array("tokenizer.ggml.token_type")
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap())
+            .collect();
+        // Unknown, control, user-defined and byte tokens are all there (and unused
+        // [PAD] ids where config.json's vocab_size is larger: Llama here).
+        let want: &[i64] = if kind == "llama" {
+            &[2, 3, 4, 5, 6]
+        } else {
+            &[2, 3, 4, 6]
+        };
+        for ty in want {
+            assert!(types.contains(ty), "{kind}: no token of type {ty}");
+        }
+        let tokenizer = kestrel_tokenizer::Tokenizer::from_gguf(&file).unwrap();
+        let answer = answer.into_inner();
+        let cases = answer["cases"].as_array().unwrap();
+        assert!(cases.len() >= 50);
+        let mut bytes_used = false;
+        for case in cases {
+            let text = case[0].as_str().unwrap();
+            let expected: Vec<u32> = case[1]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            bytes_used |= expected.iter().any(|&id| types[id as usize] == 6);
+            let ids = tokenizer.encode(text, false, false);
+            assert_eq!(ids, expected, "{kind}: {text:?}");
+        }
+        assert!(bytes_used, "{kind}: no string needed byte fallback");
+    }
+}
+
+/// A tokenizer.model that is not a SentencePiece model is a clear error.
+#[test]
+fn a_broken_tokenizer_model_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let answer = std::cell::RefCell::new(Value::Null);
+    let dir = checkpoint(
+        &tmp.path().join("m"),
+        "LlamaForCausalLM",
+        Dtype::BF16,
+        seed(),
+        false,
+        Tok::Spm("llama", &answer),
+    );
+    for junk in [
+        &b"\xff\xff\xff\xff not protobuf"[..],
+        b"",
+        b"\x0a\xff\xff\xff\x7f",
+    ] {
+        std::fs::write(dir.join("tokenizer.model"), junk).unwrap();
+        let err = format!(
+            "{:#}",
+            Conversion::new(&dir, FileType::F16).err().expect("junk")
+        );
+        assert!(err.contains("tokenizer.model"), "{err}");
     }
 }

@@ -14,6 +14,11 @@ Commands:
                              added tokens renumbered after them); prints {"vocab_size": ...}
   expect DIR FTYPE PRE OUT   write what convert_hf_to_gguf.py --outtype FTYPE writes for the
                              checkpoint DIR (tokenizer.ggml.pre given as PRE)
+  spm DIR KIND SEED          train a tiny SentencePiece BPE model (KIND llama: dummy prefix,
+                             Llama 2 style; gemma: none) into DIR/tokenizer.model with
+                             added_tokens.json and tokenizer_config.json (no tokenizer.json);
+                             prints the vocabulary size, special ids, and random strings with
+                             sentencepiece's ids for them
   compare A B                print {"metadata": [differences], "tensors": [differences]}
   check DIR FTYPE PRE OURS   expect into OURS + ".expected.gguf", then compare OURS with it
 """
@@ -175,6 +180,92 @@ def expect(d, ftype_name, pre, out):
         w.add_head_count_kv(hp.get("num_key_value_heads", 4))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
+    n_vocab_real = None
+    if arch in ("llama", "gemma3") and (d / "tokenizer.model").is_file():
+        # LlamaModel.set_vocab / Gemma3Model.set_vocab -> _set_vocab_sentencepiece
+        tcfg_path = d / "tokenizer_config.json"
+        tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+        if arch == "llama" and tcfg.get("add_prefix_space") is not None:
+            w.add_add_space_prefix(tcfg["add_prefix_space"])
+        tokens, scores, toktypes = create_vocab_sentencepiece(d, hp)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(toktypes)
+        gguf.SpecialVocab(d, n_vocab=len(tokens)).add_to_gguf(w)
+        if arch == "gemma3":
+            w.add_add_space_prefix(False)
+        n_vocab_real = len(tokens)
+    else:
+        n_vocab_real = vocab_gpt2(w, d, hp, pre)
+    tensors(w, d, hp, arch, march, n_layer, rope, default_qtype, n_vocab_real)
+
+
+def create_vocab_sentencepiece(d, hp):
+    """TextModel._create_vocab_sentencepiece, verbatim but for logging."""
+    from sentencepiece import SentencePieceProcessor
+    SentencePieceTokenTypes = gguf.TokenType
+    tokenizer = SentencePieceProcessor()
+    tokenizer.LoadFromFile(str(d / "tokenizer.model"))
+    vocab_size = hp.get("vocab_size_per_layer_input") or hp.get("vocab_size") or tokenizer.vocab_size()
+    tokens = [f"[PAD{i}]".encode("utf-8") for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    toktypes = [SentencePieceTokenTypes.UNUSED] * vocab_size
+    for token_id in range(tokenizer.vocab_size()):
+        if token_id >= vocab_size:
+            break
+        piece = tokenizer.IdToPiece(token_id)
+        text = piece.encode("utf-8")
+        score = tokenizer.GetScore(token_id)
+        toktype = SentencePieceTokenTypes.NORMAL
+        if tokenizer.IsUnknown(token_id):
+            toktype = SentencePieceTokenTypes.UNKNOWN
+        elif tokenizer.IsControl(token_id):
+            toktype = SentencePieceTokenTypes.CONTROL
+        elif tokenizer.IsUnused(token_id):
+            toktype = SentencePieceTokenTypes.UNUSED
+        elif tokenizer.IsByte(token_id):
+            toktype = SentencePieceTokenTypes.BYTE
+        tokens[token_id] = text
+        scores[token_id] = score
+        toktypes[token_id] = toktype
+    added_tokens_file = d / 'added_tokens.json'
+    if added_tokens_file.is_file():
+        added_tokens_json = json.loads(added_tokens_file.read_text(encoding="utf-8"))
+        for key in added_tokens_json:
+            token_id = added_tokens_json[key]
+            if token_id >= vocab_size:
+                continue
+            tokens[token_id] = key.encode("utf-8")
+            scores[token_id] = -1000.0
+            toktypes[token_id] = SentencePieceTokenTypes.USER_DEFINED
+    tokenizer_config_file = d / 'tokenizer_config.json'
+    if tokenizer_config_file.is_file():
+        tokenizer_config_json = json.loads(tokenizer_config_file.read_text(encoding="utf-8"))
+        added_tokens_decoder = tokenizer_config_json.get("added_tokens_decoder", {})
+        for token_id, token_data in added_tokens_decoder.items():
+            token_id = int(token_id)
+            token = token_data["content"]
+            if token_id >= vocab_size:
+                continue
+            if token_data.get("special") or looks_special(token):
+                toktypes[token_id] = SentencePieceTokenTypes.CONTROL
+            else:
+                token = token.replace(b"\xe2\x96\x81".decode("utf-8"), " ")
+                toktypes[token_id] = SentencePieceTokenTypes.USER_DEFINED
+            scores[token_id] = -1000.0
+            tokens[token_id] = token.encode("utf-8")
+    if vocab_size > len(tokens):
+        pad_count = vocab_size - len(tokens)
+        for i in range(1, pad_count + 1):
+            tokens.append(bytes(f"[PAD{i}]", encoding="utf-8"))
+            scores.append(-1000.0)
+            toktypes.append(SentencePieceTokenTypes.UNUSED)
+    return tokens, scores, toktypes
+
+
+def vocab_gpt2(w, d, hp, pre):
     # _set_vocab_gpt2 / get_vocab_base, reading tokenizer.json as AutoTokenizer would
     tok = json.loads((d / "tokenizer.json").read_text())
     reverse = {i: t for t, i in tok["model"]["vocab"].items()}
@@ -201,7 +292,10 @@ def expect(d, ftype_name, pre, out):
     w.add_token_list(tokens)
     w.add_token_types(toktypes)
     gguf.SpecialVocab(d, load_merges=True).add_to_gguf(w)
+    return len(tok["model"]["vocab"]) + len(tok["added_tokens"])
 
+
+def tensors(w, d, hp, arch, march, n_layer, rope, default_qtype, n_vocab_real):
     # tensors (ModelBase.prepare_tensors with the model classes' modify_tensors)
     tmap = gguf.get_tensor_name_map(march, n_layer)
     weights = {}
@@ -236,7 +330,7 @@ def expect(d, ftype_name, pre, out):
                 data = permute(data, hp["num_attention_heads"], hp.get("num_key_value_heads"))
         if arch == "gemma3":
             if "embed_tokens.weight" in name:
-                data = data[:len(tok["model"]["vocab"]) + len(tok["added_tokens"])]
+                data = data[:n_vocab_real]
             if name.endswith("norm.weight"):
                 data = (data + data.dtype.type(1.0)).astype(data.dtype)
         new_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -254,6 +348,54 @@ def expect(d, ftype_name, pre, out):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+SPM_TEXT = """The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs!
+def tokenize(text): return [t for t in text.split() if t]  # 42 tokens, 3.14 seconds
+Über Straße naïve café — 東京 and 北京 are cities; 2024-01-15 at 09:30.
+    indented   spaces	tabs and newlines
+<html><body class="x">Hello, world!</body></html>
+Sphinx of black quartz, judge my vow. How vexingly quick daft zebras jump.
+"""
+
+
+def spm(d, kind, seed):
+    import io
+    import random
+    import sentencepiece as sp
+    d = Path(d)
+    rnd = random.Random(int(seed))
+    lines = SPM_TEXT.splitlines() * 4
+    words = " ".join(SPM_TEXT.split()).split(" ")
+    lines += [" ".join(rnd.choice(words) for _ in range(rnd.randint(3, 12))) for _ in range(300)]
+    buf = io.BytesIO()
+    sp.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=rnd.randint(440, 500),
+        byte_fallback=True, character_coverage=0.98, split_digits=True, bos_id=1, eos_id=2, unk_id=0,
+        pad_id=3 if kind == "gemma" else -1, add_dummy_prefix=(kind == "llama"),
+        remove_extra_whitespaces=False, normalization_rule_name="identity", allow_whitespace_only_pieces=True,
+        user_defined_symbols=["<tool>"], control_symbols=["<ctl>"], hard_vocab_limit=False, minloglevel=2)
+    (d / "tokenizer.model").write_bytes(buf.getvalue())
+    proc = sp.SentencePieceProcessor(model_proto=buf.getvalue())
+    n = proc.vocab_size()
+    (d / "added_tokens.json").write_text(json.dumps({"<extra_0>": n, "<|im_start|>": n + 1}))
+    cfg = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+           "unk_token": "<unk>", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+           "added_tokens_decoder": {str(n + 1): {"content": "<|im_start|>", "special": True},
+                                    "1": {"content": "<s>", "special": True},
+                                    str(n + 50): {"content": "<far>", "special": True}}}
+    if kind == "llama":
+        cfg["add_prefix_space"] = True
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tf = d / "tokenizer.json"
+    if tf.exists():
+        tf.unlink()
+    alphabet = sorted(set(SPM_TEXT)) + ["é", "ß", "€", "😀", "Ω", "\u0301", "  ", "\n\n"]
+    strings = [rnd.choice(lines)[: rnd.randint(1, 60)] for _ in range(40)]
+    strings += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 30))) for _ in range(40)]
+    strings = [t for t in strings if t.strip()]
+    print(json.dumps({"n_tokens": n + 2, "bos": proc.bos_id(), "eos": proc.eos_id(),
+                      "cases": [[t, proc.encode(t)] for t in strings]}))
 
 
 def fields(r):
@@ -295,4 +437,4 @@ def check(d, ftype_name, pre, ours):
 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"tokenizer": tokenizer, "expect": expect, "compare": compare, "check": check}[cmd](*args)
+    {"tokenizer": tokenizer, "expect": expect, "compare": compare, "check": check, "spm": spm}[cmd](*args)

@@ -7,9 +7,14 @@ Commands (print one JSON object on stdout):
   llama-quantize IN OUT FTYPE run llama.cpp's quantizer (llama_cpp.llama_model_quantize, the
                               code of llama-quantize) with LLAMA_FTYPE id FTYPE; exits 3 with
                               a notice when llama_cpp is not importable
+  llama-quantize IN OUT FTYPE IMATRIX
+                              the same with an importance matrix (GGUF or legacy .dat), read
+                              and normalized here as llama.cpp's imatrix-loader.cpp and
+                              llama-quantize's load_imatrix do, passed as params.imatrix
   compare IN OURS THEIRS      per tensor: both types, whether the bytes are equal, and the
                               x^2-weighted RMS error of each file against IN's values
 """
+import ctypes
 import json
 import sys
 
@@ -49,7 +54,50 @@ def gguf_py(inp, out):
     print(json.dumps({"compared": compared, "mismatches": mismatches}))
 
 
-def llama_quantize(inp, out, ftype):
+def load_imatrix(path):
+    """name -> f32 weights, as llama-quantize computes them from the file."""
+    import struct
+    with open(path, "rb") as f:
+        head = f.read(4)
+    out = {}
+    if head == b"GGUF":
+        sums, counts = {}, {}
+        for t in GGUFReader(path).tensors:
+            data = np.asarray(t.data, dtype=np.float32).reshape(-1)
+            if t.name.endswith(".in_sum2"):
+                sums[t.name[:-len(".in_sum2")]] = data
+            elif t.name.endswith(".counts"):
+                counts[t.name[:-len(".counts")]] = data
+        for name, s in sums.items():
+            c = np.array([np.float32(int(np.round(float(v)))) for v in counts[name]], dtype=np.float32)
+            ne0 = len(s) // len(c)
+            e = np.ones(len(s), np.float32)
+            for j, cnt in enumerate(c):
+                if cnt > 0:
+                    e[j * ne0:(j + 1) * ne0] = s[j * ne0:(j + 1) * ne0] / cnt
+            out[name] = e
+        return out
+    with open(path, "rb") as f:
+        data = f.read()
+    at = 0
+
+    def i32():
+        nonlocal at
+        v = struct.unpack_from("<i", data, at)[0]
+        at += 4
+        return v
+    for _ in range(i32()):
+        n = i32()
+        name = data[at:at + n].split(b"\0")[0].decode()
+        at += n
+        ncall, nval = i32(), i32()
+        vals = np.frombuffer(data, dtype="<f4", count=nval, offset=at).astype(np.float32)
+        at += 4 * nval
+        out[name] = vals / np.float32(ncall) if ncall > 0 else vals.copy()
+    return out
+
+
+def llama_quantize(inp, out, ftype, imatrix=None):
     try:
         import llama_cpp
     except ImportError as e:
@@ -59,6 +107,19 @@ def llama_quantize(inp, out, ftype):
     params.ftype = int(ftype)
     params.allow_requantize = True
     params.nthread = 2
+    keep = []
+    if imatrix is not None:
+        entries = load_imatrix(imatrix)
+        arr = (llama_cpp.llama_model_imatrix_data * (len(entries) + 1))()
+        for i, (name, w) in enumerate(entries.items()):
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            keep.append(w)
+            arr[i].name = name.encode()
+            arr[i].data = w.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = len(w)
+        arr[len(entries)].name = None
+        keep.append(arr)
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     rc = llama_cpp.llama_model_quantize(inp.encode(), out.encode(), params)
     if rc != 0:
         sys.exit(f"llama_model_quantize returned {rc}")

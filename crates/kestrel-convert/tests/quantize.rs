@@ -66,7 +66,10 @@ fn synth(dir: &Path, name: &str, cfg: &SynthConfig, ty: WeightType, seed: u64) -
 
 fn quantize(input: &Path, output: &Path, ftype: FileType) -> Plan {
     let file = GgufFile::open(input).unwrap();
-    let opts = QuantizeOptions { ftype };
+    let opts = QuantizeOptions {
+        ftype,
+        imatrix: None,
+    };
     let plan = Plan::new(&file, &opts).unwrap();
     write_quantized(&file, &plan, &opts, output, &ProgressBar::hidden()).unwrap();
     plan

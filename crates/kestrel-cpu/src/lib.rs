@@ -100,7 +100,7 @@ fn hugepages(len: usize) -> bool {
 }
 
 /// Bytes of memory available to new allocations (Linux's MemAvailable), if known.
-fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let m = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib = line.split_whitespace().nth(1)?.parse::<u64>().ok()?;
@@ -304,6 +304,7 @@ impl kestrel_model::Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Cache = CpuCache;
     type Step = CpuStep;
+    type Prepared = ();
 
     fn name(&self) -> String {
         match self.kernels {
@@ -451,6 +452,7 @@ impl kestrel_model::Backend for CpuBackend {
     fn qkv(
         &self,
         x: &CpuTensor,
+        _x_ready: (),
         layer: &kestrel_model::LayerWeights<CpuWeight>,
         n: usize,
         q: &mut CpuTensor,
@@ -492,6 +494,7 @@ impl kestrel_model::Backend for CpuBackend {
     fn gate_up(
         &self,
         x: &CpuTensor,
+        _x_ready: (),
         layer: &kestrel_model::LayerWeights<CpuWeight>,
         act: kestrel_model::Activation,
         n: usize,

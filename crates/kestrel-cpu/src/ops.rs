@@ -670,7 +670,10 @@ pub fn store_kv(
 ) {
     let d = cache.kv_dim;
     let (kb, vb) = cache.row_bytes();
-    let (kt, vt) = (cache.types.k.ggml(), cache.types.v.ggml());
+    // The CPU cache holds ggml types only (`new_cache_typed` checks): nothing else comes.
+    let (Some(kt), Some(vt)) = (cache.types.k.ggml(), cache.types.v.ggml()) else {
+        return;
+    };
     for i in 0..n {
         let seq = &batch.seqs[batch.seq_of[i] as usize];
         let s = slot(
@@ -718,7 +721,10 @@ pub fn attention(
     let group = p.n_head / p.n_head_kv;
     let q_cols = q.cols;
     let (kc, vc) = (&cache.k[p.layer], &cache.v[p.layer]);
-    let (kt, vt) = (cache.types.k.ggml(), cache.types.v.ggml());
+    // The CPU cache holds ggml types only (`new_cache_typed` checks): nothing else comes.
+    let (Some(kt), Some(vt)) = (cache.types.k.ggml(), cache.types.v.ggml()) else {
+        return;
+    };
     let (k_row, v_row) = cache.row_bytes();
     // Bytes of one head's slice of a row (whole blocks: checked when the cache was made).
     let (k_head, v_head) = (cache.types.k.bytes(hd), cache.types.v.bytes(hd));

@@ -43,9 +43,14 @@ fn rows(rng: &mut impl Rng, n: usize, cols: usize) -> Vec<f32> {
 /// rows (a whole step for Q4_0's clamped top; Q8_0's scale is rounded to f16 too), a bound checked here independently.
 fn stored(t: KvType, row: &[f32]) -> (Vec<u8>, Vec<f32>) {
     let mut bytes = vec![0u8; t.bytes(row.len())];
-    assert!(numerics::quantize_like_ggml(t.ggml(), row, &mut bytes));
+    assert!(numerics::quantize_like_ggml(
+        t.ggml().expect("a ggml type"),
+        row,
+        &mut bytes
+    ));
     let mut back = vec![0f32; row.len()];
-    kestrel_quant::dequantize_row(t.ggml(), &bytes, &mut back).expect("dequantizes");
+    kestrel_quant::dequantize_row(t.ggml().expect("a ggml type"), &bytes, &mut back)
+        .expect("dequantizes");
     for (x, b) in row.chunks(32).zip(back.chunks(32)) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (x, b) in x.iter().zip(b) {
@@ -55,6 +60,7 @@ fn stored(t: KvType, row: &[f32]) -> (Vec<u8>, Vec<f32>) {
                 // Half a step, plus 127 times the scale's own f16 rounding (2^-11).
                 KvType::Q8_0 => amax / 127.0 * 0.57,
                 KvType::Q4_0 => amax / 8.0 * 1.01,
+                KvType::Fp8 => unreachable!("the CPU has no fp8 cache"),
             };
             assert!((x - b).abs() <= bound + 1e-6, "{t}: {x} stored as {b}");
         }
@@ -97,7 +103,8 @@ fn oracle(
             let g = h / group;
             let mut qh = q[(i * p.n_head + h) * hd..][..hd].to_vec();
             if let Some(types) = ggml {
-                let act = numerics::activation_type(types.k.ggml()).expect("a dot-product type");
+                let act = numerics::activation_type(types.k.ggml().expect("a ggml type"))
+                    .expect("a dot-product type");
                 let mut bytes = Vec::new();
                 numerics::round_trip(
                     act,

@@ -21,6 +21,124 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
     }
 }
 
+// Storage kinds of the cache's keys or values (the Rust side's KvType as cuda_kind()).
+// KV_F16: one f16 per value. KV_Q8_0: ggml's Q8_0 numbers (32 values along the head
+// dimension share the f16 scale amax / 127, each an i8 rounded half to even), laid out
+// for aligned loads: a layer's buffer holds every slot's kv_dim quants first (one byte a
+// value, slot-major), then every slot's kv_dim / 32 f16 scales (`sc`, slot-major).
+// KV_FP8: the same layout with E4M3 bytes of x · 448 / amax (nearest even, saturating at
+// ±448) and the f16 scale amax / 448.
+// KV_Q4_0: ggml's Q4_0 numbers (the f16 scale d = m / -8 of the block's value m of largest
+// magnitude, quants min(15, trunc(x / d + 8.5))), packed as ggml packs them: per block 16
+// bytes, byte j holding value j (low nibble) and value j + 16 (high); the scales as above,
+// after every slot's kv_dim / 2 bytes.
+#define KV_F16 0
+#define KV_Q8_0 1
+#define KV_FP8 2
+#define KV_Q4_0 3
+
+// E4M3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7f / 0xff
+// NaN, unused here) of x rounded to nearest even, saturating at ±448.
+__device__ __forceinline__ u8 f32_to_e4m3(float x) {
+    const u8 sign = (__float_as_uint(x) >> 24) & 0x80;
+    const float a = fminf(fabsf(x), 448.0f);
+    if (a < 0.015625f) {
+        // Subnormal: multiples of 2^-9 (8 · 2^-9 = 2^-6 is the smallest normal, code 0x08).
+        return sign | (u8)__float2int_rn(a * 512.0f);
+    }
+    u32 b = __float_as_uint(a);
+    b += 0x7ffffu + ((b >> 20) & 1u);  // round the mantissa to 3 bits, ties to even
+    const int e = (int)(b >> 23) - 127;  // -6..8 (448 stays 448)
+    return sign | (u8)(((e + 7) << 3) | ((b >> 20) & 7u));
+}
+
+__device__ __forceinline__ float e4m3_to_f32(u8 v) {
+    const u32 e = (v >> 3) & 15u, m = v & 7u;
+    const float a = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (v & 0x80) ? -a : a;
+}
+
+// Value `off` (of kv_dim) of cache slot `slot`, dequantized.
+__device__ __forceinline__ float kv_load(const u16* c, const u16* sc, int kind, size_t slot,
+                                         int kv_dim, int off) {
+    const size_t at = slot * kv_dim + off;
+    if (kind == KV_F16) return h2f(c[at]);
+    if (kind == KV_Q4_0) {
+        const u8 b = reinterpret_cast<const u8*>(c)[(at >> 5) * 16 + (at & 15)];
+        return (float)((at & 16 ? b >> 4 : b & 15) - 8) * h2f(sc[at >> 5]);
+    }
+    if (kind == KV_FP8) return e4m3_to_f32(reinterpret_cast<const u8*>(c)[at]) * h2f(sc[at >> 5]);
+    return (float)reinterpret_cast<const i8*>(c)[at] * h2f(sc[at >> 5]);
+}
+
+// Stores value `off` of slot `slot`; for quantized kinds the warp's 32 lanes hold one
+// aligned 32-value block (off = 32 b + lane), whose scale lane 0 writes.
+__device__ __forceinline__ void kv_put(u16* c, u16* sc, int kind, size_t slot, int kv_dim,
+                                       int off, float x) {
+    const size_t at = slot * kv_dim + off;
+    if (kind == KV_F16) {
+        c[at] = f2h(x);
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    if (kind == KV_Q4_0) {
+        // ggml's quantize_row_q4_0_ref: m = the first value of largest magnitude.
+        float best = fabsf(x);
+        int bi = lane;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+            }
+        }
+        const float m = best > 0.0f ? __shfl_sync(0xffffffffu, x, bi) : 0.0f;
+        const float d = m / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        // Unfused, as the C code: x · id rounded, then + 8.5 rounded, then truncated.
+        const int q = min(15, (int)__fadd_rn(__fmul_rn(x, id), 8.5f));
+        const int hi = __shfl_down_sync(0xffffffffu, q, 16);
+        if (lane < 16) reinterpret_cast<u8*>(c)[(at >> 5) * 16 + lane] = (u8)(q | (hi << 4));
+        if (lane == 0) sc[at >> 5] = f2h(d);
+        return;
+    }
+    float amax = fabsf(x);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (kind == KV_FP8) {
+        const float id = amax != 0.0f ? 448.0f / amax : 0.0f;
+        reinterpret_cast<u8*>(c)[at] = f32_to_e4m3(x * id);
+        if (lane == 0) sc[at >> 5] = f2h(amax / 448.0f);
+        return;
+    }
+    // ggml's x86 Q8_0: d = amax / 127 kept as f16, q = round_half_even(x · 127 / amax).
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    reinterpret_cast<i8*>(c)[at] = (i8)max(-127, min(127, __float2int_rn(x * id)));
+    if (lane == 0) sc[at >> 5] = f2h(amax / 127.0f);
+}
+
+// store_kv for caches of any kind (kt: keys', vt: values'), quantized here on the device:
+// one block a token, a warp a 32-value block of keys or values at a time. ks / vs: the
+// scale regions (unused for KV_F16).
+extern "C" __global__ void store_kv_q(const float* k, const float* v, u16* kc, u16* vc,
+                                      const u32* positions, const u32* seq_of,
+                                      const u32* table_off, const u32* tables, int block_size,
+                                      int kv_dim, u16* ks, u16* vs, int kt, int vt) {
+    pdl_enter();
+    const int i = blockIdx.x;
+    const u32* table = tables + table_off[seq_of[i]];
+    const size_t slot = kv_slot(table, block_size, (int)positions[i]);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int blocks = kv_dim >> 5;
+    for (int b = warp; b < 2 * blocks; b += n_warps) {
+        const bool val = b >= blocks;
+        const int off = (val ? b - blocks : b) * 32 + lane;
+        const float x = (val ? v : k)[(size_t)i * kv_dim + off];
+        if (val) kv_put(vc, vs, vt, slot, kv_dim, off, x);
+        else kv_put(kc, ks, kt, slot, kv_dim, off, x);
+    }
+}
+
 #define NEG_INF __int_as_float(0xff800000u)
 #define ATT_WARPS 4
 #define ATT_MAX_HD 256
@@ -31,11 +149,16 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* kc, u16
 // in `res` the sum of exp(score - *big) · value over those keys (unnormalized), with the
 // largest score in *big and the sum of exp(score - *big) in *total (0 when the range is
 // empty). The caller's block has ATT_WARPS warps; `res` holds head_dim floats (shared).
+// `ks`, `vs`, `kt`, `vt`: the scales and kinds of quantized caches (kv_load); the f16
+// kernels pass KV_F16, which folds away. The query stays f32 (llama.cpp's CPU backend
+// rounds it to Q8_0 for quantized keys; this is the f32 arithmetic that approximates).
 __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const u16* vc,
                                            int i, int h, int k_begin, int k_end,
                                            const u32* table, int block_size, int n_head,
                                            int n_head_kv, int head_dim, float scale,
-                                           float* res, float* big_out, float* total_out) {
+                                           float* res, float* big_out, float* total_out,
+                                           const u16* ks = nullptr, const u16* vs = nullptr,
+                                           int kt = KV_F16, int vt = KV_F16) {
     __shared__ float qs[ATT_MAX_HD];
     __shared__ float w_max[ATT_WARPS], w_sum[ATT_WARPS];
     __shared__ float w_acc[ATT_WARPS][ATT_MAX_HD];
@@ -52,12 +175,13 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
     for (int j = 0; j < ATT_PER_LANE; j++) acc[j] = 0.0f;
 
     for (int kp = k_begin + warp; kp < k_end; kp += ATT_WARPS) {
-        const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim;
+        const size_t slot = kv_slot(table, block_size, kp);
+        const int head_off = kv_head * head_dim;
         float dot = 0.0f;
 #pragma unroll
         for (int j = 0; j < ATT_PER_LANE; j++) {
             const int d = lane + 32 * j;
-            if (d < head_dim) dot += qs[d] * h2f(kc[base + d]);
+            if (d < head_dim) dot += qs[d] * kv_load(kc, ks, kt, slot, kv_dim, head_off + d);
         }
         const float score = warp_sum(dot) * scale;
         const float m_new = fmaxf(m, score);
@@ -67,7 +191,8 @@ __device__ __forceinline__ void attn_range(const float* q, const u16* kc, const 
 #pragma unroll
         for (int j = 0; j < ATT_PER_LANE; j++) {
             const int d = lane + 32 * j;
-            if (d < head_dim) acc[j] = acc[j] * corr + p * h2f(vc[base + d]);
+            if (d < head_dim)
+                acc[j] = acc[j] * corr + p * kv_load(vc, vs, vt, slot, kv_dim, head_off + d);
         }
         m = m_new;
     }
@@ -160,6 +285,45 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
     }
 }
 
+// `attention` and `attention_split` over a cache with quantized keys or values (kinds kt,
+// vt; scales ks, vs: see kv_load): the same arguments with those four last.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_q(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+            const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+            int n_head, int n_head_kv, int head_dim, float scale, int window, int tok0,
+            const u16* ks, const u16* vs, int kt, int vt) {
+    pdl_enter();
+    __shared__ float res[ATT_MAX_HD];
+    const int i = tok0 + blockIdx.x, h = blockIdx.y;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, 1, 0, k_begin, k_end);
+    float big, total;
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size, n_head,
+               n_head_kv, head_dim, scale, res, &big, &total, ks, vs, kt, vt);
+    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = res[d] / total;
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_q(const float* q, const u16* kc, const u16* vc, float* part,
+                  const u32* positions, const u32* seq_of, const u32* table_off,
+                  const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
+                  float scale, int window, int splits, int tok0, const u16* ks, const u16* vs,
+                  int kt, int vt) {
+    pdl_enter();
+    const int li = blockIdx.x, i = tok0 + li, h = blockIdx.y, s = blockIdx.z;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
+    float* o = part + (((size_t)li * n_head + h) * splits + s) * (head_dim + 2);
+    float big, total;
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size,
+               n_head, n_head_kv, head_dim, scale, o, &big, &total, ks, vs, kt, vt);
+    if (threadIdx.x == 0) {
+        o[head_dim] = big;
+        o[head_dim + 1] = total;
+    }
+}
+
 // attention_split for grouped-query attention: block (token, kv head, split z) computes
 // every query head sharing that kv head, so each key and value row is read once for the
 // group instead of once per head. Lane l holds dims [l*PER, l*PER + PER) of the head
@@ -167,12 +331,13 @@ attention_split(const float* q, const u16* kc, const u16* vc, float* part, const
 // computes the current one. Same partial-result layout as attention_split.
 #define GQA_MAX_GROUP 8
 #define GQA_MAX_PER 4
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
-                    const u32* positions, const u32* seq_of, const u32* table_off,
-                    const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
-                    float scale, int window, int splits, int tok0) {
-    pdl_enter();
+// The body of attention_split_gqa and attention_split_gqa_q (k_sc, v_sc, kt_kind, vt_kind:
+// a quantized cache's scales and kinds, see kv_load; KV_F16 folds the quantized loads away).
+__device__ __forceinline__ void
+split_gqa(const float* q, const u16* kc, const u16* vc, float* part, const u32* positions,
+          const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int n_head,
+          int n_head_kv, int head_dim, float scale, int window, int splits, int tok0,
+          const u16* k_sc, const u16* v_sc, int kt_kind, int vt_kind) {
     __shared__ float w_max[ATT_WARPS][GQA_MAX_GROUP], w_sum[ATT_WARPS][GQA_MAX_GROUP];
     __shared__ float w_acc[ATT_WARPS][GQA_MAX_GROUP][GQA_MAX_PER * 32];
     const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
@@ -201,6 +366,16 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
 
     float kn[GQA_MAX_PER], vn[GQA_MAX_PER];
     auto load = [&](int kp, float* kr, float* vr) {
+        if (kt_kind != KV_F16 || vt_kind != KV_F16) {
+            const size_t slot = kv_slot(table, block_size, kp);
+            const int off = kvh * head_dim + lane * per;
+#pragma unroll
+            for (int e = 0; e < GQA_MAX_PER; e++) {
+                kr[e] = e < per ? kv_load(kc, k_sc, kt_kind, slot, kv_dim, off + e) : 0.0f;
+                vr[e] = e < per ? kv_load(vc, v_sc, vt_kind, slot, kv_dim, off + e) : 0.0f;
+            }
+            return;
+        }
         const size_t base = kv_slot(table, block_size, kp) * kv_dim + (size_t)kvh * head_dim + lane * per;
         if (per == 4) {
             // 8-byte loads: base is a multiple of 4 halves (head_dim = 128).
@@ -279,6 +454,29 @@ attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
             o[head_dim + 1] = total;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_gqa(const float* q, const u16* kc, const u16* vc, float* part,
+                    const u32* positions, const u32* seq_of, const u32* table_off,
+                    const u32* tables, int block_size, int n_head, int n_head_kv, int head_dim,
+                    float scale, int window, int splits, int tok0) {
+    pdl_enter();
+    split_gqa(q, kc, vc, part, positions, seq_of, table_off, tables, block_size, n_head,
+              n_head_kv, head_dim, scale, window, splits, tok0, nullptr, nullptr, KV_F16, KV_F16);
+}
+
+// attention_split_gqa over a cache with quantized keys or values: the same arguments, then
+// the scales and kinds (each key and value row read and dequantized once per group).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_split_gqa_q(const float* q, const u16* kc, const u16* vc, float* part,
+                      const u32* positions, const u32* seq_of, const u32* table_off,
+                      const u32* tables, int block_size, int n_head, int n_head_kv,
+                      int head_dim, float scale, int window, int splits, int tok0,
+                      const u16* k_sc, const u16* v_sc, int kt, int vt) {
+    pdl_enter();
+    split_gqa(q, kc, vc, part, positions, seq_of, table_off, tables, block_size, n_head,
+              n_head_kv, head_dim, scale, window, splits, tok0, k_sc, v_sc, kt, vt);
 }
 
 // Decode attention on the tensor cores, for grouped (or single) heads of 64 or 128 dims:
@@ -653,12 +851,13 @@ attention_combine_mmk(const float* part, float* out, int n_head, int head_dim, i
 #define FA_Q 16
 #define FA_K 32
 #define FA_HD 128
-extern "C" __global__ void __launch_bounds__(128)
-attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
-                  const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
-                  int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale,
-                  int window) {
-    pdl_enter();
+// The body of attention_prefill and attention_prefill_q (k_sc, v_sc, kt, vt: a quantized
+// cache's scales and kinds, see kv_load; KV_F16 folds the quantized loads away).
+__device__ __forceinline__ void
+prefill_tiles(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+              const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+              int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale, int window,
+              const u16* k_sc, const u16* v_sc, int kt_kind, int vt_kind) {
     __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
     __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
     __shared__ float vs[FA_K][FA_HD];
@@ -707,13 +906,24 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
             const int kp = kt + key;
             float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
             if (kp <= hi_all) {
-                const size_t base =
-                    kv_slot(table, block_size, kp) * kv_dim + (size_t)kv_head * head_dim + d;
-                const u32 kw = *(const u32*)(kc + base), vw = *(const u32*)(vc + base);
-                k0 = h2f((u16)(kw & 0xFFFF));
-                k1 = h2f((u16)(kw >> 16));
-                v0 = h2f((u16)(vw & 0xFFFF));
-                v1 = h2f((u16)(vw >> 16));
+                const size_t slot = kv_slot(table, block_size, kp);
+                const int off = kv_head * head_dim + d;
+                if (kt_kind == KV_F16) {
+                    const u32 kw = *(const u32*)(kc + slot * kv_dim + off);
+                    k0 = h2f((u16)(kw & 0xFFFF));
+                    k1 = h2f((u16)(kw >> 16));
+                } else {
+                    k0 = kv_load(kc, k_sc, kt_kind, slot, kv_dim, off);
+                    k1 = kv_load(kc, k_sc, kt_kind, slot, kv_dim, off + 1);
+                }
+                if (vt_kind == KV_F16) {
+                    const u32 vw = *(const u32*)(vc + slot * kv_dim + off);
+                    v0 = h2f((u16)(vw & 0xFFFF));
+                    v1 = h2f((u16)(vw >> 16));
+                } else {
+                    v0 = kv_load(vc, v_sc, vt_kind, slot, kv_dim, off);
+                    v1 = kv_load(vc, v_sc, vt_kind, slot, kv_dim, off + 1);
+                }
             }
             ks[key][d] = k0;
             ks[key][d + 1] = k1;
@@ -784,6 +994,29 @@ attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, cons
             if (d < head_dim) o[d] = acc[j][c] * inv;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+attention_prefill(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+                  const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+                  int tok0, int n, int n_head, int n_head_kv, int head_dim, float scale,
+                  int window) {
+    pdl_enter();
+    prefill_tiles(q, kc, vc, out, positions, seq_of, table_off, tables, block_size, tok0, n,
+                  n_head, n_head_kv, head_dim, scale, window, nullptr, nullptr, KV_F16, KV_F16);
+}
+
+// attention_prefill over a cache with quantized keys or values (dequantized as the tiles
+// are staged into shared memory): the same arguments, then the scales and kinds.
+extern "C" __global__ void __launch_bounds__(128)
+attention_prefill_q(const float* q, const u16* kc, const u16* vc, float* out,
+                    const u32* positions, const u32* seq_of, const u32* table_off,
+                    const u32* tables, int block_size, int tok0, int n, int n_head,
+                    int n_head_kv, int head_dim, float scale, int window, const u16* k_sc,
+                    const u16* v_sc, int kt, int vt) {
+    pdl_enter();
+    prefill_tiles(q, kc, vc, out, positions, seq_of, table_off, tables, block_size, tok0, n,
+                  n_head, n_head_kv, head_dim, scale, window, k_sc, v_sc, kt, vt);
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style): block (tile of FM_Q = 64

@@ -1555,7 +1555,35 @@ __device__ __forceinline__ void rows_dot8_t_any(int ty, const u8* w, const u8* u
     }
 }
 
+// The same over the single-token kernels' wide units (gemv_q8, gemv_q8_r1, gemv_q8_b*): a
+// lane takes units lane, lane + 32, ... of each row in that order, as they do, so every
+// token's sums are those of a single-token launch bit for bit (speculative verification,
+// `gemv_q8_tw*`).
 template <int GD_R, int T>
+__device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, const u8* up, long long rb,
+                                                 int nr, const i8* xq, const float* xd, int k,
+                                                 int n, int lane, float (*acc)[T],
+                                                 float (*acc_up)[T]) {
+#define ROWS_DOT8TW_CASE(TYP, WIDE)                                                            \
+    case TYP:                                                                                  \
+        if (up)                                                                                \
+            rows_dot8_t<WIDE, true, GD_R, T>(w, up, rb, nr, xq, xd, k, n, lane, acc, acc_up);  \
+        else                                                                                   \
+            rows_dot8_t<WIDE, false, GD_R, T>(w, up, rb, nr, xq, xd, k, n, lane, acc, acc_up); \
+        return;
+    switch (ty) {
+    ROWS_DOT8TW_CASE(T_Q4_K, T_Q4_K_W)
+    ROWS_DOT8TW_CASE(T_Q6_K, T_Q6_K_W)
+    ROWS_DOT8TW_CASE(T_Q8_0, T_Q8_0_W)
+    ROWS_DOT8TW_CASE(T_Q4_0, T_Q4_0_W)
+    default: return;
+    }
+#undef ROWS_DOT8TW_CASE
+}
+
+// WIDE: the single-token kernels' wide units (rows_dot8_tw_any), else the plain ones of
+// gemv_ws_r1 and the batched decode.
+template <int GD_R, int T, bool WIDE = false>
 __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
@@ -1576,14 +1604,18 @@ __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GE
 #pragma unroll
         for (int t = 0; t < T; t++) acc[i][t] = acc_up[i][t] = 0.0f;
     const u8* wr = w + (size_t)r0 * rb;
+    auto dot = [&](int t, const u8* rows_w, const u8* up, long long stride, float (*a)[T],
+                   float (*a_up)[T]) {
+        if constexpr (WIDE)
+            rows_dot8_tw_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
+        else
+            rows_dot8_t_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
+    };
     if (gated && ty0 == ty1 && rb0 == rb1) {
-        rows_dot8_t_any<GD_R, T>(ty, wr, w1 + (size_t)r0 * rb1, rb, nr, xq, xd, k, n, lane, acc,
-                                 acc_up);
+        dot(ty, wr, w1 + (size_t)r0 * rb1, rb, acc, acc_up);
     } else {
-        rows_dot8_t_any<GD_R, T>(ty, wr, nullptr, rb, nr, xq, xd, k, n, lane, acc, acc_up);
-        if (gated)
-            rows_dot8_t_any<GD_R, T>(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, nr, xq, xd, k, n,
-                                     lane, acc_up, acc_up);
+        dot(ty, wr, nullptr, rb, acc, acc_up);
+        if (gated) dot(ty1, w1 + (size_t)r0 * rb1, nullptr, rb1, acc_up, acc_up);
     }
 #pragma unroll
     for (int i = 0; i < GD_R; i++)
@@ -1617,6 +1649,18 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
+}
+// Speculative verification: every token as gemv_q8 / gemv_q8_r1 / gemv_q8_b* compute it (one
+// row a warp: a row's sums do not depend on the rows a warp takes, and two rows spilled).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_tw4(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 4, true>(xq, xd, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_tw8(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 8, true>(xq, xd, GEMV_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------

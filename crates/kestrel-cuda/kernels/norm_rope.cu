@@ -35,6 +35,12 @@ extern "C" __global__ void rms_norm_f16(const float* x, const float* w, float* o
 extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float* out, int cols,
                                        float eps, i8* q, float* d) {
     pdl_enter();
+    // Row blockIdx.y (one row in decode steps; a verification step's rows each as alone).
+    const size_t row = blockIdx.y;
+    x += row * cols;
+    out += row * cols;
+    q += row * cols;
+    d += row * (cols >> 5);
     const float scale = rms_scale(x, cols, eps);
     const int lane = threadIdx.x & 31;
     for (int base = blockIdx.x * blockDim.x; base < cols; base += gridDim.x * blockDim.x) {

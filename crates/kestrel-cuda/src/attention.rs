@@ -7,15 +7,20 @@ use crate::*;
 /// The kernels this module launches (kernels/attention.cu).
 pub(crate) const KERNELS: &[&str] = &[
     "store_kv",
+    "store_kv_q",
     "rope_store_kv",
     "attention",
+    "attention_q",
     "attention_split",
+    "attention_split_q",
     "attention_split_gqa",
+    "attention_split_gqa_q",
     "attention_split_tiled64",
     "attention_split_tiled128",
     "attention_combine",
     "attention_combine_mmk",
     "attention_prefill",
+    "attention_prefill_q",
     "attention_prefill_mma64",
     "attention_prefill_mma128",
 ];
@@ -94,6 +99,9 @@ pub(crate) struct AttnLaunch {
     /// count and the buffers (values, per-256 steps, group sums) attention_combine_mmk
     /// writes.
     pub(crate) mmk: Option<(usize, [u64; 3])>,
+    /// A cache with quantized keys or values: the `_q` kernels' trailing arguments (scales,
+    /// kinds). Every step then runs `attention_split_q` / `attention_q`.
+    pub(crate) quant: Option<[Arg; 4]>,
 }
 
 impl CudaBackend {
@@ -103,6 +111,9 @@ impl CudaBackend {
     /// partials buffer is too small.
     /// Returns whether the launches wrote `a.q8` (the kernels that write the normalized
     /// output do: attention_split_tiled* with one split, attention_combine).
+    /// `alone`: the split count of a single-token step whose sequence holds that many keys
+    /// (rounded up to a power of two), for every token of the launch (batch-invariant
+    /// steps); None: the step's own.
     pub(crate) fn attention_short(
         &self,
         a: &AttnLaunch,
@@ -110,7 +121,12 @@ impl CudaBackend {
         step: &CudaStep,
         tok0: usize,
         n: usize,
+        alone: Option<usize>,
     ) -> bool {
+        let (max_len, n_split) = match alone {
+            Some(len) => (len, 1),
+            None => (step.max_kv_len(), n),
+        };
         // About ATTN_SPLIT_BLOCKS blocks in all, and at least ~16 keys a split of the
         // longest sequence (its length rounded up to a power of two, so that a recorded graph
         // serves every step until it doubles). Measured on the H100, Llama-3-8B Q4_K_M, ~600
@@ -130,22 +146,20 @@ impl CudaBackend {
         // directly, without attention_combine. The count is a power of two and changes only
         // when the longest length crosses one.
         const ATTN_SPLIT_BLOCKS: usize = 512;
-        let tiled = tiled_split_attention(p);
+        let tiled = a.quant.is_none() && tiled_split_attention(p);
+        let gqa = gqa_split_attention(p);
         let splits = if tiled {
-            let by_len = step.max_kv_len().next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
-            let pairs = n.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
+            let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
+            let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
             let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
                 .checked_ilog2()
                 .map_or(1, |e| 1 << e);
             by_len.min(by_blocks)
         } else {
-            let heads = if gqa_split_attention(p) {
-                p.n_head_kv
-            } else {
-                p.n_head
-            };
-            let by_len = step.max_kv_len().next_power_of_two().div_ceil(16);
-            let by_blocks = ATTN_SPLIT_BLOCKS.div_ceil(n.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
+            let heads = if gqa { p.n_head_kv } else { p.n_head };
+            let by_len = max_len.next_power_of_two().div_ceil(16);
+            let by_blocks =
+                ATTN_SPLIT_BLOCKS.div_ceil(n_split.min(SPLIT_ATTN_MAX_TOKENS) * heads.max(1));
             by_len.min(by_blocks)
         }
         .clamp(if tiled { 1 } else { 2 }, MAX_ATTN_SPLITS);
@@ -242,16 +256,29 @@ impl CudaBackend {
                 let mut args = common(step.attn_part_ptr);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
-                if gqa_split_attention(p) {
+                // Quantized caches: the `_q` kernels, the scales and kinds last.
+                if let Some(quant) = a.quant {
+                    args.extend(quant);
+                }
+                let q = a.quant.is_some();
+                if gqa {
                     self.launch(
-                        "attention_split_gqa",
+                        if q {
+                            "attention_split_gqa_q"
+                        } else {
+                            "attention_split_gqa"
+                        },
                         (m as u32, p.n_head_kv as u32, splits as u32),
                         128,
                         &args,
                     );
                 } else {
                     self.launch(
-                        "attention_split",
+                        if q {
+                            "attention_split_q"
+                        } else {
+                            "attention_split"
+                        },
                         (m as u32, p.n_head as u32, splits as u32),
                         128,
                         &args,
@@ -265,7 +292,14 @@ impl CudaBackend {
             } else {
                 let mut args = common(a.out);
                 args.push(Arg::I(t as i32));
-                self.launch("attention", (m as u32, p.n_head as u32, 1), 128, &args);
+                let name = match a.quant {
+                    Some(quant) => {
+                        args.extend(quant);
+                        "attention_q"
+                    }
+                    None => "attention",
+                };
+                self.launch(name, (m as u32, p.n_head as u32, 1), 128, &args);
                 wrote_q8 = false;
             }
             done += m;
@@ -285,16 +319,23 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        let (name, grid) = match prefill_mma_kernel(p) {
-            Some(name) => (
+        // A quantized cache: the SIMT kernel, dequantizing as it stages the tiles.
+        let mma = prefill_mma_kernel(p).filter(|_| a.quant.is_none());
+        let (name, grid) = match (mma, a.quant) {
+            (Some(name), _) => (
                 name,
                 (p.n_head as u32, n.div_ceil(PREFILL_MMA_TOKENS) as u32, 1),
             ),
-            None => (
-                "attention_prefill",
+            (None, quant) => (
+                if quant.is_some() {
+                    "attention_prefill_q"
+                } else {
+                    "attention_prefill"
+                },
                 (n.div_ceil(PREFILL_ATTN_TOKENS) as u32, p.n_head as u32, 1),
             ),
         };
+        let quant = a.quant.as_ref().map_or(&[][..], |q| &q[..]);
         self.launch(
             name,
             grid,
@@ -312,6 +353,7 @@ impl CudaBackend {
                     Arg::F(p.scale),
                     Arg::I(a.window),
                 ],
+                quant,
             ]
             .concat(),
         );
@@ -334,22 +376,24 @@ pub(crate) fn store_kv(
         ));
         return;
     }
-    backend.launch(
-        "store_kv",
-        (n as u32, 1, 1),
-        128,
+    let args = [
         &[
-            &[
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::P(cache.k_ptr[layer]),
-                Arg::P(cache.v_ptr[layer]),
-            ][..],
-            &step.slot_args(),
-            &[Arg::I(cache.block_size as i32), Arg::I(cache.kv_dim as i32)],
-        ]
-        .concat(),
-    );
+            Arg::P(k.ptr),
+            Arg::P(v.ptr),
+            Arg::P(cache.k_ptr[layer]),
+            Arg::P(cache.v_ptr[layer]),
+        ][..],
+        &step.slot_args(),
+        &[Arg::I(cache.block_size as i32), Arg::I(cache.kv_dim as i32)],
+    ]
+    .concat();
+    if cache.quantized() {
+        // Quantized on the device: a warp per 32-value block.
+        let args = [&args[..], &cache.quant_args(layer)].concat();
+        backend.launch("store_kv_q", (n as u32, 1, 1), 128, &args);
+    } else {
+        backend.launch("store_kv", (n as u32, 1, 1), 128, &args);
+    }
 }
 
 pub(crate) fn attention(
@@ -360,17 +404,17 @@ pub(crate) fn attention(
     step: &CudaStep,
     n: usize,
     out: &mut CudaTensor,
-) {
+) -> Prepared {
     if p.head_dim > MAX_HEAD_DIM {
         backend.fail(format!(
             "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
             p.head_dim
         ));
-        return;
+        return Prepared::Nothing;
     }
     if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
         backend.fail(format!("attention: bad geometry for layer {}", p.layer));
-        return;
+        return Prepared::Nothing;
     }
     let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
     let width = p.n_head * p.head_dim;
@@ -382,9 +426,10 @@ pub(crate) fn attention(
         .map(|b| (b.q, b.d));
     // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
     // split merge quantizes them (256-value blocks of whole heads).
+    let invariant = backend.invariant_step();
     let mmk = backend
         .multi_q8_layout(n, width)
-        .filter(|l| l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
+        .filter(|l| !invariant && l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
         .map(|l| {
             let (xk, xb) = l.q8.mmk_steps_sums(l.npad, width);
             (l.npad, [l.q8.q, xk, xb])
@@ -398,22 +443,42 @@ pub(crate) fn attention(
         window,
         q8,
         mmk,
+        quant: cache.quantized().then(|| cache.quant_args(p.layer)),
     };
-    // After launches that wrote the whole step's quantized output: the consumer finds it.
-    let note_quantized = || {
-        if let Some((npad, _)) = mmk {
-            *backend.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((out.ptr, n, npad, true));
-        } else {
-            *backend.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
-        }
+    // After launches that wrote the whole step's quantized output: what the output
+    // projection then reads.
+    let quantized = match mmk {
+        Some((npad, _)) => Prepared::Mmq {
+            of: out.ptr,
+            n,
+            npad,
+            mmk: true,
+        },
+        None => Prepared::Q8 { of: out.ptr, n: 1 },
     };
     if n <= GEMV_MAX_TOKENS {
         // Decode: one launch list whatever the sequences (graph replay).
-        if backend.attention_short(&ctx, p, step, 0, n) {
-            note_quantized();
+        if invariant {
+            // Each token with the split count its own single-token step would take (the
+            // count follows the sequence's length rounded up to a power of two): runs of
+            // tokens sharing one, a launch each.
+            let lens: Vec<usize> = (0..n).map(|i| step.position(i) + 1).collect();
+            let mut start = 0;
+            while start < n {
+                let bucket = lens[start].next_power_of_two();
+                let len = lens[start..]
+                    .iter()
+                    .take_while(|l| l.next_power_of_two() == bucket)
+                    .count();
+                backend.attention_short(&ctx, p, step, start, len, Some(bucket));
+                start += len;
+            }
+            return Prepared::Nothing;
         }
-        return;
+        if backend.attention_short(&ctx, p, step, 0, n, None) {
+            return quantized;
+        }
+        return Prepared::Nothing;
     }
     // Runs of one sequence's tokens (a batch keeps each sequence's tokens together):
     // prompt chunks go to the tiled prefill kernels, the short runs between them (decode
@@ -423,14 +488,14 @@ pub(crate) fn attention(
     for (start, len) in step.sequence_runs(n) {
         if prefill_ok && len >= PREFILL_ATTN_TOKENS {
             if let Some((a, b)) = short.take() {
-                backend.attention_short(&ctx, p, step, a, b - a);
+                backend.attention_short(&ctx, p, step, a, b - a, None);
             }
             backend.attention_prefill(&ctx, p, step, start, len);
         } else {
             short = match short {
                 Some((a, b)) if b == start => Some((a, start + len)),
                 Some((a, b)) => {
-                    backend.attention_short(&ctx, p, step, a, b - a);
+                    backend.attention_short(&ctx, p, step, a, b - a, None);
                     Some((start, start + len))
                 }
                 None => Some((start, start + len)),
@@ -438,11 +503,12 @@ pub(crate) fn attention(
         }
     }
     if let Some((a, b)) = short
-        && backend.attention_short(&ctx, p, step, a, b - a)
+        && backend.attention_short(&ctx, p, step, a, b - a, None)
         && (a, b) == (0, n)
     {
-        note_quantized();
+        return quantized;
     }
+    Prepared::Nothing
 }
 
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
@@ -451,6 +517,7 @@ pub(crate) fn rope_store_kv(
     q: &mut CudaTensor,
     k: &mut CudaTensor,
     v: &CudaTensor,
+    qkv_ready: Prepared,
     head_dim: usize,
     rope: &RopeParams,
     cache: &mut CudaCache,
@@ -458,6 +525,23 @@ pub(crate) fn rope_store_kv(
     step: &CudaStep,
     n: usize,
 ) {
+    // The merged product of exactly these q, k and v, if `qkv` left it unsplit: the kernel
+    // splits it on the way (the product and the three biases), else it reads q, k and v.
+    let split = match qkv_ready {
+        Prepared::Split(p) => Some(p),
+        _ => None,
+    };
+    let ours = split.filter(|p| {
+        p.n == n
+            && p.args[1] == Arg::P(q.ptr)
+            && p.args[2] == Arg::P(k.ptr)
+            && p.args[3] == Arg::P(v.ptr)
+    });
+    if let Some(p) = split
+        && ours.is_none()
+    {
+        backend.split_qkv(&p);
+    }
     if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layer >= cache.k.len() {
         backend.fail(format!(
             "rope_store_kv: bad geometry (layer {layer}, {} / {} columns, kv_dim {})",
@@ -465,14 +549,23 @@ pub(crate) fn rope_store_kv(
         ));
         return;
     }
+    if cache.quantized() {
+        // The fused kernel stores f16: split (if the product waits), rotate, then quantize
+        // on the store.
+        if let Some(p) = &ours {
+            backend.split_qkv(p);
+        }
+        norm_rope::rope(backend, q, head_dim, rope, step, n);
+        norm_rope::rope(backend, k, head_dim, rope, step, n);
+        store_kv(backend, cache, layer, k, v, step, n);
+        return;
+    }
     let Some(rope_args) = backend.rope_args(head_dim, rope) else {
         return;
     };
     let heads = q.cols / head_dim + k.cols / head_dim;
     let threads = (head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
-    // The merged product of these q, k and v, if it waits unsplit: the kernel splits it
-    // on the way (the product and the three biases), else it reads q, k and v.
-    let source = match backend.take_split_of(q, k, v, n) {
+    let source = match ours {
         Some(p) => [p.args[0], p.args[4], p.args[5], p.args[6]],
         None => [Arg::P(0); 4],
     };

@@ -6,7 +6,7 @@ use crate::*;
 
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Arg {
+pub enum Arg {
     /// A device pointer.
     P(u64),
     I(i32),
@@ -14,36 +14,31 @@ pub(crate) enum Arg {
     F(f32),
 }
 
-/// Activation copies held for the product that reads them next (`q8_holds`: a single
-/// token's 8-bit row; `mmq_holds`: a few tokens in the int8 tensor-core layouts; `f16_holds`:
-/// rows in f16 for cuBLAS): the normalization or activation that writes a tensor also writes
-/// the copy its consumer needs, and the consumer then converts nothing. A launch says which
-/// copies it makes or reads (`launch_keeping`); every other launch drops them all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Keeps {
-    pub(crate) q8: bool,
-    pub(crate) mmq: bool,
-    pub(crate) f16: bool,
-}
-
-impl Keeps {
-    pub(crate) const NOTHING: Keeps = Keeps {
-        q8: false,
-        mmq: false,
-        f16: false,
-    };
-    pub(crate) const Q8: Keeps = Keeps {
-        q8: true,
-        ..Keeps::NOTHING
-    };
-    pub(crate) const MMQ: Keeps = Keeps {
-        mmq: true,
-        ..Keeps::NOTHING
-    };
-    pub(crate) const F16: Keeps = Keeps {
-        f16: true,
-        ..Keeps::NOTHING
-    };
+/// What a launcher left beside its output for the one product that reads that output next
+/// (this backend's `Backend::Prepared`): the normalization, activation or attention that
+/// writes a tensor also writes the copy its consumer's kernel needs, the forward pass hands
+/// this over, and the consumer then converts nothing. Each copy names the tensor it stands
+/// for (`of`, its device address): a consumer uses it only for that tensor.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Prepared {
+    #[default]
+    Nothing,
+    /// `n` token rows in 8 bits, row after row, in the step's Q8 buffers (the `gemv_q8`
+    /// family; one row but in verification steps).
+    Q8 { of: u64, n: usize },
+    /// `n` tokens (`npad` rows) in the Q8 buffers in the int8 tensor-core layout: that of
+    /// `mmk_t8*` / `mms_*` (`mmk`, 256-value steps) or of `mmq_t*`.
+    Mmq {
+        of: u64,
+        n: usize,
+        npad: usize,
+        mmk: bool,
+    },
+    /// `n` rows in f16 at `h` (a GEMM scratch buffer), for cuBLAS.
+    F16 { of: u64, n: usize, h: u64 },
+    /// A merged Q/K/V product not yet split into q, k and v: `rope_store_kv` reads its
+    /// heads straight from it (see [`PendingSplit`]).
+    Split(PendingSplit),
 }
 
 /// One kernel launch, as recorded for a step.
@@ -56,6 +51,15 @@ pub(crate) struct Launch {
     /// Weight bytes the launch streams (GEMVs; 0 otherwise), for the profiler's GB/s.
     pub(crate) weight_bytes: u64,
 }
+
+/// Launch records from this index on are not kernels but operations on other devices'
+/// data, recorded and captured like kernels (`run_special`): an NCCL all-reduce
+/// (`[P(buffer), L(count)]`), an NCCL all-gather (`[P(send), P(recv), L(count)]`) and a
+/// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`).
+pub(crate) const SPECIAL_BASE: usize = usize::MAX - 2;
+pub(crate) const SPECIAL_ALL_REDUCE: usize = usize::MAX;
+pub(crate) const SPECIAL_ALL_GATHER: usize = usize::MAX - 1;
+pub(crate) const SPECIAL_COPY_2D: usize = usize::MAX - 2;
 
 /// A captured step.
 pub(crate) struct StepGraph(CudaGraph);
@@ -200,6 +204,10 @@ impl CudaBackend {
     }
 
     pub(crate) fn launch_now(&self, l: &Launch) {
+        if l.func >= SPECIAL_BASE {
+            self.run_special(l);
+            return;
+        }
         let timing = self.profile.as_ref().and_then(|_| {
             let ev = || {
                 self.ctx
@@ -232,6 +240,62 @@ impl CudaBackend {
                     e.2 += bytes;
                 }
             }
+        }
+    }
+
+    /// Issues a special record (see [`SPECIAL_BASE`]) on the stream.
+    fn run_special(&self, l: &Launch) {
+        let arg = |i: usize| match l.args.get(i) {
+            Some(Arg::P(v)) => *v,
+            Some(Arg::L(v)) => *v as u64,
+            _ => 0,
+        };
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("binding the CUDA context: {e:?}"));
+            return;
+        }
+        let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
+        let r = match l.func {
+            SPECIAL_ALL_REDUCE | SPECIAL_ALL_GATHER => match self.comm.get() {
+                None => Err(anyhow::anyhow!(
+                    "a collective on a backend without a communicator"
+                )),
+                Some(c) if l.func == SPECIAL_ALL_REDUCE => {
+                    c.all_reduce_sum(arg(0), arg(1) as usize, stream)
+                }
+                Some(c) => c.all_gather(arg(0), arg(1), arg(2) as usize, stream),
+            },
+            _ => {
+                let m = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: arg(0),
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: arg(1) as usize,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: arg(2),
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: arg(3) as usize,
+                    WidthInBytes: arg(4) as usize,
+                    Height: arg(5) as usize,
+                };
+                // SAFETY: both regions lie in live device buffers of this context, sized
+                // by the caller (`copy_2d`) from the same geometry.
+                let r = unsafe { sys::cuMemcpy2DAsync_v2(&m, self.stream.cu_stream()) };
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!("strided copy: {r:?}"))
+                }
+            }
+        };
+        if let Err(e) = r {
+            self.fail(format!("{e:#}"));
         }
     }
 
@@ -364,11 +428,7 @@ impl CudaBackend {
     /// Waits for the queued work; returns the first error of any operation since the last
     /// check.
     pub fn check(&self) -> anyhow::Result<()> {
-        self.split_pending();
         self.flush();
-        // A step ends here: the next one quantizes its activations afresh.
-        *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let sync = self.stream.synchronize();
         self.profile_collect();
         if let Some(msg) = self.lock_error().take() {
@@ -405,7 +465,7 @@ impl CudaBackend {
         block: u32,
         args: &[Arg],
     ) {
-        self.launch_keeping(name, grid, block, args, 0, Keeps::NOTHING);
+        self.launch_reading(name, grid, block, args, 0);
     }
 
     /// [`Self::launch`] of a kernel that streams `weight_bytes` of weights (the profiler
@@ -418,41 +478,28 @@ impl CudaBackend {
         args: &[Arg],
         weight_bytes: u64,
     ) {
-        self.launch_keeping(name, grid, block, args, weight_bytes, Keeps::NOTHING);
-    }
-
-    /// The launch of a kernel that makes or reads the held activation copies `keeps` names:
-    /// they stay valid across it; every other launch drops them.
-    pub(crate) fn launch_keeping(
-        &self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: u32,
-        args: &[Arg],
-        weight_bytes: u64,
-        keeps: Keeps,
-    ) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
-        // Any kernel may write the rows a read-ahead copied: it no longer stands for them.
-        self.read_ahead_valid
-            .store(false, std::sync::atomic::Ordering::Relaxed);
         let Some(&func) = self.func_index.get(name) else {
             self.fail(format!("kernel {name} not loaded"));
             return;
         };
-        self.split_pending();
-        // Any other launch may write the tensors the held copies were made from.
-        if !keeps.q8 {
-            *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
-        if !keeps.f16 {
-            *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
-        if !keeps.mmq {
-            *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
+        self.enqueue(func, grid, block, args, weight_bytes);
+    }
+
+    /// Records (or issues) launch `func`, kernel or [special](SPECIAL_BASE).
+    pub(crate) fn enqueue(
+        &self,
+        func: usize,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        weight_bytes: u64,
+    ) {
+        // Any launch may write the rows a read-ahead copied: it no longer stands for them.
+        self.read_ahead_valid
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let l = Launch {
             func,
             grid,

@@ -22,10 +22,12 @@ mod attention;
 pub mod compile;
 mod launch;
 mod matmul;
+pub mod nccl;
 mod norm_rope;
 mod options;
 mod sample;
 mod step;
+pub mod tp;
 mod weights;
 
 use attention::*;
@@ -44,11 +46,16 @@ use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{
-    Activation, AttnParams, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
+    Activation, AttnParams, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
+    SamplingBatch,
 };
 
 pub use compile::Origin;
+pub use launch::Prepared;
+pub use matmul::{PendingSplit, QkvWeights};
 pub use options::{F16Copies, Options, request_profile};
+pub use tp::TpBackend;
+pub use weights::WeightSource;
 
 /// Largest head size the attention kernel handles.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -104,6 +111,8 @@ pub struct CudaBackend {
     /// Each kernel's name, by index.
     func_names: Vec<&'static str>,
     recorder: Mutex<Recorder>,
+    /// This device's NCCL communicator, when it is one rank of a tensor-parallel group.
+    comm: std::sync::OnceLock<nccl::Comm>,
     /// Whether decode steps are captured and replayed as graphs.
     graphs: std::sync::atomic::AtomicBool,
     /// Per-kernel timing (`KESTREL_CUDA_PROFILE=1`; turns graphs off), printed on drop.
@@ -134,26 +143,14 @@ pub struct CudaBackend {
     /// The quantized activations of those GEMVs: int8 values and a scale per 32, sized at
     /// `new_step` for the model's widest input so that recorded graphs never see it move.
     q8_scratch: Mutex<Option<Q8Scratch>>,
-    /// The activation tensor whose first row the Q8 buffers hold (set by `rms_norm_q8`;
-    /// any other launch clears it).
-    q8_holds: Mutex<Option<u64>>,
-    /// (tensor, rows, f16 buffer): the f16 copy of those rows of an activation tensor
-    /// that `rms_norm_f16` / `gated_act_f16` left in the GEMM scratch for the cuBLAS
-    /// products reading it next ([`Self::x_to_f16`] then converts nothing; any other
-    /// launch clears it).
-    f16_holds: Mutex<Option<(u64, usize, u64)>>,
-    /// A merged Q/K/V product not yet split into q, k and v (see [`PendingSplit`]), and
-    /// whether there is one (every launch asks; only cuBLAS steps set it).
-    pending_split: Mutex<Option<PendingSplit>>,
-    split_waits: std::sync::atomic::AtomicBool,
-    /// The activation tensor, its token count and padded rows whose quantization for the
-    /// int8 kernels the Q8 buffers hold, and whether in `mmk_t8*`'s layout (set by
-    /// `rms_norm_mmq` / `rms_norm_mmk`; any launch other than those kernels clears it).
-    mmq_holds: Mutex<Option<(u64, usize, usize, bool)>>,
     /// Steps of up to 8 tokens on Q4_K / Q6_K weights: `mmk_t8*` (activations quantized per
     /// 256 values, integer sums per super-block) instead of `mmq_t8` (on by default; the
     /// self-check turns it off to cover `mmq_t8` on those formats, which the LM head takes).
     mmk: std::sync::atomic::AtomicBool,
+    /// Whether the step being run is a batch-invariant one (`Batch::invariant`, 2 to
+    /// [`INVARIANT_MAX_TOKENS`] tokens): every op computes each token as a single-token step
+    /// would (see `invariant_step`).
+    invariant: std::sync::atomic::AtomicBool,
     /// Whether launches allow programmatic dependent launch (the option, on sm_90 and up).
     pdl: bool,
     /// Host buffer the results are read back through.
@@ -229,15 +226,53 @@ pub struct CudaTensor {
     cols: usize,
 }
 
-/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` f16 values.
+/// The paged KV cache: per layer, `n_blocks × block_size` slots of `kv_dim` keys and values,
+/// each stored as f16 or quantized (`types`; kernels/attention.cu's `kv_load` gives the
+/// layout: a quantized layer holds every slot's quants, then every slot's scales from
+/// `k_scale` / `v_scale`).
 pub struct CudaCache {
     k: Vec<CudaSlice<u16>>,
     v: Vec<CudaSlice<u16>>,
     k_ptr: Vec<u64>,
     v_ptr: Vec<u64>,
+    /// Each layer's scale region (0 for f16).
+    k_scale: Vec<u64>,
+    v_scale: Vec<u64>,
+    types: KvTypes,
     block_size: usize,
     n_blocks: usize,
     kv_dim: usize,
+}
+
+/// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0,
+/// KV_FP8, KV_Q4_0).
+pub const CUDA_CACHE_TYPES: [KvType; 4] = [KvType::F16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8];
+
+/// `t`'s kind number in kernels/attention.cu (KV_F16 / KV_Q8_0 / KV_FP8 / KV_Q4_0).
+fn cuda_kind(t: KvType) -> i32 {
+    match t {
+        KvType::Q8_0 => 1,
+        KvType::Fp8 => 2,
+        KvType::Q4_0 => 3,
+        _ => 0,
+    }
+}
+
+impl CudaCache {
+    /// Whether keys or values are quantized (the kernels reading `kv_load`'s layouts).
+    fn quantized(&self) -> bool {
+        self.types != KvTypes::default()
+    }
+
+    /// The quantized kernels' trailing arguments for `layer`: scales, kinds.
+    fn quant_args(&self, layer: usize) -> [Arg; 4] {
+        [
+            Arg::P(self.k_scale[layer]),
+            Arg::P(self.v_scale[layer]),
+            Arg::I(cuda_kind(self.types.k)),
+            Arg::I(cuda_kind(self.types.v)),
+        ]
+    }
 }
 
 /// Per-step inputs in one device buffer of u32, at fixed offsets (`T` = max tokens):
@@ -340,6 +375,7 @@ impl CudaBackend {
             func_index,
             func_names,
             recorder: Mutex::new(Recorder::default()),
+            comm: std::sync::OnceLock::new(),
             graphs: std::sync::atomic::AtomicBool::new(options.graphs),
             replays: Arc::default(),
             profile: options.profile.then(|| Mutex::new(Profiler::default())),
@@ -365,12 +401,8 @@ impl CudaBackend {
             q8_decode: std::sync::atomic::AtomicBool::new(options.q8),
             q8_scratch: Mutex::new(None),
             pdl: options.pdl && major >= 9,
-            q8_holds: Mutex::new(None),
-            f16_holds: Mutex::new(None),
-            pending_split: Mutex::new(None),
-            split_waits: std::sync::atomic::AtomicBool::new(false),
-            mmq_holds: Mutex::new(None),
             mmk: std::sync::atomic::AtomicBool::new(true),
+            invariant: std::sync::atomic::AtomicBool::new(false),
             gemm_scratch: Mutex::default(),
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
@@ -398,6 +430,7 @@ impl kestrel_model::Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Cache = CudaCache;
     type Step = CudaStep;
+    type Prepared = Prepared;
 
     fn name(&self) -> String {
         format!("cuda ({}, {})", self.device_name, self.arch)
@@ -416,13 +449,19 @@ impl kestrel_model::Backend for CudaBackend {
     fn gate_up(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         layer: &LayerWeights<CudaWeight>,
         act: Activation,
         n: usize,
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
-    ) {
-        self.gate_up_of(x, &layer.ffn_gate, &layer.ffn_up, act, n, gate, up);
+    ) -> Prepared {
+        let (gw, uw) = (&layer.ffn_gate, &layer.ffn_up);
+        self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
+    }
+
+    fn invariant_max_tokens(&self) -> usize {
+        INVARIANT_MAX_TOKENS
     }
 
     fn check_model(&self, cfg: &kestrel_model::ModelConfig) -> anyhow::Result<()> {
@@ -451,7 +490,27 @@ impl kestrel_model::Backend for CudaBackend {
         n_blocks: usize,
         block_size: usize,
     ) -> anyhow::Result<CudaCache> {
-        step::new_cache(self, config, n_blocks, block_size)
+        step::new_cache(self, config, n_blocks, block_size, KvTypes::default())
+    }
+
+    fn cache_types(&self) -> &'static [KvType] {
+        &CUDA_CACHE_TYPES
+    }
+
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        kv: KvTypes,
+    ) -> anyhow::Result<CudaCache> {
+        kv.check(self.cache_types(), config.head_dim, &self.name())?;
+        step::new_cache(self, config, n_blocks, block_size, kv)
+    }
+
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.ctx.bind_to_thread().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
     }
 
     fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<CudaStep> {
@@ -471,30 +530,43 @@ impl kestrel_model::Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, n: usize, out: &mut CudaTensor) {
-        matmul::matmul(self, x, w, n, out)
+        matmul::matmul(self, x, &mut Prepared::Nothing, w, n, out)
+    }
+
+    fn matmul_ready(
+        &self,
+        x: &CudaTensor,
+        x_ready: Prepared,
+        w: &CudaWeight,
+        n: usize,
+        out: &mut CudaTensor,
+    ) {
+        matmul::matmul(self, x, &mut { x_ready }, w, n, out)
     }
 
     fn qkv(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         layer: &LayerWeights<CudaWeight>,
         n: usize,
         q: &mut CudaTensor,
         k: &mut CudaTensor,
         v: &mut CudaTensor,
-    ) {
-        matmul::qkv(self, x, layer, n, q, k, v)
+    ) -> Prepared {
+        matmul::qkv(self, x, x_ready, &QkvWeights::of(layer), n, q, k, v)
     }
 
     fn matmul_add(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         w: &CudaWeight,
         n: usize,
         tmp: &mut CudaTensor,
         residual: &mut CudaTensor,
     ) {
-        matmul::matmul_add(self, x, w, n, tmp, residual)
+        matmul::matmul_add(self, x, x_ready, w, n, tmp, residual)
     }
 
     fn store_kv(
@@ -517,7 +589,7 @@ impl kestrel_model::Backend for CudaBackend {
         step: &CudaStep,
         n: usize,
         out: &mut CudaTensor,
-    ) {
+    ) -> Prepared {
         attention::attention(self, q, cache, p, step, n, out)
     }
 
@@ -526,6 +598,7 @@ impl kestrel_model::Backend for CudaBackend {
         q: &mut CudaTensor,
         k: &mut CudaTensor,
         v: &CudaTensor,
+        qkv_ready: Prepared,
         head_dim: usize,
         rope: &RopeParams,
         cache: &mut CudaCache,
@@ -533,7 +606,9 @@ impl kestrel_model::Backend for CudaBackend {
         step: &CudaStep,
         n: usize,
     ) {
-        attention::rope_store_kv(self, q, k, v, head_dim, rope, cache, layer, step, n)
+        attention::rope_store_kv(
+            self, q, k, v, qkv_ready, head_dim, rope, cache, layer, step, n,
+        )
     }
 
     fn embed(&self, table: &CudaWeight, step: &CudaStep, out: &mut CudaTensor) {
@@ -551,7 +626,7 @@ impl kestrel_model::Backend for CudaBackend {
         eps: f32,
         n: usize,
         out: &mut CudaTensor,
-    ) {
+    ) -> Prepared {
         norm_rope::rms_norm(self, x, weight, eps, n, out)
     }
 
@@ -581,7 +656,13 @@ impl kestrel_model::Backend for CudaBackend {
         norm_rope::rope(self, x, head_dim, rope, step, n)
     }
 
-    fn gated_activation(&self, gate: &mut CudaTensor, up: &CudaTensor, act: Activation, n: usize) {
+    fn gated_activation(
+        &self,
+        gate: &mut CudaTensor,
+        up: &CudaTensor,
+        act: Activation,
+        n: usize,
+    ) -> Prepared {
         norm_rope::gated_activation(self, gate, up, act, n)
     }
 
@@ -614,6 +695,59 @@ impl kestrel_model::Backend for CudaBackend {
 impl CudaCache {
     pub fn n_blocks(&self) -> usize {
         self.n_blocks
+    }
+
+    pub fn types(&self) -> KvTypes {
+        self.types
+    }
+}
+
+impl CudaBackend {
+    /// Layer `layer` of `cache` read back (after the queued work), keys then values, each
+    /// as the rows of its slots in the CPU cache's layout (ggml blocks: for Q8_0 each 32
+    /// values' f16 scale then their 32 quants; fp8 likewise), for the self-check.
+    pub fn read_cache_layer(
+        &self,
+        cache: &CudaCache,
+        layer: usize,
+    ) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+        anyhow::ensure!(layer < cache.k.len(), "no layer {layer}");
+        self.check()?;
+        let slots = cache.n_blocks * cache.block_size;
+        let read = |buf: &CudaSlice<u16>, t: KvType| -> anyhow::Result<Vec<u8>> {
+            let mut host = vec![0u16; buf.len()];
+            self.stream
+                .memcpy_dtoh(buf, &mut host[..])
+                .map_err(|e| anyhow::anyhow!("copying the cache from the GPU: {e:?}"))?;
+            self.check()?;
+            let bytes: Vec<u8> = host.iter().flat_map(|h| h.to_le_bytes()).collect();
+            let n = slots * cache.kv_dim;
+            Ok(match t {
+                KvType::Q8_0 | KvType::Fp8 => {
+                    let (quants, scales) = bytes.split_at(n);
+                    let mut out = Vec::with_capacity(n / 32 * 34);
+                    for (qs, d) in quants.chunks_exact(32).zip(scales.chunks_exact(2)) {
+                        out.extend_from_slice(d);
+                        out.extend_from_slice(qs);
+                    }
+                    out
+                }
+                KvType::Q4_0 => {
+                    let (quants, scales) = bytes.split_at(n / 2);
+                    let mut out = Vec::with_capacity(n / 32 * 18);
+                    for (qs, d) in quants.chunks_exact(16).zip(scales.chunks_exact(2)) {
+                        out.extend_from_slice(d);
+                        out.extend_from_slice(qs);
+                    }
+                    out
+                }
+                _ => bytes[..n * 2].to_vec(),
+            })
+        };
+        Ok((
+            read(&cache.k[layer], cache.types.k)?,
+            read(&cache.v[layer], cache.types.v)?,
+        ))
     }
 }
 

@@ -100,9 +100,9 @@ pub(crate) fn rms_norm(
     eps: f32,
     n: usize,
     out: &mut CudaTensor,
-) {
+) -> Prepared {
     let Some(w) = backend.vector_ptr(weight, "rms_norm") else {
-        return;
+        return Prepared::Nothing;
     };
     // About 4 values per thread: a single-token row is one block's latency.
     let block = (x.cols / 4).next_multiple_of(32).clamp(32, 1024) as u32;
@@ -114,19 +114,28 @@ pub(crate) fn rms_norm(
         Arg::I(x.cols as i32),
         Arg::F(eps),
     ];
-    // A single-token row whose consumer is a gemv_q8: quantize it on the way out.
+    // A single-token row whose consumer is a gemv_q8: quantize it on the way out (and a
+    // verification step's rows each as alone, `invariant_step`: rms_norm_q8's row sums are
+    // not the plain kernel's).
+    let rows_q8 = if backend.invariant_step() {
+        backend
+            .single_q8_buffers(1, x.cols)
+            .and_then(|_| backend.q8_buffers(n * x.cols))
+    } else {
+        backend.single_q8_buffers(n, x.cols)
+    };
     if let Some(Q8Ptrs {
         q: q_ptr, d: d_ptr, ..
-    }) = backend.single_q8_buffers(n, x.cols)
+    }) = rows_q8
     {
         // One block per 256 values, each summing the whole row (see the kernel). One
         // block for the whole row measured 576 / 585 against 627 / 611 t/s (tg128,
         // Qwen2.5-1.5B Q4_K_M, H100), 305 / 303 against 310 / 307 on Llama-3-8B.
-        let (grid, threads) = (grid_1d(x.cols, 256), 256);
+        let (cols_grid, threads) = (grid_1d(x.cols, 256), 256);
+        let grid = (cols_grid.0, n as u32, 1);
         let args = [&head[..], &[Arg::P(q_ptr), Arg::P(d_ptr)]].concat();
-        backend.launch_keeping("rms_norm_q8", grid, threads, &args, 0, Keeps::Q8);
-        *backend.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(out.ptr);
-        return;
+        backend.launch("rms_norm_q8", grid, threads, &args);
+        return Prepared::Q8 { of: out.ptr, n };
     }
     // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
     // MMQ_MAX_TOKENS): quantize them on the way out, in that kernel's layout.
@@ -139,25 +148,28 @@ pub(crate) fn rms_norm(
             args.push(Arg::P(q8.mmk_steps_sums(npad, x.cols).1));
             let threads = 64 * (x.cols / 256).min(16) as u32;
             let grid = (1, npad as u32, 1);
-            backend.launch_keeping("rms_norm_mmk", grid, threads, &args, 0, Keeps::MMQ);
+            backend.launch("rms_norm_mmk", grid, threads, &args);
         } else {
             let grid = (x.cols.div_ceil(256) as u32, npad as u32, 1);
-            backend.launch_keeping("rms_norm_mmq", grid, 256, &args, 0, Keeps::MMQ);
+            backend.launch("rms_norm_mmq", grid, 256, &args);
         }
-        *backend.mmq_holds.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((out.ptr, n, npad, mmk));
-        return;
+        return Prepared::Mmq {
+            of: out.ptr,
+            n,
+            npad,
+            mmk,
+        };
     }
     // Rows for cuBLAS: their f16 copy on the way out (B = 64 on Llama-3-8B: two
     // conversion launches a layer less).
     if let Some(h) = backend.f16_copy_for_gemm(n, x.cols) {
         let args = [&head[..], &[Arg::P(h)]].concat();
         let grid = (n as u32, 1, 1);
-        backend.launch_keeping("rms_norm_f16", grid, block, &args, 0, Keeps::F16);
-        *backend.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((out.ptr, n, h));
-        return;
+        backend.launch("rms_norm_f16", grid, block, &args);
+        return Prepared::F16 { of: out.ptr, n, h };
     }
     backend.launch("rms_norm", (n as u32, 1, 1), block, &head);
+    Prepared::Nothing
 }
 
 pub(crate) fn rms_norm_heads(
@@ -231,7 +243,7 @@ pub(crate) fn gated_activation(
     up: &CudaTensor,
     act: Activation,
     n: usize,
-) {
+) -> Prepared {
     let len = n * gate.cols;
     let mut args = vec![
         Arg::P(gate.ptr),
@@ -243,11 +255,11 @@ pub(crate) fn gated_activation(
     if let Some(h) = backend.f16_copy_for_gemm(n, gate.cols) {
         args.push(Arg::P(h));
         let grid = grid_1d(len, 256);
-        backend.launch_keeping("gated_act_f16", grid, 256, &args, 0, Keeps::F16);
-        *backend.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
-        return;
+        backend.launch("gated_act_f16", grid, 256, &args);
+        return Prepared::F16 { of: gate.ptr, n, h };
     }
     backend.elementwise("gated_act", len, &args);
+    Prepared::Nothing
 }
 
 pub(crate) fn add(backend: &CudaBackend, x: &mut CudaTensor, y: &CudaTensor, n: usize) {

@@ -45,6 +45,12 @@ impl CudaStep {
             Arg::P(self.tables()),
         ]
     }
+    /// The position of the step's token `i`.
+    pub(crate) fn position(&self, i: usize) -> usize {
+        let t = self.max_tokens;
+        self.host.get(t + i).map_or(0, |&p| p as usize)
+    }
+
     /// The longest sequence (cached positions after this step) among the step's.
     pub(crate) fn max_kv_len(&self) -> usize {
         let t = self.max_tokens;
@@ -185,6 +191,7 @@ pub(crate) fn new_cache(
     config: &ModelConfig,
     n_blocks: usize,
     block_size: usize,
+    types: KvTypes,
 ) -> anyhow::Result<CudaCache> {
     let kv_dim = config.kv_dim();
     let per_layer = config
@@ -195,15 +202,34 @@ pub(crate) fn new_cache(
         v: Vec::new(),
         k_ptr: Vec::new(),
         v_ptr: Vec::new(),
+        k_scale: Vec::new(),
+        v_scale: Vec::new(),
+        types,
         block_size,
         n_blocks,
         kv_dim,
     };
+    // u16 elements of one layer's buffer and where its scales start (bytes): f16 values, or
+    // a byte a value then an f16 scale per 32 values (kernels/attention.cu, kv_load).
+    let layout = |t: KvType| -> anyhow::Result<(usize, Option<usize>)> {
+        match t {
+            KvType::F16 => Ok((per_layer, None)),
+            KvType::Q8_0 | KvType::Fp8 => Ok((per_layer / 2 + per_layer / 32, Some(per_layer))),
+            // Two values a byte, then the scales.
+            KvType::Q4_0 => Ok((per_layer / 4 + per_layer / 32, Some(per_layer / 2))),
+            other => anyhow::bail!("the CUDA cache has no layout for {other}"),
+        }
+    };
+    let (k_len, k_scales) = layout(types.k)?;
+    let (v_len, v_scales) = layout(types.v)?;
     for _ in 0..config.n_layer {
-        let k = backend.alloc::<u16>(per_layer, "the KV cache")?;
-        let v = backend.alloc::<u16>(per_layer, "the KV cache")?;
-        cache.k_ptr.push(backend.ptr(&k));
-        cache.v_ptr.push(backend.ptr(&v));
+        let k = backend.alloc::<u16>(k_len, "the KV cache")?;
+        let v = backend.alloc::<u16>(v_len, "the KV cache")?;
+        let (kp, vp) = (backend.ptr(&k), backend.ptr(&v));
+        cache.k_ptr.push(kp);
+        cache.v_ptr.push(vp);
+        cache.k_scale.push(k_scales.map_or(0, |at| kp + at as u64));
+        cache.v_scale.push(v_scales.map_or(0, |at| vp + at as u64));
         cache.k.push(k);
         cache.v.push(v);
     }
@@ -296,6 +322,10 @@ pub(crate) fn prepare_step(
         .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
     step.n_tokens = n;
     step.n_logit_rows = batch.logit_rows.len();
+    backend.invariant.store(
+        batch.invariant && (2..=INVARIANT_MAX_TOKENS).contains(&n),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     // Steps whose products go through cuBLAS (see `prefer_gemm`) are not recorded:
     // cuBLAS calls are not launches the recorder can replay.
     let relaxed = std::sync::atomic::Ordering::Relaxed;

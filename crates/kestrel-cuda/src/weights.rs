@@ -313,22 +313,21 @@ impl CudaBackend {
     /// file with rows of `cols` values and the whole copy fits [`Self::keep_f16_copy`].
     pub(crate) fn merge_f16_behind(
         &self,
-        file: &GgufFile,
-        info: &TensorInfo,
+        name: &str,
+        ty: GgmlType,
+        shape_of: &(dyn Fn(&str) -> Option<(usize, usize)> + Sync),
         rows: usize,
         cols: usize,
     ) -> usize {
         let mut total = rows;
-        let followers = merged_followers(&info.name);
-        for name in &followers {
-            match file.tensor(name) {
-                Some(t) if t.dims.len() == 2 && t.dims[0] as usize == cols => {
-                    total += tensor_rows(t)
-                }
+        let followers = merged_followers(name);
+        for f in &followers {
+            match shape_of(f) {
+                Some((c, r)) if c == cols => total += r,
                 _ => return rows,
             }
         }
-        if followers.is_empty() || !self.keep_f16_copy(info.ty, total * cols) {
+        if followers.is_empty() || !self.keep_f16_copy(ty, total * cols) {
             return rows;
         }
         total
@@ -397,11 +396,49 @@ pub(crate) fn load_weight(
     file: &Arc<GgufFile>,
     info: &TensorInfo,
 ) -> anyhow::Result<CudaWeight> {
+    let gathered_only = info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
+    load_weight_from(
+        backend,
+        &WeightSource {
+            name: &info.name,
+            ty: info.ty,
+            dims: &info.dims,
+            data: file.tensor_data(info),
+            gathered_only,
+            shape_of: &|name| {
+                file.tensor(name)
+                    .filter(|t| t.dims.len() == 2)
+                    .map(|t| (t.dims[0] as usize, tensor_rows(t)))
+            },
+        },
+    )
+}
+
+/// A weight's bytes and what its upload needs to know besides (a whole GGUF tensor, or one
+/// rank's shard of it).
+pub struct WeightSource<'a> {
+    pub name: &'a str,
+    pub ty: GgmlType,
+    /// GGUF dims, row length first.
+    pub dims: &'a [u64],
+    pub data: &'a [u8],
+    /// The embedding table when a separate LM head exists: only gathered from.
+    pub gathered_only: bool,
+    /// (row length, rows) of another matrix of the same model (as this rank holds it),
+    /// for the merged f16 copies.
+    pub shape_of: &'a (dyn Fn(&str) -> Option<(usize, usize)> + Sync),
+}
+
+pub(crate) fn load_weight_from(
+    backend: &CudaBackend,
+    src: &WeightSource<'_>,
+) -> anyhow::Result<CudaWeight> {
+    let info = src;
     let cols = info.dims.first().copied().unwrap_or(1) as usize;
     let rows = info.dims.iter().skip(1).product::<u64>() as usize;
     if info.dims.len() <= 1 {
         let mut v = vec![0f32; cols];
-        kestrel_quant::dequantize_row(info.ty, file.tensor_data(info), &mut v)
+        kestrel_quant::dequantize_row(info.ty, info.data, &mut v)
             .with_context(|| format!("tensor {}", info.name))?;
         let buf = backend
             .stream
@@ -415,7 +452,7 @@ pub(crate) fn load_weight(
         });
     }
     let mut w = backend
-        .upload_matrix(info.ty, rows, cols, file.tensor_data(info))
+        .upload_matrix(info.ty, rows, cols, info.data)
         .with_context(|| format!("tensor {}", info.name))?;
     // The embedding table is only gathered from, unless it doubles as the LM head.
     if info.ty == GgmlType::F16 {
@@ -423,7 +460,7 @@ pub(crate) fn load_weight(
             .f16_copies
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
-    let gathered_only = info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
+    let gathered_only = info.gathered_only;
     // The 4-bit tensor-core copy of gate and up (mmw_gated).
     let gate_or_up = info.name.ends_with("ffn_gate.weight") || info.name.ends_with("ffn_up.weight");
     if !gathered_only && gate_or_up {
@@ -435,7 +472,7 @@ pub(crate) fn load_weight(
         .merged_f16_rows
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .remove(&info.name);
+        .remove(info.name);
     if let Some(at) = merged_at {
         // K or V: rows of the merged copy Q's load allocated.
         backend
@@ -443,7 +480,7 @@ pub(crate) fn load_weight(
             .with_context(|| format!("tensor {}", info.name))?;
         backend.note_f16_copy(info.ty);
     } else if !gathered_only && backend.keep_f16_copy(info.ty, rows * cols) {
-        let room = backend.merge_f16_behind(file, info, rows, cols);
+        let room = backend.merge_f16_behind(info.name, info.ty, info.shape_of, rows, cols);
         backend
             .add_f16_copy(&mut w, room)
             .with_context(|| format!("tensor {}", info.name))?;
@@ -459,8 +496,8 @@ pub(crate) fn load_weight(
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             pending.clear();
-            for name in merged_followers(&info.name) {
-                let follower_rows = file.tensor(&name).map_or(0, tensor_rows);
+            for name in merged_followers(info.name) {
+                let follower_rows = (info.shape_of)(&name).map_or(0, |s| s.1);
                 pending.insert(name, at);
                 at += (follower_rows * cols * 2) as u64;
             }

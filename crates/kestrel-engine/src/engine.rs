@@ -36,6 +36,92 @@ impl Default for EngineOptions {
     }
 }
 
+/// How many blocks the KV cache has.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum KvCacheSize {
+    /// `max_seqs` sequences at full context (`kestrel run`, `chat`, `bench`).
+    #[default]
+    PerSequence,
+    /// As many blocks as this many bytes of keys and values hold (`--kv-memory`).
+    Bytes(u64),
+    /// vLLM's `--gpu-memory-utilization`: the blocks that keep the device's memory in use
+    /// at most this fraction of its total once the weights and step buffers are allocated.
+    DeviceFraction(f64),
+}
+
+/// Bytes of keys and values one position takes over all layers.
+pub fn kv_bytes_per_token(cfg: &ModelConfig, kv: KvTypes) -> usize {
+    cfg.n_layer * kv.bytes_per_position(cfg.kv_dim())
+}
+
+/// The number of KV blocks `size` gives a model whose positions take `bytes_per_token`
+/// bytes each. `device`: the device's (free, total) memory in bytes now, with the weights and
+/// step buffers allocated, where it has its own.
+pub fn kv_cache_blocks(
+    size: KvCacheSize,
+    bytes_per_token: usize,
+    block_size: usize,
+    ctx: usize,
+    max_seqs: usize,
+    device: Option<(usize, usize)>,
+) -> anyhow::Result<usize> {
+    let block_bytes = (bytes_per_token as u64).saturating_mul(block_size as u64);
+    if block_bytes == 0 {
+        bail!("a KV block takes no memory: the model has no keys or values");
+    }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let n = match size {
+        KvCacheSize::PerSequence => ctx.div_ceil(block_size) as u64 * max_seqs.max(1) as u64,
+        KvCacheSize::Bytes(bytes) => {
+            let n = bytes / block_bytes;
+            if n == 0 {
+                bail!(
+                    "a KV cache of {bytes} bytes holds no block: one block of {block_size} \
+                     positions takes {block_bytes} bytes ({:.2} MiB)",
+                    mib(block_bytes)
+                );
+            }
+            n
+        }
+        KvCacheSize::DeviceFraction(f) => {
+            if !(f > 0.0 && f <= 1.0) {
+                bail!("the memory fraction must be in (0, 1], not {f}");
+            }
+            let Some((free, total)) = device else {
+                bail!(
+                    "this backend has no device memory to take a fraction of; size the KV \
+                     cache in bytes instead (--kv-memory)"
+                );
+            };
+            let in_use = total.saturating_sub(free) as u64;
+            let allowed = (total as f64 * f) as u64;
+            let budget = allowed.saturating_sub(in_use);
+            let n = budget / block_bytes;
+            if n == 0 {
+                bail!(
+                    "{:.0}% of the device's {:.0} MiB leaves no room for a KV block of {:.2} \
+                     MiB: {:.0} MiB are in use after loading the model (raise the fraction or \
+                     size the cache with --kv-memory)",
+                    f * 100.0,
+                    mib(total as u64),
+                    mib(block_bytes),
+                    mib(in_use)
+                );
+            }
+            n
+        }
+    };
+    // Slot indices are 32-bit on every backend.
+    let most = (i32::MAX as u64) / block_size as u64;
+    if n > most {
+        bail!(
+            "a KV cache of {n} blocks of {block_size} positions is more than the {most} blocks \
+             a cache may have"
+        );
+    }
+    Ok(n as usize)
+}
+
 /// One sequence's tokens and its place in the cache.
 #[derive(Debug, Default, Clone)]
 pub struct Sequence {
@@ -50,6 +136,8 @@ pub struct Engine<B: Backend> {
     pub cache: B::Cache,
     pub blocks: BlockManager,
     pub ctx: usize,
+    /// Bytes of keys and values one cached position takes over all layers.
+    pub kv_bytes_per_token: usize,
     pub(crate) scratch: Scratch<B>,
     logits: Vec<f32>,
     /// The batch `eval_batch` fills and reuses, with its per-sequence progress and the
@@ -57,6 +145,9 @@ pub struct Engine<B: Backend> {
     batch: Batch,
     eval_done: Vec<usize>,
     eval_parts: Vec<(usize, usize, usize, usize)>,
+    /// Whether `eval_batch`'s steps are batch-invariant (`Batch::invariant`; see
+    /// [`Engine::eval_invariant`]).
+    invariant: bool,
 }
 
 impl<B: Backend> Engine<B> {
@@ -73,6 +164,18 @@ impl<B: Backend> Engine<B> {
         opts: &EngineOptions,
         kv: KvTypes,
     ) -> anyhow::Result<Self> {
+        Self::with_cache_size(backend, file, opts, kv, KvCacheSize::PerSequence)
+    }
+
+    /// [`Self::with_cache_types`] with the cache's number of blocks given by `size`. A
+    /// sequence's context is at most what the whole cache holds.
+    pub fn with_cache_size(
+        backend: B,
+        file: Arc<GgufFile>,
+        opts: &EngineOptions,
+        kv: KvTypes,
+        size: KvCacheSize,
+    ) -> anyhow::Result<Self> {
         let model = Model::load(&backend, file)?;
         let cfg = &model.config;
         let ctx = if opts.ctx == 0 {
@@ -83,22 +186,34 @@ impl<B: Backend> Engine<B> {
         if opts.block_size == 0 || opts.max_batch_tokens == 0 {
             bail!("block size and batch size must be positive");
         }
-        let n_blocks = ctx.div_ceil(opts.block_size) * opts.max_seqs.max(1);
+        // The step buffers first: a cache sized by the device's memory takes what they leave.
+        let scratch = Scratch::new(&backend, cfg, opts.max_batch_tokens, opts.max_logit_rows)?;
+        let bytes_per_token = kv_bytes_per_token(cfg, kv);
+        let n_blocks = kv_cache_blocks(
+            size,
+            bytes_per_token,
+            opts.block_size,
+            ctx,
+            opts.max_seqs,
+            backend.device_memory(),
+        )?;
+        let ctx = ctx.min(n_blocks * opts.block_size);
         let cache = backend
             .new_cache_typed(cfg, n_blocks, opts.block_size, kv)
             .context("allocating the KV cache")?;
-        let scratch = Scratch::new(&backend, cfg, opts.max_batch_tokens, opts.max_logit_rows)?;
         Ok(Engine {
             blocks: BlockManager::new(n_blocks, opts.block_size),
             backend,
             model,
             cache,
             ctx,
+            kv_bytes_per_token: bytes_per_token,
             scratch,
             logits: Vec::new(),
             batch: Batch::default(),
             eval_done: Vec::new(),
             eval_parts: Vec::new(),
+            invariant: false,
         })
     }
 
@@ -108,6 +223,11 @@ impl<B: Backend> Engine<B> {
 
     pub fn max_batch_tokens(&self) -> usize {
         self.scratch.max_tokens
+    }
+
+    /// The most tokens a verification step may hold (see `Backend::invariant_max_tokens`).
+    pub fn invariant_max_tokens(&self) -> usize {
+        self.backend.invariant_max_tokens().max(1)
     }
 
     pub fn max_logit_rows(&self) -> usize {
@@ -218,6 +338,7 @@ impl<B: Backend> Engine<B> {
         let mut result = Ok(());
         while done.iter().zip(tokens).any(|(&d, t)| d < t.len()) {
             batch.clear_tokens();
+            batch.invariant = self.invariant;
             let mut n_slots = 0;
             parts.clear();
             for (i, toks) in tokens.iter().enumerate() {
@@ -406,6 +527,21 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// [`Engine::eval`] with every logit row, each token's row computed exactly as a step of
+    /// that token alone would compute it (`Batch::invariant`): the verification of a
+    /// speculative draft, so that accepting a draft changes no number.
+    pub fn eval_invariant(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        on_logits: impl FnMut(usize, &[f32]),
+    ) -> anyhow::Result<()> {
+        self.invariant = true;
+        let result = self.eval(seq, tokens, true, on_logits);
+        self.invariant = false;
+        result
+    }
+
     /// Appends `tokens` to `seq` in one step and writes into `ids` the greedy next token after
     /// each of them (speculative verification: one batch, only the ids leave the device).
     pub fn eval_argmax_each(
@@ -427,6 +563,8 @@ impl<B: Backend> Engine<B> {
         batch.clear_tokens();
         batch.push_part(0, tokens, seq.tokens.len(), &seq.block_table, tokens.len());
         batch.seqs.truncate(1);
+        // Each token's id as decoding it alone would give (lossless verification).
+        batch.invariant = true;
         let result = self.step_argmax(&batch, ids);
         self.batch = batch;
         result?;
@@ -507,5 +645,144 @@ impl<B: Backend> Engine<B> {
             feed = vec![id];
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kestrel_model::{Arch, KvType};
+    use rand::{Rng, SeedableRng};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn bytes_per_token_is_what_the_cpu_cache_allocates() {
+        use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+        for (seed, arch) in [Arch::Qwen2, Arch::Llama, Arch::Gemma3]
+            .into_iter()
+            .enumerate()
+        {
+            let cfg = SynthConfig::tiny(arch);
+            let ty: WeightType = "q8_0".parse().unwrap();
+            let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, seed as u64).unwrap();
+            let file = Arc::new(GgufFile::from_bytes(bytes).unwrap());
+            for k in KvType::ALL {
+                for v in KvType::ALL {
+                    let kv = KvTypes { k, v };
+                    let opts = EngineOptions {
+                        ctx: 64,
+                        max_batch_tokens: 16,
+                        ..EngineOptions::default()
+                    };
+                    let backend = kestrel_cpu::CpuBackend::new(kestrel_cpu::Kernels::Scalar);
+                    let e = Engine::with_cache_size(
+                        backend,
+                        file.clone(),
+                        &opts,
+                        kv,
+                        KvCacheSize::Bytes(5 * MIB / 4),
+                    )
+                    .unwrap();
+                    let held: usize = e.cache.k.iter().chain(&e.cache.v).map(Vec::len).sum();
+                    let positions = e.blocks.n_blocks() * e.blocks.block_size();
+                    assert_eq!(held, positions * e.kv_bytes_per_token, "{arch:?} {k}/{v}");
+                    assert!(held as u64 <= 5 * MIB / 4, "{arch:?} {k}/{v}: {held} bytes");
+                    let one_more = held + e.blocks.block_size() * e.kv_bytes_per_token;
+                    assert!(one_more as u64 > 5 * MIB / 4, "{arch:?} {k}/{v}");
+                    assert_eq!(e.ctx, 64.min(positions), "context is at most the cache");
+                }
+            }
+            // fp8 is CUDA's: the CPU refuses it by name.
+            let fp8 = KvTypes {
+                k: KvType::Fp8,
+                v: KvType::F16,
+            };
+            let backend = kestrel_cpu::CpuBackend::new(kestrel_cpu::Kernels::Scalar);
+            let opts = EngineOptions::default();
+            let err = Engine::with_cache_types(backend, file.clone(), &opts, fp8)
+                .err()
+                .expect("the CPU has no fp8 cache");
+            let err = format!("{err:#}");
+            assert!(err.contains("fp8"), "{err}");
+        }
+    }
+
+    #[test]
+    fn blocks_fill_the_byte_budget() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for _ in 0..2000 {
+            let bpt = rng.random_range(1..100_000usize);
+            let bs = rng.random_range(1..64usize);
+            let bytes = rng.random_range(0..1u64 << 36);
+            let block = (bpt * bs) as u64;
+            match kv_cache_blocks(KvCacheSize::Bytes(bytes), bpt, bs, 4096, 8, None) {
+                Ok(n) => {
+                    let n = n as u64;
+                    assert!(n >= 1 && n * block <= bytes && (n + 1) * block > bytes);
+                }
+                Err(e) => assert!(
+                    bytes < block || bytes / block > (i32::MAX as u64) / bs as u64,
+                    "{e}"
+                ),
+            }
+        }
+    }
+
+    #[test]
+    fn a_device_fraction_leaves_the_rest_of_the_memory() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for _ in 0..2000 {
+            let total = rng.random_range(1u64 << 30..1u64 << 38) as usize;
+            let free = rng.random_range(0..=total);
+            let f: f64 = rng.random_range(0.05..=1.0);
+            let bpt = rng.random_range(1_000..300_000usize);
+            let bs = 16;
+            let block = (bpt * bs) as f64;
+            let dev = Some((free, total));
+            let size = KvCacheSize::DeviceFraction(f);
+            // f64 reference: in use afterwards at most f × total, one more block would pass it.
+            let in_use = (total - free) as f64;
+            let room = (total as f64 * f - in_use) / block;
+            match kv_cache_blocks(size, bpt, bs, 4096, 8, dev) {
+                Ok(n) => {
+                    let after = in_use + n as f64 * block;
+                    assert!(after <= total as f64 * f + 1.0, "{after} > {f} × {total}");
+                    assert!(after + block > total as f64 * f - 1.0);
+                    assert!((room.floor() - n as f64).abs() <= 1.0);
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    assert!(
+                        room < 1.0 + 1e-9 || room > (i32::MAX / bs as i32) as f64,
+                        "{msg}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_sizes_are_clear_errors() {
+        let err = |size, dev| {
+            kv_cache_blocks(size, 1024, 16, 4096, 8, dev)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(KvCacheSize::Bytes(1000), None).contains("holds no block"));
+        assert!(err(KvCacheSize::Bytes(u64::MAX), None).contains("more than"));
+        for f in [0.0, -0.5, 1.5, f64::NAN, f64::INFINITY] {
+            let msg = err(KvCacheSize::DeviceFraction(f), Some((1 << 30, 1 << 31)));
+            assert!(msg.contains("fraction"), "{f}: {msg}");
+        }
+        let cpu = err(KvCacheSize::DeviceFraction(0.9), None);
+        assert!(cpu.contains("--kv-memory"), "{cpu}");
+        // Half the memory already in use, a 40% budget: nothing left.
+        let full = err(KvCacheSize::DeviceFraction(0.4), Some((1 << 30, 1 << 31)));
+        assert!(full.contains("no room"), "{full}");
+        assert_eq!(
+            kv_cache_blocks(KvCacheSize::PerSequence, 1024, 16, 100, 3, None).unwrap(),
+            7 * 3
+        );
     }
 }

@@ -10,6 +10,8 @@ pub mod scheduler;
 pub mod spec;
 pub mod stop;
 
-pub use engine::{Engine, EngineOptions, Sequence};
+pub use engine::{
+    Engine, EngineOptions, KvCacheSize, Sequence, kv_bytes_per_token, kv_cache_blocks,
+};
 pub use kv::{BlockManager, OutOfBlocks};
 pub use stop::StopMatcher;

@@ -145,6 +145,11 @@ pub enum SubmitError {
     TokenOutOfRange { index: usize, id: u32, vocab: usize },
     #[error("the prompt has {len} tokens, the context holds {ctx}")]
     PromptTooLong { len: usize, ctx: usize },
+    #[error(
+        "the prompt has {len} tokens, the whole KV cache holds {positions} positions \
+         (the server's --kv-memory)"
+    )]
+    PromptExceedsCache { len: usize, positions: usize },
     #[error("max_tokens must be at least 1")]
     NoTokens,
     #[error("bad sampling parameters: {0}")]
@@ -198,9 +203,12 @@ impl Default for SchedulerOptions {
 #[derive(Debug, Clone)]
 pub struct SchedulerInfo {
     pub vocab_size: usize,
+    /// Most positions of one sequence: the context size, or the whole cache if smaller.
     pub ctx: usize,
     pub n_blocks: usize,
     pub block_size: usize,
+    /// Bytes of keys and values one cached position takes over all layers.
+    pub kv_bytes_per_token: usize,
     pub max_seqs: usize,
     pub arch: String,
     pub backend: String,
@@ -282,6 +290,13 @@ impl SchedulerHandle {
                 index,
                 id,
                 vocab: info.vocab_size,
+            });
+        }
+        let positions = info.n_blocks * info.block_size;
+        if req.prompt.len() > positions {
+            return Err(SubmitError::PromptExceedsCache {
+                len: req.prompt.len(),
+                positions,
             });
         }
         if req.prompt.len() > info.ctx {
@@ -609,6 +624,7 @@ impl<B: Backend> Scheduler<B> {
             ctx: self.engine.ctx,
             n_blocks: self.engine.blocks.n_blocks(),
             block_size: self.engine.blocks.block_size(),
+            kv_bytes_per_token: self.engine.kv_bytes_per_token,
             max_seqs: self.opts.max_seqs,
             arch: cfg.arch.name().to_string(),
             backend: self.engine.backend.name(),
@@ -1471,6 +1487,208 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn tiny_file(seed: u64) -> std::sync::Arc<kestrel_gguf::GgufFile> {
+        use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+        let cfg = SynthConfig::tiny(kestrel_model::Arch::Qwen2);
+        let ty: WeightType = "q8_0".parse().unwrap();
+        let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, seed).unwrap();
+        std::sync::Arc::new(kestrel_gguf::GgufFile::from_bytes(bytes).unwrap())
+    }
+
+    /// An engine whose cache holds `blocks` blocks of 16 positions, sized in bytes.
+    fn engine_of_blocks(
+        file: &std::sync::Arc<kestrel_gguf::GgufFile>,
+        ctx: usize,
+        blocks: usize,
+        max_seqs: usize,
+    ) -> Engine<kestrel_cpu::CpuBackend> {
+        use crate::engine::{EngineOptions, KvCacheSize, kv_bytes_per_token};
+        let opts = EngineOptions {
+            ctx,
+            max_batch_tokens: 64,
+            max_logit_rows: max_seqs,
+            block_size: 16,
+            max_seqs,
+        };
+        let cfg = kestrel_model::ModelConfig::from_gguf(file).unwrap();
+        let kv = kestrel_model::KvTypes::default();
+        // A few bytes short of one more block: the count is rounded down.
+        let bytes = (blocks * 16 * kv_bytes_per_token(&cfg, kv) + 100) as u64;
+        let backend = kestrel_cpu::CpuBackend::new(kestrel_cpu::Kernels::Fast);
+        let e =
+            Engine::with_cache_size(backend, file.clone(), &opts, kv, KvCacheSize::Bytes(bytes))
+                .unwrap();
+        assert_eq!(e.blocks.n_blocks(), blocks);
+        e
+    }
+
+    /// What the scheduler's channel carries.
+    type Submission = (Request, Option<Box<dyn TokenFilter>>);
+
+    /// A request's tokens all arrive on this channel, then `Done`.
+    fn request(prompt: Vec<u32>, max_tokens: usize) -> (Submission, mpsc::Receiver<Event>) {
+        let (tx, rx) = mpsc::channel();
+        let req = Request {
+            prompt,
+            params: SamplerParams::greedy(),
+            max_tokens,
+            logprobs: None,
+            speculative: false,
+            sink: Box::new(tx),
+        };
+        ((req, None), rx)
+    }
+
+    /// Drives the scheduler step by step over a cache of a few blocks and checks the policy
+    /// at every step: admission first come first served, only while the request's blocks
+    /// plus one block per running sequence are free (and it stops only when they are not);
+    /// preemption takes the newest running sequences, which go back to the front of the
+    /// queue; every block is free or held by exactly the running sequences; and every request
+    /// completes with the greedy tokens it gets alone. Without the prefix cache, so blocks
+    /// are counted exactly.
+    #[test]
+    fn admission_by_free_blocks_and_preemption_of_the_newest() {
+        use rand::{Rng, SeedableRng};
+        let mut total_preemptions = 0;
+        for seed in 0..4u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let file = tiny_file(seed);
+            let n_blocks = rng.random_range(9..14);
+            let max_seqs = rng.random_range(3..7);
+            let engine = engine_of_blocks(&file, 512, n_blocks, max_seqs);
+            // The whole cache is less than the context: a sequence stops at the cache's end.
+            assert_eq!(engine.ctx, n_blocks * 16);
+            let vocab = engine.config().vocab_size as u32;
+            let (_tx, rx) = mpsc::channel();
+            let opts = SchedulerOptions {
+                max_seqs,
+                max_prefill_tokens: 40,
+                prefix_cache: false,
+                ..SchedulerOptions::default()
+            };
+            let stats = Arc::new(SchedulerStats::default());
+            let mut s = Scheduler::new(engine, opts, rx, stats.clone());
+            let n_req = 10;
+            let mut jobs = Vec::new();
+            for k in 0..n_req {
+                // The first token names the request.
+                let len = rng.random_range(1..70);
+                let prompt: Vec<u32> = std::iter::once(k as u32)
+                    .chain((1..len).map(|_| rng.random_range(n_req as u32..vocab)))
+                    .collect();
+                // One request runs into the end of the whole cache.
+                let n = if k == 3 {
+                    10_000
+                } else {
+                    rng.random_range(5..60)
+                };
+                let (req, events) = request(prompt.clone(), n);
+                s.stats.waiting.fetch_add(1, Ordering::Relaxed);
+                s.enqueue(Job::Generate(req.0, req.1));
+                jobs.push((prompt, n, events));
+            }
+            let id = |q: &Seq| q.tokens[0];
+            let mut steps = 0;
+            while !s.running.is_empty() || !s.waiting.is_empty() {
+                steps += 1;
+                assert!(steps < 5000, "seed {seed}: no progress");
+                let waiting_before: Vec<u32> = s.waiting.iter().map(id).collect();
+                let n_running = s.running.len();
+                s.admit();
+                let admitted: Vec<u32> = s.running[n_running..].iter().map(id).collect();
+                assert_eq!(
+                    admitted[..],
+                    waiting_before[..admitted.len()],
+                    "seed {seed}: first come, first served"
+                );
+                let blocks = &s.engine.blocks;
+                if !admitted.is_empty() {
+                    // The last admitted took its blocks with one per earlier sequence left.
+                    assert!(blocks.n_free() >= s.running.len() - 1, "seed {seed}");
+                }
+                if let Some(front) = s.waiting.front()
+                    && s.running.len() < max_seqs
+                {
+                    let needed = blocks.blocks_for(front.tokens.len());
+                    assert!(
+                        needed + s.running.len() > blocks.n_free(),
+                        "seed {seed}: request {} left waiting with {needed} blocks needed, \
+                         {} free, {} running",
+                        id(front),
+                        blocks.n_free(),
+                        s.running.len()
+                    );
+                }
+                let running_before: Vec<u32> = s.running.iter().map(id).collect();
+                let preempted_before = stats.preemptions.load(Ordering::Relaxed);
+                let waiting_len = s.waiting.len();
+                s.step();
+                let preempted =
+                    (stats.preemptions.load(Ordering::Relaxed) - preempted_before) as usize;
+                let requeued: Vec<u32> = s.waiting.iter().take(preempted).map(id).collect();
+                assert_eq!(s.waiting.len(), waiting_len + preempted, "seed {seed}");
+                // The newest first: the queue's front is the oldest of those preempted.
+                let newest: Vec<u32> = running_before[running_before.len() - preempted..].to_vec();
+                assert_eq!(
+                    requeued, newest,
+                    "seed {seed}: preempted the newest sequences"
+                );
+                for q in s.waiting.iter().take(preempted) {
+                    assert!(
+                        q.block_table.is_empty(),
+                        "a preempted sequence keeps no block"
+                    );
+                }
+                let held: usize = s.running.iter().map(|q| q.block_table.len()).sum();
+                let blocks = &s.engine.blocks;
+                assert_eq!(held + blocks.n_free(), blocks.n_blocks(), "seed {seed}");
+            }
+            let got_preempted = stats.preemptions.load(Ordering::Relaxed);
+            total_preemptions += got_preempted;
+            let mut alone = engine_of_blocks(&file, 512, n_blocks, 1);
+            for (prompt, n, events) in jobs {
+                let mut ids = Vec::new();
+                let mut done = None;
+                for ev in events.try_iter() {
+                    match ev {
+                        Event::Token { id, .. } => ids.push(id),
+                        Event::Done { reason, .. } => done = Some(reason),
+                        Event::Error(e) => panic!("seed {seed}: {e}"),
+                    }
+                }
+                let mut seq = crate::Sequence::default();
+                let want = alone
+                    .generate(
+                        &mut seq,
+                        &prompt,
+                        &SamplerParams::greedy(),
+                        n,
+                        |_| false,
+                        |_| true,
+                    )
+                    .unwrap();
+                alone.release(&mut seq);
+                assert_eq!(
+                    ids, want,
+                    "seed {seed}: request {} (preempted {got_preempted})",
+                    prompt[0]
+                );
+                assert_eq!(done, Some(FinishReason::Length), "seed {seed}");
+                if n == 10_000 {
+                    assert_eq!(
+                        prompt.len() + ids.len(),
+                        n_blocks * 16 + 1,
+                        "stops at the cache's end"
+                    );
+                }
+            }
+        }
+        assert!(
+            total_preemptions > 0,
+            "the caches were sized to force preemption"
+        );
     }
 
     #[test]

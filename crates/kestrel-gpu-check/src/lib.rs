@@ -8,7 +8,7 @@ use kestrel_cpu::{CpuBackend, Kernels, Numerics};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::{GgmlType, GgufFile};
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
-use kestrel_model::{Arch, Batch, SeqSlot};
+use kestrel_model::{Arch, Batch, KvType, KvTypes, SeqSlot};
 use rand::{Rng, SeedableRng};
 
 use kestrel_cuda::CudaBackend;
@@ -337,7 +337,15 @@ pub fn compare_batched(
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
-    compare_batched_of(tiny_model(arch, ty, seed)?, arch, ty, lens, seed, ordinal)
+    compare_batched_of(
+        tiny_model(arch, ty, seed)?,
+        arch,
+        ty,
+        lens,
+        seed,
+        ordinal,
+        KvTypes::default(),
+    )
 }
 
 /// [`compare_batched`] on [`tiny_model_heads`].
@@ -350,7 +358,23 @@ pub fn compare_batched_heads(
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
     let file = tiny_model_heads(arch, ty, seed, heads)?;
-    compare_batched_of(file, arch, ty, lens, seed, ordinal)
+    compare_batched_of(file, arch, ty, lens, seed, ordinal, KvTypes::default())
+}
+
+/// [`compare_batched_heads`] with the cache stored as `kv` (both runs on the GPU): the
+/// quantized attention of several sequences per step (prompt parts, then batched decode)
+/// against each sequence alone.
+pub fn compare_batched_cache(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    lens: &[usize],
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    compare_batched_of(file, arch, ty, lens, seed, ordinal, kv)
 }
 
 fn compare_batched_of(
@@ -360,12 +384,13 @@ fn compare_batched_of(
     lens: &[usize],
     seed: u64,
     ordinal: usize,
+    kv: KvTypes,
 ) -> anyhow::Result<LogitReport> {
     let opts = EngineOptions {
         max_seqs: lens.len() + 1,
         ..options(100)
     };
-    let mut gpu = Engine::new(CudaBackend::new(ordinal)?, file.clone(), &opts)?;
+    let mut gpu = Engine::with_cache_types(CudaBackend::new(ordinal)?, file.clone(), &opts, kv)?;
     let vocab = gpu.config().vocab_size as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xba7c);
     const DECODE: usize = 4;
@@ -806,8 +831,9 @@ pub fn compare_gemv(
     match &up {
         Some((up_w, _)) => {
             let mut up_out = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-            backend.gate_up_of(
+            let _gated = backend.gate_up_of(
                 &xt,
+                kestrel_cuda::Prepared::Nothing,
                 &weight,
                 up_w,
                 kestrel_model::Activation::Silu,
@@ -818,7 +844,8 @@ pub fn compare_gemv(
         }
         None if product == Product::AddInto => {
             let mut tmp = backend.upload_tensor(n, rows, &vec![f32::NAN; n * rows])?;
-            backend.matmul_add(&xt, &weight, n, &mut tmp, &mut out);
+            let nothing = kestrel_cuda::Prepared::Nothing;
+            backend.matmul_add(&xt, nothing, &weight, n, &mut tmp, &mut out);
         }
         None => backend.matmul(&xt, &weight, n, &mut out),
     }
@@ -1181,6 +1208,7 @@ pub fn compare_argmax(
             kv_len: n,
         }],
         logit_rows: (0..(n - from) as u32).collect(),
+        invariant: false,
         ..Batch::default()
     };
     let (mut compared, mut differ) = (0, 0);
@@ -1327,4 +1355,730 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
         }
     }
     Ok(report)
+}
+
+/// Result of [`compare_invariant`].
+#[derive(Debug, Clone)]
+pub struct InvariantReport {
+    pub arch: Arch,
+    pub ty: String,
+    /// Logit rows compared (tokens of the batch-invariant steps).
+    pub rows: usize,
+    /// Rows with any logit not bit-identical to the single-token step's, and the largest
+    /// |Δ| among them.
+    pub differing: usize,
+    pub max_abs_diff: f32,
+    /// Greedy ids of speculative generation (prompt lookup) and of plain generation, and
+    /// the drafts that were verified.
+    pub spec: Vec<u32>,
+    pub plain: Vec<u32>,
+    pub drafted: usize,
+}
+
+impl InvariantReport {
+    pub fn passed(&self) -> bool {
+        self.rows > 0 && self.differing == 0 && self.spec == self.plain && self.drafted > 0
+    }
+}
+
+/// Batch-invariant steps (speculative verification) on the GPU: after a random prompt,
+/// steps of 8, 5 and 2 tokens evaluated as one invariant step each must give every token's
+/// logits bit for bit as single-token steps over the same tokens do (the first step's
+/// positions cross a power of two, where attention's split count changes); then greedy
+/// generation with prompt lookup must give the ids plain generation gives.
+pub fn compare_invariant(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<InvariantReport> {
+    let file = tiny_model(arch, ty, seed)?;
+    let mut gpu = cuda_engine(&file, ordinal)?;
+    let vocab = gpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5bd1);
+    let mut random =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    let prompt = random(29);
+    let steps = [random(8), random(5), random(2)];
+
+    let mut one = Sequence::default();
+    let mut together = Sequence::default();
+    gpu.eval(&mut one, &prompt, false, |_, _| {})?;
+    gpu.eval(&mut together, &prompt, false, |_, _| {})?;
+    let (mut rows, mut differing, mut max_abs_diff) = (0, 0, 0.0f32);
+    for tokens in &steps {
+        let mut alone = Vec::new();
+        for &t in tokens {
+            gpu.eval(&mut one, &[t], false, |_, l| alone.push(l.to_vec()))?;
+        }
+        let mut batched = Vec::new();
+        gpu.eval_invariant(&mut together, tokens, |_, l| batched.push(l.to_vec()))?;
+        anyhow::ensure!(
+            batched.len() == alone.len(),
+            "{} rows for {}",
+            batched.len(),
+            alone.len()
+        );
+        for (a, b) in alone.iter().zip(&batched) {
+            rows += 1;
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            if !same {
+                differing += 1;
+                max_abs_diff = max_abs_diff.max(d);
+            }
+        }
+    }
+    gpu.release(&mut one);
+    gpu.release(&mut together);
+
+    // A prompt that repeats itself, so prompt lookup drafts; greedy either way.
+    let mut prompt = random(24);
+    prompt.extend_from_within(..20);
+    let params = kestrel_engine::sampler::SamplerParams::greedy();
+    let mut seq = Sequence::default();
+    let (plain, _) =
+        gpu.generate_speculative(&mut seq, &prompt, &params, 48, |_| false, |_| true, None)?;
+    gpu.release(&mut seq);
+    let drafter = kestrel_engine::spec::NgramDrafter::new(1, 4)?;
+    let mut spec = kestrel_engine::spec::Speculator::new(Box::new(drafter), 1, 7);
+    let (fast, stats) = gpu.generate_speculative(
+        &mut seq,
+        &prompt,
+        &params,
+        48,
+        |_| false,
+        |_| true,
+        Some(&mut spec),
+    )?;
+    gpu.release(&mut seq);
+    Ok(InvariantReport {
+        arch,
+        ty: ty.to_string(),
+        rows,
+        differing,
+        max_abs_diff,
+        spec: fast,
+        plain,
+        drafted: stats.drafted,
+    })
+}
+
+/// The cache storage types (keys, values) the CUDA attention reads besides f16/f16: both
+/// quantized, and each alone (a launch mixing an f16 and a quantized tensor).
+pub const CACHE_TYPES: [(KvType, KvType); 4] = [
+    (KvType::Q8_0, KvType::Q8_0),
+    (KvType::F16, KvType::Q8_0),
+    (KvType::Q8_0, KvType::F16),
+    (KvType::Q4_0, KvType::Q4_0),
+];
+
+/// The cache types of the attention check against f64 ([`compare_attention_cache`]):
+/// f16 (the existing kernels, as a control), q8_0, fp8 (the CPU has no fp8: this is its
+/// only oracle) and mixed pairs.
+pub const ATTN_CACHE_TYPES: [(KvType, KvType); 7] = [
+    (KvType::F16, KvType::F16),
+    (KvType::Q8_0, KvType::Q8_0),
+    (KvType::Fp8, KvType::Fp8),
+    (KvType::Q4_0, KvType::Q4_0),
+    (KvType::Fp8, KvType::F16),
+    (KvType::Q8_0, KvType::Fp8),
+    (KvType::Q4_0, KvType::Q8_0),
+];
+
+/// E4M3's value of code `c` (0x7f and 0xff are NaN and never written).
+pub fn e4m3_value(c: u8) -> f64 {
+    let e = i32::from((c >> 3) & 15);
+    let m = f64::from(c & 7);
+    let a = if e == 0 {
+        m / 8.0 * 2f64.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f64.powi(e - 7)
+    };
+    if c & 0x80 != 0 { -a } else { a }
+}
+
+/// The E4M3 code nearest `x` (saturating at ±448; on a tie the even code), found by
+/// searching all codes: the reference of the GPU's bit-twiddling encoder.
+pub fn e4m3_nearest(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = f64::from(x.abs()).min(448.0);
+    let mut best = 0u8;
+    for c in 1..=0x7eu8 {
+        let (d, db) = ((e4m3_value(c) - a).abs(), (e4m3_value(best) - a).abs());
+        if d < db || (d == db && c % 2 == 0) {
+            best = c;
+        }
+    }
+    sign | best
+}
+
+/// `x` (whole 32-value blocks) as the GPU stores fp8 K/V, in the CPU layout of
+/// [`CudaBackend::read_cache_layer`]: per block the f16 scale `amax / 448`, then the 32
+/// codes of `x · (448 / amax)` (f32 arithmetic, as the kernel).
+pub fn quantize_fp8_blocks(x: &[f32], out: &mut [u8]) {
+    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let id = if amax != 0.0 { 448.0 / amax } else { 0.0 };
+        let d = half::f16::from_f32(amax / 448.0);
+        ob[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+        for (o, &v) in ob[2..].iter_mut().zip(xb) {
+            *o = e4m3_nearest(v * id);
+        }
+    }
+}
+
+/// Values of one row stored as `t` in the CPU layout (f16, or blocks of an f16 scale and
+/// 32 Q8_0 / fp8 quants or 16 bytes of Q4_0 nibbles), in f64.
+fn dequantize_row(t: KvType, bytes: &[u8], out: &mut Vec<f64>) -> anyhow::Result<()> {
+    out.clear();
+    let f16 = |b: &[u8]| f64::from(half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+    match t {
+        KvType::F16 => out.extend(bytes.chunks_exact(2).map(f16)),
+        KvType::Q8_0 | KvType::Fp8 => {
+            for blk in bytes.chunks_exact(34) {
+                let d = f16(&blk[..2]);
+                out.extend(blk[2..].iter().map(|&q| {
+                    d * if t == KvType::Q8_0 {
+                        f64::from(q as i8)
+                    } else {
+                        e4m3_value(q)
+                    }
+                }));
+            }
+        }
+        KvType::Q4_0 => {
+            for blk in bytes.chunks_exact(18) {
+                let d = f16(&blk[..2]);
+                let q = |j: usize| f64::from(blk[2 + (j & 15)] >> (4 * (j >> 4)) & 15) - 8.0;
+                out.extend((0..32).map(|j| d * q(j)));
+            }
+        }
+        other => anyhow::bail!("no CUDA cache layout for {other}"),
+    }
+    Ok(())
+}
+
+/// The GPU's attention over a cache of one type pair against f64 attention over the very
+/// values that cache holds (read back and dequantized here), so only the kernels' own
+/// arithmetic is measured.
+#[derive(Debug, Clone)]
+pub struct AttnReport {
+    pub kv: KvTypes,
+    pub heads: (usize, usize, usize),
+    /// Cached positions, and the step sizes checked at its end.
+    pub positions: usize,
+    pub steps: Vec<usize>,
+    pub max_abs_diff: f64,
+    pub max_abs_out: f64,
+    pub non_finite: usize,
+}
+
+/// Largest |Δ| of the quantized caches' kernels (f32 arithmetic: sums of a few hundred
+/// terms and `expf`, ~1e-5), relative to max(1, max |output|); a wrong offset, scale or
+/// kind is off by the size of the output itself.
+pub const MAX_ATTN_REL_DIFF: f64 = 1e-3;
+/// The same for the f16 cache (the control): its prompt chunks run on the tensor cores
+/// with the queries and the probabilities rounded to f16 (11 bits, ~5e-4 each).
+pub const MAX_ATTN_REL_DIFF_F16: f64 = 5e-3;
+
+impl AttnReport {
+    pub fn passed(&self) -> bool {
+        let rel = if self.kv == KvTypes::default() {
+            MAX_ATTN_REL_DIFF_F16
+        } else {
+            MAX_ATTN_REL_DIFF
+        };
+        self.non_finite == 0
+            && self.max_abs_out > 0.0
+            && self.max_abs_diff <= rel * self.max_abs_out.max(1.0)
+    }
+}
+
+/// Stores `positions` random key and value rows of one sequence (shuffled block table)
+/// through `store_kv` into a GPU cache of types `kv`, then runs `Backend::attention` for
+/// steps of 1, 5 and 40 tokens at the sequence's end (split decode, multi-token decode,
+/// a prompt chunk) with random queries, and compares each output with f64 causal attention
+/// over the stored values read back from the GPU. `heads` = (query heads, kv heads, head
+/// size).
+pub fn compare_attention_cache(
+    backend: &CudaBackend,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    positions: usize,
+    seed: u64,
+) -> anyhow::Result<AttnReport> {
+    use kestrel_model::{AttnParams, Backend, ModelConfig};
+    let file = tiny_model_heads(Arch::Llama, "f16", seed, heads)?;
+    let cfg = ModelConfig::from_gguf(&file)?;
+    let (n_head, n_head_kv, hd) = heads;
+    let kv_dim = cfg.kv_dim();
+    let steps = vec![1usize, 5, 40];
+    anyhow::ensure!(positions >= 40, "at least 40 positions");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xa77e);
+    let n_blocks = positions.div_ceil(16) + 2;
+    let mut cache = backend.new_cache_typed(&cfg, n_blocks, 16, kv)?;
+    let mut table: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..table.len()).rev() {
+        table.swap(i, rng.random_range(0..=i));
+    }
+    table.truncate(positions.div_ceil(16));
+    let rows = |n: usize, rng: &mut rand::rngs::StdRng| -> Vec<f32> {
+        (0..n * kv_dim / 32)
+            .flat_map(|_| {
+                let scale = rng.random_range(0.1f32..3.0);
+                (0..32)
+                    .map(|_| rng.random_range(-scale..scale))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let k = rows(positions, &mut rng);
+    let v = rows(positions, &mut rng);
+    let mut step = backend.new_step(&cfg, positions)?;
+    let mut batch = Batch::default();
+    batch.push_part(0, &vec![0u32; positions], 0, &table, 0);
+    backend.prepare_step(&batch, &mut step)?;
+    let kt = backend.upload_tensor(positions, kv_dim, &k)?;
+    let vt = backend.upload_tensor(positions, kv_dim, &v)?;
+    backend.store_kv(&mut cache, 0, &kt, &vt, &step, positions);
+    let (gk, gv) = backend.read_cache_layer(&cache, 0)?;
+    let (kb, vb) = (kv.k.bytes(kv_dim), kv.v.bytes(kv_dim));
+    // The stored keys and values of every position, dequantized (position-major).
+    let (mut kf, mut vf) = (Vec::new(), Vec::new());
+    let mut row = Vec::new();
+    for pos in 0..positions {
+        let slot = table[pos / 16] as usize * 16 + pos % 16;
+        dequantize_row(kv.k, &gk[slot * kb..(slot + 1) * kb], &mut row)?;
+        kf.extend_from_slice(&row);
+        dequantize_row(kv.v, &gv[slot * vb..(slot + 1) * vb], &mut row)?;
+        vf.extend_from_slice(&row);
+    }
+    let p = AttnParams {
+        layer: 0,
+        n_head,
+        n_head_kv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+    };
+    let mut report = AttnReport {
+        kv,
+        heads,
+        positions,
+        steps: steps.clone(),
+        max_abs_diff: 0.0,
+        max_abs_out: 0.0,
+        non_finite: 0,
+    };
+    let width = n_head * hd;
+    for &n in &steps {
+        let start = positions - n;
+        let mut batch = Batch::default();
+        batch.push_part(0, &vec![0u32; n], start, &table, 0);
+        backend.prepare_step(&batch, &mut step)?;
+        let q: Vec<f32> = (0..n * width)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let qt = backend.upload_tensor(n, width, &q)?;
+        let mut out = backend.upload_tensor(n, width, &vec![f32::NAN; n * width])?;
+        backend.attention(&qt, &cache, &p, &step, n, &mut out);
+        let mut got = Vec::new();
+        backend.read_rows(&out, n, &mut got)?;
+        for i in 0..n {
+            let pos = start + i;
+            for h in 0..n_head {
+                let g = h / (n_head / n_head_kv);
+                let qh = &q[i * width + h * hd..i * width + (h + 1) * hd];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|t| {
+                        let kr = &kf[t * kv_dim + g * hd..t * kv_dim + (g + 1) * hd];
+                        qh.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| f64::from(a) * b)
+                            .sum::<f64>()
+                            * f64::from(p.scale)
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = w
+                        .iter()
+                        .enumerate()
+                        .map(|(t, wt)| wt * vf[t * kv_dim + g * hd + d])
+                        .sum::<f64>()
+                        / sum;
+                    let have = got[i * width + h * hd + d];
+                    if !have.is_finite() {
+                        report.non_finite += 1;
+                        continue;
+                    }
+                    report.max_abs_diff = report.max_abs_diff.max((want - f64::from(have)).abs());
+                    report.max_abs_out = report.max_abs_out.max(want.abs());
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// `store_kv` on the GPU into a cache of `kv`'s types against the CPU backend's quantizer
+/// (fp8: [`quantize_fp8_blocks`]).
+#[derive(Debug, Clone)]
+pub struct StoreReport {
+    pub kv: KvTypes,
+    pub kv_dim: usize,
+    pub tokens: usize,
+    /// Bytes of every written slot's key and value rows (CPU layout) compared.
+    pub bytes: usize,
+    /// Bytes that differ. The GPU quantizes with the same IEEE operations as the CPU
+    /// (`amax`, `127 / amax` as f32, `x · id` rounded half to even, the scale `amax / 127`
+    /// rounded to f16; fp8 likewise with 448 and the nearest E4M3 code), so the rows must
+    /// be identical.
+    pub differing: usize,
+    /// The first differing (token, keys or values, byte in its row), if any.
+    pub first: Option<(usize, &'static str, usize)>,
+}
+
+impl StoreReport {
+    pub fn passed(&self) -> bool {
+        self.differing == 0 && self.bytes > 0
+    }
+}
+
+/// Writes `n` random key and value rows (`heads` = (query heads, kv heads, head size)) at
+/// scattered positions of one sequence (a shuffled block table, positions not from 0)
+/// through `Backend::store_kv` into a GPU cache of types `kv`, reads the written slots back
+/// in the CPU's layout and compares them byte for byte with
+/// `kestrel_cpu::numerics::quantize_like_ggml` (what the CPU backend stores) of the same
+/// rows. The rows mix scales (1e-3 to 1e2), all-zero blocks and blocks with a single
+/// non-zero value, where rounding ties and the zero scale show.
+pub fn compare_store_kv(
+    backend: &CudaBackend,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    n: usize,
+    seed: u64,
+) -> anyhow::Result<StoreReport> {
+    use kestrel_model::{Backend, ModelConfig};
+    let file = tiny_model_heads(Arch::Llama, "f16", seed, heads)?;
+    let cfg = ModelConfig::from_gguf(&file)?;
+    let kv_dim = cfg.kv_dim();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x570e);
+    let start = rng.random_range(0..40);
+    let n_blocks = (start + n).div_ceil(16) + 3;
+    let mut cache = backend.new_cache_typed(&cfg, n_blocks, 16, kv)?;
+    let mut table: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..table.len()).rev() {
+        table.swap(i, rng.random_range(0..=i));
+    }
+    table.truncate((start + n).div_ceil(16));
+    let row = |rng: &mut rand::rngs::StdRng| -> Vec<f32> {
+        let mut x = Vec::with_capacity(kv_dim);
+        for _ in 0..kv_dim / 32 {
+            let scale = 10f32.powf(rng.random_range(-3.0..2.0));
+            match rng.random_range(0..8) {
+                0 => x.extend([0.0; 32]),
+                1 => {
+                    let at = rng.random_range(0..32);
+                    x.extend((0..32).map(|j| if j == at { -scale } else { 0.0 }));
+                }
+                _ => x.extend((0..32).map(|_| rng.random_range(-scale..scale))),
+            }
+        }
+        x
+    };
+    let k: Vec<f32> = (0..n).flat_map(|_| row(&mut rng)).collect();
+    let v: Vec<f32> = (0..n).flat_map(|_| row(&mut rng)).collect();
+    let mut batch = Batch::default();
+    let tokens = vec![0u32; n];
+    batch.push_part(0, &tokens, start, &table, 0);
+    let mut step = backend.new_step(&cfg, n)?;
+    backend.prepare_step(&batch, &mut step)?;
+    let kt = backend.upload_tensor(n, kv_dim, &k)?;
+    let vt = backend.upload_tensor(n, kv_dim, &v)?;
+    backend.store_kv(&mut cache, 0, &kt, &vt, &step, n);
+    let (gk, gv) = backend.read_cache_layer(&cache, 0)?;
+    let mut report = StoreReport {
+        kv,
+        kv_dim,
+        tokens: n,
+        bytes: 0,
+        differing: 0,
+        first: None,
+    };
+    for (what, t, src, got) in [("keys", kv.k, &k, &gk), ("values", kv.v, &v, &gv)] {
+        let row_bytes = t.bytes(kv_dim);
+        let mut want = vec![0u8; row_bytes];
+        for i in 0..n {
+            let pos = start + i;
+            let slot = table[pos / 16] as usize * 16 + pos % 16;
+            let x = &src[i * kv_dim..(i + 1) * kv_dim];
+            match t.ggml() {
+                Some(g) => anyhow::ensure!(
+                    kestrel_cpu::numerics::quantize_like_ggml(g, x, &mut want),
+                    "the CPU quantizer refused a row of {kv_dim} values as {t}"
+                ),
+                // fp8: no CPU type; the reference quantizer here.
+                None => quantize_fp8_blocks(x, &mut want),
+            }
+            let have = &got[slot * row_bytes..(slot + 1) * row_bytes];
+            report.bytes += row_bytes;
+            for (b, (x, y)) in want.iter().zip(have).enumerate() {
+                if x != y {
+                    report.differing += 1;
+                    report.first.get_or_insert((i, what, b));
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// [`compare_logits_heads`] with both engines' caches stored as `kv`: the CPU (f32
+/// activations) stores its keys and values with the quantizer [`compare_store_kv`] checks
+/// the GPU's against, so the two caches differ only where a key or value computed on the
+/// GPU lands on the other side of a rounding boundary; every step shape goes through the
+/// GPU's `_q` attention kernels (decode steps, 40- and 100-token chunks in 64-token split
+/// launches). Same bound as the f16 check (GPU on f32 activations), but for 4-bit caches
+/// that of a one-sided 8-bit rounding (`MAX_REL_DIFF_Q8`): where a key or value computed
+/// on the GPU crosses a rounding boundary, a Q4_0 block moves it by a sixteenth of its
+/// range, not Q8_0's 1/255 (H100, 2026-11-26: q4_0 caches 1.1% and 1.3% of the largest
+/// logit, q8_0 and fp8 within 1%).
+pub fn compare_logits_cache(
+    arch: Arch,
+    ty: &str,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_heads(arch, ty, seed, heads)?;
+    let cpu_backend = CpuBackend::with_numerics(Kernels::Fast, Numerics::F32);
+    let mut cpu = Engine::with_cache_types(cpu_backend, file.clone(), &options(256), kv)?;
+    let mut gpu = Engine::with_cache_types(CudaBackend::new(ordinal)?, file, &options(100), kv)?;
+    gpu.backend.set_q8_decode(false);
+    let vocab = cpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let a = all_logits(&mut cpu, &tokens)?;
+    let b = all_logits_in_parts(&mut gpu, &tokens, &ATTN_PARTS)?;
+    anyhow::ensure!(
+        a.len() == n && b.len() == n,
+        "expected {n} rows of logits, got {} (cpu) and {} (cuda)",
+        a.len(),
+        b.len()
+    );
+    let mut report = logit_report(arch, &format!("{ty} kv {}/{}", kv.k, kv.v), &a, &b);
+    report.q8 = [kv.k, kv.v].contains(&KvType::Q4_0);
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// kernels/attention.cu's `f32_to_e4m3`, transcribed, to check its bit arithmetic
+    /// against the search over all codes.
+    fn e4m3_like_the_kernel(x: f32) -> u8 {
+        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+        let a = x.abs().min(448.0);
+        if a < 0.015625 {
+            return sign | (a * 512.0).round_ties_even() as u8;
+        }
+        let mut b = a.to_bits();
+        b += 0x7ffff + ((b >> 20) & 1);
+        let e = (b >> 23) as i32 - 127;
+        sign | (((e + 7) << 3) as u8 | ((b >> 20) & 7) as u8)
+    }
+
+    #[test]
+    fn e4m3_codes_round_trip_and_the_kernel_encoder_agrees() {
+        for c in (0..=0xffu8).filter(|c| c & 0x7f != 0x7f) {
+            let x = e4m3_value(c) as f32;
+            let want = if c == 0x80 { 0x80 } else { c };
+            assert_eq!(e4m3_nearest(x), want, "code {c:#x} = {x}");
+            assert_eq!(e4m3_like_the_kernel(x), want, "code {c:#x} = {x}");
+        }
+        assert_eq!(e4m3_nearest(1e9), 0x7e);
+        assert_eq!(e4m3_nearest(-500.0), 0xfe);
+        // Halfway between 1 (0x38) and 1.125 (0x39): the even code.
+        assert_eq!(e4m3_nearest(1.0625), 0x38);
+        assert_eq!(e4m3_nearest(1.1875), 0x3a);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for _ in 0..200_000 {
+            let x = rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-12..10));
+            assert_eq!(e4m3_like_the_kernel(x), e4m3_nearest(x), "{x:e}");
+        }
+        // Midpoints exactly: every tie between neighbouring codes.
+        for c in 0..0x7du8 {
+            let mid = ((e4m3_value(c) + e4m3_value(c + 1)) / 2.0) as f32;
+            assert_eq!(e4m3_like_the_kernel(mid), e4m3_nearest(mid), "{mid:e}");
+            assert_eq!(e4m3_nearest(mid) % 2, 0, "{mid:e}");
+        }
+    }
+
+    /// The f64 reference's decoder of the CPU-layout rows against kestrel-quant's.
+    #[test]
+    fn the_reference_decodes_ggml_rows_as_kestrel_quant() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        for t in [KvType::F16, KvType::Q8_0, KvType::Q4_0] {
+            let g = t.ggml().unwrap();
+            let x: Vec<f32> = (0..128).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            let mut bytes = vec![0u8; t.bytes(128)];
+            kestrel_quant::quantize_row(g, &x, &mut bytes).unwrap();
+            let mut want = vec![0f32; 128];
+            kestrel_quant::dequantize_row(g, &bytes, &mut want).unwrap();
+            let mut got = Vec::new();
+            dequantize_row(t, &bytes, &mut got).unwrap();
+            for (a, b) in want.iter().zip(&got) {
+                assert!(
+                    (f64::from(*a) - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "{t}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_blocks_dequantize_within_half_a_step() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        for _ in 0..200 {
+            let scale = 10f32.powf(rng.random_range(-1.0..2.0));
+            let x: Vec<f32> = (0..64).map(|_| rng.random_range(-scale..scale)).collect();
+            let mut bytes = vec![0u8; 68];
+            quantize_fp8_blocks(&x, &mut bytes);
+            let mut back = Vec::new();
+            dequantize_row(KvType::Fp8, &bytes, &mut back).unwrap();
+            for (b, xb) in back.chunks(32).zip(x.chunks(32)) {
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                for (&y, &v) in b.iter().zip(xb) {
+                    // 3 mantissa bits: half a step is 1/16 of the value, plus the f16 scale's
+                    // rounding (2^-11) and the subnormal step (2^-10 of amax / 448).
+                    let err = (y - v as f64).abs();
+                    let bound =
+                        (v.abs() as f64) * (1.0 / 16.0 + 1e-3) + amax / 448.0 * 2f64.powi(-9);
+                    assert!(err <= bound, "{v} -> {y} (amax {amax})");
+                }
+            }
+        }
+    }
+}
+// ---- tensor parallelism ----
+
+/// The tiny model reshaped so that it splits over 2 GPUs with whole quantization blocks
+/// (8 query heads and 2 KV heads of 64 values, feed-forward 1,024): each rank's share of
+/// the attention output's and down projection's rows is 256 values.
+pub fn tp_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
+    cfg.n_embd = 512;
+    cfg.n_head = 8;
+    cfg.n_head_kv = 2;
+    cfg.head_dim = 64;
+    cfg.n_ff = 1024;
+    model_of(cfg, ty, seed)
+}
+
+/// A tensor-parallel engine over `ordinals`, evaluating in the same awkward chunks as
+/// [`cuda_engine`].
+fn tp_engine(
+    file: &Arc<GgufFile>,
+    ordinals: &[usize],
+) -> anyhow::Result<Engine<kestrel_cuda::TpBackend>> {
+    Engine::new(
+        kestrel_cuda::TpBackend::new(ordinals)?,
+        file.clone(),
+        &options(100),
+    )
+}
+
+/// Tensor parallelism checked twice on the same tokens: against the CPU oracle (f32
+/// activations: [`MAX_REL_DIFF_Q8`], as one GPU's check) and against one GPU running the
+/// whole model ([`MAX_REL_DIFF_Q8_BOTH`]: both on 8-bit decode activations, summed in
+/// other orders).
+#[derive(Debug, Clone)]
+pub struct TpReport {
+    pub vs_cpu: LogitReport,
+    pub vs_one_gpu: LogitReport,
+}
+
+impl TpReport {
+    pub fn passed(&self) -> bool {
+        self.vs_cpu.passed() && self.vs_one_gpu.passed()
+    }
+}
+
+/// Teacher-forced logits of `n` random tokens: tensor parallel over `ordinals` against the
+/// CPU and against one GPU (`ordinals[0]`), in the parts of [`PARTS`] (prefill chunks,
+/// graph-replayed decode steps, a mix).
+pub fn compare_tp_logits(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<TpReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7e9a);
+    let vocab = file
+        .tensor("token_embd.weight")
+        .map_or(1, |t| t.dims[1] as u32);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
+    let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
+    let tp = all_logits_in_parts(&mut tp_engine(&file, ordinals)?, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        cpu.len() == n && one.len() == n && tp.len() == n,
+        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
+        cpu.len(),
+        one.len(),
+        tp.len()
+    );
+    let mut vs_cpu = logit_report(arch, ty, &cpu, &tp);
+    vs_cpu.q8 = true;
+    let mut vs_one_gpu = logit_report(arch, ty, &one, &tp);
+    vs_one_gpu.q8 = true;
+    vs_one_gpu.q8_reference = true;
+    Ok(TpReport { vs_cpu, vs_one_gpu })
+}
+
+/// Greedy generation of `n` tokens after a random prompt, tensor parallel (through
+/// `Engine::generate`: the argmax on rank 0's device) against the CPU oracle (its logits
+/// tell a near-tie from a bug).
+pub fn compare_tp_greedy(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<GreedyReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut cpu = cpu_engine(&file)?;
+    let mut tp = tp_engine(&file, ordinals)?;
+    let vocab = cpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e38);
+    let prompt: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab)).collect();
+    let (a, cpu_logits) = greedy(&mut cpu, &prompt, n)?;
+    let mut seq = Sequence::default();
+    let greedy_params = kestrel_engine::sampler::SamplerParams::greedy();
+    let b = tp.generate(&mut seq, &prompt, &greedy_params, n, |_| false, |_| true)?;
+    tp.release(&mut seq);
+    let first_difference = a.iter().zip(&b).position(|(x, y)| x != y).map(|i| {
+        let l = &cpu_logits[i];
+        (i, l[a[i] as usize] - l[b[i] as usize])
+    });
+    Ok(GreedyReport {
+        arch,
+        ty: ty.to_string(),
+        cpu: a,
+        cuda: b,
+        first_difference,
+    })
 }

@@ -77,6 +77,21 @@ fn embeddings_match_cpu() {
 }
 
 #[test]
+fn verification_steps_are_batch_invariant() {
+    if !gpu_present("verification_steps_are_batch_invariant") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in ARCHS {
+        for ty in ["q4_k_m", "q8_0", "f16"] {
+            let seed = rng.random();
+            let r = selfcheck::compare_invariant(arch, ty, seed, 0).expect("steps run");
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+#[test]
 fn missing_device_is_an_error_not_a_panic() {
     // Whatever the machine: asking for a device that does not exist must fail cleanly.
     let err = kestrel_cuda::CudaBackend::new(usize::MAX).err();
@@ -85,4 +100,151 @@ fn missing_device_is_an_error_not_a_panic() {
         "expected error: {:#}",
         err.unwrap_or_else(|| anyhow::anyhow!(""))
     );
+}
+
+/// Quantized K/V on the GPU: `store_kv_q` writes byte for byte what the CPU backend
+/// stores (ggml's Q8_0 rounding; fp8: the reference quantizer), for every decode-attention
+/// shape and cache-type pair.
+#[test]
+fn quantized_cache_store_matches_the_cpu_quantizer() {
+    if !gpu_present("quantized_cache_store_matches_the_cpu_quantizer") {
+        return;
+    }
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for heads in selfcheck::ATTN_SHAPES {
+        for (k, v) in selfcheck::ATTN_CACHE_TYPES {
+            let kv = kestrel_model::KvTypes { k, v };
+            let (n, seed) = (rng.random_range(1..70), rng.random());
+            let r = selfcheck::compare_store_kv(&backend, heads, kv, n, seed).expect("store runs");
+            assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+/// Attention over f16, q8_0 and fp8 caches (and mixed pairs) in steps of 1, 5 and 40 tokens
+/// against f64 attention over the values the cache holds.
+#[test]
+fn attention_over_every_cache_type_matches_f64() {
+    if !gpu_present("attention_over_every_cache_type_matches_f64") {
+        return;
+    }
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for heads in selfcheck::ATTN_SHAPES {
+        for (k, v) in selfcheck::ATTN_CACHE_TYPES {
+            let kv = kestrel_model::KvTypes { k, v };
+            let (n, seed) = (rng.random_range(40..300), rng.random());
+            let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
+                .expect("attention runs");
+            eprintln!(
+                "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} of {:.2e}",
+                r.max_abs_diff, r.max_abs_out
+            );
+            assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+/// Logits with a quantized cache on both backends (the GPU reading it through its `_q`
+/// attention kernels in decode steps and prompt chunks), within the f16 check's bound.
+#[test]
+fn quantized_cache_logits_match_cpu() {
+    if !gpu_present("quantized_cache_logits_match_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
+            let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
+            let kv = kestrel_model::KvTypes { k, v };
+            let (n, seed) = (rng.random_range(130..260), rng.random());
+            let r = selfcheck::compare_logits_cache(arch, "f16", heads, kv, n, seed, 0)
+                .expect("comparison runs");
+            eprintln!(
+                "{arch:?} {heads:?} {k}/{v}: max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}%",
+                r.max_abs_diff,
+                r.max_abs_logit,
+                r.top1_agreement * 100.0
+            );
+            assert!(
+                r.passed(),
+                "{arch:?} {heads:?} {k}/{v} (seed {seed}): {r:?}"
+            );
+        }
+    }
+}
+
+/// Several sequences per step over a quantized cache against each alone, on the GPU.
+#[test]
+fn quantized_cache_batched_equals_alone() {
+    if !gpu_present("quantized_cache_batched_equals_alone") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in ARCHS {
+        for lens in [&[150usize, 2, 33][..], &[1, 2, 3, 5, 8, 13, 21, 34, 55, 89]] {
+            let kv = kestrel_model::KvTypes {
+                k: kestrel_model::KvType::Q8_0,
+                v: kestrel_model::KvType::Q8_0,
+            };
+            let seed = rng.random();
+            let r = selfcheck::compare_batched_cache(
+                arch,
+                "f16",
+                selfcheck::WIDE_HEADS,
+                kv,
+                lens,
+                seed,
+                0,
+            )
+            .expect("comparison runs");
+            assert!(r.passed(), "{arch:?} {lens:?} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+/// True when at least two CUDA devices can be used; otherwise prints why the test is
+/// skipped.
+fn two_gpus(test: &str) -> bool {
+    match kestrel_cuda::device_count() {
+        Ok(n) if n >= 2 => true,
+        Ok(n) => {
+            eprintln!("{test}: skipped, {n} CUDA device(s) (needs 2)");
+            false
+        }
+        Err(e) => {
+            eprintln!("{test}: skipped, {e:#}");
+            false
+        }
+    }
+}
+
+/// Tensor parallelism over two GPUs: logits against the CPU and against one GPU, greedy
+/// generations against the CPU, for every dense architecture (random seeds, awkward
+/// lengths).
+#[test]
+fn tensor_parallel_matches_one_gpu_and_cpu() {
+    if !two_gpus("tensor_parallel_matches_one_gpu_and_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in ARCHS {
+        for ty in ["f32", "q8_0", "q4_k_m"] {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = selfcheck::compare_tp_logits(arch, ty, n, seed, &[0, 1]).expect("runs");
+            eprintln!(
+                "tp {arch:?} {ty}: vs CPU max |Δ| {:.2e} top-1 {:.2}%; vs 1 GPU max |Δ| {:.2e} top-1 {:.2}%",
+                r.vs_cpu.max_abs_diff,
+                r.vs_cpu.top1_agreement_ties * 100.0,
+                r.vs_one_gpu.max_abs_diff,
+                r.vs_one_gpu.top1_agreement_ties * 100.0
+            );
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+        }
+        let seed = rng.random();
+        let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
+        assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
+    }
 }

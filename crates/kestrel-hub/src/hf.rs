@@ -6,6 +6,14 @@
 //! repository's only GGUF, else its `Q4_K_M` one, is taken. A model split into
 //! `-00001-of-0000N.gguf` parts is fetched whole. Every file must be a whole GGUF file of
 //! the size the hub lists, or it is removed from the cache again.
+//!
+//! hf-hub lists the repository, builds the URLs and names the cache folders; the files
+//! themselves are fetched here (`download`), not by hf-hub's `download`: hf-hub turns the
+//! hub's `ETag`/`X-Linked-Etag` and `X-Repo-Commit` headers into path components
+//! (`blobs/<etag>`, `snapshots/<commit>/`) and creates them before any check could run, so
+//! a hostile `HF_ENDPOINT` answering `../../x` or an absolute path made it write outside
+//! the cache. Here the headers are validated before anything is created, and the body is
+//! read to the announced size and no further.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,7 +22,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use hf_hub::api::Progress;
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo};
 use indicatif::ProgressBar;
@@ -110,7 +117,11 @@ struct RepoFile {
 pub fn cached(spec: &HfSpec, cache_dir: &Path) -> Option<PathBuf> {
     let repo_dir = cache_dir.join(Repo::model(spec.repo.clone()).folder_name());
     let commit = std::fs::read_to_string(repo_dir.join("refs/main")).ok()?;
-    let snapshot = repo_dir.join("snapshots").join(commit.trim());
+    let commit = commit.trim();
+    if !safe_component(commit) {
+        return None;
+    }
+    let snapshot = repo_dir.join("snapshots").join(commit);
     let names: Vec<RepoFile> = std::fs::read_dir(&snapshot)
         .ok()?
         .flatten()
@@ -200,9 +211,8 @@ fn fetch(
         };
         let path = match cache_repo.get(&file.name) {
             Some(path) => path,
-            None => repo
-                .download_with_progress(&file.name, progress)
-                .map_err(|e| anyhow!("cannot download {}: {e}", file.name))?,
+            None => download(cfg, &repo.url(&file.name), &repo_dir, file, progress)
+                .with_context(|| format!("cannot download {}", file.name))?,
         };
         if let Err(e) = check_download(&path, &repo_dir, file) {
             remove_from_cache(&path);
@@ -214,6 +224,199 @@ fn fetch(
         .into_iter()
         .next()
         .ok_or_else(|| anyhow!("nothing to download"))
+}
+
+/// Whether a header value may be one component of a cache path: 1 to 128 ASCII letters,
+/// digits, `-` and `_` (the hub's etags are SHA-256 or git SHA-1 hex, its commits git
+/// SHA-1 hex), so never `..`, a separator, an absolute path or an extension.
+fn safe_component(value: &str) -> bool {
+    (1..=128).contains(&value.len())
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// What the hub says about a file before its body is fetched.
+#[derive(Debug, PartialEq, Eq)]
+struct FileMeta {
+    etag: String,
+    commit: String,
+    size: u64,
+}
+
+/// The file's etag, commit and size from a one-byte range request, the way hf-hub's
+/// `metadata` reads them (relative redirects followed, `X-Linked-Etag` before `ETag`),
+/// and refused unless each can safely name a cache entry.
+fn file_meta(agent: &ureq::Agent, token: Option<&str>, url: &str) -> Result<FileMeta> {
+    let mut url = url.to_string();
+    for _ in 0..=5 {
+        let mut request = agent.get(&url).header("Range", "bytes=0-0");
+        if let Some(token) = token {
+            request = request.header("Authorization", format!("Bearer {token}"));
+        }
+        let response = request.call().map_err(|e| anyhow!("request failed: {e}"))?;
+        let status = response.status().as_u16();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+        };
+        if (300..400).contains(&status)
+            && let Some(location) = header("location")
+            && location.starts_with('/')
+            && !location.starts_with("//")
+        {
+            // A relative redirect (a renamed repository): same host, metadata from there.
+            let origin_end = url.match_indices('/').nth(2).map_or(url.len(), |(i, _)| i);
+            url = format!("{}{location}", &url[..origin_end]);
+            continue;
+        }
+        if !(200..400).contains(&status) {
+            bail!("the hub answered {status}");
+        }
+        let etag = header("x-linked-etag")
+            .or_else(|| header("etag"))
+            .ok_or_else(|| anyhow!("the hub sent no ETag"))?
+            .replace('"', "");
+        let commit = header("x-repo-commit")
+            .ok_or_else(|| anyhow!("the hub sent no X-Repo-Commit"))?
+            .to_string();
+        for (what, value) in [("ETag", &etag), ("X-Repo-Commit", &commit)] {
+            if !safe_component(value) {
+                bail!(
+                    "the hub's {what} {:?} cannot name a cache entry (expected letters, \
+                     digits, - and _ only); nothing was written",
+                    value.chars().take(80).collect::<String>()
+                );
+            }
+        }
+        // The size: from `Content-Range: bytes 0-0/SIZE` (a redirect to a CDN carries it
+        // only there; the listing's size is used then).
+        let size = header("content-range")
+            .and_then(|r| r.rsplit('/').next())
+            .and_then(|s| s.trim().parse::<u64>().ok());
+        return Ok(FileMeta {
+            etag,
+            commit,
+            size: size.unwrap_or(0),
+        });
+    }
+    bail!("too many redirects")
+}
+
+/// Fetches one file into the cache: the body to `blobs/<etag>.part` (at most the size the
+/// hub announced), renamed to `blobs/<etag>`, linked from `snapshots/<commit>/<name>` as
+/// hf-hub and Python's huggingface_hub lay it out, and `refs/main` set to the commit.
+/// Every path is built from validated parts only (`safe_component`, `pick_files`).
+fn download(
+    cfg: &HubConfig,
+    url: &str,
+    repo_dir: &Path,
+    file: &RepoFile,
+    mut progress: HubProgress<'_>,
+) -> Result<PathBuf> {
+    let config = |redirects: u32| {
+        ureq::Agent::config_builder()
+            .timeout_connect(Some(cfg.stall_timeout))
+            .timeout_recv_response(Some(cfg.stall_timeout))
+            .timeout_per_read(Some(cfg.stall_timeout))
+            .http_status_as_error(false)
+            .max_redirects(redirects)
+            .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
+            .build()
+    };
+    let token = cfg.token.as_deref();
+    let meta = file_meta(&config(0).into(), token, url)?;
+    if file.name.contains(['/', '\\']) || file.name.starts_with('.') {
+        bail!("refusing the file name {:?}", file.name);
+    }
+    let size = match (file.size, meta.size) {
+        (Some(listed), announced) if announced != 0 && announced != listed => {
+            bail!("got {announced} bytes announced, the hub lists {listed}")
+        }
+        (Some(listed), _) => listed,
+        (None, 0) => bail!("the hub gives no size for {}", file.name),
+        (None, announced) => announced,
+    };
+    let blobs = repo_dir.join("blobs");
+    std::fs::create_dir_all(&blobs)
+        .with_context(|| format!("cannot create {}", blobs.display()))?;
+    let blob = blobs.join(&meta.etag);
+    let part = blobs.join(format!("{}.part", meta.etag));
+    progress.init(size as usize, &file.name);
+    let fetched = (|| -> Result<()> {
+        let agent: ureq::Agent = config(10).into();
+        let mut request = agent.get(url);
+        if let Some(token) = token {
+            request = request.header("Authorization", format!("Bearer {token}"));
+        }
+        let response = request.call().map_err(|e| anyhow!("request failed: {e}"))?;
+        let status = response.status().as_u16();
+        if !(200..300).contains(&status) {
+            bail!("the hub answered {status}");
+        }
+        let mut out = std::fs::File::create(&part)
+            .with_context(|| format!("cannot create {}", part.display()))?;
+        let mut body = response
+            .into_body()
+            .into_with_config()
+            .limit(size.saturating_add(1))
+            .reader();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut got = 0u64;
+        loop {
+            let n = std::io::Read::read(&mut body, &mut buf).context("download interrupted")?;
+            if n == 0 {
+                break;
+            }
+            got += n as u64;
+            if got > size {
+                bail!("the hub sent more than the {size} bytes it lists");
+            }
+            std::io::Write::write_all(&mut out, &buf[..n])
+                .with_context(|| format!("cannot write {}", part.display()))?;
+            progress.update(n);
+        }
+        if got != size {
+            bail!("got {got} bytes, the hub lists {size}");
+        }
+        out.sync_all()?;
+        Ok(())
+    })();
+    progress.finish();
+    if let Err(e) = fetched {
+        let _ = std::fs::remove_file(&part);
+        return Err(e);
+    }
+    std::fs::rename(&part, &blob)?;
+    let snapshot = repo_dir.join("snapshots").join(&meta.commit);
+    std::fs::create_dir_all(&snapshot)?;
+    let pointer = snapshot.join(&file.name);
+    let target = Path::new("../../blobs").join(&meta.etag);
+    if std::fs::symlink_metadata(&pointer).is_ok() {
+        std::fs::remove_file(&pointer)?;
+    }
+    link(&target, &blob, &pointer)?;
+    let refs = repo_dir.join("refs");
+    std::fs::create_dir_all(&refs)?;
+    std::fs::write(refs.join("main"), &meta.commit)?;
+    Ok(pointer)
+}
+
+/// A relative symlink where there are symlinks, else the blob moved to the pointer.
+fn link(relative: &Path, blob: &Path, pointer: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        let _ = blob;
+        std::os::unix::fs::symlink(relative, pointer)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = relative;
+        std::fs::rename(blob, pointer)
+    }
 }
 
 /// A downloaded file must lie in the repository's cache folder, have the listed size and
@@ -376,7 +579,7 @@ fn pick_files(files: &[RepoFile], quant: Option<&str>) -> Result<Vec<RepoFile>> 
     Ok(parts)
 }
 
-/// hf-hub's progress callbacks: a byte bar, and the time of the last byte for the stall
+/// Download progress: a byte bar, and the time of the last byte for the stall
 /// check.
 struct HubProgress<'a> {
     bar: ProgressBar,
@@ -384,7 +587,7 @@ struct HubProgress<'a> {
     started: Instant,
 }
 
-impl Progress for HubProgress<'_> {
+impl HubProgress<'_> {
     fn init(&mut self, size: usize, filename: &str) {
         self.bar.set_length(size as u64);
         self.bar.set_message(filename.to_string());
@@ -399,9 +602,7 @@ impl Progress for HubProgress<'_> {
     fn finish(&mut self) {
         self.bar.finish_and_clear();
     }
-}
 
-impl HubProgress<'_> {
     fn touch(&self) {
         let ms = self.started.elapsed().as_millis() as u64;
         self.activity.store(ms, Ordering::SeqCst);

@@ -23,6 +23,23 @@ struct MockHub {
 }
 
 fn mock_hub(repo: &str, files: Vec<(&str, Vec<u8>)>, listed_size: HashMap<String, u64>) -> MockHub {
+    mock_hub_headers(repo, files, listed_size, Headers::default())
+}
+
+/// Header values a hostile hub sends instead of the honest ones.
+#[derive(Clone, Default)]
+struct Headers {
+    etag: Option<String>,
+    linked_etag: Option<String>,
+    commit: Option<String>,
+}
+
+fn mock_hub_headers(
+    repo: &str,
+    files: Vec<(&str, Vec<u8>)>,
+    listed_size: HashMap<String, u64>,
+    headers: Headers,
+) -> MockHub {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
     let files: HashMap<String, Vec<u8>> =
@@ -32,7 +49,7 @@ fn mock_hub(repo: &str, files: Vec<(&str, Vec<u8>)>, listed_size: HashMap<String
     let repo = repo.to_string();
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
-            let _ = answer(stream, &repo, &files, &listed_size, &seen);
+            let _ = answer(stream, &repo, &files, &listed_size, &seen, &headers);
         }
     });
     MockHub { endpoint, auth }
@@ -44,6 +61,7 @@ fn answer(
     files: &HashMap<String, Vec<u8>>,
     listed_size: &HashMap<String, u64>,
     seen: &Mutex<Vec<Option<String>>>,
+    hostile: &Headers,
 ) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
@@ -90,9 +108,15 @@ fn answer(
         Some("bytes=0-0") => 1.min(data.len()),
         _ => data.len(),
     };
-    let etag = format!("{:016x}", fxhash(data));
+    let etag = (hostile.etag.clone()).unwrap_or_else(|| format!("{:016x}", fxhash(data)));
+    let commit = hostile.commit.as_deref().unwrap_or(COMMIT);
+    let linked = hostile
+        .linked_etag
+        .as_ref()
+        .map(|l| format!("X-Linked-Etag: {l}\r\n"))
+        .unwrap_or_default();
     let extra = format!(
-        "ETag: \"{etag}\"\r\nX-Repo-Commit: {COMMIT}\r\nContent-Range: bytes {start}-{}/{}\r\n",
+        "ETag: \"{etag}\"\r\n{linked}X-Repo-Commit: {commit}\r\nContent-Range: bytes {start}-{}/{}\r\n",
         end.saturating_sub(1),
         data.len()
     );
@@ -297,4 +321,130 @@ fn missing_repos_and_quants_are_clear_errors() {
     );
     let err = kestrel_hub::hf_pull(&spec("org/m:Q2_K"), &cfg).expect_err("no quant");
     assert!(format!("{err:#}").contains("m-Q4_K_M.gguf"), "{err:#}");
+}
+
+/// Every path under `root`, relative to it, sorted.
+fn tree(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            out.push(
+                path.strip_prefix(root)
+                    .expect("under root")
+                    .display()
+                    .to_string(),
+            );
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A hostile HF_ENDPOINT whose ETag, X-Linked-Etag or X-Repo-Commit is a relative path
+/// out of the cache or an absolute one: refused before anything is created, inside the
+/// cache or out of it, with an error naming the header.
+#[test]
+fn hostile_etags_and_commits_create_nothing() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let cache = root.path().join("home/cache");
+    fs::create_dir_all(&cache).expect("cache");
+    let abs = root.path().join("abs-target");
+    let abs = abs.to_str().expect("utf-8");
+    let cases: Vec<(&str, Headers, &str)> = vec![
+        (
+            "etag ..",
+            Headers {
+                etag: Some("../../../../evil".into()),
+                ..Default::default()
+            },
+            "ETag",
+        ),
+        (
+            "etag abs",
+            Headers {
+                etag: Some(format!("{abs}/blob")),
+                ..Default::default()
+            },
+            "ETag",
+        ),
+        (
+            "etag dots",
+            Headers {
+                etag: Some("..".into()),
+                ..Default::default()
+            },
+            "ETag",
+        ),
+        (
+            "etag empty",
+            Headers {
+                etag: Some(String::new()),
+                ..Default::default()
+            },
+            "ETag",
+        ),
+        (
+            "linked etag",
+            Headers {
+                linked_etag: Some("../../x".into()),
+                ..Default::default()
+            },
+            "ETag",
+        ),
+        (
+            "commit ..",
+            Headers {
+                commit: Some("../../../../escape".into()),
+                ..Default::default()
+            },
+            "X-Repo-Commit",
+        ),
+        (
+            "commit abs",
+            Headers {
+                commit: Some(format!("{abs}/snap")),
+                ..Default::default()
+            },
+            "X-Repo-Commit",
+        ),
+        (
+            "commit ext",
+            Headers {
+                commit: Some("abc.part".into()),
+                ..Default::default()
+            },
+            "X-Repo-Commit",
+        ),
+    ];
+    for (what, headers, header) in cases {
+        let hub = mock_hub_headers(
+            "org/evil",
+            vec![("m-Q4_K_M.gguf", gguf(9, 2000))],
+            HashMap::new(),
+            headers,
+        );
+        let err =
+            kestrel_hub::hf_pull(&spec("org/evil"), &config(&hub, &cache, None)).expect_err(what);
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains(&format!("{header} ")) && msg.contains("cannot name a cache entry"),
+            "{what}: {msg}"
+        );
+        // Nothing at all was created: not in the cache, not beside it, not at the
+        // absolute target.
+        assert_eq!(tree(root.path()), ["home", "home/cache"], "{what}");
+    }
+    // The same hub with honest headers works, so the refusals above were the headers'.
+    let hub = mock_hub(
+        "org/evil",
+        vec![("m-Q4_K_M.gguf", gguf(9, 2000))],
+        HashMap::new(),
+    );
+    let path = kestrel_hub::hf_pull(&spec("org/evil"), &config(&hub, &cache, None)).expect("pull");
+    assert!(path.starts_with(&cache), "{}", path.display());
 }

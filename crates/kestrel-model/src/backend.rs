@@ -37,8 +37,21 @@ pub trait Backend: Sync {
     type Cache;
     /// Per-step inputs (token ids, positions, block tables) as the backend keeps them.
     type Step;
+    /// What an operation leaves beside its output for the one operation that reads that
+    /// output next (on CUDA: the output already in the input format of the product's kernel,
+    /// or a Q/K/V product not yet split into q, k and v). The forward pass hands it from
+    /// the producer to that consumer, so every fused pair is visible where it is used;
+    /// `Default::default()` is "nothing prepared". Backends that fuse nothing use `()`.
+    type Prepared: Copy + Default + std::fmt::Debug;
 
     fn name(&self) -> String;
+
+    /// The most tokens of a step this backend computes batch-invariantly when the batch
+    /// asks (`Batch::invariant`): a speculative verification never verifies more. Default:
+    /// any number (the CPU's products are batch-invariant anyway).
+    fn invariant_max_tokens(&self) -> usize {
+        usize::MAX
+    }
 
     /// Refuses a model this backend cannot yet run correctly, before any weight loads.
     /// Default: every model.
@@ -72,6 +85,13 @@ pub trait Backend: Sync {
         block_size: usize,
     ) -> anyhow::Result<Self::Cache>;
 
+    /// The device's free and total memory in bytes, for sizing the KV cache by a fraction
+    /// of it (`--gpu-memory-utilization`); `None` (the default) where the backend has no
+    /// memory of its own (the CPU).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     /// The cache storage types this backend's attention reads (default: f16 only).
     fn cache_types(&self) -> &'static [KvType] {
         &[KvType::F16]
@@ -103,7 +123,8 @@ pub trait Backend: Sync {
 
     fn scale(&self, x: &mut Self::Tensor, n: usize, factor: f32);
 
-    /// Row-wise RMS normalization times `weight`.
+    /// Row-wise RMS normalization times `weight`; returns what it prepared for a product
+    /// reading `out` next.
     fn rms_norm(
         &self,
         x: &Self::Tensor,
@@ -111,7 +132,7 @@ pub trait Backend: Sync {
         eps: f32,
         n: usize,
         out: &mut Self::Tensor,
-    );
+    ) -> Self::Prepared;
 
     /// RMS normalization of each `head_dim`-sized head in place (Q/K norm).
     fn rms_norm_heads(
@@ -149,7 +170,8 @@ pub trait Backend: Sync {
         n: usize,
     );
 
-    /// Causal attention of each token over its sequence's cached keys and values.
+    /// Causal attention of each token over its sequence's cached keys and values; returns
+    /// what it prepared for the output projection.
     fn attention(
         &self,
         q: &Self::Tensor,
@@ -158,7 +180,7 @@ pub trait Backend: Sync {
         step: &Self::Step,
         n: usize,
         out: &mut Self::Tensor,
-    );
+    ) -> Self::Prepared;
 
     /// [`Self::attention`] with a learned logit per query head (`sinks`, `n_head` values)
     /// joining each softmax's denominator (gpt-oss). Default: an error, for backends
@@ -195,14 +217,15 @@ pub trait Backend: Sync {
         )
     }
 
-    /// `gate = act(gate) * up`, element-wise.
+    /// `gate = act(gate) * up`, element-wise; returns what it prepared for the down
+    /// projection.
     fn gated_activation(
         &self,
         gate: &mut Self::Tensor,
         up: &Self::Tensor,
         act: Activation,
         n: usize,
-    );
+    ) -> Self::Prepared;
 
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, n: usize);
@@ -283,22 +306,30 @@ pub trait Backend: Sync {
     }
 
     // ---- fused operations; the defaults compose the basic ones ----
+    // Each takes the `Prepared` its input's producer returned (`x_ready`), and those
+    // whose output feeds one operation next return what they prepared for it.
 
-    /// Q, K and V projections (with bias where the layer has one).
+    /// Q, K and V projections (with bias where the layer has one). The result must go to
+    /// [`Self::rope_store_kv`] where the layer has no Q/K norm: q, k and v may be written
+    /// only there (CUDA splits a merged product on the way).
     #[allow(clippy::too_many_arguments)]
+    #[must_use]
     fn qkv(
         &self,
         x: &Self::Tensor,
+        x_ready: Self::Prepared,
         layer: &LayerWeights<Self::Weight>,
         n: usize,
         q: &mut Self::Tensor,
         k: &mut Self::Tensor,
         v: &mut Self::Tensor,
-    ) {
+    ) -> Self::Prepared {
+        let _ = x_ready;
         self.matmul(x, &layer.attn_q, n, q);
         self.matmul(x, &layer.attn_k, n, k);
         self.matmul(x, &layer.attn_v, n, v);
         self.add_qkv_biases(layer, n, q, k, v);
+        Self::Prepared::default()
     }
 
     /// Adds the layer's Q, K and V biases (those it has) to the first `n` rows of q, k, v.
@@ -321,20 +352,23 @@ pub trait Backend: Sync {
         }
     }
 
-    /// The gated half of the feed-forward block: `gate = act(gate(x)) * up(x)`.
+    /// The gated half of the feed-forward block: `gate = act(gate(x)) * up(x)`; returns
+    /// what it prepared for the down projection.
     #[allow(clippy::too_many_arguments)]
     fn gate_up(
         &self,
         x: &Self::Tensor,
+        x_ready: Self::Prepared,
         layer: &LayerWeights<Self::Weight>,
         act: Activation,
         n: usize,
         gate: &mut Self::Tensor,
         up: &mut Self::Tensor,
-    ) {
+    ) -> Self::Prepared {
+        let _ = x_ready;
         self.matmul(x, &layer.ffn_gate, n, gate);
         self.matmul(x, &layer.ffn_up, n, up);
-        self.gated_activation(gate, up, act, n);
+        self.gated_activation(gate, up, act, n)
     }
 
     /// The gated feed-forward block: `down(act(gate(x)) * up(x))`.
@@ -342,6 +376,7 @@ pub trait Backend: Sync {
     fn feed_forward(
         &self,
         x: &Self::Tensor,
+        x_ready: Self::Prepared,
         layer: &LayerWeights<Self::Weight>,
         act: Activation,
         n: usize,
@@ -349,30 +384,47 @@ pub trait Backend: Sync {
         up: &mut Self::Tensor,
         out: &mut Self::Tensor,
     ) {
-        self.gate_up(x, layer, act, n, gate, up);
-        self.matmul(gate, &layer.ffn_down, n, out);
+        let gated = self.gate_up(x, x_ready, layer, act, n, gate, up);
+        self.matmul_ready(gate, gated, &layer.ffn_down, n, out);
+    }
+
+    /// [`Self::matmul`] of an input whose producer prepared it (the LM head after the
+    /// final norm, the down projection after the activation).
+    fn matmul_ready(
+        &self,
+        x: &Self::Tensor,
+        x_ready: Self::Prepared,
+        w: &Self::Weight,
+        n: usize,
+        out: &mut Self::Tensor,
+    ) {
+        let _ = x_ready;
+        self.matmul(x, w, n, out);
     }
 
     /// `residual += x · wᵀ` (`tmp` receives the product where the backend needs it).
     fn matmul_add(
         &self,
         x: &Self::Tensor,
+        x_ready: Self::Prepared,
         w: &Self::Weight,
         n: usize,
         tmp: &mut Self::Tensor,
         residual: &mut Self::Tensor,
     ) {
-        self.matmul(x, w, n, tmp);
+        self.matmul_ready(x, x_ready, w, n, tmp);
         self.add(residual, tmp, n);
     }
 
-    /// RoPE on the query and key heads, then the keys and values into the cache.
+    /// RoPE on the query and key heads, then the keys and values into the cache
+    /// (`qkv_ready`: what [`Self::qkv`] returned, where nothing ran in between).
     #[allow(clippy::too_many_arguments)]
     fn rope_store_kv(
         &self,
         q: &mut Self::Tensor,
         k: &mut Self::Tensor,
         v: &Self::Tensor,
+        qkv_ready: Self::Prepared,
         head_dim: usize,
         rope: &RopeParams,
         cache: &mut Self::Cache,
@@ -380,6 +432,7 @@ pub trait Backend: Sync {
         step: &Self::Step,
         n: usize,
     ) {
+        let _ = qkv_ready;
         self.rope(q, head_dim, rope, step, n);
         self.rope(k, head_dim, rope, step, n);
         self.store_kv(cache, layer, k, v, step, n);

@@ -38,6 +38,11 @@ pub struct Batch {
     pub logit_rows: Vec<u32>,
     /// Logits or hidden states for `logit_rows`.
     pub output: Output,
+    /// Compute every token exactly as a step of that token alone would (a speculative
+    /// verification: greedy speculation then yields the tokens of one-at-a-time decoding).
+    /// The CPU backend always does; the CUDA backend does for steps of up to 8 tokens when
+    /// asked, on slower kernels.
+    pub invariant: bool,
 }
 
 // Clone by hand: `clone_from` reuses the vectors' capacity (the derived one reallocates
@@ -65,6 +70,7 @@ impl Clone for Batch {
             seqs: self.seqs.clone(),
             logit_rows: self.logit_rows.clone(),
             output: self.output,
+            invariant: self.invariant,
         }
     }
 
@@ -73,6 +79,7 @@ impl Clone for Batch {
         self.positions.clone_from(&source.positions);
         self.seq_of.clone_from(&source.seq_of);
         self.seqs.clone_from(&source.seqs);
+        self.invariant = source.invariant;
         self.logit_rows.clone_from(&source.logit_rows);
         self.output = source.output;
     }
@@ -100,6 +107,7 @@ impl Batch {
     /// The sequence slots stay, for [`Batch::push_part`] to refill without allocating.
     pub fn clear_tokens(&mut self) {
         self.output = Output::Logits;
+        self.invariant = false;
         self.tokens.clear();
         self.positions.clear();
         self.seq_of.clear();

@@ -127,18 +127,21 @@ impl<B: Backend> Model<B> {
         }
 
         for (il, layer) in w.layers.iter().enumerate() {
-            // Attention block.
-            backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
-            backend.qkv(&s.h, layer, n, &mut s.q, &mut s.k, &mut s.v);
+            // Attention block. Each `*_ready` is what an operation prepared for the one that
+            // reads its output next (see `Backend::Prepared`).
+            let h_ready = backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
+            let mut qkv_ready = backend.qkv(&s.h, h_ready, layer, n, &mut s.q, &mut s.k, &mut s.v);
             if let (Some(qn), Some(kn)) = (&layer.attn_q_norm, &layer.attn_k_norm) {
                 backend.rms_norm_heads(&mut s.q, qn, cfg.head_dim, cfg.rms_eps, n);
                 backend.rms_norm_heads(&mut s.k, kn, cfg.head_dim, cfg.rms_eps, n);
+                qkv_ready = B::Prepared::default();
             }
             let rope = cfg.layer_rope(il);
             backend.rope_store_kv(
                 &mut s.q,
                 &mut s.k,
                 &s.v,
+                qkv_ready,
                 cfg.head_dim,
                 rope,
                 cache,
@@ -157,35 +160,49 @@ impl<B: Backend> Model<B> {
                 scale: cfg.attn_scale,
                 window: cfg.layer_window(il),
             };
-            match &layer.attn_sinks {
+            let attn_ready = match &layer.attn_sinks {
                 Some(sinks) => {
-                    backend.attention_sinks(&s.q, cache, &params, sinks, &s.step, n, &mut s.attn)?
+                    backend.attention_sinks(
+                        &s.q,
+                        cache,
+                        &params,
+                        sinks,
+                        &s.step,
+                        n,
+                        &mut s.attn,
+                    )?;
+                    B::Prepared::default()
                 }
                 None => backend.attention(&s.q, cache, &params, &s.step, n, &mut s.attn),
-            }
+            };
             if let Some(pn) = &layer.post_attention_norm {
-                backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
+                backend.matmul_ready(&s.attn, attn_ready, &layer.attn_output, n, &mut s.proj);
                 backend.rms_norm(&s.proj, pn, cfg.rms_eps, n, &mut s.h);
                 backend.add(&mut s.x, &s.h, n);
             } else if let Some(bias) = &layer.attn_output_bias {
-                backend.matmul(&s.attn, &layer.attn_output, n, &mut s.proj);
+                backend.matmul_ready(&s.attn, attn_ready, &layer.attn_output, n, &mut s.proj);
                 backend.add_bias(&mut s.proj, bias, n);
                 backend.add(&mut s.x, &s.proj, n);
             } else {
-                backend.matmul_add(&s.attn, &layer.attn_output, n, &mut s.proj, &mut s.x);
+                let (attn, wo) = (&s.attn, &layer.attn_output);
+                backend.matmul_add(attn, attn_ready, wo, n, &mut s.proj, &mut s.x);
             }
 
             // Feed-forward block: its output goes to `s.proj` unless it is a dense block
             // without a post-norm, whose down projection adds into the residual directly.
-            backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
+            let h_ready = backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
             match (&cfg.ffn, &layer.post_ffw_norm) {
                 (FfnKind::Dense, None) => {
-                    backend.gate_up(&s.h, layer, cfg.activation, n, &mut s.gate, &mut s.up);
-                    backend.matmul_add(&s.gate, &layer.ffn_down, n, &mut s.proj, &mut s.x);
+                    let act = cfg.activation;
+                    let (gate, up) = (&mut s.gate, &mut s.up);
+                    let gated = backend.gate_up(&s.h, h_ready, layer, act, n, gate, up);
+                    let down = &layer.ffn_down;
+                    backend.matmul_add(&s.gate, gated, down, n, &mut s.proj, &mut s.x);
                     continue;
                 }
                 (FfnKind::Dense, Some(_)) => backend.feed_forward(
                     &s.h,
+                    h_ready,
                     layer,
                     cfg.activation,
                     n,
@@ -218,14 +235,9 @@ impl<B: Backend> Model<B> {
             return Ok(());
         }
         backend.gather_logit_rows(&s.x, &s.step, &mut s.last);
-        backend.rms_norm(
-            &s.last,
-            &w.output_norm,
-            cfg.rms_eps,
-            n_out,
-            &mut s.last_normed,
-        );
-        backend.matmul(&s.last_normed, w.lm_head(), n_out, &mut s.logits);
+        let normed = &mut s.last_normed;
+        let ready = backend.rms_norm(&s.last, &w.output_norm, cfg.rms_eps, n_out, normed);
+        backend.matmul_ready(&s.last_normed, ready, w.lm_head(), n_out, &mut s.logits);
         Ok(())
     }
 }

@@ -16,39 +16,68 @@ pub enum KvType {
     Q8_0,
     /// ggml's Q4_0 blocks: 32 values, an f16 scale and 32 4-bit values.
     Q4_0,
+    /// FP8 E4M3 (CUDA only; no ggml type): blocks of 32 values along the head dimension, an
+    /// f16 scale `amax / 448` and 32 E4M3 bytes of `x · 448 / amax` (rounded to nearest
+    /// even, saturating at ±448).
+    Fp8,
 }
 
 impl KvType {
+    /// llama.cpp's types (ggml block formats): the ones the CPU backend reads.
     pub const ALL: [KvType; 4] = [KvType::F16, KvType::Bf16, KvType::Q8_0, KvType::Q4_0];
 
-    /// llama.cpp's name of the type (`f16`, `bf16`, `q8_0`, `q4_0`).
+    /// Every type, llama.cpp's and fp8.
+    pub const EVERY: [KvType; 5] = [
+        KvType::F16,
+        KvType::Bf16,
+        KvType::Q8_0,
+        KvType::Q4_0,
+        KvType::Fp8,
+    ];
+
+    /// llama.cpp's name of the type (`f16`, `bf16`, `q8_0`, `q4_0`; `fp8` as vLLM's
+    /// `--kv-cache-dtype`).
     pub fn name(self) -> &'static str {
         match self {
             KvType::F16 => "f16",
             KvType::Bf16 => "bf16",
             KvType::Q8_0 => "q8_0",
             KvType::Q4_0 => "q4_0",
+            KvType::Fp8 => "fp8",
         }
     }
 
-    /// The ggml block format the values are kept in.
-    pub fn ggml(self) -> GgmlType {
+    /// The ggml block format the values are kept in (`None` for fp8, which ggml lacks).
+    pub fn ggml(self) -> Option<GgmlType> {
         match self {
-            KvType::F16 => GgmlType::F16,
-            KvType::Bf16 => GgmlType::BF16,
-            KvType::Q8_0 => GgmlType::Q8_0,
-            KvType::Q4_0 => GgmlType::Q4_0,
+            KvType::F16 => Some(GgmlType::F16),
+            KvType::Bf16 => Some(GgmlType::BF16),
+            KvType::Q8_0 => Some(GgmlType::Q8_0),
+            KvType::Q4_0 => Some(GgmlType::Q4_0),
+            KvType::Fp8 => None,
         }
     }
 
     /// Values per block: a head's slice of a row must be whole blocks.
     pub fn block_values(self) -> usize {
-        self.ggml().block_size()
+        match self {
+            KvType::F16 | KvType::Bf16 => 1,
+            KvType::Q8_0 | KvType::Q4_0 | KvType::Fp8 => 32,
+        }
+    }
+
+    /// Bytes of one block.
+    fn block_bytes(self) -> usize {
+        match self {
+            KvType::F16 | KvType::Bf16 => 2,
+            KvType::Q8_0 | KvType::Fp8 => 34,
+            KvType::Q4_0 => 18,
+        }
     }
 
     /// Bytes of `n` values (`n` a whole number of blocks).
     pub fn bytes(self, n: usize) -> usize {
-        n / self.block_values() * self.ggml().type_size()
+        n / self.block_values() * self.block_bytes()
     }
 }
 
@@ -62,13 +91,15 @@ impl FromStr for KvType {
     type Err = String;
 
     fn from_str(s: &str) -> Result<KvType, String> {
-        KvType::ALL
+        let s = s.to_ascii_lowercase();
+        let s = if s == "fp8_e4m3" { "fp8" } else { s.as_str() };
+        KvType::EVERY
             .into_iter()
-            .find(|t| t.name() == s.to_ascii_lowercase())
+            .find(|t| t.name() == s)
             .ok_or_else(|| {
                 format!(
                     "unknown cache type {s:?} (expected {})",
-                    names(&KvType::ALL)
+                    names(&KvType::EVERY)
                 )
             })
     }
@@ -123,10 +154,17 @@ mod tests {
 
     #[test]
     fn names_parse_back_and_sizes_follow_the_blocks() {
-        for t in KvType::ALL {
+        for t in KvType::EVERY {
             assert_eq!(t.name().parse::<KvType>(), Ok(t));
             assert_eq!(t.name().to_uppercase().parse::<KvType>(), Ok(t));
+            // The ggml types' sizes are ggml's.
+            if let Some(g) = t.ggml() {
+                assert_eq!(t.block_values(), g.block_size(), "{t}");
+                assert_eq!(t.bytes(64), 64 / g.block_size() * g.type_size(), "{t}");
+            }
         }
+        assert_eq!("fp8_e4m3".parse::<KvType>(), Ok(KvType::Fp8));
+        assert_eq!(KvType::Fp8.bytes(256), 8 * 34);
         assert!("q4_1".parse::<KvType>().is_err());
         // Qwen2.5-1.5B: 2 kv heads of 128.
         assert_eq!(KvType::F16.bytes(256), 512);

@@ -9,6 +9,7 @@ pub mod kv_type;
 mod load;
 pub mod moe;
 pub mod sampling;
+pub mod shard;
 pub mod weights;
 
 pub use backend::{AttnParams, Backend};
@@ -20,6 +21,7 @@ pub use config::{
 pub use forward::{Model, Scratch};
 pub use kv_type::{KvType, KvTypes};
 pub use sampling::{RowSampler, RowSampling, SamplingBatch, argmax};
+pub use shard::{Role, Split, TpPlan};
 pub use weights::{LayerWeights, ModelWeights};
 
 /// Errors about a model file's contents.

@@ -209,9 +209,10 @@ pub struct SynthYarn {
 }
 
 /// Names accepted by [`SynthConfig::preset`].
-pub const PRESETS: [&str; 6] = [
+pub const PRESETS: [&str; 7] = [
     "tiny",
     "llama3-8b",
+    "llama3-70b",
     "qwen2.5-1.5b",
     "qwen2.5-7b",
     "qwen3-30b-a3b",
@@ -320,6 +321,23 @@ impl SynthConfig {
                 n_embd: 4096,
                 n_ff: 14336,
                 n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                n_vocab: 128_256,
+                n_ctx: 8192,
+                rope_freq_base: 500_000.0,
+                rms_eps: 1e-5,
+                qkv_bias: false,
+                tied_embeddings: false,
+                ..SynthConfig::dense()
+            },
+            "llama3-70b" => SynthConfig {
+                arch: Arch::Llama,
+                name: "kestrel synth llama3-70b".into(),
+                n_layer: 80,
+                n_embd: 8192,
+                n_ff: 28672,
+                n_head: 64,
                 n_head_kv: 8,
                 head_dim: 128,
                 n_vocab: 128_256,
@@ -871,6 +889,13 @@ pub struct SynthSummary {
 const CHUNK_VALUES: u64 = 1 << 18;
 /// Chunks generated in parallel before they are handed to the writer.
 const BATCH_CHUNKS: usize = 32;
+/// Models of more parameters than this are generated from pools: each block-quantized
+/// tensor's blocks are drawn at random from [`POOL_BLOCKS`] blocks quantized from its
+/// distribution once (valid blocks of the same values' distribution, written at about disk
+/// speed; quantizing every value of a 70B model takes minutes).
+pub const POOLED_ABOVE_PARAMS: u64 = 16_000_000_000;
+/// Blocks quantized per tensor for the pooled generation.
+pub const POOL_BLOCKS: usize = 4096;
 
 /// Writes a synthetic model to `path` (through a temporary file renamed at the end).
 pub fn write_synth(
@@ -879,10 +904,23 @@ pub fn write_synth(
     ty: WeightType,
     seed: u64,
 ) -> Result<SynthSummary, SynthError> {
+    write_synth_with_progress(path, cfg, ty, seed, &|_, _| {})
+}
+
+/// [`write_synth`], calling `progress(bytes_written, total_bytes)` (tensor data) after each
+/// chunk written, from the writer thread: for a progress bar.
+pub fn write_synth_with_progress(
+    path: impl AsRef<Path>,
+    cfg: &SynthConfig,
+    ty: WeightType,
+    seed: u64,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<SynthSummary, SynthError> {
     let (writer, specs) = prepare(cfg, ty)?;
     let file_size = writer.file_size();
+    let total = data_bytes(&specs);
     let mut stream = writer.stream_to_path(path)?;
-    generate(&mut stream, &specs, seed)?;
+    generate(&mut stream, &specs, seed, total, progress)?;
     stream.finish()?;
     Ok(summary(&specs, file_size))
 }
@@ -896,9 +934,18 @@ pub fn write_synth_to<W: Write + Send>(
 ) -> Result<(W, SynthSummary), SynthError> {
     let (writer, specs) = prepare(cfg, ty)?;
     let file_size = writer.file_size();
+    let total = data_bytes(&specs);
     let mut stream = writer.stream_to(sink)?;
-    generate(&mut stream, &specs, seed)?;
+    generate(&mut stream, &specs, seed, total, &|_, _| {})?;
     Ok((stream.finish()?, summary(&specs, file_size)))
+}
+
+/// Bytes of tensor data (without the alignment padding between tensors).
+fn data_bytes(specs: &[TensorSpec]) -> u64 {
+    specs
+        .iter()
+        .map(|s| s.n_elements() / s.ty.block_size() as u64 * s.ty.type_size() as u64)
+        .sum()
 }
 
 fn summary(specs: &[TensorSpec], file_size: u64) -> SynthSummary {
@@ -944,13 +991,19 @@ fn generate<S: ChunkSink + Send>(
     sink: &mut S,
     specs: &[TensorSpec],
     seed: u64,
+    total: u64,
+    progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<(), SynthError> {
+    let pooled = specs.iter().map(TensorSpec::n_elements).sum::<u64>() > POOLED_ABOVE_PARAMS;
     let (tx, rx) = mpsc::sync_channel::<Vec<Vec<u8>>>(2);
     std::thread::scope(|scope| {
         let writer = scope.spawn(move || -> Result<(), GgufError> {
+            let mut done = 0u64;
             for batch in rx {
                 for chunk in &batch {
                     sink.write_chunk(chunk)?;
+                    done += chunk.len() as u64;
+                    progress(done, total);
                 }
             }
             Ok(())
@@ -962,6 +1015,10 @@ fn generate<S: ChunkSink + Send>(
                 let rows_per_chunk = (CHUNK_VALUES / row_len).max(1);
                 let n_chunks = n_rows.div_ceil(rows_per_chunk);
                 let name_hash = fnv1a(spec.name.as_bytes());
+                let pool = match pooled && spec.ty.block_size() > 1 {
+                    true => Some(block_pool(spec, mix(seed, name_hash, u64::MAX))?),
+                    false => None,
+                };
                 let mut start = 0u64;
                 while start < n_chunks {
                     let end = (start + BATCH_CHUNKS as u64).min(n_chunks);
@@ -969,7 +1026,12 @@ fn generate<S: ChunkSink + Send>(
                         .into_par_iter()
                         .map(|c| {
                             let rows = rows_per_chunk.min(n_rows - c * rows_per_chunk);
-                            chunk_bytes(spec, (rows * row_len) as usize, mix(seed, name_hash, c))
+                            let n = (rows * row_len) as usize;
+                            let chunk_seed = mix(seed, name_hash, c);
+                            match &pool {
+                                Some(pool) => Ok(pooled_chunk(spec.ty, pool, n, chunk_seed)),
+                                None => chunk_bytes(spec, n, chunk_seed),
+                            }
                         })
                         .collect::<Result<Vec<Vec<u8>>, SynthError>>()?;
                     if tx.send(batch).is_err() {
@@ -1005,6 +1067,36 @@ fn chunk_bytes(spec: &TensorSpec, n: usize, seed: u64) -> Result<Vec<u8>, SynthE
     })
 }
 
+/// [`POOL_BLOCKS`] blocks of `spec`'s type quantized from its distribution.
+fn block_pool(spec: &TensorSpec, seed: u64) -> Result<Vec<u8>, SynthError> {
+    let bs = spec.ty.block_size();
+    let dist = Normal::new(spec.init.mean, spec.init.std)
+        .map_err(|e| invalid(format!("{}: bad distribution: {e}", spec.name)))?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let values: Vec<f32> = (0..POOL_BLOCKS * bs)
+        .map(|_| dist.sample(&mut rng))
+        .collect();
+    kestrel_quant::quantize(spec.ty, &values, bs).map_err(|source| SynthError::Quant {
+        tensor: spec.name.clone(),
+        source,
+    })
+}
+
+/// `n` values (whole blocks) of type `ty` as blocks drawn from `pool` by a generator
+/// seeded with `seed`.
+fn pooled_chunk(ty: GgmlType, pool: &[u8], n: usize, seed: u64) -> Vec<u8> {
+    let (bs, size) = (ty.block_size(), ty.type_size());
+    let blocks = pool.len() / size;
+    let mut out = Vec::with_capacity(n / bs * size);
+    let mut state = seed;
+    for _ in 0..n / bs {
+        state = splitmix(state);
+        let b = (state % blocks as u64) as usize;
+        out.extend_from_slice(&pool[b * size..(b + 1) * size]);
+    }
+    out
+}
+
 fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for &b in bytes {
@@ -1030,6 +1122,40 @@ fn mix(seed: u64, name_hash: u64, chunk: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pooled chunks are whole valid blocks whose values follow the tensor's distribution
+    /// (the oracle: kestrel-quant's dequantizer and the spec's mean and deviation), and
+    /// differ between chunks.
+    #[test]
+    fn pooled_chunks_are_valid_blocks_of_the_distribution() {
+        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
+            let spec = TensorSpec {
+                name: "blk.0.ffn_up.weight".into(),
+                dims: vec![1024, 96],
+                ty,
+                init: Init::WEIGHT,
+            };
+            let pool = block_pool(&spec, 7).unwrap();
+            assert_eq!(pool.len(), POOL_BLOCKS * ty.type_size());
+            let n = 1024 * 96;
+            let a = pooled_chunk(ty, &pool, n, 1);
+            let b = pooled_chunk(ty, &pool, n, 2);
+            assert_eq!(a.len(), n / ty.block_size() * ty.type_size());
+            assert_ne!(a, b);
+            assert_eq!(a, pooled_chunk(ty, &pool, n, 1));
+            let mut v = vec![0f32; n];
+            kestrel_quant::dequantize_row(ty, &a, &mut v).unwrap();
+            assert!(v.iter().all(|x| x.is_finite()));
+            let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / n as f64;
+            let var = v
+                .iter()
+                .map(|&x| (f64::from(x) - mean).powi(2))
+                .sum::<f64>()
+                / n as f64;
+            assert!(mean.abs() < 2e-3, "{ty}: mean {mean}");
+            assert!((var.sqrt() - 0.02).abs() < 3e-3, "{ty}: std {}", var.sqrt());
+        }
+    }
 
     #[test]
     fn seeds_differ_per_chunk_and_tensor() {

@@ -9,6 +9,7 @@ use kestrel_gguf::{GgmlType, GgufFile, Value};
 use kestrel_model::config::Arch;
 use kestrel_model::synth::{
     Role, SynthConfig, SynthOverrides, WeightType, write_synth, write_synth_to,
+    write_synth_with_progress,
 };
 
 const ARCHES: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
@@ -293,6 +294,37 @@ fn file_output_matches_in_memory_output() {
     let on_disk = std::fs::read(&path).unwrap();
     assert_eq!(on_disk.len() as u64, summary.file_size);
     assert_eq!(on_disk, synth_bytes(&cfg, WeightType::Q5_0, 3));
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// The progress callback (for `kestrel synth`'s bar) counts every tensor byte once, in
+/// increasing steps, ending at the total: the file's size less its header and padding.
+#[test]
+fn progress_counts_every_tensor_byte() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("synth-progress");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny-llama.gguf");
+    let mut cfg = SynthConfig::tiny(Arch::Llama);
+    cfg.apply(&SynthOverrides {
+        n_vocab: Some(1_003),
+        ..Default::default()
+    })
+    .unwrap();
+    let calls = std::sync::Mutex::new(Vec::new());
+    let summary = write_synth_with_progress(&path, &cfg, WeightType::Q4_0, 5, &|done, total| {
+        calls.lock().unwrap().push((done, total))
+    })
+    .unwrap();
+    let calls = calls.into_inner().unwrap();
+    assert!(calls.len() >= summary.n_tensors, "{} calls", calls.len());
+    let total = calls[0].1;
+    assert!(calls.iter().all(|&(_, t)| t == total));
+    assert!(calls.windows(2).all(|w| w[0].0 < w[1].0));
+    assert_eq!(calls.last().unwrap().0, total);
+    let file = GgufFile::open(&path).unwrap();
+    let data: u64 = file.tensors().iter().map(|t| t.n_bytes()).sum();
+    assert_eq!(total, data);
+    assert!(total < summary.file_size);
     std::fs::remove_file(&path).unwrap();
 }
 

@@ -76,7 +76,7 @@ pub fn dequant_mxfp4(b: &[u8; 17], out: &mut [f32; 32]) {
 }
 
 /// ggml's `best_index_int8`: the index of the table level nearest `x` (ties to the lower).
-fn best_index_int8(values: &[i8; 16], x: f32) -> u8 {
+pub(crate) fn best_index_int8(values: &[i8; 16], x: f32) -> u8 {
     if x <= values[0] as f32 {
         return 0;
     }

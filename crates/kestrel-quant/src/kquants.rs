@@ -181,7 +181,13 @@ pub fn dequant_q8_k(b: &[u8; 292], out: &mut [f32; QK_K]) {
 
 /// ggml's `make_qx_quants` for symmetric quants in [-nmax, nmax): returns the scale and
 /// writes `L[i] = q + nmax`. `rmse_type` 1 weights errors by x², then tries 18 nearby scales.
-fn make_qx_quants(x: &[f32], nmax: i32, levels: &mut [i8], rmse_type: i32) -> f32 {
+pub(crate) fn make_qx_quants(
+    x: &[f32],
+    nmax: i32,
+    levels: &mut [i8],
+    rmse_type: i32,
+    qw: Option<&[f32]>,
+) -> f32 {
     let n = x.len();
     let mut max = 0.0f32;
     let mut amax = 0.0f32;
@@ -204,18 +210,19 @@ fn make_qx_quants(x: &[f32], nmax: i32, levels: &mut [i8], rmse_type: i32) -> f3
         }
         return 1.0 / iscale;
     }
-    let weight = |v: f32| match rmse_type {
-        1 => v * v,
-        2 => 1.0,
-        3 => v.abs(),
-        _ => v.abs().sqrt(),
+    let weight = |i: usize, v: f32| match (qw, rmse_type) {
+        (Some(qw), _) => qw[i],
+        (None, 1) => v * v,
+        (None, 2) => 1.0,
+        (None, 3) => v.abs(),
+        (None, _) => v.abs().sqrt(),
     };
     let mut sumlx = 0.0f32;
     let mut suml2 = 0.0f32;
-    for (lv, &v) in levels.iter_mut().zip(x) {
+    for (i, (lv, &v)) in levels.iter_mut().zip(x).enumerate() {
         let l = clamp(nearest_int(iscale * v));
         *lv = (l + nmax) as i8;
-        let w = weight(v);
+        let w = weight(i, v);
         sumlx += w * v * l as f32;
         suml2 += w * l as f32 * l as f32;
     }
@@ -228,9 +235,9 @@ fn make_qx_quants(x: &[f32], nmax: i32, levels: &mut [i8], rmse_type: i32) -> f3
         iscale = -(nmax as f32 + 0.1 * is as f32) / max;
         sumlx = 0.0;
         suml2 = 0.0;
-        for &v in x {
+        for (i, &v) in x.iter().enumerate() {
             let l = clamp(nearest_int(iscale * v));
-            let w = weight(v);
+            let w = weight(i, v);
             sumlx += w * v * l as f32;
             suml2 += w * l as f32 * l as f32;
         }
@@ -519,16 +526,276 @@ pub fn quant_q3_k(x: &[f32; QK_K], b: &mut [u8; 110]) {
     }
 }
 
+/// `make_qkx2_quants` (`use_mad` false) of the eight 32-value groups of a super-block at
+/// once, group `k` in lane `k`: every lane performs exactly the scalar function's f32
+/// operations in the scalar order (the lanes only run side by side, so the compiler can
+/// keep them in vector registers), hence the same bits. `xt[i][k]` is value `i` of group
+/// `k`, `wt` its weight. Returns each group's (scale, -min) and writes its levels.
+#[inline(always)]
+fn qkx2_x8_body(
+    xt: &[[f32; 8]; 32],
+    wt: &[[f32; 8]; 32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    levels: &mut [[f32; 8]; 32],
+) -> ([f32; 8], [f32; 8]) {
+    const K: usize = 8;
+    let mut min = xt[0];
+    let mut max = xt[0];
+    let mut sum_w = wt[0];
+    let mut sum_x = [0f32; K];
+    for k in 0..K {
+        sum_x[k] = sum_w[k] * xt[0][k];
+    }
+    for i in 1..32 {
+        for k in 0..K {
+            let v = xt[i][k];
+            if v < min[k] {
+                min[k] = v;
+            }
+            if v > max[k] {
+                max[k] = v;
+            }
+            let w = wt[i][k];
+            sum_w[k] += w;
+            sum_x[k] += w * v;
+        }
+    }
+    let mut flat = [false; K];
+    let mut iscale = [0f32; K];
+    let mut scale = [0f32; K];
+    for k in 0..K {
+        if min[k] > 0.0 {
+            min[k] = 0.0;
+        }
+        flat[k] = max[k] == min[k];
+        iscale[k] = nmax as f32 / (max[k] - min[k]);
+        scale[k] = 1.0 / iscale[k];
+    }
+    let mut best = [0f32; K];
+    for i in 0..32 {
+        for k in 0..K {
+            let l = nearest_int(iscale[k] * (xt[i][k] - min[k])).clamp(0, nmax) as f32;
+            levels[i][k] = l;
+            let diff = scale[k] * l + min[k] - xt[i][k];
+            best[k] += wt[i][k] * (diff * diff);
+        }
+    }
+    let mut aux = [[0f32; K]; 32];
+    for is in 0..=nstep {
+        let mut isc = [0f32; K];
+        for k in 0..K {
+            isc[k] = (rmin + rdelta * is as f32 + nmax as f32) / (max[k] - min[k]);
+        }
+        let (mut sl, mut sl2, mut sxl) = ([0f32; K], [0f32; K], [0f32; K]);
+        for i in 0..32 {
+            for k in 0..K {
+                let l = nearest_int(isc[k] * (xt[i][k] - min[k])).clamp(0, nmax) as f32;
+                aux[i][k] = l;
+                let w = wt[i][k];
+                sl[k] += w * l;
+                sl2[k] += w * l * l;
+                sxl[k] += w * l * xt[i][k];
+            }
+        }
+        let (mut ts, mut tm, mut det) = ([0f32; K], [0f32; K], [0f32; K]);
+        for k in 0..K {
+            det[k] = sum_w[k] * sl2[k] - sl[k] * sl[k];
+            ts[k] = (sum_w[k] * sxl[k] - sum_x[k] * sl[k]) / det[k];
+            tm[k] = (sl2[k] * sum_x[k] - sl[k] * sxl[k]) / det[k];
+            if tm[k] > 0.0 {
+                tm[k] = 0.0;
+                ts[k] = sxl[k] / sl2[k];
+            }
+        }
+        let mut err = [0f32; K];
+        for i in 0..32 {
+            for k in 0..K {
+                let diff = ts[k] * aux[i][k] + tm[k] - xt[i][k];
+                err[k] += wt[i][k] * (diff * diff);
+            }
+        }
+        let mut take = [false; K];
+        for k in 0..K {
+            take[k] = !flat[k] && det[k] > 0.0 && err[k] < best[k];
+            if take[k] {
+                best[k] = err[k];
+                scale[k] = ts[k];
+                min[k] = tm[k];
+            }
+        }
+        for i in 0..32 {
+            for k in 0..K {
+                if take[k] {
+                    levels[i][k] = aux[i][k];
+                }
+            }
+        }
+    }
+    let mut neg_min = [0f32; K];
+    for k in 0..K {
+        if flat[k] {
+            scale[k] = 0.0;
+            for row in levels.iter_mut() {
+                row[k] = 0.0;
+            }
+        }
+        neg_min[k] = -min[k];
+    }
+    (scale, neg_min)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn qkx2_x8_avx2(
+    xt: &[[f32; 8]; 32],
+    wt: &[[f32; 8]; 32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    levels: &mut [[f32; 8]; 32],
+) -> ([f32; 8], [f32; 8]) {
+    qkx2_x8_body(xt, wt, nmax, rmin, rdelta, nstep, levels)
+}
+
+/// [`qkx2_x8_body`] with AVX2 where the CPU has it (no FMA: the products and sums stay
+/// separately rounded, as in ggml's C).
+fn qkx2_x8(
+    xt: &[[f32; 8]; 32],
+    wt: &[[f32; 8]; 32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    levels: &mut [[f32; 8]; 32],
+) -> ([f32; 8], [f32; 8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { qkx2_x8_avx2(xt, wt, nmax, rmin, rdelta, nstep, levels) };
+    }
+    qkx2_x8_body(xt, wt, nmax, rmin, rdelta, nstep, levels)
+}
+
+/// `make_qx_quants(16, nmax, x, L, 1, NULL)` of the sixteen 16-value groups of a Q6_K
+/// super-block at once, group `k` in lane `k`, each lane doing the scalar function's f32
+/// operations in its order (so the same bits). `xt[i][k]` is value `i` of group `k`;
+/// `levels` gets `q + nmax`; returns the scales.
+#[inline(always)]
+fn qx_x16_body(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) -> [f32; 16] {
+    const K: usize = 16;
+    let (mut max, mut amax) = ([0f32; K], [0f32; K]);
+    for row in xt {
+        for k in 0..K {
+            let ax = row[k].abs();
+            if ax > amax[k] {
+                amax[k] = ax;
+                max[k] = row[k];
+            }
+        }
+    }
+    let mut iscale = [0f32; K];
+    for k in 0..K {
+        iscale[k] = -(nmax as f32) / max[k];
+    }
+    let (mut sumlx, mut suml2) = ([0f32; K], [0f32; K]);
+    for i in 0..16 {
+        for k in 0..K {
+            let v = xt[i][k];
+            let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
+            levels[i][k] = l + nmax;
+            let w = v * v;
+            let lf = l as f32;
+            sumlx[k] += w * v * lf;
+            suml2[k] += w * lf * lf;
+        }
+    }
+    let (mut scale, mut best) = ([0f32; K], [0f32; K]);
+    for k in 0..K {
+        scale[k] = if suml2[k] != 0.0 {
+            sumlx[k] / suml2[k]
+        } else {
+            0.0
+        };
+        best[k] = scale[k] * sumlx[k];
+    }
+    let mut aux = [[0i32; K]; 16];
+    for is in -9..=9 {
+        if is == 0 {
+            continue;
+        }
+        for k in 0..K {
+            iscale[k] = -(nmax as f32 + 0.1 * is as f32) / max[k];
+        }
+        let (mut sumlx, mut suml2) = ([0f32; K], [0f32; K]);
+        for i in 0..16 {
+            for k in 0..K {
+                let v = xt[i][k];
+                let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
+                aux[i][k] = l + nmax;
+                let w = v * v;
+                let lf = l as f32;
+                sumlx[k] += w * v * lf;
+                suml2[k] += w * lf * lf;
+            }
+        }
+        let mut take = [false; K];
+        for k in 0..K {
+            take[k] = suml2[k] > 0.0 && sumlx[k] * sumlx[k] > best[k] * suml2[k];
+            if take[k] {
+                scale[k] = sumlx[k] / suml2[k];
+                best[k] = scale[k] * sumlx[k];
+            }
+        }
+        for i in 0..16 {
+            for k in 0..K {
+                if take[k] {
+                    levels[i][k] = aux[i][k];
+                }
+            }
+        }
+    }
+    for k in 0..K {
+        if amax[k] < GROUP_MAX_EPS {
+            scale[k] = 0.0;
+            for row in levels.iter_mut() {
+                row[k] = 0;
+            }
+        }
+    }
+    scale
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn qx_x16_avx2(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) -> [f32; 16] {
+    qx_x16_body(xt, nmax, levels)
+}
+
+/// [`qx_x16_body`] with AVX2 where the CPU has it (no FMA).
+fn qx_x16(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) -> [f32; 16] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { qx_x16_avx2(xt, nmax, levels) };
+    }
+    qx_x16_body(xt, nmax, levels)
+}
+
 /// The shared first half of Q4_K and Q5_K: per 32-value group scale and min, packed into
 /// 6 bits each with the super-block's d and dmin, then the levels requantized with them.
 /// Writes d, dmin and the 12 scale bytes into `b[0..16]` and returns the levels.
 fn quant_k4_scales(x: &[f32; QK_K], nmax: i32, rmin: f32, nstep: i32, b: &mut [u8]) -> [u8; QK_K] {
     let mut levels = [0u8; QK_K];
-    let mut scales = [0.0f32; 8];
-    let mut mins = [0.0f32; 8];
-    let mut weights = [0.0f32; 32];
     let mut max_scale = 0.0f32;
     let mut max_min = 0.0f32;
+    // The eight groups side by side (value i of group k at [i][k]), each weighted by
+    // av_x + |x| as in quantize_row_q4_K_ref.
+    let mut xt = [[0f32; 8]; 32];
+    let mut wt = [[0f32; 8]; 32];
     for j in 0..8 {
         let xs = &x[32 * j..32 * j + 32];
         let mut sum_x2 = 0.0f32;
@@ -536,21 +803,20 @@ fn quant_k4_scales(x: &[f32; QK_K], nmax: i32, rmin: f32, nstep: i32, b: &mut [u
             sum_x2 += v * v;
         }
         let av_x = (sum_x2 / 32.0).sqrt();
-        for (w, &v) in weights.iter_mut().zip(xs) {
-            *w = av_x + v.abs();
+        for (i, &v) in xs.iter().enumerate() {
+            xt[i][j] = v;
+            wt[i][j] = av_x + v.abs();
         }
-        let (scale, min) = make_qkx2_quants(
-            xs,
-            &weights,
-            nmax,
-            &mut levels[32 * j..32 * j + 32],
-            rmin,
-            0.1,
-            nstep,
-            false,
-        );
-        scales[j] = scale;
-        mins[j] = min;
+    }
+    let mut lv = [[0f32; 8]; 32];
+    let (scales, mins) = qkx2_x8(&xt, &wt, nmax, rmin, 0.1, nstep, &mut lv);
+    for j in 0..8 {
+        for i in 0..32 {
+            levels[32 * j + i] = lv[i][j] as u8;
+        }
+    }
+    for j in 0..8 {
+        let (scale, min) = (scales[j], mins[j]);
         if scale > max_scale {
             max_scale = scale;
         }
@@ -628,17 +894,43 @@ pub fn quant_q5_k(x: &[f32; QK_K], b: &mut [u8; 176]) {
 }
 
 pub fn quant_q6_k(x: &[f32; QK_K], b: &mut [u8; 210]) {
+    quant_q6_k_weighted(x, b, None)
+}
+
+/// Q6_K as ggml's `quantize_row_q6_K_impl`: with importance weights `qw` (256, this
+/// super-block's columns) each group's scale search weights its errors by them, else by x².
+pub(crate) fn quant_q6_k_weighted(x: &[f32; QK_K], b: &mut [u8; 210], qw: Option<&[f32]>) {
     let mut levels = [0i8; QK_K];
     let mut scales = [0.0f32; 16];
     let mut max_scale = 0.0f32;
     let mut max_abs_scale = 0.0f32;
+    if qw.is_none() {
+        // The sixteen groups' searches side by side (same bits as one by one).
+        let mut xt = [[0f32; 16]; 16];
+        for j in 0..16 {
+            for i in 0..16 {
+                xt[i][j] = x[16 * j + i];
+            }
+        }
+        let mut lv = [[0i32; 16]; 16];
+        scales = qx_x16(&xt, 32, &mut lv);
+        for j in 0..16 {
+            for i in 0..16 {
+                levels[16 * j + i] = lv[i][j] as i8;
+            }
+        }
+    }
     for j in 0..16 {
-        let scale = make_qx_quants(
-            &x[16 * j..16 * j + 16],
-            32,
-            &mut levels[16 * j..16 * j + 16],
-            1,
-        );
+        let scale = match qw {
+            None => scales[j],
+            Some(w) => make_qx_quants(
+                &x[16 * j..16 * j + 16],
+                32,
+                &mut levels[16 * j..16 * j + 16],
+                1,
+                Some(&w[16 * j..16 * j + 16]),
+            ),
+        };
         scales[j] = scale;
         if scale.abs() > max_abs_scale {
             max_abs_scale = scale.abs();

@@ -17,11 +17,13 @@ mod float;
 mod kquants;
 mod legacy;
 mod types;
+mod weighted;
 
 pub use error::QuantError;
 pub use float::{bf16, bf16_to_f32, f16, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use kquants::scale_min_k4;
 pub use types::GgmlType;
+pub use weighted::{quantize_rows_weighted, uses_importance};
 
 use GgmlType as T;
 

@@ -710,7 +710,7 @@ fn submit(
                 make_filter()?,
             )
             .map_err(|e| match e {
-                SubmitError::PromptTooLong { .. } => {
+                SubmitError::PromptTooLong { .. } | SubmitError::PromptExceedsCache { .. } => {
                     ApiError::invalid(e.to_string(), Some("prompt"))
                         .with_code("context_length_exceeded")
                 }

@@ -186,6 +186,16 @@ impl Metrics {
             "KV blocks in the cache.",
             sched.info().n_blocks as u64,
         );
+        gauge(
+            "kestrel_kv_block_size_tokens",
+            "Positions one KV block holds.",
+            sched.info().block_size as u64,
+        );
+        gauge(
+            "kestrel_kv_cache_bytes_per_token",
+            "Bytes of keys and values one cached position takes over all layers.",
+            sched.info().kv_bytes_per_token as u64,
+        );
         self.ttft.render(
             &mut out,
             "kestrel_time_to_first_token_seconds",

@@ -20,6 +20,7 @@ fn setup() -> Setup {
         batch: 64,
         api_key: None,
         speculative: false,
+        ..Setup::default()
     }
 }
 

@@ -14,7 +14,7 @@ fn official_openai_client_works_against_the_server() {
             max_seqs: 4,
             batch: 128,
             api_key: Some("test-key".into()),
-            speculative: false,
+            ..Setup::default()
         },
     );
     let out = std::process::Command::new("python3")

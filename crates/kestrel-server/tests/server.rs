@@ -425,3 +425,98 @@ fn api_key_is_required_on_v1_routes() {
     let (status, r) = srv.post("/v1/completions", &json!({"prompt": [1], "max_tokens": 1}));
     assert_eq!(status, 200, "{r}");
 }
+
+/// A cache of a dozen blocks (`--kv-memory`) under 20 concurrent requests that together need
+/// ten times that: admission waits, decodes preempt the newest sequences (the
+/// preemption counter on /metrics moves), and every request still completes with the greedy
+/// tokens it gets alone. A prompt longer than the whole cache is a 400.
+#[test]
+fn a_tiny_kv_memory_preempts_and_every_request_completes_unchanged() {
+    use kestrel_model::Arch;
+    use kestrel_model::synth::SynthConfig;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    // The tiny model's cache bytes per position: f16 keys and values of every layer.
+    let cfg = SynthConfig::tiny(Arch::Qwen2);
+    let bytes_per_token = (cfg.n_layer * 2 * cfg.n_head_kv * cfg.head_dim * 2) as usize;
+    let blocks: usize = rng.random_range(10..14);
+    let kv_memory =
+        (blocks * 16 * bytes_per_token + rng.random_range(0..16 * bytes_per_token)) as u64;
+    let srv = std::sync::Arc::new(synthetic(
+        Setup {
+            ctx: 512,
+            max_seqs: 8,
+            kv_memory: Some(kv_memory),
+            ..Setup::default()
+        },
+        rng.random(),
+    ));
+    assert_eq!(srv.metric("kestrel_kv_blocks_total") as usize, blocks);
+    assert_eq!(
+        srv.metric("kestrel_kv_cache_bytes_per_token") as usize,
+        bytes_per_token
+    );
+    let positions = blocks * 16;
+
+    // Longer than the whole cache: refused at once.
+    let too_long: Vec<u32> = (0..positions + 1)
+        .map(|_| rng.random_range(0..512))
+        .collect();
+    let (status, resp) = srv.post(
+        "/v1/completions",
+        &json!({"prompt": too_long, "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 400, "{resp}");
+    assert_eq!(resp["error"]["code"], "context_length_exceeded", "{resp}");
+    let msg = resp["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("KV cache"), "{msg}");
+
+    let jobs: Vec<(Vec<u32>, usize)> = (0..20)
+        .map(|_| {
+            let len = rng.random_range(5..70);
+            let prompt = (0..len).map(|_| rng.random_range(0..512)).collect();
+            (prompt, rng.random_range(20..50))
+        })
+        .collect();
+    let handles: Vec<_> = jobs
+        .iter()
+        .cloned()
+        .map(|(prompt, n)| {
+            let srv = srv.clone();
+            std::thread::spawn(move || {
+                let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0});
+                srv.post("/v1/completions", &body)
+            })
+        })
+        .collect();
+    let results: Vec<(u16, Value)> = handles
+        .into_iter()
+        .map(|h| h.join().expect("client thread"))
+        .collect();
+    let preemptions = srv.metric("kestrel_preemptions_total");
+    assert!(preemptions > 0.0, "the cache was sized to force preemption");
+    for (i, ((prompt, n), (status, resp))) in jobs.iter().zip(&results).enumerate() {
+        assert_eq!(*status, 200, "request {i}: {resp}");
+        assert_eq!(resp["choices"][0]["finish_reason"], "length", "request {i}");
+        assert_eq!(resp["usage"]["completion_tokens"], *n, "request {i}");
+        // Alone: nothing else runs now.
+        let (status, single) = srv.post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": n, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{single}");
+        assert_eq!(
+            ids_of(&resp["choices"][0]),
+            ids_of(&single["choices"][0]),
+            "request {i} ({} prompt tokens, {preemptions} preemptions)",
+            prompt.len()
+        );
+    }
+    srv.wait_idle();
+    let free = srv.metric("kestrel_kv_blocks_free");
+    let cached = srv.metric("kestrel_kv_blocks_cached");
+    assert_eq!(
+        free + cached,
+        blocks as f64,
+        "every block is free or idle in the cache"
+    );
+}

@@ -253,6 +253,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let backends = match engine {
         AnyEngine::Cpu(_) => "CPU",
         AnyEngine::Cuda(_) => "CUDA",
+        AnyEngine::Tp(_) => "CUDA TP",
     };
     let arch = with_engine!(&engine, e => e.config().arch.name());
     let filename = kestrel_hub::resolve_model(&args.model.model)?
@@ -385,6 +386,7 @@ fn run_batched(args: Args) -> anyhow::Result<()> {
     let backends = match engine {
         AnyEngine::Cpu(_) => "CPU",
         AnyEngine::Cuda(_) => "CUDA",
+        AnyEngine::Tp(_) => "CUDA TP",
     };
     let filename = kestrel_hub::resolve_model(&args.model.model)?
         .display()

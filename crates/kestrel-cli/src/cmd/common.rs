@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use kestrel_cpu::{CpuBackend, Kernels};
-use kestrel_cuda::CudaBackend;
+use kestrel_cuda::{CudaBackend, TpBackend};
 use kestrel_engine::sampler::SamplerParams;
 use kestrel_engine::spec::{DraftModel, Drafter, NgramDrafter, SpecMode, SpecStats, Speculator};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
@@ -17,9 +17,13 @@ pub struct ModelArgs {
     /// Model: a catalog name (pulled if missing), a GGUF path or a URL.
     #[arg(short = 'm', long, default_value = "qwen2.5-coder-1.5b")]
     pub model: String,
-    /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N).
-    #[arg(long, default_value = "cpu")]
+    /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N); `cuda:0,cuda:1` (or
+    /// `--devices`) runs the model tensor-parallel over those GPUs.
+    #[arg(long, visible_alias = "devices", default_value = "cpu")]
     pub device: String,
+    /// Tensor parallelism over GPUs 0..N (same as `--devices cuda:0,...,cuda:N-1`).
+    #[arg(long, value_parser = positive)]
+    pub tp: Option<usize>,
     /// Threads for the CPU backend (default: all cores).
     #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
@@ -46,10 +50,12 @@ pub struct ModelArgs {
 /// these by `main`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct CacheArgs {
-    /// Storage type of the cached keys: f16, bf16, q8_0 or q4_0 (CPU; CUDA: f16).
+    /// Storage type of the cached keys: f16, bf16, q8_0 or q4_0 on the CPU; f16, q8_0 or
+    /// fp8 on CUDA.
     #[arg(long = "cache-type-k", default_value = "f16")]
     pub cache_type_k: KvType,
-    /// Storage type of the cached values: f16, bf16, q8_0 or q4_0 (CPU; CUDA: f16).
+    /// Storage type of the cached values: f16, bf16, q8_0 or q4_0 on the CPU; f16, q8_0 or
+    /// fp8 on CUDA.
     #[arg(long = "cache-type-v", default_value = "f16")]
     pub cache_type_v: KvType,
 }
@@ -207,10 +213,13 @@ impl SpecArgs {
                         let (d, file) = build_engine(backend, true, &draft_args, 1)?;
                         Box::new(DraftModel::new(d, target, &file)?)
                     }
+                    AnyEngine::Tp(_) => {
+                        bail!("a draft model with tensor parallelism is not supported yet")
+                    }
                     AnyEngine::Cuda(_) => {
                         let backend = CudaBackend::new(match Device::parse(&model.device)? {
                             Device::Cuda(n) => n,
-                            Device::Cpu => 0,
+                            Device::Cpu | Device::CudaTp(_) => 0,
                         })
                         .with_context(|| {
                             format!("opening device {} for the draft", model.device)
@@ -230,14 +239,41 @@ impl SpecArgs {
 }
 
 /// Where to run: `cpu` or `cuda[:N]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Device {
     Cpu,
     Cuda(usize),
+    /// Several GPUs, tensor parallel (rank i on the i-th).
+    CudaTp(Vec<usize>),
 }
 
 impl Device {
+    /// `--device` (`cpu`, `cuda`, `cuda:N`, or a comma-separated list of GPUs) with `--tp N`.
+    pub fn resolve(s: &str, tp: Option<usize>) -> anyhow::Result<Device> {
+        let d = Device::parse(s)?;
+        match (tp, &d) {
+            (None, _) => Ok(d),
+            (Some(1), Device::Cpu) => Ok(Device::Cuda(0)),
+            (Some(1), Device::Cuda(_)) => Ok(d),
+            (Some(n), Device::Cuda(_) | Device::Cpu) if s == "cpu" || s == "cuda" => {
+                Ok(Device::CudaTp((0..n).collect()))
+            }
+            (Some(n), Device::CudaTp(v)) if v.len() == n => Ok(d),
+            (Some(n), _) => bail!("--tp {n} and --device {s} disagree: give one of them"),
+        }
+    }
+
     pub fn parse(s: &str) -> anyhow::Result<Device> {
+        if s.contains(',') {
+            let list = s
+                .split(',')
+                .map(|d| match Device::parse(d.trim())? {
+                    Device::Cuda(n) => Ok(n),
+                    _ => bail!("{d:?} in --devices {s:?}: expected cuda:N"),
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            return Ok(Device::CudaTp(list));
+        }
         match s {
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda(0)),
@@ -257,6 +293,7 @@ impl Device {
 pub enum AnyEngine {
     Cpu(Engine<CpuBackend>),
     Cuda(Engine<CudaBackend>),
+    Tp(Engine<TpBackend>),
 }
 
 /// Runs `$body` with `$e` bound to the engine inside an [`AnyEngine`] (or a reference to
@@ -267,6 +304,7 @@ macro_rules! with_engine {
         match $any {
             $crate::cmd::common::AnyEngine::Cpu($e) => $body,
             $crate::cmd::common::AnyEngine::Cuda($e) => $body,
+            $crate::cmd::common::AnyEngine::Tp($e) => $body,
         }
     };
 }
@@ -303,7 +341,13 @@ pub fn load_any_engine(
     args: &ModelArgs,
     max_logit_rows: usize,
 ) -> anyhow::Result<(AnyEngine, Arc<GgufFile>)> {
-    match Device::parse(&args.device)? {
+    match Device::resolve(&args.device, args.tp)? {
+        Device::CudaTp(ordinals) => {
+            let backend =
+                TpBackend::new(&ordinals).with_context(|| format!("opening GPUs {ordinals:?}"))?;
+            let (engine, file) = build_engine(backend, false, args, max_logit_rows)?;
+            Ok((AnyEngine::Tp(engine), file))
+        }
         Device::Cpu => {
             let (engine, file) = load_engine(args, max_logit_rows)?;
             Ok((AnyEngine::Cpu(engine), file))
@@ -323,9 +367,9 @@ pub fn load_engine(
     args: &ModelArgs,
     max_logit_rows: usize,
 ) -> anyhow::Result<(Engine<CpuBackend>, Arc<GgufFile>)> {
-    match Device::parse(&args.device)? {
+    match Device::resolve(&args.device, args.tp)? {
         Device::Cpu => {}
-        Device::Cuda(_) => bail!(
+        Device::Cuda(_) | Device::CudaTp(_) => bail!(
             "device {:?}: this command runs on the CPU only for now; use --device cpu",
             args.device
         ),
@@ -521,5 +565,36 @@ mod tests {
         assert!(err.to_string().contains("at most 512"), "{err}");
         let err = fit_context(&cfg, 0, 1, 1000).expect_err("nothing fits");
         assert!(err.to_string().contains("-c 0"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::Device;
+
+    #[test]
+    fn devices_and_tp_resolve_or_are_refused() {
+        let r = |d: &str, tp| Device::resolve(d, tp).map_err(|e| e.to_string());
+        assert_eq!(r("cpu", None), Ok(Device::Cpu));
+        assert_eq!(r("cuda:3", None), Ok(Device::Cuda(3)));
+        assert_eq!(r("cuda:0,cuda:1", None), Ok(Device::CudaTp(vec![0, 1])));
+        assert_eq!(r("cuda:1, cuda:0", Some(2)), Ok(Device::CudaTp(vec![1, 0])));
+        assert_eq!(r("cpu", Some(2)), Ok(Device::CudaTp(vec![0, 1])));
+        assert_eq!(r("cuda", Some(4)), Ok(Device::CudaTp(vec![0, 1, 2, 3])));
+        assert_eq!(r("cuda:1", Some(1)), Ok(Device::Cuda(1)));
+        assert_eq!(r("cpu", Some(1)), Ok(Device::Cuda(0)));
+        assert!(r("cuda:1", Some(2)).unwrap_err().contains("disagree"));
+        assert!(
+            r("cuda:0,cuda:1", Some(3))
+                .unwrap_err()
+                .contains("disagree")
+        );
+        assert!(
+            r("cuda:0,cpu", None)
+                .unwrap_err()
+                .contains("expected cuda:N")
+        );
+        assert!(r("cuda:0,", None).is_err());
+        assert!(r("gpu", None).is_err());
     }
 }

@@ -31,6 +31,88 @@ pub struct Args {
     pub pp: usize,
     #[arg(long, default_value_t = 128)]
     pub tg: usize,
+    /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
+    /// all-reduce (its sums against the host's, its latency at decode sizes), then every
+    /// dense architecture's logits against the CPU and one GPU, and greedy generations.
+    #[arg(long, value_parser = crate::cmd::common::positive)]
+    pub tp: Option<usize>,
+}
+
+/// `gpu-check --tp N`.
+fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let ordinals: Vec<usize> = (0..ranks).collect();
+    println!(
+        "{}; NCCL_NVLS_ENABLE={}; seed {seed}",
+        kestrel_cuda::nccl::describe()?,
+        std::env::var("NCCL_NVLS_ENABLE").unwrap_or_default()
+    );
+    let mut failures = 0usize;
+    let sizes = [
+        4 << 10,
+        8 << 10,
+        16 << 10,
+        64 << 10,
+        256 << 10,
+        1 << 20,
+        32 << 20,
+    ];
+    for (bytes, us, err) in kestrel_cuda::tp::all_reduce_latency(&ordinals, &sizes, 200)? {
+        let ok = err <= 1e-3;
+        failures += usize::from(!ok);
+        println!(
+            "all-reduce of {:>8} bytes: {us:7.2} µs per call (back to back), {:6.1} GB/s; max |Δ| vs host sum {err:.1e}  {}",
+            bytes,
+            bytes as f64 / us / 1e3,
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+    for (i, arch) in ARCHS.iter().enumerate() {
+        for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
+            let s = seed.wrapping_add((i * 10 + j) as u64);
+            match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}%; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)  {}",
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("tp{ranks} {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        let s = seed.wrapping_add(100 + i as u64);
+        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
+            Ok(g) => {
+                failures += usize::from(!g.passed());
+                println!(
+                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
+                    g.cpu.len(),
+                    g.first_difference,
+                    if g.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
+    if failures > 0 {
+        anyhow::bail!("{failures} tensor-parallel check(s) failed");
+    }
+    println!("all tensor-parallel checks passed");
+    Ok(())
 }
 
 /// Times prefill and decode of a model file on the GPU (random token ids).
@@ -124,6 +206,9 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.bench {
         return bench(&args, path);
+    }
+    if let Some(n) = args.tp.filter(|&n| n > 1) {
+        return check_tp(&args, n);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
     let start = Instant::now();
@@ -291,6 +376,85 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
+        "quantized K/V: store_kv_q vs the CPU's quantizer (byte for byte; fp8 vs the reference one) and attention vs f64 over the stored values, then logits with the cache stored so on both backends (f32 activations, steps of 1-8 tokens and prompt chunks), then several sequences per step vs alone:"
+    );
+    // A backend of its own for the kernel-level checks, gone before the engines' checks.
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
+    for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::ATTN_CACHE_TYPES.into_iter().enumerate() {
+            let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
+            let kv = kestrel_model::KvTypes { k, v };
+            let (h, hk, d) = heads;
+            match selfcheck::compare_attention_cache(&backend, heads, kv, 40 + positions, case_seed)
+            {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                        r.steps,
+                        r.positions,
+                        r.max_abs_diff,
+                        r.max_abs_out,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
+            match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "store    {h}/{hk}/{d:<6} kv {k}/{v}: {} of {} bytes differ{}  {}",
+                        r.differing,
+                        r.bytes,
+                        r.first
+                            .map(|(t, what, b)| format!(" (first: token {t} {what} byte {b})"))
+                            .unwrap_or_default(),
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("store    {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
+        }
+    }
+    drop(backend);
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
+            let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
+            let case_seed = seed.wrapping_add(1_200 + (ia * 10 + ik) as u64);
+            let kv = kestrel_model::KvTypes { k, v };
+            let (h, hk, d) = heads;
+            let label = format!("kv {k}/{v} {:<8} {h}/{hk}/{d:<6}", arch.name());
+            let result = selfcheck::compare_logits_cache(
+                arch, "f16", heads, kv, positions, case_seed, args.gpu,
+            );
+            failures += usize::from(!print_logit_report(&label, result));
+        }
+        let kv = kestrel_model::KvTypes {
+            k: kestrel_model::KvType::Q8_0,
+            v: kestrel_model::KvType::Q8_0,
+        };
+        let lens = [150usize, 2, 33];
+        let label = format!("batched {:<8} wide kv q8_0 {:?}:", arch.name(), lens);
+        let case_seed = seed.wrapping_add(1_300 + ia as u64);
+        let result = selfcheck::compare_batched_cache(
+            arch,
+            "f16",
+            selfcheck::WIDE_HEADS,
+            kv,
+            &lens,
+            case_seed,
+            args.gpu,
+        );
+        failures += usize::from(!print_logit_report(&label, result));
+    }
+    println!(
         "on-device argmax of logit rows vs the rows read back (eager and graph-replayed steps):"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
@@ -351,6 +515,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         "{:<8} {:<8} {detail}  {}",
                         arch.name(),
                         ty,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    println!(
+        "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k"] {
+            let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
+            match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let ids = if r.spec == r.plain {
+                        "ids equal"
+                    } else {
+                        "IDS DIFFER"
+                    };
+                    println!(
+                        "{:<8} {:<8} {} rows, {} differ (max |Δ| {:.2e}); {ids}, {} drafted  {}",
+                        arch.name(),
+                        ty,
+                        r.rows,
+                        r.differing,
+                        r.max_abs_diff,
+                        r.drafted,
                         if ok { "ok" } else { "FAIL" }
                     );
                 }

@@ -23,6 +23,10 @@ pub struct Args {
     /// Q5_K mean their _M mixtures).
     #[arg(value_name = "TYPE")]
     pub ty: String,
+    /// Importance matrix from llama-imatrix (GGUF or legacy .dat): per-column weights for
+    /// the quantizers and llama-quantize's imatrix-dependent type choices.
+    #[arg(long, value_name = "FILE")]
+    pub imatrix: Option<PathBuf>,
     /// Worker threads (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
@@ -32,7 +36,24 @@ pub fn run(args: Args) -> Result<()> {
     let ftype = FileType::parse(&args.ty)?;
     let input = kestrel_hub::resolve_model(&args.input)?;
     let file = GgufFile::open(&input)?;
-    let opts = QuantizeOptions { ftype };
+    let imatrix = args
+        .imatrix
+        .as_deref()
+        .map(kestrel_convert::Imatrix::load)
+        .transpose()?;
+    if let Some(m) = &imatrix {
+        eprintln!(
+            "importance matrix {}: {} entries, {} chunks{}",
+            m.file,
+            m.entries.len(),
+            m.chunk_count,
+            m.datasets
+                .first()
+                .map(|d| format!(", dataset {d}"))
+                .unwrap_or_default()
+        );
+    }
+    let opts = QuantizeOptions { ftype, imatrix };
     let plan = Plan::new(&file, &opts)?;
     if !plan.requantized.is_empty() {
         eprintln!(

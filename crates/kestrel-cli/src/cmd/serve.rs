@@ -8,7 +8,7 @@ use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_cuda::CudaBackend;
 use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions, SchedulerSpec};
 use kestrel_engine::spec::SpecMode;
-use kestrel_engine::{Engine, EngineOptions};
+use kestrel_engine::{Engine, EngineOptions, KvCacheSize};
 use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, KvTypes};
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
@@ -21,9 +21,13 @@ pub struct Args {
     /// Model: a catalog name (pulled if missing), a GGUF path or a URL.
     #[arg(short = 'm', long, default_value = "qwen2.5-coder-1.5b")]
     pub model: String,
-    /// Device to run on: `cpu`, `cuda` or `cuda:N`.
-    #[arg(long, default_value = "cpu")]
+    /// Device to run on: `cpu`, `cuda` or `cuda:N`; `cuda:0,cuda:1` (or `--devices`)
+    /// tensor-parallel over those GPUs.
+    #[arg(long, visible_alias = "devices", default_value = "cpu")]
     pub device: String,
+    /// Tensor parallelism over GPUs 0..N.
+    #[arg(long, value_parser = positive)]
+    pub tp: Option<usize>,
     /// Threads for the CPU backend (default: all cores).
     #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
@@ -31,9 +35,20 @@ pub struct Args {
     pub host: String,
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Most sequences decoded at once; the KV cache holds this many full contexts.
+    /// Most sequences running at once. Without --kv-memory on the CPU, the KV cache holds
+    /// this many full contexts.
     #[arg(long, default_value_t = 8)]
     pub max_seqs: usize,
+    /// KV cache size, shared by all sequences (`512MiB`, `2G`, `1.5GiB`; K, M, G count in
+    /// 1024s): admission waits for free blocks and preempts the newest sequence when they
+    /// run out. Default: --max-seqs full contexts on the CPU, --gpu-memory-utilization on
+    /// CUDA.
+    #[arg(long = "kv-memory", value_parser = bytes, conflicts_with = "gpu_memory_utilization")]
+    pub kv_memory: Option<u64>,
+    /// CUDA: the fraction of the GPU's memory to use in all; the KV cache takes what the
+    /// weights and step buffers leave of it (vLLM's option). Default 0.9.
+    #[arg(long = "gpu-memory-utilization", value_parser = fraction)]
+    pub gpu_memory_utilization: Option<f64>,
     /// Context size of each sequence (prompt + generation).
     #[arg(
         short = 'c',
@@ -91,8 +106,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
-    // A bad --spec is a startup error, reported before binding.
+    // A bad --spec or cache size is a startup error, reported before binding.
     spec_options(&args)?;
+    cache_size(
+        &args,
+        matches!(Device::parse(&args.device)?, Device::Cuda(_)),
+    )?;
     if let Some(origin) = &args.cors {
         // A bad origin is a startup error, not a silently missing header.
         let _ = kestrel_server::http::cors(origin).map_err(anyhow::Error::msg)?;
@@ -177,7 +196,16 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         spec,
     };
     let start = std::time::Instant::now();
-    let sched = match Device::parse(&args.device)? {
+    let device = Device::resolve(&args.device, args.tp)?;
+    let size = cache_size(args, matches!(device, Device::Cuda(_) | Device::CudaTp(_)))?;
+    let sched = match device {
+        Device::CudaTp(ordinals) => start_scheduler(
+            move || kestrel_cuda::TpBackend::new(&ordinals).context("opening the GPUs"),
+            &file,
+            opts,
+            (args.cache.types(), size),
+            sched_opts,
+        )?,
         Device::Cpu => {
             if let Some(t) = args.threads {
                 let _ = rayon::ThreadPoolBuilder::new()
@@ -188,7 +216,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
                 || Ok(CpuBackend::new(Kernels::Fast)),
                 &file,
                 opts,
-                args.cache.types(),
+                (args.cache.types(), size),
                 sched_opts,
             )?
         }
@@ -196,27 +224,85 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
             move || CudaBackend::new(ordinal).context("opening the GPU"),
             &file,
             opts,
-            args.cache.types(),
+            (args.cache.types(), size),
             sched_opts,
         )?,
     };
     let info = sched.info().clone();
+    let positions = info.n_blocks * info.block_size;
     eprintln!(
-        "loaded {} ({}) on {} in {:.2} s: ctx {} x {} sequences, {} KV blocks",
+        "loaded {} ({}) on {} in {:.2} s: ctx {}, up to {} sequences; KV cache {} blocks = {} \
+         positions ({:.1} MiB, {} bytes a position)",
         path.display(),
         info.arch,
         info.backend,
         start.elapsed().as_secs_f64(),
         info.ctx,
         info.max_seqs,
-        info.n_blocks
+        info.n_blocks,
+        positions,
+        (positions * info.kv_bytes_per_token) as f64 / (1u64 << 20) as f64,
+        info.kv_bytes_per_token,
     );
+    if info.ctx < args.ctx {
+        eprintln!(
+            "note: the whole KV cache holds {positions} positions, less than --ctx-size {}: a \
+             sequence stops there",
+            args.ctx
+        );
+    }
 
     let name = args.name.clone().unwrap_or_else(|| args.model.clone());
     Ok(
         kestrel_server::AppState::new(sched, tokenizer, template, name, args.api_key.clone())
             .with_cors(args.cors.clone()),
     )
+}
+
+/// The KV cache's size from `--kv-memory` / `--gpu-memory-utilization` on `cuda` or not.
+fn cache_size(args: &Args, cuda: bool) -> anyhow::Result<KvCacheSize> {
+    if let (Some(bytes), false, Some(free)) = (args.kv_memory, cuda, kestrel_cpu::mem_available())
+        && bytes > free
+    {
+        anyhow::bail!(
+            "--kv-memory {:.0} MiB is more than the {:.0} MiB of memory available",
+            bytes as f64 / (1u64 << 20) as f64,
+            free as f64 / (1u64 << 20) as f64
+        );
+    }
+    Ok(match (args.kv_memory, args.gpu_memory_utilization) {
+        (Some(bytes), _) => KvCacheSize::Bytes(bytes),
+        (None, Some(f)) if cuda => KvCacheSize::DeviceFraction(f),
+        (None, Some(_)) => {
+            anyhow::bail!("--gpu-memory-utilization applies to CUDA; on the CPU use --kv-memory")
+        }
+        (None, None) if cuda => KvCacheSize::DeviceFraction(DEFAULT_GPU_MEMORY_UTILIZATION),
+        (None, None) => KvCacheSize::PerSequence,
+    })
+}
+
+/// vLLM's default.
+const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
+/// A size in bytes: a number with an optional unit (K, M, G, T or KiB.., KB..: 1024s).
+fn bytes(s: &str) -> Result<u64, String> {
+    let n = parse_size::Config::new()
+        .with_binary()
+        .parse_size(s.trim())
+        .map_err(|e| format!("{e} (e.g. 512MiB, 2G)"))?;
+    if n == 0 {
+        return Err("must be more than 0 bytes".into());
+    }
+    Ok(n)
+}
+
+/// A fraction in (0, 1].
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        Ok(f) => Err(format!("must be in (0, 1], not {f}")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The scheduler's speculation from `--spec` and its sizes.
@@ -261,12 +347,87 @@ fn start_scheduler<B: Backend + 'static>(
     backend: impl FnOnce() -> anyhow::Result<B> + Send + 'static,
     file: &Arc<GgufFile>,
     opts: EngineOptions,
-    kv: KvTypes,
+    (kv, size): (KvTypes, KvCacheSize),
     sched_opts: SchedulerOptions,
 ) -> anyhow::Result<SchedulerHandle> {
     let file = file.clone();
     scheduler::spawn(
-        move || Engine::with_cache_types(backend()?, file, &opts, kv).context("loading the model"),
+        move || {
+            Engine::with_cache_size(backend()?, file, &opts, kv, size).context("loading the model")
+        },
         sched_opts,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: Args,
+    }
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map(|c| c.serve)
+    }
+
+    #[test]
+    fn sizes_count_in_1024s() {
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
+        for _ in 0..500 {
+            let n: u64 = rand::Rng::random_range(&mut rng, 1..100_000);
+            let (pow, units) = [
+                (0, &["", "B"][..]),
+                (1, &["K", "KiB", "KB", "k"][..]),
+                (2, &["M", "MiB", "MB", "m"][..]),
+                (3, &["G", "GiB", "GB", "g"][..]),
+            ][rand::Rng::random_range(&mut rng, 0..4)];
+            let unit = units[rand::Rng::random_range(&mut rng, 0..units.len())];
+            assert_eq!(
+                bytes(&format!("{n}{unit}")),
+                Ok(n << (10 * pow)),
+                "{n}{unit}"
+            );
+        }
+        assert_eq!(bytes("1.5GiB"), Ok(3 << 29));
+        for bad in ["", "0", "0MiB", "-1G", "lots", "2 parsecs"] {
+            assert!(bytes(bad).is_err(), "{bad:?}");
+        }
+        for bad in ["0", "-0.5", "1.01", "nan", "inf", "x"] {
+            assert!(fraction(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(fraction("0.9"), Ok(0.9));
+        assert_eq!(fraction("1"), Ok(1.0));
+    }
+
+    #[test]
+    fn the_cache_size_follows_the_options_and_the_device() {
+        let size = |args: &[&str], cuda| cache_size(&parse(args).unwrap(), cuda);
+        assert_eq!(size(&[], false).unwrap(), KvCacheSize::PerSequence);
+        assert_eq!(
+            size(&[], true).unwrap(),
+            KvCacheSize::DeviceFraction(DEFAULT_GPU_MEMORY_UTILIZATION)
+        );
+        for cuda in [false, true] {
+            assert_eq!(
+                size(&["--kv-memory", "512MiB"], cuda).unwrap(),
+                KvCacheSize::Bytes(512 << 20)
+            );
+        }
+        assert_eq!(
+            size(&["--gpu-memory-utilization", "0.5"], true).unwrap(),
+            KvCacheSize::DeviceFraction(0.5)
+        );
+        let cpu = size(&["--gpu-memory-utilization", "0.5"], false).unwrap_err();
+        assert!(cpu.to_string().contains("--kv-memory"), "{cpu}");
+        assert!(parse(&["--kv-memory", "1G", "--gpu-memory-utilization", "0.5"]).is_err());
+        // More than the machine has: refused on the CPU, not left to fail an allocation.
+        let huge = size(&["--kv-memory", "1000000T"], false).unwrap_err();
+        assert!(huge.to_string().contains("available"), "{huge}");
+        assert!(parse(&["--kv-memory", "0"]).is_err());
+        assert!(parse(&["--gpu-memory-utilization", "1.5"]).is_err());
+    }
 }

@@ -14,7 +14,9 @@ pub struct Args {
     /// for `tiny`; the other presets imply theirs.
     #[arg(long)]
     pub arch: Option<String>,
-    /// Model shape: tiny, llama3-8b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b or gpt-oss-20b.
+    /// Model shape: tiny, llama3-8b, llama3-70b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b or
+    /// gpt-oss-20b (models over 16B parameters draw each tensor's blocks from a pool of 4,096
+    /// quantized random blocks: valid blocks, about disk speed).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q4_k_m, q5_k, q6_k,
@@ -91,8 +93,16 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     let start = Instant::now();
-    let summary = synth::write_synth(&args.output, &cfg, ty, args.seed)
-        .with_context(|| format!("writing {}", args.output.display()))?;
+    let bar = kestrel_hub::bytes_bar(None);
+    bar.set_message("synth");
+    let summary =
+        synth::write_synth_with_progress(&args.output, &cfg, ty, args.seed, &|done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        })
+        .with_context(|| format!("writing {}", args.output.display()));
+    bar.finish_and_clear();
+    let summary = summary?;
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
         "{} {} ({} layers, embd {}, ff {}, heads {}/{}, head dim {}, vocab {}), {}: \

@@ -100,6 +100,7 @@ impl CudaBackend {
     pub(crate) fn gemm_f16(
         &self,
         x: &CudaTensor,
+        ready: &mut Prepared,
         w: &CudaWeight,
         n: usize,
         out: &CudaTensor,
@@ -107,7 +108,7 @@ impl CudaBackend {
         if self.blas.is_none() {
             return false;
         }
-        match self.x_to_f16(x, n) {
+        match self.x_to_f16(x, n, ready) {
             Some(xh) => self.gemm_f16_from(xh, w, n, out),
             None => true, // the failure is recorded
         }
@@ -115,17 +116,17 @@ impl CudaBackend {
 
     /// The first `n` rows of `x` as f16 in the activation scratch buffer (the B operand of
     /// [`Self::gemm_f16_from`]; valid until the next conversion).
-    pub(crate) fn x_to_f16(&self, x: &CudaTensor, n: usize) -> Option<u64> {
+    pub(crate) fn x_to_f16(&self, x: &CudaTensor, n: usize, ready: &mut Prepared) -> Option<u64> {
         let len = n * x.cols;
         let b = self.scratch_ptr(|s| &mut s.x, len)?;
-        let held = *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((at, rows, h)) = held
-            && at == x.ptr
+        if let Prepared::F16 { of, n: rows, h } = *ready
+            && of == x.ptr
             && rows == n
             && (h == b || h == self.scratch_ptr(|s| &mut s.h, len)?)
         {
             return Some(h);
         }
+        *ready = Prepared::F16 { of: x.ptr, n, h: b };
         self.elementwise(
             "f32_to_f16",
             len,

@@ -16,6 +16,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemv_q8_b_r1",
     "gemv_q8_t4",
     "gemv_q8_t8",
+    "gemv_q8_tw4",
+    "gemv_q8_tw8",
     "gemv_ws_r1",
 ];
 
@@ -246,6 +248,7 @@ impl CudaBackend {
     pub(crate) fn gemv(
         &self,
         x: &CudaTensor,
+        ready: &mut Prepared,
         n: usize,
         segs: &[GemvSeg],
         gated: Option<Activation>,
@@ -278,30 +281,44 @@ impl CudaBackend {
             Some(_) => 0,
             None => i32::from(segs.iter().any(|s| s.accumulate)),
         };
-        let mut args = vec![
-            Arg::P(x.ptr),
-            Arg::I(k as i32),
-            Arg::I(n as i32),
-            Arg::I(rpb as i32),
-            Arg::I(total as i32),
-            Arg::I(i32::from(gated.is_some())),
-            Arg::I(act),
-        ];
-        for i in 0..3 {
-            let s = segs.get(i).unwrap_or(&segs[0]);
-            let rows = if i < segs.len() { s.rows } else { 0 };
-            args.push(Arg::P(s.ptr));
-            args.push(Arg::L(s.row_bytes as i64));
-            args.push(Arg::I(s.ty.id() as i32));
-            if i < 2 {
-                args.push(Arg::I(rows as i32));
+        // The launch's arguments for its tokens from `t` on (x's and the outputs' rows).
+        let args_from = |t: usize| {
+            let mut args = vec![
+                Arg::P(x.ptr + (t * k * 4) as u64),
+                Arg::I(k as i32),
+                Arg::I(n as i32),
+                Arg::I(rpb as i32),
+                Arg::I(total as i32),
+                Arg::I(i32::from(gated.is_some())),
+                Arg::I(act),
+            ];
+            for i in 0..3 {
+                let s = segs.get(i).unwrap_or(&segs[0]);
+                let rows = if i < segs.len() { s.rows } else { 0 };
+                args.push(Arg::P(s.ptr));
+                args.push(Arg::L(s.row_bytes as i64));
+                args.push(Arg::I(s.ty.id() as i32));
+                if i < 2 {
+                    args.push(Arg::I(rows as i32));
+                }
+                args.push(Arg::P(s.out + (t * s.ld * 4) as u64));
+                args.push(Arg::I(s.ld as i32));
+                args.push(Arg::P(s.bias));
             }
-            args.push(Arg::P(s.out));
-            args.push(Arg::I(s.ld as i32));
-            args.push(Arg::P(s.bias));
-        }
+            args
+        };
+        let args = args_from(0);
         if family.tensor_core() {
-            self.mmq(x, n, segs, gated.is_some(), &args, weight_bytes, family);
+            self.mmq(
+                x,
+                ready,
+                n,
+                segs,
+                gated.is_some(),
+                &args,
+                weight_bytes,
+                family,
+            );
             return;
         }
         // Only the single-token kernels and the mmq_t8 / mmk_t8* / mms_* add into their
@@ -315,8 +332,7 @@ impl CudaBackend {
             else {
                 return;
             };
-            let quantized =
-                n == 1 && *self.q8_holds.lock().unwrap_or_else(|p| p.into_inner()) == Some(x.ptr);
+            let quantized = *ready == Prepared::Q8 { of: x.ptr, n };
             if !quantized {
                 // Rows of k values back to back: n·k/32 blocks of 32.
                 self.launch(
@@ -330,9 +346,17 @@ impl CudaBackend {
                         Arg::P(d_ptr),
                     ],
                 );
+                // The buffers now hold this x's rows, for the next product of it too.
+                *ready = Prepared::Q8 { of: x.ptr, n };
             }
             let forced = self.gemv_q8_rows();
+            // A verification step (see `invariant_step`) on the single-token kernels' own
+            // units: `gemv_q8_tw*` for the wide ones of gemv_q8 / gemv_q8_r1 / gemv_q8_b*;
+            // gemv_ws_r1's are the plain ones of gemv_q8_t*.
+            let wide = family == Kernel::GemvQ8 && self.invariant_step();
             let (kernel, rows) = match (n, forced) {
+                (2..=4, _) if wide => ("gemv_q8_tw4", 1),
+                (5.., _) if wide => ("gemv_q8_tw8", 1),
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
                 (_, 1) => ("gemv_q8_r1", 1),
@@ -351,7 +375,9 @@ impl CudaBackend {
             // alternated: Qwen2.5-1.5B, all one-row launches, 709 / 679 -> 723 / 724 t/s;
             // Llama-3-8B's two-row launches lost on it, 329 / 325 -> 312 / 316, so they stay).
             // (GemvWs, single-token and unforced, implies the one-row gemv_q8_r1 above.)
-            let kernel = if family == Kernel::GemvWs {
+            let kernel = if n > 1 {
+                kernel
+            } else if family == Kernel::GemvWs {
                 "gemv_ws_r1"
             } else if n == 1
                 && segs
@@ -371,10 +397,8 @@ impl CudaBackend {
             let warps = gemv_warps(segs, gated.is_some(), rows);
             let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
             q8_args.extend_from_slice(&args);
-            // A single token's 8-bit row stays held across its products (see `Keeps`).
-            let keeps = if n == 1 { Keeps::Q8 } else { Keeps::NOTHING };
             let grid = grid_1d(warps, 4);
-            self.launch_keeping(kernel, grid, 128, &q8_args, weight_bytes, keeps);
+            self.launch_reading(kernel, grid, 128, &q8_args, weight_bytes);
             return;
         }
         if family == Kernel::GemvDec {
@@ -392,7 +416,11 @@ impl CudaBackend {
                 ("gemv_dec", 2)
             };
             let warps = gemv_warps(segs, gated.is_some(), rows);
-            self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
+            // A single-token kernel: a verification step's tokens one launch each.
+            for t in 0..n {
+                let args = args_from(t);
+                self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
+            }
             return;
         }
         self.launch_reading("gemv", grid_1d(total, rpb), 128, &args, weight_bytes);

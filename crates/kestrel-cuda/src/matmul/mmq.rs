@@ -69,6 +69,7 @@ impl CudaBackend {
     pub(crate) fn mmq(
         &self,
         x: &CudaTensor,
+        ready: &mut Prepared,
         n: usize,
         segs: &[GemvSeg],
         gated: bool,
@@ -99,9 +100,15 @@ impl CudaBackend {
         ];
         let (kernel, blocks, threads, mut kernel_args) = match kernel {
             Kernel::Mms => {
-                let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
-                if held != Some((x.ptr, n, npad, true)) {
+                let layout = Prepared::Mmq {
+                    of: x.ptr,
+                    n,
+                    npad,
+                    mmk: true,
+                };
+                if *ready != layout {
                     self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
+                    *ready = layout;
                 }
                 // Kernel names by tile (16, 32 tokens) and gated.
                 const MMS: [[&str; 2]; 2] =
@@ -126,8 +133,14 @@ impl CudaBackend {
             _ => {
                 let tiles = gemv_warps(segs, gated, 16);
                 let mmk = kernel == Kernel::Mmk;
-                let held = *self.mmq_holds.lock().unwrap_or_else(|p| p.into_inner());
-                if held != Some((x.ptr, n, npad, mmk)) {
+                let layout = Prepared::Mmq {
+                    of: x.ptr,
+                    n,
+                    npad,
+                    mmk,
+                };
+                if *ready != layout {
+                    *ready = layout;
                     if mmk {
                         self.quantize_mmk(&prep_args, k, npad, [q_ptr, xk, xb]);
                     } else {
@@ -159,14 +172,7 @@ impl CudaBackend {
         };
         kernel_args.extend_from_slice(args);
         let grid = (blocks as u32, 1, 1);
-        self.launch_keeping(
-            kernel,
-            grid,
-            threads,
-            &kernel_args,
-            weight_bytes,
-            Keeps::MMQ,
-        );
+        self.launch_reading(kernel, grid, threads, &kernel_args, weight_bytes);
     }
 
     /// `quantize_x_mmk` of `npad` token rows of `k` values (`prep_args`: x, k, n, npad) into

@@ -41,19 +41,22 @@ impl CudaBackend {
         }
     }
 
-    /// `gate = act(gate_w·x) * (up_w·x)` on `mmw_gated` when [`Self::matmul_uses_mmw`];
-    /// the f16 copy of the result is left for the down projection's cuBLAS product.
+    /// `gate = act(gate_w·x) * (up_w·x)` on `mmw_gated` when [`Self::matmul_uses_mmw`]
+    /// (None: not taken); the f16 copy of the result, for the down projection's cuBLAS
+    /// product, is what it returns.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gate_up_mmw(
         &self,
         x: &CudaTensor,
+        ready: &mut Prepared,
         gate_w: &CudaWeight,
         up_w: &CudaWeight,
         act: Activation,
         n: usize,
         gate: &mut CudaTensor,
-    ) -> bool {
+    ) -> Option<Prepared> {
         if !self.matmul_uses_mmw(gate_w, up_w, n) {
-            return false;
+            return None;
         }
         let (
             CudaWeight::Matrix {
@@ -65,17 +68,14 @@ impl CudaBackend {
             CudaWeight::Matrix { mmw: Some(wu), .. },
         ) = (gate_w, up_w)
         else {
-            return false;
+            return None;
         };
         if x.cols != *cols || gate.cols != *rows || n > x.rows || n > gate.rows {
-            return false;
+            return None;
         }
-        let Some(xh) = self.x_to_f16(x, n) else {
-            return true; // the failure is recorded
-        };
-        let Some(h) = self.scratch_ptr(|s| &mut s.h, n * rows) else {
-            return true;
-        };
+        // (A failure below is recorded: the step reports it.)
+        let xh = self.x_to_f16(x, n, ready)?;
+        let h = self.scratch_ptr(|s| &mut s.h, n * rows)?;
         let tiles = rows.div_ceil(16);
         // Tiles a block: the fewest warps that still fill every SM once (one block a SM).
         let warps = match self.mmw_warps.load(std::sync::atomic::Ordering::Relaxed) {
@@ -100,8 +100,7 @@ impl CudaBackend {
             ],
         );
         // The down projection's input, as gated_act_f16 leaves it.
-        *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
-        true
+        Some(Prepared::F16 { of: gate.ptr, n, h })
     }
 
     /// Forces the warps per block of `mmw_*` (0: chosen by shape; the self-check's small

@@ -23,6 +23,10 @@ pub(crate) use plan::{Context, Matrix, gemv_supported, q8_supported};
 /// The kernels this module launches (matmul (kernels/quant.cu) for what no other kernel takes; the merged cuBLAS products' split and activation (kernels/elementwise.cu)).
 pub(crate) const KERNELS: &[&str] = &["matmul", "split_qkv", "gated_act_merged"];
 
+/// The most tokens of a batch-invariant step (speculative verification: up to 7 drafts
+/// after the pending token) that run as such; longer ones run as any step.
+pub const INVARIANT_MAX_TOKENS: usize = 8;
+
 /// Tokens up to which Q8-capable weights with an f16 copy still use the 8-bit GEMVs.
 pub(crate) const Q8_GEMV_MAX_TOKENS: usize = 4;
 
@@ -34,10 +38,12 @@ pub(crate) const MMS_MIN_TOKENS: usize = 9;
 /// Waves of 2 blocks a SM beyond which a launch stays off `mmk_t8*` (see `plan::mmk_reads`).
 pub(crate) const MMK_MAX_WAVES: usize = 8;
 
-/// A merged Q/K/V product (`qkv` through cuBLAS) whose split into q, k and v waits for the
-/// next launch: `rope_store_kv` takes it and reads its heads straight from the product; any
-/// other launch, or the end of the step, splits it first (`split_qkv`).
-pub(crate) struct PendingSplit {
+/// A merged Q/K/V product (`qkv` through cuBLAS) not yet split into q, k and v: `qkv`
+/// returns it (as [`Prepared::Split`]) to the forward pass, which hands it to
+/// `rope_store_kv`, which reads the heads straight from the product (one launch and one
+/// pass over the outputs fewer).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PendingSplit {
     /// `split_qkv`'s arguments: the product, q, k, v, the three biases (0: none), the
     /// widths of q and k, the values.
     pub(crate) args: [Arg; 10],
@@ -67,9 +73,25 @@ impl CudaBackend {
         }
     }
 
+    /// Whether this step is batch-invariant (`Batch::invariant`: a speculative
+    /// verification): each of its tokens is computed exactly as a step of that token alone
+    /// would compute it, so greedy speculation gives the tokens decoding one at a time
+    /// gives. Products take the single-token kernel family (its multi-token form with the
+    /// same per-token sums: `gemv_q8_t*` / `gemv_q8_tw*`, or one launch a token), norms
+    /// `rms_norm_q8` per row, attention each token's single-token split count.
+    pub(crate) fn invariant_step(&self) -> bool {
+        self.invariant.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The token count a kernel choice is made for: 1 in a batch-invariant step.
+    pub(crate) fn plan_tokens(&self, n: usize) -> usize {
+        if self.invariant_step() { 1 } else { n }
+    }
+
     /// The kernel of `out = x · wᵀ` for `n` tokens ([`plan::plan`]); `matmul` when `w` is
     /// not a matrix.
     pub fn plan_of(&self, w: &CudaWeight, n: usize) -> Kernel {
+        let n = self.plan_tokens(n);
         match Matrix::of(w) {
             Some(m) => plan::plan(&m, n, &self.plan_context()).0,
             None => Kernel::Matmul,
@@ -85,6 +107,7 @@ impl CudaBackend {
         segs: &[GemvSeg],
         gated: bool,
     ) -> Option<Kernel> {
+        let n = self.plan_tokens(n);
         // (On the stack: asked for every launch of every step.)
         let mut mats = [segs[0].matrix(k); 3];
         for (m, s) in mats.iter_mut().zip(segs) {
@@ -103,6 +126,7 @@ impl CudaBackend {
     /// Whether a product of `n` tokens with `w` goes through cuBLAS
     /// ([`plan::prefer_gemm`]; vectors: from GEMM_MIN_TOKENS, where cuBLAS is usable).
     pub(crate) fn prefer_gemm(&self, w: &CudaWeight, n: usize) -> bool {
+        let n = self.plan_tokens(n);
         let cx = self.plan_context();
         match Matrix::of(w) {
             Some(m) => plan::prefer_gemm(&m, n, &cx),
@@ -155,70 +179,35 @@ impl CudaBackend {
         self.blas.is_some()
     }
 
-    /// The pending merged product of exactly these q, k, v and `n` tokens, taken (it is
-    /// then split by whoever took it); None when there is none or another waits.
-    pub(crate) fn take_split_of(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        n: usize,
-    ) -> Option<PendingSplit> {
-        let relaxed = std::sync::atomic::Ordering::Relaxed;
-        if !self.split_waits.load(relaxed) {
-            return None;
-        }
-        let mut slot = self.pending_split.lock().unwrap_or_else(|p| p.into_inner());
-        let ours = slot.as_ref().is_some_and(|p| {
-            p.n == n
-                && p.args[1] == Arg::P(q.ptr)
-                && p.args[2] == Arg::P(k.ptr)
-                && p.args[3] == Arg::P(v.ptr)
-        });
-        if !ours {
-            return None;
-        }
-        self.split_waits.store(false, relaxed);
-        slot.take()
-    }
-
-    /// Launches the split of a pending merged Q/K/V product, if any.
-    pub(crate) fn split_pending(&self) {
-        if !self
-            .split_waits
-            .swap(false, std::sync::atomic::Ordering::Relaxed)
-        {
+    /// Launches the split of a merged Q/K/V product into q, k and v (when nothing reads
+    /// its heads straight from it).
+    pub(crate) fn split_qkv(&self, p: &PendingSplit) {
+        let Arg::L(len) = p.args[9] else {
             return;
-        }
-        let pending = self
-            .pending_split
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(p) = pending {
-            let Arg::L(len) = p.args[9] else {
-                return;
-            };
-            self.elementwise("split_qkv", len as usize, &p.args);
-        }
+        };
+        self.elementwise("split_qkv", len as usize, &p.args);
     }
 
     /// `gate = act(gate_w·x) * (up_w·x)`: one gated launch where the GEMV or tensor-core
     /// kernels take both matrices, else two products and the activation (the backend's
     /// `gate_up`; public for the self-check).
     #[allow(clippy::too_many_arguments)]
+    /// Returns what it prepared for the down projection.
+    #[allow(clippy::too_many_arguments)]
     pub fn gate_up_of(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         gate_w: &CudaWeight,
         up_w: &CudaWeight,
         act: Activation,
         n: usize,
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
-    ) {
-        if self.gate_up_mmw(x, gate_w, up_w, act, n, gate) {
-            return;
+    ) -> Prepared {
+        let mut ready = x_ready;
+        if let Some(gated) = self.gate_up_mmw(x, &mut ready, gate_w, up_w, act, n, gate) {
+            return gated;
         }
         let fused = !self.prefer_gemm(gate_w, n)
             && match (
@@ -229,14 +218,14 @@ impl CudaBackend {
                     let segs = [g, u];
                     let kernel = self.plan_segs(x.cols, n, &segs, true);
                     if let Some(kernel) = kernel {
-                        self.gemv(x, n, &segs, Some(act), kernel);
+                        self.gemv(x, &mut ready, n, &segs, Some(act), kernel);
                     }
                     kernel.is_some()
                 }
                 _ => false,
             };
         if fused {
-            return;
+            return Prepared::Nothing;
         }
         // Through cuBLAS with gate's merged f16 copy (up's rows behind gate's): one product,
         // the activation reading both halves of each row; steps of more than
@@ -245,7 +234,7 @@ impl CudaBackend {
             // (The activation pairs gate's columns with up's: as many of each.)
             && let Some((a, rows)) = self.merged_copy(gate_w, &[up_w], x.cols, &[gate, up])
                 .filter(|_| up.cols == gate.cols)
-            && let Some(xh) = self.x_to_f16(x, n)
+            && let Some(xh) = self.x_to_f16(x, n, &mut ready)
         {
             let merged = if n <= MERGED_QKV_MAX_TOKENS {
                 self.scratch_ptr(|s| &mut s.gate_up, 2 * n * rows)
@@ -257,8 +246,7 @@ impl CudaBackend {
                 let up_at = a + (half * x.cols * 2) as u64;
                 self.gemm_f16_raw(a, half, x.cols, xh, n, gate.ptr, half, false);
                 self.gemm_f16_raw(up_at, half, x.cols, xh, n, up.ptr, half, false);
-                kestrel_model::Backend::gated_activation(self, gate, up, act, n);
-                return;
+                return kestrel_model::Backend::gated_activation(self, gate, up, act, n);
             };
             self.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
             let len = n * gate.cols;
@@ -275,14 +263,14 @@ impl CudaBackend {
                     Arg::P(h.unwrap_or(0)),
                 ],
             );
-            if let Some(h) = h {
-                // The down projection's input, as gated_act_f16 leaves it.
-                *self.f16_holds.lock().unwrap_or_else(|p| p.into_inner()) = Some((gate.ptr, n, h));
-            }
-            return;
+            // The down projection's input, as gated_act_f16 leaves it.
+            return match h {
+                Some(h) => Prepared::F16 { of: gate.ptr, n, h },
+                None => Prepared::Nothing,
+            };
         }
-        self.matmuls_of(x, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
-        kestrel_model::Backend::gated_activation(self, gate, up, act, n);
+        self.matmuls_of(x, ready, n, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+        kestrel_model::Backend::gated_activation(self, gate, up, act, n)
     }
 
     /// `out = x · wᵀ` for several weights sharing `x`: through cuBLAS from one f16
@@ -290,30 +278,36 @@ impl CudaBackend {
     pub(crate) fn matmuls_of(
         &self,
         x: &CudaTensor,
+        x_ready: Prepared,
         n: usize,
         products: &mut [(&CudaWeight, &mut CudaTensor)],
     ) {
         let shared = products
             .iter()
             .all(|(w, _)| self.prefer_gemm(w, n) && w.cols() == Some(x.cols));
-        match shared.then(|| self.x_to_f16(x, n)).flatten() {
+        let mut ready = x_ready;
+        match shared.then(|| self.x_to_f16(x, n, &mut ready)).flatten() {
             Some(xh) => {
                 for (w, out) in products.iter() {
                     self.gemm_f16_from(xh, w, n, out);
                 }
             }
             None => {
+                // (Each product may leave x prepared for the next: `ready` follows.)
                 for (w, out) in products.iter_mut() {
-                    kestrel_model::Backend::matmul(self, x, w, n, out);
+                    matmul(self, x, &mut ready, w, n, out);
                 }
             }
         }
     }
 }
 
+/// `out = x · wᵀ`; `ready`: what x's producer (or an earlier product of x) left prepared,
+/// updated to what the buffers hold afterwards.
 pub(crate) fn matmul(
     backend: &CudaBackend,
     x: &CudaTensor,
+    ready: &mut Prepared,
     w: &CudaWeight,
     n: usize,
     out: &mut CudaTensor,
@@ -340,14 +334,14 @@ pub(crate) fn matmul(
     // One choice of kernel for the product (see `plan`).
     match backend.plan_of(w, n) {
         Kernel::Cublas => {
-            if backend.gemm_f16(x, w, n, out) {
+            if backend.gemm_f16(x, ready, w, n, out) {
                 return;
             }
         }
         Kernel::Matmul => {}
         kernel => {
             if let Some(seg) = backend.gemv_seg(x, w, out, None) {
-                backend.gemv(x, n, &[seg], None, kernel);
+                backend.gemv(x, ready, n, &[seg], None, kernel);
                 return;
             }
         }
@@ -376,26 +370,56 @@ pub(crate) fn matmul(
     );
 }
 
+/// The Q, K and V projections of a layer (and their biases), and whether Q/K norms follow.
+pub struct QkvWeights<'a> {
+    pub attn_q: &'a CudaWeight,
+    pub attn_k: &'a CudaWeight,
+    pub attn_v: &'a CudaWeight,
+    pub attn_q_bias: Option<&'a CudaWeight>,
+    pub attn_k_bias: Option<&'a CudaWeight>,
+    pub attn_v_bias: Option<&'a CudaWeight>,
+    pub qk_norm: bool,
+}
+
+impl<'a> QkvWeights<'a> {
+    pub fn of(layer: &'a LayerWeights<CudaWeight>) -> Self {
+        QkvWeights {
+            attn_q: &layer.attn_q,
+            attn_k: &layer.attn_k,
+            attn_v: &layer.attn_v,
+            attn_q_bias: layer.attn_q_bias.as_ref(),
+            attn_k_bias: layer.attn_k_bias.as_ref(),
+            attn_v_bias: layer.attn_v_bias.as_ref(),
+            qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
+        }
+    }
+}
+
+/// Returns the merged product still to split ([`Prepared::Split`]) where the layer has no
+/// Q/K norm, so `rope_store_kv` comes next and splits it on the way.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn qkv(
     backend: &CudaBackend,
     x: &CudaTensor,
-    layer: &LayerWeights<CudaWeight>,
+    x_ready: Prepared,
+    layer: &QkvWeights<'_>,
     n: usize,
     q: &mut CudaTensor,
     k: &mut CudaTensor,
     v: &mut CudaTensor,
-) {
-    if !backend.prefer_gemm(&layer.attn_q, n) {
+) -> Prepared {
+    let mut ready = x_ready;
+    if !backend.prefer_gemm(layer.attn_q, n) {
         let segs = [
-            backend.gemv_seg(x, &layer.attn_q, q, layer.attn_q_bias.as_ref()),
-            backend.gemv_seg(x, &layer.attn_k, k, layer.attn_k_bias.as_ref()),
-            backend.gemv_seg(x, &layer.attn_v, v, layer.attn_v_bias.as_ref()),
+            backend.gemv_seg(x, layer.attn_q, q, layer.attn_q_bias),
+            backend.gemv_seg(x, layer.attn_k, k, layer.attn_k_bias),
+            backend.gemv_seg(x, layer.attn_v, v, layer.attn_v_bias),
         ];
         if let [Some(a), Some(b), Some(c)] = segs {
             let segs = [a, b, c];
             if let Some(kernel) = backend.plan_segs(x.cols, n, &segs, false) {
-                backend.gemv(x, n, &segs, None, kernel);
-                return;
+                backend.gemv(x, &mut ready, n, &segs, None, kernel);
+                return Prepared::Nothing;
             }
         }
     }
@@ -407,38 +431,29 @@ pub(crate) fn qkv(
     // 6,710 / 6,738 / 6,803 -> 6,902 / 7,047 / 6,885 t/s, pp512 +0.9%; its 2,048-token
     // prefill steps lost 2.5% to the split's extra pass over the outputs.
     if n <= MERGED_QKV_MAX_TOKENS
-        && backend.prefer_gemm(&layer.attn_q, n)
+        && backend.prefer_gemm(layer.attn_q, n)
         && let Some((a, rows)) = backend.merged_copy(
-            &layer.attn_q,
-            &[&layer.attn_k, &layer.attn_v],
+            layer.attn_q,
+            &[layer.attn_k, layer.attn_v],
             x.cols,
             &[q, k, v],
         )
-        && let Some(xh) = backend.x_to_f16(x, n)
+        && let Some(xh) = backend.x_to_f16(x, n, &mut ready)
         && let Some(merged) = backend.scratch_ptr(|s| &mut s.qkv, 2 * n * rows)
     {
-        let bias = |b: &Option<CudaWeight>| match b {
+        let bias = |b: Option<&CudaWeight>| match b {
             Some(b) => backend.vector_ptr(b, "qkv bias"),
             None => Some(0),
         };
         let (Some(bq), Some(bk), Some(bv)) = (
-            bias(&layer.attn_q_bias),
-            bias(&layer.attn_k_bias),
-            bias(&layer.attn_v_bias),
+            bias(layer.attn_q_bias),
+            bias(layer.attn_k_bias),
+            bias(layer.attn_v_bias),
         ) else {
-            return;
+            return Prepared::Nothing;
         };
         backend.gemm_f16_raw(a, rows, x.cols, xh, n, merged, rows, false);
-        // The split waits for rope_store_kv, which does it on the way (one launch and
-        // one pass over the outputs fewer; see PendingSplit).
-        backend.split_pending();
-        backend
-            .split_waits
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        *backend
-            .pending_split
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(PendingSplit {
+        let split = PendingSplit {
             args: [
                 Arg::P(merged),
                 Arg::P(q.ptr),
@@ -452,30 +467,47 @@ pub(crate) fn qkv(
                 Arg::L((n * rows) as i64),
             ],
             n,
-        });
-        return;
+        };
+        // Without Q/K norms rope_store_kv comes next and splits on the way.
+        if !layer.qk_norm {
+            return Prepared::Split(split);
+        }
+        backend.split_qkv(&split);
+        return Prepared::Nothing;
     }
     // Through cuBLAS: x converted to f16 once for the three products.
     backend.matmuls_of(
         x,
+        ready,
         n,
         &mut [
-            (&layer.attn_q, &mut *q),
-            (&layer.attn_k, &mut *k),
-            (&layer.attn_v, &mut *v),
+            (layer.attn_q, &mut *q),
+            (layer.attn_k, &mut *k),
+            (layer.attn_v, &mut *v),
         ],
     );
-    backend.add_qkv_biases(layer, n, q, k, v);
+    for (t, b) in [
+        (q, layer.attn_q_bias),
+        (k, layer.attn_k_bias),
+        (v, layer.attn_v_bias),
+    ] {
+        if let Some(b) = b {
+            crate::norm_rope::add_bias(backend, t, b, n);
+        }
+    }
+    Prepared::Nothing
 }
 
 pub(crate) fn matmul_add(
     backend: &CudaBackend,
     x: &CudaTensor,
+    x_ready: Prepared,
     w: &CudaWeight,
     n: usize,
     tmp: &mut CudaTensor,
     residual: &mut CudaTensor,
 ) {
+    let mut ready = x_ready;
     // Single-token steps and the tensor-core kernels of a few tokens add into the
     // residual themselves.
     if !backend.prefer_gemm(w, n)
@@ -485,7 +517,7 @@ pub(crate) fn matmul_add(
         let segs = [seg];
         match backend.plan_segs(x.cols, n, &segs, false) {
             Some(kernel) if n == 1 || kernel.tensor_core() => {
-                backend.gemv(x, n, &segs, None, kernel);
+                backend.gemv(x, &mut ready, n, &segs, None, kernel);
                 return;
             }
             _ => {}
@@ -495,11 +527,11 @@ pub(crate) fn matmul_add(
     if backend.blas.is_some()
         && backend.prefer_gemm(w, n)
         && w.cols() == Some(x.cols)
-        && let Some(xh) = backend.x_to_f16(x, n)
+        && let Some(xh) = backend.x_to_f16(x, n, &mut ready)
     {
         backend.gemm_f16_into(xh, w, n, residual, true);
         return;
     }
-    backend.matmul(x, w, n, tmp);
+    matmul(backend, x, &mut ready, w, n, tmp);
     backend.add(residual, tmp, n);
 }

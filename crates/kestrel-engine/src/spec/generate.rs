@@ -70,11 +70,13 @@ impl<B: Backend> Engine<B> {
             let base = seq.tokens.len();
             history.truncate(base);
             history.push(pending);
-            // Drafts must fit the context, the tokens still wanted and one step's rows.
+            // Drafts must fit the context, the tokens still wanted, one step's rows and the
+            // tokens the backend verifies batch-invariantly.
             let room = (self.ctx - base - 1)
                 .min(max_tokens - out.len() - 1)
                 .min(self.max_logit_rows() - 1)
-                .min(self.max_batch_tokens() - 1);
+                .min(self.max_batch_tokens() - 1)
+                .min(self.invariant_max_tokens() - 1);
             // A round's cost includes its drafting.
             let started = Instant::now();
             draft.clear();
@@ -135,7 +137,7 @@ impl<B: Backend> Engine<B> {
                     })?);
                 } else {
                     rows.clear();
-                    self.eval(seq, &step_tokens, true, |_, l| rows.extend_from_slice(l))?;
+                    self.eval_invariant(seq, &step_tokens, |_, l| rows.extend_from_slice(l))?;
                     let row = |i: usize| &rows[i * vocab..(i + 1) * vocab];
                     let mut replaced = None;
                     for (i, &x) in draft.tokens.iter().enumerate() {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::scheduler::{self, SchedulerOptions, SchedulerSpec};
-use kestrel_engine::{Engine, EngineOptions};
+use kestrel_engine::{Engine, EngineOptions, KvCacheSize};
 use kestrel_gguf::GgufFile;
 use kestrel_model::Arch;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth};
@@ -32,6 +32,8 @@ pub struct Setup {
     pub api_key: Option<String>,
     /// Prompt-lookup speculation for greedy requests.
     pub speculative: bool,
+    /// The KV cache in bytes (`--kv-memory`); None: `max_seqs` full contexts.
+    pub kv_memory: Option<u64>,
 }
 
 impl Default for Setup {
@@ -42,6 +44,7 @@ impl Default for Setup {
             batch: 128,
             api_key: None,
             speculative: false,
+            kv_memory: None,
         }
     }
 }
@@ -95,8 +98,14 @@ fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTempla
         max_seqs: setup.max_seqs,
     };
     let engine_file = file.clone();
+    let size = setup
+        .kv_memory
+        .map_or(KvCacheSize::PerSequence, KvCacheSize::Bytes);
     let sched = scheduler::spawn(
-        move || Engine::new(CpuBackend::new(Kernels::Fast), engine_file, &opts),
+        move || {
+            let backend = CpuBackend::new(Kernels::Fast);
+            Engine::with_cache_size(backend, engine_file, &opts, Default::default(), size)
+        },
         SchedulerOptions {
             max_seqs: setup.max_seqs,
             max_prefill_tokens: setup.batch / 2,

@@ -1,0 +1,1083 @@
+//! Tensor parallelism over the GPUs of one process: [`TpBackend`] implements the
+//! `Backend` trait by running each operation on every rank — one [`CudaBackend`] per GPU,
+//! each driven by a thread of its own — with its share of the weights
+//! ([`kestrel_model::shard::TpPlan`]). The one forward definition runs unchanged; the
+//! products of row-parallel weights (attention output, down) are followed by an NCCL
+//! all-reduce, and the LM head's logits, split by vocabulary, are gathered onto rank 0,
+//! which samples. The collectives are launch records of each rank's step like its kernels,
+//! so a decode step, NCCL calls included, is captured and replayed as one CUDA graph per
+//! GPU.
+//!
+//! Activations are per-rank tensors allocated at the full width; an operation that writes
+//! a rank's share (q, k, v, gate, up, the attention output) reshapes that rank's tensor to
+//! the share's width first, so every kernel sees the shapes it would for a model of that
+//! rank's heads and feed-forward width.
+
+use std::cell::UnsafeCell;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, bail};
+use kestrel_gguf::{GgufFile, TensorInfo};
+use kestrel_model::shard::{Role, Split, TpPlan, shard_bytes};
+use kestrel_model::{
+    Activation, AttnParams, Backend, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
+};
+
+use crate::launch::{Arg, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
+use crate::weights::{WeightSource, load_weight_from};
+use crate::{CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, nccl};
+use kestrel_model::{KvType, KvTypes};
+
+// ---- the collectives and shapes a rank needs, on the single-GPU backend ----
+
+impl CudaBackend {
+    /// Makes this backend one rank of a group (its NCCL communicator).
+    pub fn set_comm(&self, comm: nccl::Comm) -> anyhow::Result<()> {
+        self.comm
+            .set(comm)
+            .map_err(|_| anyhow::anyhow!("this GPU already belongs to a group"))
+    }
+
+    /// Sums the first `n` rows of `x` over all ranks, in place (NCCL all-reduce), as a
+    /// step's launch.
+    pub fn all_reduce_rows(&self, x: &mut CudaTensor, n: usize) {
+        let count = (n * x.cols) as i64;
+        self.enqueue(
+            SPECIAL_ALL_REDUCE,
+            (1, 1, 1),
+            1,
+            &[Arg::P(x.ptr), Arg::L(count)],
+            0,
+        );
+    }
+
+    /// Every rank's first `count` values of `send`, in rank order, into `recv`.
+    pub fn all_gather(&self, send: &CudaTensor, count: usize, recv: &mut CudaTensor) {
+        self.enqueue(
+            SPECIAL_ALL_GATHER,
+            (1, 1, 1),
+            1,
+            &[Arg::P(send.ptr), Arg::P(recv.ptr), Arg::L(count as i64)],
+            0,
+        );
+    }
+
+    /// Copies `rows` rows of `width` values from `src` (starting at value `src_at`, rows
+    /// `src_pitch` values apart) to `dst` (from `dst_at`, rows `dst_pitch` apart).
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_2d(
+        &self,
+        src: &CudaTensor,
+        src_at: usize,
+        src_pitch: usize,
+        dst: &mut CudaTensor,
+        dst_at: usize,
+        dst_pitch: usize,
+        width: usize,
+        rows: usize,
+    ) {
+        let fits = |t: &CudaTensor, at: usize, pitch: usize| {
+            rows == 0 || at + (rows - 1) * pitch + width <= t.buf.len()
+        };
+        if !fits(src, src_at, src_pitch) || !fits(dst, dst_at, dst_pitch) {
+            self.fail("a strided copy out of its buffers' bounds".into());
+            return;
+        }
+        self.enqueue(
+            SPECIAL_COPY_2D,
+            (1, 1, 1),
+            1,
+            &[
+                Arg::P(src.ptr + 4 * src_at as u64),
+                Arg::L(4 * src_pitch as i64),
+                Arg::P(dst.ptr + 4 * dst_at as u64),
+                Arg::L(4 * dst_pitch as i64),
+                Arg::L(4 * width as i64),
+                Arg::L(rows as i64),
+            ],
+            0,
+        );
+    }
+
+    /// Issues the step's recorded launches (a graph replay, or the launches themselves)
+    /// without waiting for them.
+    pub fn issue(&self) {
+        self.flush();
+    }
+
+    /// Makes this backend's CUDA context the calling thread's.
+    pub fn bind(&self) -> anyhow::Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("binding the CUDA context: {e:?}"))
+    }
+
+    /// Loads a weight from its bytes (a whole tensor or a rank's shard).
+    pub fn load_weight_bytes(&self, src: &WeightSource<'_>) -> anyhow::Result<CudaWeight> {
+        load_weight_from(self, src)
+    }
+}
+
+impl CudaTensor {
+    /// Views the buffer as `[rows × cols]` (it keeps its allocation), or an error when that
+    /// is larger than the allocation.
+    pub fn reshape(&mut self, rows: usize, cols: usize) -> anyhow::Result<()> {
+        if rows.checked_mul(cols).is_none_or(|l| l > self.buf.len()) {
+            bail!(
+                "a {rows}×{cols} view of a buffer of {} values",
+                self.buf.len()
+            );
+        }
+        self.rows = rows;
+        self.cols = cols;
+        Ok(())
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+impl CudaWeight {
+    /// Output features: a matrix's rows, a vector's length.
+    pub fn out_len(&self) -> usize {
+        match self {
+            CudaWeight::Matrix { rows, .. } => *rows,
+            CudaWeight::Vector { len, .. } => *len,
+        }
+    }
+}
+
+// ---- a thread per rank, and fork-join over them ----
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct PoolShared {
+    generation: AtomicU64,
+    job: UnsafeCell<Option<Job>>,
+    done: AtomicUsize,
+    sleeping: Vec<AtomicBool>,
+    stop: AtomicBool,
+    panic: Mutex<Option<String>>,
+}
+
+// SAFETY: `job` is written only by the thread in `run` while no worker reads it (before the
+// generation is bumped, after every worker has finished), and read by workers after they
+// see the new generation (acquire).
+unsafe impl Sync for PoolShared {}
+unsafe impl Send for PoolShared {}
+
+/// One thread per rank; `run` hands every thread the same job and returns when all have
+/// finished it. Idle threads spin briefly, then park.
+struct Pool {
+    shared: Arc<PoolShared>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+const SPINS: u32 = 1 << 16;
+
+impl Pool {
+    fn new(n: usize) -> anyhow::Result<Pool> {
+        let shared = Arc::new(PoolShared {
+            generation: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            done: AtomicUsize::new(0),
+            sleeping: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            stop: AtomicBool::new(false),
+            panic: Mutex::new(None),
+        });
+        let mut threads = Vec::new();
+        for r in 0..n {
+            let s = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kestrel-gpu{r}"))
+                    .spawn(move || worker(&s, r))
+                    .context("starting a GPU thread")?,
+            );
+        }
+        Ok(Pool { shared, threads })
+    }
+
+    fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+        let s = &self.shared;
+        // SAFETY: the job outlives its use: this call returns only once every worker has
+        // finished it. Only the lifetime is erased.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        // SAFETY: no worker reads `job` now (all finished the last one).
+        unsafe { *s.job.get() = Some(job) };
+        s.done.store(0, Ordering::SeqCst);
+        s.generation.fetch_add(1, Ordering::SeqCst);
+        for (r, t) in self.threads.iter().enumerate() {
+            if s.sleeping[r].load(Ordering::SeqCst) {
+                t.thread().unpark();
+            }
+        }
+        let mut spins = 0u32;
+        while s.done.load(Ordering::Acquire) < self.threads.len() {
+            spins += 1;
+            if spins < SPINS {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    fn take_panic(&self) -> Option<String> {
+        self.shared
+            .panic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+}
+
+fn worker(s: &PoolShared, r: usize) {
+    let mut seen = 0;
+    loop {
+        let mut spins = 0u32;
+        loop {
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen {
+                seen = g;
+                break;
+            }
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+            spins += 1;
+            if spins < SPINS {
+                std::hint::spin_loop();
+            } else {
+                s.sleeping[r].store(true, Ordering::SeqCst);
+                if s.generation.load(Ordering::SeqCst) == seen && !s.stop.load(Ordering::SeqCst) {
+                    std::thread::park();
+                }
+                s.sleeping[r].store(false, Ordering::SeqCst);
+                spins = 0;
+            }
+        }
+        // SAFETY: written before the generation this thread just saw (acquire).
+        if let Some(job) = unsafe { *s.job.get() } {
+            // SAFETY: `run` keeps the job alive until `done` counts this thread.
+            let f = unsafe { &*job };
+            if let Err(p) = std::panic::catch_unwind(AssertUnwindSafe(|| f(r))) {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "a GPU thread panicked".into());
+                *s.panic.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
+            }
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        for t in &self.threads {
+            t.thread().unpark();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Rank `r`'s element of a slice whose elements each belong to one rank's thread.
+struct PerRank<T>(*mut T, usize);
+
+// SAFETY: each rank's thread touches only its own element (`get(r)` with its own `r`).
+unsafe impl<T: Send> Sync for PerRank<T> {}
+unsafe impl<T: Send> Send for PerRank<T> {}
+
+impl<T> PerRank<T> {
+    fn new(v: &mut [T]) -> Self {
+        PerRank(v.as_mut_ptr(), v.len())
+    }
+
+    /// SAFETY: only rank `r`'s thread may call this with `r`, once per job.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get(&self, r: usize) -> &mut T {
+        assert!(r < self.1);
+        // SAFETY: in bounds; exclusive per the contract.
+        unsafe { &mut *self.0.add(r) }
+    }
+}
+
+// ---- the backend ----
+
+/// A weight as the ranks hold it.
+pub struct TpWeight {
+    ranks: Vec<CudaWeight>,
+    role: Role,
+    /// The embedding table's vocabulary shards when it doubles as the LM head.
+    head: Vec<CudaWeight>,
+}
+
+/// One tensor per rank.
+pub struct TpTensor(Vec<CudaTensor>);
+
+/// The most GPUs of one tensor-parallel group.
+pub const MAX_RANKS: usize = 8;
+
+/// What each rank's operation prepared for the next (see `Backend::Prepared`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TpPrepared([Prepared; MAX_RANKS]);
+/// Each rank's KV cache (its KV heads).
+pub struct TpCache(Vec<CudaCache>);
+/// Each rank's step inputs.
+pub struct TpStep(Vec<CudaStep>);
+
+struct LmBuffers {
+    rows: usize,
+    local: Vec<CudaTensor>,
+    gathered: Vec<CudaTensor>,
+}
+
+/// Several GPUs as one backend, by tensor parallelism (see the module's doc).
+pub struct TpBackend {
+    ranks: Vec<CudaBackend>,
+    ordinals: Vec<usize>,
+    pool: Pool,
+    plan: Mutex<Option<Arc<TpPlan>>>,
+    lm: Mutex<Option<LmBuffers>>,
+}
+
+impl TpBackend {
+    /// Opens the GPUs `ordinals` (rank i on `ordinals[i]`) and joins them by NCCL.
+    pub fn new(ordinals: &[usize]) -> anyhow::Result<TpBackend> {
+        if ordinals.len() < 2 || ordinals.len() > MAX_RANKS {
+            bail!(
+                "tensor parallelism takes 2 to {MAX_RANKS} GPUs, not {}",
+                ordinals.len()
+            );
+        }
+        let mut seen = ordinals.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != ordinals.len() {
+            bail!("GPU {ordinals:?}: each GPU may appear once");
+        }
+        let ranks = ordinals
+            .iter()
+            .map(|&o| CudaBackend::new(o).with_context(|| format!("opening cuda:{o}")))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let comms = nccl::comms(ordinals)?;
+        for (b, c) in ranks.iter().zip(comms) {
+            b.set_comm(c)?;
+        }
+        let pool = Pool::new(ranks.len())?;
+        let tp = TpBackend {
+            ranks,
+            ordinals: ordinals.to_vec(),
+            pool,
+            plan: Mutex::new(None),
+            lm: Mutex::new(None),
+        };
+        tp.each_ok(|_, b| b.bind())?;
+        Ok(tp)
+    }
+
+    /// The number of GPUs.
+    pub fn ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Rank `r`'s backend.
+    pub fn rank(&self, r: usize) -> &CudaBackend {
+        &self.ranks[r]
+    }
+
+    fn each(&self, f: impl Fn(usize, &CudaBackend) + Sync) {
+        self.pool.run(&|r| f(r, &self.ranks[r]));
+    }
+
+    /// [`Self::each`] of an operation returning what it prepared.
+    fn each_prep(&self, f: impl Fn(usize, &CudaBackend) -> Prepared + Sync) -> TpPrepared {
+        let mut out = TpPrepared::default();
+        let o = PerRank::new(&mut out.0[..self.ranks.len()]);
+        // SAFETY: rank r's own slot.
+        self.pool
+            .run(&|r| *unsafe { o.get(r) } = f(r, &self.ranks[r]));
+        out
+    }
+
+    fn each_ok<T: Send>(
+        &self,
+        f: impl Fn(usize, &CudaBackend) -> anyhow::Result<T> + Sync,
+    ) -> anyhow::Result<Vec<T>> {
+        let out: Vec<Mutex<Option<anyhow::Result<T>>>> =
+            (0..self.ranks.len()).map(|_| Mutex::new(None)).collect();
+        self.pool.run(&|r| {
+            let v = f(r, &self.ranks[r]);
+            *out[r].lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+        });
+        if let Some(p) = self.pool.take_panic() {
+            bail!("a GPU thread failed: {p}");
+        }
+        out.into_iter()
+            .enumerate()
+            .map(|(r, m)| {
+                m.into_inner()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .unwrap_or_else(|| Err(anyhow::anyhow!("rank {r} did not run")))
+                    .with_context(|| format!("cuda:{}", self.ordinals[r]))
+            })
+            .collect()
+    }
+
+    fn plan(&self) -> anyhow::Result<Arc<TpPlan>> {
+        self.plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .context("the model's configuration is not known yet (check_model first)")
+    }
+
+    /// Issues every rank's recorded launches at once (each on its own thread, so that the
+    /// collectives of ranks being issued eagerly meet).
+    fn issue_all(&self) {
+        self.each(|_, b| b.issue());
+    }
+
+    /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
+    /// rank 0's `out`.
+    fn vocab_matmul(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        w: &[CudaWeight],
+        n: usize,
+        out: &mut TpTensor,
+    ) {
+        let Ok(plan) = self.plan() else {
+            return self.ranks[0].fail("the LM head before the model's plan".into());
+        };
+        let mut lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
+        let rows = out.0[0].rows;
+        if lm.as_ref().is_none_or(|l| l.rows < rows) {
+            let made = self.each_ok(|_, b| {
+                Ok((
+                    b.new_tensor(rows, plan.vocab_chunk)?,
+                    b.new_tensor(rows * plan.ranks, plan.vocab_chunk)?,
+                ))
+            });
+            match made {
+                Ok(v) => {
+                    let (local, gathered) = v.into_iter().unzip();
+                    *lm = Some(LmBuffers {
+                        rows,
+                        local,
+                        gathered,
+                    });
+                }
+                Err(e) => return self.ranks[0].fail(format!("{e:#}")),
+            }
+        }
+        let Some(lm) = lm.as_mut() else { return };
+        let (local, gathered) = (PerRank::new(&mut lm.local), PerRank::new(&mut lm.gathered));
+        let outs = PerRank::new(&mut out.0);
+        let vocab = plan.vocab.last().map_or(0, |v| v.end);
+        let chunk = plan.vocab_chunk;
+        let cap = lm.rows;
+        self.each(|r, b| {
+            // SAFETY: rank r's own elements.
+            let (local, gathered, out) = unsafe { (local.get(r), gathered.get(r), outs.get(r)) };
+            if let Err(e) = local.reshape(cap, w[r].out_len()) {
+                return b.fail(format!("{e:#}"));
+            }
+            b.matmul_ready(&x.0[r], x_ready.0[r], &w[r], n, local);
+            b.all_gather(local, n * chunk, gathered);
+            if r == 0 {
+                for (q, range) in plan.vocab.iter().enumerate() {
+                    b.copy_2d(
+                        gathered,
+                        q * n * chunk,
+                        range.len(),
+                        out,
+                        range.start,
+                        vocab,
+                        range.len(),
+                        n,
+                    );
+                }
+            }
+        });
+    }
+}
+
+/// Rank `r`'s part of layer weights, as the single-GPU kernels take them.
+fn qkv_of(layer: &LayerWeights<TpWeight>, r: usize) -> QkvWeights<'_> {
+    QkvWeights {
+        attn_q: &layer.attn_q.ranks[r],
+        attn_k: &layer.attn_k.ranks[r],
+        attn_v: &layer.attn_v.ranks[r],
+        attn_q_bias: layer.attn_q_bias.as_ref().map(|b| &b.ranks[r]),
+        attn_k_bias: layer.attn_k_bias.as_ref().map(|b| &b.ranks[r]),
+        attn_v_bias: layer.attn_v_bias.as_ref().map(|b| &b.ranks[r]),
+        qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
+    }
+}
+
+fn reshape_cols(b: &CudaBackend, t: &mut CudaTensor, cols: usize) -> bool {
+    match t.reshape(t.rows, cols) {
+        Ok(()) => true,
+        Err(e) => {
+            b.fail(format!("{e:#}"));
+            false
+        }
+    }
+}
+
+impl Backend for TpBackend {
+    type Weight = TpWeight;
+    type Tensor = TpTensor;
+    type Cache = TpCache;
+    type Step = TpStep;
+    type Prepared = TpPrepared;
+
+    fn name(&self) -> String {
+        format!(
+            "{} × {} (tensor parallel, cuda:{})",
+            self.ranks.len(),
+            self.ranks[0].name(),
+            self.ordinals
+                .iter()
+                .map(|o| o.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        )
+    }
+
+    fn invariant_max_tokens(&self) -> usize {
+        // Two ranks' all-reduce adds the same two numbers whatever the message size;
+        // more ranks' ring order depends on it.
+        match self.ranks.len() {
+            2 => self.ranks[0].invariant_max_tokens(),
+            _ => 1,
+        }
+    }
+
+    fn cache_types(&self) -> &'static [KvType] {
+        self.ranks[0].cache_types()
+    }
+
+    fn new_cache_typed(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+        kv: KvTypes,
+    ) -> anyhow::Result<TpCache> {
+        let plan = self.plan()?;
+        Ok(TpCache(self.each_ok(|r, b| {
+            b.new_cache_typed(&plan.rank_config(config, r), n_blocks, block_size, kv)
+        })?))
+    }
+
+    /// The cache is split evenly over the GPUs, so the memory it may take is the ranks'
+    /// smallest free (and total) memory times their number.
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        let m = self
+            .each_ok(|_, b| b.device_memory().context("no memory figure"))
+            .ok()?;
+        let n = m.len();
+        let free = m.iter().map(|x| x.0).min()?;
+        let total = m.iter().map(|x| x.1).min()?;
+        Some((free * n, total * n))
+    }
+
+    fn check_model(&self, cfg: &ModelConfig) -> anyhow::Result<()> {
+        self.ranks[0].check_model(cfg)?;
+        let plan = TpPlan::new(cfg, self.ranks.len())?;
+        *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(plan));
+        Ok(())
+    }
+
+    fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<TpWeight> {
+        let plan = self.plan()?;
+        let name = info.name.as_str();
+        let data = file.tensor_data(info);
+        let shape_of = |r: usize| {
+            let plan = plan.clone();
+            let file = file.clone();
+            move |other: &str| -> Option<(usize, usize)> {
+                let t = file.tensor(other).filter(|t| t.dims.len() == 2)?;
+                let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+                Some(match plan.split(other, r) {
+                    Split::Replicated => (cols, rows),
+                    Split::Rows(x) => (cols, x.len()),
+                    Split::Cols(x) => (x.len(), rows),
+                })
+            }
+        };
+        // The whole embedding table is only gathered from: a tied LM head gets shards of
+        // its own (`head`).
+        let gathered_only = name == "token_embd.weight";
+        let load = |r: usize, b: &CudaBackend, split: &Split, gathered_only: bool| {
+            let shape = shape_of(r);
+            let (shard_dims, shard_data): (Vec<u64>, Vec<u8>);
+            let (dims, data) = match split {
+                Split::Replicated => (&info.dims[..], data),
+                s => {
+                    (shard_dims, shard_data) = shard_bytes(info.ty, &info.dims, data, s)
+                        .with_context(|| format!("{name} on rank {r}"))?;
+                    (&shard_dims[..], &shard_data[..])
+                }
+            };
+            b.load_weight_bytes(&WeightSource {
+                name,
+                ty: info.ty,
+                dims,
+                data,
+                gathered_only,
+                shape_of: &shape,
+            })
+        };
+        let ranks = self.each_ok(|r, b| load(r, b, &plan.split(name, r), gathered_only))?;
+        let head = if name == "token_embd.weight" && plan.tied_embeddings {
+            self.each_ok(|r, b| load(r, b, &plan.lm_head_split(r), false))?
+        } else {
+            Vec::new()
+        };
+        Ok(TpWeight {
+            ranks,
+            role: plan.role(name),
+            head,
+        })
+    }
+
+    fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<TpTensor> {
+        Ok(TpTensor(self.each_ok(|_, b| b.new_tensor(rows, cols))?))
+    }
+
+    fn new_cache(
+        &self,
+        config: &ModelConfig,
+        n_blocks: usize,
+        block_size: usize,
+    ) -> anyhow::Result<TpCache> {
+        let plan = self.plan()?;
+        Ok(TpCache(self.each_ok(|r, b| {
+            b.new_cache(&plan.rank_config(config, r), n_blocks, block_size)
+        })?))
+    }
+
+    fn new_step(&self, config: &ModelConfig, max_tokens: usize) -> anyhow::Result<TpStep> {
+        let plan = self.plan()?;
+        Ok(TpStep(self.each_ok(|r, b| {
+            b.new_step(&plan.rank_config(config, r), max_tokens)
+        })?))
+    }
+
+    fn prepare_step(&self, batch: &Batch, step: &mut TpStep) -> anyhow::Result<()> {
+        let steps = PerRank::new(&mut step.0);
+        // SAFETY: rank r's own step.
+        self.each_ok(|r, b| b.prepare_step(batch, unsafe { steps.get(r) }))?;
+        Ok(())
+    }
+
+    fn embed(&self, table: &TpWeight, step: &TpStep, out: &mut TpTensor) {
+        let o = PerRank::new(&mut out.0);
+        // SAFETY (every `get` below): rank r's own tensor.
+        self.each(|r, b| b.embed(&table.ranks[r], &step.0[r], unsafe { o.get(r) }));
+    }
+
+    fn scale(&self, x: &mut TpTensor, n: usize, factor: f32) {
+        let x = PerRank::new(&mut x.0);
+        self.each(|r, b| b.scale(unsafe { x.get(r) }, n, factor));
+    }
+
+    fn rms_norm(
+        &self,
+        x: &TpTensor,
+        weight: &TpWeight,
+        eps: f32,
+        n: usize,
+        out: &mut TpTensor,
+    ) -> TpPrepared {
+        let o = PerRank::new(&mut out.0);
+        self.each_prep(|r, b| b.rms_norm(&x.0[r], &weight.ranks[r], eps, n, unsafe { o.get(r) }))
+    }
+
+    fn rms_norm_heads(
+        &self,
+        x: &mut TpTensor,
+        weight: &TpWeight,
+        head_dim: usize,
+        eps: f32,
+        n: usize,
+    ) {
+        let x = PerRank::new(&mut x.0);
+        self.each(|r, b| b.rms_norm_heads(unsafe { x.get(r) }, &weight.ranks[r], head_dim, eps, n));
+    }
+
+    fn matmul(&self, x: &TpTensor, w: &TpWeight, n: usize, out: &mut TpTensor) {
+        self.matmul_ready(x, TpPrepared::default(), w, n, out)
+    }
+
+    fn matmul_ready(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        w: &TpWeight,
+        n: usize,
+        out: &mut TpTensor,
+    ) {
+        if !w.head.is_empty() {
+            return self.vocab_matmul(x, x_ready, &w.head, n, out);
+        }
+        if w.role == Role::Vocab {
+            return self.vocab_matmul(x, x_ready, &w.ranks, n, out);
+        }
+        let o = PerRank::new(&mut out.0);
+        self.each(|r, b| {
+            let out = unsafe { o.get(r) };
+            let wr = &w.ranks[r];
+            if w.role != Role::RowParallel && !reshape_cols(b, out, wr.out_len()) {
+                return;
+            }
+            b.matmul_ready(&x.0[r], x_ready.0[r], wr, n, out);
+            if w.role == Role::RowParallel {
+                b.all_reduce_rows(out, n);
+            }
+        });
+    }
+
+    fn add_bias(&self, x: &mut TpTensor, bias: &TpWeight, n: usize) {
+        let x = PerRank::new(&mut x.0);
+        self.each(|r, b| b.add_bias(unsafe { x.get(r) }, &bias.ranks[r], n));
+    }
+
+    fn rope(&self, x: &mut TpTensor, head_dim: usize, rope: &RopeParams, step: &TpStep, n: usize) {
+        let x = PerRank::new(&mut x.0);
+        self.each(|r, b| b.rope(unsafe { x.get(r) }, head_dim, rope, &step.0[r], n));
+    }
+
+    fn store_kv(
+        &self,
+        cache: &mut TpCache,
+        layer: usize,
+        k: &TpTensor,
+        v: &TpTensor,
+        step: &TpStep,
+        n: usize,
+    ) {
+        let c = PerRank::new(&mut cache.0);
+        self.each(|r, b| b.store_kv(unsafe { c.get(r) }, layer, &k.0[r], &v.0[r], &step.0[r], n));
+    }
+
+    fn attention(
+        &self,
+        q: &TpTensor,
+        cache: &TpCache,
+        params: &AttnParams,
+        step: &TpStep,
+        n: usize,
+        out: &mut TpTensor,
+    ) -> TpPrepared {
+        let Ok(plan) = self.plan() else {
+            self.ranks[0].fail("attention before the model's plan".into());
+            return TpPrepared::default();
+        };
+        let p = AttnParams {
+            n_head: plan.q_heads,
+            n_head_kv: plan.kv_heads,
+            ..*params
+        };
+        let o = PerRank::new(&mut out.0);
+        self.each_prep(|r, b| {
+            let out = unsafe { o.get(r) };
+            if !reshape_cols(b, out, q.0[r].cols) {
+                return Prepared::Nothing;
+            }
+            b.attention(&q.0[r], &cache.0[r], &p, &step.0[r], n, out)
+        })
+    }
+
+    fn gated_activation(
+        &self,
+        gate: &mut TpTensor,
+        up: &TpTensor,
+        act: Activation,
+        n: usize,
+    ) -> TpPrepared {
+        let g = PerRank::new(&mut gate.0);
+        self.each_prep(|r, b| b.gated_activation(unsafe { g.get(r) }, &up.0[r], act, n))
+    }
+
+    fn add(&self, x: &mut TpTensor, y: &TpTensor, n: usize) {
+        let x = PerRank::new(&mut x.0);
+        self.each(|r, b| b.add(unsafe { x.get(r) }, &y.0[r], n));
+    }
+
+    fn gather_logit_rows(&self, x: &TpTensor, step: &TpStep, out: &mut TpTensor) {
+        let o = PerRank::new(&mut out.0);
+        self.each(|r, b| b.gather_logit_rows(&x.0[r], &step.0[r], unsafe { o.get(r) }));
+    }
+
+    fn read_rows(&self, x: &TpTensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+        self.issue_all();
+        self.ranks[0].read_rows(&x.0[0], n, out)
+    }
+
+    fn with_rows(
+        &self,
+        x: &TpTensor,
+        n: usize,
+        scratch: &mut Vec<f32>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> anyhow::Result<()> {
+        self.issue_all();
+        self.ranks[0].with_rows(&x.0[0], n, scratch, f)
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &TpTensor,
+        n: usize,
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        self.issue_all();
+        self.ranks[0].argmax_rows(&x.0[0], n, scratch, out)
+    }
+
+    fn sample_rows(
+        &self,
+        x: &TpTensor,
+        n: usize,
+        sampling: &SamplingBatch,
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        self.issue_all();
+        self.ranks[0].sample_rows(&x.0[0], n, sampling, scratch, out)
+    }
+
+    fn qkv(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        layer: &LayerWeights<TpWeight>,
+        n: usize,
+        q: &mut TpTensor,
+        k: &mut TpTensor,
+        v: &mut TpTensor,
+    ) -> TpPrepared {
+        let (qs, ks, vs) = (
+            PerRank::new(&mut q.0),
+            PerRank::new(&mut k.0),
+            PerRank::new(&mut v.0),
+        );
+        self.each_prep(|r, b| {
+            let w = qkv_of(layer, r);
+            let (q, k, v) = unsafe { (qs.get(r), ks.get(r), vs.get(r)) };
+            if !(reshape_cols(b, q, w.attn_q.out_len())
+                && reshape_cols(b, k, w.attn_k.out_len())
+                && reshape_cols(b, v, w.attn_v.out_len()))
+            {
+                return Prepared::Nothing;
+            }
+            crate::matmul::qkv(b, &x.0[r], x_ready.0[r], &w, n, q, k, v)
+        })
+    }
+
+    fn gate_up(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        layer: &LayerWeights<TpWeight>,
+        act: Activation,
+        n: usize,
+        gate: &mut TpTensor,
+        up: &mut TpTensor,
+    ) -> TpPrepared {
+        let (gs, us) = (PerRank::new(&mut gate.0), PerRank::new(&mut up.0));
+        self.each_prep(|r, b| {
+            let (g, u) = unsafe { (gs.get(r), us.get(r)) };
+            let (gw, uw) = (&layer.ffn_gate.ranks[r], &layer.ffn_up.ranks[r]);
+            if !(reshape_cols(b, g, gw.out_len()) && reshape_cols(b, u, uw.out_len())) {
+                return Prepared::Nothing;
+            }
+            b.gate_up_of(&x.0[r], x_ready.0[r], gw, uw, act, n, g, u)
+        })
+    }
+
+    fn matmul_add(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        w: &TpWeight,
+        n: usize,
+        tmp: &mut TpTensor,
+        residual: &mut TpTensor,
+    ) {
+        if w.role != Role::RowParallel {
+            self.matmul_ready(x, x_ready, w, n, tmp);
+            return self.add(residual, tmp, n);
+        }
+        // Rank 0 adds its partial product into the residual, the others write theirs
+        // there; the all-reduce then leaves residual + Σ partial products on every rank.
+        let (ts, rs) = (PerRank::new(&mut tmp.0), PerRank::new(&mut residual.0));
+        self.each(|r, b| {
+            let (t, res) = unsafe { (ts.get(r), rs.get(r)) };
+            if r == 0 {
+                b.matmul_add(&x.0[r], x_ready.0[r], &w.ranks[r], n, t, res);
+            } else {
+                b.matmul_ready(&x.0[r], x_ready.0[r], &w.ranks[r], n, res);
+            }
+            b.all_reduce_rows(res, n);
+        });
+    }
+
+    fn rope_store_kv(
+        &self,
+        q: &mut TpTensor,
+        k: &mut TpTensor,
+        v: &TpTensor,
+        qkv_ready: TpPrepared,
+        head_dim: usize,
+        rope: &RopeParams,
+        cache: &mut TpCache,
+        layer: usize,
+        step: &TpStep,
+        n: usize,
+    ) {
+        let (qs, ks, cs) = (
+            PerRank::new(&mut q.0),
+            PerRank::new(&mut k.0),
+            PerRank::new(&mut cache.0),
+        );
+        self.each(|r, b| {
+            let (q, k, c) = unsafe { (qs.get(r), ks.get(r), cs.get(r)) };
+            b.rope_store_kv(
+                q,
+                k,
+                &v.0[r],
+                qkv_ready.0[r],
+                head_dim,
+                rope,
+                c,
+                layer,
+                &step.0[r],
+                n,
+            );
+        });
+    }
+}
+
+impl Drop for TpBackend {
+    fn drop(&mut self) {
+        // Let every rank's queued work (collectives included) finish before the
+        // communicators go.
+        self.issue_all();
+        let _ = self.each_ok(|_, b| b.check());
+    }
+}
+
+/// The all-reduce latency of `bytes`-sized messages on `ordinals`, in microseconds per
+/// call (the mean of `iters` calls, each rank on its own thread, after a warm-up), and the
+/// largest difference of any rank's sum from the sum computed on the host.
+pub fn all_reduce_latency(
+    ordinals: &[usize],
+    sizes: &[usize],
+    iters: usize,
+) -> anyhow::Result<Vec<(usize, f64, f32)>> {
+    let tp = TpBackend::new(ordinals)?;
+    let mut out = Vec::new();
+    for &bytes in sizes {
+        let len = (bytes / 4).max(1);
+        let inputs: Vec<Vec<f32>> = (0..tp.ranks())
+            .map(|r| {
+                (0..len)
+                    .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37 - 11.0)
+                    .collect()
+            })
+            .collect();
+        let want: Vec<f32> = (0..len)
+            .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum::<f64>() as f32)
+            .collect();
+        let mut tensors = tp.each_ok(|r, b| b.upload_tensor(1, len, &inputs[r]))?;
+        let ts = PerRank::new(&mut tensors);
+        // SAFETY: rank r's own tensor.
+        tp.each_ok(|r, b| {
+            b.all_reduce_rows(unsafe { ts.get(r) }, 1);
+            b.check()
+        })?;
+        let mut err = 0f32;
+        for (r, t) in tensors.iter().enumerate() {
+            let mut got = Vec::new();
+            tp.ranks[r].bind()?;
+            tp.ranks[r].read_rows(t, 1, &mut got)?;
+            for (g, w) in got.iter().zip(&want) {
+                err = err.max((g - w).abs());
+            }
+        }
+        // Timed: `iters` all-reduces back to back (each adds the others' values again;
+        // the values only serve as load).
+        let ts = PerRank::new(&mut tensors);
+        let start = std::time::Instant::now();
+        tp.each_ok(|r, b| {
+            let t = unsafe { ts.get(r) };
+            for _ in 0..iters {
+                b.all_reduce_rows(t, 1);
+            }
+            b.check()
+        })?;
+        let us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+        out.push((bytes, us, err));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every job runs exactly once on every rank's thread, with its own element, also after
+    /// the threads have gone to sleep; a panicking job is reported, not lost.
+    #[test]
+    fn pool_runs_each_job_once_per_rank() {
+        for ranks in [1, 2, 3] {
+            let pool = Pool::new(ranks).unwrap();
+            let mut counts = vec![0u64; ranks];
+            let hits = AtomicUsize::new(0);
+            for round in 0..300u64 {
+                let c = PerRank::new(&mut counts);
+                pool.run(&|r| {
+                    // SAFETY: rank r's own element.
+                    *unsafe { c.get(r) } += round + 1;
+                    hits.fetch_add(1, Ordering::Relaxed);
+                });
+                if round == 150 {
+                    // Long enough for the threads to park.
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+            }
+            let want: u64 = (1..=300).sum();
+            assert!(counts.iter().all(|&c| c == want), "{counts:?}");
+            assert_eq!(hits.load(Ordering::Relaxed), 300 * ranks);
+            pool.run(&|r| {
+                if r + 1 == ranks {
+                    panic!("rank {r} failed");
+                }
+            });
+            assert_eq!(
+                pool.take_panic().as_deref(),
+                Some(&*format!("rank {} failed", ranks - 1))
+            );
+            assert!(pool.take_panic().is_none());
+        }
+    }
+}

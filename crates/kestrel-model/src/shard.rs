@@ -1,0 +1,472 @@
+//! How a model is divided among several devices, as plain data: which rows or columns of
+//! each weight a rank of a tensor-parallel group holds (Megatron's split), and which
+//! layers each stage of a layer split runs. Backends that drive several GPUs read it;
+//! nothing here touches a device.
+//!
+//! Tensor parallelism over `N` ranks:
+//! - Q, K, V (weights and biases) by output rows, whole KV heads per rank (each rank's
+//!   query heads are the groups of its KV heads), so attention runs on each rank alone;
+//! - gate and up by output rows (the feed-forward width in whole 256-value granules, so
+//!   that the down projection's share of each row is whole quantization blocks);
+//! - the attention output and down projections by input columns (the same ranges), each
+//!   rank's product a partial sum that an all-reduce adds up;
+//! - the LM head by vocabulary rows (`ceil(vocab / N)` a rank, the last one shorter), its
+//!   logits gathered afterwards;
+//! - everything else (embeddings, norms, Q/K norms, RoPE factors) replicated.
+
+use std::ops::Range;
+
+use kestrel_gguf::GgmlType;
+
+use crate::config::{Arch, FfnKind, ModelConfig};
+
+/// Feed-forward widths are split in multiples of this many values: every block format's
+/// block (32 or 256 values) divides it, so a rank's share of a down-projection row is
+/// whole blocks.
+pub const FF_GRANULE: usize = 256;
+
+/// Which part of a weight one rank holds. Ranges are in values along a GGUF dimension:
+/// `Rows` along `dims[1]` (output features; for a 1-D tensor, its elements), `Cols` along
+/// `dims[0]` (input features, the row length).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Split {
+    Replicated,
+    Rows(Range<usize>),
+    Cols(Range<usize>),
+}
+
+/// What a weight's product needs after each rank has run its share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The same weight on every rank (norms, embeddings).
+    Replicated,
+    /// Output features split: each rank has its own columns of the result (Q/K/V, gate/up).
+    ColumnParallel,
+    /// Input features split: each rank's result is a partial sum, all-reduced (attention
+    /// output, down).
+    RowParallel,
+    /// The LM head split by vocabulary: each rank's logits are gathered.
+    Vocab,
+}
+
+/// A tensor-parallel plan for one model over `ranks` devices.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TpPlan {
+    pub ranks: usize,
+    pub head_dim: usize,
+    /// KV heads per rank (the same on every rank).
+    pub kv_heads: usize,
+    /// Query heads per rank.
+    pub q_heads: usize,
+    /// Each rank's range of the feed-forward width.
+    pub ff: Vec<Range<usize>>,
+    /// Each rank's range of the vocabulary (all `vocab_chunk` long but the last).
+    pub vocab: Vec<Range<usize>>,
+    /// `ceil(vocab / ranks)`: the logit columns every rank sends when they are gathered.
+    pub vocab_chunk: usize,
+    /// Whether the LM head is the embedding table (then `token_embd.weight` is held whole
+    /// for the lookup and split by vocabulary for the head).
+    pub tied_embeddings: bool,
+}
+
+/// Splits `0..len` into `parts` ranges of whole `granule`s, as even as possible (the first
+/// ones one granule longer); `None` when some range would be empty or `len` is not whole
+/// granules.
+pub fn granule_ranges(len: usize, parts: usize, granule: usize) -> Option<Vec<Range<usize>>> {
+    if parts == 0 || granule == 0 || !len.is_multiple_of(granule) {
+        return None;
+    }
+    let units = len / granule;
+    if units < parts {
+        return None;
+    }
+    let (base, extra) = (units / parts, units % parts);
+    let mut start = 0;
+    Some(
+        (0..parts)
+            .map(|p| {
+                let n = (base + usize::from(p < extra)) * granule;
+                let r = start..start + n;
+                start += n;
+                r
+            })
+            .collect(),
+    )
+}
+
+/// The layers of each of `stages` pipeline stages (a layer split): contiguous, as even as
+/// possible, the first stages one layer longer. An error when there are fewer layers
+/// than stages.
+pub fn layer_ranges(n_layer: usize, stages: usize) -> anyhow::Result<Vec<Range<usize>>> {
+    if stages == 0 {
+        anyhow::bail!("a layer split needs at least one device");
+    }
+    granule_ranges(n_layer, stages, 1)
+        .ok_or_else(|| anyhow::anyhow!("{n_layer} layers cannot be split over {stages} devices"))
+}
+
+impl TpPlan {
+    /// The plan for `cfg` over `ranks` devices, or an error saying what does not divide.
+    pub fn new(cfg: &ModelConfig, ranks: usize) -> anyhow::Result<TpPlan> {
+        if ranks == 0 {
+            anyhow::bail!("tensor parallelism needs at least one device");
+        }
+        match cfg.arch {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => {}
+            other => anyhow::bail!(
+                "tensor parallelism supports the dense architectures llama, qwen2, qwen3 and gemma3; this model is {other:?}"
+            ),
+        }
+        if !matches!(cfg.ffn, FfnKind::Dense) || cfg.attn_sinks || cfg.attn_out_bias {
+            anyhow::bail!("tensor parallelism supports dense feed-forward blocks only");
+        }
+        if cfg.n_head_kv == 0 || !cfg.n_head_kv.is_multiple_of(ranks) {
+            anyhow::bail!(
+                "the model's {} KV heads do not divide among {ranks} devices (tensor parallelism gives each device whole KV heads)",
+                cfg.n_head_kv
+            );
+        }
+        if !cfg.n_head.is_multiple_of(cfg.n_head_kv) {
+            anyhow::bail!(
+                "{} query heads are not whole groups of the {} KV heads",
+                cfg.n_head,
+                cfg.n_head_kv
+            );
+        }
+        let ff = granule_ranges(cfg.n_ff, ranks, FF_GRANULE).ok_or_else(|| {
+            anyhow::anyhow!(
+                "the feed-forward width {} does not split into {ranks} parts of whole {FF_GRANULE}-value blocks",
+                cfg.n_ff
+            )
+        })?;
+        let vocab_chunk = cfg.vocab_size.div_ceil(ranks);
+        if vocab_chunk * (ranks - 1) >= cfg.vocab_size {
+            anyhow::bail!(
+                "a vocabulary of {} tokens is too small for {ranks} devices",
+                cfg.vocab_size
+            );
+        }
+        let vocab = (0..ranks)
+            .map(|r| r * vocab_chunk..((r + 1) * vocab_chunk).min(cfg.vocab_size))
+            .collect();
+        Ok(TpPlan {
+            ranks,
+            head_dim: cfg.head_dim,
+            kv_heads: cfg.n_head_kv / ranks,
+            q_heads: cfg.n_head / ranks,
+            ff,
+            vocab,
+            vocab_chunk,
+            tied_embeddings: cfg.tied_embeddings,
+        })
+    }
+
+    /// Rank `r`'s query columns (`q_heads · head_dim` values).
+    pub fn q_range(&self, r: usize) -> Range<usize> {
+        let w = self.q_heads * self.head_dim;
+        r * w..(r + 1) * w
+    }
+
+    /// Rank `r`'s key (and value) columns.
+    pub fn kv_range(&self, r: usize) -> Range<usize> {
+        let w = self.kv_heads * self.head_dim;
+        r * w..(r + 1) * w
+    }
+
+    /// The role of the weight named `name` (a GGUF tensor name).
+    pub fn role(&self, name: &str) -> Role {
+        let base = name.rsplit_once("blk.").map_or(name, |(_, rest)| {
+            rest.split_once('.').map_or(rest, |(_, t)| t)
+        });
+        match base {
+            "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "attn_q.bias" | "attn_k.bias"
+            | "attn_v.bias" | "ffn_gate.weight" | "ffn_up.weight" => Role::ColumnParallel,
+            "attn_output.weight" | "ffn_down.weight" => Role::RowParallel,
+            "output.weight" => Role::Vocab,
+            _ => Role::Replicated,
+        }
+    }
+
+    /// What rank `r` holds of the weight named `name`. `token_embd.weight` is replicated
+    /// here; when it doubles as the LM head, [`Self::lm_head_split`] gives the head's part.
+    pub fn split(&self, name: &str, r: usize) -> Split {
+        let base = name.rsplit_once("blk.").map_or(name, |(_, rest)| {
+            rest.split_once('.').map_or(rest, |(_, t)| t)
+        });
+        match base {
+            "attn_q.weight" | "attn_q.bias" => Split::Rows(self.q_range(r)),
+            "attn_k.weight" | "attn_v.weight" | "attn_k.bias" | "attn_v.bias" => {
+                Split::Rows(self.kv_range(r))
+            }
+            "ffn_gate.weight" | "ffn_up.weight" => Split::Rows(self.ff[r].clone()),
+            "attn_output.weight" => Split::Cols(self.q_range(r)),
+            "ffn_down.weight" => Split::Cols(self.ff[r].clone()),
+            "output.weight" => self.lm_head_split(r),
+            _ => Split::Replicated,
+        }
+    }
+
+    /// Rank `r`'s rows of the LM head (whichever tensor it is).
+    pub fn lm_head_split(&self, r: usize) -> Split {
+        Split::Rows(self.vocab[r].clone())
+    }
+
+    /// The configuration rank `r` runs: its own heads and feed-forward width (the
+    /// vocabulary stays whole: the gathered logits are).
+    pub fn rank_config(&self, cfg: &ModelConfig, r: usize) -> ModelConfig {
+        let mut c = cfg.clone();
+        c.n_head = self.q_heads;
+        c.n_head_kv = self.kv_heads;
+        c.n_ff = self.ff[r].len();
+        c
+    }
+}
+
+/// The bytes of `split` of a tensor of type `ty` with GGUF dims `dims` (row length first)
+/// whose data is `data`, and the shard's dims. Rows are contiguous byte ranges; a column
+/// range takes each row's blocks in it, so its ends must fall on block boundaries.
+pub fn shard_bytes(
+    ty: GgmlType,
+    dims: &[u64],
+    data: &[u8],
+    split: &Split,
+) -> anyhow::Result<(Vec<u64>, Vec<u8>)> {
+    let cols = *dims.first().unwrap_or(&1) as usize;
+    let rows = dims.iter().skip(1).product::<u64>() as usize;
+    let row_bytes = ty
+        .bytes_for(cols as u64)
+        .ok_or_else(|| anyhow::anyhow!("rows of {cols} values are not whole {ty} blocks"))?
+        as usize;
+    if data.len() != row_bytes * rows {
+        anyhow::bail!("{} bytes for a {ty} tensor of {dims:?}", data.len());
+    }
+    let bs = ty.block_size();
+    let block_bytes = ty.type_size();
+    match split {
+        Split::Replicated => Ok((dims.to_vec(), data.to_vec())),
+        Split::Rows(r) if dims.len() <= 1 => {
+            if r.end > cols || !r.start.is_multiple_of(bs) || !r.end.is_multiple_of(bs) {
+                anyhow::bail!("elements {r:?} of a {ty} vector of {cols} are not whole blocks");
+            }
+            let (a, b) = (r.start / bs * block_bytes, r.end / bs * block_bytes);
+            Ok((vec![r.len() as u64], data[a..b].to_vec()))
+        }
+        Split::Rows(r) => {
+            if dims.len() != 2 || r.end > rows || r.is_empty() {
+                anyhow::bail!("rows {r:?} of a tensor of {dims:?}");
+            }
+            Ok((
+                vec![cols as u64, r.len() as u64],
+                data[r.start * row_bytes..r.end * row_bytes].to_vec(),
+            ))
+        }
+        Split::Cols(c) => {
+            if dims.len() != 2 || c.end > cols || c.is_empty() {
+                anyhow::bail!("columns {c:?} of a tensor of {dims:?}");
+            }
+            if !c.start.is_multiple_of(bs) || !c.end.is_multiple_of(bs) {
+                anyhow::bail!(
+                    "columns {c:?} of a {ty} matrix do not fall on its {bs}-value block boundaries"
+                );
+            }
+            let (a, b) = (c.start / bs * block_bytes, c.end / bs * block_bytes);
+            let mut out = Vec::with_capacity((b - a) * rows);
+            for row in data.chunks_exact(row_bytes) {
+                out.extend_from_slice(&row[a..b]);
+            }
+            Ok((vec![c.len() as u64, rows as u64], out))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{SynthConfig, WeightType, write_synth_to};
+
+    /// The configuration of a tiny synthetic model of `arch` (read back from its file),
+    /// reshaped to `preset`'s head counts and widths ("tiny" keeps it).
+    fn config(arch: Arch, preset: &str) -> ModelConfig {
+        let (bytes, _) =
+            write_synth_to(Vec::new(), &SynthConfig::tiny(arch), WeightType::F32, 1).unwrap();
+        let file = kestrel_gguf::GgufFile::from_bytes(bytes).unwrap();
+        let mut cfg = ModelConfig::from_gguf(&file).unwrap();
+        if preset != "tiny" {
+            let p = SynthConfig::preset(preset, Some(arch)).unwrap();
+            cfg.n_layer = p.n_layer as usize;
+            cfg.n_embd = p.n_embd as usize;
+            cfg.n_head = p.n_head as usize;
+            cfg.n_head_kv = p.n_head_kv as usize;
+            cfg.head_dim = p.head_dim as usize;
+            cfg.n_ff = p.n_ff as usize;
+            cfg.vocab_size = p.n_vocab as usize;
+        }
+        cfg
+    }
+
+    /// Every column of every weight is held by exactly one rank (or by all, replicated),
+    /// for each dense architecture and 1, 2, 4 ranks where the heads divide.
+    #[test]
+    fn column_and_row_splits_cover_each_weight_once() {
+        for (arch, preset) in [
+            (Arch::Llama, "llama3-8b"),
+            (Arch::Qwen2, "qwen2.5-1.5b"),
+            (Arch::Qwen3, "tiny"),
+            (Arch::Gemma3, "tiny"),
+        ] {
+            let cfg = config(arch, preset);
+            for ranks in [1, 2, 4] {
+                let Ok(plan) = TpPlan::new(&cfg, ranks) else {
+                    assert!(
+                        !cfg.n_head_kv.is_multiple_of(ranks)
+                            || granule_ranges(cfg.n_ff, ranks, FF_GRANULE).is_none(),
+                        "{arch:?} {ranks}: refused although heads and width divide"
+                    );
+                    continue;
+                };
+                let sizes = [
+                    ("blk.3.attn_q.weight", cfg.q_dim()),
+                    ("blk.3.attn_k.weight", cfg.kv_dim()),
+                    ("blk.0.attn_v.bias", cfg.kv_dim()),
+                    ("blk.1.ffn_up.weight", cfg.n_ff),
+                    ("blk.1.ffn_gate.weight", cfg.n_ff),
+                    ("blk.2.attn_output.weight", cfg.q_dim()),
+                    ("blk.2.ffn_down.weight", cfg.n_ff),
+                    ("output.weight", cfg.vocab_size),
+                ];
+                for (name, len) in sizes {
+                    let mut seen = vec![0u8; len];
+                    for r in 0..ranks {
+                        let range = match plan.split(name, r) {
+                            Split::Rows(x) | Split::Cols(x) => x,
+                            Split::Replicated => panic!("{name} replicated"),
+                        };
+                        seen[range].iter_mut().for_each(|s| *s += 1);
+                    }
+                    assert!(seen.iter().all(|&s| s == 1), "{arch:?} {ranks} {name}");
+                }
+                for name in [
+                    "token_embd.weight",
+                    "output_norm.weight",
+                    "blk.0.attn_norm.weight",
+                    "blk.0.attn_q_norm.weight",
+                    "blk.0.post_attention_norm.weight",
+                    "rope_freqs.weight",
+                ] {
+                    assert_eq!(plan.split(name, ranks - 1), Split::Replicated, "{name}");
+                    assert_eq!(plan.role(name), Role::Replicated, "{name}");
+                }
+                assert_eq!(plan.role("blk.9.ffn_down.weight"), Role::RowParallel);
+                assert_eq!(plan.role("blk.9.attn_k.bias"), Role::ColumnParallel);
+                assert_eq!(plan.role("output.weight"), Role::Vocab);
+                // A rank's query heads are exactly the groups of its KV heads, and the
+                // attention output's input columns are its query columns.
+                let group = cfg.n_head / cfg.n_head_kv;
+                for r in 0..ranks {
+                    let q = plan.q_range(r);
+                    let kv = plan.kv_range(r);
+                    assert_eq!(q.start / cfg.head_dim, kv.start / cfg.head_dim * group);
+                    assert_eq!(q.len(), kv.len() * group);
+                    assert_eq!(
+                        plan.split("blk.0.attn_output.weight", r),
+                        Split::Cols(q.clone())
+                    );
+                    let rc = plan.rank_config(&cfg, r);
+                    assert_eq!(rc.q_dim(), q.len());
+                    assert_eq!(rc.kv_dim(), kv.len());
+                    assert_eq!(rc.n_ff, plan.ff[r].len());
+                    assert!(plan.ff[r].len().is_multiple_of(FF_GRANULE));
+                    assert_eq!(rc.vocab_size, cfg.vocab_size);
+                }
+                let chunk = cfg.vocab_size.div_ceil(ranks);
+                assert_eq!(plan.vocab_chunk, chunk);
+                assert!(plan.vocab.iter().all(|v| v.len() <= chunk && !v.is_empty()));
+            }
+        }
+    }
+
+    #[test]
+    fn heads_that_do_not_divide_are_a_clear_error() {
+        let mut cfg = config(Arch::Llama, "llama3-8b");
+        let e = TpPlan::new(&cfg, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("8 KV heads do not divide among 3 devices"),
+            "{e}"
+        );
+        cfg.n_ff = 256 * 3;
+        let e = TpPlan::new(&cfg, 4).unwrap_err().to_string();
+        assert!(e.contains("feed-forward width 768"), "{e}");
+        assert!(TpPlan::new(&cfg, 0).is_err());
+        let moe = config(Arch::Qwen3Moe, "tiny");
+        let e = TpPlan::new(&moe, 2).unwrap_err().to_string();
+        assert!(e.contains("dense architectures"), "{e}");
+    }
+
+    #[test]
+    fn granules_and_layers_split_evenly() {
+        assert_eq!(
+            granule_ranges(14336, 2, 256).unwrap(),
+            vec![0..7168, 7168..14336]
+        );
+        assert_eq!(granule_ranges(768, 2, 256).unwrap(), vec![0..512, 512..768]);
+        assert!(granule_ranges(256, 2, 256).is_none());
+        assert!(granule_ranges(300, 1, 256).is_none());
+        assert_eq!(layer_ranges(80, 2).unwrap(), vec![0..40, 40..80]);
+        assert_eq!(layer_ranges(5, 3).unwrap(), vec![0..2, 2..4, 4..5]);
+        assert!(layer_ranges(2, 3).is_err());
+        assert!(layer_ranges(2, 0).is_err());
+    }
+
+    /// A shard's dequantized values are the same slice of the whole tensor's dequantized
+    /// values (the oracle: kestrel-quant's dequantizer on the unsplit rows), for random
+    /// rows of block formats and random block-aligned ranges.
+    #[test]
+    fn shard_bytes_match_slices_of_the_dequantized_tensor() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x7a11);
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+        ] {
+            let bs = ty.block_size();
+            let (cols, rows) = (
+                bs * rng.random_range(2..6usize),
+                rng.random_range(3..9usize),
+            );
+            let values: Vec<f32> = (0..cols * rows)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let data = kestrel_quant::quantize(ty, &values, cols).unwrap();
+            let mut full = vec![0f32; cols * rows];
+            kestrel_quant::dequantize_row(ty, &data, &mut full).unwrap();
+            let dims = [cols as u64, rows as u64];
+            let r0 = rng.random_range(0..rows - 1);
+            let r1 = rng.random_range(r0 + 1..=rows);
+            let (d, b) = shard_bytes(ty, &dims, &data, &Split::Rows(r0..r1)).unwrap();
+            assert_eq!(d, vec![cols as u64, (r1 - r0) as u64]);
+            let mut got = vec![0f32; cols * (r1 - r0)];
+            kestrel_quant::dequantize_row(ty, &b, &mut got).unwrap();
+            assert_eq!(got, full[r0 * cols..r1 * cols], "{ty} rows");
+            let c0 = bs * rng.random_range(0..cols / bs - 1);
+            let c1 = bs * rng.random_range(c0 / bs + 1..=cols / bs);
+            let (d, b) = shard_bytes(ty, &dims, &data, &Split::Cols(c0..c1)).unwrap();
+            assert_eq!(d, vec![(c1 - c0) as u64, rows as u64]);
+            let mut got = vec![0f32; (c1 - c0) * rows];
+            kestrel_quant::dequantize_row(ty, &b, &mut got).unwrap();
+            let want: Vec<f32> = full
+                .chunks_exact(cols)
+                .flat_map(|row| row[c0..c1].iter().copied())
+                .collect();
+            assert_eq!(got, want, "{ty} cols {c0}..{c1}");
+            if bs > 1 {
+                let e = shard_bytes(ty, &dims, &data, &Split::Cols(1..bs + 1)).unwrap_err();
+                assert!(e.to_string().contains("block boundaries"), "{e}");
+            }
+        }
+        assert!(shard_bytes(GgmlType::F32, &[4, 2], &[0u8; 31], &Split::Replicated).is_err());
+    }
+}
