@@ -2,7 +2,7 @@
 against llama.cpp (llama-cpp-python 0.3.36, `Llama(embedding=True).embed(normalize=True)`:
 the same pooled, L2-normalized vectors llama-server's OpenAI endpoint returns).
 
-Tolerances: on synthetic models cosine > 0.9999 and max |diff| < 2e-3. On the real models,
+Tolerances: on synthetic models cosine > 0.9999 and max |diff| < 4e-3. On the real models,
 twice llama.cpp's own distance from itself on the same texts, or REAL_FLOOR where that is
 wider: evaluated one token a step instead of one input a batch, llama.cpp's Gemma-3-270M
 vectors move by a cosine of ~0.998 (its 8-bit activation rounding amplifies the order of
@@ -36,7 +36,9 @@ except ImportError as e:  # the oracle is missing: the test reports a skip
 
 MODEL = "test-model"
 MIN_COSINE = 0.9999
-MAX_ABS = 2e-3
+# Synthetic models, six runs: last-token pooling (one token's state, no averaging) up to
+# 1.5e-3 and cosine 0.99998; mean 1e-4; cls (position 0) ~4e-8.
+MAX_ABS = 4e-3
 # The real models' floor (1 - cosine, max |diff|): Kestrel's Gemma-3-270M vectors sit at a
 # cosine of ~0.997 from llama.cpp's even for two-token inputs, where llama.cpp's two ways
 # agree exactly. Its logits differ as much there (the forward pass's own difference,
