@@ -1,20 +1,24 @@
 """Tokens/s of a running `kestrel serve` with and without a JSON-schema constraint, at
 several client counts: every client sends the same completion request (greedy, fixed
-max_tokens) in a loop; the constrained run adds a schema whose output runs to max_tokens.
+max_tokens) in a loop; the constrained run adds a schema whose output runs to max_tokens,
+so both generate the same number of tokens. Rounds alternate the two kinds (and which goes
+first), so a slow spell of a loaded machine hits both; each row reports the median
+tokens/s of each kind with its spread (min-max over rounds) and the overhead of the
+medians, plus the median of the rounds' paired overheads.
 
-Usage: python3 scripts/bench_structured.py URL MODEL [CLIENTS...]   (default clients: 1 4)
+Usage: python3 scripts/bench_structured.py URL MODEL [--clients 1 64] [--rounds 5]
+           [--requests 2] [--max-tokens 64]
+Serve with `--max-seqs` at least the largest client count. Needs only the Python standard
+library (the GPU host has no pip).
 """
 
+import argparse
 import json
-import sys
+import statistics
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
-
-MAX_TOKENS = 64
-REQUESTS_PER_CLIENT = 3
 # A list of digits that never ends before max_tokens: both runs generate the same count.
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1000}
 PROMPT = "A list of digits: [1, 2, 3"
@@ -35,42 +39,81 @@ def scheduler_totals(url):
     )
 
 
-def run(client, model, clients, constrained):
-    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": SCHEMA}}} if constrained else {}
+def complete(url, body):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        return json.load(resp)
+
+
+def run(args, clients, constrained):
+    """Tokens/s of `clients` clients each sending `args.requests` requests, and the
+    scheduler's forward and host milliseconds per step meanwhile."""
+    body = {"model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0}
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "d", "schema": SCHEMA}}
 
     def one(_):
         tokens = 0
-        for _ in range(REQUESTS_PER_CLIENT):
-            r = client.completions.create(
-                model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
-            )
-            assert r.choices[0].finish_reason == "length", r.choices[0]
-            tokens += r.usage.completion_tokens
+        for _ in range(args.requests):
+            r = complete(args.url, body)
+            assert r["choices"][0]["finish_reason"] == "length", r["choices"][0]
+            tokens += r["usage"]["completion_tokens"]
         return tokens
 
+    f0, h0, s0 = scheduler_totals(args.url)
     start = time.time()
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(one, range(clients)))
-    return tokens / (time.time() - start)
+    secs = time.time() - start
+    f1, h1, s1 = scheduler_totals(args.url)
+    steps = max(s1 - s0, 1)
+    return tokens / secs, 1e3 * (f1 - f0) / steps, 1e3 * (h1 - h0) / steps
 
 
 def main():
-    url, model = sys.argv[1], sys.argv[2]
-    levels = [int(c) for c in sys.argv[3:]] or [1, 4]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-    run(client, model, 1, True)  # warm-up (builds the vocabulary trie once)
-    for clients in levels:
-        row = {"clients": clients}
-        for kind, constrained in (("plain", False), ("constrained", True)):
-            f0, h0, s0 = scheduler_totals(url)
-            row[kind + "_tok_s"] = round(run(client, model, clients, constrained), 1)
-            f1, h1, s1 = scheduler_totals(url)
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("model")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--requests", type=int, default=2, help="requests per client and round")
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+    # Wait for the server to finish loading (the port answers before the model is loaded).
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(args.url + "/health", timeout=5)
+            break
+        except OSError:
+            time.sleep(1)
+    run(args, 1, True)  # warm-up (builds the vocabulary trie once)
+    run(args, 1, False)
+    for clients in args.clients:
+        got = {"plain": [], "constrained": []}
+        per_step = {"plain": [], "constrained": []}
+        for r in range(args.rounds):
+            order = [("plain", False), ("constrained", True)]
+            if r % 2:
+                order.reverse()
+            for kind, constrained in order:
+                tps, fwd, host = run(args, clients, constrained)
+                got[kind].append(tps)
+                per_step[kind].append((fwd, host))
+        med = {k: statistics.median(v) for k, v in got.items()}
+        paired = [100 * (1 - c / p) for p, c in zip(got["plain"], got["constrained"])]
+        row = {"clients": clients, "rounds": args.rounds}
+        for k in ("plain", "constrained"):
+            row[k + "_tok_s"] = round(med[k], 1)
+            row[k + "_min_max"] = [round(min(got[k]), 1), round(max(got[k]), 1)]
             # The scheduler's time per step: the forward pass (the mask is computed beside
             # it) and its own host work (masking, sampling).
-            row[kind + "_forward_ms_step"] = round(1e3 * (f1 - f0) / (s1 - s0), 2)
-            row[kind + "_host_ms_step"] = round(1e3 * (h1 - h0) / (s1 - s0), 2)
-        row["overhead_pct"] = round(100 * (1 - row["constrained_tok_s"] / row["plain_tok_s"]), 1)
-        print(json.dumps(row))
+            row[k + "_forward_ms_step"] = round(statistics.median(f for f, _ in per_step[k]), 2)
+            row[k + "_host_ms_step"] = round(statistics.median(h for _, h in per_step[k]), 2)
+        row["overhead_pct"] = round(100 * (1 - med["constrained"] / med["plain"]), 1)
+        row["paired_overhead_pct_median"] = round(statistics.median(paired), 1)
+        row["paired_overhead_pct"] = [round(x, 1) for x in paired]
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ pub struct Engine<B: Backend> {
     pub ctx: usize,
     /// Bytes of keys and values one cached position takes over all layers.
     pub kv_bytes_per_token: usize,
-    scratch: Scratch<B>,
+    pub(crate) scratch: Scratch<B>,
     logits: Vec<f32>,
     /// The batch `eval_batch` fills and reuses, with its per-sequence progress and the
     /// parts of the current step.
@@ -252,7 +252,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks `batch` against the cache and runs the model over it; the logits stay in
     /// the scratch on the backend.
-    fn forward(&mut self, batch: &Batch) -> anyhow::Result<()> {
+    pub(crate) fn forward(&mut self, batch: &Batch) -> anyhow::Result<()> {
         batch.validate(
             self.blocks.block_size(),
             self.blocks.n_blocks(),

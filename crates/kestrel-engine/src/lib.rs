@@ -1,6 +1,7 @@
 //! Sequences over the paged KV cache, the sampler, the generation loop (with speculative
 //! decoding) and the scheduler.
 
+pub mod embed;
 pub mod engine;
 pub mod kv;
 pub mod perplexity;

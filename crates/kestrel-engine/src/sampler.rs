@@ -119,6 +119,12 @@ pub trait TokenFilter: Send {
     fn prepare(&mut self);
     /// Adjusts a logit row before penalties and sampling; a banned token gets `-inf`.
     fn apply(&self, logits: &mut [f32]);
+    /// The [`kestrel_model::argmax`] of `logits` after [`Self::apply`], found without
+    /// writing the row where the filter can (a grammar's mask walked word by word); None
+    /// where it cannot tell cheaply: the caller applies the filter and takes the argmax.
+    fn argmax(&self, _logits: &[f32]) -> Option<u32> {
+        None
+    }
     /// Records the chosen token. `Ok(true)`: the output is complete, end the generation.
     fn accept(&mut self, token: u32) -> Result<bool, String>;
 }

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kestrel_model::{Backend, Batch, SamplingBatch};
+use kestrel_model::{Backend, Batch, Pooling, SamplingBatch};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
@@ -115,6 +115,25 @@ pub struct Request {
     /// Whether this request may speculate (when the scheduler does).
     pub speculative: bool,
     pub sink: Box<dyn TokenSink>,
+}
+
+/// An embedding request: one pooled vector per input, computed between generation steps
+/// (see [`Engine::embed`]).
+pub struct EmbedRequest {
+    /// Token ids of each input (each non-empty, within the context).
+    pub inputs: Vec<Vec<u32>>,
+    pub pooling: Pooling,
+    /// Receives one vector per input (not normalized), or why there is none.
+    pub reply: Box<dyn FnOnce(EmbedResult) + Send>,
+}
+
+/// One vector per input, or why there is none.
+pub type EmbedResult = Result<Vec<Vec<f32>>, String>;
+
+/// What the scheduler's channel carries.
+enum Job {
+    Generate(Request, Option<Box<dyn TokenFilter>>),
+    Embed(EmbedRequest),
 }
 
 /// Why a request was refused before it reached the queue.
@@ -193,6 +212,10 @@ pub struct SchedulerInfo {
     pub max_seqs: usize,
     pub arch: String,
     pub backend: String,
+    /// Width of the hidden states (an embedding's length).
+    pub n_embd: usize,
+    /// `<arch>.pooling_type`, when the model file states it.
+    pub pooling: Option<Pooling>,
 }
 
 /// Counters and gauges the scheduler thread updates after every step.
@@ -228,7 +251,7 @@ pub struct SchedulerStats {
 /// The submitting side; cheap to clone.
 #[derive(Clone)]
 pub struct SchedulerHandle {
-    tx: mpsc::Sender<(Request, Option<Box<dyn TokenFilter>>)>,
+    tx: mpsc::Sender<Job>,
     info: Arc<SchedulerInfo>,
     stats: Arc<SchedulerStats>,
 }
@@ -287,10 +310,40 @@ impl SchedulerHandle {
         }
         req.params.validate().map_err(SubmitError::BadParams)?;
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        self.tx.send((req, filter)).map_err(|_| {
+        self.tx.send(Job::Generate(req, filter)).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             SubmitError::Stopped
         })
+    }
+
+    /// Checks an embedding request and queues it; its vectors arrive through its `reply`.
+    pub fn embed(&self, req: EmbedRequest) -> Result<(), SubmitError> {
+        let info = &self.info;
+        if req.inputs.is_empty() || req.inputs.iter().any(Vec::is_empty) {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        for input in &req.inputs {
+            if let Some((index, &id)) = input
+                .iter()
+                .enumerate()
+                .find(|&(_, &id)| id as usize >= info.vocab_size)
+            {
+                return Err(SubmitError::TokenOutOfRange {
+                    index,
+                    id,
+                    vocab: info.vocab_size,
+                });
+            }
+            if input.len() > info.ctx {
+                return Err(SubmitError::PromptTooLong {
+                    len: input.len(),
+                    ctx: info.ctx,
+                });
+            }
+        }
+        self.tx
+            .send(Job::Embed(req))
+            .map_err(|_| SubmitError::Stopped)
     }
 }
 
@@ -301,7 +354,7 @@ where
     B: Backend + 'static,
     F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
 {
-    let (tx, rx) = mpsc::channel::<(Request, Option<Box<dyn TokenFilter>>)>();
+    let (tx, rx) = mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<SchedulerInfo>>();
     let stats = Arc::new(SchedulerStats::default());
     let thread_stats = stats.clone();
@@ -493,9 +546,11 @@ impl PrefixCache {
 struct Scheduler<B: Backend> {
     engine: Engine<B>,
     opts: SchedulerOptions,
-    rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
+    rx: mpsc::Receiver<Job>,
     stats: Arc<SchedulerStats>,
     waiting: VecDeque<Seq>,
+    /// Embedding requests, run one per loop between generation steps.
+    embeds: VecDeque<EmbedRequest>,
     /// Oldest first: the last one is preempted first.
     running: Vec<Seq>,
     prefix: PrefixCache,
@@ -539,7 +594,7 @@ impl<B: Backend> Scheduler<B> {
     fn new(
         engine: Engine<B>,
         opts: SchedulerOptions,
-        rx: mpsc::Receiver<(Request, Option<Box<dyn TokenFilter>>)>,
+        rx: mpsc::Receiver<Job>,
         stats: Arc<SchedulerStats>,
     ) -> Self {
         let mut opts = opts;
@@ -560,6 +615,7 @@ impl<B: Backend> Scheduler<B> {
             rx,
             stats,
             waiting: VecDeque::new(),
+            embeds: VecDeque::new(),
             running: Vec::new(),
             logits: Vec::new(),
             last_forward_us: 0,
@@ -584,12 +640,14 @@ impl<B: Backend> Scheduler<B> {
             max_seqs: self.opts.max_seqs,
             arch: cfg.arch.name().to_string(),
             backend: self.engine.backend.name(),
+            n_embd: cfg.n_embd,
+            pooling: cfg.pooling,
         }
     }
 
     fn run(&mut self) {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.running.is_empty() && self.waiting.is_empty() && self.embeds.is_empty() {
                 if self.disconnected {
                     return;
                 }
@@ -610,11 +668,12 @@ impl<B: Backend> Scheduler<B> {
             }
             let started = Instant::now();
             self.drop_cancelled();
+            let embed_us = self.run_embed();
             self.admit();
             let worked = self.step();
             self.publish();
             let total = started.elapsed().as_micros() as u64;
-            let forward = std::mem::take(&mut self.last_forward_us);
+            let forward = std::mem::take(&mut self.last_forward_us) + embed_us;
             self.stats
                 .host_us
                 .fetch_add(total.saturating_sub(forward), Ordering::Relaxed);
@@ -628,7 +687,49 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    fn enqueue(&mut self, (req, filter): (Request, Option<Box<dyn TokenFilter>>)) {
+    /// Runs the oldest embedding request, if any: its blocks come from idle prefix-cache
+    /// blocks, then from preempting the youngest running sequences. Returns the
+    /// microseconds it took.
+    fn run_embed(&mut self) -> u64 {
+        let Some(req) = self.embeds.pop_front() else {
+            return 0;
+        };
+        let lens: Vec<usize> = req.inputs.iter().map(Vec::len).collect();
+        let needed = self.engine.embed_blocks(&lens);
+        let total = self.engine.blocks.n_blocks();
+        if needed > total {
+            (req.reply)(Err(format!(
+                "the inputs need {needed} KV blocks at once, the cache has {total}"
+            )));
+            return 0;
+        }
+        while self.engine.blocks.n_free() < needed && self.evict_one() {}
+        while self.engine.blocks.n_free() < needed && !self.running.is_empty() {
+            self.preempt_youngest();
+        }
+        let started = Instant::now();
+        let inputs: Vec<&[u32]> = req.inputs.iter().map(Vec::as_slice).collect();
+        let result = self
+            .engine
+            .embed(&inputs, req.pooling)
+            .map_err(|e| format!("embedding failed: {e:#}"));
+        let us = started.elapsed().as_micros() as u64;
+        self.stats.forward_us.fetch_add(us, Ordering::Relaxed);
+        self.stats
+            .tokens_evaluated
+            .fetch_add(lens.iter().sum::<usize>() as u64, Ordering::Relaxed);
+        (req.reply)(result);
+        us
+    }
+
+    fn enqueue(&mut self, job: Job) {
+        let (req, filter) = match job {
+            Job::Generate(req, filter) => (req, filter),
+            Job::Embed(req) => {
+                self.embeds.push_back(req);
+                return;
+            }
+        };
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let prompt_len = req.prompt.len();
         let drafter = self
@@ -1002,34 +1103,50 @@ impl<B: Backend> Scheduler<B> {
                     .collect(),
             )
         } else {
-            for (row, &i) in logits.chunks_exact_mut(vocab).zip(&sampling) {
-                if let Some(f) = &self.running[i].filter {
-                    f.apply(row);
-                }
-            }
-            let rows: Vec<&[f32]> = logits.chunks_exact(vocab).take(sampling.len()).collect();
-            // Every sampling sequence's sampler with its history, in `sampling` order: each
-            // row is sampled on its own core. One thread took ~0.5 ms a row with top-k over a
-            // 128K-word vocabulary, tens of ms a step at 64 sequences.
+            // Every sampling sequence's filter and sampler with its history, in `sampling`
+            // order: each row is filtered and sampled on its own core. One thread took ~0.5
+            // ms a row with top-k over a 128K-word vocabulary, tens of ms a step at 64
+            // sequences. A greedy row's filter picks the best allowed token by walking its
+            // mask, without a pass writing the row (unless the row's log-probs are wanted).
             let mut slot_of = vec![usize::MAX; self.running.len()];
             for (k, &i) in sampling.iter().enumerate() {
                 slot_of[i] = k;
             }
-            let mut samplers: Vec<Option<(&mut Sampler, &[u32])>> =
-                (0..sampling.len()).map(|_| None).collect();
+            type Work<'a> = (
+                &'a mut Sampler,
+                &'a [u32],
+                Option<&'a mut Box<dyn TokenFilter>>,
+                bool,
+            );
+            let mut work: Vec<Option<Work>> = (0..sampling.len()).map(|_| None).collect();
             for (seq, &k) in self.running.iter_mut().zip(&slot_of) {
-                if let Some(slot) = samplers.get_mut(k) {
-                    *slot = Some((&mut seq.sampler, seq.tokens.as_slice()));
+                if let Some(slot) = work.get_mut(k) {
+                    *slot = Some((
+                        &mut seq.sampler,
+                        seq.tokens.as_slice(),
+                        seq.filter.as_mut(),
+                        seq.logprobs.is_some(),
+                    ));
                 }
             }
-            let picks = samplers
+            let picks = work
                 .par_iter_mut()
-                .zip(rows.par_iter())
+                .zip(logits.par_chunks_exact_mut(vocab))
                 .map(|(slot, row)| {
-                    slot.as_mut()
-                        .map(|(sampler, history)| sampler.sample(row, history))
+                    let (sampler, history, filter, logprobs) = slot.as_mut()?;
+                    if let Some(f) = filter {
+                        if sampler.is_argmax()
+                            && !*logprobs
+                            && let Some(id) = f.argmax(row)
+                        {
+                            return Some(id);
+                        }
+                        f.apply(row);
+                    }
+                    Some(sampler.sample(row, history))
                 })
                 .collect();
+            let rows: Vec<&[f32]> = logits.chunks_exact(vocab).take(sampling.len()).collect();
             (rows, picks)
         };
         let mut finished = Vec::new();
@@ -1482,7 +1599,7 @@ mod tests {
                 };
                 let (req, events) = request(prompt.clone(), n);
                 s.stats.waiting.fetch_add(1, Ordering::Relaxed);
-                s.enqueue(req);
+                s.enqueue(Job::Generate(req.0, req.1));
                 jobs.push((prompt, n, events));
             }
             let id = |q: &Seq| q.tokens[0];

@@ -516,6 +516,70 @@ pub fn compare_greedy(
     })
 }
 
+/// Result of [`compare_embeddings`].
+#[derive(Debug, Clone, Default)]
+pub struct EmbedReport {
+    pub vectors: usize,
+    /// Lowest cosine between a CPU and a CUDA vector of the same input and pooling.
+    pub min_cosine: f64,
+    /// Largest |difference| relative to the largest |value| of the CPU vector.
+    pub max_rel_diff: f64,
+}
+
+impl EmbedReport {
+    pub fn passed(&self) -> bool {
+        self.vectors > 0 && self.min_cosine > 0.9999 && self.max_rel_diff < 1e-2
+    }
+}
+
+/// Embeddings (`Engine::embed`: final-norm hidden rows instead of logits, pooled mean,
+/// first and last) of random inputs of awkward lengths — some longer than the CUDA
+/// engine's 100-token steps, so they come in chunks, others packed several a step — on
+/// both engines.
+pub fn compare_embeddings(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<EmbedReport> {
+    use kestrel_model::Pooling;
+    let file = tiny_model(arch, ty, seed)?;
+    let mut cpu = cpu_engine(&file)?;
+    let mut gpu = cuda_engine(&file, ordinal)?;
+    let vocab = cpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xe3b);
+    let inputs: Vec<Vec<u32>> = [1, 2, 17, 33, 99, 101, 250]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(0..vocab)).collect())
+        .collect();
+    let refs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+    let mut report = EmbedReport {
+        min_cosine: 1.0,
+        ..EmbedReport::default()
+    };
+    for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Last] {
+        let a = cpu.embed(&refs, pooling)?;
+        let b = gpu.embed(&refs, pooling)?;
+        for (x, y) in a.iter().zip(&b) {
+            let dot: f64 = x.iter().zip(y).map(|(&p, &q)| p as f64 * q as f64).sum();
+            let norm = |v: &[f32]| v.iter().map(|&p| p as f64 * p as f64).sum::<f64>().sqrt();
+            let cos = dot / (norm(x) * norm(y)).max(f64::MIN_POSITIVE);
+            let scale = x
+                .iter()
+                .fold(0f64, |m, &p| m.max(p.abs() as f64))
+                .max(1e-30);
+            let diff = x
+                .iter()
+                .zip(y)
+                .fold(0f64, |m, (&p, &q)| m.max((p - q).abs() as f64));
+            report.min_cosine = report.min_cosine.min(cos);
+            report.max_rel_diff = report.max_rel_diff.max(diff / scale);
+            report.vectors += 1;
+        }
+    }
+    Ok(report)
+}
+
 /// Result of [`compare_sampled`].
 #[derive(Debug, Clone, Default)]
 pub struct SampledReport {
@@ -1145,6 +1209,7 @@ pub fn compare_argmax(
         }],
         logit_rows: (0..(n - from) as u32).collect(),
         invariant: false,
+        ..Batch::default()
     };
     let (mut compared, mut differ) = (0, 0);
     let mut logits = Vec::new();

@@ -60,6 +60,23 @@ fn greedy_generation_matches_cpu() {
 }
 
 #[test]
+fn embeddings_match_cpu() {
+    if !gpu_present("embeddings_match_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in ARCHS {
+        let seed = rng.random();
+        let r = selfcheck::compare_embeddings(arch, "f16", seed, 0).expect("embeddings run");
+        eprintln!(
+            "{arch:?}: {} vectors, min cosine {:.7}, max rel diff {:.2e}",
+            r.vectors, r.min_cosine, r.max_rel_diff
+        );
+        assert!(r.passed(), "{arch:?} (seed {seed}): {r:?}");
+    }
+}
+
+#[test]
 fn verification_steps_are_batch_invariant() {
     if !gpu_present("verification_steps_are_batch_invariant") {
         return;

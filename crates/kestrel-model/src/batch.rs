@@ -11,6 +11,17 @@ pub struct SeqSlot {
     pub kv_len: usize,
 }
 
+/// What a step hands back for the batch's `logit_rows`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Output {
+    /// The LM head's logits (`[rows × vocab]` in the scratch's `logits`).
+    #[default]
+    Logits,
+    /// The final-norm hidden states, before the LM head (`[rows × n_embd]` in the
+    /// scratch's `hidden()`): embeddings. Up to every token of the step may be a row.
+    Hidden,
+}
+
 /// A flat batch of tokens from one or more sequences.
 ///
 /// Token `i` has id `tokens[i]`, sits at `positions[i]` of sequence `seq_of[i]` (an index
@@ -22,8 +33,11 @@ pub struct Batch {
     pub positions: Vec<u32>,
     pub seq_of: Vec<u32>,
     pub seqs: Vec<SeqSlot>,
-    /// Indices of the tokens whose logits are wanted, ascending.
+    /// Indices of the tokens whose logits (or hidden states, see `output`) are wanted,
+    /// ascending.
     pub logit_rows: Vec<u32>,
+    /// Logits or hidden states for `logit_rows`.
+    pub output: Output,
     /// Compute every token exactly as a step of that token alone would (a speculative
     /// verification: greedy speculation then yields the tokens of one-at-a-time decoding).
     /// The CPU backend always does; the CUDA backend does for steps of up to 8 tokens when
@@ -55,6 +69,7 @@ impl Clone for Batch {
             seq_of: self.seq_of.clone(),
             seqs: self.seqs.clone(),
             logit_rows: self.logit_rows.clone(),
+            output: self.output,
             invariant: self.invariant,
         }
     }
@@ -66,6 +81,7 @@ impl Clone for Batch {
         self.seqs.clone_from(&source.seqs);
         self.invariant = source.invariant;
         self.logit_rows.clone_from(&source.logit_rows);
+        self.output = source.output;
     }
 }
 
@@ -87,9 +103,10 @@ impl Batch {
         batch
     }
 
-    /// Empties the token lists for a new step. The sequence slots stay, for
-    /// [`Batch::push_part`] to refill without allocating.
+    /// Empties the token lists for a new step (which wants logits unless told otherwise).
+    /// The sequence slots stay, for [`Batch::push_part`] to refill without allocating.
     pub fn clear_tokens(&mut self) {
+        self.output = Output::Logits;
         self.invariant = false;
         self.tokens.clear();
         self.positions.clear();

@@ -76,6 +76,46 @@ pub enum Activation {
     GeluTanh,
 }
 
+/// How the final hidden states of a sequence's tokens become one embedding
+/// (`<arch>.pooling_type`, numbered as llama.cpp's `llama_pooling_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// 0: no pooling (one vector per token).
+    None,
+    /// 1: the mean over the sequence's tokens.
+    Mean,
+    /// 2: the first token's (BERT's `[CLS]`).
+    Cls,
+    /// 3: the last token's (causal embedding models such as Qwen3-Embedding).
+    Last,
+    /// 4: a reranker's score (classification head; not supported).
+    Rank,
+}
+
+impl Pooling {
+    /// The pooling of llama.cpp's number `n`; None for an unknown one.
+    pub fn from_llama(n: u64) -> Option<Pooling> {
+        Some(match n {
+            0 => Pooling::None,
+            1 => Pooling::Mean,
+            2 => Pooling::Cls,
+            3 => Pooling::Last,
+            4 => Pooling::Rank,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::None => "none",
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::Last => "last",
+            Pooling::Rank => "rank",
+        }
+    }
+}
+
 /// The feed-forward block of every layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum FfnKind {
@@ -366,6 +406,8 @@ pub struct ModelConfig {
     /// Qwen3-Next / Qwen3.5: `attn_q` gives each head's query followed by a gate of the
     /// same size, and the attention output is multiplied by `sigmoid(gate)`.
     pub attn_output_gate: bool,
+    /// `<arch>.pooling_type`, when the file states it.
+    pub pooling: Option<Pooling>,
 }
 
 impl ModelConfig {
@@ -661,6 +703,15 @@ impl ModelConfig {
             check_rope_sections(file, &key("rope.dimension_sections"), n_rot)?;
         }
         let tied_embeddings = file.tensor("output.weight").is_none();
+        let pooling = match file.get(&key("pooling_type")) {
+            None => None,
+            Some(v) => Some(v.as_u64().and_then(Pooling::from_llama).ok_or_else(|| {
+                ModelError::Invalid(format!(
+                    "{} is {v:?}: expected a pooling type 0..=4 (none, mean, cls, last, rank)",
+                    key("pooling_type")
+                ))
+            })?),
+        };
         Ok(ModelConfig {
             arch,
             n_layer,
@@ -690,6 +741,7 @@ impl ModelConfig {
             layer_kinds,
             delta_net,
             attn_output_gate: hybrid,
+            pooling,
         })
     }
 }

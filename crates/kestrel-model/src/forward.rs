@@ -7,7 +7,7 @@ use kestrel_gguf::GgufFile;
 
 use crate::ModelError;
 use crate::backend::{AttnParams, Backend};
-use crate::batch::Batch;
+use crate::batch::{Batch, Output};
 use crate::config::{Activation, FfnKind, ModelConfig};
 use crate::weights::ModelWeights;
 
@@ -51,6 +51,14 @@ pub struct Scratch<B: Backend> {
     shexp: B::Tensor,
     /// Logits of the requested rows, `[logit rows × vocab]`.
     pub logits: B::Tensor,
+}
+
+impl<B: Backend> Scratch<B> {
+    /// After a step whose batch wanted [`Output::Hidden`]: the final-norm hidden states of
+    /// its rows, `[rows × n_embd]` (only the first rows are the step's).
+    pub fn hidden(&self) -> &B::Tensor {
+        &self.h
+    }
 }
 
 impl<B: Backend> Scratch<B> {
@@ -120,7 +128,9 @@ impl<B: Backend> Model<B> {
     }
 
     /// Runs one step over `batch`, writing its keys and values into `cache`, and leaves
-    /// the logits of `batch.logit_rows` in `scratch.logits` (one row each, in order).
+    /// the logits of `batch.logit_rows` in `scratch.logits` (one row each, in order), or
+    /// their final-norm hidden states in `scratch.hidden()` when the batch asks for
+    /// [`Output::Hidden`].
     pub fn forward(
         &self,
         backend: &B,
@@ -139,7 +149,7 @@ impl<B: Backend> Model<B> {
                 scratch.max_tokens
             );
         }
-        if batch.logit_rows.len() > scratch.max_logit_rows {
+        if batch.output == Output::Logits && batch.logit_rows.len() > scratch.max_logit_rows {
             anyhow::bail!(
                 "batch wants logits for {} rows, scratch holds {}",
                 batch.logit_rows.len(),
@@ -240,6 +250,13 @@ impl<B: Backend> Model<B> {
         // Only the rows that need logits go through the final norm and the LM head.
         let n_out = batch.logit_rows.len();
         if n_out == 0 {
+            return Ok(());
+        }
+        if batch.output == Output::Hidden {
+            // Embeddings: the rows' final-norm hidden states, into `h` (as many rows as
+            // the step has tokens).
+            backend.gather_logit_rows(&s.x, &s.step, &mut s.proj);
+            backend.rms_norm(&s.proj, &w.output_norm, cfg.rms_eps, n_out, &mut s.h);
             return Ok(());
         }
         backend.gather_logit_rows(&s.x, &s.step, &mut s.last);

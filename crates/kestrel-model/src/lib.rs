@@ -13,10 +13,10 @@ pub mod shard;
 pub mod weights;
 
 pub use backend::{AttnParams, Backend};
-pub use batch::{Batch, SeqSlot};
+pub use batch::{Batch, Output, SeqSlot};
 pub use config::{
     Activation, Arch, AttnTemperature, ClampedSwiglu, DeltaNetConfig, FfnKind, Gating, LayerKind,
-    ModelConfig, MoeConfig, RopeConstants, RopeParams, RopeScaling,
+    ModelConfig, MoeConfig, Pooling, RopeConstants, RopeParams, RopeScaling,
 };
 pub use forward::{Model, Scratch};
 pub use kv_type::{KvType, KvTypes};

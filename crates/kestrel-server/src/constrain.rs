@@ -220,6 +220,51 @@ impl TokenFilter for RequestFilter {
         }
     }
 
+    fn argmax(&self, logits: &[f32]) -> Option<u32> {
+        let mask = self.mask.as_ref()?;
+        // The row after `apply`: allowed tokens keep their logit, the others
+        // are -inf. Walk the mask's set bits (and the end-of-generation tokens the
+        // grammar's EOS lets through) in id order; the first of the largest wins, as in
+        // `argmax`.
+        let eos_ok = (self.eos as usize) < mask.len() && mask.is_allowed(self.eos);
+        if !self.bias.is_empty() {
+            // A bias moves logits of its own: `apply` and the plain argmax.
+            return None;
+        }
+        let value = |t: usize| logits[t];
+        let mut best: Option<(usize, f32)> = None;
+        let mut consider = |t: usize| {
+            let v = value(t);
+            // NaN never wins (`v > m` is false), as in `argmax`.
+            if best.is_none_or(|(bt, m)| v > m || (v == m && t < bt)) && !v.is_nan() {
+                best = Some((t, v));
+            }
+        };
+        for (w, &bits) in mask.as_slice().iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let t = w * 32 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if t < logits.len() {
+                    consider(t);
+                }
+            }
+        }
+        if eos_ok {
+            for &t in &self.eog {
+                if (t as usize) < logits.len() {
+                    consider(t as usize);
+                }
+            }
+        }
+        // Nothing allowed above -inf: `argmax` of the applied row has its own rule for
+        // that (the first -inf); leave it to the caller.
+        match best {
+            Some((t, v)) if v > f32::NEG_INFINITY => Some(t as u32),
+            _ => None,
+        }
+    }
+
     fn accept(&mut self, token: u32) -> Result<bool, String> {
         if let Some(e) = &self.error {
             return Err(e.clone());
@@ -235,5 +280,67 @@ impl TokenFilter for RequestFilter {
             Ok(Err(e)) => Err(format!("constrained decoding: {e}")),
             Err(_) => Err("constrained decoding failed".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The mask walk picks what `apply` followed by the plain argmax picks, on random rows
+    /// (ties, NaN, -inf, infinities), masks (empty, sparse, dense, shorter than the row)
+    /// and end-of-generation sets; where it declines, the caller's path is the answer.
+    #[test]
+    fn mask_walk_argmax_equals_apply_then_argmax() {
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut declined = 0;
+        for case in 0..3000 {
+            let vocab = rng.random_range(1..300);
+            let density = [0.0, 0.01, 0.1, 0.5, 1.0][case % 5];
+            let mask_len = if rng.random_bool(0.2) {
+                rng.random_range(0..=vocab)
+            } else {
+                vocab
+            };
+            let mut mask = SimpleVob::alloc(mask_len);
+            for t in 0..mask_len {
+                if rng.random_bool(density) {
+                    mask.allow_token(t as u32);
+                }
+            }
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| match rng.random_range(0..20) {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => f32::INFINITY,
+                    3 => 1.0,
+                    _ => rng.random_range(-8..8) as f32 * 0.5,
+                })
+                .collect();
+            let eog: Vec<u32> = (0..rng.random_range(0..3))
+                .map(|_| rng.random_range(0..vocab as u32 + 2))
+                .collect();
+            let filter = RequestFilter {
+                matcher: None,
+                mask: Some(mask),
+                error: None,
+                bias: Vec::new(),
+                eos: rng.random_range(0..vocab as u32 + 1),
+                eog,
+            };
+            let mut applied = row.clone();
+            filter.apply(&mut applied);
+            let want = kestrel_engine::sampler::argmax(&applied);
+            match filter.argmax(&row) {
+                Some(id) => assert_eq!(id, want, "case {case}, seed {seed}: {row:?}"),
+                None => declined += 1,
+            }
+        }
+        assert!(declined < 3000, "the walk always declined (seed {seed})");
+        // With a bias the walk declines: `apply` adds it.
+        let biased = RequestFilter::bias(vec![(0, 1.0)]);
+        assert_eq!(biased.argmax(&[0.0, 1.0]), None);
     }
 }

@@ -1,8 +1,8 @@
 //! kestrel-server: an OpenAI-compatible HTTP API over the continuous-batching scheduler.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (text or token-id
-//! prompts), `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`,
-//! `GET /health`, `GET /metrics` (Prometheus text). The server knows nothing about
+//! prompts), `POST /v1/embeddings`, `GET /v1/models`, `GET /v1/models/{id}`, `POST
+//! /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics` (Prometheus text). The server knows nothing about
 //! backends: it talks to a [`SchedulerHandle`], whose thread owns the engine. Text comes
 //! from the model's tokenizer; a model without one (synthetic test models) takes token-id
 //! prompts only, and every choice also carries the generated `token_ids` (an extension of
@@ -11,6 +11,7 @@
 
 pub mod api;
 pub mod constrain;
+pub mod embeddings;
 pub mod error;
 pub mod http;
 pub mod metrics;
@@ -160,6 +161,7 @@ pub fn router(state: Shared) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
@@ -386,6 +388,99 @@ async fn off_runtime<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(&s, &body))
         .await
         .map_err(|_| ApiError::internal("preparing the request failed"))?
+}
+
+/// `POST /v1/embeddings` (see [`embeddings`]): tokenized off the runtime, pooled by the
+/// scheduler between generation steps, L2-normalized here.
+async fn embeddings(State(state): State<Shared>, body: Bytes) -> Response {
+    state.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let prepare = |state: &Shared, body: &Bytes| -> Result<(bool, Vec<Vec<u32>>), ApiError> {
+        let raw: Value = parse_json(body)?;
+        let info = state.scheduler.info();
+        let req = embeddings::parse(&raw, info.n_embd)?;
+        state.check_model(&req.model)?;
+        let inputs = req
+            .inputs
+            .into_iter()
+            .enumerate()
+            .map(|(i, input)| {
+                let ids = match input {
+                    embeddings::Input::Ids(ids) => ids,
+                    embeddings::Input::Text(text) => {
+                        let Some(tok) = &state.tokenizer else {
+                            return Err(ApiError::invalid(
+                                "this model has no tokenizer: send token ids",
+                                Some("input"),
+                            ));
+                        };
+                        // As llama-server: the model's special tokens added, special
+                        // tokens in the text parsed.
+                        tok.encode(&text, true, true)
+                    }
+                };
+                let at = format!("input[{i}]");
+                if ids.is_empty() {
+                    return Err(ApiError::invalid(
+                        format!("{at} has no tokens"),
+                        Some("input"),
+                    ));
+                }
+                if ids.len() > info.ctx {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "{at} has {} tokens, the context holds {}",
+                            ids.len(),
+                            info.ctx
+                        ),
+                        Some("input"),
+                    )
+                    .with_code("context_length_exceeded"));
+                }
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= info.vocab_size) {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "{at} has token id {id}, the vocabulary has {} tokens",
+                            info.vocab_size
+                        ),
+                        Some("input"),
+                    ));
+                }
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((req.base64, inputs))
+    };
+    let (base64, inputs) = match off_runtime(&state, body, prepare).await {
+        Ok(r) => r,
+        Err(e) => return reject(&state, e),
+    };
+    let pooling = match embeddings::pooling(state.scheduler.info().pooling) {
+        Ok(p) => p,
+        Err(e) => return reject(&state, e),
+    };
+    let n_tokens: usize = inputs.iter().map(Vec::len).sum();
+    let (req, reply) = embeddings::request(inputs, pooling);
+    if let Err(e) = state.scheduler.embed(req) {
+        return reject(&state, embeddings::submit_error(e));
+    }
+    state
+        .metrics
+        .prompt_tokens
+        .fetch_add(n_tokens as u64, Ordering::Relaxed);
+    let mut vectors = match reply.await {
+        Ok(Ok(v)) => v,
+        Ok(Err(msg)) => return ApiError::internal(msg).into_response(),
+        Err(_) => return ApiError::unavailable("the scheduler stopped").into_response(),
+    };
+    for v in &mut vectors {
+        embeddings::normalize(v);
+    }
+    let body = embeddings::response(&state.model_name, &vectors, base64, n_tokens);
+    let counts = TokenCounts::default();
+    counts.prompt.store(n_tokens, Ordering::Relaxed);
+    let mut resp = axum::Json(body).into_response();
+    resp.extensions_mut().insert(Arc::new(counts));
+    resp
 }
 
 async fn completions(State(state): State<Shared>, body: Bytes) -> Response {

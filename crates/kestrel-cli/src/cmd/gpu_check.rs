@@ -475,6 +475,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    println!("embeddings (hidden rows pooled mean/cls/last, CPU f32 vs CUDA):");
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(20_000 + ia as u64);
+        match selfcheck::compare_embeddings(arch, "f16", case_seed, args.gpu) {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                println!(
+                    "embed    {:<8} {} vectors, min cosine {:.7}, max rel diff {:.2e}  {}",
+                    arch.name(),
+                    r.vectors,
+                    r.min_cosine,
+                    r.max_rel_diff,
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("embed    {:<8} ERROR {e:#}", arch.name());
+            }
+        }
+    }
     println!("greedy generation, {} tokens:", args.generate);
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for ty in ["f32", "f16"] {
