@@ -312,23 +312,14 @@ fn make_q3_quants(x: &[f32], nmax: i32, levels: &mut [i8]) -> f32 {
 /// ggml's `make_qkx2_quants`: asymmetric quants in [0, nmax] with a scale and a min (both
 /// searched over `nstep` + 1 candidate scales to minimize the weighted error). Returns
 /// `(scale, -min)`.
-#[allow(clippy::too_many_arguments)]
-fn make_qkx2_quants(
-    x: &[f32],
-    weights: &[f32],
-    nmax: i32,
-    levels: &mut [u8],
-    rmin: f32,
-    rdelta: f32,
-    nstep: i32,
-    use_mad: bool,
-) -> (f32, f32) {
-    let n = x.len();
+/// The opening of ggml's `make_qkx2_quants` / `make_qkx3_quants`: x's minimum (at most 0)
+/// and maximum, Σw and Σw·x, in ggml's order of operations.
+pub(crate) fn weighted_range(x: &[f32], weights: &[f32]) -> (f32, f32, f32, f32) {
     let mut min = x[0];
     let mut max = x[0];
     let mut sum_w = weights[0];
     let mut sum_x = sum_w * x[0];
-    for i in 1..n {
+    for i in 1..x.len() {
         if x[i] < min {
             min = x[i];
         }
@@ -342,6 +333,22 @@ fn make_qkx2_quants(
     if min > 0.0 {
         min = 0.0;
     }
+    (min, max, sum_w, sum_x)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn make_qkx2_quants(
+    x: &[f32],
+    weights: &[f32],
+    nmax: i32,
+    levels: &mut [u8],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    use_mad: bool,
+) -> (f32, f32) {
+    let n = x.len();
+    let (mut min, max, sum_w, sum_x) = weighted_range(x, weights);
     if max == min {
         levels[..n].fill(0);
         return (0.0, -min);

@@ -7,7 +7,9 @@
 
 use crate::codebook::{IQ4NL, best_index_int8};
 use crate::float::{f32_to_f16, read_f16};
-use crate::kquants::{QK_K, make_qx_quants, nearest_int, quant_q6_k_weighted, scale_min_k4};
+use crate::kquants::{
+    QK_K, make_qx_quants, nearest_int, quant_q6_k_weighted, scale_min_k4, weighted_range,
+};
 use crate::{GgmlType, QuantError, quantize_row, row_bytes};
 
 const GROUP_MAX_EPS: f32 = 1e-15;
@@ -169,24 +171,7 @@ fn make_qkx3_quants(
     nstep: i32,
 ) -> (f32, f32) {
     let n = x.len();
-    let mut min = x[0];
-    let mut max = x[0];
-    let mut sum_w = weights[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..n {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        let w = weights[i];
-        sum_w += w;
-        sum_x += w * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
+    let (mut min, max, sum_w, sum_x) = weighted_range(x, weights);
     if max <= min {
         l_out[..n].fill(0);
         return (0.0, -min);
