@@ -491,14 +491,26 @@ pub fn compare_greedy(
     ordinal: usize,
 ) -> anyhow::Result<GreedyReport> {
     let file = tiny_model(arch, ty, seed)?;
-    let mut cpu = cpu_engine(&file)?;
     let mut gpu = cuda_engine(&file, ordinal)?;
+    greedy_against_cpu(arch, ty, &file, &mut gpu, n, seed ^ 0x9e37)
+}
+
+/// `n` greedy tokens after a random 8-token prompt (from `prompt_seed`) on the CPU oracle
+/// and on `gpu` through `Engine::generate`, as `kestrel run --temp 0` decodes (each step's
+/// argmax on the device, only the id read back); the CPU's logits tell a near-tie from a bug.
+fn greedy_against_cpu<B: kestrel_model::Backend>(
+    arch: Arch,
+    ty: &str,
+    file: &Arc<GgufFile>,
+    gpu: &mut Engine<B>,
+    n: usize,
+    prompt_seed: u64,
+) -> anyhow::Result<GreedyReport> {
+    let mut cpu = cpu_engine(file)?;
     let vocab = cpu.config().vocab_size as u32;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e37);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(prompt_seed);
     let prompt: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab)).collect();
     let (a, cpu_logits) = greedy(&mut cpu, &prompt, n)?;
-    // The GPU through `Engine::generate`, as `kestrel run --temp 0` decodes (each step's
-    // argmax on the device, only the id read back).
     let mut seq = Sequence::default();
     let greedy_params = kestrel_engine::sampler::SamplerParams::greedy();
     let b = gpu.generate(&mut seq, &prompt, &greedy_params, n, |_| false, |_| true)?;
@@ -2060,25 +2072,6 @@ pub fn compare_tp_greedy(
     ordinals: &[usize],
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
-    let mut cpu = cpu_engine(&file)?;
     let mut tp = tp_engine(&file, ordinals)?;
-    let vocab = cpu.config().vocab_size as u32;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e38);
-    let prompt: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab)).collect();
-    let (a, cpu_logits) = greedy(&mut cpu, &prompt, n)?;
-    let mut seq = Sequence::default();
-    let greedy_params = kestrel_engine::sampler::SamplerParams::greedy();
-    let b = tp.generate(&mut seq, &prompt, &greedy_params, n, |_| false, |_| true)?;
-    tp.release(&mut seq);
-    let first_difference = a.iter().zip(&b).position(|(x, y)| x != y).map(|i| {
-        let l = &cpu_logits[i];
-        (i, l[a[i] as usize] - l[b[i] as usize])
-    });
-    Ok(GreedyReport {
-        arch,
-        ty: ty.to_string(),
-        cpu: a,
-        cuda: b,
-        first_difference,
-    })
+    greedy_against_cpu(arch, ty, &file, &mut tp, n, seed ^ 0x9e38)
 }

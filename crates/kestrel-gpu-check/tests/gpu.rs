@@ -6,10 +6,20 @@ use rand::Rng;
 
 /// True when a CUDA device can be used; otherwise prints why the test is skipped.
 fn gpu_present(test: &str) -> bool {
+    gpus(test, 1)
+}
+
+/// True when at least `need` CUDA devices can be used; otherwise prints why the test is
+/// skipped.
+fn gpus(test: &str, need: usize) -> bool {
     match kestrel_cuda::device_count() {
-        Ok(n) if n > 0 => true,
-        Ok(_) => {
+        Ok(n) if n >= need => true,
+        Ok(0) => {
             eprintln!("{test}: skipped, no CUDA device");
+            false
+        }
+        Ok(n) => {
+            eprintln!("{test}: skipped, {n} CUDA device(s) (needs {need})");
             false
         }
         Err(e) => {
@@ -204,28 +214,12 @@ fn quantized_cache_batched_equals_alone() {
     }
 }
 
-/// True when at least two CUDA devices can be used; otherwise prints why the test is
-/// skipped.
-fn two_gpus(test: &str) -> bool {
-    match kestrel_cuda::device_count() {
-        Ok(n) if n >= 2 => true,
-        Ok(n) => {
-            eprintln!("{test}: skipped, {n} CUDA device(s) (needs 2)");
-            false
-        }
-        Err(e) => {
-            eprintln!("{test}: skipped, {e:#}");
-            false
-        }
-    }
-}
-
 /// Tensor parallelism over two GPUs: logits against the CPU and against one GPU, greedy
 /// generations against the CPU, for every dense architecture (random seeds, awkward
 /// lengths).
 #[test]
 fn tensor_parallel_matches_one_gpu_and_cpu() {
-    if !two_gpus("tensor_parallel_matches_one_gpu_and_cpu") {
+    if !gpus("tensor_parallel_matches_one_gpu_and_cpu", 2) {
         return;
     }
     let mut rng = rand::rng();
