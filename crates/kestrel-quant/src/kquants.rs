@@ -687,6 +687,30 @@ fn qkx2_x8(
     qkx2_x8_body(xt, wt, nmax, rmin, rdelta, nstep, levels)
 }
 
+/// One rounding pass of [`qx_x16_body`] at `iscale` (per lane): each value's level
+/// (`q + nmax`) into `levels`, and Σ w·v·q, Σ w·q² with the weights w = v².
+#[inline(always)]
+fn qx_x16_round(
+    xt: &[[f32; 16]; 16],
+    iscale: &[f32; 16],
+    nmax: i32,
+    levels: &mut [[i32; 16]; 16],
+) -> ([f32; 16], [f32; 16]) {
+    let (mut sumlx, mut suml2) = ([0f32; 16], [0f32; 16]);
+    for i in 0..16 {
+        for k in 0..16 {
+            let v = xt[i][k];
+            let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
+            levels[i][k] = l + nmax;
+            let w = v * v;
+            let lf = l as f32;
+            sumlx[k] += w * v * lf;
+            suml2[k] += w * lf * lf;
+        }
+    }
+    (sumlx, suml2)
+}
+
 /// `make_qx_quants(16, nmax, x, L, 1, NULL)` of the sixteen 16-value groups of a Q6_K
 /// super-block at once, group `k` in lane `k`, each lane doing the scalar function's f32
 /// operations in its order (so the same bits). `xt[i][k]` is value `i` of group `k`;
@@ -708,18 +732,7 @@ fn qx_x16_body(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) ->
     for k in 0..K {
         iscale[k] = -(nmax as f32) / max[k];
     }
-    let (mut sumlx, mut suml2) = ([0f32; K], [0f32; K]);
-    for i in 0..16 {
-        for k in 0..K {
-            let v = xt[i][k];
-            let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
-            levels[i][k] = l + nmax;
-            let w = v * v;
-            let lf = l as f32;
-            sumlx[k] += w * v * lf;
-            suml2[k] += w * lf * lf;
-        }
-    }
+    let (sumlx, suml2) = qx_x16_round(xt, &iscale, nmax, levels);
     let (mut scale, mut best) = ([0f32; K], [0f32; K]);
     for k in 0..K {
         scale[k] = if suml2[k] != 0.0 {
@@ -737,18 +750,7 @@ fn qx_x16_body(xt: &[[f32; 16]; 16], nmax: i32, levels: &mut [[i32; 16]; 16]) ->
         for k in 0..K {
             iscale[k] = -(nmax as f32 + 0.1 * is as f32) / max[k];
         }
-        let (mut sumlx, mut suml2) = ([0f32; K], [0f32; K]);
-        for i in 0..16 {
-            for k in 0..K {
-                let v = xt[i][k];
-                let l = nearest_int(iscale[k] * v).clamp(-nmax, nmax - 1);
-                aux[i][k] = l + nmax;
-                let w = v * v;
-                let lf = l as f32;
-                sumlx[k] += w * v * lf;
-                suml2[k] += w * lf * lf;
-            }
-        }
+        let (sumlx, suml2) = qx_x16_round(xt, &iscale, nmax, &mut aux);
         let mut take = [false; K];
         for k in 0..K {
             take[k] = suml2[k] > 0.0 && sumlx[k] * sumlx[k] > best[k] * suml2[k];

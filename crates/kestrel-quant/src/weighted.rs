@@ -304,26 +304,33 @@ fn sum_x2(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |s, &v| s + v * v)
 }
 
-/// `quantize_row_q2_K_impl` for one super-block (84 bytes: scales[16], qs[64], d, dmin).
-fn q2_k(x: &[f32], qw: &[f32], b: &mut [u8]) {
-    let sigma2 = sum_x2(x) / QK_K as f32;
-    let mut levels = [0u8; QK_K];
-    let mut laux = [0u8; 16];
-    let mut mins = [0f32; 16];
-    let mut scales = [0f32; 16];
-    let mut sw = [0f32; 16];
-    for j in 0..16 {
-        let xs = &x[16 * j..16 * j + 16];
-        let weight: [f32; 16] =
-            std::array::from_fn(|l| qw[16 * j + l] * (sigma2 + xs[l] * xs[l]).sqrt());
-        for &w in &weight {
-            sw[j] += w;
+/// The `N` groups of `G` values of a super-block as ggml's weighted Q2_K / Q4_K / Q5_K
+/// quantizers take them: each value weighted `qw · sqrt(sigma2 + x²)`, then
+/// `make_qkx3_quants` to `nmax` levels. Returns each group's scale, min and weight sum.
+fn qkx3_groups<const G: usize, const N: usize>(
+    x: &[f32],
+    qw: &[f32],
+    sigma2: f32,
+    nmax: i32,
+    levels: &mut [u8; QK_K],
+) -> ([f32; N], [f32; N], [f32; N]) {
+    debug_assert_eq!(G * N, QK_K);
+    let (mut scales, mut mins, mut sw) = ([0f32; N], [0f32; N], [0f32; N]);
+    let mut laux = [0u8; G];
+    for j in 0..N {
+        let xs = &x[G * j..G * j + G];
+        let weights: [f32; G] =
+            std::array::from_fn(|l| qw[G * j + l] * (sigma2 + xs[l] * xs[l]).sqrt());
+        let mut sumw = 0f32;
+        for &w in &weights {
+            sumw += w;
         }
+        sw[j] = sumw;
         let (s, m) = make_qkx3_quants(
             xs,
-            3,
-            &weight,
-            &mut levels[16 * j..16 * j + 16],
+            nmax,
+            &weights,
+            &mut levels[G * j..G * j + G],
             &mut laux,
             -0.9,
             0.05,
@@ -332,6 +339,14 @@ fn q2_k(x: &[f32], qw: &[f32], b: &mut [u8]) {
         scales[j] = s;
         mins[j] = m;
     }
+    (scales, mins, sw)
+}
+
+/// `quantize_row_q2_K_impl` for one super-block (84 bytes: scales[16], qs[64], d, dmin).
+fn q2_k(x: &[f32], qw: &[f32], b: &mut [u8]) {
+    let sigma2 = sum_x2(x) / QK_K as f32;
+    let mut levels = [0u8; QK_K];
+    let (scales, mins, sw) = qkx3_groups::<16, 16>(x, qw, sigma2, 3, &mut levels);
     let mut ls = [0u8; 16];
     let mut lm = [0u8; 16];
     let dm = make_qp_quants(&scales, 15, &mut ls, &sw);
@@ -438,32 +453,7 @@ fn q3_k(x: &[f32], qw: &[f32], b: &mut [u8]) {
 fn q45_k(x: &[f32], qw: &[f32], b: &mut [u8], nmax: i32) {
     let sigma2 = 2.0 * sum_x2(x) / QK_K as f32;
     let mut levels = [0u8; QK_K];
-    let mut laux = [0u8; 32];
-    let mut mins = [0f32; 8];
-    let mut scales = [0f32; 8];
-    let mut sw = [0f32; 8];
-    for j in 0..8 {
-        let xs = &x[32 * j..32 * j + 32];
-        let weights: [f32; 32] =
-            std::array::from_fn(|l| qw[32 * j + l] * (sigma2 + xs[l] * xs[l]).sqrt());
-        let mut sumw = 0f32;
-        for &w in &weights {
-            sumw += w;
-        }
-        sw[j] = sumw;
-        let (s, m) = make_qkx3_quants(
-            xs,
-            nmax,
-            &weights,
-            &mut levels[32 * j..32 * j + 32],
-            &mut laux,
-            -0.9,
-            0.05,
-            36,
-        );
-        scales[j] = s;
-        mins[j] = m;
-    }
+    let (scales, mins, sw) = qkx3_groups::<32, 8>(x, qw, sigma2, nmax, &mut levels);
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
     let d_block = make_qp_quants(&scales, 63, &mut ls, &sw);
