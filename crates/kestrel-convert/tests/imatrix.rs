@@ -6,7 +6,6 @@
 //! clear errors. KESTREL_TEST_SEED replays.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use indicatif::ProgressBar;
 use kestrel_convert::quantize::{Plan, QuantizeOptions, write_quantized};
@@ -18,31 +17,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::seed;
+use common::{quant_oracle as oracle, seed};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// Runs tests/quant_oracle.py; `None` when llama_cpp is missing (a notice is printed).
-fn oracle(args: &[&str]) -> Option<serde_json::Value> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/quant_oracle.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run python3 (needed as the oracle): {e}"));
-    if out.status.code() == Some(3) {
-        eprintln!("{}", String::from_utf8_lossy(&out.stderr).trim());
-        return None;
-    }
-    assert!(
-        out.status.success(),
-        "quant_oracle.py {args:?} failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(serde_json::from_slice(&out.stdout).expect("oracle output is JSON"))
 }
 
 /// One imatrix entry: sums of squared activations and call counts per expert.

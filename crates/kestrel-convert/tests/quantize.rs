@@ -10,7 +10,6 @@
 //! Needs python3 with `gguf` and `numpy` (requirements-test.txt). KESTREL_TEST_SEED replays.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use indicatif::ProgressBar;
 use kestrel_convert::FileType;
@@ -21,28 +20,7 @@ use kestrel_model::config::Arch;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth};
 
 mod common;
-use common::seed;
-
-/// Runs the oracle; `None` when it exits 3 (llama_cpp missing: a notice is printed).
-fn oracle(args: &[&str]) -> Option<serde_json::Value> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/quant_oracle.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run python3 (needed as the oracle): {e}"));
-    if out.status.code() == Some(3) {
-        eprintln!("{}", String::from_utf8_lossy(&out.stderr).trim());
-        return None;
-    }
-    assert!(
-        out.status.success(),
-        "quant_oracle.py {args:?} failed ({}); install requirements-test.txt.\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(serde_json::from_slice(&out.stdout).expect("oracle output is JSON"))
-}
+use common::{quant_oracle as oracle, seed};
 
 /// A random model: 9 layers (so that llama.cpp's "more bits" layers are irregular), rows of
 /// 288 values (K-quants fall back to 32-block types) beside rows of 768 (they do not).
