@@ -232,6 +232,24 @@ fn run_json(extra: &[&str], prompt: &str) -> Result<serde_json::Value, String> {
     Ok(serde_json::from_str(stdout.trim()).expect("one JSON object"))
 }
 
+/// `kestrel synth ARGS -o DIR/NAME`; the file's path.
+fn synth(dir: &tempfile::TempDir, name: &str, args: &[&str]) -> String {
+    let path = dir.path().join(name);
+    let made = kestrel()
+        .arg("synth")
+        .args(args)
+        .arg("-o")
+        .arg(&path)
+        .output()
+        .expect("kestrel synth runs");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    path.to_str().expect("utf-8 path").to_string()
+}
+
 #[test]
 fn speculative_runs_give_the_plain_ids_and_report_their_drafts() {
     // A prompt the model continues by copying, with a random part so each run differs.
@@ -243,18 +261,12 @@ fn speculative_runs_give_the_plain_ids_and_report_their_drafts() {
     let plain = run_json(&[], &prompt).expect("plain run");
     assert_eq!(plain["timings"]["drafted"], 0);
     let dir = tempfile::tempdir().expect("temp dir");
-    let draft = dir.path().join("draft.gguf");
-    let made = kestrel()
-        .args(["synth", "--from", "gemma-3-270m", "--layers", "4", "-o"])
-        .arg(&draft)
-        .output()
-        .expect("kestrel synth runs");
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
+    let draft = synth(
+        &dir,
+        "draft.gguf",
+        &["--from", "gemma-3-270m", "--layers", "4"],
     );
-    let draft = draft.to_str().expect("utf-8 path");
+    let draft = draft.as_str();
     for extra in [
         &["--spec", "ngram"][..],
         &["-md", draft],
@@ -273,18 +285,8 @@ fn speculative_runs_give_the_plain_ids_and_report_their_drafts() {
 #[test]
 fn speculative_options_that_do_not_fit_are_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let other = dir.path().join("other.gguf");
-    let made = kestrel()
-        .args(["synth", "--arch", "llama", "--type", "f32", "-o"])
-        .arg(&other)
-        .output()
-        .expect("kestrel synth runs");
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
-    let other = other.to_str().expect("utf-8 path");
+    let other = synth(&dir, "other.gguf", &["--arch", "llama", "--type", "f32"]);
+    let other = other.as_str();
     for (extra, says) in [
         (&["--spec", "draft"][..], "needs a draft model"),
         (&["--spec", "fast"][..], "unknown speculation"),
