@@ -9,6 +9,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "store_kv",
     "store_kv_q",
     "rope_store_kv",
+    "rope_store_kv_q",
     "attention",
     "attention_q",
     "attention_split",
@@ -17,6 +18,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_split_gqa_q",
     "attention_split_tiled64",
     "attention_split_tiled128",
+    "attention_split_tiled64_q",
+    "attention_split_tiled128_q",
     "attention_combine",
     "attention_combine_mmk",
     "attention_prefill",
@@ -47,6 +50,20 @@ pub(crate) const TILED_ATTN_MAX_GROUP: usize = 8;
 
 /// Keys one block of the tiled decode attention covers per round (4 warps × 16).
 pub(crate) const TILED_ATTN_KEYS_PER_ROUND: usize = 64;
+
+/// Dynamic shared memory of `attention_split_tiled{64,128}_q` (kernels/attention.cu:
+/// TQ_WARP_BYTES per warp, then the query rows): per warp the f16 rows of a 16-key chunk,
+/// TQ_STAGES = 2 stages of the raw K and V rows (`head_dim` bytes a key each) and their f16
+/// scales, the chunk's scales as f32.
+pub(crate) fn tiled_q_smem(head_dim: usize) -> u32 {
+    const STAGES: usize = 2;
+    let keys = 16;
+    let nb = head_dim / 32;
+    let rows = keys * (head_dim + 8) * 2;
+    let stage = 2 * keys * head_dim + 2 * keys * nb * 2;
+    let warp = rows + STAGES * stage + 2 * keys * nb * 4;
+    (4 * warp + rows) as u32
+}
 
 /// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
 /// query heads together: each key and value row read once per group) where the tiled
@@ -100,8 +117,12 @@ pub(crate) struct AttnLaunch {
     /// writes.
     pub(crate) mmk: Option<(usize, [u64; 3])>,
     /// A cache with quantized keys or values: the `_q` kernels' trailing arguments (scales,
-    /// kinds). Every step then runs `attention_split_q` / `attention_q`.
+    /// kinds). Decode steps then run `attention_split_tiled*_q` where both are quantized
+    /// ([`AttnLaunch::tiled_q`]), else `attention_split_q` / `attention_q`.
     pub(crate) quant: Option<[Arg; 4]>,
+    /// Keys and values both quantized (q8_0, q4_0 or fp8, in any pair): the tiled kernels
+    /// over quantized blocks can take the decode steps.
+    pub(crate) tiled_q: bool,
 }
 
 impl CudaBackend {
@@ -144,16 +165,21 @@ impl CudaBackend {
         // round of loads, and each split is one more partial to write and merge). One split
         // (e.g. 64 sequences × 8 kv heads, or no sequence longer than 64) writes the output
         // directly, without attention_combine. The count is a power of two and changes only
-        // when the longest length crosses one.
+        // when the longest length crosses one. Over quantized caches the 128-dim kernel
+        // (168 registers, 57 KiB of staging) keeps 3 blocks an SM: its wave is 396 blocks,
+        // so at most 384.
         const ATTN_SPLIT_BLOCKS: usize = 512;
-        let tiled = a.quant.is_none() && tiled_split_attention(p);
+        let tiled = (a.quant.is_none() || a.tiled_q) && tiled_split_attention(p);
         let gqa = gqa_split_attention(p);
         let splits = if tiled {
+            let wave = if a.quant.is_some() && p.head_dim == 128 {
+                384
+            } else {
+                ATTN_SPLIT_BLOCKS
+            };
             let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
             let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
-            let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
-                .checked_ilog2()
-                .map_or(1, |e| 1 << e);
+            let by_blocks = (wave / pairs).checked_ilog2().map_or(1, |e| 1 << e);
             by_len.min(by_blocks)
         } else {
             let heads = if gqa { p.n_head_kv } else { p.n_head };
@@ -224,10 +250,11 @@ impl CudaBackend {
             let part_len = m * p.n_head * splits * (p.head_dim + 2);
             let fits = part_len <= step.attn_part_len;
             if tiled && (splits == 1 || fits) {
-                let name = if p.head_dim == 64 {
-                    "attention_split_tiled64"
-                } else {
-                    "attention_split_tiled128"
+                let name = match (p.head_dim, a.quant.is_some()) {
+                    (64, false) => "attention_split_tiled64",
+                    (64, true) => "attention_split_tiled64_q",
+                    (_, false) => "attention_split_tiled128",
+                    (_, true) => "attention_split_tiled128_q",
                 };
                 // One split: the output itself (normalized); otherwise the partials.
                 let dest = if splits == 1 {
@@ -240,6 +267,10 @@ impl CudaBackend {
                 args.push(Arg::I(t as i32));
                 let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
                 args.extend([Arg::P(q8), Arg::P(q8d)]);
+                // Quantized caches: the scales and kinds last.
+                if let Some(quant) = a.quant {
+                    args.extend(quant);
+                }
                 self.launch(
                     name,
                     (m as u32, p.n_head_kv as u32, splits as u32),
@@ -444,6 +475,7 @@ pub(crate) fn attention(
         q8,
         mmk,
         quant: cache.quantized().then(|| cache.quant_args(p.layer)),
+        tiled_q: cache.types.k != KvType::F16 && cache.types.v != KvType::F16,
     };
     // After launches that wrote the whole step's quantized output: what the output
     // projection then reads.
@@ -549,9 +581,9 @@ pub(crate) fn rope_store_kv(
         ));
         return;
     }
-    if cache.quantized() {
-        // The fused kernel stores f16: split (if the product waits), rotate, then quantize
-        // on the store.
+    if cache.quantized() && !head_dim.is_multiple_of(32) {
+        // The fused kernel quantizes whole 32-value blocks of a head: split (if the product
+        // waits), rotate, then quantize on the store.
         if let Some(p) = &ours {
             backend.split_qkv(p);
         }
@@ -587,6 +619,13 @@ pub(crate) fn rope_store_kv(
         &rope_args,
     ]
     .concat();
-    // One block per (token, query or key head); a thread per rotated pair.
-    backend.launch("rope_store_kv", (n as u32, heads as u32, 1), threads, &args);
+    // One block per (token, query or key head); a thread per rotated pair. Quantized
+    // caches: the same, each key head's block quantizing its rows a warp a block.
+    let grid = (n as u32, heads as u32, 1);
+    if cache.quantized() {
+        let args = [&args[..], &cache.quant_args(layer)].concat();
+        backend.launch("rope_store_kv_q", grid, threads, &args);
+    } else {
+        backend.launch("rope_store_kv", grid, threads, &args);
+    }
 }

@@ -1502,6 +1502,10 @@ pub const ATTN_CACHE_TYPES: [(KvType, KvType); 7] = [
     (KvType::Q4_0, KvType::Q8_0),
 ];
 
+/// A long cache for the attention check: the decode steps split it 64 ways (ranges of 33
+/// keys, so the tiled kernels' 16-key chunks end inside a split), not a multiple of a block.
+pub const ATTN_LONG_POSITIONS: usize = 2_085;
+
 /// E4M3's value of code `c` (0x7f and 0xff are NaN and never written).
 pub fn e4m3_value(c: u8) -> f64 {
     let e = i32::from((c >> 3) & 15);

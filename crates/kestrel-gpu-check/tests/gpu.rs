@@ -144,14 +144,17 @@ fn attention_over_every_cache_type_matches_f64() {
     for heads in selfcheck::ATTN_SHAPES {
         for (k, v) in selfcheck::ATTN_CACHE_TYPES {
             let kv = kestrel_model::KvTypes { k, v };
-            let (n, seed) = (rng.random_range(40..300), rng.random());
-            let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
-                .expect("attention runs");
-            eprintln!(
-                "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} of {:.2e}",
-                r.max_abs_diff, r.max_abs_out
-            );
-            assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
+            // A short cache and a long one (many splits, chunks cut by their ends).
+            for range in [40..300, 1_000..selfcheck::ATTN_LONG_POSITIONS] {
+                let (n, seed) = (rng.random_range(range), rng.random());
+                let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
+                    .expect("attention runs");
+                eprintln!(
+                    "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} of {:.2e}",
+                    r.max_abs_diff, r.max_abs_out
+                );
+                assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
+            }
         }
     }
 }

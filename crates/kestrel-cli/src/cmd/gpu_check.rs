@@ -385,22 +385,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
             let kv = kestrel_model::KvTypes { k, v };
             let (h, hk, d) = heads;
-            match selfcheck::compare_attention_cache(&backend, heads, kv, 40 + positions, case_seed)
-            {
-                Ok(r) => {
-                    failures += usize::from(!r.passed());
-                    println!(
-                        "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
-                        r.steps,
-                        r.positions,
-                        r.max_abs_diff,
-                        r.max_abs_out,
-                        if r.passed() { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+            // A short cache and a long one (64 splits of 33 keys: chunks cut by the split's end).
+            for len in [40 + positions, selfcheck::ATTN_LONG_POSITIONS] {
+                match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                    }
                 }
             }
             match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
