@@ -874,6 +874,16 @@ __device__ __forceinline__ void cp_async_small(u32 dst, const void* src, int byt
 #define TQ_WARP_BYTES(HD) \
     (TQ_ROWS_BYTES(HD) + TQ_STAGES * TQ_STAGE_BYTES(HD) + 2 * TA_KEYS * ((HD) / 32) * 4)
 
+// The 8 f16 of x, each times the f16 of d2's halves (d2 = the scale in both), rounded.
+__device__ __forceinline__ uint4 hmul2x4(uint4 x, u32 d2) {
+    uint4 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.x) : "r"(x.x), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.y) : "r"(x.y), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.z) : "r"(x.z), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.w) : "r"(x.w), "r"(d2));
+    return r;
+}
+
 template <int HD>
 __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, const u16* vc,
                                              float* dest, const u32* positions,
@@ -1368,12 +1378,18 @@ attention_prefill_q(const float* q, const u16* kc, const u16* vc, float* out,
 // of each ldmatrix phase hit distinct banks.
 #define FM_PAD 8
 
-template <int HD>
+// QUANT: keys and values both quantized (kinds kt, vt; scales k_sc, v_sc: kv_load's
+// layouts). Each tile's raw rows (quants and scales) then stream into one staging buffer by
+// cp.async, K then V, and the block turns them into the f16 tiles (each value its quant
+// times its block's scale, rounded to f16 once, as the f16 cache rounds its values): K of
+// tile t lands during the P·V of tile t - 1, V during the scores.
+template <int HD, bool QUANT>
 __device__ __forceinline__ void
 attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
                       const u32* positions, const u32* seq_of, const u32* table_off,
                       const u32* tables, int block_size, int tok0, int n, int n_head,
-                      int n_head_kv, float scale, int window) {
+                      int n_head_kv, float scale, int window, const u16* k_sc = nullptr,
+                      const u16* v_sc = nullptr, int kt_kind = KV_F16, int vt_kind = KV_F16) {
     constexpr int LD = HD + FM_PAD;  // shared row length, halves
     constexpr int CH = HD / 8;       // 16-byte chunks per key row
     constexpr int KS = HD / 16;      // k-steps of S = Q·Kᵀ
@@ -1382,6 +1398,9 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
     __shared__ __align__(16) u16 vs[FM_K * LD];
     __shared__ int w_range[FM_WARPS][2];
     __shared__ u32 slots[2][FM_K];  // cache slot of each key of a tile, by tile parity
+    // QUANT: one tile's raw quants (HD bytes a key; Q4_0 uses half) and f16 scales.
+    __shared__ __align__(16) u8 raw[QUANT ? FM_K * HD : 16];
+    __shared__ __align__(16) u16 raw_sc[QUANT ? FM_K * (HD / 32) : 8];
     pdl_enter();
     const int h = blockIdx.x;
     // The latest tokens see the most keys: their tiles are scheduled first.
@@ -1470,6 +1489,53 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
     // b0, b1 of key tile j and b0, b1 of key tile j + 1. V (.trans): (keys +0..7, dims +0..7),
     // (keys +8..15, dims +0..7), (keys +0..7, dims +8..15), (keys +8..15, dims +8..15) =
     // b0, b1 of dim tile d and b0, b1 of dim tile d + 1.
+    // QUANT: keys kt .. kt + FM_K - 1 of one side's raw rows into `raw` / `raw_sc` as one
+    // cp.async group (zeros past hi_all: they convert to zeros).
+    auto load_raw = [&](int side, int kt, const u32* tile_slots) {
+        const int kind = side ? vt_kind : kt_kind;
+        const u8* cache = reinterpret_cast<const u8*>(side ? vc : kc);
+        const u16* sc = side ? v_sc : k_sc;
+        const int rb = kind == KV_Q4_0 ? HD / 2 : HD;  // quant bytes of a head's row
+        const int segs = rb / 16;
+        for (int i = threadIdx.x; i < FM_K * segs; i += FM_WARPS * 32) {
+            const int key = i / segs, seg = i % segs;
+            const bool ok = kt + key <= hi_all;
+            const u8* src = cache + (size_t)tile_slots[key] * (kv_dim / HD * rb) +
+                            (size_t)kv_head * rb + seg * 16;
+            cp_async16(smem_u32(raw + key * HD + seg * 16), src, ok);
+        }
+        if (threadIdx.x < FM_K) {
+            const int key = threadIdx.x;
+            const u16* src = sc + (size_t)tile_slots[key] * (kv_dim / 32) + (size_t)kv_head * (HD / 32);
+            cp_async_small(smem_u32(raw_sc + key * (HD / 32)), src, HD / 16, kt + key <= hi_all);
+        }
+        cp_async_commit();
+    };
+    // QUANT: the landed raw rows of one side into the f16 tile at dst (the caller syncs).
+    auto convert_raw = [&](int side, u16* dst) {
+        const int kind = side ? vt_kind : kt_kind;
+        if (kind == KV_Q4_0) {
+            for (int i = threadIdx.x; i < FM_K * HD / 32; i += FM_WARPS * 32) {
+                const int key = i / (HD / 32), b = i % (HD / 32);
+                uint4 o[4];
+                tq_nibble_piece(*reinterpret_cast<const uint4*>(raw + key * HD + b * 16), o);
+                const u32 d2 = raw_sc[key * (HD / 32) + b] * 0x10001u;
+                uint4* to = reinterpret_cast<uint4*>(dst + key * LD + b * 32);
+#pragma unroll
+                for (int j = 0; j < 4; j++) to[j] = hmul2x4(o[j], d2);
+            }
+        } else {
+            for (int i = threadIdx.x; i < FM_K * HD / 16; i += FM_WARPS * 32) {
+                const int key = i / (HD / 16), seg = i % (HD / 16);
+                uint4 o[2];
+                tq_byte_piece(*reinterpret_cast<const uint4*>(raw + key * HD + seg * 16), kind, o);
+                const u32 d2 = raw_sc[key * (HD / 32) + seg / 2] * 0x10001u;
+                uint4* to = reinterpret_cast<uint4*>(dst + key * LD + seg * 16);
+                to[0] = hmul2x4(o[0], d2);
+                to[1] = hmul2x4(o[1], d2);
+            }
+        }
+    };
     const int r8 = lane & 7, m_lo = (lane >> 3) & 1, m_hi = lane >> 4;  // row, matrix bits
     const u32 k_lane = ks_base + 2 * ((r8 + 8 * m_hi) * LD + 8 * m_lo);
     const u32 v_lane = vs_base + 2 * ((r8 + 8 * m_lo) * LD + 8 * m_hi);
@@ -1486,14 +1552,23 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
         if (threadIdx.x < FM_K) slots[0][threadIdx.x] = first;
     }
     __syncthreads();
-    load_tile(ks_base, kc, lo_all, slots[0]);
+    if constexpr (QUANT) load_raw(0, lo_all, slots[0]);
+    else load_tile(ks_base, kc, lo_all, slots[0]);
     for (int kt = lo_all, par = 0; kt <= hi_all; kt += FM_K, par ^= 1) {
-        load_tile(vs_base, vc, kt, slots[par]);  // lands while S is computed
         // The next tile's slots: looked up now, stored after S (slots[par ^ 1] was last read
         // by the previous tile's V load, before the barrier below).
         const u32 next_slot = slot_of(kt + FM_K);
-        cp_async_wait_prev();  // this tile's K (all but the newest group)
-        __syncthreads();
+        if constexpr (QUANT) {
+            cp_async_wait_all();  // this tile's raw K
+            __syncthreads();
+            convert_raw(0, ks);
+            __syncthreads();
+            load_raw(1, kt, slots[par]);  // lands while S is computed
+        } else {
+            load_tile(vs_base, vc, kt, slots[par]);  // lands while S is computed
+            cp_async_wait_prev();  // this tile's K (all but the newest group)
+            __syncthreads();
+        }
         // Warp-uniform: whether any of the warp's rows sees a key of this tile.
         const bool active = kt <= w_hi && kt + FM_K - 1 >= w_lo;
         u32 pf[FM_K / 16][4];  // P in A layout, keys 16kk .. 16kk + 15
@@ -1573,14 +1648,22 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
             }
         }
         if (threadIdx.x < FM_K) slots[par ^ 1][threadIdx.x] = next_slot;
-        __syncthreads();  // every warp is done with ks; the next slots are in place
-        if (kt + FM_K <= hi_all) {
-            load_tile(ks_base, kc, kt + FM_K, slots[par ^ 1]);  // lands while P·V is computed
+        if constexpr (QUANT) {
+            cp_async_wait_all();  // this tile's raw V
+            __syncthreads();      // ... for every thread; the next slots are in place
+            convert_raw(1, vs);
+            __syncthreads();
+            if (kt + FM_K <= hi_all) load_raw(0, kt + FM_K, slots[par ^ 1]);  // during P·V
         } else {
-            cp_async_commit();  // an empty group keeps the wait counts uniform
+            __syncthreads();  // every warp is done with ks; the next slots are in place
+            if (kt + FM_K <= hi_all) {
+                load_tile(ks_base, kc, kt + FM_K, slots[par ^ 1]);  // lands while P·V is computed
+            } else {
+                cp_async_commit();  // an empty group keeps the wait counts uniform
+            }
+            cp_async_wait_prev();  // this tile's V
+            __syncthreads();
         }
-        cp_async_wait_prev();  // this tile's V
-        __syncthreads();
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < FM_K / 16; kk++) {
@@ -1619,9 +1702,20 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
         const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
         const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
         int n, int n_head, int n_head_kv, int head_dim, float scale, int window) {            \
-        attention_prefill_mma<HD>(q, kc, vc, out, positions, seq_of, table_off, tables,       \
-                                  block_size, tok0, n, n_head, n_head_kv, scale, window);     \
+        attention_prefill_mma<HD, false>(q, kc, vc, out, positions, seq_of, table_off,        \
+                                         tables, block_size, tok0, n, n_head, n_head_kv, scale, \
+                                         window);                                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(FM_WARPS * 32) attention_prefill_mma##HD##_q( \
+        const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
+        const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
+        int n, int n_head, int n_head_kv, int head_dim, float scale, int window,              \
+        const u16* k_sc, const u16* v_sc, int kt, int vt) {                                   \
+        attention_prefill_mma<HD, true>(q, kc, vc, out, positions, seq_of, table_off, tables, \
+                                        block_size, tok0, n, n_head, n_head_kv, scale, window, \
+                                        k_sc, v_sc, kt, vt);                                  \
     }
+// `_q`: over caches with quantized keys and values (the scales and kinds last).
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)
 

@@ -26,6 +26,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_prefill_q",
     "attention_prefill_mma64",
     "attention_prefill_mma128",
+    "attention_prefill_mma64_q",
+    "attention_prefill_mma128_q",
 ];
 
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -78,14 +80,17 @@ pub(crate) fn gqa_split_attention(p: &AttnParams) -> bool {
 }
 
 /// The tensor-core prefill attention kernel for `p`'s heads: 64- or 128-dim heads, whole
-/// groups of query heads per kv head; `None` keeps `attention_prefill`.
-pub(crate) fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
+/// groups of query heads per kv head; `quant`: over a cache with quantized keys and values
+/// (the `_q` kernels). `None` keeps `attention_prefill`.
+pub(crate) fn prefill_mma_kernel(p: &AttnParams, quant: bool) -> Option<&'static str> {
     if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
         return None;
     }
-    match p.head_dim {
-        64 => Some("attention_prefill_mma64"),
-        128 => Some("attention_prefill_mma128"),
+    match (p.head_dim, quant) {
+        (64, false) => Some("attention_prefill_mma64"),
+        (128, false) => Some("attention_prefill_mma128"),
+        (64, true) => Some("attention_prefill_mma64_q"),
+        (128, true) => Some("attention_prefill_mma128_q"),
         _ => None,
     }
 }
@@ -350,8 +355,14 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        // A quantized cache: the SIMT kernel, dequantizing as it stages the tiles.
-        let mma = prefill_mma_kernel(p).filter(|_| a.quant.is_none());
+        // Quantized keys and values: the tensor-core kernels' `_q` forms (dequantizing each
+        // tile into shared memory); a cache mixing f16 and quantized: the SIMT kernel,
+        // dequantizing as it stages the tiles.
+        let mma = if a.quant.is_none() || a.tiled_q {
+            prefill_mma_kernel(p, a.quant.is_some())
+        } else {
+            None
+        };
         let (name, grid) = match (mma, a.quant) {
             (Some(name), _) => (
                 name,

@@ -1589,29 +1589,41 @@ pub struct AttnReport {
     /// Cached positions, and the step sizes checked at its end.
     pub positions: usize,
     pub steps: Vec<usize>,
+    /// Largest |Δ| of the decode steps (1 and 5 tokens), and of the prompt chunk (40).
     pub max_abs_diff: f64,
+    pub chunk_abs_diff: f64,
     pub max_abs_out: f64,
     pub non_finite: usize,
 }
 
-/// Largest |Δ| of the quantized caches' kernels (f32 arithmetic: sums of a few hundred
-/// terms and `expf`, ~1e-5), relative to max(1, max |output|); a wrong offset, scale or
-/// kind is off by the size of the output itself.
+/// Largest |Δ| of the quantized caches' kernels (f32 arithmetic, or on the tensor cores
+/// with the exact quants in f16 and q and p split into f16 and remainder: sums of a few
+/// hundred terms and `expf`, ~1e-5), relative to max(1, max |output|); a wrong offset,
+/// scale or kind is off by the size of the output itself.
 pub const MAX_ATTN_REL_DIFF: f64 = 1e-3;
-/// The same for the f16 cache (the control): its prompt chunks run on the tensor cores
-/// with the queries and the probabilities rounded to f16 (11 bits, ~5e-4 each).
+/// The same for the f16 cache (the control), and for prompt chunks on the tensor cores
+/// (keys and values both f16, or both quantized: dequantized into f16 tiles): the queries,
+/// the probabilities (and quantized values) rounded to f16 (11 bits, ~5e-4 each).
 pub const MAX_ATTN_REL_DIFF_F16: f64 = 5e-3;
 
 impl AttnReport {
     pub fn passed(&self) -> bool {
-        let rel = if self.kv == KvTypes::default() {
+        let f16 = self.kv == KvTypes::default();
+        let decode = if f16 {
             MAX_ATTN_REL_DIFF_F16
         } else {
             MAX_ATTN_REL_DIFF
         };
+        let chunk = if (self.kv.k == KvType::F16) == (self.kv.v == KvType::F16) {
+            MAX_ATTN_REL_DIFF_F16
+        } else {
+            MAX_ATTN_REL_DIFF
+        };
+        let out = self.max_abs_out.max(1.0);
         self.non_finite == 0
             && self.max_abs_out > 0.0
-            && self.max_abs_diff <= rel * self.max_abs_out.max(1.0)
+            && self.max_abs_diff <= decode * out
+            && self.chunk_abs_diff <= chunk * out
     }
 }
 
@@ -1633,7 +1645,9 @@ pub fn compare_attention_cache(
     let cfg = ModelConfig::from_gguf(&file)?;
     let (n_head, n_head_kv, hd) = heads;
     let kv_dim = cfg.kv_dim();
-    let steps = vec![1usize, 5, 40];
+    // Decode steps of 1 and 5 tokens, and a prompt chunk (the prefill kernels).
+    const CHUNK: usize = 40;
+    let steps = vec![1usize, 5, CHUNK];
     anyhow::ensure!(positions >= 40, "at least 40 positions");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xa77e);
     let n_blocks = positions.div_ceil(16) + 2;
@@ -1688,6 +1702,7 @@ pub fn compare_attention_cache(
         positions,
         steps: steps.clone(),
         max_abs_diff: 0.0,
+        chunk_abs_diff: 0.0,
         max_abs_out: 0.0,
         non_finite: 0,
     };
@@ -1735,7 +1750,12 @@ pub fn compare_attention_cache(
                         report.non_finite += 1;
                         continue;
                     }
-                    report.max_abs_diff = report.max_abs_diff.max((want - f64::from(have)).abs());
+                    let diff = (want - f64::from(have)).abs();
+                    if n == CHUNK {
+                        report.chunk_abs_diff = report.chunk_abs_diff.max(diff);
+                    } else {
+                        report.max_abs_diff = report.max_abs_diff.max(diff);
+                    }
                     report.max_abs_out = report.max_abs_out.max(want.abs());
                 }
             }

@@ -150,8 +150,8 @@ fn attention_over_every_cache_type_matches_f64() {
                 let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
                     .expect("attention runs");
                 eprintln!(
-                    "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} of {:.2e}",
-                    r.max_abs_diff, r.max_abs_out
+                    "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} (chunk {:.2e}) of {:.2e}",
+                    r.max_abs_diff, r.chunk_abs_diff, r.max_abs_out
                 );
                 assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
             }

@@ -391,10 +391,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     Ok(r) => {
                         failures += usize::from(!r.passed());
                         println!(
-                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
                             r.steps,
                             r.positions,
                             r.max_abs_diff,
+                            r.chunk_abs_diff,
                             r.max_abs_out,
                             if r.passed() { "ok" } else { "FAIL" }
                         );
