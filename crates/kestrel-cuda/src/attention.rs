@@ -462,15 +462,12 @@ pub(crate) fn attention(
             // Each token with the split count its own single-token step would take (the
             // count follows the sequence's length rounded up to a power of two): runs of
             // tokens sharing one, a launch each.
-            let lens: Vec<usize> = (0..n).map(|i| step.position(i) + 1).collect();
+            let bucket = |i: usize| (step.position(i) + 1).next_power_of_two();
             let mut start = 0;
             while start < n {
-                let bucket = lens[start].next_power_of_two();
-                let len = lens[start..]
-                    .iter()
-                    .take_while(|l| l.next_power_of_two() == bucket)
-                    .count();
-                backend.attention_short(&ctx, p, step, start, len, Some(bucket));
+                let first = bucket(start);
+                let len = (start..n).take_while(|&i| bucket(i) == first).count();
+                backend.attention_short(&ctx, p, step, start, len, Some(first));
                 start += len;
             }
             return Prepared::Nothing;
