@@ -16,8 +16,9 @@ use kestrel_cuda::CudaBackend;
 pub const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
 /// The weight types every check covers (`q4_k_m` mixes Q4_K, Q6_K and their fallbacks).
-pub const TYPES: [&str; 10] = [
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m", "q5_k", "q6_k",
+pub const TYPES: [&str; 13] = [
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m", "q5_k", "q6_k", "iq4_nl",
+    "iq4_xs", "mxfp4",
 ];
 
 /// Smallest share of positions whose top-1 token must agree.
@@ -34,7 +35,9 @@ pub const MAX_REL_DIFF_Q8: f32 = 2.5e-2;
 /// gemma3 q4_k_m, tenth session: 2.0–2.7% against 1.2–1.6% one-sided.
 pub const MAX_REL_DIFF_Q8_BOTH: f32 = 3.5e-2;
 /// Model types whose single-token GEMVs can run on 8-bit activations.
-pub const Q8_TYPES: [&str; 4] = ["q8_0", "q4_0", "q4_k_m", "q6_k"];
+pub const Q8_TYPES: [&str; 7] = [
+    "q8_0", "q4_0", "q4_k_m", "q6_k", "iq4_nl", "iq4_xs", "mxfp4",
+];
 
 /// A tiny random-weight model of `arch` with weights of type `ty`, in memory.
 pub fn tiny_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
@@ -749,7 +752,7 @@ impl GemvReport {
 }
 
 /// Types the GEMV kernels read (others use the general matmul kernel).
-pub const GEMV_TYPES: [GgmlType; 8] = [
+pub const GEMV_TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q6K,
     GgmlType::Q8_0,
@@ -758,6 +761,21 @@ pub const GEMV_TYPES: [GgmlType; 8] = [
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::F32,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
+];
+
+/// Types the 8-bit GEMVs read (single-token gate/up launches and residual adds are checked
+/// on these): the tensor-core kernels' formats and the 4-bit codebook ones.
+pub const Q8_GEMV_TYPES: [GgmlType; 7] = [
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// A random `rows × cols` matrix of type `ty`, uploaded, and its dequantized values.
@@ -933,7 +951,7 @@ fn rel_error(
 /// the first two).
 pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+    let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::IQ4XS) {
         256
     } else {
         32

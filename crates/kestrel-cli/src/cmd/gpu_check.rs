@@ -722,7 +722,7 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     // Single-token gate/up launches (gate and up read together; `gemv_ws` for Q4_K).
     ProductCheck {
         kind: "gemv-gated",
-        types: &selfcheck::MMQ_TYPES,
+        types: &selfcheck::Q8_GEMV_TYPES,
         cases: selfcheck::gemv_cases,
         product: Product::Gated,
         q8: Some(true),
@@ -797,7 +797,7 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     // tensor-core kernels add into the residual themselves, cuBLAS with beta = 1.
     ProductCheck {
         kind: "gemv-add",
-        types: &selfcheck::MMQ_TYPES,
+        types: &selfcheck::Q8_GEMV_TYPES,
         cases: selfcheck::gemv_cases,
         product: Product::AddInto,
         q8: None,
