@@ -1380,6 +1380,52 @@ template <> struct Unit8<T_IQ4_NL> : Unit8Lut4<T_IQ4_NL> {};
 template <> struct Unit8<T_IQ4_XS> : Unit8Lut4<T_IQ4_XS> {};
 template <> struct Unit8<T_MXFP4> : Unit8Lut4<T_MXFP4> {};
 
+// The same formats for the single-token gemv_q8* (kernel-internal ids, as T_Q4_0_W): a unit
+// is a whole 32-value group (16 quant bytes and its scale), twice the bytes in flight per
+// lane of Lut4's half-group units.
+#define T_IQ4_NL_W 120
+#define T_IQ4_XS_W 123
+#define T_MXFP4_W 139
+template <int TY> struct Lut4W {
+    struct Raw {
+        uint4 q;
+        float d;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 32; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
+        return {*(const uint4*)(row + (size_t)u * 16), Lut4<TY>::scale(row, u, nb)};
+    }
+};
+template <int TY> struct Unit8Lut4W {
+    struct X {
+        int lo[4], hi[4];
+        float d;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int4 p = *(const int4*)(xq + u * 32), r = *(const int4*)(xq + u * 32 + 16);
+        return {{p.x, p.y, p.z, p.w}, {r.x, r.y, r.z, r.w}, xd[u]};
+    }
+    static __device__ __forceinline__ float dot(const typename Lut4W<TY>::Raw& raw, int,
+                                                const X& x) {
+        const u32 q[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 l, h;
+            Lut4<TY>::levels(q[i], l, h);
+            s = dp4a_ss((int)l, x.lo[i], s);
+            s = dp4a_ss((int)h, x.hi[i], s);
+        }
+        return raw.d * x.d * (float)s;
+    }
+};
+template <> struct Fmt<T_IQ4_NL_W> : Lut4W<T_IQ4_NL> {};
+template <> struct Fmt<T_IQ4_XS_W> : Lut4W<T_IQ4_XS> {};
+template <> struct Fmt<T_MXFP4_W> : Lut4W<T_MXFP4> {};
+template <> struct Unit8<T_IQ4_NL_W> : Unit8Lut4W<T_IQ4_NL> {};
+template <> struct Unit8<T_IQ4_XS_W> : Unit8Lut4W<T_IQ4_XS> {};
+template <> struct Unit8<T_MXFP4_W> : Unit8Lut4W<T_MXFP4> {};
+
 // Q8_0 and Q4_0 for the single-token gemv_q8*: a unit is a whole 32-value block (32 / 16
 // quant bytes and the block's scale), twice the bytes in flight per lane of the half-block
 // units (kernel-internal ids, as T_Q4_K_W).
@@ -1503,13 +1549,13 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
     case T_Q8_0: rows_dot8_up<T_Q8_0_W, GD_R, GD_U>(ROWS_DOT8_ARGS); return;
     case T_Q4_0: rows_dot8_up<T_Q4_0_W, GD_R, GD_U>(ROWS_DOT8_ARGS); return;
     case T_IQ4_NL:
-        if constexpr (KQ) rows_dot8_up<T_IQ4_NL, GD_R, GD_U>(ROWS_DOT8_ARGS);
+        if constexpr (KQ) rows_dot8_up<T_IQ4_NL_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
         return;
     case T_IQ4_XS:
-        if constexpr (KQ) rows_dot8_up<T_IQ4_XS, GD_R, GD_U>(ROWS_DOT8_ARGS);
+        if constexpr (KQ) rows_dot8_up<T_IQ4_XS_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
         return;
     case T_MXFP4:
-        if constexpr (KQ) rows_dot8_up<T_MXFP4, GD_R, GD_U>(ROWS_DOT8_ARGS);
+        if constexpr (KQ) rows_dot8_up<T_MXFP4_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
         return;
     default: return;
     }
@@ -1706,10 +1752,9 @@ __device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, const u8* 
     ROWS_DOT8TW_CASE(T_Q6_K, T_Q6_K_W)
     ROWS_DOT8TW_CASE(T_Q8_0, T_Q8_0_W)
     ROWS_DOT8TW_CASE(T_Q4_0, T_Q4_0_W)
-    // Their single-token units are the plain ones.
-    ROWS_DOT8TW_CASE(T_IQ4_NL, T_IQ4_NL)
-    ROWS_DOT8TW_CASE(T_IQ4_XS, T_IQ4_XS)
-    ROWS_DOT8TW_CASE(T_MXFP4, T_MXFP4)
+    ROWS_DOT8TW_CASE(T_IQ4_NL, T_IQ4_NL_W)
+    ROWS_DOT8TW_CASE(T_IQ4_XS, T_IQ4_XS_W)
+    ROWS_DOT8TW_CASE(T_MXFP4, T_MXFP4_W)
     default: return;
     }
 #undef ROWS_DOT8TW_CASE

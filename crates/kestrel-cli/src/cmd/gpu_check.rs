@@ -266,7 +266,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(backend);
     let positions = args.positions.clamp(1, 512);
     println!(
-        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\")",
+        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\", or the CPU's own 8-bit spread if larger)",
         selfcheck::TIE_REL,
         MIN_TOP1_AGREEMENT * 100.0,
         selfcheck::MAX_REL_DIFF_Q8,
@@ -401,6 +401,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Err(e) => {
                     failures += 1;
                     println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
+            // gpt-oss's attention: sinks, over all keys and over a 16-key window.
+            for window in [None, Some(16)] {
+                let n = 40 + positions;
+                let r = selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
+                let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
+                match r {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label}: ERROR {e:#}");
+                    }
                 }
             }
             match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
