@@ -571,7 +571,12 @@ pub(crate) fn attention_sinks(
         &[Arg::P(*ptr)],
     ]
     .concat();
-    backend.launch("attention_sinks", (n as u32, p.n_head as u32, 1), 128, &args);
+    backend.launch(
+        "attention_sinks",
+        (n as u32, p.n_head as u32, 1),
+        128,
+        &args,
+    );
     Ok(())
 }
 

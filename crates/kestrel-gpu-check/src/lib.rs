@@ -1769,7 +1769,9 @@ fn attention_against_f64(
         scale: 1.0 / (hd as f32).sqrt(),
         window: sinks.flatten(),
     };
-    let sink_logits: Vec<f32> = (0..n_head).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    let sink_logits: Vec<f32> = (0..n_head)
+        .map(|_| rng.random_range(-3.0f32..3.0))
+        .collect();
     let sink_weight = match sinks {
         Some(_) => {
             let bytes: Vec<u8> = sink_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -2024,8 +2026,14 @@ mod tests {
             let a = all_logits(&mut cpu, &tokens).unwrap();
             let max = a.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
             let s = cpu_q8_spread(&file, &tokens, &a).unwrap();
-            eprintln!("{arch:?} {ty}: 8-bit spread {s:.3e} of {max:.3e} ({:.2}%)", 100.0 * s / max);
-            assert!(s.is_finite() && s > 0.0 && s < max, "{arch:?} {ty}: {s} of {max}");
+            eprintln!(
+                "{arch:?} {ty}: 8-bit spread {s:.3e} of {max:.3e} ({:.2}%)",
+                100.0 * s / max
+            );
+            assert!(
+                s.is_finite() && s > 0.0 && s < max,
+                "{arch:?} {ty}: {s} of {max}"
+            );
             s / max
         };
         let phi3 = spread(Arch::Phi3, "iq4_xs");

@@ -172,7 +172,10 @@ fn attention_with_sinks_matches_f64() {
             let window = [None, Some(rng.random_range(1..n))][rng.random_range(0..2)];
             let r = selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, seed)
                 .expect("attention runs");
-            assert!(r.passed(), "{heads:?} {k}/{v} {window:?} (seed {seed}): {r:?}");
+            assert!(
+                r.passed(),
+                "{heads:?} {k}/{v} {window:?} (seed {seed}): {r:?}"
+            );
         }
     }
 }
@@ -297,8 +300,8 @@ fn codebook_formats_match_f64_and_cpu() {
             for q8 in [false, true] {
                 let n = rng.random_range(130..260);
                 let seed = rng.random();
-                let r = selfcheck::compare_logits(arch, ty, n, seed, 0, q8)
-                    .expect("comparison runs");
+                let r =
+                    selfcheck::compare_logits(arch, ty, n, seed, 0, q8).expect("comparison runs");
                 eprintln!(
                     "{arch:?} {ty} q8 {q8}: max |Δ| {:.2e} (bound {:.2e}, 8-bit spread {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
                     r.max_abs_diff,
@@ -323,7 +326,12 @@ fn phi3_and_mistral3_match_cpu() {
     use kestrel_model::Arch;
     let mut rng = rand::rng();
     for arch in [Arch::Phi3, Arch::Mistral3] {
-        for (ty, q8) in [("f32", false), ("q8_0", false), ("q4_k_m", false), ("q4_k_m", true)] {
+        for (ty, q8) in [
+            ("f32", false),
+            ("q8_0", false),
+            ("q4_k_m", false),
+            ("q4_k_m", true),
+        ] {
             let n = rng.random_range(130..260);
             let seed = rng.random();
             let r = selfcheck::compare_logits(arch, ty, n, seed, 0, q8).expect("comparison runs");

@@ -406,7 +406,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // gpt-oss's attention: sinks, over all keys and over a 16-key window.
             for window in [None, Some(16)] {
                 let n = 40 + positions;
-                let r = selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
+                let r =
+                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
                 let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
                 match r {
                     Ok(r) => {

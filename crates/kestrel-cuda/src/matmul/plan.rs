@@ -119,11 +119,9 @@ impl Matrix {
 pub fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => cols.is_multiple_of(256),
-        GgmlType::Q8_0
-        | GgmlType::Q4_0
-        | GgmlType::Q5_0
-        | GgmlType::IQ4NL
-        | GgmlType::MXFP4 => cols.is_multiple_of(32),
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::IQ4NL | GgmlType::MXFP4 => {
+            cols.is_multiple_of(32)
+        }
         GgmlType::IQ4XS => cols.is_multiple_of(256),
         GgmlType::F16 | GgmlType::BF16 => cols.is_multiple_of(8),
         GgmlType::F32 => cols.is_multiple_of(4),
