@@ -766,18 +766,6 @@ impl Backend for TpBackend {
         self.each(|r, b| b.rope(unsafe { x.get(r) }, head_dim, rope, &step.0[r], n));
     }
 
-    fn scale_by_position(
-        &self,
-        x: &mut TpTensor,
-        temp: &kestrel_model::AttnTemperature,
-        step: &TpStep,
-        n: usize,
-    ) -> anyhow::Result<()> {
-        let x = PerRank::new(&mut x.0);
-        self.each_ok(|r, b| b.scale_by_position(unsafe { x.get(r) }, temp, &step.0[r], n))?;
-        Ok(())
-    }
-
     fn store_kv(
         &self,
         cache: &mut TpCache,

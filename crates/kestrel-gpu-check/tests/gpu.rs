@@ -188,7 +188,7 @@ fn quantized_cache_logits_match_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::CACHE_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let kv = kestrel_model::KvTypes { k, v };
@@ -247,7 +247,7 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for arch in ARCHS {
+    for arch in selfcheck::TP_ARCHS {
         for ty in ["f32", "q8_0", "q4_k_m"] {
             let n = rng.random_range(130..260);
             let seed = rng.random();

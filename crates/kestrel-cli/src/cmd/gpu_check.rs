@@ -67,7 +67,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             if ok { "ok" } else { "FAIL" }
         );
     }
-    for (i, arch) in ARCHS.iter().enumerate() {
+    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
             match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
@@ -448,7 +448,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     drop(backend);
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::CACHE_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let case_seed = seed.wrapping_add(1_200 + (ia * 10 + ik) as u64);
