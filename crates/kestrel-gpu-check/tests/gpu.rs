@@ -93,7 +93,7 @@ fn verification_steps_are_batch_invariant() {
     }
     let mut rng = rand::rng();
     for arch in ARCHS {
-        for ty in ["q4_k_m", "q8_0", "f16"] {
+        for ty in ["q4_k_m", "q8_0", "f16", "iq4_xs"] {
             let seed = rng.random();
             let r = selfcheck::compare_invariant(arch, ty, seed, 0).expect("steps run");
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");

@@ -553,7 +553,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
-        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k"] {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k", "iq4_xs"] {
             let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
             match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
                 Ok(r) => {
