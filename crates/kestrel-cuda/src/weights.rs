@@ -554,6 +554,38 @@ mod layout_tests {
         }
     }
 
+    /// The codebook tables the kernels hold as words (`IQ4NL_T*`, `MXFP4_T*` in
+    /// kernels/quant.cu) against the levels kestrel-quant dequantizes: a block with scale 1
+    /// whose byte j holds nibble j (low) and 15 - j (high).
+    #[test]
+    fn kernel_codebook_tables_are_the_quantizers_levels() {
+        let source = include_str!("../kernels/quant.cu");
+        let table = |name: &str| -> Vec<f32> {
+            (0..4)
+                .flat_map(|i| {
+                    let key = format!("#define {name}_T{i} 0x");
+                    let line = source.lines().find(|l| l.starts_with(&key)).unwrap();
+                    let hex = line[key.len()..].trim_end_matches('u');
+                    u32::from_str_radix(hex, 16).unwrap().to_le_bytes()
+                })
+                .map(|b| b as i8 as f32)
+                .collect()
+        };
+        let qs: Vec<u8> = (0..16u8).map(|j| j | ((15 - j) << 4)).collect();
+        for (name, ty, head) in [
+            ("IQ4NL", kestrel_gguf::GgmlType::IQ4NL, vec![0x00, 0x3c]), // f16 1.0
+            ("MXFP4", kestrel_gguf::GgmlType::MXFP4, vec![128]),        // 2^(128 - 128)
+        ] {
+            let block = [head, qs.clone()].concat();
+            let values = kestrel_quant::dequantize(ty, &block).unwrap();
+            let levels = table(name);
+            for j in 0..16 {
+                assert_eq!(levels[j], values[j], "{name} level {j}");
+                assert_eq!(levels[15 - j], values[16 + j], "{name} level {}", 15 - j);
+            }
+        }
+    }
+
     #[test]
     fn pad_blocks_appends_zeros_to_each_block() {
         let data: Vec<u8> = (1..=2 * 210).map(|i| (i % 251) as u8 + 1).collect();
