@@ -188,7 +188,7 @@ fn quantized_cache_logits_match_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for (ia, arch) in selfcheck::CACHE_ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let kv = kestrel_model::KvTypes { k, v };

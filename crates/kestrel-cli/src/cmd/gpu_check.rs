@@ -332,7 +332,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!(
         "decode attention shapes (query heads/kv heads/head size), f16, f32 activations, steps of 1-8 tokens at lengths 3-{positions}:"
     );
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
             let case_seed = seed.wrapping_add(1_000 + (ia * 10 + is) as u64);
             let (h, kv, d) = heads;
@@ -448,7 +448,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     drop(backend);
-    for (ia, arch) in selfcheck::CACHE_ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let case_seed = seed.wrapping_add(1_200 + (ia * 10 + ik) as u64);
