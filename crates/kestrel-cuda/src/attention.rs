@@ -23,6 +23,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_prefill_q",
     "attention_prefill_mma64",
     "attention_prefill_mma128",
+    "attention_sinks",
 ];
 
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -506,6 +507,74 @@ pub(crate) fn attention(
         return quantized;
     }
     Prepared::Nothing
+}
+
+/// Attention with a learned logit per query head joining each softmax's denominator
+/// (gpt-oss's sinks): `attention_sinks`, one block per (token, head) over any cache, for
+/// decode and prompts alike.
+#[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
+pub(crate) fn attention_sinks(
+    backend: &CudaBackend,
+    q: &CudaTensor,
+    cache: &CudaCache,
+    p: &AttnParams,
+    sinks: &CudaWeight,
+    step: &CudaStep,
+    n: usize,
+    out: &mut CudaTensor,
+) -> anyhow::Result<()> {
+    let CudaWeight::Vector { ptr, len, .. } = sinks else {
+        bail!("attention sinks: expected a vector weight, got a matrix");
+    };
+    if *len != p.n_head {
+        bail!("{len} attention sinks for {} heads", p.n_head);
+    }
+    if p.head_dim > MAX_HEAD_DIM {
+        bail!(
+            "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
+            p.head_dim
+        );
+    }
+    if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
+        bail!("attention: bad geometry for layer {}", p.layer);
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+    let quant = if cache.quantized() {
+        cache.quant_args(p.layer)
+    } else {
+        [Arg::P(0), Arg::P(0), Arg::I(0), Arg::I(0)]
+    };
+    let args = [
+        &[
+            Arg::P(q.ptr),
+            Arg::P(cache.k_ptr[p.layer]),
+            Arg::P(cache.v_ptr[p.layer]),
+            Arg::P(out.ptr),
+        ][..],
+        &step.slot_args(),
+        &[
+            Arg::I(cache.block_size as i32),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.n_head_kv as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::F(p.scale),
+            Arg::I(window),
+            Arg::I(0),
+        ],
+        &quant,
+        &[Arg::P(*ptr)],
+    ]
+    .concat();
+    backend.launch(
+        "attention_sinks",
+        (n as u32, p.n_head as u32, 1),
+        128,
+        &args,
+    );
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
