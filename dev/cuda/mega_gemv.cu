@@ -164,17 +164,41 @@ __device__ __forceinline__ void warp_quant_group(float v, int g, i8* xq, float* 
     }
 }
 
-// Σ in[i]^2 over 256 threads (tid < 256 contribute; red: 8 floats), in a fixed order.
-// Returns the partial of the thread's warp in red[]; the caller syncs and calls rms_total.
+// Σ in[i]^2 over 256 threads (tid < 256 contribute; red: 8 floats), in a fixed order;
+// 8 loads in flight a thread (the input sits in L2, written by other blocks).
+// Leaves the warps' partials in red[]; the caller syncs and calls rms_inv.
 __device__ __forceinline__ void rms_partial(const float* in, int k, int tid, float* red) {
     if (tid < 256) {
         float s = 0.0f;
-        for (int i = tid; i < k; i += 256) {
-            const float v = __ldcg(in + i);
-            s = __fmaf_rn(v, v, s);
+        for (int i0 = tid; i0 < k; i0 += 256 * 8) {
+            float v[8];
+#pragma unroll
+            for (int m = 0; m < 8; m++) v[m] = i0 + 256 * m < k ? __ldcg(in + i0 + 256 * m) : 0.0f;
+#pragma unroll
+            for (int m = 0; m < 8; m++)
+                if (i0 + 256 * m < k) s = __fmaf_rn(v[m], v[m], s);
         }
         s = warp_sum(s);
         if ((tid & 31) == 0) red[tid >> 5] = s;
+    }
+}
+// Groups first, first + stride, ... of in (times inv when norm) quantized by this warp,
+// 8 groups' loads in flight.
+__device__ __forceinline__ void quant_groups(const float* in, int k, int norm, float inv, int first,
+                                             int stride, i8* xq, float* xd, int* xs) {
+    const int lane = threadIdx.x & 31, ng = k / 32;
+    for (int g0 = first; g0 < ng; g0 += 8 * stride) {
+        float v[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            const int g = g0 + m * stride;
+            v[m] = g < ng ? __ldcg(in + 32 * g + lane) : 0.0f;
+        }
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            const int g = g0 + m * stride;
+            if (g < ng) warp_quant_group(norm ? __fmul_rn(v[m], inv) : v[m], g, xq, xd, xs);
+        }
     }
 }
 __device__ __forceinline__ float rms_inv(const float* red, int k) {
@@ -225,12 +249,7 @@ __global__ void __launch_bounds__(256) k_prep(const float* in, int k, int norm, 
         __syncthreads();
         inv = rms_inv(red, k);
     }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = blockIdx.x * 8 + warp; g < k / 32; g += gridDim.x * 8) {
-        float v = __ldcg(in + 32 * g + lane);
-        if (norm) v = __fmul_rn(v, inv);
-        warp_quant_group(v, g, xq, xd, xs);
-    }
+    quant_groups(in, k, norm, inv, blockIdx.x * 8 + (threadIdx.x >> 5), gridDim.x * 8, xq, xd, xs);
 }
 
 // One warp per item; each lane dots units lane, lane + 32, ... (UB at a time in flight).
@@ -368,7 +387,7 @@ __device__ __forceinline__ void consumers_sync(int nthreads) {
 
 // Per block, per op: clock64 stamps (dependency wait begins, dependency met, input ready,
 // op done) for the time account.
-#define NSTAMP 4
+#define NSTAMP 6  // + warp 0's cycles waiting for weights, the producer's for free slots
 
 // Items [lo, hi) of an op for block b of g (even shares).
 __device__ __forceinline__ void share(int items, int b, int g, int& lo, int& hi) {
@@ -378,7 +397,7 @@ __device__ __forceinline__ void share(int items, int b, int g, int& lo, int& hi)
 
 // Shared memory: ring (nst * stage bytes) | xq (kmax) | xd, xs (kmax / 32 each) | red[8] |
 // full[nst], empty[nst] mbarriers.
-template <int NC>
+template <int NC, bool XCACHE>
 __global__ void __launch_bounds__((NC + 1) * 32, 1)
 k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage, int nst,
           int kmax, int ahead, long long* stamps) {
@@ -421,9 +440,12 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             // Ablation: no loads across the boundary (wait as the consumers do).
             if (!ahead && j > 0)
                 wait_count(done + j - 1, target);
+            long long pw = 0;
             for (int it = lo; it < hi; it += per) {
                 const int n = min(per, hi - it);
+                const long long t0 = clock64();
                 mbar_wait(empty0 + 8 * slot, phase ^ 1);
+                pw += clock64() - t0;
                 mbar_expect_tx(full0 + 8 * slot, n * ib);
                 bulk_g2s(smem_u32(ring + (size_t)slot * stage), op.w + (size_t)it * ib, n * ib,
                          full0 + 8 * slot, pol);
@@ -432,6 +454,7 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
                     phase ^= 1;
                 }
             }
+            stamps[((size_t)b * nops + j) * NSTAMP + 5] = pw;
         }
         return;
     }
@@ -447,6 +470,7 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
         const int per = max(1, stage / ib);
         int lo, hi;
         share(op.items, b, G, lo, hi);
+        long long fullwait = 0;
         consumers_sync(NT);  // every warp is done with the last op's xq
         if (tid == 0) {
             my[j * NSTAMP] = clock64();
@@ -463,32 +487,57 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             consumers_sync(NT);
             inv = rms_inv(red, op.k);
         }
-        for (int g = warp; g < op.k / 32; g += NC) {
-            float v = __ldcg(op.in + 32 * g + lane);
-            if (op.norm) v = __fmul_rn(v, inv);
-            warp_quant_group(v, g, xq, xd, xs);
-        }
+        quant_groups(op.in, op.k, op.norm, inv, warp, NC, xq, xd, xs);
         consumers_sync(NT);
         if (tid == 0) my[j * NSTAMP + 2] = clock64();
+        // Rows of up to 64 units (k <= 4096): the lane's (at most two) units of x stay in
+        // registers for all its rows.
+        Xu xc0, xc1;
+        if (XCACHE && units <= 64) {
+            if (lane < units) xc0 = load_x(xq, xd, xs, lane);
+            if (lane + 32 < units) xc1 = load_x(xq, xd, xs, lane + 32);
+        }
         // Items: warp w takes items lo + w, lo + w + NC, ... wherever they fall in the
         // chunks; every warp waits for and releases every chunk.
         for (int it = lo; it < hi; it += per) {
             const int n = min(per, hi - it);
+            const long long t0 = clock64();
             mbar_wait(full0 + 8 * slot, phase);
+            if (tid == 0) fullwait += clock64() - t0;
             const u8* base = ring + (size_t)slot * stage;
             const int e0 = it - lo;
             int first = (warp - e0 % NC + NC) % NC;  // first local index ≡ warp (mod NC)
-            for (int li = first; li < n; li += NC) {
-                const u8* row = base + li * ib;
-                float a0 = 0.0f, a1 = 0.0f;
-                for (int u = lane; u < units; u += 32) {
-                    const Xu x = load_x(xq, xd, xs, u);
-                    a0 = __fadd_rn(a0, unit_dot(load_raw_s(row, u), u, x));
-                    if (op.ir == 2) a1 = __fadd_rn(a1, unit_dot(load_raw_s(row + rb, u), u, x));
+            // Two of the warp's items at a time (independent sums, each in its own order).
+            for (int li = first; li < n; li += 2 * NC) {
+                const bool two = li + NC < n;
+                const u8* r0 = base + li * ib;
+                const u8* r1 = base + (two ? li + NC : li) * ib;
+                float a0 = 0.0f, a1 = 0.0f, c0 = 0.0f, c1 = 0.0f;
+                auto step = [&](int u, const Xu& x) {
+                    a0 = __fadd_rn(a0, unit_dot(load_raw_s(r0, u), u, x));
+                    if (two) c0 = __fadd_rn(c0, unit_dot(load_raw_s(r1, u), u, x));
+                    if (op.ir == 2) {
+                        a1 = __fadd_rn(a1, unit_dot(load_raw_s(r0 + rb, u), u, x));
+                        if (two) c1 = __fadd_rn(c1, unit_dot(load_raw_s(r1 + rb, u), u, x));
+                    }
+                };
+                if (XCACHE && units <= 64) {
+#pragma unroll
+                    for (int m = 0; m < 2; m++)
+                        if (lane + 32 * m < units) step(lane + 32 * m, m ? xc1 : xc0);
+                } else {
+                    for (int u = lane; u < units; u += 32) step(u, load_x(xq, xd, xs, u));
                 }
                 a0 = warp_sum(a0);
-                if (op.ir == 2) a1 = warp_sum(a1);
-                if (lane == 0) epilogue(op.kind, it + li, a0, a1, op.out);
+                c0 = warp_sum(c0);
+                if (op.ir == 2) {
+                    a1 = warp_sum(a1);
+                    c1 = warp_sum(c1);
+                }
+                if (lane == 0) {
+                    epilogue(op.kind, it + li, a0, a1, op.out);
+                    if (two) epilogue(op.kind, it + li + NC, c0, c1, op.out);
+                }
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * slot);
@@ -502,6 +551,7 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             __threadfence();
             red_release(done + j, 1);
             my[j * NSTAMP + 3] = clock64();
+            my[j * NSTAMP + 4] = fullwait;
         }
     }
     if (b == 0 && tid == 0) {
@@ -625,7 +675,7 @@ static float time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, int round
 }
 
 struct PersistCfg {
-    int nc, stage, nst, ahead;
+    int nc, stage, nst, ahead, xc;  // xc: x of k <= 4096 held in registers (nc 15 both, nc 8 on, nc 23 off: spills)
 };
 
 static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int sms) {
@@ -828,7 +878,7 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
             printf("skip cfg nc %d stage %d x %d: %zu bytes of shared memory\n", c.nc, c.stage, c.nst, smem);
             continue;
         }
-        auto kern = c.nc == 16 ? k_persist<16> : k_persist<8>;
+        auto kern = c.nc == 23 ? k_persist<23, false> : c.nc == 15 ? (c.xc ? k_persist<15, true> : k_persist<15, false>) : k_persist<8, true>;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int occ = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, (c.nc + 1) * 32, smem));
@@ -865,14 +915,14 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         ok &= same;
         const float t = time_graph(ge, st, reps, 7);
         char name[96];
-        snprintf(name, sizeof name, "persist nc%d ring %dx%dKB%s", c.nc, c.nst, c.stage / 1024,
-                 c.ahead ? "" : " no-ahead");
+        snprintf(name, sizeof name, "persist nc%d ring %dx%dKB%s%s", c.nc, c.nst, c.stage / 1024,
+                 c.ahead ? "" : " no-ahead", c.xc ? "" : " x-smem");
         row(name, t);
         if (!same) printf("   MISMATCH vs launch path: %lld values differ, max |d| %.3g\n", diff, maxd);
         // Time account of the last replay (consumers of each block): dependency wait,
         // input preparation, items (weights arriving + math), from clock64 stamps.
         CK(cudaMemcpy(stamps.data(), dstamps, stamps.size() * 8, cudaMemcpyDeviceToHost));
-        double w = 0, pr = 0, itm = 0, tot = 0;
+        double w = 0, pr = 0, itm = 0, tot = 0, fw = 0, pw = 0;
         double w_last = 0;  // wait before the LM head
         for (int bb = 0; bb < sms; bb++) {
             const long long* s = &stamps[(size_t)bb * nops * NSTAMP];
@@ -881,12 +931,15 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
                 w += s[j * NSTAMP + 1] - s[j * NSTAMP];
                 pr += s[j * NSTAMP + 2] - s[j * NSTAMP + 1];
                 itm += s[j * NSTAMP + 3] - s[j * NSTAMP + 2];
+                fw += s[j * NSTAMP + 4];
+                pw += s[j * NSTAMP + 5];
             }
             w_last += s[(nops - 1) * NSTAMP + 1] - s[(nops - 1) * NSTAMP];
         }
-        printf("   consumer time: dep-wait %.1f%%  input-prep %.1f%%  items %.1f%%  (%.0f cycles/block; "
-               "head wait %.1f%%)\n",
-               100 * w / tot, 100 * pr / tot, 100 * itm / tot, tot / sms, 100 * w_last / tot);
+        printf("   consumer time: dep-wait %.1f%%  input-prep %.1f%%  items %.1f%% (of which warp 0 waits "
+               "for weights %.1f%%); producer waits for a free slot %.1f%%  (%.0f cycles/block)\n",
+               100 * w / tot, 100 * pr / tot, 100 * itm / tot, 100 * fw / tot, 100 * pw / tot, tot / sms);
+        (void)w_last;
         CK(cudaGraphExecDestroy(ge));
     }
     CK(cudaGraphExecDestroy(ge_launch));
@@ -916,13 +969,13 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{"qwen2.5-1.5b", 1536, 256, 8960, 151936, 28},
                             {"llama3-8b", 4096, 1024, 14336, 128256, 32}};
     std::vector<PersistCfg> cfgs = {
-        {8, 32768, 6, 1}, {8, 32768, 6, 0}, {16, 32768, 6, 1}, {8, 16384, 12, 1},
-        {8, 49152, 4, 1}, {16, 16384, 12, 1},
+        {15, 32768, 6, 1, 1}, {15, 32768, 6, 0, 1}, {15, 32768, 6, 1, 0}, {8, 32768, 6, 1, 1},
+        {23, 32768, 6, 1, 0}, {15, 16384, 12, 1, 1}, {15, 49152, 4, 1, 1}, {23, 16384, 12, 1, 0},
     };
     if (argc > 2) {  // custom: shape nc stage nst ahead [nc stage nst ahead ...]
         cfgs.clear();
         for (int i = 2; i + 3 < argc; i += 4)
-            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3])});
+            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), 1});
     }
     bool ok = true;
     for (const Shape& s : shapes)
