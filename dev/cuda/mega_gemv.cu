@@ -164,28 +164,13 @@ __device__ __forceinline__ void warp_quant_group(float v, int g, i8* xq, float* 
     }
 }
 
-// Σ in[i]^2 over 256 threads (tid < 256 contribute; red: 8 floats), in a fixed order;
-// 8 loads in flight a thread (the input sits in L2, written by other blocks).
-// Leaves the warps' partials in red[]; the caller syncs and calls rms_inv.
-__device__ __forceinline__ void rms_partial(const float* in, int k, int tid, float* red) {
-    if (tid < 256) {
-        float s = 0.0f;
-        for (int i0 = tid; i0 < k; i0 += 256 * 8) {
-            float v[8];
-#pragma unroll
-            for (int m = 0; m < 8; m++) v[m] = i0 + 256 * m < k ? __ldcg(in + i0 + 256 * m) : 0.0f;
-#pragma unroll
-            for (int m = 0; m < 8; m++)
-                if (i0 + 256 * m < k) s = __fmaf_rn(v[m], v[m], s);
-        }
-        s = warp_sum(s);
-        if ((tid & 31) == 0) red[tid >> 5] = s;
-    }
-}
-// Groups first, first + stride, ... of in (times inv when norm) quantized by this warp,
-// 8 groups' loads in flight.
-__device__ __forceinline__ void quant_groups(const float* in, int k, int norm, float inv, int first,
-                                             int stride, i8* xq, float* xd, int* xs) {
+// The input in one pass: groups first, first + stride, ... of `in` quantized as they are
+// (8 groups' loads in flight a warp, the input sits in L2, written by other blocks); with
+// norm, each group's Σ v² goes to ss[g] too. The norm is then only a scale of the steps
+// (8-bit rounding is scale-invariant: round(v / step) = round(v·inv / (step·inv))), applied
+// by norm_scale once the sum is known: no second pass over the input.
+__device__ __forceinline__ void quant_groups(const float* in, int k, int norm, int first, int stride,
+                                             i8* xq, float* xd, int* xs, float* ss) {
     const int lane = threadIdx.x & 31, ng = k / 32;
     for (int g0 = first; g0 < ng; g0 += 8 * stride) {
         float v[8];
@@ -197,15 +182,29 @@ __device__ __forceinline__ void quant_groups(const float* in, int k, int norm, f
 #pragma unroll
         for (int m = 0; m < 8; m++) {
             const int g = g0 + m * stride;
-            if (g < ng) warp_quant_group(norm ? __fmul_rn(v[m], inv) : v[m], g, xq, xd, xs);
+            if (g < ng) {
+                warp_quant_group(v[m], g, xq, xd, xs);
+                if (norm) {
+                    const float q = warp_sum(__fmul_rn(v[m], v[m]));
+                    if (lane == 0) ss[g] = q;
+                }
+            }
         }
     }
 }
-__device__ __forceinline__ float rms_inv(const float* red, int k) {
+// One warp: 1 / rms from the groups' sums in a fixed order (lane l: ss[l], ss[l + 32], ...),
+// into *inv_out.
+__device__ __forceinline__ void norm_inv_warp(const float* ss, int k, float* inv_out) {
+    const int lane = threadIdx.x & 31;
     float t = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 8; w++) t = __fadd_rn(t, red[w]);
-    return rsqrtf(__fadd_rn(__fdiv_rn(t, (float)k), 1e-6f));
+    for (int g = lane; g < k / 32; g += 32) t = __fadd_rn(t, ss[g]);
+    t = warp_sum(t);
+    if (lane == 0) *inv_out = rsqrtf(__fadd_rn(__fdiv_rn(t, (float)k), 1e-6f));
+}
+// The warp's groups' steps times inv.
+__device__ __forceinline__ void norm_scale(int k, float inv, int first, int stride, float* xd) {
+    const int lane = threadIdx.x & 31;
+    for (int g = first + 32 * 0 + lane * stride; g < k / 32; g += 32 * stride) xd[g] = __fmul_rn(xd[g], inv);
 }
 
 // Output of an item (ir = 1 row, or 2 rows: gate and up):
@@ -241,15 +240,16 @@ struct Op {
 // norm (the sum needs all values); any number of 8-warp blocks otherwise.
 __global__ void __launch_bounds__(256) k_prep(const float* in, int k, int norm, i8* xq, float* xd,
                                               int* xs, int pdl) {
-    __shared__ float red[8];
+    __shared__ float ss[512], inv;
     if (pdl) pdl_enter();
-    float inv = 1.0f;
-    if (norm) {
-        rms_partial(in, k, threadIdx.x, red);
+    const int warp = threadIdx.x >> 5;
+    quant_groups(in, k, norm, blockIdx.x * 8 + warp, gridDim.x * 8, xq, xd, xs, ss);
+    if (norm) {  // one block
+        __syncthreads();  // xd (global) written by this block's threads: visible after the barrier
+        if (warp == 0) norm_inv_warp(ss, k, &inv);
         __syncthreads();
-        inv = rms_inv(red, k);
+        norm_scale(k, inv, warp, 8, xd);
     }
-    quant_groups(in, k, norm, inv, blockIdx.x * 8 + (threadIdx.x >> 5), gridDim.x * 8, xq, xd, xs);
 }
 
 // One warp per item; each lane dots units lane, lane + 32, ... (UB at a time in flight).
@@ -397,7 +397,49 @@ __device__ __forceinline__ void share(int items, int b, int g, int& lo, int& hi)
 
 // Shared memory: ring (nst * stage bytes) | xq (kmax) | xd, xs (kmax / 32 each) | red[8] |
 // full[nst], empty[nst] mbarriers.
-template <int NC, bool XCACHE>
+// A warp's items of a chunk (local indices first, first + nc, ...), R at a time (R·IR
+// independent sums, each in the launch path's order); XC: x of the lane's (at most two)
+// units in registers (xc0, xc1), else read from shared memory for each unit.
+template <int R, int IR, bool XC>
+__device__ __forceinline__ void items(const u8* base, int first, int n, int nc, int ib, int rb,
+                                      int units, int kind, int it, float* out, const i8* xq,
+                                      const float* xd, const int* xs, const Xu& xc0, const Xu& xc1) {
+    const int lane = threadIdx.x & 31;
+    for (int li = first; li < n; li += R * nc) {
+        float acc[R][IR];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int g = 0; g < IR; g++) acc[i][g] = 0.0f;
+        auto step = [&](int u, const Xu& x) {
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (li + i * nc < n) {
+                    const u8* r = base + (li + i * nc) * ib;
+#pragma unroll
+                    for (int g = 0; g < IR; g++)
+                        acc[i][g] = __fadd_rn(acc[i][g], unit_dot(load_raw_s(r + g * rb, u), u, x));
+                }
+        };
+        if (XC) {
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+                if (lane + 32 * m < units) step(lane + 32 * m, m ? xc1 : xc0);
+        } else {
+            for (int u = lane; u < units; u += 32) step(u, load_x(xq, xd, xs, u));
+        }
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int g = 0; g < IR; g++) acc[i][g] = warp_sum(acc[i][g]);
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (li + i * nc < n) epilogue(kind, it + li + i * nc, acc[i][0], acc[i][IR - 1], out);
+    }
+}
+
+template <int NC, bool XCACHE, int R1>
 __global__ void __launch_bounds__((NC + 1) * 32, 1)
 k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage, int nst,
           int kmax, int ahead, long long* stamps) {
@@ -407,7 +449,8 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
     i8* xq = (i8*)(sm + (size_t)nst * stage);
     float* xd = (float*)(xq + kmax);
     int* xs = (int*)(xd + kmax / 32);
-    float* red = (float*)(xs + kmax / 32);
+    float* ss = (float*)(xs + kmax / 32);
+    float* red = ss + kmax / 32;
     u64* bars = (u64*)(((uintptr_t)(red + 8) + 7) & ~(uintptr_t)7);
     const u32 full0 = smem_u32(bars), empty0 = smem_u32(bars + nst);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -437,7 +480,8 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             const int per = max(1, stage / ib);
             int lo, hi;
             share(op.items, b, G, lo, hi);
-            // Ablation: no loads across the boundary (wait as the consumers do).
+            // ahead 0 (ablation): no loads across the boundary (wait as the consumers do);
+            // 1: the design; probes (outputs not checked): 2 no copies, 3 no math.
             if (!ahead && j > 0)
                 wait_count(done + j - 1, target);
             long long pw = 0;
@@ -446,9 +490,13 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
                 const long long t0 = clock64();
                 mbar_wait(empty0 + 8 * slot, phase ^ 1);
                 pw += clock64() - t0;
-                mbar_expect_tx(full0 + 8 * slot, n * ib);
-                bulk_g2s(smem_u32(ring + (size_t)slot * stage), op.w + (size_t)it * ib, n * ib,
-                         full0 + 8 * slot, pol);
+                if (ahead == 2) {
+                    mbar_arrive(full0 + 8 * slot);  // probe: no copy (the math alone)
+                } else {
+                    mbar_expect_tx(full0 + 8 * slot, n * ib);
+                    bulk_g2s(smem_u32(ring + (size_t)slot * stage), op.w + (size_t)it * ib, n * ib,
+                             full0 + 8 * slot, pol);
+                }
                 if (++slot == nst) {
                     slot = 0;
                     phase ^= 1;
@@ -479,16 +527,16 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             my[j * NSTAMP + 1] = clock64();
         }
         consumers_sync(NT);
-        // The input: normalized (sum over the whole vector, same order as k_prep) and
-        // quantized into this block's shared memory.
-        float inv = 1.0f;
-        if (op.norm) {
-            rms_partial(op.in, op.k, tid, red);
-            consumers_sync(NT);
-            inv = rms_inv(red, op.k);
-        }
-        quant_groups(op.in, op.k, op.norm, inv, warp, NC, xq, xd, xs);
+        // The input, quantized into this block's shared memory (and normalized: same sums
+        // in the same order as k_prep).
+        quant_groups(op.in, op.k, op.norm, warp, NC, xq, xd, xs, ss);
         consumers_sync(NT);
+        if (op.norm) {
+            if (warp == 0) norm_inv_warp(ss, op.k, red);
+            consumers_sync(NT);
+            norm_scale(op.k, red[0], warp, NC, xd);
+            consumers_sync(NT);
+        }
         if (tid == 0) my[j * NSTAMP + 2] = clock64();
         // Rows of up to 64 units (k <= 4096): the lane's (at most two) units of x stay in
         // registers for all its rows.
@@ -507,37 +555,18 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             const u8* base = ring + (size_t)slot * stage;
             const int e0 = it - lo;
             int first = (warp - e0 % NC + NC) % NC;  // first local index ≡ warp (mod NC)
-            // Two of the warp's items at a time (independent sums, each in its own order).
-            for (int li = first; li < n; li += 2 * NC) {
-                const bool two = li + NC < n;
-                const u8* r0 = base + li * ib;
-                const u8* r1 = base + (two ? li + NC : li) * ib;
-                float a0 = 0.0f, a1 = 0.0f, c0 = 0.0f, c1 = 0.0f;
-                auto step = [&](int u, const Xu& x) {
-                    a0 = __fadd_rn(a0, unit_dot(load_raw_s(r0, u), u, x));
-                    if (two) c0 = __fadd_rn(c0, unit_dot(load_raw_s(r1, u), u, x));
-                    if (op.ir == 2) {
-                        a1 = __fadd_rn(a1, unit_dot(load_raw_s(r0 + rb, u), u, x));
-                        if (two) c1 = __fadd_rn(c1, unit_dot(load_raw_s(r1 + rb, u), u, x));
-                    }
-                };
-                if (XCACHE && units <= 64) {
-#pragma unroll
-                    for (int m = 0; m < 2; m++)
-                        if (lane + 32 * m < units) step(lane + 32 * m, m ? xc1 : xc0);
-                } else {
-                    for (int u = lane; u < units; u += 32) step(u, load_x(xq, xd, xs, u));
-                }
-                a0 = warp_sum(a0);
-                c0 = warp_sum(c0);
-                if (op.ir == 2) {
-                    a1 = warp_sum(a1);
-                    c1 = warp_sum(c1);
-                }
-                if (lane == 0) {
-                    epilogue(op.kind, it + li, a0, a1, op.out);
-                    if (two) epilogue(op.kind, it + li + NC, c0, c1, op.out);
-                }
+            if (ahead == 3) {
+                // probe: no math (the weight stream with the schedule's waits alone)
+            } else if (op.ir == 1) {
+                if (XCACHE && units <= 64)
+                    items<R1, 1, true>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+                else
+                    items<R1, 1, false>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+            } else {
+                if (XCACHE && units <= 64)
+                    items<R1 / 2, 2, true>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+                else
+                    items<R1 / 2, 2, false>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * slot);
@@ -675,7 +704,7 @@ static float time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, int round
 }
 
 struct PersistCfg {
-    int nc, stage, nst, ahead, xc;  // xc: x of k <= 4096 held in registers (nc 15 both, nc 8 on, nc 23 off: spills)
+    int nc, stage, nst, ahead, xc, r;  // r: rows a warp at a time (half for gate+up pairs)  // xc: x of k <= 4096 held in registers (nc 15 both, nc 8 on, nc 23 off: spills)
 };
 
 static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int sms) {
@@ -873,12 +902,12 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
     long long* dstamps;
     CK(cudaMalloc(&dstamps, stamps.size() * 8));
     for (const PersistCfg& c : cfgs) {
-        const size_t smem = (size_t)c.nst * c.stage + kmax + kmax / 32 * 8 + 32 + 16 * c.nst + 16;
+        const size_t smem = (size_t)c.nst * c.stage + kmax + kmax / 32 * 12 + 32 + 16 * c.nst + 16;
         if (c.nst > RING_MAX_STAGES || smem > 232448) {
             printf("skip cfg nc %d stage %d x %d: %zu bytes of shared memory\n", c.nc, c.stage, c.nst, smem);
             continue;
         }
-        auto kern = c.nc == 23 ? k_persist<23, false> : c.nc == 15 ? (c.xc ? k_persist<15, true> : k_persist<15, false>) : k_persist<8, true>;
+        auto kern = c.nc == 23 ? k_persist<23, false, 4> : c.nc == 11 ? k_persist<11, true, 4> : c.r == 2 ? k_persist<15, true, 2> : (c.xc ? k_persist<15, true, 4> : k_persist<15, false, 4>);
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int occ = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, (c.nc + 1) * 32, smem));
@@ -898,7 +927,7 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         bool same = true;
         long long diff = 0;
         double maxd = 0;
-        for (int rep = 0; rep < 2; rep++) {
+        for (int rep = 0; rep < (c.ahead >= 2 ? 0 : 2); rep++) {
             one_step(ge, got_logits, got_h);
             for (int i = 0; i < V; i++)
                 if (memcmp(&got_logits[i], &ref_logits[i], 4)) {
@@ -915,8 +944,9 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         ok &= same;
         const float t = time_graph(ge, st, reps, 7);
         char name[96];
-        snprintf(name, sizeof name, "persist nc%d ring %dx%dKB%s%s", c.nc, c.nst, c.stage / 1024,
-                 c.ahead ? "" : " no-ahead", c.xc ? "" : " x-smem");
+        const char* mode[] = {" no-ahead", "", " PROBE no-copy", " PROBE no-math"};
+        snprintf(name, sizeof name, "persist nc%d r%d ring %dx%dKB%s%s", c.nc, c.r, c.nst, c.stage / 1024,
+                 mode[c.ahead], c.xc ? "" : " x-smem");
         row(name, t);
         if (!same) printf("   MISMATCH vs launch path: %lld values differ, max |d| %.3g\n", diff, maxd);
         // Time account of the last replay (consumers of each block): dependency wait,
@@ -969,13 +999,14 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{"qwen2.5-1.5b", 1536, 256, 8960, 151936, 28},
                             {"llama3-8b", 4096, 1024, 14336, 128256, 32}};
     std::vector<PersistCfg> cfgs = {
-        {15, 32768, 6, 1, 1}, {15, 32768, 6, 0, 1}, {15, 32768, 6, 1, 0}, {8, 32768, 6, 1, 1},
-        {23, 32768, 6, 1, 0}, {15, 16384, 12, 1, 1}, {15, 49152, 4, 1, 1}, {23, 16384, 12, 1, 0},
+        {15, 32768, 6, 1, 1, 4}, {15, 32768, 6, 0, 1, 4}, {15, 32768, 6, 1, 0, 4}, {15, 32768, 6, 1, 1, 2},
+        {23, 32768, 6, 1, 0, 4}, {11, 32768, 6, 1, 1, 4}, {15, 16384, 12, 1, 1, 4}, {15, 49152, 4, 1, 1, 4},
+        {15, 32768, 6, 2, 1, 4}, {15, 32768, 6, 3, 1, 4},
     };
     if (argc > 2) {  // custom: shape nc stage nst ahead [nc stage nst ahead ...]
         cfgs.clear();
         for (int i = 2; i + 3 < argc; i += 4)
-            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), 1});
+            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), 1, 4});
     }
     bool ok = true;
     for (const Shape& s : shapes)
