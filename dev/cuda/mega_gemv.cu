@@ -44,6 +44,8 @@ typedef uint64_t u64;
     } while (0)
 
 #define QK 256
+// Hang guard: a wait that never ends (a bug in the schedule) traps instead (seconds).
+#define SPIN_LIMIT (1u << 26)
 #define BLK 144  // bytes of a Q4_K block
 #define RING_MAX_STAGES 16
 
@@ -164,52 +166,98 @@ __device__ __forceinline__ void warp_quant_group(float v, int g, i8* xq, float* 
     }
 }
 
-// The input in one pass, a 32-group a thread (groups t, t + stride, ...: one load round
-// trip, no shuffles; the input sits in L2, written by other blocks): quantized as it is;
-// with norm, each group's Σ v² goes to ss[g] too. The norm is then only a scale of the
-// steps (8-bit rounding is scale-invariant: round(v / step) = round(v·inv / (step·inv))),
-// applied by norm_scale once the sum is known: no second pass over the input.
-__device__ __forceinline__ void quant_groups(const float* in, int k, int norm, int t, int stride,
+// 64-bit {value, tag} words (the persistent kernel's LL mode, after NCCL's LL protocol:
+// the tag says which operation of which step wrote the value, so a reader needs no counter
+// and no fence: one 64-bit store is seen whole or not at all).
+__device__ __forceinline__ ulonglong2 ld_cg_u64x2(const ulonglong2* p) {
+    ulonglong2 v;
+    asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 ld_cg_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_tag(u64* p, float v, u32 tag) {
+    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.global.cg.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ bool tags_are(const ulonglong2& a, const ulonglong2& b, u32 want) {
+    return (u32)(a.x >> 32) == want && (u32)(a.y >> 32) == want && (u32)(b.x >> 32) == want &&
+           (u32)(b.y >> 32) == want;
+}
+
+// The input in one pass, 8 lanes a 32-group (a lane: 4 consecutive values, coalesced;
+// a warp: 4 groups at a time, 4 such quads' loads in flight (2 in LL mode); the input sits in L2, written
+// by other blocks): quantized as it is; with norm, each group's Σ v² goes to ss[g] too.
+// The norm is then only a scale of the steps (8-bit rounding is scale-invariant:
+// round(v / step) = round(v·inv / (step·inv))), applied by norm_scale once the sum is
+// known: no second pass over the input. Quads (128 values) w, w + nw, ... for warp w.
+// LL: the input is {value, tag} words, re-read until every tag is `want` (0: no check).
+template <bool LL>
+__device__ __forceinline__ void quant_groups(const void* in, int k, int norm, u32 want, int w, int nw,
                                              i8* xq, float* xd, int* xs, float* ss) {
-    const int ng = k / 32;
-    for (int g = t; g < ng; g += stride) {
-        float v[32];
-        const float4* p = (const float4*)(in + 32 * g);
+    constexpr int QF = LL ? 2 : 4;  // quads in flight (LL: 64-bit words, twice the registers)
+    const int lane = threadIdx.x & 31, nq = k / 128, s8 = lane & 7;
+    for (int q0 = w; q0 < nq; q0 += QF * nw) {
+        float4 v[QF];
+        if (!LL) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float4 f = __ldcg(p + i);
-            v[4 * i] = f.x;
-            v[4 * i + 1] = f.y;
-            v[4 * i + 2] = f.z;
-            v[4 * i + 3] = f.w;
+            for (int m = 0; m < QF; m++)
+                if (q0 + m * nw < nq)
+                    v[m] = __ldcg((const float4*)((const float*)in + 128 * (q0 + m * nw) + 4 * lane));
+        } else {
+            ulonglong2 a[QF], b[QF];
+#pragma unroll
+            for (int m = 0; m < QF; m++)
+                if (q0 + m * nw < nq) {
+                    const ulonglong2* p = (const ulonglong2*)((const u64*)in + 128 * (q0 + m * nw) + 4 * lane);
+                    a[m] = ld_cg_u64x2(p);
+                    b[m] = ld_cg_u64x2(p + 1);
+                }
+#pragma unroll
+            for (int m = 0; m < QF; m++)
+                if (q0 + m * nw < nq) {
+                    const ulonglong2* p = (const ulonglong2*)((const u64*)in + 128 * (q0 + m * nw) + 4 * lane);
+                    u32 n = 0;
+                    while (want && !tags_are(a[m], b[m], want)) {
+                        if (++n == SPIN_LIMIT) __trap();
+                        a[m] = ld_cg_u64x2(p);
+                        b[m] = ld_cg_u64x2(p + 1);
+                    }
+                    v[m] = make_float4(__uint_as_float((u32)a[m].x), __uint_as_float((u32)a[m].y),
+                                       __uint_as_float((u32)b[m].x), __uint_as_float((u32)b[m].y));
+                }
         }
-        float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-        const float step = __fdiv_rn(amax, 127.0f);
-        u32 w[8];
-        int sum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 word = 0;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int q = step > 0.0f ? max(-127, min(127, __float2int_rn(__fdiv_rn(v[4 * i + j], step)))) : 0;
-                sum += q;
-                word |= (u32)(q & 0xFF) << (8 * j);
+        for (int m = 0; m < QF; m++) {
+            const int q = q0 + m * nw;
+            if (q < nq) {
+                const int g = 4 * q + (lane >> 3);
+                const float4 x = v[m];
+                float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+                for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                const float step = __fdiv_rn(amax, 127.0f);
+                auto q8 = [&](float t) {
+                    return step > 0.0f ? max(-127, min(127, __float2int_rn(__fdiv_rn(t, step)))) : 0;
+                };
+                const int a0 = q8(x.x), a1 = q8(x.y), a2 = q8(x.z), a3 = q8(x.w);
+                *(u32*)(xq + 128 * q + 4 * lane) =
+                    (u32)(a0 & 0xFF) | ((u32)(a1 & 0xFF) << 8) | ((u32)(a2 & 0xFF) << 16) | ((u32)(a3 & 0xFF) << 24);
+                int sum = (a0 + a1) + (a2 + a3);
+                for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                float s2 = 0.0f;
+                if (norm) {
+                    s2 = __fmaf_rn(x.w, x.w, __fmaf_rn(x.z, x.z, __fmaf_rn(x.y, x.y, __fmul_rn(x.x, x.x))));
+                    for (int o = 4; o > 0; o >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, o));
+                }
+                if (s8 == 0) {
+                    xd[g] = step;
+                    xs[g] = sum;
+                    if (norm) ss[g] = s2;
+                }
             }
-            w[i] = word;
-        }
-        int4* dst = (int4*)(xq + 32 * g);
-        dst[0] = make_int4(w[0], w[1], w[2], w[3]);
-        dst[1] = make_int4(w[4], w[5], w[6], w[7]);
-        xd[g] = step;
-        xs[g] = sum;
-        if (norm) {
-            float q2 = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 32; i++) q2 = __fmaf_rn(v[i], v[i], q2);
-            ss[g] = q2;
         }
     }
 }
@@ -229,7 +277,27 @@ __device__ __forceinline__ void norm_scale(int k, float inv, int t, int stride, 
 
 // Output of an item (ir = 1 row, or 2 rows: gate and up):
 // kind 0: out[i] = a0; 1: out[i] += a0 (residual); 2: out[i] = silu(a0) * a1.
-__device__ __forceinline__ void epilogue(int kind, int item, float a0, float a1, float* out) {
+// LL: {value, tag} words; the residual's old value must carry tag `want` (0: no check).
+template <bool LL = false>
+__device__ __forceinline__ void epilogue(int kind, int item, float a0, float a1, float* out,
+                                         u32 tag = 0, u32 want = 0) {
+    if (LL) {
+        u64* o = (u64*)out + item;
+        if (kind == 0) {
+            st_tag(o, a0, tag);
+        } else if (kind == 1) {
+            u64 old = ld_cg_u64(o);
+            u32 n = 0;
+            while (want && (u32)(old >> 32) != want) {
+                if (++n == SPIN_LIMIT) __trap();
+                old = ld_cg_u64(o);
+            }
+            st_tag(o, __fadd_rn(__uint_as_float((u32)old), a0), tag);
+        } else {
+            st_tag(o, silu_mul(a0, a1), tag);
+        }
+        return;
+    }
     if (kind == 0)
         __stcg(out + item, a0);
     else if (kind == 1)
@@ -250,7 +318,8 @@ struct Op {
     float* out;       // see epilogue
     const float* in;  // input activations (f32, K of them)
     int k, items, ir, kind;
-    int norm;  // 1: rms-normalize `in` before quantizing; 0: quantize as is
+    int norm;   // 1: rms-normalize `in` before quantizing; 0: quantize as is
+    int rprev;  // kind 1 in LL mode: the op that last wrote `out` this step (-1: none)
 };
 
 // ------------------------------------------------------------------------------------------
@@ -263,7 +332,7 @@ __global__ void __launch_bounds__(256) k_prep(const float* in, int k, int norm, 
     __shared__ float ss[512], inv;
     if (pdl) pdl_enter();
     const int warp = threadIdx.x >> 5;
-    quant_groups(in, k, norm, blockIdx.x * 256 + threadIdx.x, gridDim.x * 256, xq, xd, xs, ss);
+    quant_groups<false>(in, k, norm, 0, blockIdx.x * 8 + warp, gridDim.x * 8, xq, xd, xs, ss);
     if (norm) {  // one block
         __syncthreads();
         if (warp == 0) norm_inv_warp(ss, k, &inv);
@@ -340,7 +409,7 @@ static void launch(void (*f)(A...), int grid, int block, cudaStream_t st, int pd
 
 // pdl: programmatic dependent launches (Kestrel's launch path uses them).
 static void launch_op(const Op& op, const Scratch& s, cudaStream_t st, int pdl) {
-    const int pg = op.norm ? 1 : (op.k / 32 + 255) / 256;
+    const int pg = op.norm ? 1 : (op.k / 128 + 7) / 8;
     launch(k_prep, pg, 256, st, pdl, op.in, op.k, op.norm, s.xq, s.xd, s.xs, pdl);
     const int blocks = (op.items + 3) / 4;
     if (op.ir == 1)
@@ -367,8 +436,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Hang guard: a wait that never ends (a bug in the schedule) traps instead (seconds).
-#define SPIN_LIMIT (1u << 26)
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     u32 ok, n = 0;
     do {
@@ -420,10 +487,11 @@ __device__ __forceinline__ void share(int items, int b, int g, int& lo, int& hi)
 // A warp's items of a chunk (local indices first, first + nc, ...), R at a time (R·IR
 // independent sums, each in the launch path's order); XC: x of the lane's (at most two)
 // units in registers (xc0, xc1), else read from shared memory for each unit.
-template <int R, int IR, bool XC>
+template <int R, int IR, bool XC, bool LL>
 __device__ __forceinline__ void items(const u8* base, int first, int n, int nc, int ib, int rb,
                                       int units, int kind, int it, float* out, const i8* xq,
-                                      const float* xd, const int* xs, const Xu& xc0, const Xu& xc1) {
+                                      const float* xd, const int* xs, const Xu& xc0, const Xu& xc1,
+                                      u32 tag, u32 want) {
     const int lane = threadIdx.x & 31;
     for (int li = first; li < n; li += R * nc) {
         float acc[R][IR];
@@ -455,11 +523,12 @@ __device__ __forceinline__ void items(const u8* base, int first, int n, int nc, 
         if (lane == 0)
 #pragma unroll
             for (int i = 0; i < R; i++)
-                if (li + i * nc < n) epilogue(kind, it + li + i * nc, acc[i][0], acc[i][IR - 1], out);
+                if (li + i * nc < n)
+                    epilogue<LL>(kind, it + li + i * nc, acc[i][0], acc[i][IR - 1], out, tag, want);
     }
 }
 
-template <int NC, bool XCACHE, int R1>
+template <int NC, bool XCACHE, int R1, bool LL>
 __global__ void __launch_bounds__((NC + 1) * 32, 1)
 k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage, int nst,
           int kmax, int ahead, long long* stamps) {
@@ -477,7 +546,10 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
     const int G = gridDim.x, b = blockIdx.x;
     // Counters only grow: step e (the steps completed before this launch) waits for
     // done[j] >= G * (e + 1); block 0 advances the epoch once every block is through.
-    const u32 target = (u32)G * (*(volatile u32*)epoch + 1);
+    const u32 ep = *(volatile u32*)epoch;
+    const u32 target = (u32)G * (ep + 1);
+    // LL mode: op j of this step tags its outputs tag0 + j (never 0).
+    const u32 tag0 = ep * (u32)nops + 1;
     if (tid == 0) {
         for (int s = 0; s < nst; s++) {
             mbar_init(full0 + 8 * s, 1);
@@ -502,7 +574,7 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             share(op.items, b, G, lo, hi);
             // ahead 0 (ablation): no loads across the boundary (wait as the consumers do);
             // 1: the design; probes (outputs not checked): 2 no copies, 3 no math.
-            if (!ahead && j > 0)
+            if (!LL && !ahead && j > 0)
                 wait_count(done + j - 1, target);
             long long pw = 0;
             for (int it = lo; it < hi; it += per) {
@@ -542,14 +614,14 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
         consumers_sync(NT);  // every warp is done with the last op's xq
         if (tid == 0) {
             my[j * NSTAMP] = clock64();
-            if (j > 0)
+            if (!LL && j > 0)  // LL: the input's tags are the wait (in the prep)
                 wait_count(done + j - 1, target);
             my[j * NSTAMP + 1] = clock64();
         }
         consumers_sync(NT);
         // The input, quantized into this block's shared memory (and normalized: same sums
         // in the same order as k_prep).
-        quant_groups(op.in, op.k, op.norm, tid, NT, xq, xd, xs, ss);
+        quant_groups<LL>(op.in, op.k, op.norm, LL && j > 0 ? tag0 + j - 1 : 0u, warp, NC, xq, xd, xs, ss);
         consumers_sync(NT);
         if (op.norm) {
             if (warp == 0) norm_inv_warp(ss, op.k, red);
@@ -575,18 +647,22 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             const u8* base = ring + (size_t)slot * stage;
             const int e0 = it - lo;
             int first = (warp - e0 % NC + NC) % NC;  // first local index ≡ warp (mod NC)
+            const u32 tg = tag0 + j, want = op.rprev >= 0 ? tag0 + op.rprev : 0u;
             if (ahead == 3) {
-                // probe: no math (the weight stream with the schedule's waits alone)
+                // probe: no math (the weight stream with the schedule's waits alone); the
+                // outputs are written (zeros), LL readers wait for them
+                if (lane == 0)
+                    for (int li = first; li < n; li += NC) epilogue<LL>(op.kind, it + li, 0.0f, 0.0f, op.out, tg, want);
             } else if (op.ir == 1) {
                 if (XCACHE && units <= 64)
-                    items<R1, 1, true>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+                    items<R1, 1, true, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
                 else
-                    items<R1, 1, false>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+                    items<R1, 1, false, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
             } else {
                 if (XCACHE && units <= 64)
-                    items<R1 / 2, 2, true>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+                    items<R1 / 2, 2, true, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
                 else
-                    items<R1 / 2, 2, false>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
+                    items<R1 / 2, 2, false, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * slot);
@@ -595,18 +671,26 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
                 phase ^= 1;
             }
         }
-        consumers_sync(NT);
-        if (tid == 0) {
+        if (!LL) {
+            consumers_sync(NT);
+            if (tid == 0) {
+                my[j * NSTAMP + 6] = clock64();
+                __threadfence();
+                red_release(done + j, 1);
+            }
+        } else if (tid == 0) {
             my[j * NSTAMP + 6] = clock64();
-            __threadfence();
-            red_release(done + j, 1);
+        }
+        if (tid == 0) {
             my[j * NSTAMP + 3] = clock64();
             my[j * NSTAMP + 4] = fullwait;
         }
     }
     if (b == 0 && tid == 0) {
-        wait_count(done + nops - 1, target);
-        *(volatile u32*)epoch = target / G;
+        // Every block has read the epoch: none could have produced op 0's rows otherwise,
+        // and block 0 is through the last op only once every block is through op 0.
+        if (!LL) wait_count(done + nops - 1, target);
+        *(volatile u32*)epoch = ep + 1;
     }
 }
 
@@ -639,6 +723,12 @@ __global__ void k_fill_f32(float* x, size_t n, u64 seed) {
          i += (size_t)gridDim.x * blockDim.x)
         x[i] = ((float)(hash32(seed * 0x2545F4914F6CDD1DULL + i) >> 8) / 16777216.0f - 0.5f) * 3.0f;
 }
+// Floats to LL words (tag 0: "before this step") and back.
+__global__ void k_to_ll(const float* x, u64* y, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        y[i] = __float_as_uint(x[i]);
+}
+
 // Streaming read of n 16-byte words (the read ceiling).
 __global__ void k_read(const uint4* p, size_t n, u32* sink) {
     u32 acc = 0;
@@ -725,7 +815,8 @@ static float time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, int round
 }
 
 struct PersistCfg {
-    int nc, stage, nst, ahead, xc, r;  // r: rows a warp at a time (half for gate+up pairs)  // xc: x of k <= 4096 held in registers (nc 15 both, nc 8 on, nc 23 off: spills)
+    int nc, stage, nst, ahead, xc, ll;  // nc 15: x in registers for k <= 4096; nc 23: not (spills)
+    // ll: {value, tag} activations, no counters (ahead 0 not meaningful there)  // xc: x of k <= 4096 held in registers (nc 15 both, nc 8 on, nc 23 off: spills)
 };
 
 static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int sms) {
@@ -776,6 +867,25 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
     Op* dops;
     CK(cudaMalloc(&dops, nops * sizeof(Op)));
     CK(cudaMemcpy(dops, ops.data(), nops * sizeof(Op), cudaMemcpyHostToDevice));
+    // The same chain over {value, tag} buffers (LL mode of the persistent kernel).
+    u64 *h64, *qkv64, *act64, *logits64;
+    CK(cudaMalloc(&h64, D * 8));
+    CK(cudaMalloc(&qkv64, QKV * 8));
+    CK(cudaMalloc(&act64, FF * 8));
+    CK(cudaMalloc(&logits64, (size_t)V * 8));
+    std::vector<Op> ops_ll = ops;
+    auto to_ll = [&](const float* f) -> float* {
+        return f == h ? (float*)h64 : f == qkvb ? (float*)qkv64 : f == act ? (float*)act64 : (float*)logits64;
+    };
+    for (int j = 0; j < nops; j++) {
+        ops_ll[j].out = to_ll(ops[j].out);
+        ops_ll[j].in = to_ll(ops[j].in);
+        // residual ops (o, down): h was last written two ops before (o of layer 0: by nobody)
+        ops_ll[j].rprev = ops[j].kind == 1 ? (j == 1 ? -1 : j - 2) : -1;
+    }
+    Op* dops_ll;
+    CK(cudaMalloc(&dops_ll, nops * sizeof(Op)));
+    CK(cudaMemcpy(dops_ll, ops_ll.data(), nops * sizeof(Op), cudaMemcpyHostToDevice));
     u32* done;  // per-op counters, then the epoch
     CK(cudaMalloc(&done, (nops + 1) * 4));
     CK(cudaMemset(done, 0, (nops + 1) * 4));
@@ -862,6 +972,26 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         CK(cudaMemcpy(lg.data(), logits, (size_t)V * 4, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(hh.data(), h, D * 4, cudaMemcpyDeviceToHost));
     };
+    std::vector<u64> w64((size_t)V);
+    auto one_step_ll = [&](cudaGraphExec_t ge, std::vector<float>& lg, std::vector<float>& hh) {
+        k_to_ll<<<16, 256, 0, st>>>(h0, h64, D);
+        CK(cudaMemsetAsync(logits64, 0xFF, (size_t)V * 8, st));  // NaN, tag never used
+        CK(cudaMemsetAsync(act64, 0xFF, FF * 8, st));
+        CK(cudaMemsetAsync(qkv64, 0xFF, QKV * 8, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(w64.data(), logits64, (size_t)V * 8, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < V; i++) {
+            const u32 b = (u32)w64[i];
+            memcpy(&lg[i], &b, 4);
+        }
+        CK(cudaMemcpy(w64.data(), h64, D * 8, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < D; i++) {
+            const u32 b = (u32)w64[i];
+            memcpy(&hh[i], &b, 4);
+        }
+    };
     one_step(ge_launch, ref_logits, ref_h);
     {
         int nan = 0;
@@ -928,7 +1058,8 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
             printf("skip cfg nc %d stage %d x %d: %zu bytes of shared memory\n", c.nc, c.stage, c.nst, smem);
             continue;
         }
-        auto kern = c.nc == 23 ? k_persist<23, false, 4> : c.nc == 11 ? k_persist<11, true, 4> : c.r == 2 ? k_persist<15, true, 2> : (c.xc ? k_persist<15, true, 4> : k_persist<15, false, 4>);
+        auto kern = c.nc == 23 ? (c.ll ? k_persist<23, false, 4, true> : k_persist<23, false, 4, false>)
+                               : (c.ll ? k_persist<15, true, 4, true> : k_persist<15, true, 4, false>);
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int occ = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, (c.nc + 1) * 32, smem));
@@ -939,8 +1070,8 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         }
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        kern<<<sms, (c.nc + 1) * 32, smem, st>>>(dops, nops, done, done + nops, c.stage, c.nst, kmax,
-                                                 c.ahead, dstamps);
+        kern<<<sms, (c.nc + 1) * 32, smem, st>>>(c.ll ? dops_ll : dops, nops, done, done + nops, c.stage,
+                                                 c.nst, kmax, c.ahead, dstamps);
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
@@ -949,7 +1080,10 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         long long diff = 0;
         double maxd = 0;
         for (int rep = 0; rep < (c.ahead >= 2 ? 0 : 2); rep++) {
-            one_step(ge, got_logits, got_h);
+            if (c.ll)
+                one_step_ll(ge, got_logits, got_h);
+            else
+                one_step(ge, got_logits, got_h);
             for (int i = 0; i < V; i++)
                 if (memcmp(&got_logits[i], &ref_logits[i], 4)) {
                     diff++;
@@ -966,8 +1100,8 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         const float t = time_graph(ge, st, reps, 7);
         char name[96];
         const char* mode[] = {" no-ahead", "", " PROBE no-copy", " PROBE no-math"};
-        snprintf(name, sizeof name, "persist nc%d r%d ring %dx%dKB%s%s", c.nc, c.r, c.nst, c.stage / 1024,
-                 mode[c.ahead], c.xc ? "" : " x-smem");
+        snprintf(name, sizeof name, "persist%s nc%d ring %dx%dKB%s%s", c.ll ? " LL" : "", c.nc, c.nst,
+                 c.stage / 1024, mode[c.ahead], c.xc ? "" : " x-smem");
         row(name, t);
         if (!same) printf("   MISMATCH vs launch path: %lld values differ, max |d| %.3g\n", diff, maxd);
         // Time account of the last replay (consumers of each block): dependency wait,
@@ -1008,6 +1142,11 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
     CK(cudaFree(sc.xd));
     CK(cudaFree(sc.xs));
     CK(cudaFree(dops));
+    CK(cudaFree(dops_ll));
+    CK(cudaFree(h64));
+    CK(cudaFree(qkv64));
+    CK(cudaFree(act64));
+    CK(cudaFree(logits64));
     CK(cudaFree(done));
     CK(cudaStreamDestroy(st));
     printf("%s: %s\n", S.name, ok ? "all checks passed" : "CHECKS FAILED");
@@ -1022,13 +1161,14 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{"qwen2.5-1.5b", 1536, 256, 8960, 151936, 28},
                             {"llama3-8b", 4096, 1024, 14336, 128256, 32}};
     std::vector<PersistCfg> cfgs = {
-        {15, 32768, 6, 1, 1, 4}, {23, 32768, 6, 1, 0, 4}, {15, 32768, 6, 0, 1, 4},
-        {15, 32768, 6, 2, 1, 4}, {15, 32768, 6, 3, 1, 4},
+        {15, 32768, 6, 1, 1, 0}, {23, 32768, 6, 1, 0, 0}, {15, 32768, 6, 1, 1, 1}, {23, 32768, 6, 1, 0, 1},
+        {15, 16384, 4, 1, 1, 1}, {15, 32768, 6, 3, 1, 0}, {15, 32768, 6, 3, 1, 1},
     };
-    if (argc > 2) {  // custom: shape nc stage nst ahead [nc stage nst ahead ...]
+    if (argc > 2) {  // custom: shape nc stage nst ahead ll [nc stage nst ahead ll ...]
         cfgs.clear();
-        for (int i = 2; i + 3 < argc; i += 4)
-            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), 1, 4});
+        for (int i = 2; i + 4 < argc; i += 5)
+            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]),
+                            atoi(argv[i]) == 15, atoi(argv[i + 4])});
     }
     bool ok = true;
     for (const Shape& s : shapes)
