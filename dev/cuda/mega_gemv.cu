@@ -166,70 +166,21 @@ __device__ __forceinline__ void warp_quant_group(float v, int g, i8* xq, float* 
     }
 }
 
-// 64-bit {value, tag} words (the persistent kernel's LL mode, after NCCL's LL protocol:
-// the tag says which operation of which step wrote the value, so a reader needs no counter
-// and no fence: one 64-bit store is seen whole or not at all).
-__device__ __forceinline__ ulonglong2 ld_cg_u64x2(const ulonglong2* p) {
-    ulonglong2 v;
-    asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ u64 ld_cg_u64(const u64* p) {
-    u64 v;
-    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_tag(u64* p, float v, u32 tag) {
-    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
-    asm volatile("st.global.cg.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
-}
-__device__ __forceinline__ bool tags_are(const ulonglong2& a, const ulonglong2& b, u32 want) {
-    return (u32)(a.x >> 32) == want && (u32)(a.y >> 32) == want && (u32)(b.x >> 32) == want &&
-           (u32)(b.y >> 32) == want;
-}
-
 // The input in one pass, 8 lanes a 32-group (a lane: 4 consecutive values, coalesced;
-// a warp: 4 groups at a time, 4 such quads' loads in flight (2 in LL mode); the input sits in L2, written
+// a warp: 4 groups at a time, 4 such quads' loads in flight; the input sits in L2, written
 // by other blocks): quantized as it is; with norm, each group's Σ v² goes to ss[g] too.
 // The norm is then only a scale of the steps (8-bit rounding is scale-invariant:
 // round(v / step) = round(v·inv / (step·inv))), applied by norm_scale once the sum is
 // known: no second pass over the input. Quads (128 values) w, w + nw, ... for warp w.
-// LL: the input is {value, tag} words, re-read until every tag is `want` (0: no check).
-template <bool LL>
-__device__ __forceinline__ void quant_groups(const void* in, int k, int norm, u32 want, int w, int nw,
-                                             i8* xq, float* xd, int* xs, float* ss) {
-    constexpr int QF = LL ? 2 : 4;  // quads in flight (LL: 64-bit words, twice the registers)
+__device__ __forceinline__ void quant_groups(const float* in, int k, int norm, int w, int nw, i8* xq,
+                                             float* xd, int* xs, float* ss) {
+    constexpr int QF = 4;  // quads in flight
     const int lane = threadIdx.x & 31, nq = k / 128, s8 = lane & 7;
     for (int q0 = w; q0 < nq; q0 += QF * nw) {
         float4 v[QF];
-        if (!LL) {
 #pragma unroll
-            for (int m = 0; m < QF; m++)
-                if (q0 + m * nw < nq)
-                    v[m] = __ldcg((const float4*)((const float*)in + 128 * (q0 + m * nw) + 4 * lane));
-        } else {
-            ulonglong2 a[QF], b[QF];
-#pragma unroll
-            for (int m = 0; m < QF; m++)
-                if (q0 + m * nw < nq) {
-                    const ulonglong2* p = (const ulonglong2*)((const u64*)in + 128 * (q0 + m * nw) + 4 * lane);
-                    a[m] = ld_cg_u64x2(p);
-                    b[m] = ld_cg_u64x2(p + 1);
-                }
-#pragma unroll
-            for (int m = 0; m < QF; m++)
-                if (q0 + m * nw < nq) {
-                    const ulonglong2* p = (const ulonglong2*)((const u64*)in + 128 * (q0 + m * nw) + 4 * lane);
-                    u32 n = 0;
-                    while (want && !tags_are(a[m], b[m], want)) {
-                        if (++n == SPIN_LIMIT) __trap();
-                        a[m] = ld_cg_u64x2(p);
-                        b[m] = ld_cg_u64x2(p + 1);
-                    }
-                    v[m] = make_float4(__uint_as_float((u32)a[m].x), __uint_as_float((u32)a[m].y),
-                                       __uint_as_float((u32)b[m].x), __uint_as_float((u32)b[m].y));
-                }
-        }
+        for (int m = 0; m < QF; m++)
+            if (q0 + m * nw < nq) v[m] = __ldcg((const float4*)(in + 128 * (q0 + m * nw) + 4 * lane));
 #pragma unroll
         for (int m = 0; m < QF; m++) {
             const int q = q0 + m * nw;
@@ -277,27 +228,7 @@ __device__ __forceinline__ void norm_scale(int k, float inv, int t, int stride, 
 
 // Output of an item (ir = 1 row, or 2 rows: gate and up):
 // kind 0: out[i] = a0; 1: out[i] += a0 (residual); 2: out[i] = silu(a0) * a1.
-// LL: {value, tag} words; the residual's old value must carry tag `want` (0: no check).
-template <bool LL = false>
-__device__ __forceinline__ void epilogue(int kind, int item, float a0, float a1, float* out,
-                                         u32 tag = 0, u32 want = 0) {
-    if (LL) {
-        u64* o = (u64*)out + item;
-        if (kind == 0) {
-            st_tag(o, a0, tag);
-        } else if (kind == 1) {
-            u64 old = ld_cg_u64(o);
-            u32 n = 0;
-            while (want && (u32)(old >> 32) != want) {
-                if (++n == SPIN_LIMIT) __trap();
-                old = ld_cg_u64(o);
-            }
-            st_tag(o, __fadd_rn(__uint_as_float((u32)old), a0), tag);
-        } else {
-            st_tag(o, silu_mul(a0, a1), tag);
-        }
-        return;
-    }
+__device__ __forceinline__ void epilogue(int kind, int item, float a0, float a1, float* out) {
     if (kind == 0)
         __stcg(out + item, a0);
     else if (kind == 1)
@@ -318,8 +249,7 @@ struct Op {
     float* out;       // see epilogue
     const float* in;  // input activations (f32, K of them)
     int k, items, ir, kind;
-    int norm;   // 1: rms-normalize `in` before quantizing; 0: quantize as is
-    int rprev;  // kind 1 in LL mode: the op that last wrote `out` this step (-1: none)
+    int norm;  // 1: rms-normalize `in` before quantizing; 0: quantize as is
 };
 
 // ------------------------------------------------------------------------------------------
@@ -332,7 +262,7 @@ __global__ void __launch_bounds__(256) k_prep(const float* in, int k, int norm, 
     __shared__ float ss[512], inv;
     if (pdl) pdl_enter();
     const int warp = threadIdx.x >> 5;
-    quant_groups<false>(in, k, norm, 0, blockIdx.x * 8 + warp, gridDim.x * 8, xq, xd, xs, ss);
+    quant_groups(in, k, norm, blockIdx.x * 8 + warp, gridDim.x * 8, xq, xd, xs, ss);
     if (norm) {  // one block
         __syncthreads();
         if (warp == 0) norm_inv_warp(ss, k, &inv);
@@ -487,11 +417,10 @@ __device__ __forceinline__ void share(int items, int b, int g, int& lo, int& hi)
 // A warp's items of a chunk (local indices first, first + nc, ...), R at a time (R·IR
 // independent sums, each in the launch path's order); XC: x of the lane's (at most two)
 // units in registers (xc0, xc1), else read from shared memory for each unit.
-template <int R, int IR, bool XC, bool LL>
+template <int R, int IR, bool XC>
 __device__ __forceinline__ void items(const u8* base, int first, int n, int nc, int ib, int rb,
                                       int units, int kind, int it, float* out, const i8* xq,
-                                      const float* xd, const int* xs, const Xu& xc0, const Xu& xc1,
-                                      u32 tag, u32 want) {
+                                      const float* xd, const int* xs, const Xu& xc0, const Xu& xc1) {
     const int lane = threadIdx.x & 31;
     for (int li = first; li < n; li += R * nc) {
         float acc[R][IR];
@@ -523,12 +452,11 @@ __device__ __forceinline__ void items(const u8* base, int first, int n, int nc, 
         if (lane == 0)
 #pragma unroll
             for (int i = 0; i < R; i++)
-                if (li + i * nc < n)
-                    epilogue<LL>(kind, it + li + i * nc, acc[i][0], acc[i][IR - 1], out, tag, want);
+                if (li + i * nc < n) epilogue(kind, it + li + i * nc, acc[i][0], acc[i][IR - 1], out);
     }
 }
 
-template <int NC, bool XCACHE, int R1, bool LL>
+template <int NC, bool XCACHE, int R1>
 __global__ void __launch_bounds__((NC + 1) * 32, 1)
 k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage, int nst,
           int kmax, int ahead, long long* stamps) {
@@ -548,8 +476,6 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
     // done[j] >= G * (e + 1); block 0 advances the epoch once every block is through.
     const u32 ep = *(volatile u32*)epoch;
     const u32 target = (u32)G * (ep + 1);
-    // LL mode: op j of this step tags its outputs tag0 + j (never 0).
-    const u32 tag0 = ep * (u32)nops + 1;
     if (tid == 0) {
         for (int s = 0; s < nst; s++) {
             mbar_init(full0 + 8 * s, 1);
@@ -574,7 +500,7 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             share(op.items, b, G, lo, hi);
             // ahead 0 (ablation): no loads across the boundary (wait as the consumers do);
             // 1: the design; probes (outputs not checked): 2 no copies, 3 no math.
-            if (!LL && !ahead && j > 0)
+            if (!ahead && j > 0)
                 wait_count(done + j - 1, target);
             long long pw = 0;
             for (int it = lo; it < hi; it += per) {
@@ -614,14 +540,13 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
         consumers_sync(NT);  // every warp is done with the last op's xq
         if (tid == 0) {
             my[j * NSTAMP] = clock64();
-            if (!LL && j > 0)  // LL: the input's tags are the wait (in the prep)
-                wait_count(done + j - 1, target);
+            if (j > 0) wait_count(done + j - 1, target);
             my[j * NSTAMP + 1] = clock64();
         }
         consumers_sync(NT);
         // The input, quantized into this block's shared memory (and normalized: same sums
         // in the same order as k_prep).
-        quant_groups<LL>(op.in, op.k, op.norm, LL && j > 0 ? tag0 + j - 1 : 0u, warp, NC, xq, xd, xs, ss);
+        quant_groups(op.in, op.k, op.norm, warp, NC, xq, xd, xs, ss);
         consumers_sync(NT);
         if (op.norm) {
             if (warp == 0) norm_inv_warp(ss, op.k, red);
@@ -647,22 +572,21 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
             const u8* base = ring + (size_t)slot * stage;
             const int e0 = it - lo;
             int first = (warp - e0 % NC + NC) % NC;  // first local index ≡ warp (mod NC)
-            const u32 tg = tag0 + j, want = op.rprev >= 0 ? tag0 + op.rprev : 0u;
             if (ahead == 3) {
                 // probe: no math (the weight stream with the schedule's waits alone); the
-                // outputs are written (zeros), LL readers wait for them
+                // outputs are written (zeros)
                 if (lane == 0)
-                    for (int li = first; li < n; li += NC) epilogue<LL>(op.kind, it + li, 0.0f, 0.0f, op.out, tg, want);
+                    for (int li = first; li < n; li += NC) epilogue(op.kind, it + li, 0.0f, 0.0f, op.out);
             } else if (op.ir == 1) {
                 if (XCACHE && units <= 64)
-                    items<R1, 1, true, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
+                    items<R1, 1, true>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
                 else
-                    items<R1, 1, false, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
+                    items<R1, 1, false>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
             } else {
                 if (XCACHE && units <= 64)
-                    items<R1 / 2, 2, true, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
+                    items<R1 / 2, 2, true>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
                 else
-                    items<R1 / 2, 2, false, LL>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1, tg, want);
+                    items<R1 / 2, 2, false>(base, first, n, NC, ib, rb, units, op.kind, it, op.out, xq, xd, xs, xc0, xc1);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * slot);
@@ -671,25 +595,17 @@ k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage
                 phase ^= 1;
             }
         }
-        if (!LL) {
-            consumers_sync(NT);
-            if (tid == 0) {
-                my[j * NSTAMP + 6] = clock64();
-                __threadfence();
-                red_release(done + j, 1);
-            }
-        } else if (tid == 0) {
-            my[j * NSTAMP + 6] = clock64();
-        }
+        consumers_sync(NT);
         if (tid == 0) {
+            my[j * NSTAMP + 6] = clock64();
+            __threadfence();
+            red_release(done + j, 1);
             my[j * NSTAMP + 3] = clock64();
             my[j * NSTAMP + 4] = fullwait;
         }
     }
     if (b == 0 && tid == 0) {
-        // Every block has read the epoch: none could have produced op 0's rows otherwise,
-        // and block 0 is through the last op only once every block is through op 0.
-        if (!LL) wait_count(done + nops - 1, target);
+        wait_count(done + nops - 1, target);
         *(volatile u32*)epoch = ep + 1;
     }
 }
@@ -723,12 +639,6 @@ __global__ void k_fill_f32(float* x, size_t n, u64 seed) {
          i += (size_t)gridDim.x * blockDim.x)
         x[i] = ((float)(hash32(seed * 0x2545F4914F6CDD1DULL + i) >> 8) / 16777216.0f - 0.5f) * 3.0f;
 }
-// Floats to LL words (tag 0: "before this step") and back.
-__global__ void k_to_ll(const float* x, u64* y, int n) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        y[i] = __float_as_uint(x[i]);
-}
-
 // Streaming read of n 16-byte words (the read ceiling).
 __global__ void k_read(const uint4* p, size_t n, u32* sink) {
     u32 acc = 0;
@@ -815,8 +725,7 @@ static float time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, int round
 }
 
 struct PersistCfg {
-    int nc, stage, nst, ahead, xc, ll;  // nc 15: x in registers for k <= 4096; nc 23: not (spills)
-    // ll: {value, tag} activations, no counters (ahead 0 not meaningful there)  // xc: x of k <= 4096 held in registers (nc 15 both, nc 8 on, nc 23 off: spills)
+    int nc, stage, nst, ahead;  // nc 15: x of k <= 4096 in registers; nc 23: not (spills)
 };
 
 static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int sms) {
@@ -867,25 +776,6 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
     Op* dops;
     CK(cudaMalloc(&dops, nops * sizeof(Op)));
     CK(cudaMemcpy(dops, ops.data(), nops * sizeof(Op), cudaMemcpyHostToDevice));
-    // The same chain over {value, tag} buffers (LL mode of the persistent kernel).
-    u64 *h64, *qkv64, *act64, *logits64;
-    CK(cudaMalloc(&h64, D * 8));
-    CK(cudaMalloc(&qkv64, QKV * 8));
-    CK(cudaMalloc(&act64, FF * 8));
-    CK(cudaMalloc(&logits64, (size_t)V * 8));
-    std::vector<Op> ops_ll = ops;
-    auto to_ll = [&](const float* f) -> float* {
-        return f == h ? (float*)h64 : f == qkvb ? (float*)qkv64 : f == act ? (float*)act64 : (float*)logits64;
-    };
-    for (int j = 0; j < nops; j++) {
-        ops_ll[j].out = to_ll(ops[j].out);
-        ops_ll[j].in = to_ll(ops[j].in);
-        // residual ops (o, down): h was last written two ops before (o of layer 0: by nobody)
-        ops_ll[j].rprev = ops[j].kind == 1 ? (j == 1 ? -1 : j - 2) : -1;
-    }
-    Op* dops_ll;
-    CK(cudaMalloc(&dops_ll, nops * sizeof(Op)));
-    CK(cudaMemcpy(dops_ll, ops_ll.data(), nops * sizeof(Op), cudaMemcpyHostToDevice));
     u32* done;  // per-op counters, then the epoch
     CK(cudaMalloc(&done, (nops + 1) * 4));
     CK(cudaMemset(done, 0, (nops + 1) * 4));
@@ -972,26 +862,6 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         CK(cudaMemcpy(lg.data(), logits, (size_t)V * 4, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(hh.data(), h, D * 4, cudaMemcpyDeviceToHost));
     };
-    std::vector<u64> w64((size_t)V);
-    auto one_step_ll = [&](cudaGraphExec_t ge, std::vector<float>& lg, std::vector<float>& hh) {
-        k_to_ll<<<16, 256, 0, st>>>(h0, h64, D);
-        CK(cudaMemsetAsync(logits64, 0xFF, (size_t)V * 8, st));  // NaN, tag never used
-        CK(cudaMemsetAsync(act64, 0xFF, FF * 8, st));
-        CK(cudaMemsetAsync(qkv64, 0xFF, QKV * 8, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(w64.data(), logits64, (size_t)V * 8, cudaMemcpyDeviceToHost));
-        for (int i = 0; i < V; i++) {
-            const u32 b = (u32)w64[i];
-            memcpy(&lg[i], &b, 4);
-        }
-        CK(cudaMemcpy(w64.data(), h64, D * 8, cudaMemcpyDeviceToHost));
-        for (int i = 0; i < D; i++) {
-            const u32 b = (u32)w64[i];
-            memcpy(&hh[i], &b, 4);
-        }
-    };
     one_step(ge_launch, ref_logits, ref_h);
     {
         int nan = 0;
@@ -1058,8 +928,7 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
             printf("skip cfg nc %d stage %d x %d: %zu bytes of shared memory\n", c.nc, c.stage, c.nst, smem);
             continue;
         }
-        auto kern = c.nc == 23 ? (c.ll ? k_persist<23, false, 4, true> : k_persist<23, false, 4, false>)
-                               : (c.ll ? k_persist<15, true, 4, true> : k_persist<15, true, 4, false>);
+        auto kern = c.nc == 23 ? k_persist<23, false, 4> : k_persist<15, true, 4>;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int occ = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, (c.nc + 1) * 32, smem));
@@ -1070,8 +939,8 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         }
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        kern<<<sms, (c.nc + 1) * 32, smem, st>>>(c.ll ? dops_ll : dops, nops, done, done + nops, c.stage,
-                                                 c.nst, kmax, c.ahead, dstamps);
+        kern<<<sms, (c.nc + 1) * 32, smem, st>>>(dops, nops, done, done + nops, c.stage, c.nst, kmax,
+                                                 c.ahead, dstamps);
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
@@ -1080,10 +949,7 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         long long diff = 0;
         double maxd = 0;
         for (int rep = 0; rep < (c.ahead >= 2 ? 0 : 2); rep++) {
-            if (c.ll)
-                one_step_ll(ge, got_logits, got_h);
-            else
-                one_step(ge, got_logits, got_h);
+            one_step(ge, got_logits, got_h);
             for (int i = 0; i < V; i++)
                 if (memcmp(&got_logits[i], &ref_logits[i], 4)) {
                     diff++;
@@ -1100,8 +966,8 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
         const float t = time_graph(ge, st, reps, 7);
         char name[96];
         const char* mode[] = {" no-ahead", "", " PROBE no-copy", " PROBE no-math"};
-        snprintf(name, sizeof name, "persist%s nc%d ring %dx%dKB%s%s", c.ll ? " LL" : "", c.nc, c.nst,
-                 c.stage / 1024, mode[c.ahead], c.xc ? "" : " x-smem");
+        snprintf(name, sizeof name, "persist nc%d ring %dx%dKB%s%s", c.nc, c.nst, c.stage / 1024,
+                 mode[c.ahead], c.nc == 15 ? "" : " x-smem");
         row(name, t);
         if (!same) printf("   MISMATCH vs launch path: %lld values differ, max |d| %.3g\n", diff, maxd);
         // Time account of the last replay (consumers of each block): dependency wait,
@@ -1142,11 +1008,6 @@ static bool run_shape(const Shape& S, const std::vector<PersistCfg>& cfgs, int s
     CK(cudaFree(sc.xd));
     CK(cudaFree(sc.xs));
     CK(cudaFree(dops));
-    CK(cudaFree(dops_ll));
-    CK(cudaFree(h64));
-    CK(cudaFree(qkv64));
-    CK(cudaFree(act64));
-    CK(cudaFree(logits64));
     CK(cudaFree(done));
     CK(cudaStreamDestroy(st));
     printf("%s: %s\n", S.name, ok ? "all checks passed" : "CHECKS FAILED");
@@ -1161,14 +1022,13 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{"qwen2.5-1.5b", 1536, 256, 8960, 151936, 28},
                             {"llama3-8b", 4096, 1024, 14336, 128256, 32}};
     std::vector<PersistCfg> cfgs = {
-        {15, 32768, 6, 1, 1, 0}, {23, 32768, 6, 1, 0, 0}, {15, 32768, 6, 1, 1, 1}, {23, 32768, 6, 1, 0, 1},
-        {15, 16384, 4, 1, 1, 1}, {15, 32768, 6, 3, 1, 0}, {15, 32768, 6, 3, 1, 1},
+        {15, 32768, 6, 1}, {23, 32768, 6, 1}, {15, 16384, 4, 1}, {15, 32768, 6, 0},
+        {15, 32768, 6, 2}, {15, 32768, 6, 3},
     };
-    if (argc > 2) {  // custom: shape nc stage nst ahead ll [nc stage nst ahead ll ...]
+    if (argc > 2) {  // custom: shape nc stage nst ahead [nc stage nst ahead ...] (nc 15 or 23)
         cfgs.clear();
-        for (int i = 2; i + 4 < argc; i += 5)
-            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]),
-                            atoi(argv[i]) == 15, atoi(argv[i + 4])});
+        for (int i = 2; i + 3 < argc; i += 4)
+            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3])});
     }
     bool ok = true;
     for (const Shape& s : shapes)
