@@ -1813,3 +1813,28 @@ extern "C" __global__ void rope_store_kv_q(const float* m, const float* bq, cons
     rope_store(m, bq, bk, bv, q, k, v, kc, vc, positions, seq_of, table_off, tables, block_size,
                n_head, n_head_kv, ROPE_ANGLE_ARGS_ALL, ks, vs, kt, vt);
 }
+
+// gpt-oss's attention sinks: `attention_q` with a learned logit per query head (sinks[h])
+// joining each softmax's denominator, out = Σ exp(s_j - m) v_j / (Σ exp(s_j - m) + exp(sink -
+// m)). One block per (token tok0 + blockIdx.x, head blockIdx.y), any step size and any
+// cache (ks, vs, kt, vt as attention_q; KV_F16 and null scales for f16 caches).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_sinks(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+                const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+                int n_head, int n_head_kv, int head_dim, float scale, int window, int tok0,
+                const u16* ks, const u16* vs, int kt, int vt, const float* sinks) {
+    pdl_enter();
+    __shared__ float res[ATT_MAX_HD];
+    const int i = tok0 + blockIdx.x, h = blockIdx.y;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, 1, 0, k_begin, k_end);
+    float big, total;
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size, n_head,
+               n_head_kv, head_dim, scale, res, &big, &total, ks, vs, kt, vt);
+    const float sink = sinks[h];
+    const float m = total > 0.0f ? fmaxf(big, sink) : sink;
+    const float keep = total > 0.0f ? expf(big - m) : 0.0f;
+    const float norm = keep / (total * keep + expf(sink - m));
+    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = res[d] * norm;
+}

@@ -28,6 +28,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_prefill_mma128",
     "attention_prefill_mma64_q",
     "attention_prefill_mma128_q",
+    "attention_sinks",
 ];
 
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -505,15 +506,12 @@ pub(crate) fn attention(
             // Each token with the split count its own single-token step would take (the
             // count follows the sequence's length rounded up to a power of two): runs of
             // tokens sharing one, a launch each.
-            let lens: Vec<usize> = (0..n).map(|i| step.position(i) + 1).collect();
+            let bucket = |i: usize| (step.position(i) + 1).next_power_of_two();
             let mut start = 0;
             while start < n {
-                let bucket = lens[start].next_power_of_two();
-                let len = lens[start..]
-                    .iter()
-                    .take_while(|l| l.next_power_of_two() == bucket)
-                    .count();
-                backend.attention_short(&ctx, p, step, start, len, Some(bucket));
+                let first = bucket(start);
+                let len = (start..n).take_while(|&i| bucket(i) == first).count();
+                backend.attention_short(&ctx, p, step, start, len, Some(first));
                 start += len;
             }
             return Prepared::Nothing;
@@ -552,6 +550,74 @@ pub(crate) fn attention(
         return quantized;
     }
     Prepared::Nothing
+}
+
+/// Attention with a learned logit per query head joining each softmax's denominator
+/// (gpt-oss's sinks): `attention_sinks`, one block per (token, head) over any cache, for
+/// decode and prompts alike.
+#[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
+pub(crate) fn attention_sinks(
+    backend: &CudaBackend,
+    q: &CudaTensor,
+    cache: &CudaCache,
+    p: &AttnParams,
+    sinks: &CudaWeight,
+    step: &CudaStep,
+    n: usize,
+    out: &mut CudaTensor,
+) -> anyhow::Result<()> {
+    let CudaWeight::Vector { ptr, len, .. } = sinks else {
+        bail!("attention sinks: expected a vector weight, got a matrix");
+    };
+    if *len != p.n_head {
+        bail!("{len} attention sinks for {} heads", p.n_head);
+    }
+    if p.head_dim > MAX_HEAD_DIM {
+        bail!(
+            "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
+            p.head_dim
+        );
+    }
+    if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
+        bail!("attention: bad geometry for layer {}", p.layer);
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+    let quant = if cache.quantized() {
+        cache.quant_args(p.layer)
+    } else {
+        [Arg::P(0), Arg::P(0), Arg::I(0), Arg::I(0)]
+    };
+    let args = [
+        &[
+            Arg::P(q.ptr),
+            Arg::P(cache.k_ptr[p.layer]),
+            Arg::P(cache.v_ptr[p.layer]),
+            Arg::P(out.ptr),
+        ][..],
+        &step.slot_args(),
+        &[
+            Arg::I(cache.block_size as i32),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.n_head_kv as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::F(p.scale),
+            Arg::I(window),
+            Arg::I(0),
+        ],
+        &quant,
+        &[Arg::P(*ptr)],
+    ]
+    .concat();
+    backend.launch(
+        "attention_sinks",
+        (n as u32, p.n_head as u32, 1),
+        128,
+        &args,
+    );
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend

@@ -73,6 +73,9 @@ pub const SUPPORTED_TYPES: &[GgmlType] = &[
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Number of CUDA devices, or an error saying why there are none usable.
@@ -460,20 +463,31 @@ impl kestrel_model::Backend for CudaBackend {
         self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
     }
 
-    fn invariant_max_tokens(&self) -> usize {
-        INVARIANT_MAX_TOKENS
+    fn attention_sinks(
+        &self,
+        q: &CudaTensor,
+        cache: &CudaCache,
+        params: &AttnParams,
+        sinks: &CudaWeight,
+        step: &CudaStep,
+        n: usize,
+        out: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        attention::attention_sinks(self, q, cache, params, sinks, step, n, out)
     }
 
-    fn check_model(&self, cfg: &kestrel_model::ModelConfig) -> anyhow::Result<()> {
-        // A tiny synthetic Phi-3 gave other greedy tokens than the CPU from the 4th on
-        // (H100, 2026-11-26): refused until gpu-check covers it.
-        if cfg.arch == kestrel_model::Arch::Phi3 {
-            anyhow::bail!(
-                "phi3 is not yet verified on the {} backend; use --device cpu",
-                self.name()
-            );
-        }
-        Ok(())
+    fn scale_by_position(
+        &self,
+        x: &mut CudaTensor,
+        temp: &kestrel_model::AttnTemperature,
+        step: &CudaStep,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        norm_rope::scale_by_position(self, x, temp, step, n)
+    }
+
+    fn invariant_max_tokens(&self) -> usize {
+        INVARIANT_MAX_TOKENS
     }
 
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CudaWeight> {

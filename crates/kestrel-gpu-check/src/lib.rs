@@ -13,11 +13,30 @@ use rand::{Rng, SeedableRng};
 
 use kestrel_cuda::CudaBackend;
 
-pub const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+pub const ARCHS: [Arch; 6] = [
+    Arch::Llama,
+    Arch::Qwen2,
+    Arch::Qwen3,
+    Arch::Gemma3,
+    Arch::Phi3,
+    Arch::Mistral3,
+];
+
+/// The architectures tensor parallelism takes (`TpPlan::new`): the TP checks' list.
+pub const TP_ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+
+/// The architectures of the attention-kernel logit checks (attention shapes, quantized
+/// caches), whose fixed bounds were measured on their tiny models (weights at 0.02).
+/// Phi-3's and Mistral 3's (at ~1.3 / sqrt(n_embd), so more yet at the shapes' wider
+/// embeddings) amplify each rounding about three times as much (f32 path: 0.3% of the
+/// largest logit against Llama's 0.09%; H100, a q8_0 key cache: 1.6% against the 1% bound);
+/// those kernels do not depend on the architecture, whose own checks cover the rest.
+pub const KERNEL_ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
 /// The weight types every check covers (`q4_k_m` mixes Q4_K, Q6_K and their fallbacks).
-pub const TYPES: [&str; 10] = [
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m", "q5_k", "q6_k",
+pub const TYPES: [&str; 13] = [
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m", "q5_k", "q6_k", "iq4_nl",
+    "iq4_xs", "mxfp4",
 ];
 
 /// Smallest share of positions whose top-1 token must agree.
@@ -34,7 +53,9 @@ pub const MAX_REL_DIFF_Q8: f32 = 2.5e-2;
 /// gemma3 q4_k_m, tenth session: 2.0–2.7% against 1.2–1.6% one-sided.
 pub const MAX_REL_DIFF_Q8_BOTH: f32 = 3.5e-2;
 /// Model types whose single-token GEMVs can run on 8-bit activations.
-pub const Q8_TYPES: [&str; 4] = ["q8_0", "q4_0", "q4_k_m", "q6_k"];
+pub const Q8_TYPES: [&str; 7] = [
+    "q8_0", "q4_0", "q4_k_m", "q6_k", "iq4_nl", "iq4_xs", "mxfp4",
+];
 
 /// A tiny random-weight model of `arch` with weights of type `ty`, in memory.
 pub fn tiny_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
@@ -179,7 +200,20 @@ pub struct LogitReport {
     pub q8: bool,
     /// Whether the reference ran on 8-bit activations too (a GPU run against a GPU run).
     pub q8_reference: bool,
+    /// For `q8` runs against the f32 CPU: the model's own spread under 8-bit activations,
+    /// max |Δ logit| between the CPU with llama.cpp's rounding (matmul inputs to Q8_0 / Q8_K)
+    /// and the f32 CPU on the same tokens (0 when not measured).
+    pub q8_spread: f32,
 }
+
+/// How many times the CPU's own 8-bit spread ([`LogitReport::q8_spread`]) a GPU run on
+/// 8-bit activations may differ from the f32 CPU, where that exceeds [`MAX_REL_DIFF_Q8`]:
+/// no more than llama.cpp's own rounding moves the logits. The models with weights at ~1.3
+/// / sqrt(n_embd) (phi3, mistral3 and the newer tiny models) amplify each product's
+/// rounding more than the 0.02 ones the fixed bound was measured on: tiny Phi-3 IQ4_XS, the
+/// CPU's spread 5.2% of the largest logit and the H100's 8-bit path 2.8% (Llama: 2.1% and
+/// 1.0%).
+pub const Q8_SPREAD_FACTOR: f32 = 1.0;
 
 /// Near-tie width for [`LogitReport::top1_agreement_ties`], relative to max(1, max |logit|).
 pub const TIE_REL: f32 = 3e-3;
@@ -194,9 +228,21 @@ impl LogitReport {
         }
     }
 
-    /// The largest |Δ logit| allowed: [`Self::max_rel_diff`] of max(1, max |logit|).
+    /// The largest |Δ logit| allowed: [`Self::max_rel_diff`] of max(1, max |logit|), or
+    /// for 8-bit runs [`Q8_SPREAD_FACTOR`] times the CPU's own 8-bit spread if larger (√2
+    /// times that where both sides ran on 8-bit activations, rounded independently).
     pub fn max_abs_bound(&self) -> f32 {
-        self.max_rel_diff() * self.max_abs_logit.max(1.0)
+        let fixed = self.max_rel_diff() * self.max_abs_logit.max(1.0);
+        let spread = if self.q8_reference {
+            std::f32::consts::SQRT_2 * self.q8_spread
+        } else {
+            self.q8_spread
+        };
+        if self.q8 {
+            fixed.max(Q8_SPREAD_FACTOR * spread)
+        } else {
+            fixed
+        }
     }
 
     pub fn passed(&self) -> bool {
@@ -282,7 +328,27 @@ fn compare_logits_in(
     );
     let mut report = logit_report(arch, ty, &a, &b);
     report.q8 = q8;
+    if q8 {
+        report.q8_spread = cpu_q8_spread(&file, &tokens, &a)?;
+    }
     Ok(report)
+}
+
+/// Max |Δ logit| between the CPU with llama.cpp's 8-bit rounding and `f32_logits` (the f32
+/// CPU's logits of `tokens`).
+pub fn cpu_q8_spread(
+    file: &Arc<GgufFile>,
+    tokens: &[u32],
+    f32_logits: &[Vec<f32>],
+) -> anyhow::Result<f32> {
+    let backend = CpuBackend::with_numerics(Kernels::Fast, Numerics::Ggml);
+    let mut cpu = Engine::new(backend, file.clone(), &options(256))?;
+    let c = all_logits(&mut cpu, tokens)?;
+    Ok(c.iter()
+        .flatten()
+        .zip(f32_logits.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max))
 }
 
 /// Compares rows of logits (`a` the reference).
@@ -299,6 +365,7 @@ fn logit_report(arch: Arch, ty: &str, a: &[Vec<f32>], b: &[Vec<f32>]) -> LogitRe
         non_finite: 0,
         q8: false,
         q8_reference: false,
+        q8_spread: 0.0,
     };
     for (ra, rb) in a.iter().zip(b) {
         for (x, y) in ra.iter().zip(rb) {
@@ -436,6 +503,12 @@ fn compare_batched_of(
     // and so do the same steps of each sequence alone.
     report.q8 = gpu.backend.q8_decode();
     report.q8_reference = report.q8;
+    if report.q8 {
+        // The model's sensitivity to 8-bit rounding, on the first sequence's tokens.
+        let mut cpu = cpu_engine(&file)?;
+        let f32_logits = all_logits(&mut cpu, &prompts[0])?;
+        report.q8_spread = cpu_q8_spread(&file, &prompts[0], &f32_logits)?;
+    }
     Ok(report)
 }
 
@@ -749,7 +822,7 @@ impl GemvReport {
 }
 
 /// Types the GEMV kernels read (others use the general matmul kernel).
-pub const GEMV_TYPES: [GgmlType; 8] = [
+pub const GEMV_TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q6K,
     GgmlType::Q8_0,
@@ -758,6 +831,21 @@ pub const GEMV_TYPES: [GgmlType; 8] = [
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::F32,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
+];
+
+/// Types the 8-bit GEMVs read (single-token gate/up launches and residual adds are checked
+/// on these): the tensor-core kernels' formats and the 4-bit codebook ones.
+pub const Q8_GEMV_TYPES: [GgmlType; 7] = [
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// A random `rows × cols` matrix of type `ty`, uploaded, and its dequantized values.
@@ -933,7 +1021,7 @@ fn rel_error(
 /// the first two).
 pub fn gemv_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, usize, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+    let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::IQ4XS) {
         256
     } else {
         32
@@ -1640,6 +1728,32 @@ pub fn compare_attention_cache(
     positions: usize,
     seed: u64,
 ) -> anyhow::Result<AttnReport> {
+    attention_against_f64(backend, heads, kv, positions, seed, None)
+}
+
+/// [`compare_attention_cache`] for gpt-oss's attention (`Backend::attention_sinks`): a
+/// random logit per query head (of the scores' order) joins each softmax's denominator, over
+/// a sliding window of `window` positions (None: all).
+pub fn compare_attention_sinks(
+    backend: &CudaBackend,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    positions: usize,
+    window: Option<usize>,
+    seed: u64,
+) -> anyhow::Result<AttnReport> {
+    attention_against_f64(backend, heads, kv, positions, seed, Some(window))
+}
+
+/// `sinks`: None for plain attention; Some(window) for attention with sinks over that window.
+fn attention_against_f64(
+    backend: &CudaBackend,
+    heads: (usize, usize, usize),
+    kv: KvTypes,
+    positions: usize,
+    seed: u64,
+    sinks: Option<Option<usize>>,
+) -> anyhow::Result<AttnReport> {
     use kestrel_model::{AttnParams, Backend, ModelConfig};
     let file = tiny_model_heads(Arch::Llama, "f16", seed, heads)?;
     let cfg = ModelConfig::from_gguf(&file)?;
@@ -1694,7 +1808,24 @@ pub fn compare_attention_cache(
         n_head_kv,
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
-        window: None,
+        window: sinks.flatten(),
+    };
+    let sink_logits: Vec<f32> = (0..n_head)
+        .map(|_| rng.random_range(-3.0f32..3.0))
+        .collect();
+    let sink_weight = match sinks {
+        Some(_) => {
+            let bytes: Vec<u8> = sink_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+            Some(backend.load_weight_bytes(&kestrel_cuda::WeightSource {
+                name: "blk.0.attn_sinks.weight",
+                ty: GgmlType::F32,
+                dims: &[n_head as u64],
+                data: &bytes,
+                gathered_only: false,
+                shape_of: &|_| None,
+            })?)
+        }
+        None => None,
     };
     let mut report = AttnReport {
         kv,
@@ -1717,7 +1848,12 @@ pub fn compare_attention_cache(
             .collect();
         let qt = backend.upload_tensor(n, width, &q)?;
         let mut out = backend.upload_tensor(n, width, &vec![f32::NAN; n * width])?;
-        backend.attention(&qt, &cache, &p, &step, n, &mut out);
+        match &sink_weight {
+            Some(w) => backend.attention_sinks(&qt, &cache, &p, w, &step, n, &mut out)?,
+            None => {
+                backend.attention(&qt, &cache, &p, &step, n, &mut out);
+            }
+        }
         let mut got = Vec::new();
         backend.read_rows(&out, n, &mut got)?;
         for i in 0..n {
@@ -1725,7 +1861,8 @@ pub fn compare_attention_cache(
             for h in 0..n_head {
                 let g = h / (n_head / n_head_kv);
                 let qh = &q[i * width + h * hd..i * width + (h + 1) * hd];
-                let scores: Vec<f64> = (0..=pos)
+                let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let scores: Vec<f64> = (lo..=pos)
                     .map(|t| {
                         let kr = &kf[t * kv_dim + g * hd..t * kv_dim + (g + 1) * hd];
                         qh.iter()
@@ -1735,14 +1872,19 @@ pub fn compare_attention_cache(
                             * f64::from(p.scale)
                     })
                     .collect();
-                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let sink = sink_weight.as_ref().map(|_| f64::from(sink_logits[h]));
+                let max = scores
+                    .iter()
+                    .copied()
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let sum: f64 = w.iter().sum();
+                let sum: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
                 for d in 0..hd {
                     let want: f64 = w
                         .iter()
                         .enumerate()
-                        .map(|(t, wt)| wt * vf[t * kv_dim + g * hd + d])
+                        .map(|(t, wt)| wt * vf[(lo + t) * kv_dim + g * hd + d])
                         .sum::<f64>()
                         / sum;
                     let have = got[i * width + h * hd + d];
@@ -1919,6 +2061,35 @@ pub fn compare_logits_cache(
 
 #[cfg(test)]
 mod tests {
+    /// The CPU's 8-bit spread is measured (rounding changes the logits, by less than they
+    /// are large) and is the larger on the models with wider weights.
+    #[test]
+    fn cpu_q8_spread_is_measured_and_grows_with_the_weights() {
+        let spread = |arch, ty| {
+            let file = tiny_model(arch, ty, 7).unwrap();
+            let mut cpu = cpu_engine(&file).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+            let tokens: Vec<u32> = (0..150).map(|_| rng.random_range(0..512)).collect();
+            let a = all_logits(&mut cpu, &tokens).unwrap();
+            let max = a.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+            let s = cpu_q8_spread(&file, &tokens, &a).unwrap();
+            eprintln!(
+                "{arch:?} {ty}: 8-bit spread {s:.3e} of {max:.3e} ({:.2}%)",
+                100.0 * s / max
+            );
+            assert!(
+                s.is_finite() && s > 0.0 && s < max,
+                "{arch:?} {ty}: {s} of {max}"
+            );
+            s / max
+        };
+        let phi3 = spread(Arch::Phi3, "iq4_xs");
+        let llama = spread(Arch::Llama, "iq4_xs");
+        spread(Arch::Phi3, "q4_k_m");
+        spread(Arch::Mistral3, "iq4_nl");
+        assert!(phi3 > llama, "phi3 {phi3} vs llama {llama}");
+    }
+
     use super::*;
 
     /// kernels/attention.cu's `f32_to_e4m3`, transcribed, to check its bit arithmetic

@@ -93,7 +93,7 @@ fn verification_steps_are_batch_invariant() {
     }
     let mut rng = rand::rng();
     for arch in ARCHS {
-        for ty in ["q4_k_m", "q8_0", "f16"] {
+        for ty in ["q4_k_m", "q8_0", "f16", "iq4_xs"] {
             let seed = rng.random();
             let r = selfcheck::compare_invariant(arch, ty, seed, 0).expect("steps run");
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
@@ -159,6 +159,30 @@ fn attention_over_every_cache_type_matches_f64() {
     }
 }
 
+/// gpt-oss's attention (`attention_sinks`: a logit per head in each softmax's denominator),
+/// over all keys and over a sliding window, on every cache type, against f64.
+#[test]
+fn attention_with_sinks_matches_f64() {
+    if !gpu_present("attention_with_sinks_matches_f64") {
+        return;
+    }
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for heads in selfcheck::ATTN_SHAPES {
+        for (k, v) in selfcheck::ATTN_CACHE_TYPES {
+            let kv = kestrel_model::KvTypes { k, v };
+            let (n, seed) = (rng.random_range(40..300), rng.random());
+            let window = [None, Some(rng.random_range(1..n))][rng.random_range(0..2)];
+            let r = selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, seed)
+                .expect("attention runs");
+            assert!(
+                r.passed(),
+                "{heads:?} {k}/{v} {window:?} (seed {seed}): {r:?}"
+            );
+        }
+    }
+}
+
 /// Logits with a quantized cache on both backends (the GPU reading it through its `_q`
 /// attention kernels in decode steps and prompt chunks), within the f16 check's bound.
 #[test]
@@ -167,7 +191,7 @@ fn quantized_cache_logits_match_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let kv = kestrel_model::KvTypes { k, v };
@@ -226,7 +250,7 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for arch in ARCHS {
+    for arch in selfcheck::TP_ARCHS {
         for ty in ["f32", "q8_0", "q4_k_m"] {
             let n = rng.random_range(130..260);
             let seed = rng.random();
@@ -244,4 +268,101 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
         let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
         assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
     }
+}
+
+/// The 4-bit codebook formats (IQ4_NL, IQ4_XS, MXFP4) in every GEMV-family product (plain,
+/// gate/up, residual add; 1..=8 tokens, awkward sizes) and through cuBLAS (prompt-sized)
+/// against f64 over their dequantized rows; then every architecture's logits in those
+/// formats against the CPU, on f32 and on 8-bit activations.
+#[test]
+fn codebook_formats_match_f64_and_cpu() {
+    if !gpu_present("codebook_formats_match_f64_and_cpu") {
+        return;
+    }
+    use kestrel_gguf::GgmlType;
+    use selfcheck::Product;
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for ty in [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4] {
+        for product in [Product::Plain, Product::Gated, Product::AddInto] {
+            for (rows, cols, n, seed) in selfcheck::gemv_cases(ty, rng.random()) {
+                let r = selfcheck::compare_gemv(&backend, ty, rows, cols, n, seed, product)
+                    .expect("product runs");
+                assert!(r.passed(), "{ty} {product:?} (seed {seed}): {r:?}");
+            }
+        }
+        for (rows, cols, n, seed) in selfcheck::gemm_cases(ty, rng.random()) {
+            let r = selfcheck::compare_gemv(&backend, ty, rows, cols, n, seed, Product::Plain)
+                .expect("product runs");
+            assert!(r.passed(), "{ty} gemm (seed {seed}): {r:?}");
+        }
+    }
+    drop(backend);
+    for arch in ARCHS {
+        for ty in ["iq4_nl", "iq4_xs", "mxfp4"] {
+            for q8 in [false, true] {
+                let n = rng.random_range(130..260);
+                let seed = rng.random();
+                let r =
+                    selfcheck::compare_logits(arch, ty, n, seed, 0, q8).expect("comparison runs");
+                eprintln!(
+                    "{arch:?} {ty} q8 {q8}: max |Δ| {:.2e} (bound {:.2e}, 8-bit spread {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                    r.max_abs_diff,
+                    r.max_abs_bound(),
+                    r.q8_spread,
+                    r.top1_agreement * 100.0,
+                    r.top1_agreement_ties * 100.0
+                );
+                assert!(r.passed(), "{arch:?} {ty} q8 {q8} (seed {seed}): {r:?}");
+            }
+        }
+    }
+}
+
+/// The dense families added to the GPU, phi3 (fused Q/K/V and gate/up) and mistral3 (YaRN,
+/// attention temperature): logits on f32 and 8-bit activations, and greedy generations.
+#[test]
+fn phi3_and_mistral3_match_cpu() {
+    if !gpu_present("phi3_and_mistral3_match_cpu") {
+        return;
+    }
+    use kestrel_model::Arch;
+    let mut rng = rand::rng();
+    for arch in [Arch::Phi3, Arch::Mistral3] {
+        for (ty, q8) in [
+            ("f32", false),
+            ("q8_0", false),
+            ("q4_k_m", false),
+            ("q4_k_m", true),
+        ] {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = selfcheck::compare_logits(arch, ty, n, seed, 0, q8).expect("comparison runs");
+            eprintln!(
+                "{arch:?} {ty} q8 {q8}: max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.max_abs_diff,
+                r.max_abs_bound(),
+                r.top1_agreement * 100.0,
+                r.top1_agreement_ties * 100.0
+            );
+            assert!(r.passed(), "{arch:?} {ty} q8 {q8} (seed {seed}): {r:?}");
+        }
+    }
+    let mut failed = Vec::new();
+    for arch in [Arch::Phi3, Arch::Mistral3, Arch::Llama] {
+        for ty in ["f32", "f16"] {
+            for _ in 0..3 {
+                let seed = rng.random();
+                let r = selfcheck::compare_greedy(arch, ty, 64, seed, 0).expect("generation runs");
+                eprintln!(
+                    "{arch:?} {ty} greedy (seed {seed}): first difference {:?}",
+                    r.first_difference
+                );
+                if !r.passed() {
+                    failed.push(format!("{arch:?} {ty} (seed {seed}): {r:?}"));
+                }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
 }

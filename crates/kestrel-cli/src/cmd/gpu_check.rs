@@ -67,7 +67,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             if ok { "ok" } else { "FAIL" }
         );
     }
-    for (i, arch) in ARCHS.iter().enumerate() {
+    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
             match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
@@ -266,7 +266,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(backend);
     let positions = args.positions.clamp(1, 512);
     println!(
-        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\")",
+        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\", or the CPU's own 8-bit spread if larger)",
         selfcheck::TIE_REL,
         MIN_TOP1_AGREEMENT * 100.0,
         selfcheck::MAX_REL_DIFF_Q8,
@@ -332,7 +332,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!(
         "decode attention shapes (query heads/kv heads/head size), f16, f32 activations, steps of 1-8 tokens at lengths 3-{positions}:"
     );
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
             let case_seed = seed.wrapping_add(1_000 + (ia * 10 + is) as u64);
             let (h, kv, d) = heads;
@@ -406,6 +406,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     }
                 }
             }
+            // gpt-oss's attention: sinks, over all keys and over a 16-key window.
+            for window in [None, Some(16)] {
+                let n = 40 + positions;
+                let r =
+                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
+                let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
+                match r {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label}: ERROR {e:#}");
+                    }
+                }
+            }
             match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
                 Ok(r) => {
                     failures += usize::from(!r.passed());
@@ -427,7 +451,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     drop(backend);
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let case_seed = seed.wrapping_add(1_200 + (ia * 10 + ik) as u64);
@@ -532,7 +556,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
-        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k"] {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k", "iq4_xs"] {
             let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
             match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
                 Ok(r) => {
@@ -725,7 +749,7 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     // Single-token gate/up launches (gate and up read together; `gemv_ws` for Q4_K).
     ProductCheck {
         kind: "gemv-gated",
-        types: &selfcheck::MMQ_TYPES,
+        types: &selfcheck::Q8_GEMV_TYPES,
         cases: selfcheck::gemv_cases,
         product: Product::Gated,
         q8: Some(true),
@@ -800,7 +824,7 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     // tensor-core kernels add into the residual themselves, cuBLAS with beta = 1.
     ProductCheck {
         kind: "gemv-add",
-        types: &selfcheck::MMQ_TYPES,
+        types: &selfcheck::Q8_GEMV_TYPES,
         cases: selfcheck::gemv_cases,
         product: Product::AddInto,
         q8: None,
