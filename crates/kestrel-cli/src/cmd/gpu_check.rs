@@ -203,6 +203,65 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
     }
 }
 
+/// The mixture-of-experts checks: the tiny Qwen3-MoE models' logits against the CPU in
+/// every format the expert kernels read (steps of 100, 40 and 1–8 tokens), greedy ids, and
+/// batch-invariant steps. Returns the failures.
+fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
+    let mut failures = 0;
+    println!("mixture of experts (qwen3moe, experts/used), teacher-forced against the CPU:");
+    for (is, &shape) in selfcheck::MOE_SHAPES.iter().enumerate() {
+        for (it, &ty) in selfcheck::MOE_TYPES.iter().enumerate() {
+            let case_seed = seed.wrapping_add(20_000 + (is * 100 + it) as u64);
+            let label = format!("moe      {}/{:<6} {:<8}", shape.0, shape.1, ty);
+            let result =
+                selfcheck::compare_logits_moe(ty, shape, positions, case_seed, args.gpu, false);
+            failures += usize::from(!print_logit_report(&label, result));
+        }
+    }
+    let moe = kestrel_model::Arch::Qwen3Moe;
+    for (it, ty) in ["f16", "q4_k_m", "q8_0"].into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(21_000 + it as u64);
+        match selfcheck::compare_greedy(moe, ty, args.generate, case_seed, args.gpu) {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                let detail = match r.first_difference {
+                    None => "identical".to_string(),
+                    Some((i, gap)) => format!("differ from token {i} (CPU logit gap {gap:.2e})"),
+                };
+                println!(
+                    "moe greedy {ty:<8} {detail}  {}",
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("moe greedy {ty:<8} ERROR {e:#}");
+            }
+        }
+        match selfcheck::compare_invariant(moe, ty, case_seed, args.gpu) {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                println!(
+                    "moe invariant {ty:<8} {} rows, {} differ (max |Δ| {:.2e}); ids {}, {} drafted  {}",
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    if r.spec == r.plain { "equal" } else { "DIFFER" },
+                    r.drafted,
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("moe invariant {ty:<8} ERROR {e:#}");
+            }
+        }
+    }
+    failures
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.bench {
         return bench(&args, path);
@@ -558,6 +617,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += moe_checks(&args, seed, positions);
     println!(
         "sampled generation, {} tokens drawn on the GPU (t 0.9, top-k 40, top-p 0.95, min-p 0.05, penalties) vs the host's definition on the same logits (teacher-forced, same seed): pass if every other draw is at an interval's edge (u or top-p moved by 1e-6) and those are <= 5%:",
         args.generate
