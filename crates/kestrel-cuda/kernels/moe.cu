@@ -6,7 +6,7 @@
 // independently of the others, so a token's result is the same whatever else the step
 // holds (decode, grouped prefill, batch-invariant verification).
 //
-// Steps of up to MOE_DEC_MAX_T tokens: moe_route, moe_gate_up (one block row per (token,
+// Every step: moe_router (f32 logits), moe_route. Steps of up to 8 tokens then: moe_gate_up (one block row per (token,
 // slot) pair, the expert id read from the device), moe_down (each token's row summed over
 // its k experts in slot order, no atomics). Larger steps group the pairs by expert
 // (moe_group), gather their inputs (moe_gather), run tiles of up to GV_MAX_T pairs of one
@@ -27,6 +27,30 @@ __device__ __forceinline__ float moe_act(float g, float u, int act, float alpha,
         return __fmul_rn(__fdiv_rn(x, 1.0f + expf(__fmul_rn(alpha, -x))), y + 1.0f);
     }
     return __fmul_rn(gv_act(g, act), u);
+}
+
+// Router logits in f32 (as llama.cpp keeps the router): block (group of MOE_ROWS experts,
+// tile of up to GV_MAX_T tokens), logits[t][e] = w_e · x[t]. Each token's sums are its own
+// (the same whatever the step's size).
+extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_router(const float* x, int d,
+                                                                     int n, const u8* w,
+                                                                     long long rb, int ty,
+                                                                     int ne, float* logits) {
+    pdl_enter();
+    const int e = blockIdx.x * MOE_ROWS + (threadIdx.x >> 5), t0 = blockIdx.y * GV_MAX_T;
+    if (e >= ne) return;
+    const int nt = min(GV_MAX_T, n - t0);
+    float acc[GV_MAX_T];
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) acc[t] = 0.0f;
+    row_dot_any(ty, w + (size_t)e * rb, x + (size_t)t0 * d, d, nt, threadIdx.x & 31, 32, acc);
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++)
+        if (t < nt) acc[t] = warp_sum(acc[t]);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int t = 0; t < GV_MAX_T; t++)
+            if (t < nt) logits[(size_t)(t0 + t) * ne + e] = acc[t];
 }
 
 // Per token (one warp each): ids[t·k + s] and wts[t·k + s] of its k experts, in decreasing

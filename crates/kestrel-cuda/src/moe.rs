@@ -1,5 +1,8 @@
 //! Mixture-of-experts blocks on the device (kernels/moe.cu): the stacked expert matrices
-//! uploaded in their block layout, the router's logits by the ordinary product, the
+//! uploaded in their block layout, the router's logits in f32 (`moe_router`: as llama.cpp
+//! keeps the router, and the same for a token whatever the step's size; the ordinary
+//! product rounds a multi-token step's inputs to f16 or int8, which moves near-tied
+//! routes), the
 //! routing of `kestrel_model::moe::route` per token in a kernel (expert ids and weights
 //! stay on the device), then only the selected experts' rows read:
 //! - steps of up to [`MOE_DEC_MAX_TOKENS`] tokens: one launch for gate+up (activation
@@ -20,6 +23,7 @@ use kestrel_model::{Gating, MoeConfig};
 
 /// The kernels this module launches (kernels/moe.cu).
 pub(crate) const KERNELS: &[&str] = &[
+    "moe_router",
     "moe_route",
     "moe_gate_up",
     "moe_down",
@@ -58,7 +62,7 @@ pub const EXPERT_TYPES: &[GgmlType] = &[
 pub(crate) struct MoeScratch {
     /// (tokens, experts, used, n_embd, n_ff_exp) they were sized for.
     dims: (usize, usize, usize, usize, usize),
-    logits: CudaTensor,
+    logits: CudaSlice<f32>,
     ids: CudaSlice<i32>,
     wts: CudaSlice<f32>,
     /// Gated activations, one row of n_ff_exp per pair.
@@ -85,7 +89,7 @@ impl MoeScratch {
         let big = |len: usize| if grouped { len } else { 1 };
         Ok(MoeScratch {
             dims,
-            logits: weights::new_tensor(b, n, ne)?,
+            logits: b.alloc(n * ne, "router logits")?,
             ids: b.alloc(pairs, "expert ids")?,
             wts: b.alloc(pairs, "expert weights")?,
             act: b.alloc(pairs * ff, "expert activations")?,
@@ -228,10 +232,7 @@ pub(crate) fn moe_ffn(
             x.rows
         );
     }
-    match router {
-        CudaWeight::Matrix { rows, cols, .. } if *rows == ne && *cols == d => {}
-        _ => bail!("the router (ffn_gate_inp) is not a {ne}×{d} matrix"),
-    }
+    let (wr, tyr, rbr) = expert_matrix(router, ne, d, "the router (ffn_gate_inp)")?;
     let (wg, tyg, rbg) = expert_matrix(&layer.ffn_gate, ne * ff, d, "ffn_gate_exps")?;
     let (wu, tyu, rbu) = expert_matrix(&layer.ffn_up, ne * ff, d, "ffn_up_exps")?;
     let (wd, tyd, rbd) = expert_matrix(&layer.ffn_down, ne * d, ff, "ffn_down_exps")?;
@@ -266,14 +267,34 @@ pub(crate) fn moe_ffn(
     }
     let s = guard.as_mut().expect("allocated above");
 
-    matmul::matmul(b, x, &mut Prepared::Nothing, router, n, &mut s.logits);
-    let (ids, wts, a) = (b.ptr(&s.ids), b.ptr(&s.wts), b.ptr(&s.act));
+    let (logits, ids, wts, a) = (
+        b.ptr(&s.logits),
+        b.ptr(&s.ids),
+        b.ptr(&s.wts),
+        b.ptr(&s.act),
+    );
+    b.launch_reading(
+        "moe_router",
+        (ne.div_ceil(ROWS) as u32, n.div_ceil(TILE) as u32, 1),
+        128,
+        &[
+            Arg::P(x.ptr),
+            Arg::I(d as i32),
+            Arg::I(n as i32),
+            Arg::P(wr),
+            Arg::L(rbr),
+            Arg::I(tyr),
+            Arg::I(ne as i32),
+            Arg::P(logits),
+        ],
+        (ne * rbr as usize) as u64,
+    );
     b.launch(
         "moe_route",
         (n as u32, 1, 1),
         32,
         &[
-            Arg::P(s.logits.ptr),
+            Arg::P(logits),
             Arg::P(router_bias),
             Arg::I(ne as i32),
             Arg::I(k as i32),

@@ -91,18 +91,69 @@ pub fn tiny_moe_model(ty: &str, seed: u64, shape: (usize, usize)) -> anyhow::Res
     model_of(cfg, ty, seed)
 }
 
-/// [`compare_logits`] on [`tiny_moe_model`]: steps of 100 tokens (the grouped expert
-/// kernels), 40, and 1 to 8 (the decode ones).
+/// Least share of positions whose max |Δ logit| must be within the bound in the
+/// mixture-of-experts logits check: the GPU's multi-token dense products round their inputs
+/// (f16 or int8), and a token whose router logits are near a tie then takes another expert
+/// than the CPU's, which moves its logits by O(1) and later tokens' (through attention) a
+/// little. The block itself is held to f32 agreement by [`compare_moe_block`].
+pub const MOE_MIN_WITHIN: f64 = 0.9;
+
+/// Result of [`compare_logits_moe`].
+#[derive(Debug, Clone)]
+pub struct MoeLogitReport {
+    pub logits: LogitReport,
+    /// Share of positions whose max |Δ logit| is within [`LogitReport::max_abs_bound`].
+    pub within: f64,
+}
+
+impl MoeLogitReport {
+    pub fn passed(&self) -> bool {
+        self.logits.non_finite == 0
+            && self.logits.top1_agreement_ties >= MIN_TOP1_AGREEMENT
+            && self.within >= MOE_MIN_WITHIN
+    }
+}
+
+/// [`compare_logits`] on [`tiny_moe_model`] (the GPU on f32 activations where it has the
+/// choice): steps of 100 tokens (the grouped expert kernels), 40, and 1 to 8 (the decode
+/// ones); passes by [`MoeLogitReport::passed`].
 pub fn compare_logits_moe(
     ty: &str,
     shape: (usize, usize),
     n: usize,
     seed: u64,
     ordinal: usize,
-    q8: bool,
-) -> anyhow::Result<LogitReport> {
+) -> anyhow::Result<MoeLogitReport> {
     let file = tiny_moe_model(ty, seed, shape)?;
-    compare_logits_in(file, Arch::Qwen3Moe, ty, n, seed, ordinal, q8, &PARTS)
+    let mut cpu = cpu_engine(&file)?;
+    let mut gpu = cuda_engine(&file, ordinal)?;
+    gpu.backend.set_q8_decode(false);
+    let vocab = cpu.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let a = all_logits(&mut cpu, &tokens)?;
+    let b = all_logits_in_parts(&mut gpu, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        a.len() == n && b.len() == n,
+        "expected {n} rows of logits, got {} (cpu) and {} (cuda)",
+        a.len(),
+        b.len()
+    );
+    let logits = logit_report(Arch::Qwen3Moe, ty, &a, &b);
+    let bound = logits.max_abs_bound();
+    let ok = a
+        .iter()
+        .zip(&b)
+        .filter(|(ra, rb)| {
+            ra.iter()
+                .zip(rb.iter())
+                .all(|(x, y)| (x - y).abs() <= bound)
+        })
+        .count();
+    Ok(MoeLogitReport {
+        logits,
+        within: ok as f64 / n.max(1) as f64,
+    })
 }
 
 fn model_of(cfg: SynthConfig, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
@@ -2120,8 +2171,8 @@ pub struct MoeBlockReport {
 
 impl MoeBlockReport {
     /// The bound of [`Self::max_rel_diff`]: both sides compute in f32 from the same weights
-    /// (only the order of the sums differs).
-    pub const LIMIT: f32 = 1e-3;
+    /// and inputs, the router included (only the order of the sums differs).
+    pub const LIMIT: f32 = 1e-4;
 
     pub fn passed(&self) -> bool {
         self.blocks > 0 && self.non_finite == 0 && self.max_rel_diff <= Self::LIMIT
@@ -2147,6 +2198,8 @@ pub fn compare_moe_block(
     let file = tiny_model(arch, ty, seed)?;
     let cpu = CpuBackend::with_numerics(Kernels::Fast, Numerics::F32);
     let gpu = CudaBackend::new(ordinal)?;
+    // f32 activations in the router's product too (8-bit ones move its logits by ~0.4%).
+    gpu.set_q8_decode(false);
     let cm = Model::load(&cpu, file.clone()).context("loading on the CPU")?;
     let gm = Model::load(&gpu, file).context("loading on the GPU")?;
     let FfnKind::Moe(moe) = cm.config.ffn else {

@@ -255,14 +255,15 @@ fn moe_logits_match_cpu() {
         for ty in selfcheck::MOE_TYPES {
             let n = rng.random_range(130..260);
             let seed = rng.random();
-            let r = selfcheck::compare_logits_moe(ty, shape, n, seed, 0, false)
-                .expect("comparison runs");
+            let r = selfcheck::compare_logits_moe(ty, shape, n, seed, 0).expect("comparison runs");
             eprintln!(
-                "moe {shape:?} {ty}: max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
-                r.max_abs_diff,
-                r.max_abs_logit,
-                r.top1_agreement * 100.0,
-                r.top1_agreement_ties * 100.0
+                "moe {shape:?} {ty}: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.within * 100.0,
+                r.logits.max_abs_bound(),
+                r.logits.max_abs_diff,
+                r.logits.max_abs_logit,
+                r.logits.top1_agreement * 100.0,
+                r.logits.top1_agreement_ties * 100.0
             );
             assert!(r.passed(), "moe {shape:?} {ty} (seed {seed}): {r:?}");
         }
@@ -275,7 +276,9 @@ fn moe_greedy_generation_matches_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for ty in ["f16", "q4_k_m", "q8_0"] {
+    // f32 and f16: formats whose decode products run on f32 activations (8-bit ones
+    // reorder near-ties, as for the dense models' greedy check).
+    for ty in ["f32", "f16"] {
         let seed = rng.random();
         let r = selfcheck::compare_greedy(kestrel_model::Arch::Qwen3Moe, ty, 64, seed, 0)
             .expect("generation runs");
