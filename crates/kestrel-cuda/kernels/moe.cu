@@ -29,25 +29,24 @@ __device__ __forceinline__ float moe_act(float g, float u, int act, float alpha,
     return __fmul_rn(gv_act(g, act), u);
 }
 
-// Router logits in f32 (as llama.cpp keeps the router): block (group of MOE_ROWS experts,
-// tile of up to GV_MAX_T tokens), logits[t][e] = w_e · x[t]. Each token's sums are its own
-// (the same whatever the step's size).
+// Router logits in f32 (as llama.cpp keeps the router): block (expert e, tile of up to
+// GV_MAX_T tokens) of 4 warps splitting the row, logits[t][e] = w_e · x[t]. Each token's
+// sums are its own (the same whatever the step's size).
 extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_router(const float* x, int d,
                                                                      int n, const u8* w,
                                                                      long long rb, int ty,
                                                                      int ne, float* logits) {
     pdl_enter();
-    const int e = blockIdx.x * MOE_ROWS + (threadIdx.x >> 5), t0 = blockIdx.y * GV_MAX_T;
-    if (e >= ne) return;
+    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+    const int e = blockIdx.x, t0 = blockIdx.y * GV_MAX_T;
     const int nt = min(GV_MAX_T, n - t0);
     float acc[GV_MAX_T];
 #pragma unroll
     for (int t = 0; t < GV_MAX_T; t++) acc[t] = 0.0f;
-    row_dot_any(ty, w + (size_t)e * rb, x + (size_t)t0 * d, d, nt, threadIdx.x & 31, 32, acc);
-#pragma unroll
-    for (int t = 0; t < GV_MAX_T; t++)
-        if (t < nt) acc[t] = warp_sum(acc[t]);
-    if ((threadIdx.x & 31) == 0)
+    row_dot_any(ty, w + (size_t)e * rb, x + (size_t)t0 * d, d, nt, threadIdx.x, GV_THREADS,
+                acc);
+    row_reduce(acc, nt, GV_THREADS / 32, red);
+    if (threadIdx.x == 0)
 #pragma unroll
         for (int t = 0; t < GV_MAX_T; t++)
             if (t < nt) logits[(size_t)(t0 + t) * ne + e] = acc[t];
@@ -166,25 +165,38 @@ __device__ __forceinline__ void moe_down_row(const float* a, int ff, int n, cons
         if (t < n) v[t] = __fadd_rn(warp_sum(v[t]), b);
 }
 
-// Decode: block (row group, token t): out[t][r] = Σ_s wts[t·k+s] · (down_e · a[t·k+s] + bd_e[r])
-// over the k slots in order, e = ids[t·k+s].
-extern "C" __global__ void __launch_bounds__(GV_THREADS)
+// Decode: block (row group, token t) of 8 warps: out[t][r] = Σ_s wts[t·k+s] · (down_e ·
+// a[t·k+s] + bd_e[r]) over the k slots in order, e = ids[t·k+s]. Each warp takes one
+// (row, slot) product (k ≤ 8: 8 / k rows a block; k > 8: one row, slots w and w + 8), so all
+// of a row's expert rows load at once; the block then sums each row over its slots in order
+// (no atomics).
+extern "C" __global__ void __launch_bounds__(256)
 moe_down(const float* a, int ff, int d, int k, const int* ids, const float* wts, const u8* wd,
          long long rbd, int tyd, const float* bd, float* out) {
     pdl_enter();
-    const int r = blockIdx.x * MOE_ROWS + (threadIdx.x >> 5), t = blockIdx.y;
-    if (r >= d) return;
-    float o = 0.0f;
-    for (int s = 0; s < k; s++) {
-        const int p = t * k + s;
-        const long long e = ids[p];
-        float v[GV_MAX_T];
-        moe_down_row(a + (size_t)p * ff, ff, 1, wd + (e * d + r) * rbd, tyd,
-                     bd ? bd[e * d + r] : 0.0f, v);
-        const float y = __fmul_rn(v[0], wts[p]);
-        o = s == 0 ? y : __fadd_rn(o, y);
+    __shared__ float part[8][MOE_MAX_K];
+    const int w = threadIdx.x >> 5, t = blockIdx.y;
+    const int rpb = k <= 8 ? 8 / k : 1;
+    const int rl = k <= 8 ? w / k : 0;
+    const int r = blockIdx.x * rpb + rl;
+    if (rl < rpb && r < d) {
+        for (int s = k <= 8 ? w % k : w; s < k; s += 8) {
+            const int p = t * k + s;
+            const long long e = ids[p];
+            float v[GV_MAX_T];
+            moe_down_row(a + (size_t)p * ff, ff, 1, wd + (e * d + r) * rbd, tyd,
+                         bd ? bd[e * d + r] : 0.0f, v);
+            if ((threadIdx.x & 31) == 0) part[rl][s] = __fmul_rn(v[0], wts[p]);
+        }
     }
-    if ((threadIdx.x & 31) == 0) out[(size_t)t * d + r] = o;
+    __syncthreads();
+    if (threadIdx.x < rpb) {
+        const int rr = blockIdx.x * rpb + threadIdx.x;
+        if (rr >= d) return;
+        float o = part[threadIdx.x][0];
+        for (int s = 1; s < k; s++) o = __fadd_rn(o, part[threadIdx.x][s]);
+        out[(size_t)t * d + rr] = o;
+    }
 }
 
 // Groups the np = n·k pairs by expert (one block): pos[p] = the pair's place in the grouped

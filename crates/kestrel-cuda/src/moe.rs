@@ -6,8 +6,9 @@
 //! routing of `kestrel_model::moe::route` per token in a kernel (expert ids and weights
 //! stay on the device), then only the selected experts' rows read:
 //! - steps of up to [`MOE_DEC_MAX_TOKENS`] tokens: one launch for gate+up (activation
-//!   fused) over every (token, slot) pair, one for down summing each token's row over its k
-//!   experts in slot order (no atomics);
+//!   fused) over every (token, slot) pair, one for down (a warp per (row, slot) product,
+//!   then each token's row summed over its k experts in slot order by its block; no
+//!   atomics);
 //! - larger steps: the pairs grouped by expert on the device (`moe_group`), their inputs
 //!   gathered, tiles of up to 8 pairs of one expert per block (each weight row read once
 //!   per tile), and each token's weighted outputs added in slot order.
@@ -275,7 +276,7 @@ pub(crate) fn moe_ffn(
     );
     b.launch_reading(
         "moe_router",
-        (ne.div_ceil(ROWS) as u32, n.div_ceil(TILE) as u32, 1),
+        (ne as u32, n.div_ceil(TILE) as u32, 1),
         128,
         &[
             Arg::P(x.ptr),
@@ -337,10 +338,12 @@ pub(crate) fn moe_ffn(
             &args,
             gate_up_bytes,
         );
+        // Rows a `moe_down` block takes (8 warps, one per (row, slot)).
+        let down_rows = if k <= 8 { 8 / k } else { 1 };
         b.launch_reading(
             "moe_down",
-            (row_groups(d), n as u32, 1),
-            128,
+            (d.div_ceil(down_rows) as u32, n as u32, 1),
+            256,
             &[
                 Arg::P(a),
                 Arg::I(ff as i32),

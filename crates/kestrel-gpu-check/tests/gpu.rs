@@ -257,7 +257,9 @@ fn moe_logits_match_cpu() {
             let seed = rng.random();
             let r = selfcheck::compare_logits_moe(ty, shape, n, seed, 0).expect("comparison runs");
             eprintln!(
-                "moe {shape:?} {ty}: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                "moe {shape:?} {ty}: one token a step: max |Δ| {:.2e}, top-1 {:.2}%; in parts: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.single.max_abs_diff,
+                r.single.top1_agreement * 100.0,
                 r.within * 100.0,
                 r.logits.max_abs_bound(),
                 r.logits.max_abs_diff,
@@ -276,13 +278,12 @@ fn moe_greedy_generation_matches_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    // f32 and f16: formats whose decode products run on f32 activations (8-bit ones
-    // reorder near-ties, as for the dense models' greedy check).
-    for ty in ["f32", "f16"] {
-        let seed = rng.random();
-        let r = selfcheck::compare_greedy(kestrel_model::Arch::Qwen3Moe, ty, 64, seed, 0)
-            .expect("generation runs");
-        assert!(r.passed(), "qwen3moe {ty} (seed {seed}): {r:?}");
+    for shape in selfcheck::MOE_SHAPES {
+        for ty in ["f16", "q4_k_m", "q8_0"] {
+            let seed = rng.random();
+            let r = selfcheck::compare_greedy_moe(ty, shape, 64, seed, 0).expect("generation runs");
+            assert!(r.passed(), "qwen3moe {shape:?} {ty} (seed {seed}): {r:?}");
+        }
     }
 }
 
