@@ -484,3 +484,47 @@ pub(crate) fn add_sigmoid_gated(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tile grid is sized by `max_tiles` before the routes exist: it must cover the
+    /// tiles `moe_group` cuts (⌈count / 8⌉ per expert) for any routes, including every pair
+    /// on one expert, every expert used once, and random ones of awkward sizes.
+    #[test]
+    fn the_tile_grid_covers_every_grouping() {
+        let tiles = |counts: &[usize]| -> usize { counts.iter().map(|c| c.div_ceil(TILE)).sum() };
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % m as u64) as usize
+        };
+        for (n, k, ne) in [
+            (9, 2, 8),
+            (77, 8, 128),
+            (512, 8, 128),
+            (33, 4, 32),
+            (100, 16, 1024),
+        ] {
+            let pairs = n * k;
+            let bound = max_tiles(pairs, ne);
+            let mut all_one = vec![0; ne];
+            all_one[ne - 1] = pairs;
+            assert!(tiles(&all_one) <= bound);
+            let spread: Vec<usize> = (0..ne)
+                .map(|e| pairs / ne + usize::from(e < pairs % ne))
+                .collect();
+            assert!(tiles(&spread) <= bound, "{n}×{k} over {ne}");
+            for _ in 0..200 {
+                let mut counts = vec![0; ne];
+                for _ in 0..pairs {
+                    counts[next(ne)] += 1;
+                }
+                assert!(tiles(&counts) <= bound, "{n}×{k} over {ne}: {counts:?}");
+            }
+        }
+    }
+}
