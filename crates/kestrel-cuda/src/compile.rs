@@ -14,6 +14,8 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/gemv.cu"),
     "\n",
+    include_str!("../kernels/moe.cu"),
+    "\n",
     include_str!("../kernels/mmq.cu"),
     "\n",
     include_str!("../kernels/elementwise.cu"),
@@ -43,6 +45,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::attention::KERNELS,
         crate::step::KERNELS,
         crate::sample::KERNELS,
+        crate::moe::KERNELS,
     ]
     .into_iter()
     .flatten()

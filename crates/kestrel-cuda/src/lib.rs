@@ -22,6 +22,7 @@ mod attention;
 pub mod compile;
 mod launch;
 mod matmul;
+mod moe;
 pub mod nccl;
 mod norm_rope;
 mod options;
@@ -190,6 +191,8 @@ pub struct CudaBackend {
     /// Warps (16-row tiles) per block of `mmw_gated`; 0 (the default): by the matrix and
     /// the SM count; the self-check forces others.
     mmw_warps: std::sync::atomic::AtomicUsize,
+    /// Buffers of the mixture-of-experts blocks (`moe.rs`), made at their first step.
+    moe_scratch: Mutex<Option<moe::MoeScratch>>,
 }
 
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
@@ -409,6 +412,7 @@ impl CudaBackend {
             gemm_scratch: Mutex::default(),
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
+            moe_scratch: Mutex::new(None),
             options,
         })
     }
@@ -496,6 +500,33 @@ impl kestrel_model::Backend for CudaBackend {
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<CudaTensor> {
         weights::new_tensor(self, rows, cols)
+    }
+
+    fn load_experts(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CudaWeight> {
+        moe::load_experts(self, file, info)
+    }
+
+    fn moe_ffn(
+        &self,
+        x: &CudaTensor,
+        layer: &LayerWeights<CudaWeight>,
+        moe: &kestrel_model::MoeConfig,
+        act: Activation,
+        n: usize,
+        out: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        moe::moe_ffn(self, x, layer, moe, act, n, out)
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut CudaTensor,
+        y: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        moe::add_sigmoid_gated(self, out, y, x, w, n)
     }
 
     fn new_cache(

@@ -366,3 +366,79 @@ fn phi3_and_mistral3_match_cpu() {
     }
     assert!(failed.is_empty(), "{failed:#?}");
 }
+
+/// Mixture of experts: the tiny Qwen3-MoE models (8 experts of which 2, 32 of which 8) in
+/// every format the expert kernels read, in steps of 100, 40 and 1–8 tokens.
+#[test]
+fn moe_logits_match_cpu() {
+    if !gpu_present("moe_logits_match_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for shape in selfcheck::MOE_SHAPES {
+        for ty in selfcheck::MOE_TYPES {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = selfcheck::compare_logits_moe(ty, shape, n, seed, 0).expect("comparison runs");
+            eprintln!(
+                "moe {shape:?} {ty}: one token a step: max |Δ| {:.2e}, top-1 {:.2}%; in parts: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.single.max_abs_diff,
+                r.single.top1_agreement * 100.0,
+                r.within * 100.0,
+                r.logits.max_abs_bound(),
+                r.logits.max_abs_diff,
+                r.logits.max_abs_logit,
+                r.logits.top1_agreement * 100.0,
+                r.logits.top1_agreement_ties * 100.0
+            );
+            assert!(r.passed(), "moe {shape:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+#[test]
+fn moe_greedy_generation_matches_cpu() {
+    if !gpu_present("moe_greedy_generation_matches_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for shape in selfcheck::MOE_SHAPES {
+        for ty in ["f16", "q4_k_m", "q8_0"] {
+            let seed = rng.random();
+            let r = selfcheck::compare_greedy_moe(ty, shape, 64, seed, 0).expect("generation runs");
+            assert!(r.passed(), "qwen3moe {shape:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+#[test]
+fn moe_verification_steps_are_batch_invariant() {
+    if !gpu_present("moe_verification_steps_are_batch_invariant") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for ty in ["q4_k_m", "q8_0", "f16"] {
+        let seed = rng.random();
+        let r = selfcheck::compare_invariant(kestrel_model::Arch::Qwen3Moe, ty, seed, 0)
+            .expect("steps run");
+        assert!(r.passed(), "qwen3moe {ty} (seed {seed}): {r:?}");
+    }
+}
+
+/// The block alone: gpt-oss's biases, clamped SwiGLU and top-k softmax, Qwen3-MoE's
+/// renormalized softmax, at decode and grouped step sizes; a shared expert's gate.
+#[test]
+fn moe_block_matches_cpu() {
+    if !gpu_present("moe_block_matches_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
+        for ty in ["q8_0", "f16", "q4_k_m"] {
+            let seed = rng.random();
+            let r = selfcheck::compare_moe_block(arch, ty, seed, 0).expect("blocks run");
+            eprintln!("moe block {arch:?} {ty}: {r:?}");
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}

@@ -203,6 +203,127 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
     }
 }
 
+/// The mixture-of-experts checks: the tiny Qwen3-MoE models' logits against the CPU in
+/// every format the expert kernels read (steps of 100, 40 and 1–8 tokens), greedy ids, and
+/// batch-invariant steps. Returns the failures.
+fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
+    let mut failures = 0;
+    println!(
+        "mixture of experts (qwen3moe, experts/used), teacher-forced against the CPU, f32 activations: pass if one token a step passes as the dense models do, and in parts (100, 40, 1-8 tokens) top-1 agreement (w/ ties) >= {:.1}% and >= {:.0}% of positions within the |Δ| bound (rounding in multi-token dense products flips near-tied routes):",
+        MIN_TOP1_AGREEMENT * 100.0,
+        selfcheck::MOE_MIN_WITHIN * 100.0
+    );
+    for (is, &shape) in selfcheck::MOE_SHAPES.iter().enumerate() {
+        for (it, &ty) in selfcheck::MOE_TYPES.iter().enumerate() {
+            let case_seed = seed.wrapping_add(20_000 + (is * 100 + it) as u64);
+            let label = format!("moe      {}/{:<6} {:<8}", shape.0, shape.1, ty);
+            match selfcheck::compare_logits_moe(ty, shape, positions, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "{label} 1/step max|Δ| {:.3e}, top-1 {:.2}%; parts {:.1}% of positions within {:.2e}, max|Δ| {:.3e} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                        r.single.max_abs_diff,
+                        r.single.top1_agreement * 100.0,
+                        r.within * 100.0,
+                        r.logits.max_abs_bound(),
+                        r.logits.max_abs_diff,
+                        r.logits.max_abs_logit,
+                        r.logits.top1_agreement * 100.0,
+                        r.logits.top1_agreement_ties * 100.0,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{label} ERROR {e:#}");
+                }
+            }
+        }
+    }
+    let moe = kestrel_model::Arch::Qwen3Moe;
+    println!(
+        "mixture-of-experts block alone (random inputs of 1, 3, 8, 9, 77 tokens; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output:",
+        selfcheck::MoeBlockReport::LIMIT
+    );
+    for (ia, arch) in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe]
+        .into_iter()
+        .enumerate()
+    {
+        for (it, ty) in ["q8_0", "f16", "q4_k_m", "q4_0", "mxfp4"]
+            .into_iter()
+            .enumerate()
+        {
+            let case_seed = seed.wrapping_add(22_000 + (ia * 10 + it) as u64);
+            match selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "moe block {:<8} {ty:<8} {} blocks, max rel |Δ| {:.2e}  {}",
+                        arch.name(),
+                        r.blocks,
+                        r.max_rel_diff,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("moe block {:<8} {ty:<8} ERROR {e:#}", arch.name());
+                }
+            }
+        }
+    }
+    for (it, ty) in ["f16", "q4_k_m", "q8_0"].into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(21_000 + it as u64);
+        // Greedy ids with the GPU on one f32 token a step (no route flips on rounding).
+        for shape in selfcheck::MOE_SHAPES {
+            match selfcheck::compare_greedy_moe(ty, shape, args.generate, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let detail = match r.first_difference {
+                        None => "identical".to_string(),
+                        Some((i, gap)) => {
+                            format!("differ from token {i} (CPU logit gap {gap:.2e})")
+                        }
+                    };
+                    println!(
+                        "moe greedy {}/{} {ty:<8} {detail}  {}",
+                        shape.0,
+                        shape.1,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("moe greedy {}/{} {ty:<8} ERROR {e:#}", shape.0, shape.1);
+                }
+            }
+        }
+        match selfcheck::compare_invariant(moe, ty, case_seed, args.gpu) {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                println!(
+                    "moe invariant {ty:<8} {} rows, {} differ (max |Δ| {:.2e}); ids {}, {} drafted  {}",
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    if r.spec == r.plain { "equal" } else { "DIFFER" },
+                    r.drafted,
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("moe invariant {ty:<8} ERROR {e:#}");
+            }
+        }
+    }
+    failures
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.bench {
         return bench(&args, path);
@@ -585,6 +706,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += moe_checks(&args, seed, positions);
     println!(
         "sampled generation, {} tokens drawn on the GPU (t 0.9, top-k 40, top-p 0.95, min-p 0.05, penalties) vs the host's definition on the same logits (teacher-forced, same seed): pass if every other draw is at an interval's edge (u or top-p moved by 1e-6) and those are <= 5%:",
         args.generate
