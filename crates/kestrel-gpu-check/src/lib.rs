@@ -105,8 +105,13 @@ pub const MOE_TYPES: [&str; 11] = [
 pub const MOE_SHAPES: [(usize, usize); 2] = [(8, 2), (32, 8)];
 
 /// The tiny Qwen3-MoE model with `shape` = (experts, experts per token).
-pub fn tiny_moe_model(ty: &str, seed: u64, shape: (usize, usize)) -> anyhow::Result<Arc<GgufFile>> {
-    let mut cfg = SynthConfig::tiny(Arch::Qwen3Moe);
+pub fn tiny_moe_model(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    shape: (usize, usize),
+) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
     cfg.n_expert = shape.0 as u32;
     cfg.n_expert_used = shape.1 as u32;
     model_of(cfg, ty, seed)
@@ -116,16 +121,17 @@ pub fn tiny_moe_model(ty: &str, seed: u64, shape: (usize, usize)) -> anyhow::Res
 /// (the prompt too) on f32 activations: every product is then f32 as on the CPU, so no
 /// route flips on rounding and the ids must agree up to a near-tie of the CPU's logits.
 pub fn compare_greedy_moe(
+    arch: Arch,
     ty: &str,
     shape: (usize, usize),
     n: usize,
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<GreedyReport> {
-    let file = tiny_moe_model(ty, seed, shape)?;
+    let file = tiny_moe_model(arch, ty, seed, shape)?;
     let mut gpu = Engine::new(CudaBackend::new(ordinal)?, file.clone(), &options(1))?;
     gpu.backend.set_q8_decode(false);
-    greedy_against_cpu(Arch::Qwen3Moe, ty, &file, &mut gpu, n, seed ^ 0x9e37)
+    greedy_against_cpu(arch, ty, &file, &mut gpu, n, seed ^ 0x9e37)
 }
 
 /// Least share of positions whose max |Δ logit| must be within the bound when the GPU
@@ -163,13 +169,14 @@ impl MoeLogitReport {
 /// choice): once one token a step, once in steps of 100 tokens (the grouped expert
 /// kernels), 40, and 1 to 8 (the decode ones); passes by [`MoeLogitReport::passed`].
 pub fn compare_logits_moe(
+    arch: Arch,
     ty: &str,
     shape: (usize, usize),
     n: usize,
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<MoeLogitReport> {
-    let file = tiny_moe_model(ty, seed, shape)?;
+    let file = tiny_moe_model(arch, ty, seed, shape)?;
     let mut cpu = cpu_engine(&file)?;
     let mut gpu = cuda_engine(&file, ordinal)?;
     gpu.backend.set_q8_decode(false);

@@ -379,7 +379,9 @@ fn moe_logits_match_cpu() {
         for ty in selfcheck::MOE_TYPES {
             let n = rng.random_range(130..260);
             let seed = rng.random();
-            let r = selfcheck::compare_logits_moe(ty, shape, n, seed, 0).expect("comparison runs");
+            let r =
+                selfcheck::compare_logits_moe(kestrel_model::Arch::Qwen3Moe, ty, shape, n, seed, 0)
+                    .expect("comparison runs");
             eprintln!(
                 "moe {shape:?} {ty}: one token a step: max |Δ| {:.2e}, top-1 {:.2}%; in parts: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
                 r.single.max_abs_diff,
@@ -402,11 +404,19 @@ fn moe_greedy_generation_matches_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for shape in selfcheck::MOE_SHAPES {
-        for ty in ["f16", "q4_k_m", "q8_0"] {
+    use kestrel_model::Arch;
+    for (arch, ty) in [
+        (Arch::Qwen3Moe, "f16"),
+        (Arch::Qwen3Moe, "q4_k_m"),
+        (Arch::Qwen3Moe, "q8_0"),
+        (Arch::GptOss, "f16"),
+        (Arch::GptOss, "mxfp4"),
+    ] {
+        for shape in selfcheck::MOE_SHAPES {
             let seed = rng.random();
-            let r = selfcheck::compare_greedy_moe(ty, shape, 64, seed, 0).expect("generation runs");
-            assert!(r.passed(), "qwen3moe {shape:?} {ty} (seed {seed}): {r:?}");
+            let r = selfcheck::compare_greedy_moe(arch, ty, shape, 64, seed, 0)
+                .expect("generation runs");
+            assert!(r.passed(), "{arch:?} {shape:?} {ty} (seed {seed}): {r:?}");
         }
     }
 }

@@ -217,7 +217,14 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
         for (it, &ty) in selfcheck::MOE_TYPES.iter().enumerate() {
             let case_seed = seed.wrapping_add(20_000 + (is * 100 + it) as u64);
             let label = format!("moe      {}/{:<6} {:<8}", shape.0, shape.1, ty);
-            match selfcheck::compare_logits_moe(ty, shape, positions, case_seed, args.gpu) {
+            match selfcheck::compare_logits_moe(
+                kestrel_model::Arch::Qwen3Moe,
+                ty,
+                shape,
+                positions,
+                case_seed,
+                args.gpu,
+            ) {
                 Ok(r) => {
                     let ok = r.passed();
                     failures += usize::from(!ok);
@@ -274,11 +281,20 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
             }
         }
     }
-    for (it, ty) in ["f16", "q4_k_m", "q8_0"].into_iter().enumerate() {
+    // gpt-oss: sinks, sliding windows, biases and clamped SwiGLU experts, published in MXFP4.
+    let greedy_cases = [
+        (moe, "f16"),
+        (moe, "q4_k_m"),
+        (moe, "q8_0"),
+        (kestrel_model::Arch::GptOss, "f16"),
+        (kestrel_model::Arch::GptOss, "mxfp4"),
+    ];
+    for (it, (arch, ty)) in greedy_cases.into_iter().enumerate() {
         let case_seed = seed.wrapping_add(21_000 + it as u64);
         // Greedy ids with the GPU on one f32 token a step (no route flips on rounding).
         for shape in selfcheck::MOE_SHAPES {
-            match selfcheck::compare_greedy_moe(ty, shape, args.generate, case_seed, args.gpu) {
+            match selfcheck::compare_greedy_moe(arch, ty, shape, args.generate, case_seed, args.gpu)
+            {
                 Ok(r) => {
                     let ok = r.passed();
                     failures += usize::from(!ok);
@@ -289,7 +305,8 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
                         }
                     };
                     println!(
-                        "moe greedy {}/{} {ty:<8} {detail}  {}",
+                        "moe greedy {:<8} {}/{} {ty:<8} {detail}  {}",
+                        arch.name(),
                         shape.0,
                         shape.1,
                         if ok { "ok" } else { "FAIL" }
@@ -297,7 +314,12 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
                 }
                 Err(e) => {
                     failures += 1;
-                    println!("moe greedy {}/{} {ty:<8} ERROR {e:#}", shape.0, shape.1);
+                    println!(
+                        "moe greedy {:<8} {}/{} {ty:<8} ERROR {e:#}",
+                        arch.name(),
+                        shape.0,
+                        shape.1
+                    );
                 }
             }
         }
