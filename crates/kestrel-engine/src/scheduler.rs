@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kestrel_model::{Backend, Batch, Pooling, SamplingBatch};
+use kestrel_model::{Backend, Batch, NO_MASK, Pooling, SamplingBatch, masked_argmax};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
@@ -966,10 +966,12 @@ impl<B: Backend> Scheduler<B> {
 
         let mut batch = Batch::default();
         // Whether every sequence sampling this step takes the plain argmax, and whether one
-        // needs its logit row on the host (log-probabilities). Otherwise the backend samples
-        // the rows itself (on the device for CUDA) and returns token ids only.
+        // needs its logit row on the host (log-probabilities, a filter that is not a token
+        // mask). Otherwise the backend samples the rows itself (on the device for CUDA),
+        // under the masks of the sequences whose filter is one, and returns token ids only.
         let mut all_plain = true;
         let mut rows_needed = false;
+        let mut any_masked = false;
         let mut draws = std::mem::take(&mut self.sampling);
         draws.clear();
         for (slot, &(i, n)) in plan.iter().enumerate() {
@@ -987,12 +989,16 @@ impl<B: Backend> Scheduler<B> {
                 rows,
             );
             if samples {
-                let host = seq.logprobs.is_some() || seq.filter.is_some();
-                all_plain &= seq.sampler.is_argmax() && !host;
+                let masked =
+                    seq.logprobs.is_none() && seq.filter.as_ref().is_some_and(|f| f.is_mask());
+                let host = seq.logprobs.is_some() || (seq.filter.is_some() && !masked);
+                all_plain &= seq.sampler.is_argmax() && !host && !masked;
                 rows_needed |= host;
+                any_masked |= masked;
             }
         }
         let sample_rows = !all_plain && !rows_needed;
+        let masked_step = sample_rows && any_masked;
         if sample_rows {
             // Each sampling sequence's row, in logit-row order (plan order), with its draw.
             for &(i, n) in &plan {
@@ -1013,31 +1019,79 @@ impl<B: Backend> Scheduler<B> {
         let forward_started = Instant::now();
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
         // The filters of the sequences sampling this step prepare their next token's
-        // restriction on another thread while the forward pass runs.
-        let mut filters: Vec<&mut Box<dyn TokenFilter>> = Vec::new();
+        // restriction on another thread while the forward pass runs, each with its logit
+        // row. In a masked step each also writes its mask (one chunk of `words` a filter),
+        // which the backend applies once they are ready.
+        let mut filters: Vec<(&mut Box<dyn TokenFilter>, usize)> = Vec::new();
         let mut plan_at = plan.iter().peekable();
+        let mut row = 0;
         for (i, seq) in self.running.iter_mut().enumerate() {
             let Some(&(_, n)) = plan_at.next_if(|p| p.0 == i) else {
                 continue;
             };
-            if seq.n_cached + n == seq.tokens.len()
-                && let Some(f) = seq.filter.as_mut()
-            {
-                filters.push(f);
+            if seq.n_cached + n == seq.tokens.len() {
+                if let Some(f) = seq.filter.as_mut() {
+                    filters.push((f, row));
+                }
+                row += 1 + seq.n_drafts;
             }
         }
+        let words = vocab.div_ceil(32).max(1);
+        let mut mask_buf = std::mem::take(&mut draws.masks);
         let engine = &mut self.engine;
         let result = std::thread::scope(|scope| {
-            if !filters.is_empty() {
-                scope.spawn(|| filters.par_iter_mut().for_each(|f| f.prepare()));
-            }
-            if all_plain {
+            let mut prepared = (!filters.is_empty()).then(|| {
+                scope.spawn(move || {
+                    if !masked_step {
+                        filters.par_iter_mut().for_each(|(f, _)| f.prepare());
+                        return (mask_buf, Vec::new());
+                    }
+                    mask_buf.clear();
+                    mask_buf.resize(filters.len() * words, 0);
+                    let written: Vec<(usize, bool)> = filters
+                        .par_iter_mut()
+                        .zip(mask_buf.par_chunks_mut(words))
+                        .map(|((f, row), m)| {
+                            f.prepare();
+                            (*row, f.is_mask() && f.mask(m))
+                        })
+                        .collect();
+                    (mask_buf, written)
+                })
+            });
+            let result = if all_plain {
                 engine.step_argmax(&batch, &mut argmax_ids)
+            } else if masked_step {
+                let masks = |draws: &mut SamplingBatch| {
+                    let Some(handle) = prepared.take() else {
+                        return;
+                    };
+                    let (buf, written) = handle
+                        .join()
+                        .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                    draws.masks = buf;
+                    draws.mask_words = words;
+                    draws.mask_of.clear();
+                    draws.mask_of.resize(draws.rows.len(), NO_MASK);
+                    for (k, &(row, ok)) in written.iter().enumerate() {
+                        if let (true, Some(m)) = (ok, draws.mask_of.get_mut(row)) {
+                            *m = k as u32;
+                        }
+                    }
+                };
+                engine.step_sample_masked(&batch, &mut draws, masks, &mut argmax_ids)
             } else if sample_rows {
                 engine.step_sample(&batch, &draws, &mut argmax_ids)
             } else {
                 engine.step_into(&batch, &mut logits)
+            };
+            if let Some(handle) = prepared.take() {
+                let (buf, _) = handle
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                draws.masks = buf;
             }
+            result
         });
         self.last_forward_us = forward_started.elapsed().as_micros() as u64;
         if step_log() {
@@ -1132,14 +1186,15 @@ impl<B: Backend> Scheduler<B> {
             let picks = work
                 .par_iter_mut()
                 .zip(logits.par_chunks_exact_mut(vocab))
-                .map(|(slot, row)| {
+                .map_init(Vec::new, |words, (slot, row)| {
                     let (sampler, history, filter, logprobs) = slot.as_mut()?;
                     if let Some(f) = filter {
-                        if sampler.is_argmax()
-                            && !*logprobs
-                            && let Some(id) = f.argmax(row)
-                        {
-                            return Some(id);
+                        if sampler.is_argmax() && !*logprobs && f.is_mask() {
+                            words.clear();
+                            words.resize(vocab.div_ceil(32), 0);
+                            if f.mask(words) {
+                                return Some(masked_argmax(row, words));
+                            }
                         }
                         f.apply(row);
                     }
