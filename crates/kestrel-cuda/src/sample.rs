@@ -1,13 +1,73 @@
 //! Token choice on the device (kernels/argmax.cu, kernels/sample.cu): greedy `argmax_rows` and
-//! `sample_rows` (temperature, top-k, top-p, min-p, penalties).
+//! `sample_rows` (token masks, temperature, top-k, top-p, min-p, penalties).
 
 use crate::*;
-use kestrel_model::Backend;
+use kestrel_model::{Backend, NO_MASK};
 
 /// The kernels this module launches (kernels/argmax.cu, kernels/sample.cu).
 pub(crate) const KERNELS: &[&str] = &["argmax_rows", "sample_rows"];
 
+/// The token masks' pinned host copy and device copy (`CudaBackend::sample_masks`).
+#[derive(Default)]
+pub(crate) struct MaskBuffers {
+    host: Option<cudarc::driver::PinnedHostSlice<u32>>,
+    device: Option<CudaSlice<u32>>,
+}
+
 impl CudaBackend {
+    /// Uploads `masks` on the mask stream (from pinned memory, beside the step the main
+    /// stream may still be running) and makes the main stream wait for the copy; returns
+    /// the device address of the masks.
+    fn upload_masks(&self, masks: &[u32]) -> anyhow::Result<u64> {
+        let Some(copy) = self
+            .mask_stream
+            .get_or_init(|| self.ctx.new_stream().ok())
+            .clone()
+        else {
+            bail!("no stream for the token masks");
+        };
+        let mut bufs = self.sample_masks.lock().unwrap_or_else(|p| p.into_inner());
+        let len = masks.len();
+        // The last upload out of the pinned buffer has finished (its sampling waited for
+        // it); a failed step may have left one queued.
+        copy.synchronize()
+            .map_err(|e| anyhow::anyhow!("CUDA: the token masks' copy: {e:?}"))?;
+        if bufs.host.as_ref().is_none_or(|h| h.len() < len) {
+            bufs.host = None;
+            // SAFETY: written only here, after the mask stream's copies out of it finished.
+            let h = unsafe { self.ctx.alloc_pinned::<u32>(len.next_power_of_two()) }
+                .map_err(|e| anyhow::anyhow!("allocating the token masks' host buffer: {e:?}"))?;
+            bufs.host = Some(h);
+        }
+        if bufs.device.as_ref().is_none_or(|d| d.len() < len) {
+            bufs.device = Some(self.alloc::<u32>(len.next_power_of_two(), "token masks")?);
+        }
+        let MaskBuffers { host, device } = &mut *bufs;
+        let (Some(host), Some(device)) = (host.as_mut(), device.as_ref()) else {
+            bail!("no token mask buffers");
+        };
+        let src = host
+            .as_mut_slice()
+            .map_err(|e| anyhow::anyhow!("the token masks' host buffer: {e:?}"))?;
+        src[..len].copy_from_slice(masks);
+        let dst = self.ptr(device);
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("binding the CUDA context: {e:?}"))?;
+        // SAFETY: `src` holds `len` words (pinned, alive in `sample_masks`), `dst` at least
+        // `len`; the next write into `src` synchronizes the mask stream first.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), len * 4, copy.cu_stream()) }
+            .result()
+            .map_err(|e| anyhow::anyhow!("copying the token masks to the GPU: {e:?}"))?;
+        let done = copy
+            .record_event(None)
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        self.stream
+            .wait(&done)
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        Ok(dst)
+    }
+
     /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its
     /// token id into the id buffer (`args` gets its address), and reads the ids into `out`.
     pub(crate) fn launch_for_ids(
@@ -69,10 +129,18 @@ pub(crate) fn sample_rows(
     if n > x.rows {
         bail!("sample_rows: {n} rows asked, tensor has {}", x.rows);
     }
-    if sampling.rows.iter().all(|r| r.is_argmax()) {
+    sampling.check_masks(x.cols)?;
+    let masked = sampling.has_masks();
+    if !masked && sampling.rows.iter().all(|r| r.is_argmax()) {
         return backend.argmax_rows(x, n, scratch, out);
     }
     out.clear();
+    // The masks first: their copy runs on its own stream beside the step.
+    let masks_ptr = if masked {
+        backend.upload_masks(&sampling.masks)?
+    } else {
+        0
+    };
     // The kernel's layout (kernels/sample.cu): SAMPLE_WORDS words a row, then the
     // penalty pairs of every row.
     const SAMPLE_WORDS: usize = 12;
@@ -82,7 +150,7 @@ pub(crate) fn sample_rows(
         .unwrap_or_else(|p| p.into_inner());
     let (host, device) = &mut *params;
     host.clear();
-    for r in &sampling.rows {
+    for (i, r) in sampling.rows.iter().enumerate() {
         let inv_t = if r.is_greedy() {
             0.0
         } else {
@@ -101,7 +169,7 @@ pub(crate) fn sample_rows(
             r.penalty_len,
             u as u32,
             (u >> 32) as u32,
-            0,
+            sampling.mask_of.get(i).copied().unwrap_or(NO_MASK),
         ]);
     }
     debug_assert_eq!(host.len(), n * SAMPLE_WORDS);
@@ -138,6 +206,8 @@ pub(crate) fn sample_rows(
             Arg::P(params_ptr),
             Arg::P(ids),
             Arg::I(x.cols as i32),
+            Arg::P(masks_ptr),
+            Arg::I(sampling.mask_words as i32),
         ]
     })
 }

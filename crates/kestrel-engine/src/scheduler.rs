@@ -240,6 +240,9 @@ pub struct SchedulerStats {
     /// Microseconds of the scheduler's own work around them: admission, batch building,
     /// sampling, sending tokens, releasing blocks.
     pub host_us: AtomicU64,
+    /// Microseconds the token filters took preparing (grammar masks, written for the
+    /// sampler), on their own thread beside the forward steps.
+    pub mask_us: AtomicU64,
     pub requests_finished: AtomicU64,
     pub requests_cancelled: AtomicU64,
     /// Speculative decoding: tokens drafted and verified, accepted, and verifications.
@@ -1038,13 +1041,15 @@ impl<B: Backend> Scheduler<B> {
         }
         let words = vocab.div_ceil(32).max(1);
         let mut mask_buf = std::mem::take(&mut draws.masks);
+        let mut mask_us = 0;
         let engine = &mut self.engine;
         let result = std::thread::scope(|scope| {
             let mut prepared = (!filters.is_empty()).then(|| {
                 scope.spawn(move || {
+                    let started = Instant::now();
                     if !masked_step {
                         filters.par_iter_mut().for_each(|(f, _)| f.prepare());
-                        return (mask_buf, Vec::new());
+                        return (mask_buf, Vec::new(), started.elapsed());
                     }
                     mask_buf.clear();
                     mask_buf.resize(filters.len() * words, 0);
@@ -1056,7 +1061,7 @@ impl<B: Backend> Scheduler<B> {
                             (*row, f.is_mask() && f.mask(m))
                         })
                         .collect();
-                    (mask_buf, written)
+                    (mask_buf, written, started.elapsed())
                 })
             });
             let result = if all_plain {
@@ -1066,9 +1071,10 @@ impl<B: Backend> Scheduler<B> {
                     let Some(handle) = prepared.take() else {
                         return;
                     };
-                    let (buf, written) = handle
+                    let (buf, written, took) = handle
                         .join()
                         .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                    mask_us = took.as_micros() as u64;
                     draws.masks = buf;
                     draws.mask_words = words;
                     draws.mask_of.clear();
@@ -1086,13 +1092,15 @@ impl<B: Backend> Scheduler<B> {
                 engine.step_into(&batch, &mut logits)
             };
             if let Some(handle) = prepared.take() {
-                let (buf, _) = handle
+                let (buf, _, took) = handle
                     .join()
                     .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                mask_us = took.as_micros() as u64;
                 draws.masks = buf;
             }
             result
         });
+        self.stats.mask_us.fetch_add(mask_us, Ordering::Relaxed);
         self.last_forward_us = forward_started.elapsed().as_micros() as u64;
         if step_log() {
             let prefill: usize = plan.iter().filter(|p| p.1 > 1).map(|p| p.1).sum();
