@@ -15,10 +15,10 @@ pub(crate) struct MaskBuffers {
 }
 
 impl CudaBackend {
-    /// Uploads `masks` on the mask stream (from pinned memory, beside the step the main
-    /// stream may still be running) and makes the main stream wait for the copy; returns
-    /// the device address of the masks.
-    fn upload_masks(&self, masks: &[u32]) -> anyhow::Result<u64> {
+    /// Uploads `params` (the sampling settings) and `masks` on the mask stream (from
+    /// pinned memory, beside the step the main stream may still be running) and makes the
+    /// main stream wait for the copy; returns the device addresses of both.
+    fn upload_masks(&self, params: &[u32], masks: &[u32]) -> anyhow::Result<(u64, u64)> {
         let Some(copy) = self
             .mask_stream
             .get_or_init(|| self.ctx.new_stream().ok())
@@ -27,7 +27,9 @@ impl CudaBackend {
             bail!("no stream for the token masks");
         };
         let mut bufs = self.sample_masks.lock().unwrap_or_else(|p| p.into_inner());
-        let len = masks.len();
+        // Settings, then the masks from a 16-byte boundary.
+        let at = params.len().next_multiple_of(4);
+        let len = at + masks.len();
         // The last upload out of the pinned buffer has finished (its sampling waited for
         // it); a failed step may have left one queued.
         copy.synchronize()
@@ -49,7 +51,13 @@ impl CudaBackend {
         let src = host
             .as_mut_slice()
             .map_err(|e| anyhow::anyhow!("the token masks' host buffer: {e:?}"))?;
-        src[..len].copy_from_slice(masks);
+        src[..params.len()].copy_from_slice(params);
+        // Megabytes at 64 rows of a large vocabulary: on every core.
+        const CHUNK: usize = 1 << 15;
+        src[at..len]
+            .par_chunks_mut(CHUNK)
+            .zip(masks.par_chunks(CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
         let dst = self.ptr(device);
         self.ctx
             .bind_to_thread()
@@ -65,7 +73,7 @@ impl CudaBackend {
         self.stream
             .wait(&done)
             .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
-        Ok(dst)
+        Ok((dst, dst + at as u64 * 4))
     }
 
     /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its
@@ -135,12 +143,6 @@ pub(crate) fn sample_rows(
         return backend.argmax_rows(x, n, scratch, out);
     }
     out.clear();
-    // The masks first: their copy runs on its own stream beside the step.
-    let masks_ptr = if masked {
-        backend.upload_masks(&sampling.masks)?
-    } else {
-        0
-    };
     // The kernel's layout (kernels/sample.cu): SAMPLE_WORDS words a row, then the
     // penalty pairs of every row.
     const SAMPLE_WORDS: usize = 12;
@@ -187,6 +189,22 @@ pub(crate) fn sample_rows(
             .iter()
             .flat_map(|&(id, count)| [id, count]),
     );
+    if masked {
+        // The settings go with the masks (the step is already running: nothing waits
+        // behind it on the main stream).
+        let (params_ptr, masks_ptr) = backend.upload_masks(host, &sampling.masks)?;
+        drop(params);
+        return backend.launch_for_ids("sample_rows", n, 1024, out, |ids| {
+            vec![
+                Arg::P(x.ptr),
+                Arg::P(params_ptr),
+                Arg::P(ids),
+                Arg::I(x.cols as i32),
+                Arg::P(masks_ptr),
+                Arg::I(sampling.mask_words as i32),
+            ]
+        });
+    }
     let len = host.len();
     if device.as_ref().is_none_or(|b| b.len() < len) {
         *device = Some(backend.alloc::<u32>(len.next_power_of_two(), "sampling settings")?);
@@ -206,8 +224,8 @@ pub(crate) fn sample_rows(
             Arg::P(params_ptr),
             Arg::P(ids),
             Arg::I(x.cols as i32),
-            Arg::P(masks_ptr),
-            Arg::I(sampling.mask_words as i32),
+            Arg::P(0),
+            Arg::I(0),
         ]
     })
 }

@@ -725,8 +725,10 @@ mod tests {
         let logits: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-4.0f32..4.0))
             .collect();
-        let mut batch = SamplingBatch::default();
-        batch.mask_words = words;
+        let mut batch = SamplingBatch {
+            mask_words: words,
+            ..SamplingBatch::default()
+        };
         for r in 0..rows {
             let t = [0.0, 0.7, 1.0][r % 3];
             let mut s = spec(t, [0, 5, 50][r % 3] as u32, 0.9, 0.02, rng.random());
