@@ -241,7 +241,7 @@ pub struct SchedulerStats {
     /// sampling, sending tokens, releasing blocks.
     pub host_us: AtomicU64,
     /// Microseconds the token filters took preparing (grammar masks, written for the
-    /// sampler), on their own thread beside the forward steps.
+    /// sampler), on the filter pool beside the forward steps.
     pub mask_us: AtomicU64,
     pub requests_finished: AtomicU64,
     pub requests_cancelled: AtomicU64,
