@@ -1232,8 +1232,9 @@ impl<B: Backend> Scheduler<B> {
         // The filters record their chosen tokens first, on the filter pool when there are
         // many (a grammar's step takes microseconds a row). An end-of-generation token is
         // never shown to a filter.
-        let mut accepted: Vec<Option<Result<bool, String>>> = vec![None; sampling.len()];
-        {
+        let mut accepted: Vec<Option<Result<bool, String>>> = Vec::new();
+        if self.running.iter().any(|s| s.filter.is_some()) {
+            accepted.resize(sampling.len(), None);
             let mut slot_of = vec![usize::MAX; self.running.len()];
             for (k, &i) in sampling.iter().enumerate() {
                 slot_of[i] = k;
@@ -1276,7 +1277,8 @@ impl<B: Backend> Scheduler<B> {
                 let ids = argmax_ids.get(first_row[k]..first_row[k] + 1 + drafts);
                 self.verify(i, ids.unwrap_or(&[]), step_secs)
             } else {
-                self.sample_into(i, row, pick, accepted[k].take())
+                let accepted = accepted.get_mut(k).and_then(Option::take);
+                self.sample_into(i, row, pick, accepted)
             };
             if let Some(reason) = done {
                 finished.push((i, reason));
