@@ -25,7 +25,7 @@ PROMPT = "A list of digits: [1, 2, 3"
 
 
 def scheduler_totals(url):
-    """(forward seconds, host seconds, steps) from the server's /metrics."""
+    """(forward seconds, host seconds, mask seconds, steps) from the server's /metrics."""
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     vals = {}
     for line in text.splitlines():
@@ -35,6 +35,7 @@ def scheduler_totals(url):
     return (
         vals['kestrel_scheduler_seconds_total{phase="forward"}'],
         vals['kestrel_scheduler_seconds_total{phase="host"}'],
+        vals.get('kestrel_scheduler_seconds_total{phase="masks"}', 0.0),
         vals["kestrel_steps_total"],
     )
 
@@ -48,7 +49,8 @@ def complete(url, body):
 
 def run(args, clients, constrained):
     """Tokens/s of `clients` clients each sending `args.requests` requests, and the
-    scheduler's forward and host milliseconds per step meanwhile."""
+    scheduler's forward, host and mask (beside the forward) milliseconds per step
+    meanwhile."""
     body = {"model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0}
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "d", "schema": SCHEMA}}
@@ -61,14 +63,14 @@ def run(args, clients, constrained):
             tokens += r["usage"]["completion_tokens"]
         return tokens
 
-    f0, h0, s0 = scheduler_totals(args.url)
+    f0, h0, m0, s0 = scheduler_totals(args.url)
     start = time.time()
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(one, range(clients)))
     secs = time.time() - start
-    f1, h1, s1 = scheduler_totals(args.url)
+    f1, h1, m1, s1 = scheduler_totals(args.url)
     steps = max(s1 - s0, 1)
-    return tokens / secs, 1e3 * (f1 - f0) / steps, 1e3 * (h1 - h0) / steps
+    return tokens / secs, 1e3 * (f1 - f0) / steps, 1e3 * (h1 - h0) / steps, 1e3 * (m1 - m0) / steps
 
 
 def main():
@@ -97,19 +99,20 @@ def main():
             if r % 2:
                 order.reverse()
             for kind, constrained in order:
-                tps, fwd, host = run(args, clients, constrained)
+                tps, fwd, host, masks = run(args, clients, constrained)
                 got[kind].append(tps)
-                per_step[kind].append((fwd, host))
+                per_step[kind].append((fwd, host, masks))
         med = {k: statistics.median(v) for k, v in got.items()}
         paired = [100 * (1 - c / p) for p, c in zip(got["plain"], got["constrained"])]
         row = {"clients": clients, "rounds": args.rounds}
         for k in ("plain", "constrained"):
             row[k + "_tok_s"] = round(med[k], 1)
             row[k + "_min_max"] = [round(min(got[k]), 1), round(max(got[k]), 1)]
-            # The scheduler's time per step: the forward pass (the mask is computed beside
-            # it) and its own host work (masking, sampling).
-            row[k + "_forward_ms_step"] = round(statistics.median(f for f, _ in per_step[k]), 2)
-            row[k + "_host_ms_step"] = round(statistics.median(h for _, h in per_step[k]), 2)
+            # The scheduler's time per step: the forward pass (the masks are computed beside
+            # it, then applied by the sampler), its own host work, and the masks' preparation.
+            row[k + "_forward_ms_step"] = round(statistics.median(x[0] for x in per_step[k]), 2)
+            row[k + "_host_ms_step"] = round(statistics.median(x[1] for x in per_step[k]), 2)
+            row[k + "_masks_ms_step"] = round(statistics.median(x[2] for x in per_step[k]), 2)
         row["overhead_pct"] = round(100 * (1 - med["constrained"] / med["plain"]), 1)
         row["paired_overhead_pct_median"] = round(statistics.median(paired), 1)
         row["paired_overhead_pct"] = [round(x, 1) for x in paired]

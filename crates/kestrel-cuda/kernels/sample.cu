@@ -7,7 +7,9 @@
 // bisection over the key, over the top-k survivors gathered in shared memory when there are
 // at most SAMPLE_GATHER of them, else over the row; the draw is one ordered scan. A row's
 // settings are SAMPLE_WORDS u32 words (packed by CudaBackend::sample_rows), then every
-// row's (token id, count) penalty pairs.
+// row's (token id, count) penalty pairs. A row with a token mask (a grammar's allowed
+// tokens, one bit a token) bans every other token first: a greedy row reads the row through
+// the mask, any other writes -inf over the banned logits.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WORDS 12
@@ -197,12 +199,14 @@ __device__ u32 bisect_key(u32 lo, u32 hi, double target, M measure) {
     return lo;
 }
 
-// x: n rows of `cols` logits (penalties are applied in place); params: SAMPLE_WORDS words a
-// row — 0 inv_temperature (0: greedy), 1 top_k (0: off), 2 top_p, 3 ln(min_p) (-inf: off),
-// 4 repeat / 5 presence / 6 frequency penalty, 7 first penalty pair, 8 pairs, 9-10 the draw
-// u (f64, low word first) — then the pairs; out: one token id a row.
+// x: n rows of `cols` logits (penalties and masks are applied in place); params:
+// SAMPLE_WORDS words a row — 0 inv_temperature (0: greedy), 1 top_k (0: off), 2 top_p,
+// 3 ln(min_p) (-inf: off), 4 repeat / 5 presence / 6 frequency penalty, 7 first penalty
+// pair, 8 pairs, 9-10 the draw u (f64, low word first), 11 the row's mask (its index in
+// `masks`, SAMPLE_NONE: none) — then the pairs; masks: `mask_words` words each (bit j % 32
+// of word j / 32: token j allowed; null when no row has one); out: one token id a row.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_rows(float* x, const u32* params, u32* out, int cols) {
+sample_rows(float* x, const u32* params, u32* out, int cols, const u32* masks, int mask_words) {
     pdl_enter();
     __shared__ float best_value[32];
     __shared__ u32 best_index[32];
@@ -218,6 +222,18 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     const u32* pairs = params + (size_t)gridDim.x * SAMPLE_WORDS + 2 * (size_t)p[7];
     double u;
     asm("mov.b64 %0, {%1, %2};" : "=d"(u) : "r"(p[9]), "r"(p[10]));
+    const u32* mask =
+        masks != nullptr && p[11] != SAMPLE_NONE ? masks + (size_t)p[11] * mask_words : nullptr;
+    auto banned = [&](int j) { return mask != nullptr && !((mask[j >> 5] >> (j & 31)) & 1u); };
+
+    // 0. The token mask, before the penalties as on the host (a banned logit stays -inf
+    // under them). A greedy row only reads through it (step 2).
+    if (mask != nullptr && inv_t != 0.0f) {
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            if (banned(j)) row[j] = NEG_INF;
+        }
+        __syncthreads();
+    }
 
     // 1. Penalties (each id once per row, so no two threads touch one logit). Explicit
     // roundings: the host computes these without fused multiply-adds.
@@ -236,6 +252,7 @@ sample_rows(float* x, const u32* params, u32* out, int cols) {
     float v = NEG_INF;
     u32 idx = SAMPLE_NONE;
     for_each_logit(row, cols, [&](int j, float y) {
+        if (banned(j)) y = NEG_INF;
         // Each thread sees its indices in increasing order: an equal later value never wins.
         if (y == y && (idx == SAMPLE_NONE || y > v || (y == v && (u32)j < idx))) {
             v = y;

@@ -178,6 +178,10 @@ pub struct CudaBackend {
     argmax_ids: Mutex<Option<CudaSlice<u32>>>,
     /// `sample_rows`' settings, packed on the host and their device copy (grown).
     sample_params: Mutex<(Vec<u32>, Option<CudaSlice<u32>>)>,
+    /// `sample_rows`' token masks: their pinned host copy and device copy (grown), and
+    /// the stream that uploads them beside the step (made at first use).
+    sample_masks: Mutex<sample::MaskBuffers>,
+    mask_stream: std::sync::OnceLock<Option<Arc<CudaStream>>>,
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
     /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
     f16_copies: std::sync::atomic::AtomicBool,
@@ -404,6 +408,8 @@ impl CudaBackend {
             read_ahead_hits: std::sync::atomic::AtomicU64::new(0),
             argmax_ids: Mutex::new(None),
             sample_params: Mutex::new((Vec::new(), None)),
+            sample_masks: Mutex::default(),
+            mask_stream: std::sync::OnceLock::new(),
             q8_decode: std::sync::atomic::AtomicBool::new(options.q8),
             q8_scratch: Mutex::new(None),
             pdl: options.pdl && major >= 9,
@@ -739,6 +745,10 @@ impl kestrel_model::Backend for CudaBackend {
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
         sample::sample_rows(self, x, n, sampling, scratch, out)
+    }
+
+    fn submit(&self) {
+        self.flush();
     }
 }
 

@@ -1,13 +1,81 @@
 //! Token choice on the device (kernels/argmax.cu, kernels/sample.cu): greedy `argmax_rows` and
-//! `sample_rows` (temperature, top-k, top-p, min-p, penalties).
+//! `sample_rows` (token masks, temperature, top-k, top-p, min-p, penalties).
 
 use crate::*;
-use kestrel_model::Backend;
+use kestrel_model::{Backend, NO_MASK};
 
 /// The kernels this module launches (kernels/argmax.cu, kernels/sample.cu).
 pub(crate) const KERNELS: &[&str] = &["argmax_rows", "sample_rows"];
 
+/// The token masks' pinned host copy and device copy (`CudaBackend::sample_masks`).
+#[derive(Default)]
+pub(crate) struct MaskBuffers {
+    host: Option<cudarc::driver::PinnedHostSlice<u32>>,
+    device: Option<CudaSlice<u32>>,
+}
+
 impl CudaBackend {
+    /// Uploads `params` (the sampling settings) and `masks` on the mask stream (from
+    /// pinned memory, beside the step the main stream may still be running) and makes the
+    /// main stream wait for the copy; returns the device addresses of both.
+    fn upload_masks(&self, params: &[u32], masks: &[u32]) -> anyhow::Result<(u64, u64)> {
+        let Some(copy) = self
+            .mask_stream
+            .get_or_init(|| self.ctx.new_stream().ok())
+            .clone()
+        else {
+            bail!("no stream for the token masks");
+        };
+        let mut bufs = self.sample_masks.lock().unwrap_or_else(|p| p.into_inner());
+        // Settings, then the masks from a 16-byte boundary.
+        let at = params.len().next_multiple_of(4);
+        let len = at + masks.len();
+        // The last upload out of the pinned buffer has finished (its sampling waited for
+        // it); a failed step may have left one queued.
+        copy.synchronize()
+            .map_err(|e| anyhow::anyhow!("CUDA: the token masks' copy: {e:?}"))?;
+        if bufs.host.as_ref().is_none_or(|h| h.len() < len) {
+            bufs.host = None;
+            // SAFETY: written only here, after the mask stream's copies out of it finished.
+            let h = unsafe { self.ctx.alloc_pinned::<u32>(len.next_power_of_two()) }
+                .map_err(|e| anyhow::anyhow!("allocating the token masks' host buffer: {e:?}"))?;
+            bufs.host = Some(h);
+        }
+        if bufs.device.as_ref().is_none_or(|d| d.len() < len) {
+            bufs.device = Some(self.alloc::<u32>(len.next_power_of_two(), "token masks")?);
+        }
+        let MaskBuffers { host, device } = &mut *bufs;
+        let (Some(host), Some(device)) = (host.as_mut(), device.as_ref()) else {
+            bail!("no token mask buffers");
+        };
+        let src = host
+            .as_mut_slice()
+            .map_err(|e| anyhow::anyhow!("the token masks' host buffer: {e:?}"))?;
+        src[..params.len()].copy_from_slice(params);
+        // Megabytes at 64 rows of a large vocabulary: on every core.
+        const CHUNK: usize = 1 << 15;
+        src[at..len]
+            .par_chunks_mut(CHUNK)
+            .zip(masks.par_chunks(CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        let dst = self.ptr(device);
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("binding the CUDA context: {e:?}"))?;
+        // SAFETY: `src` holds `len` words (pinned, alive in `sample_masks`), `dst` at least
+        // `len`; the next write into `src` synchronizes the mask stream first.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), len * 4, copy.cu_stream()) }
+            .result()
+            .map_err(|e| anyhow::anyhow!("copying the token masks to the GPU: {e:?}"))?;
+        let done = copy
+            .record_event(None)
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        self.stream
+            .wait(&done)
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        Ok((dst, dst + at as u64 * 4))
+    }
+
     /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its
     /// token id into the id buffer (`args` gets its address), and reads the ids into `out`.
     pub(crate) fn launch_for_ids(
@@ -69,7 +137,9 @@ pub(crate) fn sample_rows(
     if n > x.rows {
         bail!("sample_rows: {n} rows asked, tensor has {}", x.rows);
     }
-    if sampling.rows.iter().all(|r| r.is_argmax()) {
+    sampling.check_masks(x.cols)?;
+    let masked = sampling.has_masks();
+    if !masked && sampling.rows.iter().all(|r| r.is_argmax()) {
         return backend.argmax_rows(x, n, scratch, out);
     }
     out.clear();
@@ -82,7 +152,7 @@ pub(crate) fn sample_rows(
         .unwrap_or_else(|p| p.into_inner());
     let (host, device) = &mut *params;
     host.clear();
-    for r in &sampling.rows {
+    for (i, r) in sampling.rows.iter().enumerate() {
         let inv_t = if r.is_greedy() {
             0.0
         } else {
@@ -101,7 +171,7 @@ pub(crate) fn sample_rows(
             r.penalty_len,
             u as u32,
             (u >> 32) as u32,
-            0,
+            sampling.mask_of.get(i).copied().unwrap_or(NO_MASK),
         ]);
     }
     debug_assert_eq!(host.len(), n * SAMPLE_WORDS);
@@ -119,6 +189,22 @@ pub(crate) fn sample_rows(
             .iter()
             .flat_map(|&(id, count)| [id, count]),
     );
+    if masked {
+        // The settings go with the masks (the step is already running: nothing waits
+        // behind it on the main stream).
+        let (params_ptr, masks_ptr) = backend.upload_masks(host, &sampling.masks)?;
+        drop(params);
+        return backend.launch_for_ids("sample_rows", n, 1024, out, |ids| {
+            vec![
+                Arg::P(x.ptr),
+                Arg::P(params_ptr),
+                Arg::P(ids),
+                Arg::I(x.cols as i32),
+                Arg::P(masks_ptr),
+                Arg::I(sampling.mask_words as i32),
+            ]
+        });
+    }
     let len = host.len();
     if device.as_ref().is_none_or(|b| b.len() < len) {
         *device = Some(backend.alloc::<u32>(len.next_power_of_two(), "sampling settings")?);
@@ -138,6 +224,8 @@ pub(crate) fn sample_rows(
             Arg::P(params_ptr),
             Arg::P(ids),
             Arg::I(x.cols as i32),
+            Arg::P(0),
+            Arg::I(0),
         ]
     })
 }

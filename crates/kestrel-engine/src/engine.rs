@@ -292,6 +292,29 @@ impl<B: Backend> Engine<B> {
         )
     }
 
+    /// [`Engine::step_sample`] whose token masks are known only once the forward pass is
+    /// under way: the backend starts the step's work ([`Backend::submit`]), `masks` then
+    /// fills `sampling`'s masks (e.g. waiting for a grammar on another thread while the
+    /// device computes), and the rows are sampled under them where they are.
+    pub fn step_sample_masked(
+        &mut self,
+        batch: &Batch,
+        sampling: &mut SamplingBatch,
+        masks: impl FnOnce(&mut SamplingBatch),
+        ids: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        self.forward(batch)?;
+        self.backend.submit();
+        masks(sampling);
+        self.backend.sample_rows(
+            &self.scratch.logits,
+            batch.logit_rows.len(),
+            sampling,
+            &mut self.logits,
+            ids,
+        )
+    }
+
     /// Appends `tokens` to `seq`, evaluating them in chunks. Returns the logits of the
     /// last token, or of every new token when `all_logits` (then `tokens` must fit the
     /// logit rows of one step per chunk; chunks shrink to `max_logit_rows`).

@@ -110,8 +110,9 @@ impl SamplerParams {
 }
 
 /// Restricts or biases a sequence's next token beyond the sampling settings: a grammar's
-/// token mask (constrained decoding), a logit bias. The scheduler samples a filtered
-/// sequence from its logit row on the host.
+/// token mask (constrained decoding), a logit bias. A filter that is a mask only
+/// ([`Self::is_mask`]) is sampled where the logits are (the backend applies the mask, on
+/// the device for CUDA); any other is sampled from its logit row on the host.
 pub trait TokenFilter: Send {
     /// Prepares the restriction of the next token (e.g. computes a grammar's mask). The
     /// scheduler calls it on another thread while the step's forward pass runs. A failure
@@ -119,11 +120,18 @@ pub trait TokenFilter: Send {
     fn prepare(&mut self);
     /// Adjusts a logit row before penalties and sampling; a banned token gets `-inf`.
     fn apply(&self, logits: &mut [f32]);
-    /// The [`kestrel_model::argmax`] of `logits` after [`Self::apply`], found without
-    /// writing the row where the filter can (a grammar's mask walked word by word); None
-    /// where it cannot tell cheaply: the caller applies the filter and takes the argmax.
-    fn argmax(&self, _logits: &[f32]) -> Option<u32> {
-        None
+    /// Whether [`Self::apply`] only bans tokens (no bias), so that [`Self::mask`] says all
+    /// it does. Default: no.
+    fn is_mask(&self) -> bool {
+        false
+    }
+    /// Writes the prepared restriction as a token mask into `words` (zeroed, the
+    /// vocabulary's `div_ceil(32)` words; bit `t % 32` of word `t / 32`: token `t`
+    /// allowed): exactly the tokens [`Self::apply`] leaves alone. False when there is none
+    /// (nothing prepared, or the failure [`Self::accept`] will report): the row is then
+    /// sampled unrestricted.
+    fn mask(&self, _words: &mut [u32]) -> bool {
+        false
     }
     /// Records the chosen token. `Ok(true)`: the output is complete, end the generation.
     fn accept(&mut self, token: u32) -> Result<bool, String>;

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kestrel_model::{Backend, Batch, Pooling, SamplingBatch};
+use kestrel_model::{Backend, Batch, NO_MASK, Pooling, SamplingBatch, masked_argmax};
 use rayon::prelude::*;
 
 use crate::engine::Engine;
@@ -240,6 +240,9 @@ pub struct SchedulerStats {
     /// Microseconds of the scheduler's own work around them: admission, batch building,
     /// sampling, sending tokens, releasing blocks.
     pub host_us: AtomicU64,
+    /// Microseconds the token filters took preparing (grammar masks, written for the
+    /// sampler), on the filter pool beside the forward steps.
+    pub mask_us: AtomicU64,
     pub requests_finished: AtomicU64,
     pub requests_cancelled: AtomicU64,
     /// Speculative decoding: tokens drafted and verified, accepted, and verifications.
@@ -966,10 +969,12 @@ impl<B: Backend> Scheduler<B> {
 
         let mut batch = Batch::default();
         // Whether every sequence sampling this step takes the plain argmax, and whether one
-        // needs its logit row on the host (log-probabilities). Otherwise the backend samples
-        // the rows itself (on the device for CUDA) and returns token ids only.
+        // needs its logit row on the host (log-probabilities, a filter that is not a token
+        // mask). Otherwise the backend samples the rows itself (on the device for CUDA),
+        // under the masks of the sequences whose filter is one, and returns token ids only.
         let mut all_plain = true;
         let mut rows_needed = false;
+        let mut any_masked = false;
         let mut draws = std::mem::take(&mut self.sampling);
         draws.clear();
         for (slot, &(i, n)) in plan.iter().enumerate() {
@@ -987,12 +992,16 @@ impl<B: Backend> Scheduler<B> {
                 rows,
             );
             if samples {
-                let host = seq.logprobs.is_some() || seq.filter.is_some();
-                all_plain &= seq.sampler.is_argmax() && !host;
+                let masked =
+                    seq.logprobs.is_none() && seq.filter.as_ref().is_some_and(|f| f.is_mask());
+                let host = seq.logprobs.is_some() || (seq.filter.is_some() && !masked);
+                all_plain &= seq.sampler.is_argmax() && !host && !masked;
                 rows_needed |= host;
+                any_masked |= masked;
             }
         }
         let sample_rows = !all_plain && !rows_needed;
+        let masked_step = sample_rows && any_masked;
         if sample_rows {
             // Each sampling sequence's row, in logit-row order (plan order), with its draw.
             for &(i, n) in &plan {
@@ -1013,37 +1022,107 @@ impl<B: Backend> Scheduler<B> {
         let forward_started = Instant::now();
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
         // The filters of the sequences sampling this step prepare their next token's
-        // restriction on another thread while the forward pass runs.
-        let mut filters: Vec<&mut Box<dyn TokenFilter>> = Vec::new();
+        // restriction on another thread while the forward pass runs, each with its logit
+        // row. In a masked step each also writes its mask (one chunk of `words` a filter),
+        // which the backend applies once they are ready.
+        let mut filters: Vec<(&mut Box<dyn TokenFilter>, usize)> = Vec::new();
         let mut plan_at = plan.iter().peekable();
+        let mut row = 0;
         for (i, seq) in self.running.iter_mut().enumerate() {
             let Some(&(_, n)) = plan_at.next_if(|p| p.0 == i) else {
                 continue;
             };
-            if seq.n_cached + n == seq.tokens.len()
-                && let Some(f) = seq.filter.as_mut()
-            {
-                filters.push(f);
+            if seq.n_cached + n == seq.tokens.len() {
+                if let Some(f) = seq.filter.as_mut() {
+                    filters.push((f, row));
+                }
+                row += 1 + seq.n_drafts;
             }
         }
+        let words = vocab.div_ceil(32).max(1);
+        let filters_empty = filters.is_empty();
+        let mut mask_buf = std::mem::take(&mut draws.masks);
+        let (mut mask_us, mut mask_wait_us) = (0, 0);
         let engine = &mut self.engine;
-        let result = std::thread::scope(|scope| {
-            if !filters.is_empty() {
-                scope.spawn(|| filters.par_iter_mut().for_each(|f| f.prepare()));
+        // The filters' work, run on the filter pool beside the forward pass; what it made
+        // comes back through `done`.
+        let (done, made) = mpsc::sync_channel(1);
+        let prepare = move || {
+            let started = Instant::now();
+            if !masked_step {
+                filters.par_iter_mut().for_each(|(f, _)| f.prepare());
+                let _ = done.send((mask_buf, Vec::new(), started.elapsed()));
+                return;
             }
+            // Every word is written by `mask` or belongs to no mask: no clearing.
+            mask_buf.resize(filters.len() * words, 0);
+            mask_buf.truncate(filters.len() * words);
+            let written: Vec<(usize, bool)> = filters
+                .par_iter_mut()
+                .zip(mask_buf.par_chunks_mut(words))
+                .map(|((f, row), m)| {
+                    f.prepare();
+                    (*row, f.is_mask() && f.mask(m))
+                })
+                .collect();
+            let _ = done.send((mask_buf, written, started.elapsed()));
+        };
+        let mut pending = true;
+        let mut step = |pending: &mut bool| {
             if all_plain {
                 engine.step_argmax(&batch, &mut argmax_ids)
+            } else if masked_step {
+                let masks = |draws: &mut SamplingBatch| {
+                    let waiting = Instant::now();
+                    let Ok((buf, written, took)) = made.recv() else {
+                        return; // the preparation panicked: the scope re-raises it
+                    };
+                    *pending = false;
+                    mask_wait_us = waiting.elapsed().as_micros() as u64;
+                    mask_us = took.as_micros() as u64;
+                    draws.masks = buf;
+                    draws.mask_words = words;
+                    draws.mask_of.clear();
+                    draws.mask_of.resize(draws.rows.len(), NO_MASK);
+                    for (k, &(row, ok)) in written.iter().enumerate() {
+                        if let (true, Some(m)) = (ok, draws.mask_of.get_mut(row)) {
+                            *m = k as u32;
+                        }
+                    }
+                };
+                engine.step_sample_masked(&batch, &mut draws, masks, &mut argmax_ids)
             } else if sample_rows {
                 engine.step_sample(&batch, &draws, &mut argmax_ids)
             } else {
                 engine.step_into(&batch, &mut logits)
             }
-        });
+        };
+        let result = if filters_empty {
+            pending = false;
+            step(&mut pending)
+        } else {
+            // (rayon's global pool where the filter pool could not start)
+            match filter_pool() {
+                Some(pool) => pool.in_place_scope(|scope| {
+                    scope.spawn(move |_| prepare());
+                    step(&mut pending)
+                }),
+                None => rayon::in_place_scope(|scope| {
+                    scope.spawn(move |_| prepare());
+                    step(&mut pending)
+                }),
+            }
+        };
+        if pending && let Ok((buf, _, took)) = made.recv() {
+            mask_us = took.as_micros() as u64;
+            draws.masks = buf;
+        }
+        self.stats.mask_us.fetch_add(mask_us, Ordering::Relaxed);
         self.last_forward_us = forward_started.elapsed().as_micros() as u64;
         if step_log() {
             let prefill: usize = plan.iter().filter(|p| p.1 > 1).map(|p| p.1).sum();
             eprintln!(
-                "step tokens {} seqs {} prefill_tokens {prefill} forward_us {}",
+                "step tokens {} seqs {} prefill_tokens {prefill} forward_us {} masks_us {mask_us} mask_wait_us {mask_wait_us}",
                 batch.len(),
                 plan.len(),
                 self.last_forward_us
@@ -1132,14 +1211,15 @@ impl<B: Backend> Scheduler<B> {
             let picks = work
                 .par_iter_mut()
                 .zip(logits.par_chunks_exact_mut(vocab))
-                .map(|(slot, row)| {
+                .map_init(Vec::new, |words, (slot, row)| {
                     let (sampler, history, filter, logprobs) = slot.as_mut()?;
                     if let Some(f) = filter {
-                        if sampler.is_argmax()
-                            && !*logprobs
-                            && let Some(id) = f.argmax(row)
-                        {
-                            return Some(id);
+                        if sampler.is_argmax() && !*logprobs && f.is_mask() {
+                            words.clear();
+                            words.resize(vocab.div_ceil(32), 0);
+                            if f.mask(words) {
+                                return Some(masked_argmax(row, words));
+                            }
                         }
                         f.apply(row);
                     }
@@ -1149,6 +1229,47 @@ impl<B: Backend> Scheduler<B> {
             let rows: Vec<&[f32]> = logits.chunks_exact(vocab).take(sampling.len()).collect();
             (rows, picks)
         };
+        // The filters record their chosen tokens first, on the filter pool when there are
+        // many (a grammar's step takes microseconds a row). An end-of-generation token is
+        // never shown to a filter.
+        let mut accepted: Vec<Option<Result<bool, String>>> = Vec::new();
+        if self.running.iter().any(|s| s.filter.is_some()) {
+            accepted.resize(sampling.len(), None);
+            let mut slot_of = vec![usize::MAX; self.running.len()];
+            for (k, &i) in sampling.iter().enumerate() {
+                slot_of[i] = k;
+            }
+            let eog = &self.opts.eog;
+            let work: Vec<(usize, &mut Box<dyn TokenFilter>, u32)> = self
+                .running
+                .iter_mut()
+                .zip(&slot_of)
+                .filter_map(|(seq, &k)| {
+                    let id = (*picks.get(k)?)?;
+                    let f = seq.filter.as_mut()?;
+                    (seq.n_drafts == 0 && !eog.contains(&id)).then_some((k, f, id))
+                })
+                .collect();
+            // Few rows stay on this thread: waking the pool costs more than they do.
+            let results: Vec<(usize, Result<bool, String>)> = if work.len() < PARALLEL_ACCEPT {
+                work.into_iter()
+                    .map(|(k, f, id)| (k, f.accept(id)))
+                    .collect()
+            } else {
+                let accept = || {
+                    work.into_par_iter()
+                        .map(|(k, f, id)| (k, f.accept(id)))
+                        .collect()
+                };
+                match filter_pool() {
+                    Some(pool) => pool.install(accept),
+                    None => accept(),
+                }
+            };
+            for (k, r) in results {
+                accepted[k] = Some(r);
+            }
+        }
         let mut finished = Vec::new();
         for (k, ((&i, row), pick)) in sampling.iter().zip(&rows).zip(picks).enumerate() {
             let drafts = self.running[i].n_drafts;
@@ -1156,7 +1277,8 @@ impl<B: Backend> Scheduler<B> {
                 let ids = argmax_ids.get(first_row[k]..first_row[k] + 1 + drafts);
                 self.verify(i, ids.unwrap_or(&[]), step_secs)
             } else {
-                self.sample_into(i, row, pick)
+                let accepted = accepted.get_mut(k).and_then(Option::take);
+                self.sample_into(i, row, pick, accepted)
             };
             if let Some(reason) = done {
                 finished.push((i, reason));
@@ -1194,12 +1316,14 @@ impl<B: Backend> Scheduler<B> {
 
     /// Samples the next token of running sequence `i` from its logits and sends it. Returns
     /// `Some(Some(reason))` when the sequence is done, `Some(None)` when its client is gone.
-    /// `pick`: the token already chosen (a plain greedy row's argmax), if any.
+    /// `pick`: the token already chosen (a plain greedy row's argmax), if any; `accepted`:
+    /// what the sequence's filter said of it, where it was already asked.
     fn sample_into(
         &mut self,
         i: usize,
         row: &[f32],
         pick: Option<u32>,
+        accepted: Option<Result<bool, String>>,
     ) -> Option<Option<FinishReason>> {
         let ctx = self.engine.ctx;
         let eog = &self.opts.eog;
@@ -1211,7 +1335,7 @@ impl<B: Backend> Scheduler<B> {
             return Some(Some(FinishReason::Stop));
         }
         // A filter that rejects the token (or failed preparing) ends the request.
-        let complete = match seq.filter.as_mut().map(|f| f.accept(id)) {
+        let complete = match accepted.or_else(|| seq.filter.as_mut().map(|f| f.accept(id))) {
             Some(Err(e)) => {
                 seq.sink.send(Event::Error(e));
                 return Some(None);
@@ -1302,7 +1426,7 @@ impl<B: Backend> Scheduler<B> {
             return Some(Some(FinishReason::Length));
         };
         for (k, &id) in drafts[..accepted].iter().chain([&next]).enumerate() {
-            if let Some(done) = self.sample_into(i, &[], Some(id)) {
+            if let Some(done) = self.sample_into(i, &[], Some(id), None) {
                 return Some(done);
             }
             if k < accepted {
@@ -1360,8 +1484,29 @@ impl<B: Backend> Scheduler<B> {
     }
 }
 
+/// Filters accepting their tokens in one step from which the filter pool takes them.
+const PARALLEL_ACCEPT: usize = 16;
+
+/// The threads the token filters prepare and accept on, beside the forward pass: two
+/// cores fewer than the machine's (at least one), so that the thread driving the backend
+/// (and the server's) keep a core each while up to 64 grammars run (sharing every core made
+/// a descheduled worker hold a step's masks back by milliseconds).
+fn filter_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cores.saturating_sub(2).max(1))
+            .thread_name(|i| format!("kestrel-filter-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 /// `KESTREL_STEP_LOG=1`: one stderr line per step (tokens, sequences, prompt tokens,
-/// forward time), to see where a server's time goes.
+/// forward time, the token filters' preparation and how long the sampler waited for their
+/// masks), to see where a server's time goes.
 fn step_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KESTREL_STEP_LOG").is_ok_and(|v| !v.is_empty() && v != "0"))

@@ -52,6 +52,55 @@ impl TokenFilter for Cycle {
     }
 }
 
+/// Allows the tokens `t` with `t % 5 == step % 5` (many tokens, so the draw matters), as a
+/// token mask the backend applies (`as_mask`) or through `apply` on the host.
+struct EveryFifth {
+    step: usize,
+    as_mask: bool,
+    ready: bool,
+}
+
+impl EveryFifth {
+    fn allows(&self, t: usize) -> bool {
+        t % 5 == self.step % 5
+    }
+}
+
+impl TokenFilter for EveryFifth {
+    fn prepare(&mut self) {
+        self.ready = true;
+    }
+    fn apply(&self, logits: &mut [f32]) {
+        for (t, l) in logits.iter_mut().enumerate() {
+            if !self.allows(t) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    fn is_mask(&self) -> bool {
+        self.as_mask
+    }
+    fn mask(&self, words: &mut [u32]) -> bool {
+        if !self.ready {
+            return false;
+        }
+        for t in 0..words.len() * 32 {
+            if self.allows(t) {
+                words[t / 32] |= 1 << (t % 32);
+            }
+        }
+        true
+    }
+    fn accept(&mut self, token: u32) -> Result<bool, String> {
+        if !self.ready || !self.allows(token as usize) {
+            return Err(format!("token {token} is not allowed"));
+        }
+        self.ready = false;
+        self.step += 1;
+        Ok(false)
+    }
+}
+
 fn events(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
     let mut ids = Vec::new();
     loop {
@@ -245,4 +294,105 @@ fn filtered_sequences_do_not_speculate() {
     assert_eq!(prepared.load(Ordering::Relaxed), ids.len());
     let (ids, _) = events(&beside);
     assert_eq!(ids, alone, "a speculating neighbour changed");
+}
+
+/// Filters that are token masks are sampled by the backend under their masks (greedy,
+/// sampled, penalised; beside unfiltered sequences in the same steps) and
+/// give exactly the tokens the same filters applied on the host give.
+#[test]
+fn mask_filters_give_the_tokens_of_host_filtering() {
+    let cfg = SynthConfig::tiny(Arch::Qwen2);
+    let ty: WeightType = "q8_0".parse().expect("weight type");
+    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 5).expect("synth");
+    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 64,
+        max_logit_rows: 8,
+        block_size: 16,
+        max_seqs: 8,
+    };
+    let h = scheduler::spawn(
+        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
+        SchedulerOptions {
+            max_seqs: 8,
+            max_prefill_tokens: 32,
+            prefix_cache: false,
+            eog: Vec::new(),
+            spec: None,
+        },
+    )
+    .expect("scheduler");
+    let submit = |prompt: Vec<u32>, params: SamplerParams, filter: Option<Box<dyn TokenFilter>>| {
+        let (tx, rx) = mpsc::channel();
+        h.submit_filtered(
+            Request {
+                prompt,
+                params,
+                max_tokens: 24,
+                logprobs: None,
+                speculative: false,
+                sink: Box::new(tx),
+            },
+            filter,
+        )
+        .expect("submit");
+        rx
+    };
+    let seed: u64 = rand::random();
+    let params = |k: usize| match k % 3 {
+        0 => SamplerParams::greedy(),
+        1 => SamplerParams {
+            seed: Some(seed + k as u64),
+            ..SamplerParams::default()
+        },
+        _ => SamplerParams {
+            seed: Some(seed + k as u64),
+            top_k: 7,
+            repeat_penalty: 1.3,
+            presence_penalty: 0.4,
+            ..SamplerParams::default()
+        },
+    };
+    let run = |as_mask: bool| -> Vec<Vec<u32>> {
+        let mut rxs = Vec::new();
+        for k in 0..6 {
+            let filter = EveryFifth {
+                step: k,
+                as_mask,
+                ready: false,
+            };
+            rxs.push(submit(
+                vec![3, 1 + k as u32, 4],
+                params(k),
+                Some(Box::new(filter)),
+            ));
+            rxs.push(submit(vec![2, 7, k as u32], params(k + 1), None));
+        }
+        rxs.iter()
+            .map(|rx| {
+                let (ids, done) = events(rx);
+                assert!(
+                    matches!(
+                        done,
+                        Event::Done {
+                            reason: FinishReason::Length,
+                            ..
+                        }
+                    ),
+                    "{done:?}"
+                );
+                ids
+            })
+            .collect()
+    };
+    let host = run(false);
+    let masked = run(true);
+    assert_eq!(masked, host, "seed {seed}");
+    for (k, ids) in host.iter().step_by(2).enumerate() {
+        assert_eq!(ids.len(), 24);
+        for (i, &t) in ids.iter().enumerate() {
+            assert_eq!(t as usize % 5, (k + i) % 5, "sequence {k}, token {i}");
+        }
+    }
 }

@@ -1475,24 +1475,45 @@ impl SamplingReport {
 
 /// `sample_rows` on the device against the host's definition ([`kestrel_model::sampling`])
 /// on fresh random rows: vocabularies from 1 to 151,936 words, ties, NaN and ±inf logits,
-/// every filter and the penalties, in batches of 1 to 64 rows.
-pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<SamplingReport> {
+/// every filter and the penalties, in batches of 1 to 64 rows. With `masks`, token masks
+/// too (vocabularies mostly not multiples of 32): rows without one mixed with rows
+/// allowing one token, a few, half, or all but the best, and greedy-only batches.
+pub fn compare_sampling(
+    backend: &CudaBackend,
+    seed: u64,
+    masks: bool,
+) -> anyhow::Result<SamplingReport> {
     use kestrel_model::Backend;
-    use kestrel_model::sampling::{RowSampler, RowSampling, SamplingBatch};
+    use kestrel_model::sampling::{NO_MASK, RowSampler, RowSampling, SamplingBatch};
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut report = SamplingReport::default();
-    let shapes = [
-        (5, 1),
-        (8, 7),
-        (8, 100),
-        (16, 1000),
-        (8, 5003),
-        (4, 32_000),
-        (64, 128_256),
-        (8, 151_936),
-    ];
+    // (rows, vocabulary, greedy rows only)
+    let shapes: &[(usize, usize, bool)] = if masks {
+        &[
+            (5, 1, false),
+            (8, 7, true),
+            (8, 100, false),
+            (16, 1001, false),
+            (8, 5003, true),
+            (4, 32_001, false),
+            (64, 151_936, true),
+            (64, 151_936, false),
+            (8, 262_145, false),
+        ]
+    } else {
+        &[
+            (5, 1, false),
+            (8, 7, false),
+            (8, 100, false),
+            (16, 1000, false),
+            (8, 5003, false),
+            (4, 32_000, false),
+            (64, 128_256, false),
+            (8, 151_936, false),
+        ]
+    };
     let mut host = RowSampler::default();
-    for (rows, cols) in shapes {
+    for &(rows, cols, greedy_only) in shapes {
         let mut logits: Vec<f32> = Vec::with_capacity(rows * cols);
         for r in 0..rows {
             let scale = [1.0f32, 4.0, 12.0][r % 3];
@@ -1515,7 +1536,11 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
         for _ in 0..rows {
             let penalised = rng.random_range(0..3) == 0;
             let spec = RowSampling {
-                temperature: [0.0, 0.5, 1.0, 1.5][rng.random_range(0..4)],
+                temperature: if greedy_only {
+                    0.0
+                } else {
+                    [0.0, 0.5, 1.0, 1.5][rng.random_range(0..4)]
+                },
                 top_k: [0, 1, 40, 1000, cols as u32][rng.random_range(0..5)],
                 top_p: [1.0, 0.95, 0.5][rng.random_range(0..3)],
                 min_p: [0.0, 0.05][rng.random_range(0..2)],
@@ -1534,6 +1559,41 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
                 Vec::new()
             };
             batch.push(spec, &window);
+        }
+        if masks {
+            let words = cols.div_ceil(32);
+            batch.mask_words = words;
+            for (r, row) in logits.chunks_exact(cols).enumerate() {
+                let kind = (r + rng.random_range(0..2)) % 6;
+                if kind == 0 {
+                    batch.mask_of.push(NO_MASK);
+                    continue;
+                }
+                batch.mask_of.push((batch.masks.len() / words) as u32);
+                let mut m = vec![0u32; words];
+                let mut allow = |t: usize| m[t / 32] |= 1 << (t % 32);
+                match kind {
+                    // all but one banned
+                    1 => allow(rng.random_range(0..cols)),
+                    // a few (a grammar's digits), some at the vocabulary's end
+                    2 => {
+                        for _ in 0..12 {
+                            allow(rng.random_range(0..cols));
+                        }
+                        allow(cols - 1);
+                    }
+                    // about half
+                    3 => (0..cols).filter(|_| rng.random_bool(0.5)).for_each(allow),
+                    // all but the best token
+                    4 => {
+                        let best = kestrel_model::argmax(row) as usize;
+                        (0..cols).filter(|&t| t != best).for_each(allow);
+                    }
+                    // everything (bits past the vocabulary set too)
+                    _ => m.iter_mut().for_each(|w| *w = u32::MAX),
+                }
+                batch.masks.extend_from_slice(&m);
+            }
         }
         let mut want = Vec::new();
         batch.sample_host(&logits, rows, &mut want);
@@ -1557,7 +1617,7 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
                         top_p: spec.top_p + dp as f32,
                         ..*spec
                     };
-                    host.sample(row, &s, pens) == got[r]
+                    host.sample_masked(row, &s, pens, batch.mask(r)) == got[r]
                 });
             if nudged {
                 report.edge += 1;
@@ -1565,8 +1625,10 @@ pub fn compare_sampling(backend: &CudaBackend, seed: u64) -> anyhow::Result<Samp
                 report.wrong += 1;
                 report.first_wrong.get_or_insert_with(|| {
                     format!(
-                        "{cols} words, row {r}: device {} host {} ({spec:?})",
-                        got[r], want[r]
+                        "{cols} words, row {r}: device {} host {} ({spec:?}, mask {:?})",
+                        got[r],
+                        want[r],
+                        batch.mask_of.get(r)
                     )
                 });
             }

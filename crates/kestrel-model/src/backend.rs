@@ -271,9 +271,9 @@ pub trait Backend: Sync {
     }
 
     /// The token each of the first `n` rows draws under `sampling`'s row of the same index
-    /// (the definition in [`crate::sampling`]), without reading the rows back where the
-    /// backend can sample them where they are. Default: the host samples the rows lent by
-    /// [`Self::with_rows`], on all cores.
+    /// (the definition in [`crate::sampling`], token masks included), without reading the
+    /// rows back where the backend can sample them where they are. Default: the host
+    /// samples the rows lent by [`Self::with_rows`], on all cores.
     fn sample_rows(
         &self,
         x: &Self::Tensor,
@@ -283,10 +283,21 @@ pub trait Backend: Sync {
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
         sampling.check_rows(n)?;
+        let mut checked = Ok(());
         self.with_rows(x, n, scratch, &mut |rows| {
-            sampling.sample_host(rows, n, out)
-        })
+            let cols = rows.len().checked_div(n).unwrap_or(0);
+            checked = sampling.check_masks(cols);
+            if checked.is_ok() {
+                sampling.sample_host(rows, n, out)
+            }
+        })?;
+        checked
     }
+
+    /// Starts the work queued so far without waiting for it: the caller is about to wait
+    /// for something else (a step's token masks) before sampling. Default: nothing (work
+    /// is done when its call returns).
+    fn submit(&self) {}
 
     /// The mixture-of-experts block ([`MoeConfig`] defines it): `out = Σ w_e · down_e(
     /// act(gate_e(x)) * up_e(x))` over each token's selected experts `e`. Default: an

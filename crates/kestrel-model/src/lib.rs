@@ -20,7 +20,9 @@ pub use config::{
 };
 pub use forward::{Model, Scratch};
 pub use kv_type::{KvType, KvTypes};
-pub use sampling::{RowSampler, RowSampling, SamplingBatch, argmax};
+pub use sampling::{
+    NO_MASK, RowSampler, RowSampling, SamplingBatch, apply_mask, argmax, masked_argmax,
+};
 pub use shard::{Role, Split, TpPlan};
 pub use weights::{DeltaNetWeights, LayerWeights, ModelWeights, SharedExpertWeights};
 

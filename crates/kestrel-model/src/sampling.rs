@@ -5,6 +5,9 @@
 //! gives the same tokens on either, up to rounding at the edge of a token's interval.
 //!
 //! The definition, for logits `l` (NaN is an impossible token):
+//! 0. a row's token mask, when it has one (a grammar's allowed tokens: bit `t % 32` of word
+//!    `t / 32` set, words past the mask's end banning), sets every banned token's logit to
+//!    `-inf` ([`apply_mask`]);
 //! 1. penalties change the logits of the tokens in the window (llama.cpp's repetition,
 //!    presence and frequency penalties);
 //! 2. greedy (temperature `<= 0`): [`argmax`]. So are rows whose largest logit is `±inf`;
@@ -78,12 +81,69 @@ pub struct SamplingBatch {
     /// (token id, occurrences in the penalty window), each id once per row.
     pub penalties: Vec<(u32, u32)>,
     window: Vec<u32>,
+    /// Token masks (step 0 of the definition), `mask_words` words each, one after another.
+    pub masks: Vec<u32>,
+    /// Words of each mask: the vocabulary's `div_ceil(32)`.
+    pub mask_words: usize,
+    /// Row `i`'s mask: its index in `masks`, or [`NO_MASK`]. Empty when no row has one.
+    pub mask_of: Vec<u32>,
 }
+
+/// A row without a token mask (`SamplingBatch::mask_of`).
+pub const NO_MASK: u32 = u32::MAX;
 
 impl SamplingBatch {
     pub fn clear(&mut self) {
         self.rows.clear();
         self.penalties.clear();
+        self.masks.clear();
+        self.mask_of.clear();
+    }
+
+    /// Whether some row has a token mask.
+    pub fn has_masks(&self) -> bool {
+        self.mask_of.iter().any(|&m| m != NO_MASK)
+    }
+
+    /// Row `i`'s token mask, if it has one.
+    pub fn mask(&self, i: usize) -> Option<&[u32]> {
+        let m = *self.mask_of.get(i)?;
+        if m == NO_MASK {
+            return None;
+        }
+        let start = (m as usize).checked_mul(self.mask_words)?;
+        self.masks.get(start..start.checked_add(self.mask_words)?)
+    }
+
+    /// An error unless the masks fit rows of `cols` logits: `mask_of` empty or one entry a
+    /// row, `mask_words` covering `cols`, every index naming a mask of `masks`.
+    pub fn check_masks(&self, cols: usize) -> anyhow::Result<()> {
+        if self.mask_of.is_empty() {
+            return Ok(());
+        }
+        if self.mask_of.len() != self.rows.len() {
+            anyhow::bail!(
+                "{} token masks given for {} sampling rows",
+                self.mask_of.len(),
+                self.rows.len()
+            );
+        }
+        if self.mask_words != cols.div_ceil(32) {
+            anyhow::bail!(
+                "token masks of {} words for rows of {cols} logits",
+                self.mask_words
+            );
+        }
+        let count = self.masks.len().checked_div(self.mask_words).unwrap_or(0);
+        if self.masks.len() != count * self.mask_words
+            || self
+                .mask_of
+                .iter()
+                .any(|&m| m != NO_MASK && m as usize >= count)
+        {
+            anyhow::bail!("a token mask index lies outside the batch's masks");
+        }
+        Ok(())
     }
 
     /// Adds a row penalising the tokens of `window` (repeats counted; empty: none). The
@@ -131,7 +191,7 @@ impl SamplingBatch {
             .take(n)
             .enumerate()
             .map_init(RowSampler::default, |sampler, (i, row)| match self.row(i) {
-                Some((spec, pens)) => sampler.sample(row, spec, pens),
+                Some((spec, pens)) => sampler.sample_masked(row, spec, pens, self.mask(i)),
                 None => argmax(row),
             })
             .collect_into_vec(out);
@@ -164,9 +224,38 @@ pub struct RowSampler {
     /// The row after penalties (only rows with penalised tokens are copied).
     penalised: Vec<f32>,
     candidates: Vec<Candidate>,
+    /// The row after its token mask (masked rows that are not a plain argmax).
+    masked: Vec<f32>,
 }
 
 impl RowSampler {
+    /// [`Self::sample`] of the row after `mask` ([`apply_mask`]), when it has one. A plain
+    /// argmax row walks the mask's allowed tokens ([`masked_argmax`]) without a copy.
+    pub fn sample_masked(
+        &mut self,
+        row: &[f32],
+        spec: &RowSampling,
+        penalties: &[(u32, u32)],
+        mask: Option<&[u32]>,
+    ) -> u32 {
+        let Some(mask) = mask else {
+            return self.sample(row, spec, penalties);
+        };
+        if row.is_empty() {
+            return 0;
+        }
+        if spec.is_argmax() {
+            return masked_argmax(row, mask);
+        }
+        let mut masked = std::mem::take(&mut self.masked);
+        masked.clear();
+        masked.extend_from_slice(row);
+        apply_mask(&mut masked, mask);
+        let id = self.sample(&masked, spec, penalties);
+        self.masked = masked;
+        id
+    }
+
     /// The token `spec` draws from `row` (0 for an empty row).
     pub fn sample(&mut self, row: &[f32], spec: &RowSampling, penalties: &[(u32, u32)]) -> u32 {
         if row.is_empty() {
@@ -385,6 +474,54 @@ fn survivors(logits: &[f32], spec: &RowSampling, max: f32, cands: &mut Vec<Candi
     }
 }
 
+/// Whether token `t` is allowed by `mask` (bit `t % 32` of word `t / 32`; past the end: no).
+pub fn mask_allows(mask: &[u32], t: usize) -> bool {
+    mask.get(t / 32).is_some_and(|w| (w >> (t % 32)) & 1 == 1)
+}
+
+/// Step 0 of the definition: every token of `row` that `mask` does not allow gets `-inf`.
+pub fn apply_mask(row: &mut [f32], mask: &[u32]) {
+    for (chunk, w) in row.chunks_mut(32).enumerate() {
+        let bits = mask.get(chunk).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, l) in w.iter_mut().enumerate() {
+            if (bits >> b) & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// [`argmax`] of `row` after [`apply_mask`], without writing it: the allowed tokens are
+/// walked in id order (a grammar allows few tokens of a large vocabulary).
+pub fn masked_argmax(row: &[f32], mask: &[u32]) -> u32 {
+    let mut best: Option<(usize, f32)> = None;
+    'words: for (w, &bits) in mask.iter().enumerate() {
+        let mut bits = bits;
+        while bits != 0 {
+            let t = w * 32 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let Some(&v) = row.get(t) else {
+                break 'words;
+            };
+            // NaN never wins; ties keep the lower id (walked first).
+            if !v.is_nan() && best.is_none_or(|(_, m)| v > m) {
+                best = Some((t, v));
+            }
+        }
+    }
+    match best {
+        Some((t, v)) if v > f32::NEG_INFINITY => t as u32,
+        // Every allowed value is -inf or NaN: the masked row's largest value is -inf when
+        // a token is banned or -inf, its first index wins; all NaN gives 0, as `argmax`.
+        _ => (0..row.len())
+            .find(|&t| !mask_allows(mask, t) || row[t] == f32::NEG_INFINITY)
+            .unwrap_or(0) as u32,
+    }
+}
+
 /// Index of the largest logit, the lowest index among ties; NaN never wins unless every value
 /// is NaN (then 0).
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -513,6 +650,127 @@ mod tests {
                 "case {case}: n {n} {s:?}"
             );
         }
+    }
+
+    /// A random mask of `words` words over `cols` tokens: empty, sparse, dense, full, or
+    /// all but one token banned.
+    fn random_mask(rng: &mut impl rand::Rng, cols: usize, words: usize, kind: usize) -> Vec<u32> {
+        let mut m = vec![0u32; words];
+        let density = [0.0, 0.002, 0.05, 0.5, 1.0, -1.0][kind % 6];
+        if density < 0.0 {
+            let t = rng.random_range(0..cols.max(1));
+            if t / 32 < words {
+                m[t / 32] |= 1 << (t % 32);
+            }
+            return m;
+        }
+        for t in 0..(words * 32) {
+            if rng.random_bool(density) {
+                m[t / 32] |= 1 << (t % 32);
+            }
+        }
+        m
+    }
+
+    /// The mask walk picks what masking the row and taking `argmax` picks, on random rows
+    /// (ties, NaN, ±inf) and masks (empty, sparse, dense, all but one banned, shorter or
+    /// longer than the row).
+    #[test]
+    fn masked_argmax_equals_masking_then_argmax() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..4000 {
+            let cols: usize = rng.random_range(1..300);
+            let words = match case % 4 {
+                0 => rng.random_range(0..=cols.div_ceil(32) + 1),
+                _ => cols.div_ceil(32),
+            };
+            let mask = random_mask(&mut rng, cols, words, case);
+            let row: Vec<f32> = (0..cols)
+                .map(|_| match rng.random_range(0..20) {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => f32::INFINITY,
+                    3 => 1.0,
+                    _ => rng.random_range(-8..8) as f32 * 0.5,
+                })
+                .collect();
+            let mut applied = row.clone();
+            apply_mask(&mut applied, &mask);
+            assert_eq!(
+                masked_argmax(&row, &mask),
+                argmax(&applied),
+                "case {case}, seed {seed}: {row:?} {mask:?}"
+            );
+            for (t, &l) in applied.iter().enumerate() {
+                if !mask_allows(&mask, t) {
+                    assert_eq!(l, f32::NEG_INFINITY);
+                } else {
+                    assert!(l.to_bits() == row[t].to_bits());
+                }
+            }
+        }
+    }
+
+    /// Masked rows sampled in a batch (greedy, penalised, top-k/top-p; rows without masks
+    /// between them) draw what the unmasked sampler draws from the masked row.
+    #[test]
+    fn masked_batches_sample_the_masked_rows() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (rows, cols) = (12, 1001usize);
+        let words = cols.div_ceil(32);
+        let logits: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-4.0f32..4.0))
+            .collect();
+        let mut batch = SamplingBatch {
+            mask_words: words,
+            ..SamplingBatch::default()
+        };
+        for r in 0..rows {
+            let t = [0.0, 0.7, 1.0][r % 3];
+            let mut s = spec(t, [0, 5, 50][r % 3] as u32, 0.9, 0.02, rng.random());
+            let window: &[u32] = if r % 4 == 1 {
+                s.repeat_penalty = 1.3;
+                s.presence_penalty = 0.5;
+                &[1, 2, 2, 7, 1000]
+            } else {
+                &[]
+            };
+            batch.push(s, window);
+            if r % 5 == 4 {
+                batch.mask_of.push(NO_MASK);
+            } else {
+                batch.mask_of.push((batch.masks.len() / words) as u32);
+                let kind = rng.random_range(1..6);
+                let mask = random_mask(&mut rng, cols, words, kind);
+                batch.masks.extend_from_slice(&mask);
+            }
+        }
+        batch.check_masks(cols).unwrap();
+        assert!(batch.has_masks());
+        let mut out = Vec::new();
+        batch.sample_host(&logits, rows, &mut out);
+        let mut one = RowSampler::default();
+        for (r, row) in logits.chunks_exact(cols).enumerate() {
+            let (s, pens) = batch.row(r).unwrap();
+            let mut masked = row.to_vec();
+            if let Some(m) = batch.mask(r) {
+                apply_mask(&mut masked, m);
+                assert!(mask_allows(m, out[r] as usize) || m.iter().all(|&w| w == 0));
+            }
+            assert_eq!(out[r], one.sample(&masked, s, pens), "row {r}, seed {seed}");
+        }
+        // Masks that do not fit are an error, not a panic.
+        batch.mask_words = words + 1;
+        assert!(batch.check_masks(cols).is_err());
+        batch.mask_words = words;
+        batch.mask_of[0] = 1000;
+        assert!(batch.check_masks(cols).is_err());
+        batch.mask_of.pop();
+        assert!(batch.check_masks(cols).is_err());
     }
 
     #[test]

@@ -220,49 +220,28 @@ impl TokenFilter for RequestFilter {
         }
     }
 
-    fn argmax(&self, logits: &[f32]) -> Option<u32> {
-        let mask = self.mask.as_ref()?;
-        // The row after `apply`: allowed tokens keep their logit, the others
-        // are -inf. Walk the mask's set bits (and the end-of-generation tokens the
-        // grammar's EOS lets through) in id order; the first of the largest wins, as in
-        // `argmax`.
-        let eos_ok = (self.eos as usize) < mask.len() && mask.is_allowed(self.eos);
-        if !self.bias.is_empty() {
-            // A bias moves logits of its own: `apply` and the plain argmax.
-            return None;
-        }
-        let value = |t: usize| logits[t];
-        let mut best: Option<(usize, f32)> = None;
-        let mut consider = |t: usize| {
-            let v = value(t);
-            // NaN never wins (`v > m` is false), as in `argmax`.
-            if best.is_none_or(|(bt, m)| v > m || (v == m && t < bt)) && !v.is_nan() {
-                best = Some((t, v));
-            }
+    fn is_mask(&self) -> bool {
+        self.matcher.is_some() && self.bias.is_empty()
+    }
+
+    fn mask(&self, words: &mut [u32]) -> bool {
+        let Some(mask) = &self.mask else {
+            return false;
         };
-        for (w, &bits) in mask.as_slice().iter().enumerate() {
-            let mut bits = bits;
-            while bits != 0 {
-                let t = w * 32 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                if t < logits.len() {
-                    consider(t);
-                }
-            }
+        // Word for word what `apply` reads (the words past the mask's end ban).
+        let bits = mask.as_slice();
+        for (i, w) in words.iter_mut().enumerate() {
+            *w = bits.get(i).copied().unwrap_or(0);
         }
-        if eos_ok {
+        // Every end-of-generation token is allowed with the grammar's EOS (as `apply`).
+        if (self.eos as usize) < mask.len() && mask.is_allowed(self.eos) {
             for &t in &self.eog {
-                if (t as usize) < logits.len() {
-                    consider(t as usize);
+                if let Some(w) = words.get_mut(t as usize / 32) {
+                    *w |= 1 << (t % 32);
                 }
             }
         }
-        // Nothing allowed above -inf: `argmax` of the applied row has its own rule for
-        // that (the first -inf); leave it to the caller.
-        match best {
-            Some((t, v)) if v > f32::NEG_INFINITY => Some(t as u32),
-            _ => None,
-        }
+        true
     }
 
     fn accept(&mut self, token: u32) -> Result<bool, String> {
@@ -288,21 +267,21 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// The mask walk picks what `apply` followed by the plain argmax picks, on random rows
-    /// (ties, NaN, -inf, infinities), masks (empty, sparse, dense, shorter than the row)
-    /// and end-of-generation sets; where it declines, the caller's path is the answer.
+    /// The mask a filter hands the sampler bans exactly what `apply` bans, on random rows
+    /// (NaN, ±inf), masks (empty, sparse, dense, shorter than the row, bits past the
+    /// vocabulary) and end-of-generation sets; masked greedy sampling then picks what
+    /// `apply` followed by the plain argmax picks.
     #[test]
-    fn mask_walk_argmax_equals_apply_then_argmax() {
+    fn the_mask_bans_what_apply_bans() {
         let seed: u64 = rand::random();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut declined = 0;
         for case in 0..3000 {
-            let vocab = rng.random_range(1..300);
+            let vocab: usize = rng.random_range(1..300);
             let density = [0.0, 0.01, 0.1, 0.5, 1.0][case % 5];
-            let mask_len = if rng.random_bool(0.2) {
-                rng.random_range(0..=vocab)
-            } else {
-                vocab
+            let mask_len = match case % 7 {
+                0 => rng.random_range(0..=vocab),
+                1 => vocab + rng.random_range(1..40),
+                _ => vocab,
             };
             let mut mask = SimpleVob::alloc(mask_len);
             for t in 0..mask_len {
@@ -315,7 +294,6 @@ mod tests {
                     0 => f32::NAN,
                     1 => f32::NEG_INFINITY,
                     2 => f32::INFINITY,
-                    3 => 1.0,
                     _ => rng.random_range(-8..8) as f32 * 0.5,
                 })
                 .collect();
@@ -332,15 +310,22 @@ mod tests {
             };
             let mut applied = row.clone();
             filter.apply(&mut applied);
-            let want = kestrel_engine::sampler::argmax(&applied);
-            match filter.argmax(&row) {
-                Some(id) => assert_eq!(id, want, "case {case}, seed {seed}: {row:?}"),
-                None => declined += 1,
-            }
+            let mut words = vec![0u32; vocab.div_ceil(32)];
+            assert!(filter.mask(&mut words));
+            let mut masked = row.clone();
+            kestrel_model::apply_mask(&mut masked, &words);
+            let bits = |v: &[f32]| v.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&masked), bits(&applied), "case {case}, seed {seed}");
+            assert_eq!(
+                kestrel_model::masked_argmax(&row, &words),
+                kestrel_engine::sampler::argmax(&applied),
+                "case {case}, seed {seed}"
+            );
         }
-        assert!(declined < 3000, "the walk always declined (seed {seed})");
-        // With a bias the walk declines: `apply` adds it.
-        let biased = RequestFilter::bias(vec![(0, 1.0)]);
-        assert_eq!(biased.argmax(&[0.0, 1.0]), None);
+        // Not prepared: no mask. A bias or no grammar: not a mask filter.
+        let unprepared = RequestFilter::bias(Vec::new());
+        assert!(!unprepared.mask(&mut [0u32; 4]));
+        assert!(!unprepared.is_mask());
+        assert!(!RequestFilter::bias(vec![(0, 1.0)]).is_mask());
     }
 }

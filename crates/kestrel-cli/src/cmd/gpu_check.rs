@@ -382,27 +382,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!(
-        "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words:"
+        "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words; \"masked\": with token masks, 1-262,145 words:"
     );
-    for round in 0..3u64 {
-        match selfcheck::compare_sampling(&backend, seed.wrapping_add(900 + round)) {
-            Ok(r) => {
-                let ok = r.passed();
-                failures += usize::from(!ok);
-                println!(
-                    "sample   round {round}: {} rows, {} at an interval's edge, {} wrong  {}{}",
-                    r.rows,
-                    r.edge,
-                    r.wrong,
-                    if ok { "ok" } else { "FAIL" },
-                    r.first_wrong
-                        .map(|w| format!(" (first: {w})"))
-                        .unwrap_or_default()
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("sample   round {round}: ERROR {e:#}");
+    for (masks, label, base) in [(false, "sample", 900), (true, "masked", 950)] {
+        for round in 0..3u64 {
+            match selfcheck::compare_sampling(&backend, seed.wrapping_add(base + round), masks) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "{label:<8} round {round}: {} rows, {} at an interval's edge, {} wrong  {}{}",
+                        r.rows,
+                        r.edge,
+                        r.wrong,
+                        if ok { "ok" } else { "FAIL" },
+                        r.first_wrong
+                            .map(|w| format!(" (first: {w})"))
+                            .unwrap_or_default()
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{label:<8} round {round}: ERROR {e:#}");
+                }
             }
         }
     }
