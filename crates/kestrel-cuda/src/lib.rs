@@ -26,6 +26,7 @@ pub mod nccl;
 mod norm_rope;
 mod options;
 mod sample;
+pub mod split;
 mod step;
 pub mod tp;
 mod weights;
@@ -54,6 +55,7 @@ pub use compile::Origin;
 pub use launch::Prepared;
 pub use matmul::{PendingSplit, QkvWeights};
 pub use options::{F16Copies, Options, request_profile};
+pub use split::SplitBackend;
 pub use tp::TpBackend;
 pub use weights::WeightSource;
 
