@@ -23,15 +23,13 @@ use anyhow::{Context, bail};
 use kestrel_gguf::{GgufFile, TensorInfo};
 use kestrel_model::shard::layer_ranges_by_memory;
 use kestrel_model::{
-    Activation, AttnParams, Backend, Batch, KvType, KvTypes, LayerWeights, ModelConfig,
-    RopeParams, SamplingBatch,
+    Activation, AttnParams, Backend, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
+    SamplingBatch,
 };
 
 use crate::launch::{Arg, SPECIAL_PEER_COPY};
 use crate::weights::{WeightSource, load_weight_from, tensor_rows};
-use crate::{
-    CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, sys,
-};
+use crate::{CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, sys};
 
 /// Memory each stage keeps free of weights (kernels, step buffers, the smallest cache).
 const STAGE_RESERVE: u64 = 2 << 30;
@@ -75,7 +73,8 @@ impl CudaBackend {
         let mut can = 0;
         // SAFETY: plain queries and a context flag, with live contexts.
         unsafe {
-            let r = sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), other.ctx.cu_device());
+            let r =
+                sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), other.ctx.cu_device());
             if r != sys::CUresult::CUDA_SUCCESS || can == 0 {
                 return Ok(());
             }
@@ -248,10 +247,19 @@ impl SplitBackend {
             let (free, _) = b
                 .device_memory()
                 .with_context(|| format!("reading cuda:{}'s free memory", self.ordinals[s]))?;
-            let sharing = self.ordinals.iter().filter(|&&o| o == self.ordinals[s]).count();
+            let sharing = self
+                .ordinals
+                .iter()
+                .filter(|&&o| o == self.ordinals[s])
+                .count();
             capacity.push((free as u64).saturating_sub(STAGE_RESERVE) / sharing as u64);
         }
-        let ranges = Arc::new(layer_ranges_by_memory(&layer_bytes, first, last, &capacity)?);
+        let ranges = Arc::new(layer_ranges_by_memory(
+            &layer_bytes,
+            first,
+            last,
+            &capacity,
+        )?);
         *self.lock_ranges() = Some(ranges.clone());
         Ok(ranges)
     }
@@ -404,7 +412,11 @@ impl Backend for SplitBackend {
             // Only gathered from on the first stage when the last holds the LM head.
             let head_elsewhere = !tied || self.last() != 0;
             let w = load(0, head_elsewhere)?;
-            let head = if tied { Some(load(self.last(), false)?) } else { None };
+            let head = if tied {
+                Some(load(self.last(), false)?)
+            } else {
+                None
+            };
             return Ok(SplitWeight { stage: 0, w, head });
         }
         Ok(SplitWeight {

@@ -36,6 +36,86 @@ pub struct Args {
     /// dense architecture's logits against the CPU and one GPU, and greedy generations.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
+    /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
+    /// (every dense architecture's logits against the CPU and one GPU, greedy ids).
+    #[arg(long, value_enum)]
+    pub split: Option<crate::cmd::common::SplitMode>,
+    /// The stages' GPUs of `--split layer` (a GPU may be named twice).
+    #[arg(long, default_value = "cuda:0,cuda:0")]
+    pub devices: String,
+}
+
+/// `gpu-check --split layer --devices LIST`.
+fn check_split(args: &Args) -> anyhow::Result<()> {
+    use crate::cmd::common::{Device, SplitMode};
+    let Device::CudaLayers(ordinals) =
+        Device::resolve_split(&args.devices, None, Some(SplitMode::Layer))?
+    else {
+        anyhow::bail!("--split layer takes a list of GPUs in --devices");
+    };
+    let seed = args.seed.unwrap_or_else(rand::random);
+    println!(
+        "layer split over cuda:{ordinals:?}, 5-layer models; seed {seed}; pass if within the bounds of tensor parallelism (vs CPU: 8-bit activations; vs 1 GPU: both on them) and greedy ids equal one GPU's"
+    );
+    let mut failures = 0usize;
+    for (i, arch) in ARCHS.iter().enumerate() {
+        for (j, ty) in ["f32", "q8_0", "q4_k_m", "f16"].iter().enumerate() {
+            let s = seed.wrapping_add((i * 10 + j) as u64);
+            match selfcheck::compare_split_logits(*arch, ty, args.positions, s, &ordinals) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "split {arch:?} {ty} layers {:?}: vs CPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}%; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}%{}  {}",
+                        r.ranges,
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        if r.bit_identical {
+                            ", bit-identical"
+                        } else {
+                            ""
+                        },
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("split {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        for ty in ["f32", "q4_k_m"] {
+            let s = seed.wrapping_add(100 + i as u64);
+            match selfcheck::compare_split_greedy(*arch, ty, args.generate, s, &ordinals) {
+                Ok(g) => {
+                    failures += usize::from(!g.passed());
+                    println!(
+                        "split {arch:?} {ty} greedy {} tokens: {} one GPU's; vs CPU first difference {:?}  {}",
+                        g.split.len(),
+                        if g.split == g.one_gpu {
+                            "equal to"
+                        } else {
+                            "DIFFER from"
+                        },
+                        g.vs_cpu.first_difference,
+                        if g.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("split {arch:?} {ty} greedy: ERROR {e:#}");
+                }
+            }
+        }
+    }
+    if failures > 0 {
+        anyhow::bail!("{failures} layer-split check(s) failed");
+    }
+    println!("all layer-split checks passed");
+    Ok(())
 }
 
 /// `gpu-check --tp N`.
@@ -209,6 +289,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(n) = args.tp.filter(|&n| n > 1) {
         return check_tp(&args, n);
+    }
+    if args.split == Some(crate::cmd::common::SplitMode::Layer) {
+        return check_split(&args);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
     let start = Instant::now();
