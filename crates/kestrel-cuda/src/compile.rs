@@ -27,6 +27,8 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/mmw.cu"),
     "\n",
     include_str!("../kernels/sample.cu"),
+    "\n",
+    include_str!("../kernels/allreduce.cu"),
 );
 
 /// Names of the kernels the backend loads from the module: each family's list, declared
@@ -43,6 +45,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::attention::KERNELS,
         crate::step::KERNELS,
         crate::sample::KERNELS,
+        crate::tp::KERNELS,
     ]
     .into_iter()
     .flatten()

@@ -64,11 +64,11 @@ impl CudaBackend {
     }
 
     /// Lets this device's kernels and copies reach `other`'s memory directly (NVLink or
-    /// PCIe peer access) where the hardware allows; copies between devices without it go
-    /// through the host.
-    fn enable_peer_access(&self, other: &CudaBackend) -> anyhow::Result<()> {
+    /// PCIe peer access) where the hardware allows (then true; copies between devices
+    /// without it go through the host).
+    pub(crate) fn enable_peer_access(&self, other: &CudaBackend) -> anyhow::Result<bool> {
         if self.ctx.cu_device() == other.ctx.cu_device() {
-            return Ok(());
+            return Ok(true);
         }
         let mut can = 0;
         // SAFETY: plain queries and a context flag, with live contexts.
@@ -76,7 +76,7 @@ impl CudaBackend {
             let r =
                 sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), other.ctx.cu_device());
             if r != sys::CUresult::CUDA_SUCCESS || can == 0 {
-                return Ok(());
+                return Ok(false);
             }
             self.bind()?;
             let r = sys::cuCtxEnablePeerAccess(other.ctx.cu_ctx(), 0);
@@ -86,7 +86,7 @@ impl CudaBackend {
                 bail!("enabling peer access: {r:?}");
             }
         }
-        Ok(())
+        Ok(true)
     }
 }
 
