@@ -2045,7 +2045,13 @@ pub fn compare_tp_logits(
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
     let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
-    let tp = all_logits_in_parts(&mut tp_engine(&file, ordinals)?, &tokens, &PARTS)?;
+    let mut tp_eng = tp_engine(&file, ordinals)?;
+    // Decode-sized all-reduces through the one-shot kernel (where the GPUs have peer
+    // access), prefill chunks' through NCCL.
+    tp_eng
+        .backend
+        .set_oneshot_up_to(kestrel_cuda::tp::ONESHOT_MAX_BYTES);
+    let tp = all_logits_in_parts(&mut tp_eng, &tokens, &PARTS)?;
     anyhow::ensure!(
         cpu.len() == n && one.len() == n && tp.len() == n,
         "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
@@ -2073,6 +2079,8 @@ pub fn compare_tp_greedy(
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
     let mut tp = tp_engine(&file, ordinals)?;
+    tp.backend
+        .set_oneshot_up_to(kestrel_cuda::tp::ONESHOT_MAX_BYTES);
     greedy_against_cpu(arch, ty, &file, &mut tp, n, seed ^ 0x9e38)
 }
 
@@ -2098,10 +2106,11 @@ fn split_engine(
     )
 }
 
-/// The layer split against the CPU oracle and against one GPU running the whole model
-/// (both on 8-bit decode activations: [`MAX_REL_DIFF_Q8_BOTH`]); each stage runs the
-/// single-GPU kernels on its layers, so the logits are expected bit-identical to one
-/// GPU's (reported, not required).
+/// The layer split against one GPU running the whole model, in gpu-check's CUDA-vs-CPU
+/// tolerances (both on 8-bit decode activations: [`MAX_REL_DIFF_Q8_BOTH`]); each stage runs
+/// the single-GPU kernels on its layers, so the logits are expected bit-identical to one
+/// GPU's (reported, not required). Against the CPU oracle for information: that is one
+/// GPU's own deviation, checked by the one-GPU checks.
 #[derive(Debug, Clone)]
 pub struct SplitReport {
     pub vs_cpu: LogitReport,
@@ -2113,7 +2122,7 @@ pub struct SplitReport {
 
 impl SplitReport {
     pub fn passed(&self) -> bool {
-        self.vs_cpu.passed() && self.vs_one_gpu.passed()
+        self.vs_one_gpu.passed()
     }
 }
 
@@ -2167,9 +2176,10 @@ pub struct SplitGreedyReport {
 }
 
 impl SplitGreedyReport {
-    /// The split's ids equal one GPU's, and agree with the CPU but after near-ties.
+    /// The split's ids equal one GPU's (and, for f32 weights, where the GPU keeps f32
+    /// activations too, the CPU's but after near-ties).
     pub fn passed(&self) -> bool {
-        self.one_gpu == self.split && self.vs_cpu.passed()
+        self.one_gpu == self.split && (self.vs_cpu.ty != "f32" || self.vs_cpu.passed())
     }
 }
 

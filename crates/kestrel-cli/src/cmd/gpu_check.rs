@@ -55,7 +55,7 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
     };
     let seed = args.seed.unwrap_or_else(rand::random);
     println!(
-        "layer split over cuda:{ordinals:?}, 5-layer models; seed {seed}; pass if within the bounds of tensor parallelism (vs CPU: 8-bit activations; vs 1 GPU: both on them) and greedy ids equal one GPU's"
+        "layer split over cuda:{ordinals:?}, 5-layer models; seed {seed}; pass if vs 1 GPU within the CUDA-vs-CPU bounds (both on 8-bit activations; vs CPU shown) and greedy ids equal one GPU's"
     );
     let mut failures = 0usize;
     for (i, arch) in ARCHS.iter().enumerate() {
