@@ -28,7 +28,7 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/sample.cu"),
     "\n",
-    include_str!("../kernels/allreduce.cu"),
+    include_str!("../kernels/peer.cu"),
 );
 
 /// Names of the kernels the backend loads from the module: each family's list, declared
@@ -46,6 +46,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::step::KERNELS,
         crate::sample::KERNELS,
         crate::tp::KERNELS,
+        crate::split::KERNELS,
     ]
     .into_iter()
     .flatten()

@@ -57,7 +57,7 @@ pub(crate) struct Launch {
 /// (`[P(buffer), L(count)]`), an NCCL all-gather (`[P(send), P(recv), L(count)]`) and a
 /// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`)
 /// and a copy to another device's memory (`[P(dst), P(src), L(bytes)]`, a layer split's
-/// activations).
+/// activations where the devices lack peer access).
 pub(crate) const SPECIAL_BASE: usize = usize::MAX - 3;
 pub(crate) const SPECIAL_ALL_REDUCE: usize = usize::MAX;
 pub(crate) const SPECIAL_ALL_GATHER: usize = usize::MAX - 1;
@@ -270,7 +270,7 @@ impl CudaBackend {
             },
             SPECIAL_PEER_COPY => {
                 // SAFETY: both regions lie in live device buffers (unified addresses, this
-                // device's or a peer's), sized by the caller (`split.rs`, `push_rows`).
+                // device's or a peer's), sized by the caller (`split.rs`, `push_values`).
                 let r = unsafe {
                     sys::cuMemcpyAsync(arg(0), arg(1), arg(2) as usize, self.stream.cu_stream())
                 };

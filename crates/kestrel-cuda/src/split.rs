@@ -37,16 +37,31 @@ const STAGE_RESERVE: u64 = 2 << 30;
 /// The most stages of one split.
 pub const MAX_STAGES: usize = 8;
 
+/// The kernels this module launches.
+pub(crate) const KERNELS: &[&str] = &["copy_peer"];
+
 impl CudaBackend {
-    /// Copies `bytes` from `src` (this device) to `dst` (this device or a peer's), as a
-    /// step's launch.
-    fn push_bytes(&self, dst: u64, src: u64, bytes: usize) {
-        if bytes > 0 {
+    /// Copies `len` values from `src` (this device) to `dst` (this device or a peer's), as a
+    /// step's launch: a kernel writing over peer access where the devices have it, else a
+    /// memory copy (then the split's steps run without graphs: see `SplitBackend::new`).
+    fn push_values(&self, dst: u64, src: u64, len: usize, peer_access: bool) {
+        if len == 0 {
+            return;
+        }
+        if peer_access {
+            let blocks = len.div_ceil(4 * 256).clamp(1, 1024);
+            self.launch(
+                "copy_peer",
+                (blocks as u32, 1, 1),
+                256,
+                &[Arg::P(src), Arg::P(dst), Arg::L(len as i64)],
+            );
+        } else {
             self.enqueue(
                 SPECIAL_PEER_COPY,
                 (1, 1, 1),
                 1,
-                &[Arg::P(dst), Arg::P(src), Arg::L(bytes as i64)],
+                &[Arg::P(dst), Arg::P(src), Arg::L(4 * len as i64)],
                 0,
             );
         }
@@ -134,6 +149,8 @@ pub struct SplitStep(Vec<CudaStep>);
 pub struct SplitBackend {
     stages: Vec<CudaBackend>,
     ordinals: Vec<usize>,
+    /// Whether every stage reaches every other's memory (the same GPU, or peer access).
+    peer_access: bool,
     /// Each stage's layers, fixed by the first weight loaded.
     ranges: Mutex<Option<Arc<Vec<std::ops::Range<usize>>>>>,
     /// The current step's tokens and logit rows.
@@ -154,15 +171,24 @@ impl SplitBackend {
             .iter()
             .map(|&o| CudaBackend::new(o).with_context(|| format!("opening cuda:{o}")))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut peer_access = true;
         for (i, a) in stages.iter().enumerate() {
             for b in &stages[i + 1..] {
-                a.enable_peer_access(b)?;
-                b.enable_peer_access(a)?;
+                peer_access &= a.enable_peer_access(b)?;
+                peer_access &= b.enable_peer_access(a)?;
+            }
+        }
+        if !peer_access {
+            // Copies between devices without peer access are memory copies through the
+            // host, which a step graph cannot capture: launch every step's work directly.
+            for b in &stages {
+                b.set_graphs(false);
             }
         }
         Ok(SplitBackend {
             stages,
             ordinals: ordinals.to_vec(),
+            peer_access,
             ranges: Mutex::new(None),
             n_tokens: AtomicUsize::new(0),
             n_logit_rows: AtomicUsize::new(0),
@@ -281,12 +307,12 @@ impl SplitBackend {
         }
         let (src, dst) = (&x.t[from], &x.t[s]);
         let rows = x.rows.load(Ordering::Relaxed).min(src.rows);
-        let bytes = rows * src.cols * 4;
+        let len = rows * src.cols;
         let b = &self.stages[from];
-        if bytes > dst.buf.len() * 4 {
+        if len > dst.buf.len() || len > src.buf.len() {
             return b.fail("a copy between stages larger than its buffer".into());
         }
-        b.push_bytes(dst.ptr, src.ptr, bytes);
+        b.push_values(dst.ptr, src.ptr, len, self.peer_access);
         b.issue();
         if let Err(e) = self.stages[s].wait_for(b) {
             self.stages[s].fail(format!("{e:#}"));

@@ -35,7 +35,7 @@ use kestrel_model::{KvType, KvTypes};
 /// The kernels this module launches.
 pub(crate) const KERNELS: &[&str] = &["all_reduce_oneshot"];
 
-/// The one-shot all-reduce (kernels/allreduce.cu) takes messages up to this size: its
+/// The one-shot all-reduce (kernels/peer.cu) takes messages up to this size: its
 /// exchange buffers' size.
 pub const ONESHOT_MAX_BYTES: usize = 64 << 10;
 /// Values each block of the one-shot all-reduce sums, and its most blocks (the kernel's
