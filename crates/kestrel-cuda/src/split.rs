@@ -153,6 +153,8 @@ pub struct SplitBackend {
     peer_access: bool,
     /// Each stage's layers, fixed by the first weight loaded.
     ranges: Mutex<Option<Arc<Vec<std::ops::Range<usize>>>>>,
+    /// The model's layers (from `check_model`).
+    n_layer: AtomicUsize,
     /// The current step's tokens and logit rows.
     n_tokens: AtomicUsize,
     n_logit_rows: AtomicUsize,
@@ -190,6 +192,7 @@ impl SplitBackend {
             ordinals: ordinals.to_vec(),
             peer_access,
             ranges: Mutex::new(None),
+            n_layer: AtomicUsize::new(0),
             n_tokens: AtomicUsize::new(0),
             n_logit_rows: AtomicUsize::new(0),
         })
@@ -246,7 +249,8 @@ impl SplitBackend {
         if let Some(r) = self.lock_ranges().clone() {
             return Ok(r);
         }
-        let mut layer_bytes: Vec<u64> = Vec::new();
+        // Every layer of the configuration, also one without tensors of its own.
+        let mut layer_bytes: Vec<u64> = vec![0; self.n_layer.load(Ordering::Relaxed)];
         let (mut first, mut last) = (0u64, 0u64);
         let tied = file.tensor("output.weight").is_none();
         for t in file.tensors() {
@@ -395,6 +399,7 @@ impl Backend for SplitBackend {
                 self.stages.len()
             );
         }
+        self.n_layer.store(cfg.n_layer, Ordering::Relaxed);
         Ok(())
     }
 
