@@ -653,6 +653,17 @@ impl Backend for SplitBackend {
         prep(s, r)
     }
 
+    fn scale_by_position(
+        &self,
+        x: &mut SplitTensor,
+        temp: &kestrel_model::AttnTemperature,
+        step: &SplitStep,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let s = x.stage();
+        self.stages[s].scale_by_position(&mut x.t[s], temp, &step.0[s], n)
+    }
+
     fn gated_activation(
         &self,
         gate: &mut SplitTensor,
