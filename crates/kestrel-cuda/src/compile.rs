@@ -29,6 +29,8 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/mmw.cu"),
     "\n",
     include_str!("../kernels/sample.cu"),
+    "\n",
+    include_str!("../kernels/peer.cu"),
 );
 
 /// Names of the kernels the backend loads from the module: each family's list, declared
@@ -46,6 +48,8 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::step::KERNELS,
         crate::sample::KERNELS,
         crate::moe::KERNELS,
+        crate::tp::KERNELS,
+        crate::split::KERNELS,
     ]
     .into_iter()
     .flatten()

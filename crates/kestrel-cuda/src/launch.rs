@@ -55,11 +55,14 @@ pub(crate) struct Launch {
 /// Launch records from this index on are not kernels but operations on other devices'
 /// data, recorded and captured like kernels (`run_special`): an NCCL all-reduce
 /// (`[P(buffer), L(count)]`), an NCCL all-gather (`[P(send), P(recv), L(count)]`) and a
-/// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`).
-pub(crate) const SPECIAL_BASE: usize = usize::MAX - 2;
+/// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`)
+/// and a copy to another device's memory (`[P(dst), P(src), L(bytes)]`, a layer split's
+/// activations where the devices lack peer access).
+pub(crate) const SPECIAL_BASE: usize = usize::MAX - 3;
 pub(crate) const SPECIAL_ALL_REDUCE: usize = usize::MAX;
 pub(crate) const SPECIAL_ALL_GATHER: usize = usize::MAX - 1;
 pub(crate) const SPECIAL_COPY_2D: usize = usize::MAX - 2;
+pub(crate) const SPECIAL_PEER_COPY: usize = usize::MAX - 3;
 
 /// A captured step.
 pub(crate) struct StepGraph(CudaGraph);
@@ -271,6 +274,18 @@ impl CudaBackend {
                 }
                 Some(c) => c.all_gather(arg(0), arg(1), arg(2) as usize, stream),
             },
+            SPECIAL_PEER_COPY => {
+                // SAFETY: both regions lie in live device buffers (unified addresses, this
+                // device's or a peer's), sized by the caller (`split.rs`, `push_values`).
+                let r = unsafe {
+                    sys::cuMemcpyAsync(arg(0), arg(1), arg(2) as usize, self.stream.cu_stream())
+                };
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!("copy to another device: {r:?}"))
+                }
+            }
             _ => {
                 let m = sys::CUDA_MEMCPY2D {
                     srcXInBytes: 0,

@@ -2420,7 +2420,13 @@ pub fn compare_tp_logits(
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
     let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
-    let tp = all_logits_in_parts(&mut tp_engine(&file, ordinals)?, &tokens, &PARTS)?;
+    let mut tp_eng = tp_engine(&file, ordinals)?;
+    // Decode-sized all-reduces through the one-shot kernel (where the GPUs have peer
+    // access), prefill chunks' through NCCL.
+    tp_eng
+        .backend
+        .set_oneshot_up_to(kestrel_cuda::tp::ONESHOT_MAX_BYTES);
+    let tp = all_logits_in_parts(&mut tp_eng, &tokens, &PARTS)?;
     anyhow::ensure!(
         cpu.len() == n && one.len() == n && tp.len() == n,
         "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
@@ -2448,7 +2454,131 @@ pub fn compare_tp_greedy(
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
     let mut tp = tp_engine(&file, ordinals)?;
+    tp.backend
+        .set_oneshot_up_to(kestrel_cuda::tp::ONESHOT_MAX_BYTES);
     greedy_against_cpu(arch, ty, &file, &mut tp, n, seed ^ 0x9e38)
+}
+
+// ---- layer split ----
+
+/// The tiny model with 5 layers, so that the stages of a split hold unequal ranges.
+pub fn split_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
+    cfg.n_layer = 5;
+    model_of(cfg, ty, seed)
+}
+
+/// A layer-split engine over `ordinals` (a GPU may hold several stages), evaluating in the
+/// same awkward chunks as [`cuda_engine`].
+fn split_engine(
+    file: &Arc<GgufFile>,
+    ordinals: &[usize],
+) -> anyhow::Result<Engine<kestrel_cuda::SplitBackend>> {
+    Engine::new(
+        kestrel_cuda::SplitBackend::new(ordinals)?,
+        file.clone(),
+        &options(100),
+    )
+}
+
+/// The layer split against one GPU running the whole model, in gpu-check's CUDA-vs-CPU
+/// tolerances (both on 8-bit decode activations: [`MAX_REL_DIFF_Q8_BOTH`]); each stage runs
+/// the single-GPU kernels on its layers, so the logits are expected bit-identical to one
+/// GPU's (reported, not required). Against the CPU oracle for information: that is one
+/// GPU's own deviation, checked by the one-GPU checks.
+#[derive(Debug, Clone)]
+pub struct SplitReport {
+    pub vs_cpu: LogitReport,
+    pub vs_one_gpu: LogitReport,
+    pub bit_identical: bool,
+    /// Each stage's layers.
+    pub ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl SplitReport {
+    pub fn passed(&self) -> bool {
+        self.vs_one_gpu.passed()
+    }
+}
+
+/// Teacher-forced logits of `n` random tokens of [`split_model`]: layer split over
+/// `ordinals` against the CPU and one GPU (`ordinals[0]`), in the parts of [`PARTS`].
+pub fn compare_split_logits(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<SplitReport> {
+    let file = split_model(arch, ty, seed)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5b17);
+    let vocab = file
+        .tensor("token_embd.weight")
+        .map_or(1, |t| t.dims[1] as u32);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
+    let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
+    let mut engine = split_engine(&file, ordinals)?;
+    let ranges = engine.backend.layer_ranges().unwrap_or_default();
+    let split = all_logits_in_parts(&mut engine, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        cpu.len() == n && one.len() == n && split.len() == n,
+        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (layer split)",
+        cpu.len(),
+        one.len(),
+        split.len()
+    );
+    let mut vs_cpu = logit_report(arch, ty, &cpu, &split);
+    vs_cpu.q8 = true;
+    let mut vs_one_gpu = logit_report(arch, ty, &one, &split);
+    vs_one_gpu.q8 = true;
+    vs_one_gpu.q8_reference = true;
+    Ok(SplitReport {
+        vs_cpu,
+        vs_one_gpu,
+        bit_identical: one == split,
+        ranges,
+    })
+}
+
+/// Greedy generation under a layer split against one GPU and the CPU.
+#[derive(Debug, Clone)]
+pub struct SplitGreedyReport {
+    pub one_gpu: Vec<u32>,
+    pub split: Vec<u32>,
+    /// The split against the CPU oracle (near-ties allowed).
+    pub vs_cpu: GreedyReport,
+}
+
+impl SplitGreedyReport {
+    /// The split's ids equal one GPU's (and, for f32 weights, where the GPU keeps f32
+    /// activations too, the CPU's but after near-ties).
+    pub fn passed(&self) -> bool {
+        self.one_gpu == self.split && (self.vs_cpu.ty != "f32" || self.vs_cpu.passed())
+    }
+}
+
+/// `n` greedy tokens (through `Engine::generate`, the argmax on the last stage's device)
+/// after a random prompt, on one GPU and on the layer split over `ordinals`.
+pub fn compare_split_greedy(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<SplitGreedyReport> {
+    let file = split_model(arch, ty, seed)?;
+    let mut one = cuda_engine(&file, ordinals[0])?;
+    let prompt_seed = seed ^ 0x9e39;
+    let one_gpu = greedy_against_cpu(arch, ty, &file, &mut one, n, prompt_seed)?.cuda;
+    drop(one);
+    let mut split = split_engine(&file, ordinals)?;
+    let vs_cpu = greedy_against_cpu(arch, ty, &file, &mut split, n, prompt_seed)?;
+    Ok(SplitGreedyReport {
+        one_gpu,
+        split: vs_cpu.cuda.clone(),
+        vs_cpu,
+    })
 }
 
 /// Result of [`compare_moe_block`].

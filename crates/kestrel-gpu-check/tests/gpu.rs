@@ -270,6 +270,35 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
     }
 }
 
+/// The layer split as two stages on GPU 0 (then three), which exercises every boundary
+/// copy, event and per-stage cache a split over two GPUs does: logits against the CPU and
+/// one GPU, greedy ids equal to one GPU's, for every dense architecture (random seeds,
+/// awkward lengths).
+#[test]
+fn layer_split_matches_one_gpu_and_cpu() {
+    if !gpus("layer_split_matches_one_gpu_and_cpu", 1) {
+        return;
+    }
+    let mut rng = rand::rng();
+    for (i, arch) in ARCHS.into_iter().enumerate() {
+        let stages: &[usize] = if i % 2 == 0 { &[0, 0] } else { &[0, 0, 0] };
+        for ty in ["f32", "q4_k_m", "f16"] {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = selfcheck::compare_split_logits(arch, ty, n, seed, stages).expect("runs");
+            eprintln!(
+                "split {arch:?} {ty} {:?}: vs CPU max |Δ| {:.2e}; vs 1 GPU max |Δ| {:.2e}, bit-identical {}",
+                r.ranges, r.vs_cpu.max_abs_diff, r.vs_one_gpu.max_abs_diff, r.bit_identical
+            );
+            assert_eq!(r.ranges.len(), stages.len());
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+        }
+        let seed = rng.random();
+        let g = selfcheck::compare_split_greedy(arch, "q4_k_m", 40, seed, stages).expect("runs");
+        assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
+    }
+}
+
 /// The 4-bit codebook formats (IQ4_NL, IQ4_XS, MXFP4) in every GEMV-family product (plain,
 /// gate/up, residual add; 1..=8 tokens, awkward sizes) and through cuBLAS (prompt-sized)
 /// against f64 over their dequantized rows; then every architecture's logits in those

@@ -105,6 +105,83 @@ pub fn layer_ranges(n_layer: usize, stages: usize) -> anyhow::Result<Vec<Range<u
         .ok_or_else(|| anyhow::anyhow!("{n_layer} layers cannot be split over {stages} devices"))
 }
 
+/// The layers of each stage of a layer split sized by memory: stage `s` may hold
+/// `capacity[s]` bytes, layer `i` takes `layer_bytes[i]`, the first stage also the
+/// embedding table (`first_extra`) and the last the output norm and LM head
+/// (`last_extra`). Each stage gets a contiguous, non-empty range, the ranges in order and
+/// covering every layer, the boundaries placed so that each stage's share of all bytes is
+/// as near its share of the capacity as whole layers allow. An error names the stage
+/// that does not fit (or says there are fewer layers than stages).
+pub fn layer_ranges_by_memory(
+    layer_bytes: &[u64],
+    first_extra: u64,
+    last_extra: u64,
+    capacity: &[u64],
+) -> anyhow::Result<Vec<Range<usize>>> {
+    let (n, stages) = (layer_bytes.len(), capacity.len());
+    if stages == 0 {
+        anyhow::bail!("a layer split needs at least one device");
+    }
+    if n < stages {
+        anyhow::bail!("{n} layers cannot be split over {stages} devices");
+    }
+    let total: u128 = layer_bytes.iter().map(|&b| u128::from(b)).sum::<u128>()
+        + u128::from(first_extra)
+        + u128::from(last_extra);
+    let cap_total: u128 = capacity.iter().map(|&c| u128::from(c)).sum();
+    if cap_total == 0 {
+        anyhow::bail!("the devices of the layer split report no free memory");
+    }
+    // prefix[i]: the bytes of the first stage's extra and layers 0..i.
+    let mut prefix = Vec::with_capacity(n + 1);
+    prefix.push(u128::from(first_extra));
+    for &b in layer_bytes {
+        prefix.push(prefix.last().copied().unwrap_or(0) + u128::from(b));
+    }
+    let mut ranges = Vec::with_capacity(stages);
+    let (mut start, mut cap_before) = (0usize, 0u128);
+    for (s, &cap) in capacity.iter().enumerate() {
+        let end = if s + 1 == stages {
+            n
+        } else {
+            cap_before += u128::from(cap);
+            // The boundary nearest to this stage's cumulative share of all bytes, leaving
+            // at least one layer for this stage and for each later one.
+            let target = total * cap_before / cap_total;
+            let (lo, hi) = (start + 1, n - (stages - s - 1));
+            (lo..=hi)
+                .min_by_key(|&e| prefix[e].abs_diff(target))
+                .unwrap_or(lo)
+        };
+        ranges.push(start..end);
+        start = end;
+    }
+    for (s, r) in ranges.iter().enumerate() {
+        let mut need: u128 = layer_bytes[r.clone()].iter().map(|&b| u128::from(b)).sum();
+        if s == 0 {
+            need += u128::from(first_extra);
+        }
+        if s + 1 == stages {
+            need += u128::from(last_extra);
+        }
+        if need > u128::from(capacity[s]) {
+            let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+            anyhow::bail!(
+                "the model does not fit the devices' memory: stage {s} (layers {}..{}) needs \
+                 {:.2} GiB of weights, its device has {:.2} GiB free for them ({:.2} GiB \
+                 for the whole model, {:.2} GiB free over all devices)",
+                r.start,
+                r.end,
+                gib(need),
+                gib(u128::from(capacity[s])),
+                gib(total),
+                gib(cap_total)
+            );
+        }
+    }
+    Ok(ranges)
+}
+
 impl TpPlan {
     /// The plan for `cfg` over `ranks` devices, or an error saying what does not divide.
     pub fn new(cfg: &ModelConfig, ranks: usize) -> anyhow::Result<TpPlan> {
@@ -415,6 +492,94 @@ mod tests {
         assert_eq!(layer_ranges(5, 3).unwrap(), vec![0..2, 2..4, 4..5]);
         assert!(layer_ranges(2, 3).is_err());
         assert!(layer_ranges(2, 0).is_err());
+    }
+
+    /// The memory-sized layer plan against a brute-force oracle: for random layer sizes,
+    /// extras and capacities, the ranges are contiguous, non-empty and cover every layer,
+    /// and no other split into contiguous non-empty ranges comes nearer to the capacity
+    /// shares at any boundary (each boundary is the best one given the targets); a plan
+    /// that does not fit is refused, naming the stage.
+    #[test]
+    fn layer_ranges_by_memory_follow_the_capacities() {
+        use rand::{Rng, SeedableRng};
+        let b = |v: &[u64]| v.to_vec();
+        // Equal layers, equal devices: halves; a device three times larger: a quarter.
+        assert_eq!(
+            layer_ranges_by_memory(&[10; 80], 0, 0, &[1000, 1000]).unwrap(),
+            vec![0..40, 40..80]
+        );
+        assert_eq!(
+            layer_ranges_by_memory(&[10; 80], 0, 0, &[1000, 3000]).unwrap(),
+            vec![0..20, 20..80]
+        );
+        // The embedding on the first stage and the head on the last move the boundary.
+        assert_eq!(
+            layer_ranges_by_memory(&[10; 8], 40, 0, &[1000, 1000]).unwrap(),
+            vec![0..2, 2..8]
+        );
+        assert_eq!(
+            layer_ranges_by_memory(&[10; 8], 0, 40, &[1000, 1000]).unwrap(),
+            vec![0..6, 6..8]
+        );
+        // Every stage keeps a layer even when its share would be none, and is refused
+        // when that layer does not fit.
+        let e = layer_ranges_by_memory(&[10; 3], 0, 0, &[1, 1000, 1]).unwrap_err();
+        assert!(e.to_string().contains("stage 0 (layers 0..1)"), "{e}");
+        assert_eq!(
+            layer_ranges_by_memory(&[10; 3], 0, 0, &[100, 1000, 100]).unwrap(),
+            vec![0..1, 1..2, 2..3]
+        );
+        let e = layer_ranges_by_memory(&[10; 8], 0, 0, &[30, 30]).unwrap_err();
+        assert!(e.to_string().contains("stage 0 (layers 0..4)"), "{e}");
+        assert!(layer_ranges_by_memory(&b(&[1, 2]), 0, 0, &[9, 9, 9]).is_err());
+        assert!(layer_ranges_by_memory(&b(&[1, 2]), 0, 0, &[]).is_err());
+        assert!(layer_ranges_by_memory(&b(&[1, 2]), 0, 0, &[0, 0]).is_err());
+
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x1a7e);
+        for _ in 0..300 {
+            let n = rng.random_range(1..40usize);
+            let stages = rng.random_range(1..=n.min(5));
+            let layers: Vec<u64> = (0..n).map(|_| rng.random_range(1..1000u64)).collect();
+            let (first, last) = (rng.random_range(0..3000u64), rng.random_range(0..3000u64));
+            let total: u64 = layers.iter().sum::<u64>() + first + last;
+            let caps: Vec<u64> = (0..stages)
+                .map(|_| rng.random_range(total / stages as u64..=2 * total))
+                .collect();
+            let got = match layer_ranges_by_memory(&layers, first, last, &caps) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Refused only when some stage of the nearest split truly overflows.
+                    assert!(e.to_string().contains("does not fit"), "{e}");
+                    continue;
+                }
+            };
+            assert_eq!(got.len(), stages);
+            assert_eq!(got[0].start, 0);
+            assert_eq!(got[stages - 1].end, n);
+            for w in got.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+            }
+            assert!(got.iter().all(|r| !r.is_empty()), "{got:?}");
+            // Oracle: each boundary minimizes |bytes before it - target| over the
+            // boundaries allowed after the previous one.
+            let cap_total: u64 = caps.iter().sum();
+            let mut cap_before = 0u64;
+            for s in 0..stages - 1 {
+                cap_before += caps[s];
+                let target = u128::from(total) * u128::from(cap_before) / u128::from(cap_total);
+                let before = |e: usize| u128::from(first + layers[..e].iter().sum::<u64>());
+                let lo = got[s].start + 1;
+                let hi = n - (stages - s - 1);
+                let best = (lo..=hi).map(|e| before(e).abs_diff(target)).min().unwrap();
+                assert_eq!(before(got[s].end).abs_diff(target), best, "{got:?}");
+            }
+            // And each stage fits its device.
+            for (s, r) in got.iter().enumerate() {
+                let mut need: u64 = layers[r.clone()].iter().sum();
+                need += if s == 0 { first } else { 0 } + if s + 1 == stages { last } else { 0 };
+                assert!(need <= caps[s]);
+            }
+        }
     }
 
     /// A shard's dequantized values are the same slice of the whole tensor's dequantized

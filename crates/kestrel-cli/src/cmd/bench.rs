@@ -254,6 +254,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         AnyEngine::Cpu(_) => "CPU",
         AnyEngine::Cuda(_) => "CUDA",
         AnyEngine::Tp(_) => "CUDA TP",
+        AnyEngine::Split(_) => "CUDA layer split",
     };
     let arch = with_engine!(&engine, e => e.config().arch.name());
     let filename = kestrel_hub::resolve_model(&args.model.model)?
@@ -387,6 +388,7 @@ fn run_batched(args: Args) -> anyhow::Result<()> {
         AnyEngine::Cpu(_) => "CPU",
         AnyEngine::Cuda(_) => "CUDA",
         AnyEngine::Tp(_) => "CUDA TP",
+        AnyEngine::Split(_) => "CUDA layer split",
     };
     let filename = kestrel_hub::resolve_model(&args.model.model)?
         .display()

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use kestrel_cpu::{CpuBackend, Kernels};
-use kestrel_cuda::{CudaBackend, TpBackend};
+use kestrel_cuda::{CudaBackend, SplitBackend, TpBackend};
 use kestrel_engine::sampler::SamplerParams;
 use kestrel_engine::spec::{DraftModel, Drafter, NgramDrafter, SpecMode, SpecStats, Speculator};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
@@ -24,6 +24,10 @@ pub struct ModelArgs {
     /// Tensor parallelism over GPUs 0..N (same as `--devices cuda:0,...,cuda:N-1`).
     #[arg(long, value_parser = positive)]
     pub tp: Option<usize>,
+    /// How several GPUs share the model: `tensor` (the default: tensor parallelism) or
+    /// `layer` (contiguous layers per GPU, sized by memory; a GPU may be named twice).
+    #[arg(long, value_enum)]
+    pub split: Option<SplitMode>,
     /// Threads for the CPU backend (default: all cores).
     #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
@@ -216,10 +220,13 @@ impl SpecArgs {
                     AnyEngine::Tp(_) => {
                         bail!("a draft model with tensor parallelism is not supported yet")
                     }
+                    AnyEngine::Split(_) => {
+                        bail!("a draft model with a layer split is not supported yet")
+                    }
                     AnyEngine::Cuda(_) => {
                         let backend = CudaBackend::new(match Device::parse(&model.device)? {
                             Device::Cuda(n) => n,
-                            Device::Cpu | Device::CudaTp(_) => 0,
+                            Device::Cpu | Device::CudaTp(_) | Device::CudaLayers(_) => 0,
                         })
                         .with_context(|| {
                             format!("opening device {} for the draft", model.device)
@@ -238,6 +245,13 @@ impl SpecArgs {
     }
 }
 
+/// How a model is divided among several GPUs (`--split`, llama.cpp's `-sm` names).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitMode {
+    Tensor,
+    Layer,
+}
+
 /// Where to run: `cpu` or `cuda[:N]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Device {
@@ -245,9 +259,27 @@ pub enum Device {
     Cuda(usize),
     /// Several GPUs, tensor parallel (rank i on the i-th).
     CudaTp(Vec<usize>),
+    /// Several GPUs (or stages on one), layer split (stage i on the i-th).
+    CudaLayers(Vec<usize>),
 }
 
 impl Device {
+    /// [`Self::resolve`], then `--split`: `layer` turns a list of GPUs into a layer split.
+    pub fn resolve_split(
+        s: &str,
+        tp: Option<usize>,
+        split: Option<SplitMode>,
+    ) -> anyhow::Result<Device> {
+        match (Device::resolve(s, tp)?, split) {
+            (Device::CudaTp(v), Some(SplitMode::Layer)) => Ok(Device::CudaLayers(v)),
+            (_, Some(SplitMode::Layer)) => bail!(
+                "--split layer needs two or more GPUs (--devices cuda:0,cuda:1, or cuda:0,cuda:0 \
+                 for two stages on one, or --tp 2)"
+            ),
+            (d, _) => Ok(d),
+        }
+    }
+
     /// `--device` (`cpu`, `cuda`, `cuda:N`, or a comma-separated list of GPUs) with `--tp N`.
     pub fn resolve(s: &str, tp: Option<usize>) -> anyhow::Result<Device> {
         let d = Device::parse(s)?;
@@ -294,6 +326,7 @@ pub enum AnyEngine {
     Cpu(Engine<CpuBackend>),
     Cuda(Engine<CudaBackend>),
     Tp(Engine<TpBackend>),
+    Split(Engine<SplitBackend>),
 }
 
 /// Runs `$body` with `$e` bound to the engine inside an [`AnyEngine`] (or a reference to
@@ -305,6 +338,7 @@ macro_rules! with_engine {
             $crate::cmd::common::AnyEngine::Cpu($e) => $body,
             $crate::cmd::common::AnyEngine::Cuda($e) => $body,
             $crate::cmd::common::AnyEngine::Tp($e) => $body,
+            $crate::cmd::common::AnyEngine::Split($e) => $body,
         }
     };
 }
@@ -341,7 +375,13 @@ pub fn load_any_engine(
     args: &ModelArgs,
     max_logit_rows: usize,
 ) -> anyhow::Result<(AnyEngine, Arc<GgufFile>)> {
-    match Device::resolve(&args.device, args.tp)? {
+    match Device::resolve_split(&args.device, args.tp, args.split)? {
+        Device::CudaLayers(ordinals) => {
+            let backend = SplitBackend::new(&ordinals)
+                .with_context(|| format!("opening GPUs {ordinals:?}"))?;
+            let (engine, file) = build_engine(backend, false, args, max_logit_rows)?;
+            Ok((AnyEngine::Split(engine), file))
+        }
         Device::CudaTp(ordinals) => {
             let backend =
                 TpBackend::new(&ordinals).with_context(|| format!("opening GPUs {ordinals:?}"))?;
@@ -367,9 +407,9 @@ pub fn load_engine(
     args: &ModelArgs,
     max_logit_rows: usize,
 ) -> anyhow::Result<(Engine<CpuBackend>, Arc<GgufFile>)> {
-    match Device::resolve(&args.device, args.tp)? {
+    match Device::resolve_split(&args.device, args.tp, args.split)? {
         Device::Cpu => {}
-        Device::Cuda(_) | Device::CudaTp(_) => bail!(
+        Device::Cuda(_) | Device::CudaTp(_) | Device::CudaLayers(_) => bail!(
             "device {:?}: this command runs on the CPU only for now; use --device cpu",
             args.device
         ),
@@ -596,5 +636,37 @@ mod device_tests {
         );
         assert!(r("cuda:0,", None).is_err());
         assert!(r("gpu", None).is_err());
+    }
+
+    #[test]
+    fn split_layer_takes_a_list_of_gpus() {
+        use super::SplitMode::{Layer, Tensor};
+        let r = |d: &str, tp, split| Device::resolve_split(d, tp, split).map_err(|e| e.to_string());
+        assert_eq!(
+            r("cuda:0,cuda:1", None, Some(Layer)),
+            Ok(Device::CudaLayers(vec![0, 1]))
+        );
+        assert_eq!(
+            r("cuda:0,cuda:0", None, Some(Layer)),
+            Ok(Device::CudaLayers(vec![0, 0]))
+        );
+        assert_eq!(
+            r("cpu", Some(2), Some(Layer)),
+            Ok(Device::CudaLayers(vec![0, 1]))
+        );
+        assert_eq!(
+            r("cuda:0,cuda:1", None, Some(Tensor)),
+            Ok(Device::CudaTp(vec![0, 1]))
+        );
+        assert_eq!(
+            r("cuda:0,cuda:1", None, None),
+            Ok(Device::CudaTp(vec![0, 1]))
+        );
+        assert_eq!(r("cuda:2", None, Some(Tensor)), Ok(Device::Cuda(2)));
+        for one in ["cuda:0", "cpu"] {
+            let e = r(one, None, Some(Layer)).unwrap_err();
+            assert!(e.contains("--split layer needs two or more GPUs"), "{e}");
+        }
+        assert!(r("cuda:0,cuda:1", Some(3), Some(Layer)).is_err());
     }
 }

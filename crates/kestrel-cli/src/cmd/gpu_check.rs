@@ -36,6 +36,86 @@ pub struct Args {
     /// dense architecture's logits against the CPU and one GPU, and greedy generations.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
+    /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
+    /// (every dense architecture's logits against the CPU and one GPU, greedy ids).
+    #[arg(long, value_enum)]
+    pub split: Option<crate::cmd::common::SplitMode>,
+    /// The stages' GPUs of `--split layer` (a GPU may be named twice).
+    #[arg(long, default_value = "cuda:0,cuda:0")]
+    pub devices: String,
+}
+
+/// `gpu-check --split layer --devices LIST`.
+fn check_split(args: &Args) -> anyhow::Result<()> {
+    use crate::cmd::common::{Device, SplitMode};
+    let Device::CudaLayers(ordinals) =
+        Device::resolve_split(&args.devices, None, Some(SplitMode::Layer))?
+    else {
+        anyhow::bail!("--split layer takes a list of GPUs in --devices");
+    };
+    let seed = args.seed.unwrap_or_else(rand::random);
+    println!(
+        "layer split over cuda:{ordinals:?}, 5-layer models; seed {seed}; pass if vs 1 GPU within the CUDA-vs-CPU bounds (both on 8-bit activations; vs CPU shown) and greedy ids equal one GPU's"
+    );
+    let mut failures = 0usize;
+    for (i, arch) in ARCHS.iter().enumerate() {
+        for (j, ty) in ["f32", "q8_0", "q4_k_m", "f16"].iter().enumerate() {
+            let s = seed.wrapping_add((i * 10 + j) as u64);
+            match selfcheck::compare_split_logits(*arch, ty, args.positions, s, &ordinals) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "split {arch:?} {ty} layers {:?}: vs CPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}%; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}%{}  {}",
+                        r.ranges,
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        if r.bit_identical {
+                            ", bit-identical"
+                        } else {
+                            ""
+                        },
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("split {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        for ty in ["f32", "q4_k_m"] {
+            let s = seed.wrapping_add(100 + i as u64);
+            match selfcheck::compare_split_greedy(*arch, ty, args.generate, s, &ordinals) {
+                Ok(g) => {
+                    failures += usize::from(!g.passed());
+                    println!(
+                        "split {arch:?} {ty} greedy {} tokens: {} one GPU's; vs CPU first difference {:?}  {}",
+                        g.split.len(),
+                        if g.split == g.one_gpu {
+                            "equal to"
+                        } else {
+                            "DIFFER from"
+                        },
+                        g.vs_cpu.first_difference,
+                        if g.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("split {arch:?} {ty} greedy: ERROR {e:#}");
+                }
+            }
+        }
+    }
+    if failures > 0 {
+        anyhow::bail!("{failures} layer-split check(s) failed");
+    }
+    println!("all layer-split checks passed");
+    Ok(())
 }
 
 /// `gpu-check --tp N`.
@@ -57,15 +137,27 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
         1 << 20,
         32 << 20,
     ];
-    for (bytes, us, err) in kestrel_cuda::tp::all_reduce_latency(&ordinals, &sizes, 200)? {
-        let ok = err <= 1e-3;
+    for t in kestrel_cuda::tp::all_reduce_latency(&ordinals, &sizes, 200)? {
+        let ok = t.nccl_err <= 1e-3;
         failures += usize::from(!ok);
+        let bytes = t.bytes;
         println!(
-            "all-reduce of {:>8} bytes: {us:7.2} µs per call (back to back), {:6.1} GB/s; max |Δ| vs host sum {err:.1e}  {}",
-            bytes,
-            bytes as f64 / us / 1e3,
+            "all-reduce of {bytes:>8} bytes: NCCL {:7.2} µs per call (back to back), {:6.1} GB/s; max |Δ| vs host sum {:.1e}  {}",
+            t.nccl_us,
+            bytes as f64 / t.nccl_us / 1e3,
+            t.nccl_err,
             if ok { "ok" } else { "FAIL" }
         );
+        if let Some((us, err, vs_nccl)) = t.oneshot {
+            // Two ranks add the same two numbers either way: identical bits; more ranks
+            // sum in another order than NCCL's ring.
+            let ok = err <= 1e-3 && (ranks > 2 || vs_nccl == 0.0);
+            failures += usize::from(!ok);
+            println!(
+                "all-reduce of {bytes:>8} bytes: one-shot {us:7.2} µs per call; max |Δ| vs host sum {err:.1e}, vs NCCL {vs_nccl:.1e}  {}",
+                if ok { "ok" } else { "FAIL" }
+            );
+        }
     }
     for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
@@ -353,6 +445,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(n) = args.tp.filter(|&n| n > 1) {
         return check_tp(&args, n);
     }
+    if args.split == Some(crate::cmd::common::SplitMode::Layer) {
+        return check_split(&args);
+    }
     let seed = args.seed.unwrap_or_else(rand::random);
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
@@ -409,6 +504,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     drop(backend);
+    // Tensor parallelism's one-shot all-reduce kernel, its ranks as streams of this GPU.
+    for ranks in [2, 3] {
+        let sizes = [
+            4,
+            4 << 10,
+            16 << 10,
+            60 << 10,
+            kestrel_cuda::tp::ONESHOT_MAX_BYTES,
+        ];
+        match kestrel_cuda::tp::oneshot_on_one_gpu(args.gpu, ranks, &sizes) {
+            Ok(r) => {
+                let ok = r.iter().all(|&(_, e)| e <= 1e-5);
+                failures += usize::from(!ok);
+                println!(
+                    "one-shot all-reduce, {ranks} ranks on one GPU, {:?} bytes: max |Δ| vs host sums {:.1e}  {}",
+                    sizes,
+                    r.iter().map(|x| x.1).fold(0f32, f32::max),
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("one-shot all-reduce, {ranks} ranks on one GPU: ERROR {e:#}");
+            }
+        }
+    }
     let positions = args.positions.clamp(1, 512);
     println!(
         "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\", or the CPU's own 8-bit spread if larger)",

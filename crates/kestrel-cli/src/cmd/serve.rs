@@ -13,7 +13,7 @@ use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, KvTypes};
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
-use super::common::{CacheArgs, Device, positive};
+use super::common::{CacheArgs, Device, SplitMode, positive};
 use crate::interrupt;
 
 #[derive(clap::Args, Debug)]
@@ -28,6 +28,9 @@ pub struct Args {
     /// Tensor parallelism over GPUs 0..N.
     #[arg(long, value_parser = positive)]
     pub tp: Option<usize>,
+    /// How several GPUs share the model: `tensor` (default) or `layer`.
+    #[arg(long, value_enum)]
+    pub split: Option<SplitMode>,
     /// Threads for the CPU backend (default: all cores).
     #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
@@ -196,9 +199,16 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         spec,
     };
     let start = std::time::Instant::now();
-    let device = Device::resolve(&args.device, args.tp)?;
-    let size = cache_size(args, matches!(device, Device::Cuda(_) | Device::CudaTp(_)))?;
+    let device = Device::resolve_split(&args.device, args.tp, args.split)?;
+    let size = cache_size(args, !matches!(device, Device::Cpu))?;
     let sched = match device {
+        Device::CudaLayers(ordinals) => start_scheduler(
+            move || kestrel_cuda::SplitBackend::new(&ordinals).context("opening the GPUs"),
+            &file,
+            opts,
+            (args.cache.types(), size),
+            sched_opts,
+        )?,
         Device::CudaTp(ordinals) => start_scheduler(
             move || kestrel_cuda::TpBackend::new(&ordinals).context("opening the GPUs"),
             &file,
