@@ -27,6 +27,8 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/mmw.cu"),
     "\n",
     include_str!("../kernels/sample.cu"),
+    "\n",
+    include_str!("../kernels/delta.cu"),
 );
 
 /// Names of the kernels the backend loads from the module: each family's list, declared
@@ -43,6 +45,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::attention::KERNELS,
         crate::step::KERNELS,
         crate::sample::KERNELS,
+        crate::delta::KERNELS,
     ]
     .into_iter()
     .flatten()

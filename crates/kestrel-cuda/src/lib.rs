@@ -20,6 +20,7 @@
 
 mod attention;
 pub mod compile;
+mod delta;
 mod launch;
 mod matmul;
 pub mod nccl;
@@ -46,8 +47,8 @@ use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{
-    Activation, AttnParams, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
-    SamplingBatch,
+    Activation, AttnParams, Batch, DeltaNetConfig, DeltaNetWeights, KvType, KvTypes, LayerWeights,
+    ModelConfig, RopeParams, SamplingBatch,
 };
 
 pub use compile::Origin;
@@ -242,6 +243,8 @@ pub struct CudaCache {
     block_size: usize,
     n_blocks: usize,
     kv_dim: usize,
+    /// The linear-attention layers' per-sequence states (models that have them).
+    delta: Option<delta::DeltaStates>,
 }
 
 /// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0,
@@ -291,7 +294,12 @@ pub struct CudaStep {
     table_capacity: usize,
     host: Vec<u32>,
     n_tokens: usize,
+    n_seqs: usize,
     n_logit_rows: usize,
+    /// The linear-attention layers' convolution output, `[max_tokens × conv_dim]` (models
+    /// that have them).
+    _delta_conv: Option<CudaSlice<f32>>,
+    delta_conv_ptr: Option<u64>,
 }
 
 impl CudaBackend {
@@ -473,7 +481,7 @@ impl kestrel_model::Backend for CudaBackend {
                 self.name()
             );
         }
-        Ok(())
+        delta::check_config(cfg)
     }
 
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CudaWeight> {
@@ -554,7 +562,7 @@ impl kestrel_model::Backend for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) -> Prepared {
-        // Attention layers only (linear-attention models are refused at load here).
+        // Attention layers only (the forward pass calls `delta_net` for the others).
         let Some(w) = QkvWeights::of(layer) else {
             self.fail("qkv: a layer without Q/K/V projections".into());
             return Prepared::Nothing;
@@ -695,6 +703,60 @@ impl kestrel_model::Backend for CudaBackend {
     ) -> anyhow::Result<()> {
         sample::sample_rows(self, x, n, sampling, scratch, out)
     }
+
+    fn check_linear_attention(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn forget_state(&self, cache: &mut CudaCache, first_block: u32) {
+        delta::forget(cache, first_block)
+    }
+
+    fn split_gated_query(
+        &self,
+        qg: &CudaTensor,
+        head_dim: usize,
+        n: usize,
+        q: &mut CudaTensor,
+        gate: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        delta::split_gated_query(self, qg, head_dim, n, q, gate)
+    }
+
+    fn sigmoid_mul(&self, x: &mut CudaTensor, gate: &CudaTensor, n: usize) -> anyhow::Result<()> {
+        delta::sigmoid_mul(self, x, gate, n)
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut CudaTensor,
+        y: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        delta::add_sigmoid_gated(self, out, y, x, w, n)
+    }
+
+    fn delta_net(
+        &self,
+        cache: &mut CudaCache,
+        layer: usize,
+        cfg: &DeltaNetConfig,
+        w: &DeltaNetWeights<CudaWeight>,
+        mix: &CudaTensor,
+        z: &CudaTensor,
+        beta: &CudaTensor,
+        alpha: &CudaTensor,
+        eps: f32,
+        step: &CudaStep,
+        n: usize,
+        out: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        delta::delta_net(
+            self, cache, layer, cfg, w, mix, z, beta, alpha, eps, step, n, out,
+        )
+    }
 }
 
 impl CudaCache {
@@ -704,6 +766,11 @@ impl CudaCache {
 
     pub fn types(&self) -> KvTypes {
         self.types
+    }
+
+    /// Sequences whose linear-attention state the cache holds (0 for other models).
+    pub fn live_states(&self) -> usize {
+        self.delta.as_ref().map_or(0, |d| d.live())
     }
 }
 

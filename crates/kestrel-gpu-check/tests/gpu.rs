@@ -242,3 +242,47 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
         assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
     }
 }
+
+/// The linear-attention hybrids on the GPU against the CPU: logits in steps of 1 to 100
+/// tokens for each weight type, several sequences per step against each alone, greedy ids,
+/// and the per-sequence state refusing a cut-back sequence. Hybrids whose MoE layers the
+/// backend refuses are skipped with a notice.
+#[test]
+fn hybrids_match_cpu() {
+    if !gpu_present("hybrids_match_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in selfcheck::HYBRID_ARCHS {
+        let skip = |e: &anyhow::Error| {
+            let s = selfcheck::moe_refused(e);
+            if s {
+                eprintln!("{arch:?}: skipped, {e:#}");
+            }
+            s
+        };
+        for ty in selfcheck::HYBRID_TYPES {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = match selfcheck::compare_logits(arch, ty, n, seed, 0, false) {
+                Err(e) if skip(&e) => break,
+                r => r.expect("comparison runs"),
+            };
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+            let seed = rng.random();
+            let r = selfcheck::compare_batched(arch, ty, &[48, 1, 37], seed, 0).expect("batched");
+            assert!(r.passed(), "{arch:?} {ty} batched (seed {seed}): {r:?}");
+            let seed = rng.random();
+            let g = selfcheck::compare_greedy(arch, ty, 32, seed, 0).expect("generation runs");
+            assert!(g.passed(), "{arch:?} {ty} greedy (seed {seed}): {g:?}");
+        }
+        let seed = rng.random();
+        match selfcheck::check_state_continuity(arch, seed, 0) {
+            Err(e) if skip(&e) => {}
+            r => {
+                let r = r.expect("state check runs");
+                assert!(r.passed(), "{arch:?} state (seed {seed}): {r:?}");
+            }
+        }
+    }
+}

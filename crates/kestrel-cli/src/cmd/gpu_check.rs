@@ -36,6 +36,9 @@ pub struct Args {
     /// dense architecture's logits against the CPU and one GPU, and greedy generations.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
+    /// Only the linear-attention hybrids' checks (qwen35, qwen3next, qwen35moe).
+    #[arg(long)]
+    pub hybrids: bool,
 }
 
 /// `gpu-check --tp N`.
@@ -180,6 +183,124 @@ fn bench(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The linear-attention hybrids against the CPU: teacher-forced logits in steps of 1 to 100
+/// tokens, several sequences per step against each alone, greedy generation, and the
+/// per-sequence state's refusals and reuse. Models whose MoE layers the backend refuses are
+/// skipped with a notice. Returns the failures.
+fn check_hybrids(args: &Args, seed: u64) -> usize {
+    let positions = args.positions.clamp(1, 512);
+    let mut failures = 0usize;
+    println!(
+        "linear-attention hybrids (gated DeltaNet + gated attention), {positions} positions, same criteria; then several sequences per step vs alone, greedy generation, state continuity:"
+    );
+    let skipped = |label: &str, e: &anyhow::Error| {
+        let skip = selfcheck::moe_refused(e);
+        if skip {
+            println!("{label} skipped: {e:#}");
+        }
+        skip
+    };
+    for (ia, arch) in selfcheck::HYBRID_ARCHS.into_iter().enumerate() {
+        let cases = selfcheck::HYBRID_TYPES.iter().map(|&t| (t, false)).chain(
+            selfcheck::HYBRID_TYPES
+                .iter()
+                .filter(|t| selfcheck::Q8_TYPES.contains(t))
+                .map(|&t| (t, true)),
+        );
+        for (it, (ty, q8)) in cases.enumerate() {
+            let case_seed = seed.wrapping_add(2_000 + (ia * 100 + it) as u64);
+            let label = format!(
+                "hybrid   {:<9} {:<9}",
+                arch.name(),
+                if q8 {
+                    format!("{ty}+q8")
+                } else {
+                    ty.to_string()
+                }
+            );
+            let r = selfcheck::compare_logits(arch, ty, positions, case_seed, args.gpu, q8);
+            match r {
+                Err(e) if skipped(&label, &e) => break,
+                r => failures += usize::from(!print_logit_report(&label, r)),
+            }
+        }
+        for ty in ["f16", "q4_k_m"] {
+            for lens in [[48usize, 16, 36], [1, 2, 70]] {
+                let case_seed = seed.wrapping_add(2_500 + ia as u64);
+                let label = format!("hybrid   {:<9} {ty:<9} batched {lens:?}:", arch.name());
+                match selfcheck::compare_batched(arch, ty, &lens, case_seed, args.gpu) {
+                    Err(e) if skipped(&label, &e) => {}
+                    r => failures += usize::from(!print_logit_report(&label, r)),
+                }
+            }
+        }
+        for ty in ["f16", "q4_k_m"] {
+            let case_seed = seed.wrapping_add(2_600 + ia as u64);
+            let label = format!("hybrid   {:<9} {ty:<9} greedy", arch.name());
+            match selfcheck::compare_greedy(arch, ty, args.generate, case_seed, args.gpu) {
+                Ok(g) => {
+                    failures += usize::from(!g.passed());
+                    println!(
+                        "{label} {} tokens: first difference {:?}  {}",
+                        g.cpu.len(),
+                        g.first_difference,
+                        if g.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) if skipped(&label, &e) => {}
+                Err(e) => {
+                    failures += 1;
+                    println!("{label} ERROR {e:#}");
+                }
+            }
+        }
+        let case_seed = seed.wrapping_add(2_650 + ia as u64);
+        let label = format!("hybrid   {:<9} q4_k_m    graph replay", arch.name());
+        match selfcheck::compare_graph_replay(arch, "q4_k_m", args.generate, case_seed, args.gpu) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "{label}: {} replays, logits {}  {}",
+                    r.replays,
+                    if r.identical {
+                        "bit-identical"
+                    } else {
+                        "DIFFER"
+                    },
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) if skipped(&label, &e) => {}
+            Err(e) => {
+                failures += 1;
+                println!("{label} ERROR {e:#}");
+            }
+        }
+        let label = format!("hybrid   {:<9} state", arch.name());
+        match selfcheck::check_state_continuity(
+            arch,
+            seed.wrapping_add(2_700 + ia as u64),
+            args.gpu,
+        ) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "{label}: continuing a cut-back sequence refused: {:?}; reused slot vs fresh max rel |Δ| {:.1e}  {}",
+                    r.refused,
+                    r.reuse_rel_diff,
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) if skipped(&label, &e) => {}
+            Err(e) => {
+                failures += 1;
+                println!("{label} ERROR {e:#}");
+            }
+        }
+    }
+    failures
+}
+
 /// Prints one comparison's line (`label`, then max |Δ|, top-1 agreement and ok / FAIL, or
 /// the error); true when it passed.
 fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport>) -> bool {
@@ -211,6 +332,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return check_tp(&args, n);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
+    if args.hybrids {
+        println!("seed {seed}");
+        let failures = check_hybrids(&args, seed);
+        if failures > 0 {
+            anyhow::bail!("{failures} hybrid check(s) failed");
+        }
+        println!("all hybrid checks passed");
+        return Ok(());
+    }
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
     println!(
@@ -617,6 +747,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += check_hybrids(&args, seed);
     println!("total {:.1} s", start.elapsed().as_secs_f64());
     if failures > 0 {
         anyhow::bail!("{failures} GPU check(s) failed");

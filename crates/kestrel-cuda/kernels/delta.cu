@@ -1,0 +1,226 @@
+// Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5; `DeltaNetConfig` in kestrel-model
+// defines it, crates/kestrel-cpu/src/delta.rs is the CPU's form): the causal convolution
+// with its state, the L2 norm of the q and k heads, the recurrent update of each v head's
+// state token by token, the gated RMS norm of the output; and the small element-wise ops
+// of the hybrids (gated query split, sigmoid gate, a shared expert's sigmoid gate).
+//
+// Each sequence's state lives in a slot of one device buffer (src/delta.rs): slot
+// `slot_of_block[first cache block of the sequence]`, found from the step's block tables,
+// so a step's launches are the same whichever sequences it holds (graph replay). A
+// sequence whose first token in the step is at position 0 starts from a zero state.
+
+#define DN_MAX_TAPS 8
+// Lanes per state row in delta_scan, and the most columns (head_k_dim) a lane holds / P.
+#define DN_P 4
+#define DN_C 32
+
+// The state slot of the step's sequence s.
+__device__ __forceinline__ size_t dn_slot(int s, const u32* table_off, const u32* tables,
+                                          const u32* slot_of_block) {
+    return (size_t)slot_of_block[tables[table_off[s]]];
+}
+
+__device__ __forceinline__ float dn_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// Causal depthwise convolution of `taps` taps over each channel, then SiLU: out[t][c] for the
+// step's tokens of sequence blockIdx.y (in order), reading the `taps - 1` inputs before the
+// step from the sequence's conv state ([conv_dim × (taps - 1)] at `conv_off` in its slot)
+// and leaving there the last ones. w: [conv_dim × taps] (tap taps-1 multiplies the current
+// input). Grid (ceil(conv_dim / blockDim.x), sequences).
+extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const float* w, int conv_dim,
+                                      int taps, float* states, long long slot_len,
+                                      long long conv_off, const u32* positions,
+                                      const u32* seq_of, const u32* table_off,
+                                      const u32* tables, const u32* slot_of_block, int n,
+                                      float* out) {
+    pdl_enter();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = blockIdx.y;
+    if (c >= conv_dim) return;
+    const int keep = taps - 1;
+    float* hist_g = states + dn_slot(s, table_off, tables, slot_of_block) * slot_len + conv_off +
+                    (size_t)c * keep;
+    const float* wc = w + (size_t)c * taps;
+    float hist[DN_MAX_TAPS - 1];
+    float wt[DN_MAX_TAPS];
+#pragma unroll
+    for (int i = 0; i < DN_MAX_TAPS; i++) wt[i] = i < taps ? wc[i] : 0.0f;
+    bool started = false;
+    for (int t = 0; t < n; t++) {
+        if ((int)seq_of[t] != s) continue;
+        if (!started) {
+            started = true;
+            const bool fresh = positions[t] == 0;
+#pragma unroll
+            for (int i = 0; i < DN_MAX_TAPS - 1; i++)
+                hist[i] = (i < keep && !fresh) ? hist_g[i] : 0.0f;
+        }
+        const float x = mix[(size_t)t * mix_cols + c];
+        // The CPU's order: the history's taps, then the current input's.
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DN_MAX_TAPS - 1; i++)
+            if (i < keep) sum += hist[i] * wt[i];
+        float last = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DN_MAX_TAPS; i++)
+            if (i == keep) last = wt[i];
+        sum += x * last;
+        // Slide the window by one.
+#pragma unroll
+        for (int i = 0; i < DN_MAX_TAPS - 2; i++)
+            if (i + 1 < keep) hist[i] = hist[i + 1];
+#pragma unroll
+        for (int i = 0; i < DN_MAX_TAPS - 1; i++)
+            if (i == keep - 1) hist[i] = x;
+        out[(size_t)t * conv_dim + c] = dn_silu(sum);
+    }
+    if (started) {
+#pragma unroll
+        for (int i = 0; i < DN_MAX_TAPS - 1; i++)
+            if (i < keep) hist_g[i] = hist[i];
+    }
+}
+
+// L2 norm of each q and k head of the convolution's output, in place: row blockIdx.x, head
+// blockIdx.y of the first 2·key_dim channels: v · rms_scale(head, eps / hk) / sqrt(hk), as
+// the CPU computes it (ggml's rms_norm with eps / n, then the scale).
+extern "C" __global__ void delta_l2norm(float* conv, int conv_dim, int hk, float eps) {
+    pdl_enter();
+    float* x = conv + (size_t)blockIdx.x * conv_dim + (size_t)blockIdx.y * hk;
+    const float s = rms_scale(x, hk, eps / (float)hk);
+    const float l2_scale = 1.0f / sqrtf((float)hk);
+    __syncthreads();
+    for (int j = threadIdx.x; j < hk; j += blockDim.x) x[j] = x[j] * s * l2_scale;
+}
+
+// The gated delta rule of v head blockIdx.x of the step's sequence blockIdx.y, its tokens in
+// order: S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(hk), with β = sigmoid(beta),
+// g = softplus(alpha + dt_bias) · a. `conv`: the convolution's normalized output (q heads,
+// k heads, v heads); out[t][h·hv + j] = o_j (before the gated norm). State row j (value
+// dimension j, hk values) is held by DN_P lanes, lane p its columns p, p + DN_P, ...
+// (hk <= DN_P · DN_C); blockDim.x = hv · DN_P <= 512.
+extern "C" __global__ void __launch_bounds__(512)
+    delta_scan(const float* conv, int conv_dim, const float* beta, int beta_cols,
+               const float* alpha, int alpha_cols, const float* dt_bias, const float* a, int hk,
+               int hv, int nv, int nk, int qwen3next_layout, float* states, long long slot_len,
+               long long ssm_off, const u32* positions, const u32* seq_of, const u32* table_off,
+               const u32* tables, const u32* slot_of_block, int n, float* out, int out_cols) {
+    pdl_enter();
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int j = threadIdx.x / DN_P, p = threadIdx.x % DN_P;
+    int kh, bc, ac;
+    if (qwen3next_layout) {
+        const int r = nv / nk;
+        kh = h / r;
+        bc = kh * 2 * r + h % r;
+        ac = bc + r;
+    } else {
+        kh = h % nk;
+        bc = h;
+        ac = h;
+    }
+    const int key_dim = hk * nk;
+    float* sg = states + dn_slot(s, table_off, tables, slot_of_block) * slot_len + ssm_off +
+                ((size_t)h * hv + j) * hk;
+    const float scale = 1.0f / sqrtf((float)hk);
+    const float dt = dt_bias[h], ah = a[h];
+    float S[DN_C];
+    bool started = false;
+    for (int t = 0; t < n; t++) {
+        if ((int)seq_of[t] != s) continue;
+        if (!started) {
+            started = true;
+            const bool fresh = positions[t] == 0;
+#pragma unroll
+            for (int c = 0; c < DN_C; c++) {
+                const int i = p + DN_P * c;
+                S[c] = (!fresh && i < hk) ? sg[i] : 0.0f;
+            }
+        }
+        const float* row = conv + (size_t)t * conv_dim;
+        const float* q = row + kh * hk;
+        const float* k = row + key_dim + kh * hk;
+        const float v = row[2 * key_dim + h * hv + j];
+        const float b = 1.0f / (1.0f + expf(-beta[(size_t)t * beta_cols + bc]));
+        const float x = alpha[(size_t)t * alpha_cols + ac] + dt;
+        const float g = (x > 20.0f ? x : logf(1.0f + expf(x))) * ah;
+        const float decay = expf(g);
+        float kk[DN_C];
+        float sk = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DN_C; c++) {
+            const int i = p + DN_P * c;
+            kk[c] = i < hk ? k[i] : 0.0f;
+            S[c] *= decay;
+            sk = fmaf(S[c], kk[c], sk);
+        }
+#pragma unroll
+        for (int o = 1; o < DN_P; o <<= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        const float delta = (v - sk) * b;
+        float o_j = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DN_C; c++) {
+            const int i = p + DN_P * c;
+            S[c] = fmaf(kk[c], delta, S[c]);
+            o_j = fmaf(S[c], i < hk ? q[i] : 0.0f, o_j);
+        }
+#pragma unroll
+        for (int o = 1; o < DN_P; o <<= 1) o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
+        if (p == 0) out[(size_t)t * out_cols + h * hv + j] = o_j * scale;
+    }
+    if (started) {
+#pragma unroll
+        for (int c = 0; c < DN_C; c++) {
+            const int i = p + DN_P * c;
+            if (i < hk) sg[i] = S[c];
+        }
+    }
+}
+
+// The gated RMS norm of head blockIdx.y of row blockIdx.x, in place:
+// o · rms_scale(o, eps) · norm · silu(z).
+extern "C" __global__ void delta_gated_norm(float* o, int o_cols, const float* z, int z_cols,
+                                            const float* norm, int hv, float eps) {
+    pdl_enter();
+    float* x = o + (size_t)blockIdx.x * o_cols + (size_t)blockIdx.y * hv;
+    const float* zr = z + (size_t)blockIdx.x * z_cols + (size_t)blockIdx.y * hv;
+    const float rs = rms_scale(x, hv, eps);
+    __syncthreads();
+    for (int j = threadIdx.x; j < hv; j += blockDim.x) x[j] = x[j] * rs * norm[j] * dn_silu(zr[j]);
+}
+
+// Each token's [n_head × 2·head_dim] row of qg (per head its query, then its gate) into q
+// and gate ([n_head × head_dim] each); one thread per value of q, len = n · q_cols.
+extern "C" __global__ void split_gated_query(const float* qg, float* q, float* gate, int q_cols,
+                                             int head_dim, int len) {
+    pdl_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const int t = i / q_cols, c = i - t * q_cols;
+    const int h = c / head_dim, d = c - h * head_dim;
+    const float* src = qg + (size_t)t * 2 * q_cols + (size_t)h * 2 * head_dim + d;
+    q[i] = src[0];
+    gate[i] = src[head_dim];
+}
+
+// x *= sigmoid(gate), element-wise.
+extern "C" __global__ void sigmoid_mul(float* x, const float* gate, int len) {
+    pdl_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+}
+
+// out[t] += y[t] · sigmoid(x[t] · w) for row t = blockIdx.x (a shared expert's gate).
+extern "C" __global__ void add_sigmoid_gated(float* out, const float* y, int cols,
+                                             const float* x, const float* w, int x_cols) {
+    pdl_enter();
+    const float* xr = x + (size_t)blockIdx.x * x_cols;
+    float d = 0.0f;
+    for (int i = threadIdx.x; i < x_cols; i += blockDim.x) d = fmaf(xr[i], w[i], d);
+    d = block_sum(d);
+    const float g = 1.0f / (1.0f + expf(-d));
+    float* o = out + (size_t)blockIdx.x * cols;
+    const float* yr = y + (size_t)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] += yr[i] * g;
+}
