@@ -1,7 +1,7 @@
 // Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5; `DeltaNetConfig` in kestrel-model
 // defines it, crates/kestrel-cpu/src/delta.rs is the CPU's form): the causal convolution
-// with its state, the L2 norm of the q and k heads, the recurrent update of each v head's
-// state token by token, the gated RMS norm of the output; and the small element-wise ops
+// with its state, then the L2 norm of the q and k heads with the recurrent update of each
+// v head's state token by token, the gated RMS norm of the output; and the small element-wise ops
 // of the hybrids (gated query split, sigmoid gate, a shared expert's sigmoid gate).
 //
 // Each sequence's state lives in a slot of one device buffer (src/delta.rs): slot
@@ -82,22 +82,13 @@ extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const floa
     }
 }
 
-// L2 norm of each q and k head of the convolution's output, in place: row blockIdx.x, head
-// blockIdx.y of the first 2·key_dim channels: v · rms_scale(head, eps / hk) / sqrt(hk), as
-// the CPU computes it (ggml's rms_norm with eps / n, then the scale).
-extern "C" __global__ void delta_l2norm(float* conv, int conv_dim, int hk, float eps) {
-    pdl_enter();
-    float* x = conv + (size_t)blockIdx.x * conv_dim + (size_t)blockIdx.y * hk;
-    const float s = rms_scale(x, hk, eps / (float)hk);
-    const float l2_scale = 1.0f / sqrtf((float)hk);
-    __syncthreads();
-    for (int j = threadIdx.x; j < hk; j += blockDim.x) x[j] = x[j] * s * l2_scale;
-}
-
 // The gated delta rule of v head blockIdx.x of the step's sequence blockIdx.y, its tokens in
 // order: S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(hk), with β = sigmoid(beta),
-// g = softplus(alpha + dt_bias) · a. `conv`: the convolution's normalized output (q heads,
-// k heads, v heads); out[t][h·hv + j] = o_j (before the gated norm). State row j (value
+// g = softplus(alpha + dt_bias) · a, q and k L2-normalized as the CPU does (ggml's rms_norm
+// with eps / hk, then 1 / sqrt(hk); every row group of lanes holds a whole k head, so it
+// sums its squares itself; q's scale applies to the dot product). `conv`: the
+// convolution's output (q heads, k heads, v heads); out[t][h·hv + j] = o_j (before the
+// gated norm). State row j (value
 // dimension j, hk values) is held by DN_P lanes, lane p its columns p, p + DN_P, ...
 // (hk <= DN_P · DN_C); blockDim.x = hv · DN_P <= 512.
 extern "C" __global__ void __launch_bounds__(512)
@@ -105,7 +96,8 @@ extern "C" __global__ void __launch_bounds__(512)
                const float* alpha, int alpha_cols, const float* dt_bias, const float* a, int hk,
                int hv, int nv, int nk, int qwen3next_layout, float* states, long long slot_len,
                long long ssm_off, const u32* positions, const u32* seq_of, const u32* table_off,
-               const u32* tables, const u32* slot_of_block, int n, float* out, int out_cols) {
+               const u32* tables, const u32* slot_of_block, int n, float eps, float* out,
+               int out_cols) {
     pdl_enter();
     const int h = blockIdx.x, s = blockIdx.y;
     const int j = threadIdx.x / DN_P, p = threadIdx.x % DN_P;
@@ -124,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(512)
     float* sg = states + dn_slot(s, table_off, tables, slot_of_block) * slot_len + ssm_off +
                 ((size_t)h * hv + j) * hk;
     const float scale = 1.0f / sqrtf((float)hk);
+    const float l2_eps = eps / (float)hk;
     const float dt = dt_bias[h], ah = a[h];
     float S[DN_C];
     bool started = false;
@@ -147,27 +140,42 @@ extern "C" __global__ void __launch_bounds__(512)
         const float g = (x > 20.0f ? x : logf(1.0f + expf(x))) * ah;
         const float decay = expf(g);
         float kk[DN_C];
-        float sk = 0.0f;
+        float kss = 0.0f;
 #pragma unroll
         for (int c = 0; c < DN_C; c++) {
             const int i = p + DN_P * c;
             kk[c] = i < hk ? k[i] : 0.0f;
+            kss = fmaf(kk[c], kk[c], kss);
+        }
+#pragma unroll
+        for (int o = 1; o < DN_P; o <<= 1) kss += __shfl_xor_sync(0xffffffffu, kss, o);
+        const float ks = 1.0f / sqrtf(kss / (float)hk + l2_eps);
+        float sk = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DN_C; c++) {
+            kk[c] = kk[c] * ks * scale;
             S[c] *= decay;
             sk = fmaf(S[c], kk[c], sk);
         }
 #pragma unroll
         for (int o = 1; o < DN_P; o <<= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
         const float delta = (v - sk) * b;
-        float o_j = 0.0f;
+        float o_j = 0.0f, qss = 0.0f;
 #pragma unroll
         for (int c = 0; c < DN_C; c++) {
             const int i = p + DN_P * c;
+            const float qi = i < hk ? q[i] : 0.0f;
             S[c] = fmaf(kk[c], delta, S[c]);
-            o_j = fmaf(S[c], i < hk ? q[i] : 0.0f, o_j);
+            o_j = fmaf(S[c], qi, o_j);
+            qss = fmaf(qi, qi, qss);
         }
 #pragma unroll
-        for (int o = 1; o < DN_P; o <<= 1) o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
-        if (p == 0) out[(size_t)t * out_cols + h * hv + j] = o_j * scale;
+        for (int o = 1; o < DN_P; o <<= 1) {
+            o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
+            qss += __shfl_xor_sync(0xffffffffu, qss, o);
+        }
+        const float qs = 1.0f / sqrtf(qss / (float)hk + l2_eps);
+        if (p == 0) out[(size_t)t * out_cols + h * hv + j] = o_j * qs * scale * scale;
     }
     if (started) {
 #pragma unroll

@@ -11,14 +11,14 @@
 //! has taken in, and refuses a step that does not continue a sequence where its state
 //! stopped (as the CPU does: the state cannot roll back or be rebuilt from K/V blocks).
 //! Prompts run the same token-by-token recurrence as decode steps (`delta_scan`), one block
-//! per (v head, sequence).
+//! per (v head, sequence). Three launches a layer: the convolution (`delta_conv`), the
+//! recurrence with the q/k L2 norms (`delta_scan`), the gated norm (`delta_gated_norm`).
 
 use crate::*;
 
 /// The kernels this module launches (kernels/delta.cu).
 pub(crate) const KERNELS: &[&str] = &[
     "delta_conv",
-    "delta_l2norm",
     "delta_scan",
     "delta_gated_norm",
     "split_gated_query",
@@ -364,17 +364,6 @@ pub(crate) fn delta_net(
     .concat();
     let conv_grid = (conv_dim.div_ceil(128) as u32, seqs, 1);
     backend.launch("delta_conv", conv_grid, 128, &conv_args);
-    backend.launch(
-        "delta_l2norm",
-        (n as u32, (2 * nk) as u32, 1),
-        hk.next_multiple_of(32).min(128) as u32,
-        &[
-            Arg::P(conv_out),
-            Arg::I(conv_dim as i32),
-            Arg::I(hk as i32),
-            Arg::F(eps),
-        ],
-    );
     let scan_args = [
         &[
             Arg::P(conv_out),
@@ -395,7 +384,7 @@ pub(crate) fn delta_net(
             Arg::L(ssm_off as i64),
         ][..],
         &where_args,
-        &[Arg::P(out.ptr), Arg::I(out.cols as i32)],
+        &[Arg::F(eps), Arg::P(out.ptr), Arg::I(out.cols as i32)],
     ]
     .concat();
     let scan_block = (hv * LANES_PER_ROW) as u32;

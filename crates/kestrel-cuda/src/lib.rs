@@ -570,6 +570,17 @@ impl kestrel_model::Backend for CudaBackend {
         matmul::qkv(self, x, x_ready, &w, n, q, k, v)
     }
 
+    fn matmul_many(
+        &self,
+        x: &CudaTensor,
+        x_ready: Prepared,
+        ws: &[&CudaWeight],
+        n: usize,
+        outs: &mut [&mut CudaTensor],
+    ) {
+        matmul::matmul_many(self, x, x_ready, ws, n, outs)
+    }
+
     fn matmul_add(
         &self,
         x: &CudaTensor,
