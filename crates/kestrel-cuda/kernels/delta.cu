@@ -2,7 +2,7 @@
 // defines it, crates/kestrel-cpu/src/delta.rs is the CPU's form): the causal convolution
 // with its state, then the L2 norm of the q and k heads with the recurrent update of each
 // v head's state token by token, the gated RMS norm of the output; and the small element-wise ops
-// of the hybrids (gated query split, sigmoid gate, a shared expert's sigmoid gate).
+// of gated attention (the query / gate split, the sigmoid gate of its output).
 //
 // Each sequence's state lives in a slot of one device buffer (src/delta.rs): slot
 // `slot_of_block[first cache block of the sequence]`, found from the step's block tables,
@@ -22,11 +22,32 @@ __device__ __forceinline__ size_t dn_slot(int s, const u32* table_off, const u32
 
 __device__ __forceinline__ float dn_silu(float x) { return x / (1.0f + expf(-x)); }
 
-// Causal depthwise convolution of `taps` taps over each channel, then SiLU: out[t][c] for the
-// step's tokens of sequence blockIdx.y (in order), reading the `taps - 1` inputs before the
-// step from the sequence's conv state ([conv_dim × (taps - 1)] at `conv_off` in its slot)
-// and leaving there the last ones. w: [conv_dim × taps] (tap taps-1 multiplies the current
-// input). Grid (ceil(conv_dim / blockDim.x), sequences).
+// The run [t0, t1) of the step's tokens that belong to sequence s (the host checks that a
+// sequence's tokens are consecutive), found by the whole block; every thread gets it.
+__device__ __forceinline__ void dn_run(const u32* seq_of, int n, int s, int& t0, int& t1) {
+    __shared__ int run[2];
+    if (threadIdx.x == 0) run[0] = run[1] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        if ((int)seq_of[i] != s) continue;
+        if (i == 0 || (int)seq_of[i - 1] != s) run[0] = i;
+        if (i == n - 1 || (int)seq_of[i + 1] != s) run[1] = i + 1;
+    }
+    __syncthreads();
+    t0 = run[0];
+    t1 = run[1];
+}
+
+// Tokens of a sequence each delta_conv thread takes (at least DN_MAX_TAPS - 1, so that only
+// a sequence's first chunk reads its conv state).
+#define DN_CONV_CHUNK 16
+
+// Causal depthwise convolution of `taps` taps over each channel, then SiLU: out[t][c] for
+// chunk blockIdx.y (DN_CONV_CHUNK tokens) of the step's tokens of sequence blockIdx.z,
+// reading the `taps - 1` inputs before the step from the sequence's conv state
+// ([conv_dim × (taps - 1)] at `conv_off` in its slot; zeros at position 0); the first
+// chunk's thread leaves there the sequence's last inputs. w: [conv_dim × taps] (tap taps-1
+// multiplies the current input). Grid (ceil(conv_dim / blockDim.x), chunks, sequences).
 extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const float* w, int conv_dim,
                                       int taps, float* states, long long slot_len,
                                       long long conv_off, const u32* positions,
@@ -34,37 +55,48 @@ extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const floa
                                       const u32* tables, const u32* slot_of_block, int n,
                                       float* out) {
     pdl_enter();
+    const int s = blockIdx.z;
+    int t0, t1;
+    dn_run(seq_of, n, s, t0, t1);
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    const int s = blockIdx.y;
-    if (c >= conv_dim) return;
+    const int a = t0 + blockIdx.y * DN_CONV_CHUNK;
+    if (c >= conv_dim || a >= t1) return;
+    const int b = min(t1, a + DN_CONV_CHUNK);
     const int keep = taps - 1;
+    const bool fresh = positions[t0] == 0;
     float* hist_g = states + dn_slot(s, table_off, tables, slot_of_block) * slot_len + conv_off +
                     (size_t)c * keep;
     const float* wc = w + (size_t)c * taps;
-    float hist[DN_MAX_TAPS - 1];
     float wt[DN_MAX_TAPS];
 #pragma unroll
     for (int i = 0; i < DN_MAX_TAPS; i++) wt[i] = i < taps ? wc[i] : 0.0f;
-    bool started = false;
-    for (int t = 0; t < n; t++) {
-        if ((int)seq_of[t] != s) continue;
-        if (!started) {
-            started = true;
-            const bool fresh = positions[t] == 0;
+    // The input at token u of the step (u < t0: from the state, or zero at position 0).
+    auto input = [&](int u) -> float {
+        if (u >= t0) return mix[(size_t)u * mix_cols + c];
+        return fresh ? 0.0f : hist_g[keep - (t0 - u)];
+    };
+    // The window before token a, oldest first.
+    float hist[DN_MAX_TAPS - 1];
 #pragma unroll
-            for (int i = 0; i < DN_MAX_TAPS - 1; i++)
-                hist[i] = (i < keep && !fresh) ? hist_g[i] : 0.0f;
-        }
+    for (int i = 0; i < DN_MAX_TAPS - 1; i++) hist[i] = i < keep ? input(a - keep + i) : 0.0f;
+    // The sequence's new state (its last `keep` inputs), read before anything is written.
+    float next[DN_MAX_TAPS - 1];
+    const bool first = blockIdx.y == 0;
+    if (first) {
+#pragma unroll
+        for (int i = 0; i < DN_MAX_TAPS - 1; i++) next[i] = i < keep ? input(t1 - keep + i) : 0.0f;
+    }
+    float last = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DN_MAX_TAPS; i++)
+        if (i == keep) last = wt[i];
+    for (int t = a; t < b; t++) {
         const float x = mix[(size_t)t * mix_cols + c];
         // The CPU's order: the history's taps, then the current input's.
         float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < DN_MAX_TAPS - 1; i++)
             if (i < keep) sum += hist[i] * wt[i];
-        float last = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DN_MAX_TAPS; i++)
-            if (i == keep) last = wt[i];
         sum += x * last;
         // Slide the window by one.
 #pragma unroll
@@ -75,22 +107,28 @@ extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const floa
             if (i == keep - 1) hist[i] = x;
         out[(size_t)t * conv_dim + c] = dn_silu(sum);
     }
-    if (started) {
+    if (first) {
 #pragma unroll
         for (int i = 0; i < DN_MAX_TAPS - 1; i++)
-            if (i < keep) hist_g[i] = hist[i];
+            if (i < keep) hist_g[i] = next[i];
     }
 }
 
+// Tokens delta_scan stages in shared memory at a time.
+#define DN_STAGE 16
+// Largest head_v_dim (blockDim.x / DN_P).
+#define DN_MAX_HV 128
+
 // The gated delta rule of v head blockIdx.x of the step's sequence blockIdx.y, its tokens in
-// order: S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(hk), with β = sigmoid(beta),
-// g = softplus(alpha + dt_bias) · a, q and k L2-normalized as the CPU does (ggml's rms_norm
-// with eps / hk, then 1 / sqrt(hk); every row group of lanes holds a whole k head, so it
-// sums its squares itself; q's scale applies to the dot product). `conv`: the
-// convolution's output (q heads, k heads, v heads); out[t][h·hv + j] = o_j (before the
-// gated norm). State row j (value
-// dimension j, hk values) is held by DN_P lanes, lane p its columns p, p + DN_P, ...
-// (hk <= DN_P · DN_C); blockDim.x = hv · DN_P <= 512.
+// order: S ← exp(g)·S; S ← S + β (v − S k̂) k̂ᵀ; o = S q̂ / sqrt(hk), with β = sigmoid(beta),
+// g = softplus(alpha + dt_bias) · a, and q̂, k̂ q and k L2-normalized as the CPU does (ggml's
+// rms_norm with eps / hk, then 1 / sqrt(hk)); a norm's factor applies to the dot products
+// instead of to each value. `conv`: the convolution's output (q heads, k heads, v heads);
+// out[t][h·hv + j] = o_j (before the gated norm). State row j (value dimension j, hk
+// values) is held in registers by DN_P lanes, lane p its columns 16·c + 4·p + e (e < 4:
+// float4 reads of shared memory; hk <= DN_P · DN_C); blockDim.x = hv · DN_P <= 512. The
+// block stages DN_STAGE tokens' q, k, v, β, decay and norm factors in shared memory at a
+// time (loads in parallel), so that a token's step waits on no global load.
 extern "C" __global__ void __launch_bounds__(512)
     delta_scan(const float* conv, int conv_dim, const float* beta, int beta_cols,
                const float* alpha, int alpha_cols, const float* dt_bias, const float* a, int hk,
@@ -99,8 +137,16 @@ extern "C" __global__ void __launch_bounds__(512)
                const u32* tables, const u32* slot_of_block, int n, float eps, float* out,
                int out_cols) {
     pdl_enter();
+    __shared__ __align__(16) float s_q[DN_STAGE][DN_P * DN_C];
+    __shared__ __align__(16) float s_k[DN_STAGE][DN_P * DN_C];
+    __shared__ float s_v[DN_STAGE][DN_MAX_HV];
+    __shared__ float s_b[DN_STAGE], s_decay[DN_STAGE], s_ks[DN_STAGE], s_qs[DN_STAGE];
     const int h = blockIdx.x, s = blockIdx.y;
+    int t0, t1;
+    dn_run(seq_of, n, s, t0, t1);
+    if (t0 >= t1) return;
     const int j = threadIdx.x / DN_P, p = threadIdx.x % DN_P;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     int kh, bc, ac;
     if (qwen3next_layout) {
         const int r = nv / nk;
@@ -118,72 +164,89 @@ extern "C" __global__ void __launch_bounds__(512)
     const float scale = 1.0f / sqrtf((float)hk);
     const float l2_eps = eps / (float)hk;
     const float dt = dt_bias[h], ah = a[h];
+    const bool fresh = positions[t0] == 0;
+    // Column of register c of this lane.
+    auto col = [&](int c) { return 16 * (c >> 2) + 4 * p + (c & 3); };
     float S[DN_C];
-    bool started = false;
-    for (int t = 0; t < n; t++) {
-        if ((int)seq_of[t] != s) continue;
-        if (!started) {
-            started = true;
-            const bool fresh = positions[t] == 0;
 #pragma unroll
-            for (int c = 0; c < DN_C; c++) {
-                const int i = p + DN_P * c;
-                S[c] = (!fresh && i < hk) ? sg[i] : 0.0f;
+    for (int c = 0; c < DN_C; c++) S[c] = (!fresh && col(c) < hk) ? sg[col(c)] : 0.0f;
+    const int width = 2 * hk + hv;
+    for (int base = t0; base < t1; base += DN_STAGE) {
+        const int m = min(DN_STAGE, t1 - base);
+        __syncthreads();  // the previous stage is consumed
+        for (int e = threadIdx.x; e < m * width; e += blockDim.x) {
+            const int tt = e / width, f = e - tt * width;
+            const float* row = conv + (size_t)(base + tt) * conv_dim;
+            if (f < hk)
+                s_q[tt][f] = row[kh * hk + f];
+            else if (f < 2 * hk)
+                s_k[tt][f - hk] = row[key_dim + kh * hk + f - hk];
+            else
+                s_v[tt][f - 2 * hk] = row[2 * key_dim + h * hv + f - 2 * hk];
+        }
+        if (threadIdx.x < m) {
+            const size_t t = base + threadIdx.x;
+            s_b[threadIdx.x] = 1.0f / (1.0f + expf(-beta[t * beta_cols + bc]));
+            const float x = alpha[t * alpha_cols + ac] + dt;
+            s_decay[threadIdx.x] = expf((x > 20.0f ? x : logf(1.0f + expf(x))) * ah);
+        }
+        __syncthreads();
+        // Each token's norm factors, a warp a token.
+        for (int tt = warp; tt < m; tt += n_warps) {
+            float kss = 0.0f, qss = 0.0f;
+            for (int i = lane; i < hk; i += 32) {
+                kss = fmaf(s_k[tt][i], s_k[tt][i], kss);
+                qss = fmaf(s_q[tt][i], s_q[tt][i], qss);
+            }
+            kss = warp_sum(kss);
+            qss = warp_sum(qss);
+            if (lane == 0) {
+                s_ks[tt] = 1.0f / sqrtf(kss / (float)hk + l2_eps) * scale;
+                s_qs[tt] = 1.0f / sqrtf(qss / (float)hk + l2_eps) * scale * scale;
             }
         }
-        const float* row = conv + (size_t)t * conv_dim;
-        const float* q = row + kh * hk;
-        const float* k = row + key_dim + kh * hk;
-        const float v = row[2 * key_dim + h * hv + j];
-        const float b = 1.0f / (1.0f + expf(-beta[(size_t)t * beta_cols + bc]));
-        const float x = alpha[(size_t)t * alpha_cols + ac] + dt;
-        const float g = (x > 20.0f ? x : logf(1.0f + expf(x))) * ah;
-        const float decay = expf(g);
-        float kk[DN_C];
-        float kss = 0.0f;
+        __syncthreads();
+        for (int tt = 0; tt < m; tt++) {
+            const float decay = s_decay[tt], b = s_b[tt], v = s_v[tt][j], ks = s_ks[tt];
+            float kk[DN_C];
 #pragma unroll
-        for (int c = 0; c < DN_C; c++) {
-            const int i = p + DN_P * c;
-            kk[c] = i < hk ? k[i] : 0.0f;
-            kss = fmaf(kk[c], kk[c], kss);
-        }
+            for (int c4 = 0; c4 < DN_C / 4; c4++) {
+                const float4 k4 = *reinterpret_cast<const float4*>(&s_k[tt][16 * c4 + 4 * p]);
+                kk[4 * c4 + 0] = col(4 * c4 + 0) < hk ? k4.x : 0.0f;
+                kk[4 * c4 + 1] = col(4 * c4 + 1) < hk ? k4.y : 0.0f;
+                kk[4 * c4 + 2] = col(4 * c4 + 2) < hk ? k4.z : 0.0f;
+                kk[4 * c4 + 3] = col(4 * c4 + 3) < hk ? k4.w : 0.0f;
+            }
+            float sk = 0.0f;
 #pragma unroll
-        for (int o = 1; o < DN_P; o <<= 1) kss += __shfl_xor_sync(0xffffffffu, kss, o);
-        const float ks = 1.0f / sqrtf(kss / (float)hk + l2_eps);
-        float sk = 0.0f;
+            for (int c = 0; c < DN_C; c++) {
+                S[c] *= decay;
+                sk = fmaf(S[c], kk[c], sk);
+            }
 #pragma unroll
-        for (int c = 0; c < DN_C; c++) {
-            kk[c] = kk[c] * ks * scale;
-            S[c] *= decay;
-            sk = fmaf(S[c], kk[c], sk);
-        }
+            for (int o = 1; o < DN_P; o <<= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
+            // S += k̂ · (v − S k̂) β, with k̂ = k · ks.
+            const float d = (v - sk * ks) * b * ks;
+            float o_j = 0.0f;
 #pragma unroll
-        for (int o = 1; o < DN_P; o <<= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
-        const float delta = (v - sk) * b;
-        float o_j = 0.0f, qss = 0.0f;
+            for (int c4 = 0; c4 < DN_C / 4; c4++) {
+                const float4 q4 = *reinterpret_cast<const float4*>(&s_q[tt][16 * c4 + 4 * p]);
+                const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-        for (int c = 0; c < DN_C; c++) {
-            const int i = p + DN_P * c;
-            const float qi = i < hk ? q[i] : 0.0f;
-            S[c] = fmaf(kk[c], delta, S[c]);
-            o_j = fmaf(S[c], qi, o_j);
-            qss = fmaf(qi, qi, qss);
-        }
+                for (int e = 0; e < 4; e++) {
+                    const int c = 4 * c4 + e;
+                    S[c] = fmaf(kk[c], d, S[c]);
+                    o_j = fmaf(S[c], col(c) < hk ? qv[e] : 0.0f, o_j);
+                }
+            }
 #pragma unroll
-        for (int o = 1; o < DN_P; o <<= 1) {
-            o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
-            qss += __shfl_xor_sync(0xffffffffu, qss, o);
-        }
-        const float qs = 1.0f / sqrtf(qss / (float)hk + l2_eps);
-        if (p == 0) out[(size_t)t * out_cols + h * hv + j] = o_j * qs * scale * scale;
-    }
-    if (started) {
-#pragma unroll
-        for (int c = 0; c < DN_C; c++) {
-            const int i = p + DN_P * c;
-            if (i < hk) sg[i] = S[c];
+            for (int o = 1; o < DN_P; o <<= 1) o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
+            if (p == 0) out[(size_t)(base + tt) * out_cols + h * hv + j] = o_j * s_qs[tt];
         }
     }
+#pragma unroll
+    for (int c = 0; c < DN_C; c++)
+        if (col(c) < hk) sg[col(c)] = S[c];
 }
 
 // The gated RMS norm of head blockIdx.y of row blockIdx.x, in place:
@@ -217,18 +280,4 @@ extern "C" __global__ void sigmoid_mul(float* x, const float* gate, int len) {
     pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] *= 1.0f / (1.0f + expf(-gate[i]));
-}
-
-// out[t] += y[t] · sigmoid(x[t] · w) for row t = blockIdx.x (a shared expert's gate).
-extern "C" __global__ void add_sigmoid_gated(float* out, const float* y, int cols,
-                                             const float* x, const float* w, int x_cols) {
-    pdl_enter();
-    const float* xr = x + (size_t)blockIdx.x * x_cols;
-    float d = 0.0f;
-    for (int i = threadIdx.x; i < x_cols; i += blockDim.x) d = fmaf(xr[i], w[i], d);
-    d = block_sum(d);
-    const float g = 1.0f / (1.0f + expf(-d));
-    float* o = out + (size_t)blockIdx.x * cols;
-    const float* yr = y + (size_t)blockIdx.x * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] += yr[i] * g;
 }

@@ -1,6 +1,6 @@
 //! Gated DeltaNet linear attention on the GPU (Qwen3-Next, Qwen3.5; kernels/delta.cu), and
-//! the hybrids' small element-wise operations (the gated query split, the sigmoid gate of
-//! the attention output, a shared expert's sigmoid gate).
+//! gated attention's element-wise operations (the query / gate split, the sigmoid gate of
+//! the attention output). A shared expert's sigmoid gate belongs to the MoE block.
 //!
 //! Each live sequence owns a slot of [`DeltaStates`] in the cache: per linear-attention
 //! layer its convolution's last `d_conv - 1` inputs per channel and each v head's
@@ -11,7 +11,8 @@
 //! has taken in, and refuses a step that does not continue a sequence where its state
 //! stopped (as the CPU does: the state cannot roll back or be rebuilt from K/V blocks).
 //! Prompts run the same token-by-token recurrence as decode steps (`delta_scan`), one block
-//! per (v head, sequence). Three launches a layer: the convolution (`delta_conv`), the
+//! per (v head, sequence), its tokens staged 16 at a time in shared memory. Three launches
+//! a layer: the convolution (`delta_conv`, a thread per channel and 16 tokens), the
 //! recurrence with the q/k L2 norms (`delta_scan`), the gated norm (`delta_gated_norm`).
 
 use crate::*;
@@ -23,7 +24,6 @@ pub(crate) const KERNELS: &[&str] = &[
     "delta_gated_norm",
     "split_gated_query",
     "sigmoid_mul",
-    "add_sigmoid_gated",
 ];
 
 /// Largest `head_k_dim` `delta_scan` holds in registers (DN_P · DN_C in kernels/delta.cu).
@@ -189,6 +189,16 @@ fn advance(backend: &CudaBackend, st: &mut DeltaStates, step: &CudaStep) -> anyh
     let t = step.max_tokens;
     let n = step.n_tokens;
     let h = &step.host;
+    // The kernels take each sequence's tokens as one run of the step's.
+    for i in 1..n {
+        let (a, b) = (h[2 * t + i - 1], h[2 * t + i]);
+        if a != b && h[2 * t..2 * t + i - 1].contains(&b) {
+            bail!(
+                "a step whose sequence {b} has tokens apart: linear-attention layers take each \
+                 sequence's tokens together"
+            );
+        }
+    }
     let mut seqs: Vec<(u32, usize, usize)> = Vec::with_capacity(step.n_seqs);
     for s in 0..step.n_seqs {
         let off = h[4 * t + s] as usize;
@@ -362,7 +372,8 @@ pub(crate) fn delta_net(
         &[Arg::P(conv_out)],
     ]
     .concat();
-    let conv_grid = (conv_dim.div_ceil(128) as u32, seqs, 1);
+    // A thread per channel and DN_CONV_CHUNK (16) tokens of a sequence.
+    let conv_grid = (conv_dim.div_ceil(128) as u32, n.div_ceil(16) as u32, seqs);
     backend.launch("delta_conv", conv_grid, 128, &conv_args);
     let scan_args = [
         &[
@@ -452,34 +463,6 @@ pub(crate) fn sigmoid_mul(
         "sigmoid_mul",
         len,
         &[Arg::P(x.ptr), Arg::P(gate.ptr), Arg::I(len as i32)],
-    );
-    Ok(())
-}
-
-pub(crate) fn add_sigmoid_gated(
-    backend: &CudaBackend,
-    out: &mut CudaTensor,
-    y: &CudaTensor,
-    x: &CudaTensor,
-    w: &CudaWeight,
-    n: usize,
-) -> anyhow::Result<()> {
-    let w = vector_of(w, x.cols, "the shared expert's gate")?;
-    if out.cols != y.cols {
-        bail!("add_sigmoid_gated: {} columns against {}", out.cols, y.cols);
-    }
-    backend.launch(
-        "add_sigmoid_gated",
-        (n as u32, 1, 1),
-        256,
-        &[
-            Arg::P(out.ptr),
-            Arg::P(y.ptr),
-            Arg::I(out.cols as i32),
-            Arg::P(x.ptr),
-            Arg::P(w),
-            Arg::I(x.cols as i32),
-        ],
     );
     Ok(())
 }

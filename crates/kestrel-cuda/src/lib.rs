@@ -738,17 +738,6 @@ impl kestrel_model::Backend for CudaBackend {
         delta::sigmoid_mul(self, x, gate, n)
     }
 
-    fn add_sigmoid_gated(
-        &self,
-        out: &mut CudaTensor,
-        y: &CudaTensor,
-        x: &CudaTensor,
-        w: &CudaWeight,
-        n: usize,
-    ) -> anyhow::Result<()> {
-        delta::add_sigmoid_gated(self, out, y, x, w, n)
-    }
-
     fn delta_net(
         &self,
         cache: &mut CudaCache,
