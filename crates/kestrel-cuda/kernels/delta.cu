@@ -120,14 +120,14 @@ extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const floa
 #define DN_MAX_HV 128
 
 // The gated delta rule of v head blockIdx.x of the step's sequence blockIdx.y, its tokens in
-// order: S ← exp(g)·S; S ← S + β (v − S k̂) k̂ᵀ; o = S q̂ / sqrt(hk), with β = sigmoid(beta),
-// g = softplus(alpha + dt_bias) · a, and q̂, k̂ q and k L2-normalized as the CPU does (ggml's
-// rms_norm with eps / hk, then 1 / sqrt(hk)); a norm's factor applies to the dot products
-// instead of to each value. `conv`: the convolution's output (q heads, k heads, v heads);
-// out[t][h·hv + j] = o_j (before the gated norm). State row j (value dimension j, hk
-// values) is held in registers by DN_P lanes, lane p its columns 16·c + 4·p + e (e < 4:
-// float4 reads of shared memory; hk <= DN_P · DN_C); blockDim.x = hv · DN_P <= 512. The
-// block stages DN_STAGE tokens' q, k, v, β, decay and norm factors in shared memory at a
+// order: S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(hk), with β = sigmoid(beta),
+// g = softplus(alpha + dt_bias) · a, q and k L2-normalized as the CPU does (ggml's rms_norm
+// with eps / hk, then 1 / sqrt(hk); every row group of lanes holds a whole k head, so it
+// sums its squares itself; q's scale applies to the dot product). `conv`: the
+// convolution's output (q heads, k heads, v heads); out[t][h·hv + j] = o_j (before the
+// gated norm). State row j (value dimension j, hk values) is held in registers by DN_P
+// lanes, lane p its columns p, p + DN_P, ... (hk <= DN_P · DN_C); blockDim.x = hv · DN_P
+// <= 512. The block stages DN_STAGE tokens' q, k, v, β and decay in shared memory at a
 // time (loads in parallel), so that a token's step waits on no global load.
 extern "C" __global__ void __launch_bounds__(512)
     delta_scan(const float* conv, int conv_dim, const float* beta, int beta_cols,
@@ -137,16 +137,15 @@ extern "C" __global__ void __launch_bounds__(512)
                const u32* tables, const u32* slot_of_block, int n, float eps, float* out,
                int out_cols) {
     pdl_enter();
-    __shared__ __align__(16) float s_q[DN_STAGE][DN_P * DN_C];
-    __shared__ __align__(16) float s_k[DN_STAGE][DN_P * DN_C];
+    __shared__ float s_q[DN_STAGE][DN_P * DN_C];
+    __shared__ float s_k[DN_STAGE][DN_P * DN_C];
     __shared__ float s_v[DN_STAGE][DN_MAX_HV];
-    __shared__ float s_b[DN_STAGE], s_decay[DN_STAGE], s_ks[DN_STAGE], s_qs[DN_STAGE];
+    __shared__ float s_b[DN_STAGE], s_decay[DN_STAGE];
     const int h = blockIdx.x, s = blockIdx.y;
     int t0, t1;
     dn_run(seq_of, n, s, t0, t1);
     if (t0 >= t1) return;
     const int j = threadIdx.x / DN_P, p = threadIdx.x % DN_P;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     int kh, bc, ac;
     if (qwen3next_layout) {
         const int r = nv / nk;
@@ -165,11 +164,12 @@ extern "C" __global__ void __launch_bounds__(512)
     const float l2_eps = eps / (float)hk;
     const float dt = dt_bias[h], ah = a[h];
     const bool fresh = positions[t0] == 0;
-    // Column of register c of this lane.
-    auto col = [&](int c) { return 16 * (c >> 2) + 4 * p + (c & 3); };
     float S[DN_C];
 #pragma unroll
-    for (int c = 0; c < DN_C; c++) S[c] = (!fresh && col(c) < hk) ? sg[col(c)] : 0.0f;
+    for (int c = 0; c < DN_C; c++) {
+        const int i = p + DN_P * c;
+        S[c] = (!fresh && i < hk) ? sg[i] : 0.0f;
+    }
     const int width = 2 * hk + hv;
     for (int base = t0; base < t1; base += DN_STAGE) {
         const int m = min(DN_STAGE, t1 - base);
@@ -191,62 +191,52 @@ extern "C" __global__ void __launch_bounds__(512)
             s_decay[threadIdx.x] = expf((x > 20.0f ? x : logf(1.0f + expf(x))) * ah);
         }
         __syncthreads();
-        // Each token's norm factors, a warp a token.
-        for (int tt = warp; tt < m; tt += n_warps) {
-            float kss = 0.0f, qss = 0.0f;
-            for (int i = lane; i < hk; i += 32) {
-                kss = fmaf(s_k[tt][i], s_k[tt][i], kss);
-                qss = fmaf(s_q[tt][i], s_q[tt][i], qss);
-            }
-            kss = warp_sum(kss);
-            qss = warp_sum(qss);
-            if (lane == 0) {
-                s_ks[tt] = 1.0f / sqrtf(kss / (float)hk + l2_eps) * scale;
-                s_qs[tt] = 1.0f / sqrtf(qss / (float)hk + l2_eps) * scale * scale;
-            }
-        }
-        __syncthreads();
         for (int tt = 0; tt < m; tt++) {
-            const float decay = s_decay[tt], b = s_b[tt], v = s_v[tt][j], ks = s_ks[tt];
+            const float decay = s_decay[tt], b = s_b[tt], v = s_v[tt][j];
             float kk[DN_C];
+            float kss = 0.0f;
 #pragma unroll
-            for (int c4 = 0; c4 < DN_C / 4; c4++) {
-                const float4 k4 = *reinterpret_cast<const float4*>(&s_k[tt][16 * c4 + 4 * p]);
-                kk[4 * c4 + 0] = col(4 * c4 + 0) < hk ? k4.x : 0.0f;
-                kk[4 * c4 + 1] = col(4 * c4 + 1) < hk ? k4.y : 0.0f;
-                kk[4 * c4 + 2] = col(4 * c4 + 2) < hk ? k4.z : 0.0f;
-                kk[4 * c4 + 3] = col(4 * c4 + 3) < hk ? k4.w : 0.0f;
+            for (int c = 0; c < DN_C; c++) {
+                const int i = p + DN_P * c;
+                kk[c] = i < hk ? s_k[tt][i] : 0.0f;
+                kss = fmaf(kk[c], kk[c], kss);
             }
+#pragma unroll
+            for (int o = 1; o < DN_P; o <<= 1) kss += __shfl_xor_sync(0xffffffffu, kss, o);
+            const float ks = 1.0f / sqrtf(kss / (float)hk + l2_eps);
             float sk = 0.0f;
 #pragma unroll
             for (int c = 0; c < DN_C; c++) {
+                kk[c] = kk[c] * ks * scale;
                 S[c] *= decay;
                 sk = fmaf(S[c], kk[c], sk);
             }
 #pragma unroll
             for (int o = 1; o < DN_P; o <<= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
-            // S += k̂ · (v − S k̂) β, with k̂ = k · ks.
-            const float d = (v - sk * ks) * b * ks;
-            float o_j = 0.0f;
+            const float delta = (v - sk) * b;
+            float o_j = 0.0f, qss = 0.0f;
 #pragma unroll
-            for (int c4 = 0; c4 < DN_C / 4; c4++) {
-                const float4 q4 = *reinterpret_cast<const float4*>(&s_q[tt][16 * c4 + 4 * p]);
-                const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int c = 4 * c4 + e;
-                    S[c] = fmaf(kk[c], d, S[c]);
-                    o_j = fmaf(S[c], col(c) < hk ? qv[e] : 0.0f, o_j);
-                }
+            for (int c = 0; c < DN_C; c++) {
+                const int i = p + DN_P * c;
+                const float qi = i < hk ? s_q[tt][i] : 0.0f;
+                S[c] = fmaf(kk[c], delta, S[c]);
+                o_j = fmaf(S[c], qi, o_j);
+                qss = fmaf(qi, qi, qss);
             }
 #pragma unroll
-            for (int o = 1; o < DN_P; o <<= 1) o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
-            if (p == 0) out[(size_t)(base + tt) * out_cols + h * hv + j] = o_j * s_qs[tt];
+            for (int o = 1; o < DN_P; o <<= 1) {
+                o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
+                qss += __shfl_xor_sync(0xffffffffu, qss, o);
+            }
+            const float qs = 1.0f / sqrtf(qss / (float)hk + l2_eps);
+            if (p == 0) out[(size_t)(base + tt) * out_cols + h * hv + j] = o_j * qs * scale * scale;
         }
     }
 #pragma unroll
-    for (int c = 0; c < DN_C; c++)
-        if (col(c) < hk) sg[col(c)] = S[c];
+    for (int c = 0; c < DN_C; c++) {
+        const int i = p + DN_P * c;
+        if (i < hk) sg[i] = S[c];
+    }
 }
 
 // The gated RMS norm of head blockIdx.y of row blockIdx.x, in place:
