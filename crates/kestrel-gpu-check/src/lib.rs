@@ -23,6 +23,34 @@ pub const HYBRID_ARCHS: [Arch; 3] = [Arch::Qwen35, Arch::Qwen3Next, Arch::Qwen35
 /// The weight types the hybrids' checks cover.
 pub const HYBRID_TYPES: [&str; 3] = ["f16", "q8_0", "q4_k_m"];
 
+/// The tiny hybrid with awkward linear-attention sizes: heads of 24 (not a multiple of the
+/// kernels' 4-lane, 32-column layout), three q/k heads for six v heads, three convolution
+/// taps. Row lengths are not whole K-quant blocks: f32 / f16 weights only.
+pub fn tiny_model_awkward_hybrid(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
+    let h = cfg
+        .hybrid
+        .as_mut()
+        .with_context(|| format!("{} has no linear-attention layers", arch.name()))?;
+    h.d_conv = 3;
+    h.d_state = 24;
+    h.n_group = 3;
+    h.n_v_heads = 6;
+    model_of(cfg, ty, seed)
+}
+
+/// [`compare_logits`] on [`tiny_model_awkward_hybrid`] (f32 activations, the strict bound).
+pub fn compare_logits_awkward_hybrid(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_awkward_hybrid(arch, ty, seed)?;
+    compare_logits_in(file, arch, ty, n, seed, ordinal, false, &PARTS)
+}
+
 /// Whether `e` is a backend refusing mixture-of-experts layers (a hybrid with MoE layers
 /// on a backend without them yet): a check to skip with a notice, not a failure.
 pub fn moe_refused(e: &anyhow::Error) -> bool {

@@ -245,8 +245,8 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
 
 /// The linear-attention hybrids on the GPU against the CPU: logits in steps of 1 to 100
 /// tokens for each weight type (f32 activations; with 8-bit ones against the CPU's own 8-bit
-/// spread), several sequences per step against each alone, greedy ids, and the per-sequence
-/// state refusing a cut-back sequence. Hybrids whose MoE layers the
+/// spread), several sequences per step against each alone, greedy ids, awkward head sizes,
+/// and the per-sequence state refusing a cut-back sequence. Hybrids whose MoE layers the
 /// backend refuses are skipped with a notice.
 #[test]
 fn hybrids_match_cpu() {
@@ -288,6 +288,19 @@ fn hybrids_match_cpu() {
                 // excuse for a difference).
                 let g = selfcheck::compare_greedy(arch, ty, 32, seed, 0).expect("generation runs");
                 assert!(g.passed(), "{arch:?} {ty} greedy (seed {seed}): {g:?}");
+            }
+        }
+        for ty in ["f32", "f16"] {
+            let seed = rng.random();
+            match selfcheck::compare_logits_awkward_hybrid(arch, ty, 150, seed, 0) {
+                Err(e) if skip(&e) => {}
+                r => {
+                    let r = r.expect("comparison runs");
+                    assert!(
+                        r.passed(),
+                        "{arch:?} {ty} awkward sizes (seed {seed}): {r:?}"
+                    );
+                }
             }
         }
         let seed = rng.random();

@@ -218,6 +218,14 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
         if moe_missing {
             continue;
         }
+        // Awkward linear-attention sizes (heads of 24, 3 q/k and 6 v heads, 3 taps).
+        for (it, ty) in ["f32", "f16"].into_iter().enumerate() {
+            let case_seed = seed.wrapping_add(2_030 + (ia * 100 + it) as u64);
+            let label = format!("hybrid   {:<9} {ty:<9} heads 24, 3/6, 3 taps", arch.name());
+            let r =
+                selfcheck::compare_logits_awkward_hybrid(arch, ty, positions, case_seed, args.gpu);
+            failures += usize::from(!print_logit_report(&label, r));
+        }
         // 8-bit activations (the default decode path), against the CPU's own 8-bit spread.
         for (it, ty) in selfcheck::HYBRID_TYPES.into_iter().enumerate() {
             if !selfcheck::Q8_TYPES.contains(&ty) {
