@@ -517,6 +517,119 @@ __device__ __forceinline__ void split_f16x2(float x0, float x1, u32& hi, u32& lo
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
 }
 
+// The A operand of the tiled kernels' scores: the group's queries of token i, kv head kvh,
+// pre-scaled into log2 units. Row g < 8 holds head g rounded to f16, row g + 8 the
+// remainder (zeros past the group); 4 values per thread and step. The caller syncs.
+template <int HD>
+__device__ __forceinline__ void tiled_queries(const float* q, u16 (*qrows)[HD + 8], int i,
+                                              int n_head, int group, int kvh, float scale) {
+#pragma unroll
+    for (int r = 0; r < TA_MAX_GROUP * HD / 4 / (TA_WARPS * 32); r++) {
+        const int idx = r * TA_WARPS * 32 + threadIdx.x;
+        const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (g < group)
+            x = *reinterpret_cast<const float4*>(q + (size_t)i * n_head * HD +
+                                                 (size_t)(kvh * group + g) * HD + d);
+        const float qs = scale * TA_LOG2E;
+        uint2 xh, xl;
+        split_f16x2(x.x * qs, x.y * qs, xh.x, xl.x);
+        split_f16x2(x.z * qs, x.w * qs, xh.y, xl.y);
+        *reinterpret_cast<uint2*>(&qrows[g][d]) = xh;
+        *reinterpret_cast<uint2*>(&qrows[g + 8][d]) = xl;
+    }
+}
+
+// The end of the tiled kernels: merges the 4 warps' running max m (log2 units), sum l (this
+// lane's part) and outputs acc (as attn_tiled's) through w_o (shared, TA_WARPS · TA_MAX_GROUP
+// · HD floats, free: the caller synced), then writes the partial of split s (or with one
+// split the normalized output and its 8-bit quantization, if q8 is set).
+template <int HD>
+__device__ __forceinline__ void tiled_finish(float m, float l, float (&acc)[HD / 8][4],
+                                             float* w_o, float* dest, int li, int i, int kvh,
+                                             int s, int group, int n_head, int splits, i8* q8,
+                                             float* q8d) {
+    __shared__ float w_m[TA_WARPS][TA_MAX_GROUP], w_l[TA_WARPS][TA_MAX_GROUP];
+    __shared__ float w_wt[TA_WARPS][TA_MAX_GROUP], h_big[TA_MAX_GROUP], h_tot[TA_MAX_GROUP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int h = lane >> 2, qd = (lane & 3) * 2;
+    // Weights exp2(m_w - max) per head, then the outputs.
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if ((lane & 3) == 0) {
+        w_m[warp][h] = m;
+        w_l[warp][h] = l;
+    }
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+        *reinterpret_cast<float2*>(&w_o[(warp * TA_MAX_GROUP + h) * HD + nt * 8 + qd]) =
+            make_float2(acc[nt][0] + acc[nt][2], acc[nt][1] + acc[nt][3]);
+    __syncthreads();
+    if (threadIdx.x < group) {
+        const int g = threadIdx.x;
+        float big = NEG_INF;
+        for (int w = 0; w < TA_WARPS; w++)
+            if (w_l[w][g] > 0.0f) big = fmaxf(big, w_m[w][g]);
+        float total = 0.0f;
+        for (int w = 0; w < TA_WARPS; w++) {
+            const float wt = w_l[w][g] > 0.0f ? ex2(w_m[w][g] - big) : 0.0f;
+            w_wt[w][g] = wt;
+            total += w_l[w][g] * wt;
+        }
+        h_big[g] = big;
+        h_tot[g] = total;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * HD; idx += TA_WARPS * 32) {
+        const int g = idx / HD, d = idx % HD;
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TA_WARPS; w++) a += w_o[(w * TA_MAX_GROUP + g) * HD + d] * w_wt[w][g];
+        const int head = kvh * group + g;
+        if (splits == 1) {
+            const size_t o = (size_t)i * n_head * HD + (size_t)head * HD + d;
+            const float y = h_tot[g] > 0.0f ? a / h_tot[g] : 0.0f;
+            dest[o] = y;
+            // The next GEMV's 8-bit activations (as quantize_x_q8): a warp's 32 lanes hold
+            // 32 consecutive dims of one head here, one block of 32.
+            if (q8) q8_store_block(y, o, q8, q8d);
+        } else {
+            dest[(((size_t)li * n_head + head) * splits + s) * (HD + 2) + d] = a;
+        }
+    }
+    if (splits > 1 && threadIdx.x < group) {
+        const int g = threadIdx.x;
+        float* o = dest + (((size_t)li * n_head + kvh * group + g) * splits + s) * (HD + 2);
+        o[HD] = h_tot[g] > 0.0f ? h_big[g] * TA_LN2 : NEG_INF;
+        o[HD + 1] = h_tot[g];
+    }
+}
+
+// One online-softmax step of the tiled kernels for a chunk: x = this lane's 4 scores (log2
+// units, NEG_INF past the split) of head h, whose 16 are spread over lanes 4h..4h+3. Updates
+// the running max m and this lane's sum l, rescales acc, leaves the weights in p. The
+// chunk's first key is always in the split, so its max is finite.
+template <int NT>
+__device__ __forceinline__ void tiled_softmax(const float (&x)[4], float& m, float& l,
+                                              float (&acc)[NT][4], float (&p)[4]) {
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float corr = ex2(m - m_new);  // 0 while m is still -inf
+#pragma unroll
+    for (int e = 0; e < 4; e++) p[e] = x[e] == NEG_INF ? 0.0f : ex2(x[e] - m_new);
+    l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
+    m = m_new;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        acc[nt][0] *= corr;
+        acc[nt][1] *= corr;
+        acc[nt][2] *= corr;
+        acc[nt][3] *= corr;
+    }
+}
+
 template <int HD>
 __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const u16* vc,
                                            float* dest, const u32* positions,
@@ -531,8 +644,6 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     // [0]: K rows, [1]: V rows, per warp; reused as the warps' outputs (f32) at the end.
     __shared__ __align__(16) u16 rows[2][TA_WARPS][TA_KEYS][ROW];
     __shared__ __align__(16) u16 qrows[16][ROW];
-    __shared__ float w_m[TA_WARPS][TA_MAX_GROUP], w_l[TA_WARPS][TA_MAX_GROUP];
-    __shared__ float w_wt[TA_WARPS][TA_MAX_GROUP], h_big[TA_MAX_GROUP], h_tot[TA_MAX_GROUP];
     const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_head / n_head_kv;
@@ -540,8 +651,8 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     int k_begin, k_end;
     split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
     const u32* table = tables + table_off[seq_of[i]];
-    // mma fragment coordinates: this lane's row (head) h and first column pair qd.
-    const int h = lane >> 2, qd = (lane & 3) * 2;
+    // mma fragment coordinates: this lane's first column pair qd.
+    const int qd = (lane & 3) * 2;
 
     const u32 ks = smem_u32(&rows[0][warp][0][0]), vs = smem_u32(&rows[1][warp][0][0]);
     const u32 qa = smem_u32(&qrows[0][0]);
@@ -578,24 +689,8 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     // after the scores and V(next) after P·V (empty groups past the end), so "all but the
     // newest group done" is K(c) at the top and V(c) before P·V.
 
-    // While the first chunk streams in: the group's queries as the A operand of the scores,
-    // pre-scaled into log2 units. Row g < 8 holds head g rounded to f16, row g + 8 the
-    // remainder (zeros past the group); 4 values per thread and step.
-#pragma unroll
-    for (int r = 0; r < TA_MAX_GROUP * HD / 4 / (TA_WARPS * 32); r++) {
-        const int idx = r * TA_WARPS * 32 + threadIdx.x;
-        const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (g < group)
-            x = *reinterpret_cast<const float4*>(q + (size_t)i * n_head * HD +
-                                                 (size_t)(kvh * group + g) * HD + d);
-        const float qs = scale * TA_LOG2E;
-        uint2 xh, xl;
-        split_f16x2(x.x * qs, x.y * qs, xh.x, xl.x);
-        split_f16x2(x.z * qs, x.w * qs, xh.y, xl.y);
-        *reinterpret_cast<uint2*>(&qrows[g][d]) = xh;
-        *reinterpret_cast<uint2*>(&qrows[g + 8][d]) = xl;
-    }
+    // While the first chunk streams in: the group's queries (tiled_queries).
+    tiled_queries<HD>(q, qrows, i, n_head, group, kvh, scale);
     __syncthreads();
 
     float m = NEG_INF, l = 0.0f;  // head h: running max (log2 units), this lane's sum
@@ -646,23 +741,8 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
 #pragma unroll
             for (int e = 0; e < 2; e++)
                 x[2 * j + e] = c + 8 * j + qd + e < k_end ? sc[j][e] + sc[j][e + 2] : NEG_INF;
-        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m, mx);
-        const float corr = ex2(m - m_new);  // 0 while m is still -inf
         float p[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) p[e] = x[e] == NEG_INF ? 0.0f : ex2(x[e] - m_new);
-        l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
-        m = m_new;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            acc[nt][0] *= corr;
-            acc[nt][1] *= corr;
-            acc[nt][2] *= corr;
-            acc[nt][3] *= corr;
-        }
+        tiled_softmax(x, m, l, acc, p);
         // A fragments of P: keys qd, qd + 1 (pa[0]: f16, pa[1]: remainder) and 8 + qd, 9 + qd.
         u32 pa[4];
         split_f16x2(p[0], p[1], pa[0], pa[1]);
@@ -687,58 +767,10 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     }
     cp_async_wait_all();
 
-    // Merge the warps: weights exp2(m_w - max) per head, then the outputs.
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    __syncthreads();  // every warp is done with its rows: reuse them
-    float* w_o = reinterpret_cast<float*>(&rows[0][0][0][0]);  // [TA_WARPS][TA_MAX_GROUP][HD]
-    if ((lane & 3) == 0) {
-        w_m[warp][h] = m;
-        w_l[warp][h] = l;
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-        *reinterpret_cast<float2*>(&w_o[(warp * TA_MAX_GROUP + h) * HD + nt * 8 + qd]) =
-            make_float2(acc[nt][0] + acc[nt][2], acc[nt][1] + acc[nt][3]);
+    // Merge the warps (tiled_finish); the rows' space is free once every warp is done.
     __syncthreads();
-    if (threadIdx.x < group) {
-        const int g = threadIdx.x;
-        float big = NEG_INF;
-        for (int w = 0; w < TA_WARPS; w++)
-            if (w_l[w][g] > 0.0f) big = fmaxf(big, w_m[w][g]);
-        float total = 0.0f;
-        for (int w = 0; w < TA_WARPS; w++) {
-            const float wt = w_l[w][g] > 0.0f ? ex2(w_m[w][g] - big) : 0.0f;
-            w_wt[w][g] = wt;
-            total += w_l[w][g] * wt;
-        }
-        h_big[g] = big;
-        h_tot[g] = total;
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < group * HD; idx += TA_WARPS * 32) {
-        const int g = idx / HD, d = idx % HD;
-        float a = 0.0f;
-#pragma unroll
-        for (int w = 0; w < TA_WARPS; w++) a += w_o[(w * TA_MAX_GROUP + g) * HD + d] * w_wt[w][g];
-        const int head = kvh * group + g;
-        if (splits == 1) {
-            const size_t o = (size_t)i * n_head * HD + (size_t)head * HD + d;
-            const float y = h_tot[g] > 0.0f ? a / h_tot[g] : 0.0f;
-            dest[o] = y;
-            // The next GEMV's 8-bit activations (as quantize_x_q8): a warp's 32 lanes hold
-            // 32 consecutive dims of one head here, one block of 32.
-            if (q8) q8_store_block(y, o, q8, q8d);
-        } else {
-            dest[(((size_t)li * n_head + head) * splits + s) * (HD + 2) + d] = a;
-        }
-    }
-    if (splits > 1 && threadIdx.x < group) {
-        const int g = threadIdx.x;
-        float* o = dest + (((size_t)li * n_head + kvh * group + g) * splits + s) * (HD + 2);
-        o[HD] = h_tot[g] > 0.0f ? h_big[g] * TA_LN2 : NEG_INF;
-        o[HD + 1] = h_tot[g];
-    }
+    tiled_finish<HD>(m, l, acc, reinterpret_cast<float*>(&rows[0][0][0][0]), dest, li, i, kvh,
+                     s, group, n_head, splits, q8, q8d);
 }
 
 // attn_tiled for 64- and 128-dim heads. Same arguments as attention_split_gqa; `dest` is
@@ -756,6 +788,304 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     }
 ATTN_TILED_KERNEL(attention_split_tiled64, 64, 4)
 ATTN_TILED_KERNEL(attention_split_tiled128, 128, 4)
+
+// The tiled decode attention over quantized keys and values (both of KV_Q8_0, KV_Q4_0 or
+// KV_FP8, kinds kt / vt: kv_load's layouts), the same walk as attn_tiled (block (token, kv
+// head, split), each warp its 16-key chunks, the same partials or output). A chunk's raw
+// rows (quants and the per-32 f16 scales, nothing dequantized in memory) stream into the
+// warp's staging buffers by cp.async; once landed the warp turns the quants into f16 rows
+// of their integer (or E4M3) values, exact in f16, and the scales stay aside:
+//   scores: each 32-dim block's two k16 mma give Σ q·quant over that block, times the key's
+//     scale of the block (q8_0/q4_0/fp8 blocks are 32 dims), summed in f32;
+//   P·V: each 32-dim block of the output takes A = P times the value rows' scales of that
+//     block (again split into f16 and remainder rows), B = the exact value rows.
+// So only the f32 sums and the ~22-bit q and p splits round, as in the f16 kernel. One f16
+// row buffer per warp serves K then V: the next chunk's raw K streams in from the moment
+// this one is converted, its raw V from V's conversion on.
+
+// 16 quants of a 16-byte piece (4 words) of Q8_0 / FP8 as f16 values into 2 uint4 at dst.
+__device__ __forceinline__ void tq_byte_piece(uint4 w, int kind, uint4* dst) {
+    const u32 in[4] = {w.x, w.y, w.z, w.w};
+    u32 o[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (kind == KV_FP8) {
+#if __CUDA_ARCH__ >= 890
+            asm("{ .reg .b16 lo, hi;\n\t mov.b32 {lo, hi}, %2;\n\t"
+                "cvt.rn.f16x2.e4m3x2 %0, lo;\n\t cvt.rn.f16x2.e4m3x2 %1, hi; }"
+                : "=r"(o[2 * j]), "=r"(o[2 * j + 1])
+                : "r"(in[j]));
+#else
+            const u32 x = in[j];
+            o[2 * j] = pack_f16x2(e4m3_to_f32((u8)x), e4m3_to_f32((u8)(x >> 8)));
+            o[2 * j + 1] = pack_f16x2(e4m3_to_f32((u8)(x >> 16)), e4m3_to_f32((u8)(x >> 24)));
+#endif
+        } else {
+            // i8 x as f16: (1024 + (x + 128)) - 1152, the byte placed under 0x64.
+            const u32 x = in[j] ^ 0x80808080u;
+            const u32 lo = __byte_perm(x, 0x64646464u, 0x4140);
+            const u32 hi = __byte_perm(x, 0x64646464u, 0x4342);
+            asm("sub.f16x2 %0, %1, %2;" : "=r"(o[2 * j]) : "r"(lo), "r"(0x64806480u));
+            asm("sub.f16x2 %0, %1, %2;" : "=r"(o[2 * j + 1]) : "r"(hi), "r"(0x64806480u));
+        }
+    }
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// One Q4_0 block's 16 bytes (byte j: value j low, j + 16 high) as its 32 values - 8 in f16
+// into 4 uint4 at dst.
+__device__ __forceinline__ void tq_nibble_piece(uint4 w, uint4* dst) {
+    const u32 in[4] = {w.x, w.y, w.z, w.w};
+    u32 o[16];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        // n as f16: (1024 + n) - 1032.
+        const u32 lo = in[j] & 0x0f0f0f0fu, hi = (in[j] >> 4) & 0x0f0f0f0fu;
+        const u32 a = __byte_perm(lo, 0x64646464u, 0x4140), b = __byte_perm(lo, 0x64646464u, 0x4342);
+        const u32 c = __byte_perm(hi, 0x64646464u, 0x4140), d = __byte_perm(hi, 0x64646464u, 0x4342);
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(o[2 * j]) : "r"(a), "r"(0x64086408u));
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(o[2 * j + 1]) : "r"(b), "r"(0x64086408u));
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(o[8 + 2 * j]) : "r"(c), "r"(0x64086408u));
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(o[8 + 2 * j + 1]) : "r"(d), "r"(0x64086408u));
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) dst[j] = make_uint4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+}
+
+// An asynchronous copy of 4 or 8 bytes (cp.async.ca), zeros when !valid.
+__device__ __forceinline__ void cp_async_small(u32 dst, const void* src, int bytes, bool valid) {
+    if (bytes == 8)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
+                     "r"(valid ? 8 : 0)
+                     : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                     "r"(valid ? 4 : 0)
+                     : "memory");
+}
+
+// Bytes of one warp's part of attn_tiled_q's dynamic shared memory (HD-dim heads): the f16
+// rows, TQ_STAGES stages of raw rows and scales of K and V, the current chunk's scales as f32.
+// The block: TA_WARPS of them, then the query rows. (attention.rs's `tiled_q_smem` mirrors it.)
+#define TQ_STAGES 2
+#define TQ_ROWS_BYTES(HD) (TA_KEYS * ((HD) + 8) * 2)
+#define TQ_STAGE_BYTES(HD) (2 * TA_KEYS * (HD) + 2 * TA_KEYS * ((HD) / 32) * 2)
+#define TQ_WARP_BYTES(HD) \
+    (TQ_ROWS_BYTES(HD) + TQ_STAGES * TQ_STAGE_BYTES(HD) + 2 * TA_KEYS * ((HD) / 32) * 4)
+
+// The 8 f16 of x, each times the f16 of d2's halves (d2 = the scale in both), rounded.
+__device__ __forceinline__ uint4 hmul2x4(uint4 x, u32 d2) {
+    uint4 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.x) : "r"(x.x), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.y) : "r"(x.y), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.z) : "r"(x.z), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r.w) : "r"(x.w), "r"(d2));
+    return r;
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, const u16* vc,
+                                             float* dest, const u32* positions,
+                                             const u32* seq_of, const u32* table_off,
+                                             const u32* tables, int block_size, int n_head,
+                                             int n_head_kv, float scale, int window,
+                                             int splits, int tok0, i8* q8, float* q8d,
+                                             const u16* k_sc, const u16* v_sc, int kt, int vt) {
+    constexpr int ROW = HD + 8;  // halves per f16 row (16 bytes of padding)
+    constexpr int NT = HD / 8;   // 8-dim tiles of the output
+    constexpr int NB = HD / 32;  // 32-value blocks (scales) per row
+    extern __shared__ __align__(16) u8 tq_smem[];
+    static_assert(TA_WARPS * TQ_WARP_BYTES(HD) >= TA_WARPS * TA_MAX_GROUP * HD * 4, "merge");
+    const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int group = n_head / n_head_kv;
+    const int kv_dim = n_head_kv * HD;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
+    const u32* table = tables + table_off[seq_of[i]];
+    const int qd = (lane & 3) * 2;  // this lane's first column pair
+    // This warp's buffers.
+    u8* wbase = tq_smem + warp * TQ_WARP_BYTES(HD);
+    u16(*rows)[ROW] = reinterpret_cast<u16(*)[ROW]>(wbase);
+    u8* stages = wbase + TQ_ROWS_BYTES(HD);
+    // Stage st, side (0: keys, 1: values): raw quants [TA_KEYS][HD], raw scales [TA_KEYS][NB].
+    auto raw = [&](int st, int side) { return stages + st * TQ_STAGE_BYTES(HD) + side * TA_KEYS * HD; };
+    auto raw_sc = [&](int st, int side) {
+        return reinterpret_cast<u16*>(stages + st * TQ_STAGE_BYTES(HD) + 2 * TA_KEYS * HD) +
+               side * TA_KEYS * NB;
+    };
+    float(*cur)[TA_KEYS][NB] =
+        reinterpret_cast<float(*)[TA_KEYS][NB]>(stages + TQ_STAGES * TQ_STAGE_BYTES(HD));
+    u16(*qrows)[ROW] = reinterpret_cast<u16(*)[ROW]>(tq_smem + TA_WARPS * TQ_WARP_BYTES(HD));
+    const u32 rs = smem_u32(&rows[0][0]);
+    const u32 qa = smem_u32(&qrows[0][0]);
+
+    auto chunk_slot = [&](int c) -> u32 {
+        const int kp = c + (lane & 15);
+        return kp < k_end ? (u32)kv_slot(table, block_size, kp) : 0u;
+    };
+    // The chunk's raw rows of one side into stage st, zeros past the split (their rows
+    // convert to zeros or -8 with a zero scale: scores masked, p = 0).
+    auto issue_side = [&](int st, int side, int c, u32 slot) {
+        const int kind = side ? vt : kt;
+        const u8* cache = reinterpret_cast<const u8*>(side ? vc : kc);
+        const u16* sc = side ? v_sc : k_sc;
+        const int rb = kind == KV_Q4_0 ? HD / 2 : HD;  // quant bytes of a head's row
+        const int segs_log = kind == KV_Q4_0 ? __ffs(HD / 32) - 1 : __ffs(HD / 16) - 1;
+        const u32 dst = smem_u32(raw(st, side));
+#pragma unroll
+        for (int it = 0; it < HD / 32; it++) {
+            if (it * 32 < rb) {
+                const int f = it * 32 + lane, kl = f >> segs_log, seg = f & ((1 << segs_log) - 1);
+                const u32 sl = __shfl_sync(0xffffffffu, slot, kl);
+                const bool ok = c + kl < k_end;
+                const u8* src =
+                    ok ? cache + (size_t)sl * (kv_dim / HD * rb) + (size_t)kvh * rb + seg * 16
+                       : cache;
+                cp_async16(dst + (u32)(kl * HD + seg * 16), src, ok);
+            }
+        }
+        const int kl = lane & 15;
+        const bool ok = c + kl < k_end;
+        const u32 sl = __shfl_sync(0xffffffffu, slot, kl);
+        const u16* src = ok ? sc + (size_t)sl * (kv_dim / 32) + (size_t)kvh * NB : sc;
+        if (lane < 16) cp_async_small(smem_u32(raw_sc(st, side) + kl * NB), src, NB * 2, ok);
+    };
+    // Chunk c (if in the split) into stage st as one cp.async group (empty past the end).
+    auto issue = [&](int st, int c) {
+        if (c < k_end) {
+            const u32 slot = chunk_slot(c);
+            issue_side(st, 0, c, slot);
+            issue_side(st, 1, c, slot);
+        }
+        cp_async_commit();
+    };
+    // Stage st's landed rows of one side as f16 rows and f32 scales (the caller syncs).
+    auto convert = [&](int st, int side) {
+        const int kind = side ? vt : kt;
+        const u8* r = raw(st, side);
+        if (kind == KV_Q4_0) {
+#pragma unroll
+            for (int it = 0; it < HD / 64; it++) {
+                const int f = it * 32 + lane, kl = f / NB, b = f % NB;
+                const uint4 x = *reinterpret_cast<const uint4*>(r + kl * HD + b * 16);
+                tq_nibble_piece(x, reinterpret_cast<uint4*>(&rows[kl][b * 32]));
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < HD / 32; it++) {
+                const int f = it * 32 + lane, kl = f / (HD / 16), seg = f % (HD / 16);
+                const uint4 x = *reinterpret_cast<const uint4*>(r + kl * HD + seg * 16);
+                tq_byte_piece(x, kind, reinterpret_cast<uint4*>(&rows[kl][seg * 16]));
+            }
+        }
+        const u16* sc = raw_sc(st, side);
+        for (int e = lane; e < TA_KEYS * NB; e += 32) cur[side][e / NB][e % NB] = h2f(sc[e]);
+    };
+
+    constexpr int STRIDE = TA_WARPS * TA_KEYS;
+    int c = k_begin + warp * TA_KEYS;
+    // TQ_STAGES chunks in flight from the start, one cp.async group each; a chunk's stage is
+    // refilled (chunk + TQ_STAGES) once both its sides are converted, so "all but the newest
+    // TQ_STAGES - 1 groups done" is the current chunk at the top of the loop.
+#pragma unroll
+    for (int st = 0; st < TQ_STAGES; st++) issue(st, c + st * STRIDE);
+
+    tiled_queries<HD>(q, qrows, i, n_head, group, kvh, scale);
+    __syncthreads();
+
+    float m = NEG_INF, l = 0.0f;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+
+    for (int st = 0; c < k_end; c += STRIDE, st = st + 1 == TQ_STAGES ? 0 : st + 1) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(TQ_STAGES - 1) : "memory");
+        __syncwarp();
+        convert(st, 0);
+        __syncwarp();
+        // sc[j][e]: key 8j + qd + e of the chunk, Σ over the 32-dim blocks of the key's scale
+        // times the block's (hi + lo) sum.
+        float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll
+        for (int k2 = 0; k2 < NB; k2++) {
+            float t[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; j++) t[j][0] = t[j][1] = t[j][2] = t[j][3] = 0.0f;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int kk = k2 * 32 + half * 16;
+                u32 a[4];
+                ldsm_x4(a, qa + (u32)((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + kk +
+                                      (lane >> 4) * 8) *
+                               2u);
+                u32 b[4];
+                ldsm_x4(b, rs + (u32)(((lane >> 4) * 8 + (lane & 7)) * ROW + kk +
+                                      ((lane >> 3) & 1) * 8) *
+                               2u);
+                mma_f16(t[0], a, b[0], b[1]);
+                mma_f16(t[1], a, b[2], b[3]);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    sc[j][e] += cur[0][8 * j + qd + e][k2] * (t[j][e] + t[j][e + 2]);
+        }
+        float x[4];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                x[2 * j + e] = c + 8 * j + qd + e < k_end ? sc[j][e] : NEG_INF;
+        float p[4];
+        tiled_softmax(x, m, l, acc, p);
+
+        __syncwarp();  // every lane is done with the K rows
+        convert(st, 1);
+        __syncwarp();
+        issue(st, c + TQ_STAGES * STRIDE);  // the stage is free: the chunk after the next
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            // P for this 32-dim block: each key's weight times its value scale, split.
+            u32 pa[4];
+            split_f16x2(p[0] * cur[1][qd][b], p[1] * cur[1][qd + 1][b], pa[0], pa[1]);
+            split_f16x2(p[2] * cur[1][8 + qd][b], p[3] * cur[1][9 + qd][b], pa[2], pa[3]);
+#pragma unroll
+            for (int n2 = 2 * b; n2 < 2 * b + 2; n2++) {
+                u32 bb[4];
+                ldsm_x4_trans(bb, rs + (u32)((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW +
+                                             n2 * 16 + (lane >> 4) * 8) *
+                                      2u);
+                mma_f16(acc[2 * n2], pa, bb[0], bb[1]);
+                mma_f16(acc[2 * n2 + 1], pa, bb[2], bb[3]);
+            }
+        }
+        __syncwarp();  // every lane has read the V rows and scales
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    tiled_finish<HD>(m, l, acc, reinterpret_cast<float*>(tq_smem), dest, li, i, kvh, s, group,
+                     n_head, splits, q8, q8d);
+}
+
+// attn_tiled_q for 64- and 128-dim heads: attention_split_tiled*'s arguments, then the
+// scales and kinds as the other `_q` kernels take them; TA_WARPS · TQ_WARP_BYTES(HD) + the
+// query rows of dynamic shared memory.
+#define ATTN_TILED_Q_KERNEL(NAME, HD, MIN_BLOCKS)                                              \
+    extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
+    NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
+         const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
+         int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
+         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt) {     \
+        pdl_enter();                                                                          \
+        attn_tiled_q<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,   \
+                         n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, k_sc, v_sc, \
+                         kt, vt);                                                             \
+    }
+ATTN_TILED_Q_KERNEL(attention_split_tiled64_q, 64, 4)
+ATTN_TILED_Q_KERNEL(attention_split_tiled128_q, 128, 3)
 
 // The merge weights of one (token, head)'s partials p (splits × (head_dim + 2) floats:
 // the partial output, its max, its sum), computed by one warp: weight[s] = exp(max_s −
@@ -1048,12 +1378,18 @@ attention_prefill_q(const float* q, const u16* kc, const u16* vc, float* out,
 // of each ldmatrix phase hit distinct banks.
 #define FM_PAD 8
 
-template <int HD>
+// QUANT: keys and values both quantized (kinds kt, vt; scales k_sc, v_sc: kv_load's
+// layouts). Each tile's raw rows (quants and scales) then stream into one staging buffer by
+// cp.async, K then V, and the block turns them into the f16 tiles (each value its quant
+// times its block's scale, rounded to f16 once, as the f16 cache rounds its values): K of
+// tile t lands during the P·V of tile t - 1, V during the scores.
+template <int HD, bool QUANT>
 __device__ __forceinline__ void
 attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
                       const u32* positions, const u32* seq_of, const u32* table_off,
                       const u32* tables, int block_size, int tok0, int n, int n_head,
-                      int n_head_kv, float scale, int window) {
+                      int n_head_kv, float scale, int window, const u16* k_sc = nullptr,
+                      const u16* v_sc = nullptr, int kt_kind = KV_F16, int vt_kind = KV_F16) {
     constexpr int LD = HD + FM_PAD;  // shared row length, halves
     constexpr int CH = HD / 8;       // 16-byte chunks per key row
     constexpr int KS = HD / 16;      // k-steps of S = Q·Kᵀ
@@ -1062,6 +1398,9 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
     __shared__ __align__(16) u16 vs[FM_K * LD];
     __shared__ int w_range[FM_WARPS][2];
     __shared__ u32 slots[2][FM_K];  // cache slot of each key of a tile, by tile parity
+    // QUANT: one tile's raw quants (HD bytes a key; Q4_0 uses half) and f16 scales.
+    __shared__ __align__(16) u8 raw[QUANT ? FM_K * HD : 16];
+    __shared__ __align__(16) u16 raw_sc[QUANT ? FM_K * (HD / 32) : 8];
     pdl_enter();
     const int h = blockIdx.x;
     // The latest tokens see the most keys: their tiles are scheduled first.
@@ -1150,6 +1489,53 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
     // b0, b1 of key tile j and b0, b1 of key tile j + 1. V (.trans): (keys +0..7, dims +0..7),
     // (keys +8..15, dims +0..7), (keys +0..7, dims +8..15), (keys +8..15, dims +8..15) =
     // b0, b1 of dim tile d and b0, b1 of dim tile d + 1.
+    // QUANT: keys kt .. kt + FM_K - 1 of one side's raw rows into `raw` / `raw_sc` as one
+    // cp.async group (zeros past hi_all: they convert to zeros).
+    auto load_raw = [&](int side, int kt, const u32* tile_slots) {
+        const int kind = side ? vt_kind : kt_kind;
+        const u8* cache = reinterpret_cast<const u8*>(side ? vc : kc);
+        const u16* sc = side ? v_sc : k_sc;
+        const int rb = kind == KV_Q4_0 ? HD / 2 : HD;  // quant bytes of a head's row
+        const int segs = rb / 16;
+        for (int i = threadIdx.x; i < FM_K * segs; i += FM_WARPS * 32) {
+            const int key = i / segs, seg = i % segs;
+            const bool ok = kt + key <= hi_all;
+            const u8* src = cache + (size_t)tile_slots[key] * (kv_dim / HD * rb) +
+                            (size_t)kv_head * rb + seg * 16;
+            cp_async16(smem_u32(raw + key * HD + seg * 16), src, ok);
+        }
+        if (threadIdx.x < FM_K) {
+            const int key = threadIdx.x;
+            const u16* src = sc + (size_t)tile_slots[key] * (kv_dim / 32) + (size_t)kv_head * (HD / 32);
+            cp_async_small(smem_u32(raw_sc + key * (HD / 32)), src, HD / 16, kt + key <= hi_all);
+        }
+        cp_async_commit();
+    };
+    // QUANT: the landed raw rows of one side into the f16 tile at dst (the caller syncs).
+    auto convert_raw = [&](int side, u16* dst) {
+        const int kind = side ? vt_kind : kt_kind;
+        if (kind == KV_Q4_0) {
+            for (int i = threadIdx.x; i < FM_K * HD / 32; i += FM_WARPS * 32) {
+                const int key = i / (HD / 32), b = i % (HD / 32);
+                uint4 o[4];
+                tq_nibble_piece(*reinterpret_cast<const uint4*>(raw + key * HD + b * 16), o);
+                const u32 d2 = raw_sc[key * (HD / 32) + b] * 0x10001u;
+                uint4* to = reinterpret_cast<uint4*>(dst + key * LD + b * 32);
+#pragma unroll
+                for (int j = 0; j < 4; j++) to[j] = hmul2x4(o[j], d2);
+            }
+        } else {
+            for (int i = threadIdx.x; i < FM_K * HD / 16; i += FM_WARPS * 32) {
+                const int key = i / (HD / 16), seg = i % (HD / 16);
+                uint4 o[2];
+                tq_byte_piece(*reinterpret_cast<const uint4*>(raw + key * HD + seg * 16), kind, o);
+                const u32 d2 = raw_sc[key * (HD / 32) + seg / 2] * 0x10001u;
+                uint4* to = reinterpret_cast<uint4*>(dst + key * LD + seg * 16);
+                to[0] = hmul2x4(o[0], d2);
+                to[1] = hmul2x4(o[1], d2);
+            }
+        }
+    };
     const int r8 = lane & 7, m_lo = (lane >> 3) & 1, m_hi = lane >> 4;  // row, matrix bits
     const u32 k_lane = ks_base + 2 * ((r8 + 8 * m_hi) * LD + 8 * m_lo);
     const u32 v_lane = vs_base + 2 * ((r8 + 8 * m_lo) * LD + 8 * m_hi);
@@ -1166,14 +1552,23 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
         if (threadIdx.x < FM_K) slots[0][threadIdx.x] = first;
     }
     __syncthreads();
-    load_tile(ks_base, kc, lo_all, slots[0]);
+    if constexpr (QUANT) load_raw(0, lo_all, slots[0]);
+    else load_tile(ks_base, kc, lo_all, slots[0]);
     for (int kt = lo_all, par = 0; kt <= hi_all; kt += FM_K, par ^= 1) {
-        load_tile(vs_base, vc, kt, slots[par]);  // lands while S is computed
         // The next tile's slots: looked up now, stored after S (slots[par ^ 1] was last read
         // by the previous tile's V load, before the barrier below).
         const u32 next_slot = slot_of(kt + FM_K);
-        cp_async_wait_prev();  // this tile's K (all but the newest group)
-        __syncthreads();
+        if constexpr (QUANT) {
+            cp_async_wait_all();  // this tile's raw K
+            __syncthreads();
+            convert_raw(0, ks);
+            __syncthreads();
+            load_raw(1, kt, slots[par]);  // lands while S is computed
+        } else {
+            load_tile(vs_base, vc, kt, slots[par]);  // lands while S is computed
+            cp_async_wait_prev();  // this tile's K (all but the newest group)
+            __syncthreads();
+        }
         // Warp-uniform: whether any of the warp's rows sees a key of this tile.
         const bool active = kt <= w_hi && kt + FM_K - 1 >= w_lo;
         u32 pf[FM_K / 16][4];  // P in A layout, keys 16kk .. 16kk + 15
@@ -1253,14 +1648,22 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
             }
         }
         if (threadIdx.x < FM_K) slots[par ^ 1][threadIdx.x] = next_slot;
-        __syncthreads();  // every warp is done with ks; the next slots are in place
-        if (kt + FM_K <= hi_all) {
-            load_tile(ks_base, kc, kt + FM_K, slots[par ^ 1]);  // lands while P·V is computed
+        if constexpr (QUANT) {
+            cp_async_wait_all();  // this tile's raw V
+            __syncthreads();      // ... for every thread; the next slots are in place
+            convert_raw(1, vs);
+            __syncthreads();
+            if (kt + FM_K <= hi_all) load_raw(0, kt + FM_K, slots[par ^ 1]);  // during P·V
         } else {
-            cp_async_commit();  // an empty group keeps the wait counts uniform
+            __syncthreads();  // every warp is done with ks; the next slots are in place
+            if (kt + FM_K <= hi_all) {
+                load_tile(ks_base, kc, kt + FM_K, slots[par ^ 1]);  // lands while P·V is computed
+            } else {
+                cp_async_commit();  // an empty group keeps the wait counts uniform
+            }
+            cp_async_wait_prev();  // this tile's V
+            __syncthreads();
         }
-        cp_async_wait_prev();  // this tile's V
-        __syncthreads();
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < FM_K / 16; kk++) {
@@ -1299,9 +1702,20 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
         const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
         const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
         int n, int n_head, int n_head_kv, int head_dim, float scale, int window) {            \
-        attention_prefill_mma<HD>(q, kc, vc, out, positions, seq_of, table_off, tables,       \
-                                  block_size, tok0, n, n_head, n_head_kv, scale, window);     \
+        attention_prefill_mma<HD, false>(q, kc, vc, out, positions, seq_of, table_off,        \
+                                         tables, block_size, tok0, n, n_head, n_head_kv, scale, \
+                                         window);                                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(FM_WARPS * 32) attention_prefill_mma##HD##_q( \
+        const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
+        const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
+        int n, int n_head, int n_head_kv, int head_dim, float scale, int window,              \
+        const u16* k_sc, const u16* v_sc, int kt, int vt) {                                   \
+        attention_prefill_mma<HD, true>(q, kc, vc, out, positions, seq_of, table_off, tables, \
+                                        block_size, tok0, n, n_head, n_head_kv, scale, window, \
+                                        k_sc, v_sc, kt, vt);                                  \
     }
+// `_q`: over caches with quantized keys and values (the scales and kinds last).
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)
 
@@ -1313,12 +1727,20 @@ ATTN_PREFILL_MMA(128)
 // head_dim values) plus their biases (bq, bk, bv; null: none): each block copies its head into
 // q or k first and stores the value straight from m — the split (split_qkv) on the way, one
 // launch and one pass fewer. m null: q and k hold the heads already (bv unused).
-extern "C" __global__ void rope_store_kv(const float* m, const float* bq, const float* bk,
-                                         const float* bv, float* q, float* k, const float* v,
-                                         u16* kc, u16* vc, const u32* positions,
-                                         const u32* seq_of, const u32* table_off,
-                                         const u32* tables, int block_size, int n_head,
-                                         int n_head_kv, ROPE_PARAMS) {
+// ROPE_PARAMS passed on.
+#define ROPE_ANGLE_ARGS_ALL                                                                    \
+    head_dim, n_rot, neox, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi,      \
+        freq_factors
+
+// The body of rope_store_kv and rope_store_kv_q: the store of each key head's rows as kinds
+// kt / vt (scales ks / vs; KV_F16 folds the quantized store away).
+__device__ __forceinline__ void rope_store(const float* m, const float* bq, const float* bk,
+                                           const float* bv, float* q, float* k, const float* v,
+                                           u16* kc, u16* vc, const u32* positions,
+                                           const u32* seq_of, const u32* table_off,
+                                           const u32* tables, int block_size, int n_head,
+                                           int n_head_kv, ROPE_PARAMS, u16* ks, u16* vs, int kt,
+                                           int vt) {
     pdl_enter();
     const int i = blockIdx.x, h = blockIdx.y;
     const float pos = (float)positions[i];
@@ -1347,10 +1769,72 @@ extern "C" __global__ void rope_store_kv(const float* m, const float* bq, const 
     rope_apply(kr, 1, head_dim, n_rot, neox, cs, sn);
     __syncthreads();  // the roped key (global memory) is visible to the whole block
     const u32* table = tables + table_off[seq_of[i]];
-    const size_t slot = kv_slot(table, block_size, (int)positions[i]) * kv_dim + off;
+    const size_t sl = kv_slot(table, block_size, (int)positions[i]);
     const float* vr = mr ? mr + q_dim + kv_dim + off : v + (size_t)i * kv_dim + off;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        kc[slot + d] = f2h(kr[d]);
-        vc[slot + d] = f2h(mr && bv ? vr[d] + bv[off + d] : vr[d]);
+    if (kt == KV_F16 && vt == KV_F16) {
+        const size_t slot = sl * kv_dim + off;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            kc[slot + d] = f2h(kr[d]);
+            vc[slot + d] = f2h(mr && bv ? vr[d] + bv[off + d] : vr[d]);
+        }
+        return;
     }
+    // Quantized (as store_kv_q): a warp a 32-value block of the head's key or value.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int nb = head_dim >> 5;
+    for (int b = warp; b < 2 * nb; b += n_warps) {
+        const bool val = b >= nb;
+        const int d = (val ? b - nb : b) * 32 + lane;
+        if (val) kv_put(vc, vs, vt, sl, kv_dim, off + d, mr && bv ? vr[d] + bv[off + d] : vr[d]);
+        else kv_put(kc, ks, kt, sl, kv_dim, off + d, kr[d]);
+    }
+}
+
+extern "C" __global__ void rope_store_kv(const float* m, const float* bq, const float* bk,
+                                         const float* bv, float* q, float* k, const float* v,
+                                         u16* kc, u16* vc, const u32* positions,
+                                         const u32* seq_of, const u32* table_off,
+                                         const u32* tables, int block_size, int n_head,
+                                         int n_head_kv, ROPE_PARAMS) {
+    rope_store(m, bq, bk, bv, q, k, v, kc, vc, positions, seq_of, table_off, tables, block_size,
+               n_head, n_head_kv, ROPE_ANGLE_ARGS_ALL, nullptr, nullptr, KV_F16, KV_F16);
+}
+
+// rope_store_kv into a cache with quantized keys or values (kinds kt, vt; scales ks, vs: see
+// kv_put): the same arguments with those four last. Needs head_dim a multiple of 32 and a
+// block of whole warps.
+extern "C" __global__ void rope_store_kv_q(const float* m, const float* bq, const float* bk,
+                                           const float* bv, float* q, float* k, const float* v,
+                                           u16* kc, u16* vc, const u32* positions,
+                                           const u32* seq_of, const u32* table_off,
+                                           const u32* tables, int block_size, int n_head,
+                                           int n_head_kv, ROPE_PARAMS, u16* ks, u16* vs, int kt,
+                                           int vt) {
+    rope_store(m, bq, bk, bv, q, k, v, kc, vc, positions, seq_of, table_off, tables, block_size,
+               n_head, n_head_kv, ROPE_ANGLE_ARGS_ALL, ks, vs, kt, vt);
+}
+
+// gpt-oss's attention sinks: `attention_q` with a learned logit per query head (sinks[h])
+// joining each softmax's denominator, out = Σ exp(s_j - m) v_j / (Σ exp(s_j - m) + exp(sink -
+// m)). One block per (token tok0 + blockIdx.x, head blockIdx.y), any step size and any
+// cache (ks, vs, kt, vt as attention_q; KV_F16 and null scales for f16 caches).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_sinks(const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,
+                const u32* seq_of, const u32* table_off, const u32* tables, int block_size,
+                int n_head, int n_head_kv, int head_dim, float scale, int window, int tok0,
+                const u16* ks, const u16* vs, int kt, int vt, const float* sinks) {
+    pdl_enter();
+    __shared__ float res[ATT_MAX_HD];
+    const int i = tok0 + blockIdx.x, h = blockIdx.y;
+    int k_begin, k_end;
+    split_key_range((int)positions[i], window, 1, 0, k_begin, k_end);
+    float big, total;
+    attn_range(q, kc, vc, i, h, k_begin, k_end, tables + table_off[seq_of[i]], block_size, n_head,
+               n_head_kv, head_dim, scale, res, &big, &total, ks, vs, kt, vt);
+    const float sink = sinks[h];
+    const float m = total > 0.0f ? fmaxf(big, sink) : sink;
+    const float keep = total > 0.0f ? expf(big - m) : 0.0f;
+    const float norm = keep / (total * keep + expf(sink - m));
+    float* o = out + (size_t)i * n_head * head_dim + h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = res[d] * norm;
 }

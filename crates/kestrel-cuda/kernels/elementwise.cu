@@ -84,3 +84,15 @@ extern "C" __global__ void split_qkv(const float* m, float* q, float* k, float* 
         v[t * kd + c - qd - kd] = x + (bv ? bv[c - qd - kd] : 0.0f);
     }
 }
+
+// Mistral 3's attention temperature: row i of x (cols values) times
+// 1 + scale · ln(floor(positions[i] / floor_scale) + 1), computed as AttnTemperature::factor
+// does (the floor in f32, the logarithm in f64). One block per row.
+extern "C" __global__ void scale_by_position(float* x, int cols, const u32* positions,
+                                             float scale, int floor_scale) {
+    pdl_enter();
+    const float steps = floorf((float)positions[blockIdx.x] / (float)floor_scale);
+    const float f = (float)(log((double)steps + 1.0) * (double)scale + 1.0);
+    float* r = x + (size_t)blockIdx.x * cols;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) r[j] *= f;
+}

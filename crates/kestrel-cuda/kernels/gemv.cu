@@ -301,6 +301,61 @@ template <> struct Fmt<T_Q5_0> {
     }
 };
 
+// IQ4_NL, IQ4_XS, MXFP4: as Q4_0, a unit is 8 quant bytes of a 32-value group (values
+// 8h..8h+7 in the low nibbles, 16+8h..16+8h+7 in the high ones), each nibble a level of
+// the format's table (lut16) times the group's scale. Rows as the GPU stores them (see
+// dequant32): all quants first, then the scales (IQ4_XS: the blocks' 8-byte headers).
+template <int TY> struct Lut4 {
+    static __device__ __forceinline__ void levels(u32 q, u32& lo, u32& hi) {
+        if (TY == T_MXFP4) lut16(q, MXFP4_T0, MXFP4_T1, MXFP4_T2, MXFP4_T3, lo, hi);
+        else lut16(q, IQ4NL_T0, IQ4NL_T1, IQ4NL_T2, IQ4NL_T3, lo, hi);
+    }
+    // The scale of 32-value group g of a row of nb groups.
+    static __device__ __forceinline__ float scale(const u8* row, int g, int nb) {
+        if (TY == T_MXFP4) return e8m0_half(row[(size_t)nb * 16 + g]);
+        if (TY == T_IQ4_NL) return h2f(*(const u16*)(row + (size_t)nb * 16 + 2 * g));
+        return iq4xs_scale(*(const uint2*)(row + (size_t)nb * 16 + 8 * (g >> 3)), g & 7);
+    }
+    // Level byte j of a word of lut16 as a float (exact).
+    static __device__ __forceinline__ float level_f(u32 w, int j) {
+        return byte_f(w ^ 0x80808080u, j, MAGIC_128);
+    }
+    struct Raw {
+        u32 q[2];
+        float d;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 16; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
+        const int g = u >> 1, hf = u & 1;
+        Raw r;
+        r.d = scale(row, g, nb);
+        const uint2 q = *(const uint2*)(row + (size_t)g * 16 + 8 * hf);
+        r.q[0] = q.x;
+        r.q[1] = q.y;
+        return r;
+    }
+    static __device__ __forceinline__ void calc(const Raw& raw, int u, const float* x, int k,
+                                                int n, float* acc) {
+        float lo[8], hi[8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            u32 l, h;
+            levels(raw.q[i], l, h);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                lo[4 * i + j] = level_f(l, j);
+                hi[4 * i + j] = level_f(h, j);
+            }
+        }
+        const float* xr = x + (u >> 1) * 32 + 8 * (u & 1);
+        dot_tokens<8>(lo, xr, k, n, raw.d, acc);
+        dot_tokens<8>(hi, xr + 16, k, n, raw.d, acc);
+    }
+};
+template <> struct Fmt<T_IQ4_NL> : Lut4<T_IQ4_NL> {};
+template <> struct Fmt<T_IQ4_XS> : Lut4<T_IQ4_XS> {};
+template <> struct Fmt<T_MXFP4> : Lut4<T_MXFP4> {};
+
 // F16 / BF16: a unit is 16 bytes (8 values); F32: 16 bytes (4 values).
 template <> struct Fmt<T_F16> {
     typedef uint4 Raw;
@@ -406,6 +461,9 @@ __device__ __forceinline__ bool row_dot2_any(int ty, const u8* r0, const u8* r1,
     case T_Q6_K: row_dot2<T_Q6_K>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
     case T_Q8_0: row_dot2<T_Q8_0>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
     case T_Q4_0: row_dot2<T_Q4_0>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_IQ4_NL: row_dot2<T_IQ4_NL>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_IQ4_XS: row_dot2<T_IQ4_XS>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
+    case T_MXFP4: row_dot2<T_MXFP4>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
     case T_F16: row_dot2<T_F16>(r0, r1, x, k, n, li, nl, acc0, acc1); return true;
     default: return false;
     }
@@ -419,6 +477,9 @@ __device__ __forceinline__ void row_dot_any(int ty, const u8* row, const float* 
     case T_Q8_0: row_dot<T_Q8_0>(row, x, k, n, li, nl, acc); break;
     case T_Q4_0: row_dot<T_Q4_0>(row, x, k, n, li, nl, acc); break;
     case T_Q5_0: row_dot<T_Q5_0>(row, x, k, n, li, nl, acc); break;
+    case T_IQ4_NL: row_dot<T_IQ4_NL>(row, x, k, n, li, nl, acc); break;
+    case T_IQ4_XS: row_dot<T_IQ4_XS>(row, x, k, n, li, nl, acc); break;
+    case T_MXFP4: row_dot<T_MXFP4>(row, x, k, n, li, nl, acc); break;
     case T_F16: row_dot<T_F16>(row, x, k, n, li, nl, acc); break;
     case T_BF16: row_dot<T_BF16>(row, x, k, n, li, nl, acc); break;
     case T_F32: row_dot<T_F32>(row, x, k, n, li, nl, acc); break;
@@ -703,6 +764,32 @@ template <> struct Unit1<T_Q5_0> {
     }
 };
 
+// IQ4_NL, IQ4_XS, MXFP4 (Lut4's units).
+template <int TY> struct Unit1Lut4 {
+    enum { XN = 16 };
+    static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
+        load_x_half_pairs(x, u, xv);
+    }
+    static __device__ __forceinline__ float dot(const typename Lut4<TY>::Raw& raw, int,
+                                                const float* xv) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            u32 l, h;
+            Lut4<TY>::levels(raw.q[i], l, h);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s = fmaf(Lut4<TY>::level_f(l, j), xv[4 * i + j], s);
+                s = fmaf(Lut4<TY>::level_f(h, j), xv[8 + 4 * i + j], s);
+            }
+        }
+        return raw.d * s;
+    }
+};
+template <> struct Unit1<T_IQ4_NL> : Unit1Lut4<T_IQ4_NL> {};
+template <> struct Unit1<T_IQ4_XS> : Unit1Lut4<T_IQ4_XS> {};
+template <> struct Unit1<T_MXFP4> : Unit1Lut4<T_MXFP4> {};
+
 template <> struct Unit1<T_F16> {
     enum { XN = 8 };
     static __device__ __forceinline__ void load_x(const float* x, int u, float* xv) {
@@ -881,6 +968,9 @@ __device__ __forceinline__ bool rows_dot1_any(int ty, const u8* w, const u8* up,
     ROWS_DOT1_CASE(T_Q8_0)
     ROWS_DOT1_CASE(T_Q4_0)
     ROWS_DOT1_CASE(T_Q5_0)
+    ROWS_DOT1_CASE(T_IQ4_NL)
+    ROWS_DOT1_CASE(T_IQ4_XS)
+    ROWS_DOT1_CASE(T_MXFP4)
     ROWS_DOT1_HALF_CASE(T_F16, T_F16_W)
     ROWS_DOT1_HALF_CASE(T_BF16, T_BF16_W)
     ROWS_DOT1_CASE(T_F32)
@@ -1262,6 +1352,80 @@ template <> struct Unit8<T_Q4_0> {
     }
 };
 
+// IQ4_NL, IQ4_XS, MXFP4 (Lut4's units): the levels are signed bytes, dotted as they are.
+template <int TY> struct Unit8Lut4 {
+    struct X {
+        int lo[2], hi[2];
+        float d;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const i8* xr = xq + (u >> 1) * 32 + 8 * (u & 1);
+        const int2 p = *(const int2*)xr, r = *(const int2*)(xr + 16);
+        return {{p.x, p.y}, {r.x, r.y}, xd[u >> 1]};
+    }
+    static __device__ __forceinline__ float dot(const typename Lut4<TY>::Raw& raw, int,
+                                                const X& x) {
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            u32 l, h;
+            Lut4<TY>::levels(raw.q[i], l, h);
+            s = dp4a_ss((int)l, x.lo[i], s);
+            s = dp4a_ss((int)h, x.hi[i], s);
+        }
+        return raw.d * x.d * (float)s;
+    }
+};
+template <> struct Unit8<T_IQ4_NL> : Unit8Lut4<T_IQ4_NL> {};
+template <> struct Unit8<T_IQ4_XS> : Unit8Lut4<T_IQ4_XS> {};
+template <> struct Unit8<T_MXFP4> : Unit8Lut4<T_MXFP4> {};
+
+// The same formats for the single-token gemv_q8* (kernel-internal ids, as T_Q4_0_W): a unit
+// is a whole 32-value group (16 quant bytes and its scale), twice the bytes in flight per
+// lane of Lut4's half-group units.
+#define T_IQ4_NL_W 120
+#define T_IQ4_XS_W 123
+#define T_MXFP4_W 139
+template <int TY> struct Lut4W {
+    struct Raw {
+        uint4 q;
+        float d;
+    };
+    static __device__ __forceinline__ int units(int k) { return k / 32; }
+    static __device__ __forceinline__ Raw load(const u8* row, int u, int nb) {
+        return {*(const uint4*)(row + (size_t)u * 16), Lut4<TY>::scale(row, u, nb)};
+    }
+};
+template <int TY> struct Unit8Lut4W {
+    struct X {
+        int lo[4], hi[4];
+        float d;
+    };
+    static __device__ __forceinline__ X load_x(const i8* xq, const float* xd, int u) {
+        const int4 p = *(const int4*)(xq + u * 32), r = *(const int4*)(xq + u * 32 + 16);
+        return {{p.x, p.y, p.z, p.w}, {r.x, r.y, r.z, r.w}, xd[u]};
+    }
+    static __device__ __forceinline__ float dot(const typename Lut4W<TY>::Raw& raw, int,
+                                                const X& x) {
+        const u32 q[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 l, h;
+            Lut4<TY>::levels(q[i], l, h);
+            s = dp4a_ss((int)l, x.lo[i], s);
+            s = dp4a_ss((int)h, x.hi[i], s);
+        }
+        return raw.d * x.d * (float)s;
+    }
+};
+template <> struct Fmt<T_IQ4_NL_W> : Lut4W<T_IQ4_NL> {};
+template <> struct Fmt<T_IQ4_XS_W> : Lut4W<T_IQ4_XS> {};
+template <> struct Fmt<T_MXFP4_W> : Lut4W<T_MXFP4> {};
+template <> struct Unit8<T_IQ4_NL_W> : Unit8Lut4W<T_IQ4_NL> {};
+template <> struct Unit8<T_IQ4_XS_W> : Unit8Lut4W<T_IQ4_XS> {};
+template <> struct Unit8<T_MXFP4_W> : Unit8Lut4W<T_MXFP4> {};
+
 // Q8_0 and Q4_0 for the single-token gemv_q8*: a unit is a whole 32-value block (32 / 16
 // quant bytes and the block's scale), twice the bytes in flight per lane of the half-block
 // units (kernel-internal ids, as T_Q4_K_W).
@@ -1384,6 +1548,15 @@ __device__ __forceinline__ void rows_dot8_any(int ty, const u8* w, const u8* up,
         return;
     case T_Q8_0: rows_dot8_up<T_Q8_0_W, GD_R, GD_U>(ROWS_DOT8_ARGS); return;
     case T_Q4_0: rows_dot8_up<T_Q4_0_W, GD_R, GD_U>(ROWS_DOT8_ARGS); return;
+    case T_IQ4_NL:
+        if constexpr (KQ) rows_dot8_up<T_IQ4_NL_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
+        return;
+    case T_IQ4_XS:
+        if constexpr (KQ) rows_dot8_up<T_IQ4_XS_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
+        return;
+    case T_MXFP4:
+        if constexpr (KQ) rows_dot8_up<T_MXFP4_W, GD_R, GD_U>(ROWS_DOT8_ARGS);
+        return;
     default: return;
     }
 #undef ROWS_DOT8_ARGS
@@ -1551,6 +1724,9 @@ __device__ __forceinline__ void rows_dot8_t_any(int ty, const u8* w, const u8* u
     ROWS_DOT8T_CASE(T_Q6_K)
     ROWS_DOT8T_CASE(T_Q8_0)
     ROWS_DOT8T_CASE(T_Q4_0)
+    ROWS_DOT8T_CASE(T_IQ4_NL)
+    ROWS_DOT8T_CASE(T_IQ4_XS)
+    ROWS_DOT8T_CASE(T_MXFP4)
     default: return;
     }
 }
@@ -1576,6 +1752,9 @@ __device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, const u8* 
     ROWS_DOT8TW_CASE(T_Q6_K, T_Q6_K_W)
     ROWS_DOT8TW_CASE(T_Q8_0, T_Q8_0_W)
     ROWS_DOT8TW_CASE(T_Q4_0, T_Q4_0_W)
+    ROWS_DOT8TW_CASE(T_IQ4_NL, T_IQ4_NL_W)
+    ROWS_DOT8TW_CASE(T_IQ4_XS, T_IQ4_XS_W)
+    ROWS_DOT8TW_CASE(T_MXFP4, T_MXFP4_W)
     default: return;
     }
 #undef ROWS_DOT8TW_CASE

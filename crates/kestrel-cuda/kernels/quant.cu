@@ -13,6 +13,9 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ4_NL 20
+#define T_IQ4_XS 23
+#define T_MXFP4 39
 
 // Q6_K blocks on the GPU: GGUF's 210 bytes (ql 128, qh 64, scales 16, d 2) followed by 14
 // bytes of padding, so that every block (and every word in it) is 16-byte aligned and read
@@ -31,10 +34,50 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, floa
     }
 }
 
+// The 4-bit codebook formats (IQ4_NL, IQ4_XS, MXFP4): each nibble indexes 16 int8 levels,
+// held here as four little-endian words (ggml's kvalues_iq4nl, kvalues_mxfp4).
+#define IQ4NL_T0 0xBFAD9881u
+#define IQ4NL_T1 0xF6EADDCFu
+#define IQ4NL_T2 0x26190D01u
+#define IQ4NL_T3 0x71594535u
+#define MXFP4_T0 0x03020100u
+#define MXFP4_T1 0x0C080604u
+#define MXFP4_T2 0xFDFEFF00u
+#define MXFP4_T3 0xF4F8FAFCu
+
+// The levels of the 8 nibbles of q (4 quant bytes) as int8 bytes: lo = the low nibbles'
+// (bytes 0..3 in order), hi = the high nibbles' (llama.cpp's get_int_from_table_16).
+__device__ __forceinline__ void lut16(u32 q, u32 t0, u32 t1, u32 t2, u32 t3, u32& lo, u32& hi) {
+    const u32 sel = 0x32103210u | ((q & 0x88888888u) >> 1);
+    u32 tmp[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u32 s = q >> (16 * i);
+        const u32 a = __byte_perm(t0, t1, s), b = __byte_perm(t2, t3, s);
+        tmp[i] = __byte_perm(a, b, sel >> (16 * i));
+    }
+    lo = __byte_perm(tmp[0], tmp[1], 0x6420);
+    hi = __byte_perm(tmp[0], tmp[1], 0x7531);
+}
+
+// ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128), subnormal for e < 2.
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __int_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// IQ4_XS sub-block ib's scale: d * (ls - 32), from the block's 8 header bytes (d f16,
+// scales_h u16 in h.x; scales_l in h.y).
+__device__ __forceinline__ float iq4xs_scale(uint2 h, int ib) {
+    const int ls = ((h.y >> (4 * ib)) & 0xF) | (((h.x >> (16 + 2 * ib)) & 3) << 4);
+    return h2f((u16)(h.x & 0xFFFF)) * (float)(ls - 32);
+}
+
 // Values g*32 .. g*32+31 of a row into w; for float rows only the first `lim` are read
 // (the rest are zero), quantized rows are whole blocks.
 // (nb: 32-value blocks per row, where Q8_0 / Q4_0 / Q5_0 rows keep their scales, and
-// Q5_0's fifth bits, after the quants.)
+// Q5_0's fifth bits, after the quants; IQ4_NL and MXFP4 rows as Q4_0's, with MXFP4's
+// one-byte exponents; IQ4_XS rows keep the blocks' 128 quant bytes first, then their 8
+// header bytes.)
 __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim, float* w, int nb) {
     switch (ty) {
     case T_F32: {
@@ -153,6 +196,29 @@ __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim,
         for (int l = 0; l < 32; l++) {
             const int q = ((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4);
             w[l] = d * (float)sc[l >> 4] * (float)(q - 32);
+        }
+        break;
+    }
+    case T_IQ4_NL:
+    case T_IQ4_XS:
+    case T_MXFP4: {
+        float d;
+        if (ty == T_IQ4_NL) d = h2f(*(const u16*)(row + (size_t)nb * 16 + 2 * g));
+        else if (ty == T_MXFP4) d = e8m0_half(row[(size_t)nb * 16 + g]);
+        else d = iq4xs_scale(*(const uint2*)(row + (size_t)nb * 16 + 8 * (g >> 3)), g & 7);
+        const bool mx = ty == T_MXFP4;
+        const u32 t0 = mx ? MXFP4_T0 : IQ4NL_T0, t1 = mx ? MXFP4_T1 : IQ4NL_T1;
+        const u32 t2 = mx ? MXFP4_T2 : IQ4NL_T2, t3 = mx ? MXFP4_T3 : IQ4NL_T3;
+        const u32* q = (const u32*)(row + (size_t)g * 16);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 lo, hi;
+            lut16(q[i], t0, t1, t2, t3, lo, hi);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                w[4 * i + j] = d * (float)(i8)((lo >> (8 * j)) & 0xFF);
+                w[16 + 4 * i + j] = d * (float)(i8)((hi >> (8 * j)) & 0xFF);
+            }
         }
         break;
     }

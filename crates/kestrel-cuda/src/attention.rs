@@ -9,6 +9,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "store_kv",
     "store_kv_q",
     "rope_store_kv",
+    "rope_store_kv_q",
     "attention",
     "attention_q",
     "attention_split",
@@ -17,12 +18,17 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_split_gqa_q",
     "attention_split_tiled64",
     "attention_split_tiled128",
+    "attention_split_tiled64_q",
+    "attention_split_tiled128_q",
     "attention_combine",
     "attention_combine_mmk",
     "attention_prefill",
     "attention_prefill_q",
     "attention_prefill_mma64",
     "attention_prefill_mma128",
+    "attention_prefill_mma64_q",
+    "attention_prefill_mma128_q",
+    "attention_sinks",
 ];
 
 /// Tokens per block of the prefill attention kernel, and the largest head it handles
@@ -48,6 +54,20 @@ pub(crate) const TILED_ATTN_MAX_GROUP: usize = 8;
 /// Keys one block of the tiled decode attention covers per round (4 warps × 16).
 pub(crate) const TILED_ATTN_KEYS_PER_ROUND: usize = 64;
 
+/// Dynamic shared memory of `attention_split_tiled{64,128}_q` (kernels/attention.cu:
+/// TQ_WARP_BYTES per warp, then the query rows): per warp the f16 rows of a 16-key chunk,
+/// TQ_STAGES = 2 stages of the raw K and V rows (`head_dim` bytes a key each) and their f16
+/// scales, the chunk's scales as f32.
+pub(crate) fn tiled_q_smem(head_dim: usize) -> u32 {
+    const STAGES: usize = 2;
+    let keys = 16;
+    let nb = head_dim / 32;
+    let rows = keys * (head_dim + 8) * 2;
+    let stage = 2 * keys * head_dim + 2 * keys * nb * 2;
+    let warp = rows + STAGES * stage + 2 * keys * nb * 4;
+    (4 * warp + rows) as u32
+}
+
 /// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
 /// query heads together: each key and value row read once per group) where the tiled
 /// kernels ([`tiled_split_attention`]) do not: grouped heads, a head of 32 · (1 to 4) dims,
@@ -61,14 +81,17 @@ pub(crate) fn gqa_split_attention(p: &AttnParams) -> bool {
 }
 
 /// The tensor-core prefill attention kernel for `p`'s heads: 64- or 128-dim heads, whole
-/// groups of query heads per kv head; `None` keeps `attention_prefill`.
-pub(crate) fn prefill_mma_kernel(p: &AttnParams) -> Option<&'static str> {
+/// groups of query heads per kv head; `quant`: over a cache with quantized keys and values
+/// (the `_q` kernels). `None` keeps `attention_prefill`.
+pub(crate) fn prefill_mma_kernel(p: &AttnParams, quant: bool) -> Option<&'static str> {
     if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
         return None;
     }
-    match p.head_dim {
-        64 => Some("attention_prefill_mma64"),
-        128 => Some("attention_prefill_mma128"),
+    match (p.head_dim, quant) {
+        (64, false) => Some("attention_prefill_mma64"),
+        (128, false) => Some("attention_prefill_mma128"),
+        (64, true) => Some("attention_prefill_mma64_q"),
+        (128, true) => Some("attention_prefill_mma128_q"),
         _ => None,
     }
 }
@@ -100,8 +123,12 @@ pub(crate) struct AttnLaunch {
     /// writes.
     pub(crate) mmk: Option<(usize, [u64; 3])>,
     /// A cache with quantized keys or values: the `_q` kernels' trailing arguments (scales,
-    /// kinds). Every step then runs `attention_split_q` / `attention_q`.
+    /// kinds). Decode steps then run `attention_split_tiled*_q` where both are quantized
+    /// ([`AttnLaunch::tiled_q`]), else `attention_split_q` / `attention_q`.
     pub(crate) quant: Option<[Arg; 4]>,
+    /// Keys and values both quantized (q8_0, q4_0 or fp8, in any pair): the tiled kernels
+    /// over quantized blocks can take the decode steps.
+    pub(crate) tiled_q: bool,
 }
 
 impl CudaBackend {
@@ -144,16 +171,21 @@ impl CudaBackend {
         // round of loads, and each split is one more partial to write and merge). One split
         // (e.g. 64 sequences × 8 kv heads, or no sequence longer than 64) writes the output
         // directly, without attention_combine. The count is a power of two and changes only
-        // when the longest length crosses one.
+        // when the longest length crosses one. Over quantized caches the 128-dim kernel
+        // (168 registers, 57 KiB of staging) keeps 3 blocks an SM: its wave is 396 blocks,
+        // so at most 384.
         const ATTN_SPLIT_BLOCKS: usize = 512;
-        let tiled = a.quant.is_none() && tiled_split_attention(p);
+        let tiled = (a.quant.is_none() || a.tiled_q) && tiled_split_attention(p);
         let gqa = gqa_split_attention(p);
         let splits = if tiled {
+            let wave = if a.quant.is_some() && p.head_dim == 128 {
+                384
+            } else {
+                ATTN_SPLIT_BLOCKS
+            };
             let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
             let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
-            let by_blocks = (ATTN_SPLIT_BLOCKS / pairs)
-                .checked_ilog2()
-                .map_or(1, |e| 1 << e);
+            let by_blocks = (wave / pairs).checked_ilog2().map_or(1, |e| 1 << e);
             by_len.min(by_blocks)
         } else {
             let heads = if gqa { p.n_head_kv } else { p.n_head };
@@ -224,10 +256,11 @@ impl CudaBackend {
             let part_len = m * p.n_head * splits * (p.head_dim + 2);
             let fits = part_len <= step.attn_part_len;
             if tiled && (splits == 1 || fits) {
-                let name = if p.head_dim == 64 {
-                    "attention_split_tiled64"
-                } else {
-                    "attention_split_tiled128"
+                let name = match (p.head_dim, a.quant.is_some()) {
+                    (64, false) => "attention_split_tiled64",
+                    (64, true) => "attention_split_tiled64_q",
+                    (_, false) => "attention_split_tiled128",
+                    (_, true) => "attention_split_tiled128_q",
                 };
                 // One split: the output itself (normalized); otherwise the partials.
                 let dest = if splits == 1 {
@@ -240,6 +273,10 @@ impl CudaBackend {
                 args.push(Arg::I(t as i32));
                 let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
                 args.extend([Arg::P(q8), Arg::P(q8d)]);
+                // Quantized caches: the scales and kinds last.
+                if let Some(quant) = a.quant {
+                    args.extend(quant);
+                }
                 self.launch(
                     name,
                     (m as u32, p.n_head_kv as u32, splits as u32),
@@ -319,8 +356,14 @@ impl CudaBackend {
         tok0: usize,
         n: usize,
     ) {
-        // A quantized cache: the SIMT kernel, dequantizing as it stages the tiles.
-        let mma = prefill_mma_kernel(p).filter(|_| a.quant.is_none());
+        // Quantized keys and values: the tensor-core kernels' `_q` forms (dequantizing each
+        // tile into shared memory); a cache mixing f16 and quantized: the SIMT kernel,
+        // dequantizing as it stages the tiles.
+        let mma = if a.quant.is_none() || a.tiled_q {
+            prefill_mma_kernel(p, a.quant.is_some())
+        } else {
+            None
+        };
         let (name, grid) = match (mma, a.quant) {
             (Some(name), _) => (
                 name,
@@ -444,6 +487,7 @@ pub(crate) fn attention(
         q8,
         mmk,
         quant: cache.quantized().then(|| cache.quant_args(p.layer)),
+        tiled_q: cache.types.k != KvType::F16 && cache.types.v != KvType::F16,
     };
     // After launches that wrote the whole step's quantized output: what the output
     // projection then reads.
@@ -462,15 +506,12 @@ pub(crate) fn attention(
             // Each token with the split count its own single-token step would take (the
             // count follows the sequence's length rounded up to a power of two): runs of
             // tokens sharing one, a launch each.
-            let lens: Vec<usize> = (0..n).map(|i| step.position(i) + 1).collect();
+            let bucket = |i: usize| (step.position(i) + 1).next_power_of_two();
             let mut start = 0;
             while start < n {
-                let bucket = lens[start].next_power_of_two();
-                let len = lens[start..]
-                    .iter()
-                    .take_while(|l| l.next_power_of_two() == bucket)
-                    .count();
-                backend.attention_short(&ctx, p, step, start, len, Some(bucket));
+                let first = bucket(start);
+                let len = (start..n).take_while(|&i| bucket(i) == first).count();
+                backend.attention_short(&ctx, p, step, start, len, Some(first));
                 start += len;
             }
             return Prepared::Nothing;
@@ -511,6 +552,74 @@ pub(crate) fn attention(
     Prepared::Nothing
 }
 
+/// Attention with a learned logit per query head joining each softmax's denominator
+/// (gpt-oss's sinks): `attention_sinks`, one block per (token, head) over any cache, for
+/// decode and prompts alike.
+#[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
+pub(crate) fn attention_sinks(
+    backend: &CudaBackend,
+    q: &CudaTensor,
+    cache: &CudaCache,
+    p: &AttnParams,
+    sinks: &CudaWeight,
+    step: &CudaStep,
+    n: usize,
+    out: &mut CudaTensor,
+) -> anyhow::Result<()> {
+    let CudaWeight::Vector { ptr, len, .. } = sinks else {
+        bail!("attention sinks: expected a vector weight, got a matrix");
+    };
+    if *len != p.n_head {
+        bail!("{len} attention sinks for {} heads", p.n_head);
+    }
+    if p.head_dim > MAX_HEAD_DIM {
+        bail!(
+            "attention: head size {} exceeds the kernel's {MAX_HEAD_DIM}",
+            p.head_dim
+        );
+    }
+    if p.layer >= cache.k.len() || p.n_head_kv * p.head_dim != cache.kv_dim {
+        bail!("attention: bad geometry for layer {}", p.layer);
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+    let quant = if cache.quantized() {
+        cache.quant_args(p.layer)
+    } else {
+        [Arg::P(0), Arg::P(0), Arg::I(0), Arg::I(0)]
+    };
+    let args = [
+        &[
+            Arg::P(q.ptr),
+            Arg::P(cache.k_ptr[p.layer]),
+            Arg::P(cache.v_ptr[p.layer]),
+            Arg::P(out.ptr),
+        ][..],
+        &step.slot_args(),
+        &[
+            Arg::I(cache.block_size as i32),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.n_head_kv as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::F(p.scale),
+            Arg::I(window),
+            Arg::I(0),
+        ],
+        &quant,
+        &[Arg::P(*ptr)],
+    ]
+    .concat();
+    backend.launch(
+        "attention_sinks",
+        (n as u32, p.n_head as u32, 1),
+        128,
+        &args,
+    );
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
 pub(crate) fn rope_store_kv(
     backend: &CudaBackend,
@@ -549,9 +658,9 @@ pub(crate) fn rope_store_kv(
         ));
         return;
     }
-    if cache.quantized() {
-        // The fused kernel stores f16: split (if the product waits), rotate, then quantize
-        // on the store.
+    if cache.quantized() && !head_dim.is_multiple_of(32) {
+        // The fused kernel quantizes whole 32-value blocks of a head: split (if the product
+        // waits), rotate, then quantize on the store.
         if let Some(p) = &ours {
             backend.split_qkv(p);
         }
@@ -587,6 +696,13 @@ pub(crate) fn rope_store_kv(
         &rope_args,
     ]
     .concat();
-    // One block per (token, query or key head); a thread per rotated pair.
-    backend.launch("rope_store_kv", (n as u32, heads as u32, 1), threads, &args);
+    // One block per (token, query or key head); a thread per rotated pair. Quantized
+    // caches: the same, each key head's block quantizing its rows a warp a block.
+    let grid = (n as u32, heads as u32, 1);
+    if cache.quantized() {
+        let args = [&args[..], &cache.quant_args(layer)].concat();
+        backend.launch("rope_store_kv_q", grid, threads, &args);
+    } else {
+        backend.launch("rope_store_kv", grid, threads, &args);
+    }
 }

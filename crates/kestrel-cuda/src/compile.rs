@@ -14,6 +14,8 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/gemv.cu"),
     "\n",
+    include_str!("../kernels/moe.cu"),
+    "\n",
     include_str!("../kernels/mmq.cu"),
     "\n",
     include_str!("../kernels/elementwise.cu"),
@@ -46,6 +48,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::step::KERNELS,
         crate::sample::KERNELS,
         crate::delta::KERNELS,
+        crate::moe::KERNELS,
     ]
     .into_iter()
     .flatten()
@@ -213,10 +216,18 @@ mod tests {
         sorted.dedup();
         assert_eq!(sorted.len(), names.len(), "a kernel declared twice");
         for name in names {
-            // (attention_prefill_mma64 / 128 are pasted by a macro: attention_prefill_mma##HD.)
-            let stem = name.trim_end_matches(|c: char| c.is_ascii_digit());
+            // (attention_prefill_mma64 / 128 and their `_q` forms are pasted by a macro:
+            // attention_prefill_mma##HD, attention_prefill_mma##HD##_q.)
+            let (base, suffix) =
+                name.split_at(name.strip_suffix("_q").map_or(name.len(), str::len));
+            let stem = base.trim_end_matches(|c: char| c.is_ascii_digit());
+            let pasted = if suffix.is_empty() {
+                format!("{stem}##")
+            } else {
+                format!("{stem}##HD##{suffix}")
+            };
             assert!(
-                super::SOURCE.contains(name) || super::SOURCE.contains(&format!("{stem}##")),
+                super::SOURCE.contains(name) || (stem != base && super::SOURCE.contains(&pasted)),
                 "kernel {name} is not in the source"
             );
         }

@@ -23,6 +23,7 @@ pub mod compile;
 mod delta;
 mod launch;
 mod matmul;
+mod moe;
 pub mod nccl;
 mod norm_rope;
 mod options;
@@ -74,6 +75,9 @@ pub const SUPPORTED_TYPES: &[GgmlType] = &[
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Number of CUDA devices, or an error saying why there are none usable.
@@ -188,6 +192,8 @@ pub struct CudaBackend {
     /// Warps (16-row tiles) per block of `mmw_gated`; 0 (the default): by the matrix and
     /// the SM count; the self-check forces others.
     mmw_warps: std::sync::atomic::AtomicUsize,
+    /// Buffers of the mixture-of-experts blocks (`moe.rs`), made at their first step.
+    moe_scratch: Mutex<Option<moe::MoeScratch>>,
 }
 
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
@@ -414,6 +420,7 @@ impl CudaBackend {
             gemm_scratch: Mutex::default(),
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
+            moe_scratch: Mutex::new(None),
             options,
         })
     }
@@ -468,19 +475,34 @@ impl kestrel_model::Backend for CudaBackend {
         self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
     }
 
+    fn attention_sinks(
+        &self,
+        q: &CudaTensor,
+        cache: &CudaCache,
+        params: &AttnParams,
+        sinks: &CudaWeight,
+        step: &CudaStep,
+        n: usize,
+        out: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        attention::attention_sinks(self, q, cache, params, sinks, step, n, out)
+    }
+
+    fn scale_by_position(
+        &self,
+        x: &mut CudaTensor,
+        temp: &kestrel_model::AttnTemperature,
+        step: &CudaStep,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        norm_rope::scale_by_position(self, x, temp, step, n)
+    }
+
     fn invariant_max_tokens(&self) -> usize {
         INVARIANT_MAX_TOKENS
     }
 
     fn check_model(&self, cfg: &kestrel_model::ModelConfig) -> anyhow::Result<()> {
-        // A tiny synthetic Phi-3 gave other greedy tokens than the CPU from the 4th on
-        // (H100, 2026-11-26): refused until gpu-check covers it.
-        if cfg.arch == kestrel_model::Arch::Phi3 {
-            anyhow::bail!(
-                "phi3 is not yet verified on the {} backend; use --device cpu",
-                self.name()
-            );
-        }
         delta::check_config(cfg)
     }
 
@@ -490,6 +512,33 @@ impl kestrel_model::Backend for CudaBackend {
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<CudaTensor> {
         weights::new_tensor(self, rows, cols)
+    }
+
+    fn load_experts(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CudaWeight> {
+        moe::load_experts(self, file, info)
+    }
+
+    fn moe_ffn(
+        &self,
+        x: &CudaTensor,
+        layer: &LayerWeights<CudaWeight>,
+        moe: &kestrel_model::MoeConfig,
+        act: Activation,
+        n: usize,
+        out: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        moe::moe_ffn(self, x, layer, moe, act, n, out)
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut CudaTensor,
+        y: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        moe::add_sigmoid_gated(self, out, y, x, w, n)
     }
 
     fn new_cache(

@@ -8,6 +8,7 @@ use crate::*;
 pub(crate) const KERNELS: &[&str] = &[
     "embed",
     "scale_f32",
+    "scale_by_position",
     "add_f32",
     "add_bias",
     "gated_act",
@@ -91,6 +92,41 @@ pub(crate) fn scale(backend: &CudaBackend, x: &mut CudaTensor, n: usize, factor:
         len,
         &[Arg::P(x.ptr), Arg::I(len as i32), Arg::F(factor)],
     );
+}
+
+/// Each of the `n` token rows of `x` times its position's attention temperature factor
+/// (`AttnTemperature::factor`, Mistral 3).
+pub(crate) fn scale_by_position(
+    backend: &CudaBackend,
+    x: &mut CudaTensor,
+    temp: &kestrel_model::AttnTemperature,
+    step: &CudaStep,
+    n: usize,
+) -> anyhow::Result<()> {
+    if temp.floor_scale == 0 || n > step.max_tokens || n > x.rows {
+        bail!(
+            "attention temperature: floor scale {}, {n} tokens for a step of {} and {} rows",
+            temp.floor_scale,
+            step.max_tokens,
+            x.rows
+        );
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    backend.launch(
+        "scale_by_position",
+        (n as u32, 1, 1),
+        128,
+        &[
+            Arg::P(x.ptr),
+            Arg::I(x.cols as i32),
+            Arg::P(step.positions()),
+            Arg::F(temp.scale),
+            Arg::I(temp.floor_scale.min(i32::MAX as u32) as i32),
+        ],
+    );
+    Ok(())
 }
 
 pub(crate) fn rms_norm(

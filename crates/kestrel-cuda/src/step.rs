@@ -351,9 +351,10 @@ pub(crate) fn prepare_step(
     let uses_cublas = backend.blas.is_some()
         && n >= 2
         && (backend.f16_copies.load(relaxed)
-            || [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4_0]
-                .into_iter()
-                .any(|ty| copies_q8 & (1 << ty.id()) != 0 && !q8_kernels_take(ty)));
+            || SUPPORTED_TYPES
+                .iter()
+                .filter(|&&ty| plan::q8_supported(ty))
+                .any(|&ty| copies_q8 & (1 << ty.id()) != 0 && !q8_kernels_take(ty)));
     let graph_max = GRAPH_MAX_TOKENS.max(MMQ_MAX_TOKENS);
     if n <= graph_max && !uses_cublas && backend.graphs.load(std::sync::atomic::Ordering::Relaxed) {
         backend.lock_recorder().deferring = true;

@@ -128,7 +128,7 @@ impl CudaBackend {
         // Q6_K blocks are padded to 16-byte-aligned ones (Q6K_GPU_BYTES in kernels/quant.cu):
         // their 210 bytes otherwise allow only 2-byte loads, which bound the kernels reading
         // them on load instructions (ncu: L1/TEX 78% busy against DRAM 32%).
-        // Q8_0 / Q4_0 / Q5_0 rows keep all quants first, then (Q5_0) the fifth bits, then
+        // Q8_0 / Q4_0 / Q5_0 (and the codebook formats) rows keep all quants first, then (Q5_0) the fifth bits, then
         // the f16 scales, each row padded to a multiple of 16 bytes (nothing to pad when it
         // holds a multiple of 8 blocks, as in every real model): aligned loads for all.
         let converted;
@@ -137,11 +137,20 @@ impl CudaBackend {
                 converted = pad_blocks(data, ty.type_size(), Q6K_GPU_BLOCK_BYTES);
                 (&converted[..], cols / 256 * Q6K_GPU_BLOCK_BYTES)
             }
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => {
+            GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::IQ4NL
+            | GgmlType::MXFP4
+            | GgmlType::IQ4XS => {
                 // (offset, length) of each block's parts, in the order the row keeps them.
+                // IQ4_NL and MXFP4 as Q4_0 (MXFP4's scale is one E8M0 byte); IQ4_XS keeps
+                // its 128 quant bytes, then its 8 header bytes (d, scales_h, scales_l).
                 let parts: &[(usize, usize)] = match ty {
                     GgmlType::Q8_0 => &[(2, 32), (0, 2)],
-                    GgmlType::Q4_0 => &[(2, 16), (0, 2)],
+                    GgmlType::Q4_0 | GgmlType::IQ4NL => &[(2, 16), (0, 2)],
+                    GgmlType::MXFP4 => &[(1, 16), (0, 1)],
+                    GgmlType::IQ4XS => &[(8, 128), (0, 8)],
                     _ => &[(6, 16), (2, 4), (0, 2)],
                 };
                 let gpu_row_bytes = row_bytes.next_multiple_of(16);
@@ -542,6 +551,38 @@ mod layout_tests {
                 assert_eq!(&o[60 + 2 * b..60 + 2 * b + 2], &blk[..2]);
             }
             assert!(o[66..].iter().all(|&x| x == 0));
+        }
+    }
+
+    /// The codebook tables the kernels hold as words (`IQ4NL_T*`, `MXFP4_T*` in
+    /// kernels/quant.cu) against the levels kestrel-quant dequantizes: a block with scale 1
+    /// whose byte j holds nibble j (low) and 15 - j (high).
+    #[test]
+    fn kernel_codebook_tables_are_the_quantizers_levels() {
+        let source = include_str!("../kernels/quant.cu");
+        let table = |name: &str| -> Vec<f32> {
+            (0..4)
+                .flat_map(|i| {
+                    let key = format!("#define {name}_T{i} 0x");
+                    let line = source.lines().find(|l| l.starts_with(&key)).unwrap();
+                    let hex = line[key.len()..].trim_end_matches('u');
+                    u32::from_str_radix(hex, 16).unwrap().to_le_bytes()
+                })
+                .map(|b| b as i8 as f32)
+                .collect()
+        };
+        let qs: Vec<u8> = (0..16u8).map(|j| j | ((15 - j) << 4)).collect();
+        for (name, ty, head) in [
+            ("IQ4NL", kestrel_gguf::GgmlType::IQ4NL, vec![0x00, 0x3c]), // f16 1.0
+            ("MXFP4", kestrel_gguf::GgmlType::MXFP4, vec![128]),        // 2^(128 - 128)
+        ] {
+            let block = [head, qs.clone()].concat();
+            let values = kestrel_quant::dequantize(ty, &block).unwrap();
+            let levels = table(name);
+            for j in 0..16 {
+                assert_eq!(levels[j], values[j], "{name} level {j}");
+                assert_eq!(levels[15 - j], values[16 + j], "{name} level {}", 15 - j);
+            }
         }
     }
 

@@ -93,7 +93,7 @@ fn verification_steps_are_batch_invariant() {
     }
     let mut rng = rand::rng();
     for arch in ARCHS {
-        for ty in ["q4_k_m", "q8_0", "f16"] {
+        for ty in ["q4_k_m", "q8_0", "f16", "iq4_xs"] {
             let seed = rng.random();
             let r = selfcheck::compare_invariant(arch, ty, seed, 0).expect("steps run");
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
@@ -144,14 +144,41 @@ fn attention_over_every_cache_type_matches_f64() {
     for heads in selfcheck::ATTN_SHAPES {
         for (k, v) in selfcheck::ATTN_CACHE_TYPES {
             let kv = kestrel_model::KvTypes { k, v };
+            // A short cache and a long one (many splits, chunks cut by their ends).
+            for range in [40..300, 1_000..selfcheck::ATTN_LONG_POSITIONS] {
+                let (n, seed) = (rng.random_range(range), rng.random());
+                let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
+                    .expect("attention runs");
+                eprintln!(
+                    "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} (chunk {:.2e}) of {:.2e}",
+                    r.max_abs_diff, r.chunk_abs_diff, r.max_abs_out
+                );
+                assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
+            }
+        }
+    }
+}
+
+/// gpt-oss's attention (`attention_sinks`: a logit per head in each softmax's denominator),
+/// over all keys and over a sliding window, on every cache type, against f64.
+#[test]
+fn attention_with_sinks_matches_f64() {
+    if !gpu_present("attention_with_sinks_matches_f64") {
+        return;
+    }
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for heads in selfcheck::ATTN_SHAPES {
+        for (k, v) in selfcheck::ATTN_CACHE_TYPES {
+            let kv = kestrel_model::KvTypes { k, v };
             let (n, seed) = (rng.random_range(40..300), rng.random());
-            let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
+            let window = [None, Some(rng.random_range(1..n))][rng.random_range(0..2)];
+            let r = selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, seed)
                 .expect("attention runs");
-            eprintln!(
-                "{heads:?} {k}/{v} {n} positions: max |Δ| {:.2e} of {:.2e}",
-                r.max_abs_diff, r.max_abs_out
+            assert!(
+                r.passed(),
+                "{heads:?} {k}/{v} {window:?} (seed {seed}): {r:?}"
             );
-            assert!(r.passed(), "{heads:?} {k}/{v} (seed {seed}): {r:?}");
         }
     }
 }
@@ -164,7 +191,7 @@ fn quantized_cache_logits_match_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let kv = kestrel_model::KvTypes { k, v };
@@ -223,7 +250,7 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
         return;
     }
     let mut rng = rand::rng();
-    for arch in ARCHS {
+    for arch in selfcheck::TP_ARCHS {
         for ty in ["f32", "q8_0", "q4_k_m"] {
             let n = rng.random_range(130..260);
             let seed = rng.random();
@@ -310,6 +337,189 @@ fn hybrids_match_cpu() {
                 let r = r.expect("state check runs");
                 assert!(r.passed(), "{arch:?} state (seed {seed}): {r:?}");
             }
+        }
+    }
+}
+
+/// The 4-bit codebook formats (IQ4_NL, IQ4_XS, MXFP4) in every GEMV-family product (plain,
+/// gate/up, residual add; 1..=8 tokens, awkward sizes) and through cuBLAS (prompt-sized)
+/// against f64 over their dequantized rows; then every architecture's logits in those
+/// formats against the CPU, on f32 and on 8-bit activations.
+#[test]
+fn codebook_formats_match_f64_and_cpu() {
+    if !gpu_present("codebook_formats_match_f64_and_cpu") {
+        return;
+    }
+    use kestrel_gguf::GgmlType;
+    use selfcheck::Product;
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for ty in [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4] {
+        for product in [Product::Plain, Product::Gated, Product::AddInto] {
+            for (rows, cols, n, seed) in selfcheck::gemv_cases(ty, rng.random()) {
+                let r = selfcheck::compare_gemv(&backend, ty, rows, cols, n, seed, product)
+                    .expect("product runs");
+                assert!(r.passed(), "{ty} {product:?} (seed {seed}): {r:?}");
+            }
+        }
+        for (rows, cols, n, seed) in selfcheck::gemm_cases(ty, rng.random()) {
+            let r = selfcheck::compare_gemv(&backend, ty, rows, cols, n, seed, Product::Plain)
+                .expect("product runs");
+            assert!(r.passed(), "{ty} gemm (seed {seed}): {r:?}");
+        }
+    }
+    drop(backend);
+    for arch in ARCHS {
+        for ty in ["iq4_nl", "iq4_xs", "mxfp4"] {
+            for q8 in [false, true] {
+                let n = rng.random_range(130..260);
+                let seed = rng.random();
+                let r =
+                    selfcheck::compare_logits(arch, ty, n, seed, 0, q8).expect("comparison runs");
+                eprintln!(
+                    "{arch:?} {ty} q8 {q8}: max |Δ| {:.2e} (bound {:.2e}, 8-bit spread {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                    r.max_abs_diff,
+                    r.max_abs_bound(),
+                    r.q8_spread,
+                    r.top1_agreement * 100.0,
+                    r.top1_agreement_ties * 100.0
+                );
+                assert!(r.passed(), "{arch:?} {ty} q8 {q8} (seed {seed}): {r:?}");
+            }
+        }
+    }
+}
+
+/// The dense families added to the GPU, phi3 (fused Q/K/V and gate/up) and mistral3 (YaRN,
+/// attention temperature): logits on f32 and 8-bit activations, and greedy generations.
+#[test]
+fn phi3_and_mistral3_match_cpu() {
+    if !gpu_present("phi3_and_mistral3_match_cpu") {
+        return;
+    }
+    use kestrel_model::Arch;
+    let mut rng = rand::rng();
+    for arch in [Arch::Phi3, Arch::Mistral3] {
+        for (ty, q8) in [
+            ("f32", false),
+            ("q8_0", false),
+            ("q4_k_m", false),
+            ("q4_k_m", true),
+        ] {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = selfcheck::compare_logits(arch, ty, n, seed, 0, q8).expect("comparison runs");
+            eprintln!(
+                "{arch:?} {ty} q8 {q8}: max |Δ| {:.2e} (bound {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.max_abs_diff,
+                r.max_abs_bound(),
+                r.top1_agreement * 100.0,
+                r.top1_agreement_ties * 100.0
+            );
+            assert!(r.passed(), "{arch:?} {ty} q8 {q8} (seed {seed}): {r:?}");
+        }
+    }
+    let mut failed = Vec::new();
+    for arch in [Arch::Phi3, Arch::Mistral3, Arch::Llama] {
+        for ty in ["f32", "f16"] {
+            for _ in 0..3 {
+                let seed = rng.random();
+                let r = selfcheck::compare_greedy(arch, ty, 64, seed, 0).expect("generation runs");
+                eprintln!(
+                    "{arch:?} {ty} greedy (seed {seed}): first difference {:?}",
+                    r.first_difference
+                );
+                if !r.passed() {
+                    failed.push(format!("{arch:?} {ty} (seed {seed}): {r:?}"));
+                }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+/// Mixture of experts: the tiny Qwen3-MoE models (8 experts of which 2, 32 of which 8) in
+/// every format the expert kernels read, in steps of 100, 40 and 1–8 tokens.
+#[test]
+fn moe_logits_match_cpu() {
+    if !gpu_present("moe_logits_match_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for shape in selfcheck::MOE_SHAPES {
+        for ty in selfcheck::MOE_TYPES {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r =
+                selfcheck::compare_logits_moe(kestrel_model::Arch::Qwen3Moe, ty, shape, n, seed, 0)
+                    .expect("comparison runs");
+            eprintln!(
+                "moe {shape:?} {ty}: one token a step: max |Δ| {:.2e}, top-1 {:.2}%; in parts: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.single.max_abs_diff,
+                r.single.top1_agreement * 100.0,
+                r.within * 100.0,
+                r.logits.max_abs_bound(),
+                r.logits.max_abs_diff,
+                r.logits.max_abs_logit,
+                r.logits.top1_agreement * 100.0,
+                r.logits.top1_agreement_ties * 100.0
+            );
+            assert!(r.passed(), "moe {shape:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+#[test]
+fn moe_greedy_generation_matches_cpu() {
+    if !gpu_present("moe_greedy_generation_matches_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    use kestrel_model::Arch;
+    for (arch, ty) in [
+        (Arch::Qwen3Moe, "f16"),
+        (Arch::Qwen3Moe, "q4_k_m"),
+        (Arch::Qwen3Moe, "q8_0"),
+        (Arch::GptOss, "f16"),
+        (Arch::GptOss, "mxfp4"),
+    ] {
+        for shape in selfcheck::MOE_SHAPES {
+            let seed = rng.random();
+            let r = selfcheck::compare_greedy_moe(arch, ty, shape, 64, seed, 0)
+                .expect("generation runs");
+            assert!(r.passed(), "{arch:?} {shape:?} {ty} (seed {seed}): {r:?}");
+        }
+    }
+}
+
+#[test]
+fn moe_verification_steps_are_batch_invariant() {
+    if !gpu_present("moe_verification_steps_are_batch_invariant") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for ty in ["q4_k_m", "q8_0", "f16"] {
+        let seed = rng.random();
+        let r = selfcheck::compare_invariant(kestrel_model::Arch::Qwen3Moe, ty, seed, 0)
+            .expect("steps run");
+        assert!(r.passed(), "qwen3moe {ty} (seed {seed}): {r:?}");
+    }
+}
+
+/// The block alone: gpt-oss's biases, clamped SwiGLU and top-k softmax, Qwen3-MoE's
+/// renormalized softmax, at decode and grouped step sizes; a shared expert's gate.
+#[test]
+fn moe_block_matches_cpu() {
+    if !gpu_present("moe_block_matches_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
+        for ty in ["q8_0", "f16", "q4_k_m"] {
+            let seed = rng.random();
+            let r = selfcheck::compare_moe_block(arch, ty, seed, 0).expect("blocks run");
+            eprintln!("moe block {arch:?} {ty}: {r:?}");
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
         }
     }
 }

@@ -70,7 +70,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             if ok { "ok" } else { "FAIL" }
         );
     }
-    for (i, arch) in ARCHS.iter().enumerate() {
+    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
             match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
@@ -351,6 +351,149 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
     }
 }
 
+/// The mixture-of-experts checks: the tiny Qwen3-MoE models' logits against the CPU in
+/// every format the expert kernels read (steps of 100, 40 and 1–8 tokens), greedy ids, and
+/// batch-invariant steps. Returns the failures.
+fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
+    let mut failures = 0;
+    println!(
+        "mixture of experts (qwen3moe, experts/used), teacher-forced against the CPU, f32 activations: pass if one token a step passes as the dense models do, and in parts (100, 40, 1-8 tokens) top-1 agreement (w/ ties) >= {:.1}% and >= {:.0}% of positions within the |Δ| bound (rounding in multi-token dense products flips near-tied routes):",
+        MIN_TOP1_AGREEMENT * 100.0,
+        selfcheck::MOE_MIN_WITHIN * 100.0
+    );
+    for (is, &shape) in selfcheck::MOE_SHAPES.iter().enumerate() {
+        for (it, &ty) in selfcheck::MOE_TYPES.iter().enumerate() {
+            let case_seed = seed.wrapping_add(20_000 + (is * 100 + it) as u64);
+            let label = format!("moe      {}/{:<6} {:<8}", shape.0, shape.1, ty);
+            match selfcheck::compare_logits_moe(
+                kestrel_model::Arch::Qwen3Moe,
+                ty,
+                shape,
+                positions,
+                case_seed,
+                args.gpu,
+            ) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "{label} 1/step max|Δ| {:.3e}, top-1 {:.2}%; parts {:.1}% of positions within {:.2e}, max|Δ| {:.3e} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                        r.single.max_abs_diff,
+                        r.single.top1_agreement * 100.0,
+                        r.within * 100.0,
+                        r.logits.max_abs_bound(),
+                        r.logits.max_abs_diff,
+                        r.logits.max_abs_logit,
+                        r.logits.top1_agreement * 100.0,
+                        r.logits.top1_agreement_ties * 100.0,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{label} ERROR {e:#}");
+                }
+            }
+        }
+    }
+    let moe = kestrel_model::Arch::Qwen3Moe;
+    println!(
+        "mixture-of-experts block alone (random inputs of 1, 3, 8, 9, 77 tokens; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output:",
+        selfcheck::MoeBlockReport::LIMIT
+    );
+    for (ia, arch) in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe]
+        .into_iter()
+        .enumerate()
+    {
+        for (it, ty) in ["q8_0", "f16", "q4_k_m", "q4_0", "mxfp4"]
+            .into_iter()
+            .enumerate()
+        {
+            let case_seed = seed.wrapping_add(22_000 + (ia * 10 + it) as u64);
+            match selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "moe block {:<8} {ty:<8} {} blocks, max rel |Δ| {:.2e}  {}",
+                        arch.name(),
+                        r.blocks,
+                        r.max_rel_diff,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("moe block {:<8} {ty:<8} ERROR {e:#}", arch.name());
+                }
+            }
+        }
+    }
+    // gpt-oss: sinks, sliding windows, biases and clamped SwiGLU experts, published in MXFP4.
+    let greedy_cases = [
+        (moe, "f16"),
+        (moe, "q4_k_m"),
+        (moe, "q8_0"),
+        (kestrel_model::Arch::GptOss, "f16"),
+        (kestrel_model::Arch::GptOss, "mxfp4"),
+    ];
+    for (it, (arch, ty)) in greedy_cases.into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(21_000 + it as u64);
+        // Greedy ids with the GPU on one f32 token a step (no route flips on rounding).
+        for shape in selfcheck::MOE_SHAPES {
+            match selfcheck::compare_greedy_moe(arch, ty, shape, args.generate, case_seed, args.gpu)
+            {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let detail = match r.first_difference {
+                        None => "identical".to_string(),
+                        Some((i, gap)) => {
+                            format!("differ from token {i} (CPU logit gap {gap:.2e})")
+                        }
+                    };
+                    println!(
+                        "moe greedy {:<8} {}/{} {ty:<8} {detail}  {}",
+                        arch.name(),
+                        shape.0,
+                        shape.1,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!(
+                        "moe greedy {:<8} {}/{} {ty:<8} ERROR {e:#}",
+                        arch.name(),
+                        shape.0,
+                        shape.1
+                    );
+                }
+            }
+        }
+        match selfcheck::compare_invariant(moe, ty, case_seed, args.gpu) {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                println!(
+                    "moe invariant {ty:<8} {} rows, {} differ (max |Δ| {:.2e}); ids {}, {} drafted  {}",
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    if r.spec == r.plain { "equal" } else { "DIFFER" },
+                    r.drafted,
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("moe invariant {ty:<8} ERROR {e:#}");
+            }
+        }
+    }
+    failures
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.bench {
         return bench(&args, path);
@@ -423,7 +566,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(backend);
     let positions = args.positions.clamp(1, 512);
     println!(
-        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\")",
+        "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\", or the CPU's own 8-bit spread if larger)",
         selfcheck::TIE_REL,
         MIN_TOP1_AGREEMENT * 100.0,
         selfcheck::MAX_REL_DIFF_Q8,
@@ -489,7 +632,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!(
         "decode attention shapes (query heads/kv heads/head size), f16, f32 activations, steps of 1-8 tokens at lengths 3-{positions}:"
     );
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
             let case_seed = seed.wrapping_add(1_000 + (ia * 10 + is) as u64);
             let (h, kv, d) = heads;
@@ -542,22 +685,49 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
             let kv = kestrel_model::KvTypes { k, v };
             let (h, hk, d) = heads;
-            match selfcheck::compare_attention_cache(&backend, heads, kv, 40 + positions, case_seed)
-            {
-                Ok(r) => {
-                    failures += usize::from(!r.passed());
-                    println!(
-                        "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
-                        r.steps,
-                        r.positions,
-                        r.max_abs_diff,
-                        r.max_abs_out,
-                        if r.passed() { "ok" } else { "FAIL" }
-                    );
+            // A short cache and a long one (64 splits of 33 keys: chunks cut by the split's end).
+            for len in [40 + positions, selfcheck::ATTN_LONG_POSITIONS] {
+                match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.chunk_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                    }
                 }
-                Err(e) => {
-                    failures += 1;
-                    println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+            }
+            // gpt-oss's attention: sinks, over all keys and over a 16-key window.
+            for window in [None, Some(16)] {
+                let n = 40 + positions;
+                let r =
+                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
+                let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
+                match r {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label}: ERROR {e:#}");
+                    }
                 }
             }
             match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
@@ -581,7 +751,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     drop(backend);
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
+    for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
             let case_seed = seed.wrapping_add(1_200 + (ia * 10 + ik) as u64);
@@ -686,7 +856,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
     );
     for (ia, arch) in ARCHS.into_iter().enumerate() {
-        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k"] {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k", "iq4_xs"] {
             let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
             match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
                 Ok(r) => {
@@ -715,6 +885,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += moe_checks(&args, seed, positions);
     println!(
         "sampled generation, {} tokens drawn on the GPU (t 0.9, top-k 40, top-p 0.95, min-p 0.05, penalties) vs the host's definition on the same logits (teacher-forced, same seed): pass if every other draw is at an interval's edge (u or top-p moved by 1e-6) and those are <= 5%:",
         args.generate
@@ -880,7 +1051,7 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     // Single-token gate/up launches (gate and up read together; `gemv_ws` for Q4_K).
     ProductCheck {
         kind: "gemv-gated",
-        types: &selfcheck::MMQ_TYPES,
+        types: &selfcheck::Q8_GEMV_TYPES,
         cases: selfcheck::gemv_cases,
         product: Product::Gated,
         q8: Some(true),
@@ -955,7 +1126,7 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     // tensor-core kernels add into the residual themselves, cuBLAS with beta = 1.
     ProductCheck {
         kind: "gemv-add",
-        types: &selfcheck::MMQ_TYPES,
+        types: &selfcheck::Q8_GEMV_TYPES,
         cases: selfcheck::gemv_cases,
         product: Product::AddInto,
         q8: None,

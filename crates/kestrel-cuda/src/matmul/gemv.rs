@@ -62,7 +62,12 @@ pub(crate) fn gemv_warps(segs: &[GemvSeg], gated: bool, rows_per_warp: usize) ->
 pub(crate) fn gemv_unit_values(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => 32,
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => 16,
+        GgmlType::Q8_0
+        | GgmlType::Q4_0
+        | GgmlType::Q5_0
+        | GgmlType::IQ4NL
+        | GgmlType::IQ4XS
+        | GgmlType::MXFP4 => 16,
         GgmlType::F16 | GgmlType::BF16 => 8,
         _ => 4,
     }

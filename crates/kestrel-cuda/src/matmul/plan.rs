@@ -119,7 +119,10 @@ impl Matrix {
 pub fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => cols.is_multiple_of(256),
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => cols.is_multiple_of(32),
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::IQ4NL | GgmlType::MXFP4 => {
+            cols.is_multiple_of(32)
+        }
+        GgmlType::IQ4XS => cols.is_multiple_of(256),
         GgmlType::F16 | GgmlType::BF16 => cols.is_multiple_of(8),
         GgmlType::F32 => cols.is_multiple_of(4),
         _ => false,
@@ -130,7 +133,13 @@ pub fn gemv_supported(ty: GgmlType, cols: usize) -> bool {
 pub fn q8_supported(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::Q4_0
+        GgmlType::Q4K
+            | GgmlType::Q6K
+            | GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::MXFP4
     )
 }
 
@@ -381,7 +390,7 @@ mod tests {
     fn dispatch_table() {
         use GgmlType as T;
         use Kernel::*;
-        let table: [(GgmlType, [&[Kernel]; 5]); 11] = [
+        let table: [(GgmlType, [&[Kernel]; 5]); 14] = [
             (
                 T::Q4K,
                 [
@@ -417,6 +426,36 @@ mod tests {
                 [
                     &[GemvQ8],
                     &[GemvQ8, Mmq, Mmq, Mmq, Mmq],
+                    &[Cublas; 4],
+                    &[Cublas; 2],
+                    &[Cublas; 2],
+                ],
+            ),
+            (
+                T::IQ4NL,
+                [
+                    &[GemvQ8],
+                    &[GemvQ8, GemvQ8, GemvQ8, Cublas, Cublas],
+                    &[Cublas; 4],
+                    &[Cublas; 2],
+                    &[Cublas; 2],
+                ],
+            ),
+            (
+                T::IQ4XS,
+                [
+                    &[GemvQ8],
+                    &[GemvQ8, GemvQ8, GemvQ8, Cublas, Cublas],
+                    &[Cublas; 4],
+                    &[Cublas; 2],
+                    &[Cublas; 2],
+                ],
+            ),
+            (
+                T::MXFP4,
+                [
+                    &[GemvQ8],
+                    &[GemvQ8, GemvQ8, GemvQ8, Cublas, Cublas],
                     &[Cublas; 4],
                     &[Cublas; 2],
                     &[Cublas; 2],

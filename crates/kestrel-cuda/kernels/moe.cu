@@ -1,0 +1,322 @@
+// Mixture-of-experts feed-forward blocks (src/moe.rs): the routing of `kestrel_model::moe::
+// route` per token on the device, then the selected experts' gated MLPs read from the
+// stacked `ffn_*_exps` matrices (expert e's rows are rows e·rows..(e+1)·rows) with the
+// per-format dot products of gemv.cu (`row_dot_any` / `row_dot2_any`, generic over the
+// block format). Every product is one warp per row whose lanes accumulate each token
+// independently of the others, so a token's result is the same whatever else the step
+// holds (decode, grouped prefill, batch-invariant verification).
+//
+// Every step: moe_router (f32 logits), moe_route. Steps of up to 8 tokens then: moe_gate_up (one block row per (token,
+// slot) pair, the expert id read from the device), moe_down (each token's row summed over
+// its k experts in slot order, no atomics). Larger steps group the pairs by expert
+// (moe_group), gather their inputs (moe_gather), run tiles of up to GV_MAX_T pairs of one
+// expert (moe_gate_up_tiles, moe_down_tiles: each weight row read once per tile), and add
+// each token's weighted outputs in slot order (moe_combine). Grids are sized for the worst
+// case (tiles beyond the count exit at once), so no step needs the host.
+
+#define MOE_MAX_EXPERT 1024
+#define MOE_MAX_K 16
+#define MOE_ROWS 4  // rows a 128-thread block computes: one warp each
+
+// gate/up nonlinearity of one value pair, as the CPU computes it: act(g) * u, or gpt-oss's
+// clamped SwiGLU (limit > 0): min(g, limit) · sigmoid(alpha · ·) · (clamp(u, ±limit) + 1).
+__device__ __forceinline__ float moe_act(float g, float u, int act, float alpha, float limit) {
+    if (limit > 0.0f) {
+        const float x = fminf(g, limit);
+        const float y = fminf(fmaxf(u, -limit), limit);
+        return __fmul_rn(__fdiv_rn(x, 1.0f + expf(__fmul_rn(alpha, -x))), y + 1.0f);
+    }
+    return __fmul_rn(gv_act(g, act), u);
+}
+
+// Router logits in f32 (as llama.cpp keeps the router): block (expert e, tile of up to
+// GV_MAX_T tokens) of 4 warps splitting the row, logits[t][e] = w_e · x[t]. Each token's
+// sums are its own (the same whatever the step's size).
+extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_router(const float* x, int d,
+                                                                     int n, const u8* w,
+                                                                     long long rb, int ty,
+                                                                     int ne, float* logits) {
+    pdl_enter();
+    __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+    const int e = blockIdx.x, t0 = blockIdx.y * GV_MAX_T;
+    const int nt = min(GV_MAX_T, n - t0);
+    float acc[GV_MAX_T];
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) acc[t] = 0.0f;
+    row_dot_any(ty, w + (size_t)e * rb, x + (size_t)t0 * d, d, nt, threadIdx.x, GV_THREADS,
+                acc);
+    row_reduce(acc, nt, GV_THREADS / 32, red);
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int t = 0; t < GV_MAX_T; t++)
+            if (t < nt) logits[(size_t)(t0 + t) * ne + e] = acc[t];
+}
+
+// Per token (one warp each): ids[t·k + s] and wts[t·k + s] of its k experts, in decreasing
+// order (lower index first among equal logits). gating 0: softmax over all n_expert logits
+// (renormalized over the chosen when norm); 1: softmax over the chosen logits only. The
+// exponentials' sum is taken in f64 and its f32 reciprocal scales each, as ggml does; the
+// renormalizing sum is clamped below at 2^-14.
+extern "C" __global__ void __launch_bounds__(32) moe_route(const float* logits,
+                                                           const float* bias, int n_expert,
+                                                           int k, int gating, int norm,
+                                                           int* ids, float* wts) {
+    pdl_enter();
+    __shared__ float l[MOE_MAX_EXPERT];
+    __shared__ u8 taken[MOE_MAX_EXPERT];
+    __shared__ int sel[MOE_MAX_K];
+    const int t = blockIdx.x, lane = threadIdx.x;
+    for (int e = lane; e < n_expert; e += 32) {
+        float v = logits[(size_t)t * n_expert + e];
+        if (bias) v = __fadd_rn(v, bias[e]);
+        l[e] = v;
+        taken[e] = 0;
+    }
+    __syncwarp();
+    for (int s = 0; s < k; s++) {
+        int bi = -1;
+        float bv = 0.0f;
+        for (int e = lane; e < n_expert; e += 32)
+            if (!taken[e] && (bi < 0 || l[e] > bv)) { bi = e; bv = l[e]; }
+        for (int o = 16; o > 0; o >>= 1) {
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const bool take = oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi));
+            if (take) { bi = oi; bv = ov; }
+        }
+        if (lane == 0) { sel[s] = bi; taken[bi] = 1; }
+        __syncwarp();
+    }
+    const float mx = l[sel[0]];
+    double sum = 0.0;
+    if (gating == 0) {
+        for (int e = lane; e < n_expert; e += 32) sum += (double)expf(l[e] - mx);
+        sum = warp_sum(sum);
+    } else {
+        for (int s = 0; s < k; s++) sum += (double)expf(l[sel[s]] - mx);
+    }
+    if (lane != 0) return;
+    const float scale = (float)(1.0 / sum);
+    float w[MOE_MAX_K];
+    float tot = 0.0f;
+    for (int s = 0; s < k; s++) {
+        w[s] = __fmul_rn(expf(l[sel[s]] - mx), scale);
+        tot = __fadd_rn(tot, w[s]);
+    }
+    tot = fmaxf(tot, 6.103515625e-5f);
+    for (int s = 0; s < k; s++) {
+        ids[t * k + s] = sel[s];
+        wts[t * k + s] = norm ? __fdiv_rn(w[s], tot) : w[s];
+    }
+}
+
+// The gated product of one expert row r for `n` tokens at x (rows of d values): out[t·ldo + r]
+// = moe_act(gate_r · x_t + bg[r], up_r · x_t + bu[r]). One warp; lane 0 writes.
+__device__ __forceinline__ void moe_gate_up_row(const float* x, int d, int n, int r,
+                                                const u8* rg, int tyg, const u8* ru, int tyu,
+                                                const float* bg, const float* bu, int act,
+                                                float alpha, float limit, float* out,
+                                                long long ldo) {
+    const int lane = threadIdx.x & 31;
+    float g[GV_MAX_T], u[GV_MAX_T];
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) { g[t] = 0.0f; u[t] = 0.0f; }
+    if (tyg != tyu || !row_dot2_any(tyg, rg, ru, x, d, n, lane, 32, g, u)) {
+        row_dot_any(tyg, rg, x, d, n, lane, 32, g);
+        row_dot_any(tyu, ru, x, d, n, lane, 32, u);
+    }
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++)
+        if (t < n) { g[t] = warp_sum(g[t]); u[t] = warp_sum(u[t]); }
+    if (lane != 0) return;
+    const float b0 = bg ? bg[r] : 0.0f, b1 = bu ? bu[r] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++)
+        if (t < n) out[t * ldo + r] = moe_act(__fadd_rn(g[t], b0), __fadd_rn(u[t], b1), act, alpha, limit);
+}
+
+#define MOE_GATE_UP_PARAMS                                                                     \
+    int d, int ff, const u8 *wg, long long rbg, int tyg, const u8 *wu, long long rbu, int tyu, \
+        const float *bg, const float *bu, int act, float alpha, float limit
+
+// Decode: block (row group, pair p = t·k + s): a[p][r] for the rows r of the group, expert
+// ids[p], token t's input x[t].
+extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_gate_up(const float* x, int k,
+                                                                      const int* ids, float* a,
+                                                                      MOE_GATE_UP_PARAMS) {
+    pdl_enter();
+    const int r = blockIdx.x * MOE_ROWS + (threadIdx.x >> 5), p = blockIdx.y;
+    if (r >= ff) return;
+    const long long e = ids[p], row = e * ff + r;
+    moe_gate_up_row(x + (size_t)(p / k) * d, d, 1, r, wg + row * rbg, tyg, wu + row * rbu, tyu,
+                    bg ? bg + e * ff : nullptr, bu ? bu + e * ff : nullptr, act, alpha, limit,
+                    a + (size_t)p * ff, 0);
+}
+
+// The down product of one expert row r for n inputs at a (rows of ff values), bias added:
+// into v[t]. One warp; every lane gets the sums.
+__device__ __forceinline__ void moe_down_row(const float* a, int ff, int n, const u8* row,
+                                             int ty, float b, float* v) {
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++) v[t] = 0.0f;
+    row_dot_any(ty, row, a, ff, n, threadIdx.x & 31, 32, v);
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++)
+        if (t < n) v[t] = __fadd_rn(warp_sum(v[t]), b);
+}
+
+// Decode: block (row group, token t) of 8 warps: out[t][r] = Σ_s wts[t·k+s] · (down_e ·
+// a[t·k+s] + bd_e[r]) over the k slots in order, e = ids[t·k+s]. Each warp takes one
+// (row, slot) product (k ≤ 8: 8 / k rows a block; k > 8: one row, slots w and w + 8), so all
+// of a row's expert rows load at once; the block then sums each row over its slots in order
+// (no atomics).
+extern "C" __global__ void __launch_bounds__(256)
+moe_down(const float* a, int ff, int d, int k, const int* ids, const float* wts, const u8* wd,
+         long long rbd, int tyd, const float* bd, float* out) {
+    pdl_enter();
+    __shared__ float part[8][MOE_MAX_K];
+    const int w = threadIdx.x >> 5, t = blockIdx.y;
+    const int rpb = k <= 8 ? 8 / k : 1;
+    const int rl = k <= 8 ? w / k : 0;
+    const int r = blockIdx.x * rpb + rl;
+    if (rl < rpb && r < d) {
+        for (int s = k <= 8 ? w % k : w; s < k; s += 8) {
+            const int p = t * k + s;
+            const long long e = ids[p];
+            float v[GV_MAX_T];
+            moe_down_row(a + (size_t)p * ff, ff, 1, wd + (e * d + r) * rbd, tyd,
+                         bd ? bd[e * d + r] : 0.0f, v);
+            if ((threadIdx.x & 31) == 0) part[rl][s] = __fmul_rn(v[0], wts[p]);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < rpb) {
+        const int rr = blockIdx.x * rpb + threadIdx.x;
+        if (rr >= d) return;
+        float o = part[threadIdx.x][0];
+        for (int s = 1; s < k; s++) o = __fadd_rn(o, part[threadIdx.x][s]);
+        out[(size_t)t * d + rr] = o;
+    }
+}
+
+// Groups the np = n·k pairs by expert (one block): pos[p] = the pair's place in the grouped
+// order (by expert; within an expert in no particular order: each pair's results do not
+// depend on its neighbours), order[pos] = p, and the tiles of up to GV_MAX_T consecutive
+// pairs of one expert: tiles[0] = their count, then (expert, first, count) each.
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int np,
+                                                             int n_expert, int* pos, int* order,
+                                                             int* tiles) {
+    pdl_enter();
+    __shared__ int cnt[MOE_MAX_EXPERT], start[MOE_MAX_EXPERT], tstart[MOE_MAX_EXPERT];
+    __shared__ int fill[MOE_MAX_EXPERT];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) { cnt[e] = 0; fill[e] = 0; }
+    __syncthreads();
+    for (int p = threadIdx.x; p < np; p += blockDim.x) atomicAdd(&cnt[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0, ts = 0;
+        for (int e = 0; e < n_expert; e++) {
+            start[e] = s;
+            tstart[e] = ts;
+            s += cnt[e];
+            ts += (cnt[e] + GV_MAX_T - 1) / GV_MAX_T;
+        }
+        tiles[0] = ts;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < np; p += blockDim.x) {
+        const int e = ids[p];
+        const int at = start[e] + atomicAdd(&fill[e], 1);
+        pos[p] = at;
+        order[at] = p;
+    }
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        const int nt = (cnt[e] + GV_MAX_T - 1) / GV_MAX_T;
+        for (int i = 0; i < nt; i++) {
+            int* tl = tiles + 1 + 3 * (tstart[e] + i);
+            tl[0] = e;
+            tl[1] = start[e] + i * GV_MAX_T;
+            tl[2] = min(GV_MAX_T, cnt[e] - i * GV_MAX_T);
+        }
+    }
+}
+
+// xs[q] = x[order[q] / k] for each grouped place q (one block each).
+extern "C" __global__ void moe_gather(const float* x, int d, int k, const int* order,
+                                      float* xs) {
+    pdl_enter();
+    const int q = blockIdx.x;
+    const float* src = x + (size_t)(order[q] / k) * d;
+    float* dst = xs + (size_t)q * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
+}
+
+// Grouped: block (row group, tile): a[q][r] for the tile's pairs q (grouped order).
+extern "C" __global__ void __launch_bounds__(GV_THREADS)
+moe_gate_up_tiles(const float* xs, const int* tiles, float* a, MOE_GATE_UP_PARAMS) {
+    pdl_enter();
+    const int r = blockIdx.x * MOE_ROWS + (threadIdx.x >> 5), ti = blockIdx.y;
+    if (ti >= tiles[0] || r >= ff) return;
+    const int* tl = tiles + 1 + 3 * ti;
+    const long long e = tl[0], row = e * ff + r;
+    const int q0 = tl[1], n = tl[2];
+    moe_gate_up_row(xs + (size_t)q0 * d, d, n, r, wg + row * rbg, tyg, wu + row * rbu, tyu,
+                    bg ? bg + e * ff : nullptr, bu ? bu + e * ff : nullptr, act, alpha, limit,
+                    a + (size_t)q0 * ff, ff);
+}
+
+// Grouped: block (row group, tile): ys[q][r] = wts[order[q]] · (down_e · a[q] + bd_e[r]).
+extern "C" __global__ void __launch_bounds__(GV_THREADS)
+moe_down_tiles(const float* a, int ff, int d, const int* tiles, const int* order,
+               const float* wts, const u8* wd, long long rbd, int tyd, const float* bd,
+               float* ys) {
+    pdl_enter();
+    const int r = blockIdx.x * MOE_ROWS + (threadIdx.x >> 5), ti = blockIdx.y;
+    if (ti >= tiles[0] || r >= d) return;
+    const int* tl = tiles + 1 + 3 * ti;
+    const long long e = tl[0];
+    const int q0 = tl[1], n = tl[2];
+    float v[GV_MAX_T];
+    moe_down_row(a + (size_t)q0 * ff, ff, n, wd + (e * d + r) * rbd, tyd,
+                 bd ? bd[e * d + r] : 0.0f, v);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int t = 0; t < GV_MAX_T; t++)
+        if (t < n) ys[(size_t)(q0 + t) * d + r] = __fmul_rn(v[t], wts[order[q0 + t]]);
+}
+
+// out[t][i] = Σ_s ys[pos[t·k+s]][i], slot by slot in order.
+extern "C" __global__ void moe_combine(const float* ys, const int* pos, int d, int k, int n,
+                                       float* out) {
+    pdl_enter();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * d) return;
+    const int t = (int)(i / d), c = (int)(i % d);
+    float o = ys[(size_t)pos[t * k] * d + c];
+    for (int s = 1; s < k; s++) o = __fadd_rn(o, ys[(size_t)pos[t * k + s] * d + c]);
+    out[i] = o;
+}
+
+// A shared expert's gate: out[t] += y[t] · sigmoid(x[t] · w), one block per token.
+extern "C" __global__ void __launch_bounds__(256) moe_shared_gate(float* out, const float* y,
+                                                                    const float* x,
+                                                                    const float* w, int d,
+                                                                    int dy) {
+    pdl_enter();
+    __shared__ float red[8];
+    __shared__ float gate;
+    const int t = blockIdx.x;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) s = fmaf(x[(size_t)t * d + i], w[i], s);
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float z = 0.0f;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) z += red[i];
+        gate = 1.0f / (1.0f + expf(-z));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < dy; i += blockDim.x)
+        out[(size_t)t * dy + i] = __fadd_rn(out[(size_t)t * dy + i], __fmul_rn(y[(size_t)t * dy + i], gate));
+}
