@@ -69,6 +69,11 @@ pub fn compare_logits_awkward_hybrid(
     compare_logits_in(file, arch, ty, n, seed, ordinal, false, &PARTS)
 }
 
+/// Whether the tiny model of `arch` has mixture-of-experts layers.
+pub fn has_moe(arch: Arch) -> bool {
+    SynthConfig::tiny(arch).n_expert > 0
+}
+
 /// Whether `e` is a backend refusing mixture-of-experts layers (a hybrid with MoE layers
 /// on a backend without them yet): a check to skip with a notice, not a failure.
 pub fn moe_refused(e: &anyhow::Error) -> bool {
