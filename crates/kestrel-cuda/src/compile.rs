@@ -31,6 +31,8 @@ pub const SOURCE: &str = concat!(
     include_str!("../kernels/sample.cu"),
     "\n",
     include_str!("../kernels/peer.cu"),
+    "\n",
+    include_str!("../kernels/delta.cu"),
 );
 
 /// Names of the kernels the backend loads from the module: each family's list, declared
@@ -47,6 +49,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::attention::KERNELS,
         crate::step::KERNELS,
         crate::sample::KERNELS,
+        crate::delta::KERNELS,
         crate::moe::KERNELS,
         crate::tp::KERNELS,
         crate::split::KERNELS,

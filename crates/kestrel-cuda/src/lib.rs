@@ -20,6 +20,7 @@
 
 mod attention;
 pub mod compile;
+mod delta;
 mod launch;
 mod matmul;
 mod moe;
@@ -48,8 +49,8 @@ use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, sys};
 use kestrel_gguf::{GgmlType, GgufFile, TensorInfo};
 use kestrel_model::{
-    Activation, AttnParams, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
-    SamplingBatch,
+    Activation, AttnParams, Batch, DeltaNetConfig, DeltaNetWeights, KvType, KvTypes, LayerWeights,
+    ModelConfig, RopeParams, SamplingBatch,
 };
 
 pub use compile::Origin;
@@ -256,6 +257,8 @@ pub struct CudaCache {
     block_size: usize,
     n_blocks: usize,
     kv_dim: usize,
+    /// The linear-attention layers' per-sequence states (models that have them).
+    delta: Option<delta::DeltaStates>,
 }
 
 /// The storage types the CUDA attention reads (kernels/attention.cu: KV_F16, KV_Q8_0,
@@ -305,7 +308,12 @@ pub struct CudaStep {
     table_capacity: usize,
     host: Vec<u32>,
     n_tokens: usize,
+    n_seqs: usize,
     n_logit_rows: usize,
+    /// The linear-attention layers' convolution output, `[max_tokens × conv_dim]` (models
+    /// that have them).
+    _delta_conv: Option<CudaSlice<f32>>,
+    delta_conv_ptr: Option<u64>,
 }
 
 impl CudaBackend {
@@ -505,6 +513,10 @@ impl kestrel_model::Backend for CudaBackend {
         INVARIANT_MAX_TOKENS
     }
 
+    fn check_model(&self, cfg: &kestrel_model::ModelConfig) -> anyhow::Result<()> {
+        delta::check_config(cfg)
+    }
+
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<CudaWeight> {
         weights::load_weight(self, file, info)
     }
@@ -610,12 +622,23 @@ impl kestrel_model::Backend for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) -> Prepared {
-        // Attention layers only (linear-attention models are refused at load here).
+        // Attention layers only (the forward pass calls `delta_net` for the others).
         let Some(w) = QkvWeights::of(layer) else {
             self.fail("qkv: a layer without Q/K/V projections".into());
             return Prepared::Nothing;
         };
         matmul::qkv(self, x, x_ready, &w, n, q, k, v)
+    }
+
+    fn matmul_many(
+        &self,
+        x: &CudaTensor,
+        x_ready: Prepared,
+        ws: &[&CudaWeight],
+        n: usize,
+        outs: &mut [&mut CudaTensor],
+    ) {
+        matmul::matmul_many(self, x, x_ready, ws, n, outs)
     }
 
     fn matmul_add(
@@ -755,6 +778,49 @@ impl kestrel_model::Backend for CudaBackend {
     fn submit(&self) {
         self.flush();
     }
+
+    fn check_linear_attention(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn forget_state(&self, cache: &mut CudaCache, first_block: u32) {
+        delta::forget(cache, first_block)
+    }
+
+    fn split_gated_query(
+        &self,
+        qg: &CudaTensor,
+        head_dim: usize,
+        n: usize,
+        q: &mut CudaTensor,
+        gate: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        delta::split_gated_query(self, qg, head_dim, n, q, gate)
+    }
+
+    fn sigmoid_mul(&self, x: &mut CudaTensor, gate: &CudaTensor, n: usize) -> anyhow::Result<()> {
+        delta::sigmoid_mul(self, x, gate, n)
+    }
+
+    fn delta_net(
+        &self,
+        cache: &mut CudaCache,
+        layer: usize,
+        cfg: &DeltaNetConfig,
+        w: &DeltaNetWeights<CudaWeight>,
+        mix: &CudaTensor,
+        z: &CudaTensor,
+        beta: &CudaTensor,
+        alpha: &CudaTensor,
+        eps: f32,
+        step: &CudaStep,
+        n: usize,
+        out: &mut CudaTensor,
+    ) -> anyhow::Result<()> {
+        delta::delta_net(
+            self, cache, layer, cfg, w, mix, z, beta, alpha, eps, step, n, out,
+        )
+    }
 }
 
 impl CudaCache {
@@ -764,6 +830,11 @@ impl CudaCache {
 
     pub fn types(&self) -> KvTypes {
         self.types
+    }
+
+    /// Sequences whose linear-attention state the cache holds (0 for other models).
+    pub fn live_states(&self) -> usize {
+        self.delta.as_ref().map_or(0, |d| d.live())
     }
 }
 

@@ -208,6 +208,7 @@ pub(crate) fn new_cache(
         block_size,
         n_blocks,
         kv_dim,
+        delta: crate::delta::new_states(backend, config, n_blocks)?,
     };
     // u16 elements of one layer's buffer and where its scales start (bytes): f16 values, or
     // a byte a value then an f16 scale per 32 values (kernels/attention.cu, kv_load).
@@ -245,7 +246,8 @@ pub(crate) fn new_step(
     let widest = config
         .n_embd
         .max(config.n_ff)
-        .max(config.n_head * config.head_dim);
+        .max(config.n_head * config.head_dim)
+        .max(config.delta_net.map_or(0, |d| d.value_dim()));
     // Room for the widest input of the largest step the 8-bit kernels take.
     backend.reserve_q8(GEMV_MAX_TOKENS.max(MMQ_MAX_TOKENS) * widest)?;
     // Room for one sequence at full context; grows if a step needs more.
@@ -258,6 +260,14 @@ pub(crate) fn new_step(
         * (config.head_dim + 2);
     let attn_part = backend.alloc::<f32>(attn_part_len, "the attention partials")?;
     let attn_part_ptr = backend.ptr(&attn_part);
+    let delta_conv = match &config.delta_net {
+        Some(d) => Some(backend.alloc::<f32>(
+            max_tokens * d.conv_dim(),
+            "the linear-attention convolution output",
+        )?),
+        None => None,
+    };
+    let delta_conv_ptr = delta_conv.as_ref().map(|b| backend.ptr(b));
     Ok(CudaStep {
         buf,
         ptr,
@@ -268,7 +278,10 @@ pub(crate) fn new_step(
         table_capacity,
         host: Vec::new(),
         n_tokens: 0,
+        n_seqs: 0,
         n_logit_rows: 0,
+        _delta_conv: delta_conv,
+        delta_conv_ptr,
     })
 }
 
@@ -321,6 +334,7 @@ pub(crate) fn prepare_step(
         .memcpy_htod(&h[..], &mut step.buf.slice_mut(..len))
         .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
     step.n_tokens = n;
+    step.n_seqs = batch.seqs.len();
     step.n_logit_rows = batch.logit_rows.len();
     backend.invariant.store(
         batch.invariant && (2..=INVARIANT_MAX_TOKENS).contains(&n),

@@ -299,6 +299,94 @@ fn layer_split_matches_one_gpu_and_cpu() {
     }
 }
 
+/// The linear-attention hybrids on the GPU against the CPU: logits in steps of 1 to 100
+/// tokens for each weight type (f32 activations; with 8-bit ones against the CPU's own 8-bit
+/// spread), several sequences per step against each alone, greedy ids, awkward head sizes,
+/// and the per-sequence state refusing a cut-back sequence. Hybrids whose MoE layers the
+/// backend refuses are skipped with a notice.
+#[test]
+fn hybrids_match_cpu() {
+    if !gpu_present("hybrids_match_cpu") {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in selfcheck::HYBRID_ARCHS {
+        let skip = |e: &anyhow::Error| {
+            let s = selfcheck::moe_refused(e);
+            if s {
+                eprintln!("{arch:?}: skipped, {e:#}");
+            }
+            s
+        };
+        if selfcheck::has_moe(arch) {
+            // Route flips on rounding: the MoE checks' criteria (see `compare_logits_moe`).
+            for ty in selfcheck::HYBRID_TYPES {
+                let n = rng.random_range(130..260);
+                let seed = rng.random();
+                let r = selfcheck::compare_logits_moe(arch, ty, (8, 2), n, seed, 0)
+                    .expect("comparison runs");
+                assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+            }
+            let seed = rng.random();
+            let g = selfcheck::compare_greedy_moe(arch, "f16", (8, 2), 32, seed, 0)
+                .expect("generation runs");
+            assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
+            let r = selfcheck::check_state_continuity(arch, seed, 0).expect("state check runs");
+            assert!(r.passed(), "{arch:?} state (seed {seed}): {r:?}");
+            continue;
+        }
+        for ty in selfcheck::HYBRID_TYPES {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let r = match selfcheck::compare_logits(arch, ty, n, seed, 0, false) {
+                Err(e) if skip(&e) => break,
+                r => r.expect("comparison runs"),
+            };
+            assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+            let seed = rng.random();
+            let r =
+                selfcheck::compare_batched_f32(arch, ty, &[48, 1, 37], seed, 0).expect("batched");
+            assert!(r.passed(), "{arch:?} {ty} batched (seed {seed}): {r:?}");
+            let seed = rng.random();
+            if selfcheck::Q8_TYPES.contains(&ty) {
+                // The default 8-bit decode path, against the CPU's own 8-bit spread.
+                let (r, bound) =
+                    selfcheck::compare_logits_q8_spread(arch, ty, n, seed, 0).expect("q8 runs");
+                assert!(
+                    r.passed_within(bound),
+                    "{arch:?} {ty}+q8 (seed {seed}, bound {bound}): {r:?}"
+                );
+            } else {
+                // Greedy ids where decoding keeps f32 activations (a near-tie is the only
+                // excuse for a difference).
+                let g = selfcheck::compare_greedy(arch, ty, 32, seed, 0).expect("generation runs");
+                assert!(g.passed(), "{arch:?} {ty} greedy (seed {seed}): {g:?}");
+            }
+        }
+        for ty in ["f32", "f16"] {
+            let seed = rng.random();
+            match selfcheck::compare_logits_awkward_hybrid(arch, ty, 150, seed, 0) {
+                Err(e) if skip(&e) => {}
+                r => {
+                    let r = r.expect("comparison runs");
+                    assert!(
+                        r.passed(),
+                        "{arch:?} {ty} awkward sizes (seed {seed}): {r:?}"
+                    );
+                }
+            }
+        }
+        let seed = rng.random();
+        match selfcheck::check_state_continuity(arch, seed, 0) {
+            Err(e) if skip(&e) => {}
+            r => {
+                let r = r.expect("state check runs");
+                assert!(r.passed(), "{arch:?} state (seed {seed}): {r:?}");
+            }
+        }
+    }
+}
+
 /// The 4-bit codebook formats (IQ4_NL, IQ4_XS, MXFP4) in every GEMV-family product (plain,
 /// gate/up, residual add; 1..=8 tokens, awkward sizes) and through cuBLAS (prompt-sized)
 /// against f64 over their dequantized rows; then every architecture's logits in those

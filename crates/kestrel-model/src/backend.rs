@@ -505,6 +505,27 @@ pub trait Backend: Sync {
         self.matmul(x, w, n, out);
     }
 
+    /// Several products of one input, `outs[i] = x · ws[i]ᵀ` (a linear-attention layer's
+    /// input projections, a gated attention layer's Q/gate, K and V): a backend may run
+    /// them as one launch, or prepare `x` once for all. Default: [`Self::matmul_ready`]
+    /// for the first, [`Self::matmul`] for the others.
+    fn matmul_many(
+        &self,
+        x: &Self::Tensor,
+        x_ready: Self::Prepared,
+        ws: &[&Self::Weight],
+        n: usize,
+        outs: &mut [&mut Self::Tensor],
+    ) {
+        for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            if i == 0 {
+                self.matmul_ready(x, x_ready, w, n, out);
+            } else {
+                self.matmul(x, w, n, out);
+            }
+        }
+    }
+
     /// `residual += x · wᵀ` (`tmp` receives the product where the backend needs it).
     fn matmul_add(
         &self,

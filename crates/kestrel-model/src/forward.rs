@@ -175,15 +175,19 @@ impl<B: Backend> Model<B> {
                     .delta_net
                     .as_ref()
                     .context("a linear-attention layer without its configuration")?;
-                backend.matmul_ready(&s.h, h_ready, &dw.in_qkv, n, &mut s.mix);
-                backend.matmul(&s.h, &dw.gate, n, &mut s.z);
-                backend.matmul(&s.h, &dw.beta, n, &mut s.beta);
                 let alpha = match &dw.alpha {
                     Some(a) => {
-                        backend.matmul(&s.h, a, n, &mut s.alpha);
+                        let ws = [&dw.in_qkv, &dw.gate, &dw.beta, a];
+                        let mut outs = [&mut s.mix, &mut s.z, &mut s.beta, &mut s.alpha];
+                        backend.matmul_many(&s.h, h_ready, &ws, n, &mut outs);
                         &s.alpha
                     }
-                    None => &s.beta,
+                    None => {
+                        let ws = [&dw.in_qkv, &dw.gate, &dw.beta];
+                        let mut outs = [&mut s.mix, &mut s.z, &mut s.beta];
+                        backend.matmul_many(&s.h, h_ready, &ws, n, &mut outs);
+                        &s.beta
+                    }
                 };
                 backend.delta_net(
                     cache,
@@ -285,10 +289,9 @@ impl<B: Backend> Model<B> {
             let (wq, wk, wv) = layer
                 .qkv_weights()
                 .with_context(|| format!("layer {il} has no attention weights"))?;
-            backend.matmul_ready(&s.h, h_ready, wq, n, &mut s.qg);
+            let mut outs = [&mut s.qg, &mut s.k, &mut s.v];
+            backend.matmul_many(&s.h, h_ready, &[wq, wk, wv], n, &mut outs);
             backend.split_gated_query(&s.qg, cfg.head_dim, n, &mut s.q, &mut s.ogate)?;
-            backend.matmul(&s.h, wk, n, &mut s.k);
-            backend.matmul(&s.h, wv, n, &mut s.v);
             B::Prepared::default()
         } else {
             backend.qkv(&s.h, h_ready, layer, n, &mut s.q, &mut s.k, &mut s.v)

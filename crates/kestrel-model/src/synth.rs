@@ -234,7 +234,7 @@ pub struct SynthYarn {
 }
 
 /// Names accepted by [`SynthConfig::preset`].
-pub const PRESETS: [&str; 8] = [
+pub const PRESETS: [&str; 9] = [
     "tiny",
     "llama3-8b",
     "llama3-70b",
@@ -243,6 +243,7 @@ pub const PRESETS: [&str; 8] = [
     "qwen3-30b-a3b",
     "gpt-oss-20b",
     "qwen3-next-80b-a3b",
+    "qwen3-next-dense",
 ];
 
 /// Size overrides on top of a preset (the CLI's `--layers`, `--embd`, ... flags).
@@ -508,6 +509,24 @@ impl SynthConfig {
                     n_rot: 64,
                     n_ff_shexp: 512,
                 }),
+            },
+            // A dense Qwen3.5 hybrid of Qwen3-Next-80B-A3B's layers: its attention and
+            // linear-attention shapes, one dense feed-forward block of 5,120 in place of the
+            // experts (a token's active ones come to 5,632: 10 of 512 and the shared one), so
+            // that a backend without mixture-of-experts kernels can time the rest.
+            "qwen3-next-dense" => SynthConfig {
+                arch: Arch::Qwen35,
+                name: "kestrel synth qwen3-next-dense".into(),
+                n_expert: 0,
+                n_expert_used: 0,
+                n_ff_exp: 0,
+                hybrid: Some(SynthHybrid {
+                    n_ff_shexp: 0,
+                    ..SynthConfig::preset("qwen3-next-80b-a3b", None)?
+                        .hybrid
+                        .ok_or_else(|| invalid("qwen3-next-80b-a3b has no hybrid shape"))?
+                }),
+                ..SynthConfig::preset("qwen3-next-80b-a3b", None)?
             },
             other => {
                 return Err(invalid(format!(

@@ -43,6 +43,9 @@ pub struct Args {
     /// The stages' GPUs of `--split layer` (a GPU may be named twice).
     #[arg(long, default_value = "cuda:0,cuda:0")]
     pub devices: String,
+    /// Only the linear-attention hybrids' checks (qwen35, qwen3next, qwen35moe).
+    #[arg(long)]
+    pub hybrids: bool,
 }
 
 /// `gpu-check --split layer --devices LIST`.
@@ -272,6 +275,198 @@ fn bench(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The linear-attention hybrids against the CPU: teacher-forced logits in steps of 1 to 100
+/// tokens, several sequences per step against each alone, greedy generation, and the
+/// per-sequence state's refusals and reuse. Models whose MoE layers the backend refuses are
+/// skipped with a notice. Returns the failures.
+fn check_hybrids(args: &Args, seed: u64) -> usize {
+    let positions = args.positions.clamp(1, 512);
+    let mut failures = 0usize;
+    println!(
+        "linear-attention hybrids (gated DeltaNet + gated attention), {positions} positions, same criteria; then several sequences per step vs alone, greedy generation, state continuity:"
+    );
+    let skipped = |label: &str, e: &anyhow::Error| {
+        let skip = selfcheck::moe_refused(e);
+        if skip {
+            println!("{label} skipped: {e:#}");
+        }
+        skip
+    };
+    for (ia, arch) in selfcheck::HYBRID_ARCHS.into_iter().enumerate() {
+        if selfcheck::has_moe(arch) {
+            // The MoE hybrids: one token a step on f32 activations (no route moves) held to
+            // the strict bound, steps of 1-100 tokens tolerant of route flips (see
+            // `compare_logits_moe`); greedy ids one token a step.
+            for (it, ty) in selfcheck::HYBRID_TYPES.into_iter().enumerate() {
+                let case_seed = seed.wrapping_add(2_000 + (ia * 100 + it) as u64);
+                let label = format!("hybrid   {:<9} {ty:<9}", arch.name());
+                let shape = (8, 2);
+                match selfcheck::compare_logits_moe(arch, ty, shape, positions, case_seed, args.gpu)
+                {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "{label} one token a step max|Δ| {:.3e} (bound {:.3e}); in parts top-1 {:.2}% w/ ties, {:.1}% of positions within the bound  {}",
+                            r.single.max_abs_diff,
+                            r.single.max_abs_bound(),
+                            r.logits.top1_agreement_ties * 100.0,
+                            r.within * 100.0,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) if skipped(&label, &e) => {}
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label} ERROR {e:#}");
+                    }
+                }
+            }
+            let case_seed = seed.wrapping_add(2_600 + ia as u64);
+            let label = format!("hybrid   {:<9} f16       greedy", arch.name());
+            match selfcheck::compare_greedy_moe(
+                arch,
+                "f16",
+                (8, 2),
+                args.generate,
+                case_seed,
+                args.gpu,
+            ) {
+                Ok(g) => {
+                    failures += usize::from(!g.passed());
+                    println!(
+                        "{label} {} tokens: first difference {:?}  {}",
+                        g.cpu.len(),
+                        g.first_difference,
+                        if g.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) if skipped(&label, &e) => {}
+                Err(e) => {
+                    failures += 1;
+                    println!("{label} ERROR {e:#}");
+                }
+            }
+        } else {
+            // f32 activations on the GPU (the strict bound), every type.
+            for (it, ty) in selfcheck::HYBRID_TYPES.into_iter().enumerate() {
+                let case_seed = seed.wrapping_add(2_000 + (ia * 100 + it) as u64);
+                let label = format!("hybrid   {:<9} {ty:<9}", arch.name());
+                let r = selfcheck::compare_logits(arch, ty, positions, case_seed, args.gpu, false);
+                failures += usize::from(!print_logit_report(&label, r));
+            }
+            // Awkward linear-attention sizes (heads of 24, 3 q/k and 6 v heads, 3 taps).
+            for (it, ty) in ["f32", "f16"].into_iter().enumerate() {
+                let case_seed = seed.wrapping_add(2_030 + (ia * 100 + it) as u64);
+                let label = format!("hybrid   {:<9} {ty:<9} heads 24, 3/6, 3 taps", arch.name());
+                let r = selfcheck::compare_logits_awkward_hybrid(
+                    arch, ty, positions, case_seed, args.gpu,
+                );
+                failures += usize::from(!print_logit_report(&label, r));
+            }
+            // 8-bit activations (the default decode path), against the CPU's own 8-bit spread.
+            for (it, ty) in selfcheck::HYBRID_TYPES.into_iter().enumerate() {
+                if !selfcheck::Q8_TYPES.contains(&ty) {
+                    continue;
+                }
+                let case_seed = seed.wrapping_add(2_050 + (ia * 100 + it) as u64);
+                let label = format!("hybrid   {:<9} {:<9}", arch.name(), format!("{ty}+q8"));
+                match selfcheck::compare_logits_q8_spread(arch, ty, positions, case_seed, args.gpu)
+                {
+                    Ok((r, bound)) => {
+                        let ok = r.passed_within(bound);
+                        failures += usize::from(!ok);
+                        println!(
+                            "{label} max|Δ| {:.3e} of {:.3e} (bound {bound:.3e}: 2 × the CPU's 8-bit vs f32 spread), top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                            r.max_abs_diff,
+                            r.max_abs_logit,
+                            r.top1_agreement * 100.0,
+                            r.top1_agreement_ties * 100.0,
+                            if ok { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label} ERROR {e:#}");
+                    }
+                }
+            }
+            // Several sequences per step vs alone, f32 activations.
+            for ty in ["f16", "q4_k_m"] {
+                for lens in [[48usize, 16, 36], [1, 2, 70]] {
+                    let case_seed = seed.wrapping_add(2_500 + ia as u64);
+                    let label = format!("hybrid   {:<9} {ty:<9} batched {lens:?}:", arch.name());
+                    let r = selfcheck::compare_batched_f32(arch, ty, &lens, case_seed, args.gpu);
+                    failures += usize::from(!print_logit_report(&label, r));
+                }
+            }
+            for ty in ["f32", "f16"] {
+                let case_seed = seed.wrapping_add(2_600 + ia as u64);
+                let label = format!("hybrid   {:<9} {ty:<9} greedy", arch.name());
+                match selfcheck::compare_greedy(arch, ty, args.generate, case_seed, args.gpu) {
+                    Ok(g) => {
+                        failures += usize::from(!g.passed());
+                        println!(
+                            "{label} {} tokens: first difference {:?}  {}",
+                            g.cpu.len(),
+                            g.first_difference,
+                            if g.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) if skipped(&label, &e) => {}
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label} ERROR {e:#}");
+                    }
+                }
+            }
+        }
+        let case_seed = seed.wrapping_add(2_650 + ia as u64);
+        let label = format!("hybrid   {:<9} q4_k_m    graph replay", arch.name());
+        match selfcheck::compare_graph_replay(arch, "q4_k_m", args.generate, case_seed, args.gpu) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "{label}: {} replays, logits {}  {}",
+                    r.replays,
+                    if r.identical {
+                        "bit-identical"
+                    } else {
+                        "DIFFER"
+                    },
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) if skipped(&label, &e) => {}
+            Err(e) => {
+                failures += 1;
+                println!("{label} ERROR {e:#}");
+            }
+        }
+        let label = format!("hybrid   {:<9} state", arch.name());
+        match selfcheck::check_state_continuity(
+            arch,
+            seed.wrapping_add(2_700 + ia as u64),
+            args.gpu,
+        ) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "{label}: continuing a cut-back sequence refused: {:?}; reused slot vs fresh max rel |Δ| {:.1e}  {}",
+                    r.refused,
+                    r.reuse_rel_diff,
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) if skipped(&label, &e) => {}
+            Err(e) => {
+                failures += 1;
+                println!("{label} ERROR {e:#}");
+            }
+        }
+    }
+    failures
+}
+
 /// Prints one comparison's line (`label`, then max |Δ|, top-1 agreement and ok / FAIL, or
 /// the error); true when it passed.
 fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport>) -> bool {
@@ -449,6 +644,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return check_split(&args);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
+    if args.hybrids {
+        println!("seed {seed}");
+        let failures = check_hybrids(&args, seed);
+        if failures > 0 {
+            anyhow::bail!("{failures} hybrid check(s) failed");
+        }
+        println!("all hybrid checks passed");
+        return Ok(());
+    }
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
     println!(
@@ -911,6 +1115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += check_hybrids(&args, seed);
     println!("total {:.1} s", start.elapsed().as_secs_f64());
     if failures > 0 {
         anyhow::bail!("{failures} GPU check(s) failed");

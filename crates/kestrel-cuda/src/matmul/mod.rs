@@ -370,6 +370,34 @@ pub(crate) fn matmul(
     );
 }
 
+/// Several products of one input (`Backend::matmul_many`): the first three in one GEMV
+/// launch where the step's kernel plan takes them together (as `qkv` does), the others
+/// (or all, in prompt-sized steps) one by one on `x` prepared once.
+pub(crate) fn matmul_many(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    x_ready: Prepared,
+    ws: &[&CudaWeight],
+    n: usize,
+    outs: &mut [&mut CudaTensor],
+) {
+    let mut ready = x_ready;
+    let mut done = 0;
+    if ws.len() >= 3 && outs.len() >= 3 && !backend.prefer_gemm(ws[0], n) {
+        let segs = [0, 1, 2].map(|i| backend.gemv_seg(x, ws[i], outs[i], None));
+        if let [Some(a), Some(b), Some(c)] = segs {
+            let segs = [a, b, c];
+            if let Some(kernel) = backend.plan_segs(x.cols, n, &segs, false) {
+                backend.gemv(x, &mut ready, n, &segs, None, kernel);
+                done = 3;
+            }
+        }
+    }
+    for (w, out) in ws.iter().zip(outs.iter_mut()).skip(done) {
+        matmul(backend, x, &mut ready, w, n, out);
+    }
+}
+
 /// The Q, K and V projections of a layer (and their biases), and whether Q/K norms follow.
 pub struct QkvWeights<'a> {
     pub attn_q: &'a CudaWeight,
