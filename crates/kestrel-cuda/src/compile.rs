@@ -51,7 +51,6 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::sample::KERNELS,
         crate::delta::KERNELS,
         crate::moe::KERNELS,
-        crate::tp::KERNELS,
         crate::split::KERNELS,
     ]
     .into_iter()

@@ -120,8 +120,6 @@ pub struct CudaBackend {
     recorder: Mutex<Recorder>,
     /// This device's NCCL communicator, when it is one rank of a tensor-parallel group.
     comm: std::sync::OnceLock<nccl::Comm>,
-    /// The one-shot all-reduce's buffers, when this rank's group has them.
-    oneshot: std::sync::OnceLock<tp::OneShot>,
     /// Whether decode steps are captured and replayed as graphs.
     graphs: std::sync::atomic::AtomicBool,
     /// Per-kernel timing (`KESTREL_CUDA_PROFILE=1`; turns graphs off), printed on drop.
@@ -398,7 +396,6 @@ impl CudaBackend {
             func_names,
             recorder: Mutex::new(Recorder::default()),
             comm: std::sync::OnceLock::new(),
-            oneshot: std::sync::OnceLock::new(),
             graphs: std::sync::atomic::AtomicBool::new(options.graphs),
             replays: Arc::default(),
             profile: options.profile.then(|| Mutex::new(Profiler::default())),

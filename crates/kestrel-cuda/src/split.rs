@@ -100,6 +100,27 @@ impl CudaBackend {
             {
                 bail!("enabling peer access: {r:?}");
             }
+            // Memory from the stream-ordered allocator (cudarc's allocations, where the
+            // driver has one) lives in the device's memory pool, which the context flag
+            // above does not open: the pool grants the access itself.
+            if other.ctx.has_async_alloc() {
+                let mut pool = std::ptr::null_mut();
+                let r = sys::cuDeviceGetMemPool(&mut pool, other.ctx.cu_device());
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    bail!("finding another GPU's memory pool: {r:?}");
+                }
+                let access = sys::CUmemAccessDesc {
+                    location: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                        id: self.ctx.cu_device(),
+                    },
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                };
+                let r = sys::cuMemPoolSetAccess(pool, &access, 1);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    bail!("opening another GPU's memory pool: {r:?}");
+                }
+            }
         }
         Ok(true)
     }

@@ -27,35 +27,8 @@ use kestrel_model::{
 
 use crate::launch::{Arg, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
 use crate::weights::{WeightSource, load_weight_from};
-use crate::{
-    CudaBackend, CudaCache, CudaSlice, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, nccl,
-};
+use crate::{CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, nccl};
 use kestrel_model::{KvType, KvTypes};
-
-/// The kernels this module launches.
-pub(crate) const KERNELS: &[&str] = &["all_reduce_oneshot"];
-
-/// The one-shot all-reduce (kernels/peer.cu) takes messages up to this size: its
-/// exchange buffers' size.
-pub const ONESHOT_MAX_BYTES: usize = 64 << 10;
-/// Values each block of the one-shot all-reduce sums, and its most blocks (the kernel's
-/// AR_MAX_BLOCKS, AR_MAX_RANKS).
-const ONESHOT_BLOCK_VALUES: usize = 1024;
-const ONESHOT_MAX_BLOCKS: usize = 16;
-const ONESHOT_MAX_RANKS: usize = 8;
-
-/// A rank's buffers of the one-shot all-reduce: its exchange buffer and flags (which the
-/// other ranks read and write over peer access) and the table of every rank's.
-pub(crate) struct OneShot {
-    _exch: CudaSlice<f32>,
-    _flags: CudaSlice<u32>,
-    _table: CudaSlice<u64>,
-    table: u64,
-    rank: usize,
-    ranks: usize,
-    /// Messages up to this many bytes take the one-shot kernel, larger ones NCCL.
-    up_to: AtomicUsize,
-}
 
 // ---- the collectives and shapes a rank needs, on the single-GPU backend ----
 
@@ -71,27 +44,6 @@ impl CudaBackend {
     /// step's launch.
     pub fn all_reduce_rows(&self, x: &mut CudaTensor, n: usize) {
         let count = (n * x.cols) as i64;
-        if let Some(o) = self.oneshot.get()
-            && count > 0
-            && 4 * count as usize <= o.up_to.load(Ordering::Relaxed)
-        {
-            let blocks = (count as usize)
-                .div_ceil(ONESHOT_BLOCK_VALUES)
-                .clamp(1, ONESHOT_MAX_BLOCKS);
-            self.launch(
-                "all_reduce_oneshot",
-                (blocks as u32, 1, 1),
-                512,
-                &[
-                    Arg::P(x.ptr),
-                    Arg::P(o.table),
-                    Arg::I(o.rank as i32),
-                    Arg::I(o.ranks as i32),
-                    Arg::I(count as i32),
-                ],
-            );
-            return;
-        }
         self.enqueue(
             SPECIAL_ALL_REDUCE,
             (1, 1, 1),
@@ -424,7 +376,6 @@ impl TpBackend {
         for (b, c) in ranks.iter().zip(comms) {
             b.set_comm(c)?;
         }
-        oneshot_buffers(&ranks)?;
         let pool = Pool::new(ranks.len())?;
         let tp = TpBackend {
             ranks,
@@ -435,22 +386,6 @@ impl TpBackend {
         };
         tp.each_ok(|_, b| b.bind())?;
         Ok(tp)
-    }
-
-    /// Sends all-reduces of up to `bytes` (at most [`ONESHOT_MAX_BYTES`]) through the
-    /// one-shot kernel, larger ones through NCCL (0: all through NCCL). False when the GPUs
-    /// cannot reach each other's memory (no one-shot buffers).
-    pub fn set_oneshot_up_to(&self, bytes: usize) -> bool {
-        let mut all = true;
-        for b in &self.ranks {
-            match b.oneshot.get() {
-                Some(o) => o
-                    .up_to
-                    .store(bytes.min(ONESHOT_MAX_BYTES), Ordering::Relaxed),
-                None => all = false,
-            }
-        }
-        all
     }
 
     /// The number of GPUs.
@@ -579,55 +514,6 @@ impl TpBackend {
             }
         });
     }
-}
-
-/// Gives each rank the one-shot all-reduce's buffers, where every pair of GPUs has peer
-/// access (else none: every all-reduce goes through NCCL). Off until enabled.
-fn oneshot_buffers(ranks: &[CudaBackend]) -> anyhow::Result<()> {
-    if ranks.len() > ONESHOT_MAX_RANKS {
-        return Ok(());
-    }
-    for (i, a) in ranks.iter().enumerate() {
-        for b in &ranks[i + 1..] {
-            if !(a.enable_peer_access(b)? && b.enable_peer_access(a)?) {
-                return Ok(());
-            }
-        }
-    }
-    let flags_len = ONESHOT_MAX_BLOCKS * (2 * ONESHOT_MAX_RANKS + 1);
-    let mut bufs = Vec::new();
-    for b in ranks {
-        b.bind()?;
-        let exch = b.alloc::<f32>(ONESHOT_MAX_BYTES / 4, "the all-reduce exchange buffer")?;
-        let flags = b.alloc::<u32>(flags_len, "the all-reduce flags")?;
-        bufs.push((exch, flags));
-    }
-    let table: Vec<u64> = (ranks.iter().zip(&bufs).map(|(b, (e, _))| b.ptr(e)))
-        .chain(ranks.iter().zip(&bufs).map(|(b, (_, f))| b.ptr(f)))
-        .collect();
-    for (r, (b, (exch, flags))) in ranks.iter().zip(bufs).enumerate() {
-        b.bind()?;
-        let t = b
-            .stream
-            .clone_htod(&table[..])
-            .map_err(|e| anyhow::anyhow!("uploading the all-reduce table: {e:?}"))?;
-        b.stream
-            .synchronize()
-            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
-        let one = OneShot {
-            table: b.ptr(&t),
-            _exch: exch,
-            _flags: flags,
-            _table: t,
-            rank: r,
-            ranks: ranks.len(),
-            up_to: AtomicUsize::new(0),
-        };
-        if b.oneshot.set(one).is_err() {
-            bail!("this GPU already belongs to a group");
-        }
-    }
-    Ok(())
 }
 
 /// Rank `r`'s part of layer weights, as the single-GPU kernels take them.
@@ -1105,200 +991,57 @@ impl Drop for TpBackend {
     }
 }
 
-/// One message size of [`all_reduce_latency`]: microseconds per call and the largest
-/// |difference| of any rank's sum from the host's, through NCCL and (at most
-/// [`ONESHOT_MAX_BYTES`], where the GPUs have peer access) through the one-shot kernel,
-/// with the one-shot sums' largest |difference| from NCCL's.
-#[derive(Debug, Clone)]
-pub struct AllReduceTiming {
-    pub bytes: usize,
-    pub nccl_us: f64,
-    pub nccl_err: f32,
-    pub oneshot: Option<(f64, f32, f32)>,
-}
-
-/// The all-reduce latency of messages of each of `sizes` bytes on `ordinals` (the mean of
-/// `iters` calls back to back, each rank on its own thread, after a warm-up), and its sums
-/// against the host's, through NCCL and through the one-shot kernel.
+/// The all-reduce latency of `bytes`-sized messages on `ordinals`, in microseconds per
+/// call (the mean of `iters` calls, each rank on its own thread, after a warm-up), and the
+/// largest difference of any rank's sum from the sum computed on the host.
 pub fn all_reduce_latency(
     ordinals: &[usize],
     sizes: &[usize],
     iters: usize,
-) -> anyhow::Result<Vec<AllReduceTiming>> {
+) -> anyhow::Result<Vec<(usize, f64, f32)>> {
     let tp = TpBackend::new(ordinals)?;
     let mut out = Vec::new();
-    let mut seed = 0x5eedu64;
     for &bytes in sizes {
         let len = (bytes / 4).max(1);
-        // Fresh random values for every size (an LCG; values in [-8, 8)).
         let inputs: Vec<Vec<f32>> = (0..tp.ranks())
-            .map(|_| {
+            .map(|r| {
                 (0..len)
-                    .map(|_| {
-                        seed = seed
-                            .wrapping_mul(6364136223846793005)
-                            .wrapping_add(1442695040888963407);
-                        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
-                    })
+                    .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37 - 11.0)
                     .collect()
             })
             .collect();
         let want: Vec<f32> = (0..len)
             .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum::<f64>() as f32)
             .collect();
-        // One all-reduce of the inputs; every rank's result.
-        let once = |oneshot: bool| -> anyhow::Result<Vec<Vec<f32>>> {
-            tp.set_oneshot_up_to(if oneshot { ONESHOT_MAX_BYTES } else { 0 });
-            let mut tensors = tp.each_ok(|r, b| b.upload_tensor(1, len, &inputs[r]))?;
-            let ts = PerRank::new(&mut tensors);
-            // SAFETY: rank r's own tensor.
-            tp.each_ok(|r, b| {
-                b.all_reduce_rows(unsafe { ts.get(r) }, 1);
-                b.check()
-            })?;
-            let mut all = Vec::new();
-            for (r, t) in tensors.iter().enumerate() {
-                let mut got = Vec::new();
-                tp.ranks[r].bind()?;
-                tp.ranks[r].read_rows(t, 1, &mut got)?;
-                all.push(got);
-            }
-            Ok(all)
-        };
-        let max_diff = |a: &[Vec<f32>], b: &dyn Fn(usize) -> f32| {
-            a.iter()
-                .flat_map(|v| v.iter().enumerate().map(|(i, x)| (x - b(i)).abs()))
-                .fold(
-                    0f32,
-                    |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
-                )
-        };
-        // Timed: `iters` all-reduces back to back (each adds the others' values again;
-        // the values only serve as load).
-        let time = |oneshot: bool| -> anyhow::Result<f64> {
-            tp.set_oneshot_up_to(if oneshot { ONESHOT_MAX_BYTES } else { 0 });
-            let mut tensors = tp.each_ok(|r, b| b.upload_tensor(1, len, &inputs[r]))?;
-            let ts = PerRank::new(&mut tensors);
-            let run = |k: usize| {
-                tp.each_ok(|r, b| {
-                    let t = unsafe { ts.get(r) };
-                    for _ in 0..k {
-                        b.all_reduce_rows(t, 1);
-                    }
-                    b.check()
-                })
-            };
-            run(5)?;
-            let start = std::time::Instant::now();
-            run(iters)?;
-            Ok(start.elapsed().as_secs_f64() * 1e6 / iters as f64)
-        };
-        let nccl = once(false)?;
-        let nccl_err = max_diff(&nccl, &|i| want[i]);
-        let nccl_us = time(false)?;
-        let oneshot = if bytes <= ONESHOT_MAX_BYTES && tp.set_oneshot_up_to(ONESHOT_MAX_BYTES) {
-            let got = once(true)?;
-            let err = max_diff(&got, &|i| want[i]);
-            let vs_nccl = got
-                .iter()
-                .zip(&nccl)
-                .flat_map(|(g, n)| g.iter().zip(n).map(|(a, b)| (a - b).abs()))
-                .fold(
-                    0f32,
-                    |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
-                );
-            Some((time(true)?, err, vs_nccl))
-        } else {
-            None
-        };
-        tp.set_oneshot_up_to(0);
-        out.push(AllReduceTiming {
-            bytes,
-            nccl_us,
-            nccl_err,
-            oneshot,
-        });
-    }
-    Ok(out)
-}
-
-/// The one-shot all-reduce's kernel checked on one GPU: `ranks` backends on `ordinal`
-/// (each on its own stream and host thread, as the ranks of a group) sum random messages
-/// of each of `sizes` bytes, three rounds each (the flags' epochs advance); returns each
-/// size's largest |difference| of any rank's result from the host's sum over all rounds.
-pub fn oneshot_on_one_gpu(
-    ordinal: usize,
-    ranks: usize,
-    sizes: &[usize],
-) -> anyhow::Result<Vec<(usize, f32)>> {
-    let backends = (0..ranks)
-        .map(|_| CudaBackend::new(ordinal))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    oneshot_buffers(&backends)?;
-    for b in &backends {
-        b.oneshot
-            .get()
-            .context("no one-shot buffers")?
-            .up_to
-            .store(ONESHOT_MAX_BYTES, Ordering::Relaxed);
-    }
-    let mut seed = 0xa11ce ^ ordinal as u64;
-    let mut out = Vec::new();
-    for &bytes in sizes {
-        let len = (bytes / 4).clamp(1, ONESHOT_MAX_BYTES / 4);
-        let mut worst = 0f32;
-        for _round in 0..3 {
-            let inputs: Vec<Vec<f32>> = (0..ranks)
-                .map(|_| {
-                    (0..len)
-                        .map(|_| {
-                            seed = seed
-                                .wrapping_mul(6364136223846793005)
-                                .wrapping_add(1442695040888963407);
-                            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
-                        })
-                        .collect()
-                })
-                .collect();
-            let results: Vec<anyhow::Result<Vec<f32>>> = std::thread::scope(|sc| {
-                let handles: Vec<_> = backends
-                    .iter()
-                    .zip(&inputs)
-                    .map(|(b, x)| {
-                        sc.spawn(move || -> anyhow::Result<Vec<f32>> {
-                            b.bind()?;
-                            let mut t = b.upload_tensor(1, len, x)?;
-                            b.all_reduce_rows(&mut t, 1);
-                            b.check()?;
-                            let mut got = Vec::new();
-                            b.read_rows(&t, 1, &mut got)?;
-                            Ok(got)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank's thread panicked")))
-                    })
-                    .collect()
-            });
-            for got in results {
-                let got = got?;
-                anyhow::ensure!(got.len() == len, "{} values back of {len}", got.len());
-                for (i, g) in got.iter().enumerate() {
-                    let want: f64 = inputs.iter().map(|v| f64::from(v[i])).sum();
-                    let d = (f64::from(*g) - want).abs() as f32;
-                    worst = if d.is_nan() {
-                        f32::INFINITY
-                    } else {
-                        worst.max(d)
-                    };
-                }
+        let mut tensors = tp.each_ok(|r, b| b.upload_tensor(1, len, &inputs[r]))?;
+        let ts = PerRank::new(&mut tensors);
+        // SAFETY: rank r's own tensor.
+        tp.each_ok(|r, b| {
+            b.all_reduce_rows(unsafe { ts.get(r) }, 1);
+            b.check()
+        })?;
+        let mut err = 0f32;
+        for (r, t) in tensors.iter().enumerate() {
+            let mut got = Vec::new();
+            tp.ranks[r].bind()?;
+            tp.ranks[r].read_rows(t, 1, &mut got)?;
+            for (g, w) in got.iter().zip(&want) {
+                err = err.max((g - w).abs());
             }
         }
-        out.push((bytes, worst));
+        // Timed: `iters` all-reduces back to back (each adds the others' values again;
+        // the values only serve as load).
+        let ts = PerRank::new(&mut tensors);
+        let start = std::time::Instant::now();
+        tp.each_ok(|r, b| {
+            let t = unsafe { ts.get(r) };
+            for _ in 0..iters {
+                b.all_reduce_rows(t, 1);
+            }
+            b.check()
+        })?;
+        let us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+        out.push((bytes, us, err));
     }
     Ok(out)
 }

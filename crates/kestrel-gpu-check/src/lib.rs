@@ -181,21 +181,24 @@ pub fn compare_greedy_moe(
     greedy_against_cpu(arch, ty, &file, &mut gpu, n, seed ^ 0x9e37)
 }
 
-/// Least share of positions whose max |Δ logit| must be within the bound when the GPU
-/// evaluates in multi-token steps: its dense products then round their inputs (f16 or
-/// int8), and a token whose router logits are near a tie takes another expert than the
-/// CPU's, which moves its logits by O(1) and those of later tokens (through attention) by
-/// up to a few times the bound; measured on the H100, 2026-11-26: 83.6–100% of positions
-/// within (32 experts of which 8 flip most). The block itself is held to f32 agreement by
-/// [`compare_moe_block`], and the single-token run to the dense models' bound.
+/// Least share of positions whose max |Δ logit| must be within the bound: the GPU's dense
+/// products round their inputs otherwise than the CPU's (f32 where the CPU rounds to 8 bits
+/// as llama.cpp does, f16 or int8 in multi-token steps), and a token whose router logits
+/// are near a tie takes another expert than the CPU's, which moves its logits by O(1) and
+/// those of later tokens (through attention) by up to a few times the bound. Measured on
+/// the H100, 2026-11-26/27: 83.6–100% of positions within in multi-token steps; one token a
+/// step on f32 activations also flips routes (max |Δ| up to 1.76 of 6 at one position of
+/// 256, top-1 still ≥ 99.6%). The block itself is held to f32 agreement by
+/// [`compare_moe_block`].
 pub const MOE_MIN_WITHIN: f64 = 0.5;
 
 /// Result of [`compare_logits_moe`].
 #[derive(Debug, Clone)]
 pub struct MoeLogitReport {
-    /// The GPU one token a step on f32 activations (every product f32, as on the CPU: no
-    /// rounding moves a route), held to [`LogitReport::passed`].
+    /// The GPU one token a step on f32 activations.
     pub single: LogitReport,
+    /// Share of those positions whose max |Δ logit| is within the bound.
+    pub single_within: f64,
     /// The GPU in steps of 100, 40 and 1 to 8 tokens.
     pub logits: LogitReport,
     /// Share of those positions whose max |Δ logit| is within
@@ -205,10 +208,16 @@ pub struct MoeLogitReport {
 
 impl MoeLogitReport {
     pub fn passed(&self) -> bool {
-        self.single.passed()
-            && self.logits.non_finite == 0
-            && self.logits.top1_agreement_ties >= MIN_TOP1_AGREEMENT
-            && self.within >= MOE_MIN_WITHIN
+        [
+            (&self.single, self.single_within),
+            (&self.logits, self.within),
+        ]
+        .iter()
+        .all(|(r, within)| {
+            r.non_finite == 0
+                && r.top1_agreement_ties >= MIN_TOP1_AGREEMENT
+                && *within >= MOE_MIN_WITHIN
+        })
     }
 }
 
@@ -240,22 +249,25 @@ pub fn compare_logits_moe(
         one.len(),
         b.len()
     );
-    let single = logit_report(Arch::Qwen3Moe, ty, &a, &one);
-    let logits = logit_report(Arch::Qwen3Moe, ty, &a, &b);
-    let bound = logits.max_abs_bound();
-    let ok = a
-        .iter()
-        .zip(&b)
-        .filter(|(ra, rb)| {
-            ra.iter()
-                .zip(rb.iter())
-                .all(|(x, y)| (x - y).abs() <= bound)
-        })
-        .count();
+    let single = logit_report(arch, ty, &a, &one);
+    let logits = logit_report(arch, ty, &a, &b);
+    let within = |b: &[Vec<f32>], bound: f32| {
+        let ok = a
+            .iter()
+            .zip(b)
+            .filter(|(ra, rb)| {
+                ra.iter()
+                    .zip(rb.iter())
+                    .all(|(x, y)| (x - y).abs() <= bound)
+            })
+            .count();
+        ok as f64 / n.max(1) as f64
+    };
     Ok(MoeLogitReport {
+        single_within: within(&one, single.max_abs_bound()),
+        within: within(&b, logits.max_abs_bound()),
         single,
         logits,
-        within: ok as f64 / n.max(1) as f64,
     })
 }
 
@@ -2602,13 +2614,7 @@ pub fn compare_tp_logits(
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
     let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
-    let mut tp_eng = tp_engine(&file, ordinals)?;
-    // Decode-sized all-reduces through the one-shot kernel (where the GPUs have peer
-    // access), prefill chunks' through NCCL.
-    tp_eng
-        .backend
-        .set_oneshot_up_to(kestrel_cuda::tp::ONESHOT_MAX_BYTES);
-    let tp = all_logits_in_parts(&mut tp_eng, &tokens, &PARTS)?;
+    let tp = all_logits_in_parts(&mut tp_engine(&file, ordinals)?, &tokens, &PARTS)?;
     anyhow::ensure!(
         cpu.len() == n && one.len() == n && tp.len() == n,
         "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
@@ -2636,8 +2642,6 @@ pub fn compare_tp_greedy(
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
     let mut tp = tp_engine(&file, ordinals)?;
-    tp.backend
-        .set_oneshot_up_to(kestrel_cuda::tp::ONESHOT_MAX_BYTES);
     greedy_against_cpu(arch, ty, &file, &mut tp, n, seed ^ 0x9e38)
 }
 

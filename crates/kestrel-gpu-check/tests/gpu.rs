@@ -500,7 +500,8 @@ fn moe_logits_match_cpu() {
                 selfcheck::compare_logits_moe(kestrel_model::Arch::Qwen3Moe, ty, shape, n, seed, 0)
                     .expect("comparison runs");
             eprintln!(
-                "moe {shape:?} {ty}: one token a step: max |Δ| {:.2e}, top-1 {:.2}%; in parts: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                "moe {shape:?} {ty}: one token a step: {:.1}% within, max |Δ| {:.2e}, top-1 {:.2}%; in parts: {:.1}% of positions within {:.2e}, max |Δ| {:.2e} (max |logit| {:.2e}), top-1 {:.2}% ({:.2}% with near-ties)",
+                r.single_within * 100.0,
                 r.single.max_abs_diff,
                 r.single.top1_agreement * 100.0,
                 r.within * 100.0,
