@@ -165,8 +165,8 @@ pub fn tiny_moe_model(
 }
 
 /// [`compare_greedy`] on [`tiny_moe_model`] with the GPU engine taking one token a step
-/// (the prompt too) on f32 activations: every product is then f32 as on the CPU, so no
-/// route flips on rounding and the ids must agree up to a near-tie of the CPU's logits.
+/// (the prompt too) on f32 activations; the ids must agree up to a near-tie of the CPU's
+/// logits (a route flip shows as one).
 pub fn compare_greedy_moe(
     arch: Arch,
     ty: &str,
@@ -187,8 +187,8 @@ pub fn compare_greedy_moe(
 /// are near a tie takes another expert than the CPU's, which moves its logits by O(1) and
 /// those of later tokens (through attention) by up to a few times the bound. Measured on
 /// the H100, 2026-11-26/27: 83.6–100% of positions within in multi-token steps; one token a
-/// step on f32 activations also flips routes (max |Δ| up to 1.76 of 6 at one position of
-/// 256, top-1 still ≥ 99.6%). The block itself is held to f32 agreement by
+/// step on f32 activations also flips routes (max |Δ| up to 1.76 of logits up to 6, top-1
+/// still ≥ 99.6%). The block itself is held to f32 agreement by
 /// [`compare_moe_block`].
 pub const MOE_MIN_WITHIN: f64 = 0.5;
 
