@@ -189,13 +189,22 @@ impl<B: Backend> Engine<B> {
         // The step buffers first: a cache sized by the device's memory takes what they leave.
         let scratch = Scratch::new(&backend, cfg, opts.max_batch_tokens, opts.max_logit_rows)?;
         let bytes_per_token = kv_bytes_per_token(cfg, kv);
+        // A hybrid's recurrent states grow with the sequences the device holds (up to
+        // max_seqs of them, ~79 MB each at Qwen3-Next-80B's shape): a cache sized by a
+        // fraction of the device leaves them their room.
+        let states = cfg
+            .recurrent_state_bytes()
+            .saturating_mul(opts.max_seqs.max(1));
+        let device = backend
+            .device_memory()
+            .map(|(free, total)| (free.saturating_sub(states), total));
         let n_blocks = kv_cache_blocks(
             size,
             bytes_per_token,
             opts.block_size,
             ctx,
             opts.max_seqs,
-            backend.device_memory(),
+            device,
         )?;
         let ctx = ctx.min(n_blocks * opts.block_size);
         let cache = backend

@@ -432,6 +432,20 @@ impl ModelConfig {
         self.layer_kinds.contains(&LayerKind::DeltaNet)
     }
 
+    /// Bytes of one sequence's recurrent states (f32 convolution and DeltaNet states of
+    /// every linear-attention layer); 0 for models without such layers.
+    pub fn recurrent_state_bytes(&self) -> usize {
+        let Some(d) = &self.delta_net else {
+            return 0;
+        };
+        let layers = self
+            .layer_kinds
+            .iter()
+            .filter(|&&k| k == LayerKind::DeltaNet)
+            .count();
+        layers * (d.conv_state_len() + d.state_len()) * std::mem::size_of::<f32>()
+    }
+
     pub fn layer_rope(&self, layer: usize) -> &RopeParams {
         if self.layer_is_swa[layer] {
             &self.rope_swa

@@ -1378,6 +1378,31 @@ fn mix(seed: u64, name_hash: u64, chunk: u64) -> u64 {
 mod tests {
     use super::*;
 
+    /// A model's recurrent state bytes per sequence (the reserve a device-sized KV cache
+    /// leaves) against the synthetic file's own shape: each linear-attention layer keeps
+    /// `(d_conv - 1) × (2 · groups + v heads) × head size` convolution values and `v heads ×
+    /// head size²` DeltaNet values, f32; a dense model none.
+    #[test]
+    fn recurrent_state_bytes_follow_the_hybrid_shape() {
+        for arch in [Arch::Qwen35, Arch::Qwen3Next, Arch::Qwen35Moe, Arch::Llama] {
+            let synth = SynthConfig::tiny(arch);
+            let (bytes, _) = write_synth_to(Vec::new(), &synth, "f32".parse().unwrap(), 3).unwrap();
+            let file = kestrel_gguf::GgufFile::from_bytes(bytes).unwrap();
+            let cfg = crate::config::ModelConfig::from_gguf(&file).unwrap();
+            let want = match synth.hybrid {
+                None => 0,
+                Some(h) => {
+                    let layers = (0..synth.n_layer).filter(|&l| !h.is_attention(l)).count();
+                    let (hs, conv) = (h.d_state as usize, h.d_conv as usize - 1);
+                    let heads = 2 * h.n_group as usize + h.n_v_heads as usize;
+                    layers * (conv * heads * hs + h.n_v_heads as usize * hs * hs) * 4
+                }
+            };
+            assert_eq!(cfg.recurrent_state_bytes(), want, "{arch:?}");
+            assert_eq!(want > 0, arch != Arch::Llama, "{arch:?}");
+        }
+    }
+
     /// Pooled chunks are whole valid blocks whose values follow the tensor's distribution
     /// (the oracle: kestrel-quant's dequantizer and the spec's mean and deviation), and
     /// differ between chunks.
