@@ -7,14 +7,17 @@
 //!
 //! This is the oracle for the forward's definition: which layers are local and their
 //! window, the two RoPE bases, the attention and embedding scales, the norms and GELU.
-//! Measured: mean |Δ log-prob| over the exact top-16 ~6e-4, largest 0.011 (f32 rounding).
-//! A forward without the window differs by up to 3.9 past position 512, local layers with
-//! the global RoPE base by 7.2, GELU by erf instead of tanh by 0.1 (see BENCHMARKS.md's
-//! Fidelity section). With llama.cpp's 8-bit activation rounding (the default numerics)
-//! no such bound holds, for llama.cpp itself neither: Gemma-3-270M's log-probs move by a
-//! mean 0.17 (up to 2) when one tensor of llama.cpp's first layer moves by one unit in the
-//! last place (`scripts/llamacpp_ulp_envelope.py`), which is Kestrel's distance from
-//! llama.cpp too (tests/fidelity.rs).
+//! Measured (four runs): mean |Δ log-prob| over the exact top-16 5.2e-4–6.3e-4, largest
+//! 0.005–0.013 (f32 rounding). With the oracle changed in one thing, this test fails: a
+//! window one key wider, mean 0.010 and 0.80 at position 512; GELU by erf instead of tanh,
+//! mean 0.0021. Scored on 700 text ids: no window, up to 6.7 past position 512; the global
+//! RoPE base on the local layers, up to 9.0 everywhere.
+//!
+//! With llama.cpp's 8-bit activation rounding (the default numerics) no such bound can
+//! hold, for llama.cpp itself neither: when one tensor of llama.cpp's first layer moves by
+//! about one unit in the last place, its log-probs on the reference texts move by a mean
+//! 0.13–0.20 and up to 3.5 (`scripts/llamacpp_ulp_envelope.py`), as far as Kestrel's are
+//! from llama.cpp's (tests/fidelity.rs).
 
 use std::sync::Arc;
 
@@ -25,8 +28,8 @@ use kestrel_gguf::GgufFile;
 use serde_json::Value;
 
 const N: usize = 600;
-/// Bounds: ~8× and ~4.5× the measured f32 rounding; every mutation tried is far outside.
-const MEAN_BOUND: f64 = 0.005;
+/// Bounds: ~2.4× and ~4× the largest f32 rounding measured.
+const MEAN_BOUND: f64 = 0.0015;
 const MAX_BOUND: f64 = 0.05;
 
 /// SplitMix64: the random ids without a dependency.
