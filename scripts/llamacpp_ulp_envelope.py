@@ -13,7 +13,13 @@ Any second implementation differs from llama.cpp by at least this much in every 
 implementation below bit-identity can beat. A run without the perturbation must reproduce
 the reference (checked).
 
+With `--embeddings`: Gemma-3-270M's last-token, L2-normalized embeddings
+(`Llama(embedding=True).embed`, what crates/kestrel-server/tests/embeddings_client.py
+compares) of six random texts from that test's word list, the lowest cosine between each
+vector and its perturbed versions.
+
 usage: python3 scripts/llamacpp_ulp_envelope.py [SEEDS]   (default 3; ~3 min on 2 cores)
+       python3 scripts/llamacpp_ulp_envelope.py --embeddings [TEXT_SEED]
 needs: pip install llama-cpp-python==0.3.36 numpy; the two models (`kestrel pull`)
 """
 import ctypes
@@ -101,7 +107,38 @@ def score(llm, text):
             'top1_gaps_over_0.25': int(np.sum(np.array(gaps) > 0.25))}
 
 
+WORDS = (
+    "the of and to in is was for on that with as by at from his her it an were are which "
+    "this be or has had not but their one two new first after also who they its been "
+    "river kestrel falcon hovered above 1987 42 3.14 café naïve 東京 Ελλάδα 🦅 "
+    "def fn() => {x: [1, 2]} // # ; -- ... !? \"quoted\" (paren) snake_case CamelCase"
+).split()
+
+
+def embeddings(text_seed):
+    import random
+    llm = Llama(os.path.join(HOME, 'models', 'gemma-3-270m.gguf'), n_ctx=512, n_threads=2,
+                n_batch=512, n_ubatch=512, embedding=True, pooling_type=3, verbose=False)
+    rng, lowest = random.Random(text_seed), 1.0
+    for _ in range(6):
+        text = ' '.join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
+        state['rng'] = None
+        a = np.asarray(llm.embed(text, normalize=True), np.float64).reshape(-1)
+        cos = []
+        for seed in range(3):
+            state['rng'], state['hits'] = np.random.default_rng(seed), 0
+            b = np.asarray(llm.embed(text, normalize=True), np.float64).reshape(-1)
+            assert state['hits'] == 1, f'{TARGET} seen {state["hits"]} times'
+            cos.append(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)))
+        lowest = min(lowest, min(cos))
+        print(f'{len(text.split())} words: cosines', ' '.join(f'{c:.5f}' for c in cos), flush=True)
+    print(f'lowest cosine {lowest:.5f}')
+
+
 def main():
+    if sys.argv[1:2] == ['--embeddings']:
+        embeddings(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+        return
     seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     for model in MODELS:
         ref = json.load(open(os.path.join(REF, f'{model}-q4_k_m.llamacpp.json')))
