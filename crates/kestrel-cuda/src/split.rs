@@ -367,22 +367,8 @@ fn prep(stage: usize, p: Prepared) -> SplitPrepared {
 
 /// The layer's Q/K/V weights on their stage, as that stage's kernels take them.
 fn qkv_of(layer: &LayerWeights<SplitWeight>) -> Option<(usize, QkvWeights<'_>)> {
-    let (q, k, v) = layer.qkv_weights()?;
-    fn bias(b: &Option<SplitWeight>) -> Option<&CudaWeight> {
-        b.as_ref().map(|b| &b.w)
-    }
-    Some((
-        q.stage,
-        QkvWeights {
-            attn_q: &q.w,
-            attn_k: &k.w,
-            attn_v: &v.w,
-            attn_q_bias: bias(&layer.attn_q_bias),
-            attn_k_bias: bias(&layer.attn_k_bias),
-            attn_v_bias: bias(&layer.attn_v_bias),
-            qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
-        },
-    ))
+    let (q, _, _) = layer.qkv_weights()?;
+    Some((q.stage, QkvWeights::picked(layer, |w| &w.w)?))
 }
 
 impl Backend for SplitBackend {

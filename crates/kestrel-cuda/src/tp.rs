@@ -519,16 +519,7 @@ impl TpBackend {
 /// Rank `r`'s part of layer weights, as the single-GPU kernels take them.
 /// None for a linear-attention layer (such models are refused at load).
 fn qkv_of(layer: &LayerWeights<TpWeight>, r: usize) -> Option<QkvWeights<'_>> {
-    let (attn_q, attn_k, attn_v) = layer.qkv_weights()?;
-    Some(QkvWeights {
-        attn_q: &attn_q.ranks[r],
-        attn_k: &attn_k.ranks[r],
-        attn_v: &attn_v.ranks[r],
-        attn_q_bias: layer.attn_q_bias.as_ref().map(|b| &b.ranks[r]),
-        attn_k_bias: layer.attn_k_bias.as_ref().map(|b| &b.ranks[r]),
-        attn_v_bias: layer.attn_v_bias.as_ref().map(|b| &b.ranks[r]),
-        qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
-    })
+    QkvWeights::picked(layer, |w| &w.ranks[r])
 }
 
 fn reshape_cols(b: &CudaBackend, t: &mut CudaTensor, cols: usize) -> bool {

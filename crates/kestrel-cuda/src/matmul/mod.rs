@@ -410,17 +410,25 @@ pub struct QkvWeights<'a> {
 }
 
 impl<'a> QkvWeights<'a> {
-    /// None for a linear-attention layer (no Q/K/V products; such models are refused at
-    /// load on this backend).
+    /// None for a linear-attention layer (no Q/K/V products).
     pub fn of(layer: &'a LayerWeights<CudaWeight>) -> Option<Self> {
+        Self::picked(layer, |w| w)
+    }
+
+    /// [`Self::of`] for the weights of a backend over several GPUs: `pick` gives the one
+    /// GPU's part of each weight (a rank's shard, a stage's copy).
+    pub fn picked<W>(
+        layer: &'a LayerWeights<W>,
+        pick: impl Fn(&'a W) -> &'a CudaWeight,
+    ) -> Option<Self> {
         let (attn_q, attn_k, attn_v) = layer.qkv_weights()?;
         Some(QkvWeights {
-            attn_q,
-            attn_k,
-            attn_v,
-            attn_q_bias: layer.attn_q_bias.as_ref(),
-            attn_k_bias: layer.attn_k_bias.as_ref(),
-            attn_v_bias: layer.attn_v_bias.as_ref(),
+            attn_q: pick(attn_q),
+            attn_k: pick(attn_k),
+            attn_v: pick(attn_v),
+            attn_q_bias: layer.attn_q_bias.as_ref().map(&pick),
+            attn_k_bias: layer.attn_k_bias.as_ref().map(&pick),
+            attn_v_bias: layer.attn_v_bias.as_ref().map(&pick),
             qk_norm: layer.attn_q_norm.is_some() || layer.attn_k_norm.is_some(),
         })
     }
