@@ -2552,6 +2552,44 @@ mod tests {
         }
     }
 }
+/// Teacher-forced logits of `n` random tokens (drawn from `seed`) on `engine`, a backend
+/// over several GPUs, against the CPU oracle and against one GPU (`ordinal`) running the
+/// whole model, in the parts of [`PARTS`]: the two reports (both sides of the second on
+/// 8-bit decode activations) and whether the logits equal one GPU's bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn against_cpu_and_one_gpu<B: kestrel_model::Backend>(
+    arch: Arch,
+    ty: &str,
+    file: &Arc<GgufFile>,
+    engine: &mut Engine<B>,
+    ordinal: usize,
+    n: usize,
+    seed: u64,
+    what: &str,
+) -> anyhow::Result<(LogitReport, LogitReport, bool)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let vocab = file
+        .tensor("token_embd.weight")
+        .map_or(1, |t| t.dims[1] as u32);
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let cpu = all_logits(&mut cpu_engine(file)?, &tokens)?;
+    let one = all_logits_in_parts(&mut cuda_engine(file, ordinal)?, &tokens, &PARTS)?;
+    let many = all_logits_in_parts(engine, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        cpu.len() == n && one.len() == n && many.len() == n,
+        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} ({what})",
+        cpu.len(),
+        one.len(),
+        many.len()
+    );
+    let mut vs_cpu = logit_report(arch, ty, &cpu, &many);
+    vs_cpu.q8 = true;
+    let mut vs_one_gpu = logit_report(arch, ty, &one, &many);
+    vs_one_gpu.q8 = true;
+    vs_one_gpu.q8_reference = true;
+    Ok((vs_cpu, vs_one_gpu, one == many))
+}
+
 // ---- tensor parallelism ----
 
 /// The tiny model reshaped so that it splits over 2 GPUs with whole quantization blocks
@@ -2607,26 +2645,17 @@ pub fn compare_tp_logits(
     ordinals: &[usize],
 ) -> anyhow::Result<TpReport> {
     let file = tp_model(arch, ty, seed)?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7e9a);
-    let vocab = file
-        .tensor("token_embd.weight")
-        .map_or(1, |t| t.dims[1] as u32);
-    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
-    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
-    let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
-    let tp = all_logits_in_parts(&mut tp_engine(&file, ordinals)?, &tokens, &PARTS)?;
-    anyhow::ensure!(
-        cpu.len() == n && one.len() == n && tp.len() == n,
-        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
-        cpu.len(),
-        one.len(),
-        tp.len()
-    );
-    let mut vs_cpu = logit_report(arch, ty, &cpu, &tp);
-    vs_cpu.q8 = true;
-    let mut vs_one_gpu = logit_report(arch, ty, &one, &tp);
-    vs_one_gpu.q8 = true;
-    vs_one_gpu.q8_reference = true;
+    let mut engine = tp_engine(&file, ordinals)?;
+    let (vs_cpu, vs_one_gpu, _) = against_cpu_and_one_gpu(
+        arch,
+        ty,
+        &file,
+        &mut engine,
+        ordinals[0],
+        n,
+        seed ^ 0x7e9a,
+        "tensor parallel",
+    )?;
     Ok(TpReport { vs_cpu, vs_one_gpu })
 }
 
@@ -2697,32 +2726,22 @@ pub fn compare_split_logits(
     ordinals: &[usize],
 ) -> anyhow::Result<SplitReport> {
     let file = split_model(arch, ty, seed)?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5b17);
-    let vocab = file
-        .tensor("token_embd.weight")
-        .map_or(1, |t| t.dims[1] as u32);
-    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
-    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
-    let one = all_logits_in_parts(&mut cuda_engine(&file, ordinals[0])?, &tokens, &PARTS)?;
     let mut engine = split_engine(&file, ordinals)?;
     let ranges = engine.backend.layer_ranges().unwrap_or_default();
-    let split = all_logits_in_parts(&mut engine, &tokens, &PARTS)?;
-    anyhow::ensure!(
-        cpu.len() == n && one.len() == n && split.len() == n,
-        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (layer split)",
-        cpu.len(),
-        one.len(),
-        split.len()
-    );
-    let mut vs_cpu = logit_report(arch, ty, &cpu, &split);
-    vs_cpu.q8 = true;
-    let mut vs_one_gpu = logit_report(arch, ty, &one, &split);
-    vs_one_gpu.q8 = true;
-    vs_one_gpu.q8_reference = true;
+    let (vs_cpu, vs_one_gpu, bit_identical) = against_cpu_and_one_gpu(
+        arch,
+        ty,
+        &file,
+        &mut engine,
+        ordinals[0],
+        n,
+        seed ^ 0x5b17,
+        "layer split",
+    )?;
     Ok(SplitReport {
         vs_cpu,
         vs_one_gpu,
-        bit_identical: one == split,
+        bit_identical,
         ranges,
     })
 }
