@@ -9,7 +9,7 @@ use std::sync::{Arc, mpsc};
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::sampler::{SamplerParams, TokenFilter};
 use kestrel_engine::scheduler::{
-    self, Event, FinishReason, Request, SchedulerOptions, SchedulerSpec,
+    self, Event, FinishReason, Request, SchedulerHandle, SchedulerOptions, SchedulerSpec,
 };
 use kestrel_engine::{Engine, EngineOptions};
 use kestrel_gguf::GgufFile;
@@ -101,6 +101,38 @@ impl TokenFilter for EveryFifth {
     }
 }
 
+/// A scheduler over the tiny Qwen2 model (Q8_0, synthesized from `seed`) on the CPU, with
+/// `max_seqs` sequences and `max_logit_rows` logit rows a step, prefix caching off.
+fn tiny_scheduler(
+    seed: u64,
+    max_seqs: usize,
+    max_logit_rows: usize,
+    spec: Option<SchedulerSpec>,
+) -> SchedulerHandle {
+    let cfg = SynthConfig::tiny(Arch::Qwen2);
+    let ty: WeightType = "q8_0".parse().expect("weight type");
+    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, seed).expect("synth");
+    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
+    let opts = EngineOptions {
+        ctx: 256,
+        max_batch_tokens: 64,
+        max_logit_rows,
+        block_size: 16,
+        max_seqs,
+    };
+    scheduler::spawn(
+        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
+        SchedulerOptions {
+            max_seqs,
+            max_prefill_tokens: 32,
+            prefix_cache: false,
+            eog: Vec::new(),
+            spec,
+        },
+    )
+    .expect("scheduler")
+}
+
 fn events(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
     let mut ids = Vec::new();
     loop {
@@ -113,28 +145,7 @@ fn events(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
 
 #[test]
 fn filtered_sequences_follow_their_filter_beside_unfiltered_ones() {
-    let cfg = SynthConfig::tiny(Arch::Qwen2);
-    let ty: WeightType = "q8_0".parse().expect("weight type");
-    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 3).expect("synth");
-    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
-    let opts = EngineOptions {
-        ctx: 256,
-        max_batch_tokens: 64,
-        max_logit_rows: 8,
-        block_size: 16,
-        max_seqs: 8,
-    };
-    let h = scheduler::spawn(
-        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
-        SchedulerOptions {
-            max_seqs: 8,
-            max_prefill_tokens: 32,
-            prefix_cache: false,
-            eog: Vec::new(),
-            spec: None,
-        },
-    )
-    .expect("scheduler");
+    let h = tiny_scheduler(3, 8, 8, None);
     let submit = |prompt: Vec<u32>, params: SamplerParams, filter: Option<Box<dyn TokenFilter>>| {
         let (tx, rx) = mpsc::channel();
         h.submit_filtered(
@@ -221,34 +232,14 @@ fn filtered_sequences_follow_their_filter_beside_unfiltered_ones() {
 /// speculating neighbour keeps its output.
 #[test]
 fn filtered_sequences_do_not_speculate() {
-    let cfg = SynthConfig::tiny(Arch::Qwen2);
-    let ty: WeightType = "q8_0".parse().expect("weight type");
-    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 3).expect("synth");
-    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
-    let opts = EngineOptions {
-        ctx: 256,
-        max_batch_tokens: 64,
-        max_logit_rows: 16,
-        block_size: 16,
+    let spec = SchedulerSpec {
+        ngram_min: 1,
+        ngram_max: 3,
+        draft_min: 1,
+        draft_max: 4,
         max_seqs: 2,
     };
-    let h = scheduler::spawn(
-        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
-        SchedulerOptions {
-            max_seqs: 2,
-            max_prefill_tokens: 32,
-            prefix_cache: false,
-            eog: Vec::new(),
-            spec: Some(SchedulerSpec {
-                ngram_min: 1,
-                ngram_max: 3,
-                draft_min: 1,
-                draft_max: 4,
-                max_seqs: 2,
-            }),
-        },
-    )
-    .expect("scheduler");
+    let h = tiny_scheduler(3, 2, 16, Some(spec));
     let submit = |prompt: Vec<u32>, filter: Option<Box<dyn TokenFilter>>| {
         let (tx, rx) = mpsc::channel();
         h.submit_filtered(
@@ -301,28 +292,7 @@ fn filtered_sequences_do_not_speculate() {
 /// give exactly the tokens the same filters applied on the host give.
 #[test]
 fn mask_filters_give_the_tokens_of_host_filtering() {
-    let cfg = SynthConfig::tiny(Arch::Qwen2);
-    let ty: WeightType = "q8_0".parse().expect("weight type");
-    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, 5).expect("synth");
-    let file = Arc::new(GgufFile::from_bytes(bytes).expect("parses"));
-    let opts = EngineOptions {
-        ctx: 256,
-        max_batch_tokens: 64,
-        max_logit_rows: 8,
-        block_size: 16,
-        max_seqs: 8,
-    };
-    let h = scheduler::spawn(
-        move || Engine::new(CpuBackend::new(Kernels::Fast), file, &opts),
-        SchedulerOptions {
-            max_seqs: 8,
-            max_prefill_tokens: 32,
-            prefix_cache: false,
-            eog: Vec::new(),
-            spec: None,
-        },
-    )
-    .expect("scheduler");
+    let h = tiny_scheduler(5, 8, 8, None);
     let submit = |prompt: Vec<u32>, params: SamplerParams, filter: Option<Box<dyn TokenFilter>>| {
         let (tx, rx) = mpsc::channel();
         h.submit_filtered(
