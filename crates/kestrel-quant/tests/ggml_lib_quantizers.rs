@@ -14,6 +14,17 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
+/// The test's random source: `KESTREL_TEST_SEED`, else a fresh seed (printed, to repeat a
+/// failure).
+fn seeded_rng() -> StdRng {
+    let seed = std::env::var("KESTREL_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("KESTREL_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
 fn rows(rng: &mut StdRng, row_len: usize, n_rows: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(row_len * n_rows);
     for r in 0..n_rows {
@@ -43,12 +54,7 @@ fn rows(rng: &mut StdRng, row_len: usize, n_rows: usize) -> Vec<f32> {
 
 #[test]
 fn codebook_quantizers_match_llama_cpp_c_code() {
-    let seed = std::env::var("KESTREL_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("KESTREL_TEST_SEED={seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = seeded_rng();
     let dir = tempfile::tempdir().expect("temp dir");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ggml_lib_oracle.py");
     let cases = [
@@ -135,12 +141,7 @@ fn importance(rng: &mut StdRng, row_len: usize) -> Vec<f32> {
 /// random rows of awkward lengths with random weights.
 #[test]
 fn weighted_quantizers_match_llama_cpp_c_code() {
-    let seed = std::env::var("KESTREL_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("KESTREL_TEST_SEED={seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = seeded_rng();
     let dir = tempfile::tempdir().expect("temp dir");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ggml_lib_oracle.py");
     let cases = [
