@@ -600,12 +600,13 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
                 }
             }
         }
-        match selfcheck::compare_invariant(moe, ty, case_seed, args.gpu) {
+        match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
             Ok(r) => {
                 let ok = r.passed();
                 failures += usize::from(!ok);
                 println!(
-                    "moe invariant {ty:<8} {} rows, {} differ (max |Δ| {:.2e}); ids {}, {} drafted  {}",
+                    "moe invariant {:<8} {ty:<8} {} rows, {} differ (max |Δ| {:.2e}); ids {}, {} drafted  {}",
+                    arch.name(),
                     r.rows,
                     r.differing,
                     r.max_abs_diff,
@@ -616,7 +617,7 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
             }
             Err(e) => {
                 failures += 1;
-                println!("moe invariant {ty:<8} ERROR {e:#}");
+                println!("moe invariant {:<8} {ty:<8} ERROR {e:#}", arch.name());
             }
         }
     }
