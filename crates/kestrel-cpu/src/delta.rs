@@ -316,14 +316,7 @@ pub fn split_gated_query(
     q: &mut CpuTensor,
     gate: &mut CpuTensor,
 ) -> anyhow::Result<()> {
-    if qg.cols != 2 * q.cols || gate.cols != q.cols || !q.cols.is_multiple_of(head_dim) {
-        bail!(
-            "gated query of {} columns does not split into {} + {}",
-            qg.cols,
-            q.cols,
-            gate.cols
-        );
-    }
+    kestrel_model::backend::check_gated_query_split(qg.cols, q.cols, gate.cols, head_dim)?;
     for t in 0..n {
         let src = &qg.data[t * qg.cols..(t + 1) * qg.cols];
         for (h, pair) in src.chunks_exact(2 * head_dim).enumerate() {

@@ -425,14 +425,7 @@ pub(crate) fn split_gated_query(
     q: &mut CudaTensor,
     gate: &mut CudaTensor,
 ) -> anyhow::Result<()> {
-    if qg.cols != 2 * q.cols || gate.cols != q.cols || !q.cols.is_multiple_of(head_dim) {
-        bail!(
-            "gated query of {} columns does not split into {} + {}",
-            qg.cols,
-            q.cols,
-            gate.cols
-        );
-    }
+    kestrel_model::backend::check_gated_query_split(qg.cols, q.cols, gate.cols, head_dim)?;
     let len = n * q.cols;
     backend.elementwise(
         "split_gated_query",

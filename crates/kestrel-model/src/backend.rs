@@ -562,3 +562,19 @@ pub trait Backend: Sync {
         self.store_kv(cache, layer, k, v, step, n);
     }
 }
+
+/// The shapes [`Backend::split_gated_query`] takes: `qg` rows of `2 · q` columns, `gate` as
+/// wide as `q`, whole heads of `head_dim`; every backend checks them alike.
+pub fn check_gated_query_split(
+    qg_cols: usize,
+    q_cols: usize,
+    gate_cols: usize,
+    head_dim: usize,
+) -> anyhow::Result<()> {
+    if qg_cols != 2 * q_cols || gate_cols != q_cols || !q_cols.is_multiple_of(head_dim) {
+        anyhow::bail!(
+            "gated query of {qg_cols} columns does not split into {q_cols} + {gate_cols}"
+        );
+    }
+    Ok(())
+}
