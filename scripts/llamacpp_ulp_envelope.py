@@ -77,34 +77,7 @@ def _params():
 
 LL.llama_context_default_params = _params
 from llama_cpp import Llama  # noqa: E402  (after the hook)
-
-
-def log_softmax(rows):
-    rows = np.asarray(rows, np.float64)
-    rows = rows - rows.max(1, keepdims=True)
-    return rows - np.log(np.exp(rows).sum(1, keepdims=True))
-
-
-def score(llm, text):
-    ids = text['ids']
-    llm.reset()
-    llm.eval(ids)
-    lp = log_softmax(llm.scores[:len(ids)])
-    agree, diffs, gaps, nll = 0, [], [], []
-    for i, pos in enumerate(text['positions']):
-        top = pos['top_ids']
-        diffs += [abs(lp[i][t] - l) for t, l in zip(top, pos['top_logprobs'])]
-        agree += int(np.argmax(lp[i]) == top[0])
-        if i > 0:
-            gaps.append(lp[i].max() - lp[i][top[0]])
-        nll.append(-lp[i][ids[i + 1]])
-    ppl = float(np.exp(np.mean(nll)))
-    return {'top1_agreement': agree / len(text['positions']),
-            'mean_abs_logprob_diff': float(np.mean(diffs)),
-            'max_abs_logprob_diff': float(np.max(diffs)),
-            'ppl_rel_err': abs(ppl - text['ppl']) / text['ppl'],
-            'largest_top1_gap': float(np.max(gaps)),
-            'top1_gaps_over_0.25': int(np.sum(np.array(gaps) > 0.25))}
+from llamacpp_envelope import log_softmax, score  # noqa: E402  (the same scoring)
 
 
 WORDS = (
