@@ -51,6 +51,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::sample::KERNELS,
         crate::delta::KERNELS,
         crate::moe::KERNELS,
+        crate::tp::KERNELS,
         crate::split::KERNELS,
     ]
     .into_iter()

@@ -120,6 +120,8 @@ pub struct CudaBackend {
     recorder: Mutex<Recorder>,
     /// This device's NCCL communicator, when it is one rank of a tensor-parallel group.
     comm: std::sync::OnceLock<nccl::Comm>,
+    /// The one-shot all-reduce's buffers, when this rank's group has them.
+    oneshot: std::sync::OnceLock<tp::OneShot>,
     /// Whether decode steps are captured and replayed as graphs.
     graphs: std::sync::atomic::AtomicBool,
     /// Per-kernel timing (`KESTREL_CUDA_PROFILE=1`; turns graphs off), printed on drop.
@@ -193,6 +195,11 @@ pub struct CudaBackend {
     f16_copies_q8: std::sync::atomic::AtomicU64,
     /// f16 operands of those products, grown to the largest seen.
     gemm_scratch: Mutex<GemmScratch>,
+    /// Weight bytes the load under way has still to upload here, and the model file it
+    /// was counted for (its address; see `expect_weights`): the optional copies made along
+    /// the way leave room for them.
+    weights_to_come: std::sync::atomic::AtomicU64,
+    weights_file: Mutex<usize>,
     /// Streaming multiprocessors of the device (the split rules of `mms_*` and `mmw_gated`).
     sm_count: usize,
     /// Warps (16-row tiles) per block of `mmw_gated`; 0 (the default): by the matrix and
@@ -396,6 +403,7 @@ impl CudaBackend {
             func_names,
             recorder: Mutex::new(Recorder::default()),
             comm: std::sync::OnceLock::new(),
+            oneshot: std::sync::OnceLock::new(),
             graphs: std::sync::atomic::AtomicBool::new(options.graphs),
             replays: Arc::default(),
             profile: options.profile.then(|| Mutex::new(Profiler::default())),
@@ -426,6 +434,8 @@ impl CudaBackend {
             mmk: std::sync::atomic::AtomicBool::new(true),
             invariant: std::sync::atomic::AtomicBool::new(false),
             gemm_scratch: Mutex::default(),
+            weights_to_come: Default::default(),
+            weights_file: Mutex::new(0),
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
             moe_scratch: Mutex::new(None),

@@ -353,6 +353,25 @@ impl SplitBackend {
 }
 
 /// The layer index of a `blk.N.` tensor name.
+/// Bytes of `file`'s weights stage `stage` holds (of `last + 1`, layers `ranges`).
+fn stage_weight_bytes(
+    file: &GgufFile,
+    ranges: &[std::ops::Range<usize>],
+    stage: usize,
+    last: usize,
+) -> u64 {
+    let tied = file.tensor("output.weight").is_none();
+    file.tensors()
+        .iter()
+        .filter(|t| match layer_of(&t.name) {
+            Some(i) => ranges.get(stage).is_some_and(|r| r.contains(&i)),
+            None if t.name == "token_embd.weight" => stage == 0 || (tied && stage == last),
+            None => stage == last,
+        })
+        .map(|t| t.n_bytes())
+        .sum()
+}
+
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
@@ -416,6 +435,15 @@ impl Backend for SplitBackend {
 
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<SplitWeight> {
         let ranges = self.plan(file)?;
+        for (s, b) in self.stages.iter().enumerate() {
+            // Stages sharing a GPU load one after the other: the first leaves room for all.
+            b.expect_weights(file, || {
+                (0..self.stages.len())
+                    .filter(|&t| t >= s && self.ordinals[t] == self.ordinals[s])
+                    .map(|t| stage_weight_bytes(file, &ranges, t, self.last()))
+                    .sum()
+            });
+        }
         let name = info.name.as_str();
         let tied = file.tensor("output.weight").is_none();
         let stage = match layer_of(name) {

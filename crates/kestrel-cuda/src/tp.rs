@@ -27,8 +27,39 @@ use kestrel_model::{
 
 use crate::launch::{Arg, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
 use crate::weights::{WeightSource, load_weight_from};
-use crate::{CudaBackend, CudaCache, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, nccl};
+use crate::{
+    CudaBackend, CudaCache, CudaSlice, CudaStep, CudaTensor, CudaWeight, Prepared, QkvWeights, nccl,
+};
 use kestrel_model::{KvType, KvTypes};
+
+/// The kernels this module launches.
+pub(crate) const KERNELS: &[&str] = &["all_reduce_oneshot"];
+
+/// The one-shot all-reduce (kernels/peer.cu) takes messages up to this size: each half
+/// of its double exchange buffer.
+pub const ONESHOT_MAX_BYTES: usize = 4 << 20;
+/// Values each block of the one-shot all-reduce sums at least (512 threads, 4 values
+/// each), and its most blocks and ranks (the kernel's AR_MAX_BLOCKS, AR_MAX_RANKS).
+const ONESHOT_BLOCK_VALUES: usize = 2048;
+const ONESHOT_MAX_BLOCKS: usize = 64;
+const ONESHOT_MAX_RANKS: usize = 8;
+/// Message sizes at which [`TpBackend::new`] times the one-shot kernel against NCCL: the
+/// one-shot kernel takes messages up to the largest size below which it was faster at
+/// every size timed.
+const ONESHOT_PROBES: [usize; 6] = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20];
+
+/// A rank's buffers of the one-shot all-reduce: its exchange buffer and flags (which the
+/// other ranks read and write over peer access) and the table of every rank's.
+pub(crate) struct OneShot {
+    _exch: CudaSlice<f32>,
+    _flags: CudaSlice<u32>,
+    _table: CudaSlice<u64>,
+    table: u64,
+    rank: usize,
+    ranks: usize,
+    /// Messages up to this many bytes take the one-shot kernel, larger ones NCCL.
+    up_to: AtomicUsize,
+}
 
 // ---- the collectives and shapes a rank needs, on the single-GPU backend ----
 
@@ -44,6 +75,28 @@ impl CudaBackend {
     /// step's launch.
     pub fn all_reduce_rows(&self, x: &mut CudaTensor, n: usize) {
         let count = (n * x.cols) as i64;
+        if let Some(o) = self.oneshot.get()
+            && count > 0
+            && 4 * count as usize <= o.up_to.load(Ordering::Relaxed)
+        {
+            let blocks = (count as usize)
+                .div_ceil(ONESHOT_BLOCK_VALUES)
+                .clamp(1, ONESHOT_MAX_BLOCKS);
+            self.launch(
+                "all_reduce_oneshot",
+                (blocks as u32, 1, 1),
+                512,
+                &[
+                    Arg::P(x.ptr),
+                    Arg::P(o.table),
+                    Arg::I(o.rank as i32),
+                    Arg::I(o.ranks as i32),
+                    Arg::I(count as i32),
+                    Arg::I((ONESHOT_MAX_BYTES / 4) as i32),
+                ],
+            );
+            return;
+        }
         self.enqueue(
             SPECIAL_ALL_REDUCE,
             (1, 1, 1),
@@ -376,6 +429,7 @@ impl TpBackend {
         for (b, c) in ranks.iter().zip(comms) {
             b.set_comm(c)?;
         }
+        oneshot_buffers(&ranks)?;
         let pool = Pool::new(ranks.len())?;
         let tp = TpBackend {
             ranks,
@@ -385,7 +439,84 @@ impl TpBackend {
             lm: Mutex::new(None),
         };
         tp.each_ok(|_, b| b.bind())?;
+        let up_to = tp.choose_oneshot_up_to()?;
+        tp.set_oneshot_up_to(up_to);
         Ok(tp)
+    }
+
+    /// Times the one-shot all-reduce against NCCL at each of [`ONESHOT_PROBES`] (smallest
+    /// first) and returns the largest size up to which the one-shot kernel was the faster
+    /// at every probe: 0 when it lost at the first, or the GPUs lack peer access. With two
+    /// GPUs both add the same two numbers, so the choice changes no result.
+    fn choose_oneshot_up_to(&self) -> anyhow::Result<usize> {
+        if !self.set_oneshot_up_to(0) {
+            return Ok(0);
+        }
+        let mut up_to = 0;
+        for &bytes in &ONESHOT_PROBES {
+            let nccl = self.time_all_reduce(bytes, 20, false)?;
+            let oneshot = self.time_all_reduce(bytes, 20, true)?;
+            if oneshot >= nccl {
+                break;
+            }
+            up_to = bytes;
+        }
+        self.set_oneshot_up_to(0);
+        Ok(up_to)
+    }
+
+    /// Microseconds per all-reduce of `bytes` through the one-shot kernel or NCCL: the mean
+    /// of `iters` back to back (each rank on its own thread), after a warm-up.
+    fn time_all_reduce(&self, bytes: usize, iters: usize, oneshot: bool) -> anyhow::Result<f64> {
+        let len = (bytes / 4).max(1);
+        let mut tensors = self.each_ok(|r, b| {
+            let v: Vec<f32> = (0..len).map(|i| ((i * 7 + r * 13) % 101) as f32).collect();
+            b.upload_tensor(1, len, &v)
+        })?;
+        let ts = PerRank::new(&mut tensors);
+        let previous = self.oneshot_up_to();
+        self.set_oneshot_up_to(if oneshot { ONESHOT_MAX_BYTES } else { 0 });
+        let run = |k: usize| {
+            self.each_ok(|r, b| {
+                // SAFETY: rank r's own tensor.
+                let t = unsafe { ts.get(r) };
+                for _ in 0..k {
+                    b.all_reduce_rows(t, 1);
+                }
+                b.check()
+            })
+        };
+        let timed = run(3).and_then(|_| {
+            let start = std::time::Instant::now();
+            run(iters)?;
+            Ok(start.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64)
+        });
+        self.set_oneshot_up_to(previous);
+        timed
+    }
+
+    /// The largest all-reduce (bytes) that takes the one-shot kernel (0: all take NCCL).
+    pub fn oneshot_up_to(&self) -> usize {
+        self.ranks[0]
+            .oneshot
+            .get()
+            .map_or(0, |o| o.up_to.load(Ordering::Relaxed))
+    }
+
+    /// Sends all-reduces of up to `bytes` (at most [`ONESHOT_MAX_BYTES`]) through the
+    /// one-shot kernel, larger ones through NCCL (0: all through NCCL). False when the GPUs
+    /// cannot reach each other's memory (no one-shot buffers).
+    pub fn set_oneshot_up_to(&self, bytes: usize) -> bool {
+        let mut all = true;
+        for b in &self.ranks {
+            match b.oneshot.get() {
+                Some(o) => o
+                    .up_to
+                    .store(bytes.min(ONESHOT_MAX_BYTES), Ordering::Relaxed),
+                None => all = false,
+            }
+        }
+        all
     }
 
     /// The number of GPUs.
@@ -516,6 +647,79 @@ impl TpBackend {
     }
 }
 
+/// Gives each rank the one-shot all-reduce's buffers, where every pair of GPUs has peer
+/// access (else none: every all-reduce goes through NCCL). Off until enabled.
+fn oneshot_buffers(ranks: &[CudaBackend]) -> anyhow::Result<()> {
+    if ranks.len() > ONESHOT_MAX_RANKS {
+        return Ok(());
+    }
+    for (i, a) in ranks.iter().enumerate() {
+        for b in &ranks[i + 1..] {
+            if !(a.enable_peer_access(b)? && b.enable_peer_access(a)?) {
+                return Ok(());
+            }
+        }
+    }
+    let flags_len = ONESHOT_MAX_BLOCKS * (ONESHOT_MAX_RANKS + 1);
+    let mut bufs = Vec::new();
+    for b in ranks {
+        b.bind()?;
+        let exch = b.alloc::<f32>(2 * ONESHOT_MAX_BYTES / 4, "the all-reduce exchange buffer")?;
+        let flags = b.alloc::<u32>(flags_len, "the all-reduce flags")?;
+        bufs.push((exch, flags));
+    }
+    let table: Vec<u64> = (ranks.iter().zip(&bufs).map(|(b, (e, _))| b.ptr(e)))
+        .chain(ranks.iter().zip(&bufs).map(|(b, (_, f))| b.ptr(f)))
+        .collect();
+    for (r, (b, (exch, flags))) in ranks.iter().zip(bufs).enumerate() {
+        b.bind()?;
+        let t = b
+            .stream
+            .clone_htod(&table[..])
+            .map_err(|e| anyhow::anyhow!("uploading the all-reduce table: {e:?}"))?;
+        b.stream
+            .synchronize()
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        let one = OneShot {
+            table: b.ptr(&t),
+            _exch: exch,
+            _flags: flags,
+            _table: t,
+            rank: r,
+            ranks: ranks.len(),
+            up_to: AtomicUsize::new(0),
+        };
+        if b.oneshot.set(one).is_err() {
+            bail!("this GPU already belongs to a group");
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of `file`'s weights rank `r` holds (its shards, the replicated tensors, its shard
+/// of a tied LM head).
+fn rank_weight_bytes(plan: &TpPlan, file: &GgufFile, r: usize) -> u64 {
+    file.tensors()
+        .iter()
+        .map(|t| {
+            let n = t.n_bytes();
+            let cols = t.dims.first().copied().unwrap_or(1).max(1);
+            let rows = t.dims.iter().skip(1).product::<u64>().max(1);
+            let share = match plan.split(&t.name, r) {
+                Split::Replicated => n,
+                Split::Rows(x) => n * x.len() as u64 / rows,
+                Split::Cols(x) => n * x.len() as u64 / cols,
+            };
+            let head = if t.name == "token_embd.weight" && plan.tied_embeddings {
+                n / plan.ranks.max(1) as u64
+            } else {
+                0
+            };
+            share + head
+        })
+        .sum()
+}
+
 /// Rank `r`'s part of layer weights, as the single-GPU kernels take them.
 /// None for a linear-attention layer (such models are refused at load).
 fn qkv_of(layer: &LayerWeights<TpWeight>, r: usize) -> Option<QkvWeights<'_>> {
@@ -540,15 +744,21 @@ impl Backend for TpBackend {
     type Prepared = TpPrepared;
 
     fn name(&self) -> String {
+        let up_to = self.oneshot_up_to();
         format!(
-            "{} × {} (tensor parallel, cuda:{})",
+            "{} × {} (tensor parallel, cuda:{}; {})",
             self.ranks.len(),
             self.ranks[0].name(),
             self.ordinals
                 .iter()
                 .map(|o| o.to_string())
                 .collect::<Vec<_>>()
-                .join(",")
+                .join(","),
+            if up_to == 0 {
+                "all-reduce by NCCL".to_string()
+            } else {
+                format!("all-reduce one-shot up to {} KiB, NCCL above", up_to >> 10)
+            }
         )
     }
 
@@ -599,6 +809,9 @@ impl Backend for TpBackend {
 
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<TpWeight> {
         let plan = self.plan()?;
+        for (r, b) in self.ranks.iter().enumerate() {
+            b.expect_weights(file, || rank_weight_bytes(&plan, file, r));
+        }
         let name = info.name.as_str();
         let data = file.tensor_data(info);
         let shape_of = |r: usize| {
@@ -982,57 +1195,194 @@ impl Drop for TpBackend {
     }
 }
 
-/// The all-reduce latency of `bytes`-sized messages on `ordinals`, in microseconds per
-/// call (the mean of `iters` calls, each rank on its own thread, after a warm-up), and the
-/// largest difference of any rank's sum from the sum computed on the host.
+/// One message size of [`all_reduce_latency`]: microseconds per call and the largest
+/// |difference| of any rank's sum from the host's, through NCCL and (at most
+/// [`ONESHOT_MAX_BYTES`], where the GPUs have peer access) through the one-shot kernel,
+/// with the one-shot sums' largest |difference| from NCCL's (three calls in a row: both
+/// halves of its exchange buffer).
+#[derive(Debug, Clone)]
+pub struct AllReduceTiming {
+    pub bytes: usize,
+    pub nccl_us: f64,
+    pub nccl_err: f32,
+    pub oneshot: Option<(f64, f32, f32)>,
+}
+
+/// The all-reduce latency of messages of each of `sizes` bytes on `ordinals` (the mean of
+/// `iters` calls back to back, each rank on its own thread, after a warm-up), and its sums
+/// against the host's, through NCCL and through the one-shot kernel; also the size up to
+/// which the group chose the one-shot kernel ([`TpBackend::oneshot_up_to`]).
 pub fn all_reduce_latency(
     ordinals: &[usize],
     sizes: &[usize],
     iters: usize,
-) -> anyhow::Result<Vec<(usize, f64, f32)>> {
+) -> anyhow::Result<(usize, Vec<AllReduceTiming>)> {
     let tp = TpBackend::new(ordinals)?;
+    let chosen = tp.oneshot_up_to();
     let mut out = Vec::new();
+    let mut seed = 0x5eedu64 ^ ordinals.len() as u64;
     for &bytes in sizes {
         let len = (bytes / 4).max(1);
-        let inputs: Vec<Vec<f32>> = (0..tp.ranks())
-            .map(|r| {
-                (0..len)
-                    .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37 - 11.0)
+        // Fresh random values for every size and call (an LCG; values in [-8, 8)).
+        let mut inputs = || -> Vec<Vec<f32>> {
+            (0..tp.ranks())
+                .map(|_| {
+                    (0..len)
+                        .map(|_| {
+                            seed = seed
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        // One all-reduce of `inputs`; every rank's result.
+        let once = |inputs: &[Vec<f32>], oneshot: bool| -> anyhow::Result<Vec<Vec<f32>>> {
+            tp.set_oneshot_up_to(if oneshot { ONESHOT_MAX_BYTES } else { 0 });
+            let mut tensors = tp.each_ok(|r, b| b.upload_tensor(1, len, &inputs[r]))?;
+            let ts = PerRank::new(&mut tensors);
+            // SAFETY: rank r's own tensor.
+            tp.each_ok(|r, b| {
+                b.all_reduce_rows(unsafe { ts.get(r) }, 1);
+                b.check()
+            })?;
+            let mut all = Vec::new();
+            for (r, t) in tensors.iter().enumerate() {
+                let mut got = Vec::new();
+                tp.ranks[r].bind()?;
+                tp.ranks[r].read_rows(t, 1, &mut got)?;
+                all.push(got);
+            }
+            Ok(all)
+        };
+        let max_diff = |a: &[Vec<f32>], b: &dyn Fn(usize, usize) -> f32| {
+            a.iter()
+                .enumerate()
+                .flat_map(|(r, v)| v.iter().enumerate().map(move |(i, x)| (x - b(r, i)).abs()))
+                .fold(
+                    0f32,
+                    |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+                )
+        };
+        let sum = |inputs: &[Vec<f32>]| -> Vec<f32> {
+            (0..len)
+                .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum::<f64>() as f32)
+                .collect()
+        };
+        let x = inputs();
+        let want = sum(&x);
+        let nccl = once(&x, false)?;
+        let nccl_err = max_diff(&nccl, &|_, i| want[i]);
+        let nccl_us = tp.time_all_reduce(bytes, iters, false)?;
+        let oneshot = if bytes <= ONESHOT_MAX_BYTES && tp.set_oneshot_up_to(ONESHOT_MAX_BYTES) {
+            let (mut err, mut vs_nccl) = (0f32, 0f32);
+            for call in 0..3 {
+                let (x, nccl) = if call == 0 {
+                    (x.clone(), nccl.clone())
+                } else {
+                    let x = inputs();
+                    let nccl = once(&x, false)?;
+                    (x, nccl)
+                };
+                let want = sum(&x);
+                let got = once(&x, true)?;
+                err = err.max(max_diff(&got, &|_, i| want[i]));
+                vs_nccl = vs_nccl.max(max_diff(&got, &|r, i| nccl[r][i]));
+            }
+            Some((tp.time_all_reduce(bytes, iters, true)?, err, vs_nccl))
+        } else {
+            None
+        };
+        tp.set_oneshot_up_to(chosen);
+        out.push(AllReduceTiming {
+            bytes,
+            nccl_us,
+            nccl_err,
+            oneshot,
+        });
+    }
+    Ok((chosen, out))
+}
+
+/// The one-shot all-reduce's kernel checked on one GPU: `ranks` backends on `ordinal`
+/// (each on its own stream and host thread, as the ranks of a group) sum random messages
+/// of each of `sizes` bytes, three rounds each (the flags' epochs advance); returns each
+/// size's largest |difference| of any rank's result from the host's sum over all rounds.
+pub fn oneshot_on_one_gpu(
+    ordinal: usize,
+    ranks: usize,
+    sizes: &[usize],
+) -> anyhow::Result<Vec<(usize, f32)>> {
+    let backends = (0..ranks)
+        .map(|_| CudaBackend::new(ordinal))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    oneshot_buffers(&backends)?;
+    for b in &backends {
+        b.oneshot
+            .get()
+            .context("no one-shot buffers")?
+            .up_to
+            .store(ONESHOT_MAX_BYTES, Ordering::Relaxed);
+    }
+    let mut seed = 0xa11ce ^ ordinal as u64;
+    let mut out = Vec::new();
+    for &bytes in sizes {
+        let len = (bytes / 4).clamp(1, ONESHOT_MAX_BYTES / 4);
+        let mut worst = 0f32;
+        for _round in 0..3 {
+            let inputs: Vec<Vec<f32>> = (0..ranks)
+                .map(|_| {
+                    (0..len)
+                        .map(|_| {
+                            seed = seed
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
+                        })
+                        .collect()
+                })
+                .collect();
+            let results: Vec<anyhow::Result<Vec<f32>>> = std::thread::scope(|sc| {
+                let handles: Vec<_> = backends
+                    .iter()
+                    .zip(&inputs)
+                    .map(|(b, x)| {
+                        sc.spawn(move || -> anyhow::Result<Vec<f32>> {
+                            b.bind()?;
+                            let mut t = b.upload_tensor(1, len, x)?;
+                            b.all_reduce_rows(&mut t, 1);
+                            b.check()?;
+                            let mut got = Vec::new();
+                            b.read_rows(&t, 1, &mut got)?;
+                            Ok(got)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank's thread panicked")))
+                    })
                     .collect()
-            })
-            .collect();
-        let want: Vec<f32> = (0..len)
-            .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum::<f64>() as f32)
-            .collect();
-        let mut tensors = tp.each_ok(|r, b| b.upload_tensor(1, len, &inputs[r]))?;
-        let ts = PerRank::new(&mut tensors);
-        // SAFETY: rank r's own tensor.
-        tp.each_ok(|r, b| {
-            b.all_reduce_rows(unsafe { ts.get(r) }, 1);
-            b.check()
-        })?;
-        let mut err = 0f32;
-        for (r, t) in tensors.iter().enumerate() {
-            let mut got = Vec::new();
-            tp.ranks[r].bind()?;
-            tp.ranks[r].read_rows(t, 1, &mut got)?;
-            for (g, w) in got.iter().zip(&want) {
-                err = err.max((g - w).abs());
+            });
+            for got in results {
+                let got = got?;
+                anyhow::ensure!(got.len() == len, "{} values back of {len}", got.len());
+                for (i, g) in got.iter().enumerate() {
+                    let want: f64 = inputs.iter().map(|v| f64::from(v[i])).sum();
+                    let d = (f64::from(*g) - want).abs() as f32;
+                    worst = if d.is_nan() {
+                        f32::INFINITY
+                    } else {
+                        worst.max(d)
+                    };
+                }
             }
         }
-        // Timed: `iters` all-reduces back to back (each adds the others' values again;
-        // the values only serve as load).
-        let ts = PerRank::new(&mut tensors);
-        let start = std::time::Instant::now();
-        tp.each_ok(|r, b| {
-            let t = unsafe { ts.get(r) };
-            for _ in 0..iters {
-                b.all_reduce_rows(t, 1);
-            }
-            b.check()
-        })?;
-        let us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
-        out.push((bytes, us, err));
+        out.push((bytes, worst));
     }
     Ok(out)
 }

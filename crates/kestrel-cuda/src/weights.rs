@@ -118,6 +118,11 @@ impl CudaBackend {
         if !SUPPORTED_TYPES.contains(&ty) {
             bail!("type {ty} is not supported by the CUDA backend yet");
         }
+        let _ = self.weights_to_come.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |b| Some(b.saturating_sub(data.len() as u64)),
+        );
         let row_bytes = ty
             .bytes_for(cols as u64)
             .with_context(|| format!("rows of {cols} values are not whole {ty} blocks"))?
@@ -208,7 +213,7 @@ impl CudaBackend {
         if ty != GgmlType::Q4K || !cols.is_multiple_of(256) || cols == 0 {
             return false;
         }
-        self.options.mmw_copies && Self::leaves_room_for_cache(Self::mmw_bytes(rows, cols))
+        self.options.mmw_copies && self.leaves_room_for_cache(Self::mmw_bytes(rows, cols))
     }
 
     /// The mmw copy of the Q4_K matrix at `ptr` (kernels/mmw.cu: `repack_q4k_mmw`).
@@ -272,19 +277,36 @@ impl CudaBackend {
         match self.options.f16_copies {
             F16Copies::Never => false,
             F16Copies::Always => true,
-            F16Copies::ByMemory => Self::leaves_room_for_cache(len * 2),
+            F16Copies::ByMemory => self.leaves_room_for_cache(len * 2),
         }
     }
 
     /// Whether `bytes` more of weight copies still leave at least 40% of the GPU's memory
-    /// (and 8 GiB) free for the KV cache and activations (the rule for every optional copy).
-    pub(crate) fn leaves_room_for_cache(bytes: usize) -> bool {
+    /// (and 8 GiB) free for the KV cache and activations once the weights the load has
+    /// still to upload are in (the rule for every optional copy; [`copy_fits`]).
+    pub(crate) fn leaves_room_for_cache(&self, bytes: usize) -> bool {
         match cudarc::driver::result::mem_get_info() {
-            Ok((free, total)) => {
-                let reserve = (total / 10 * 4).max(8 << 30);
-                free.saturating_sub(bytes) >= reserve
-            }
+            Ok((free, total)) => copy_fits(
+                free as u64,
+                total as u64,
+                bytes as u64,
+                self.weights_to_come
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            ),
             Err(_) => false,
+        }
+    }
+
+    /// Tells this device that loading `file` uploads `bytes()` of weights to it in all
+    /// (counted down by each upload), so that the optional copies made while the first
+    /// tensors load leave room for the last; only the first call for a file counts.
+    pub fn expect_weights(&self, file: &Arc<GgufFile>, bytes: impl FnOnce() -> u64) {
+        let key = Arc::as_ptr(file) as usize;
+        let mut planned = self.weights_file.lock().unwrap_or_else(|p| p.into_inner());
+        if *planned != key {
+            *planned = key;
+            self.weights_to_come
+                .store(bytes(), std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -400,11 +422,22 @@ impl CudaBackend {
     }
 }
 
+/// Whether optional weight copies of `bytes` more leave at least 40% of a device of
+/// `total` bytes (and 8 GiB) free, with `free` free now and `to_come` bytes of weights
+/// still to be uploaded. (Counting only what is free now, the first layers' copies took
+/// the room of the last layers' weights: Llama-3-70B Q4_K_M on an 80 GB H100 left no room
+/// for the GEMM scratch of a prompt.)
+pub(crate) fn copy_fits(free: u64, total: u64, bytes: u64, to_come: u64) -> bool {
+    let reserve = (total / 10 * 4).max(8 << 30);
+    free.saturating_sub(bytes).saturating_sub(to_come) >= reserve
+}
+
 pub(crate) fn load_weight(
     backend: &CudaBackend,
     file: &Arc<GgufFile>,
     info: &TensorInfo,
 ) -> anyhow::Result<CudaWeight> {
+    backend.expect_weights(file, || file.tensors().iter().map(|t| t.n_bytes()).sum());
     let gathered_only = info.name == "token_embd.weight" && file.tensor("output.weight").is_some();
     load_weight_from(
         backend,
@@ -594,6 +627,91 @@ mod layout_tests {
         for b in 0..2 {
             assert_eq!(&out[224 * b..224 * b + 210], &data[210 * b..210 * (b + 1)]);
             assert!(out[224 * b + 210..224 * (b + 1)].iter().all(|&x| x == 0));
+        }
+    }
+}
+
+#[cfg(test)]
+mod room_tests {
+    use super::copy_fits;
+
+    /// Free memory left after loading a model whose tensors (in load order) are
+    /// `(weight bytes, optional copy bytes)`, each copy made when [`copy_fits`] allows it,
+    /// counting `to_come` (the bytes still to be uploaded) or, as before, nothing.
+    fn load(total: u64, tensors: &[(u64, u64)], count_to_come: bool) -> (u64, u64) {
+        let mut free = total - (1 << 30); // the context
+        let mut to_come: u64 = tensors.iter().map(|t| t.0).sum();
+        let mut copies = 0;
+        for &(w, copy) in tensors {
+            free = free.checked_sub(w).expect("the weights themselves fit");
+            to_come -= w;
+            if copy_fits(free, total, copy, if count_to_come { to_come } else { 0 }) {
+                free -= copy;
+                copies += copy;
+            }
+        }
+        (free, copies)
+    }
+
+    /// Llama-3-70B's shape in Q4_K (~4.5 bits a weight) with f16 copies (2 bytes a weight),
+    /// on an 80 GB device; and random shapes. Counting the weights still to come, a load
+    /// ends with at least the reserve free (the cache's and the prompts' scratch); counting
+    /// only what is free at each tensor, the 70B load leaves nearly nothing.
+    #[test]
+    fn copies_leave_the_reserve_for_the_weights_still_to_come() {
+        let total: u64 = 81_559 << 20;
+        let reserve = (total / 10 * 4).max(8 << 30);
+        let q4k = |n: u64| n * 144 / 256;
+        let mut tensors = vec![(q4k(128_256 * 8192), 0)];
+        for _ in 0..80 {
+            for (rows, cols) in [
+                (8192, 8192),
+                (1024, 8192),
+                (1024, 8192),
+                (8192, 8192),
+                (28_672, 8192),
+                (28_672, 8192),
+                (8192, 28_672),
+            ] {
+                tensors.push((q4k(rows * cols), 2 * rows * cols));
+            }
+        }
+        tensors.push((128_256 * 8192 * 210 / 256, 0));
+        let (free, copies) = load(total, &tensors, true);
+        assert!(free >= reserve, "{free} free of a {reserve} reserve");
+        assert!(copies > 0, "room for some copies was left unused");
+        let (old_free, _) = load(total, &tensors, false);
+        assert!(old_free < reserve / 4, "the old rule left {old_free}");
+
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        let mut next = |m: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % m
+        };
+        for _ in 0..200 {
+            let total = (16 + next(128)) << 30;
+            let n = 1 + next(400) as usize;
+            let mut tensors: Vec<(u64, u64)> = (0..n)
+                .map(|_| {
+                    let w = 1 + next(1 << 28);
+                    (w, w * next(5))
+                })
+                .collect();
+            // Scale the weights to fill 10-90% of the device.
+            let sum: u64 = tensors.iter().map(|t| t.0).sum();
+            let want = (total - (1 << 30)) / 100 * (10 + next(81));
+            for t in &mut tensors {
+                t.0 = (t.0 as u128 * want as u128 / sum as u128) as u64;
+            }
+            let start_free = total - (1 << 30) - tensors.iter().map(|t| t.0).sum::<u64>();
+            let (free, copies) = load(total, &tensors, true);
+            let reserve = (total / 10 * 4).max(8 << 30);
+            if copies > 0 {
+                assert!(free >= reserve, "{free} free of a {reserve} reserve");
+            }
+            assert_eq!(free + copies, start_free);
         }
     }
 }

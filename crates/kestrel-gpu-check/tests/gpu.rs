@@ -270,6 +270,28 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
     }
 }
 
+/// The one-shot all-reduce kernel with 2 and 3 ranks as streams of GPU 0 (each on its own
+/// host thread, as a group's ranks), random awkward message sizes up to its largest, three
+/// calls each (both halves of its exchange buffer): every rank's result within f32
+/// rounding of the host's f64 sums.
+#[test]
+fn oneshot_all_reduce_matches_host_sums() {
+    if !gpus("oneshot_all_reduce_matches_host_sums", 1) {
+        return;
+    }
+    let mut rng = rand::rng();
+    for ranks in [2, 3] {
+        let sizes: Vec<usize> = (0..4)
+            .map(|_| 4 * rng.random_range(1..=kestrel_cuda::tp::ONESHOT_MAX_BYTES / 4))
+            .chain([4, 4100])
+            .collect();
+        let got = kestrel_cuda::tp::oneshot_on_one_gpu(0, ranks, &sizes).expect("runs");
+        for (bytes, err) in got {
+            assert!(err <= 1e-5, "{ranks} ranks, {bytes} bytes: max |Δ| {err:e}");
+        }
+    }
+}
+
 /// The layer split as two stages on GPU 0 (then three), which exercises every boundary
 /// copy, event and per-stage cache a split over two GPUs does: logits against the CPU and
 /// one GPU, greedy ids equal to one GPU's, for every dense architecture (random seeds,

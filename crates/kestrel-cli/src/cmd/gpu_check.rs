@@ -132,23 +132,43 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     );
     let mut failures = 0usize;
     let sizes = [
-        4 << 10,
+        4,
+        4100,
         8 << 10,
         16 << 10,
+        32 << 10,
         64 << 10,
         256 << 10,
         1 << 20,
+        2 << 20,
+        kestrel_cuda::tp::ONESHOT_MAX_BYTES,
         32 << 20,
     ];
-    for (bytes, us, err) in kestrel_cuda::tp::all_reduce_latency(&ordinals, &sizes, 200)? {
-        let ok = err <= 1e-3;
+    let (chosen, timings) = kestrel_cuda::tp::all_reduce_latency(&ordinals, &sizes, 200)?;
+    println!(
+        "the group's all-reduces take the one-shot kernel up to {chosen} bytes (timed against NCCL when the group formed), NCCL above"
+    );
+    for t in timings {
+        let ok = t.nccl_err <= 1e-3;
         failures += usize::from(!ok);
+        let bytes = t.bytes;
         println!(
-            "all-reduce of {:>8} bytes: {us:7.2} µs per call (back to back), {:6.1} GB/s; max |Δ| vs host sum {err:.1e}  {}",
-            bytes,
-            bytes as f64 / us / 1e3,
+            "all-reduce of {bytes:>8} bytes: NCCL {:7.2} µs per call (back to back), {:6.1} GB/s; max |Δ| vs host sum {:.1e}  {}",
+            t.nccl_us,
+            bytes as f64 / t.nccl_us / 1e3,
+            t.nccl_err,
             if ok { "ok" } else { "FAIL" }
         );
+        if let Some((us, err, vs_nccl)) = t.oneshot {
+            // Two ranks add the same two numbers either way: identical bits; more ranks
+            // sum in another order than NCCL's ring.
+            let ok = err <= 1e-3 && (ranks > 2 || vs_nccl == 0.0);
+            failures += usize::from(!ok);
+            println!(
+                "all-reduce of {bytes:>8} bytes: one-shot {us:7.2} µs per call; max |Δ| vs host sum {err:.1e}, vs NCCL {vs_nccl:.1e}  {}",
+                if ok { "ok" } else { "FAIL" }
+            );
+        }
     }
     for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
@@ -699,6 +719,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     drop(backend);
+    // Tensor parallelism's one-shot all-reduce kernel, its ranks as streams of this GPU.
+    for ranks in [2, 3] {
+        let sizes = [
+            4,
+            12,
+            4100,
+            16 << 10,
+            (60 << 10) + 4,
+            (1 << 20) + 12,
+            kestrel_cuda::tp::ONESHOT_MAX_BYTES,
+        ];
+        match kestrel_cuda::tp::oneshot_on_one_gpu(args.gpu, ranks, &sizes) {
+            Ok(r) => {
+                let ok = r.iter().all(|&(_, e)| e <= 1e-5);
+                failures += usize::from(!ok);
+                println!(
+                    "one-shot all-reduce, {ranks} ranks on one GPU, {:?} bytes: max |Δ| vs host sums {:.1e}  {}",
+                    sizes,
+                    r.iter().map(|x| x.1).fold(0f32, f32::max),
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("one-shot all-reduce, {ranks} ranks on one GPU: ERROR {e:#}");
+            }
+        }
+    }
     let positions = args.positions.clamp(1, 512);
     println!(
         "teacher-forced, {positions} positions: pass if top-1 agreement (near-ties of the CPU's logits within {} · max(1, max |logit|) or 2 · max |Δ logit| counted as agreeing) >= {:.1}% and max |Δ logit| <= {MAX_REL_DIFF} · max(1, max |logit|) ({} with 8-bit activations, \"+q8\", or the CPU's own 8-bit spread if larger)",
