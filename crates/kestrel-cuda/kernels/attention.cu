@@ -502,7 +502,6 @@ attention_split_gqa_q(const float* q, const u16* kc, const u16* vc, float* part,
 #define TA_MAX_GROUP 8
 #define TA_LOG2E 1.4426950408889634f
 #define TA_LN2 0.6931471805599453f
-#define MAX_SPLITS 64  // most splits of the decode attention (MAX_ATTN_SPLITS)
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -541,104 +540,15 @@ __device__ __forceinline__ void tiled_queries(const float* q, u16 (*qrows)[HD + 
     }
 }
 
-// Splits merged per round of loads in tiled_merge, and most outputs a thread merges per
-// round (more in further rounds).
-#define TM_SPLITS 16
-#define TM_OUTS 4
-
-// The merge of a (token li, kv head kvh)'s partials by the last of its `splits` blocks to
-// finish (tiled_finish with a counter): the same arithmetic as attention_combine
-// (combine_weights' weights and total, combine_value's sums in split order), so the output
-// and its 8-bit quantization are bit for bit the separate merge's. The partials of the other
-// blocks are read from L2 (ld.cg: written by other SMs in this launch). wt: shared,
-// TA_MAX_GROUP · MAX_SPLITS floats, free.
-template <int HD>
-__device__ __noinline__ void tiled_merge(const float* part, float* out, float* wt, int li,
-                                            int i, int kvh, int group, int n_head, int splits,
-                                            i8* q8, float* q8d) {
-    __shared__ float m_tot[TA_MAX_GROUP];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Partials of head g of the group: splits rows of HD + 2 floats.
-    auto rows_of = [&](int g) {
-        return part + ((size_t)li * n_head + kvh * group + g) * splits * (HD + 2);
-    };
-    for (int g = warp; g < group; g += TA_WARPS) {
-        const float* p = rows_of(g);
-        float big = NEG_INF;
-        for (int s = lane; s < splits; s += 32) {
-            const float* ps = p + (size_t)s * (HD + 2);
-            if (__ldcg(ps + HD + 1) > 0.0f) big = fmaxf(big, __ldcg(ps + HD));
-        }
-        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-        float sum = 0.0f;
-        for (int s = lane; s < splits; s += 32) {
-            const float* ps = p + (size_t)s * (HD + 2);
-            const float ls = __ldcg(ps + HD + 1);
-            const float w = ls > 0.0f ? expf(__ldcg(ps + HD) - big) : 0.0f;
-            wt[g * MAX_SPLITS + s] = w;
-            sum += ls * w;
-        }
-        sum = warp_sum(sum);
-        if (lane == 0) m_tot[g] = sum;
-    }
-    __syncthreads();
-    // Outputs idx = (round · TM_OUTS + r) · blocksize + thread: head idx / HD, dim idx % HD
-    // (a warp's lanes hold 32 consecutive dims of one head, as q8_store_block wants). Each
-    // round's loads of TM_SPLITS splits are issued together, then summed in split order.
-    const int n_out = group * HD;
-    for (int base = 0; base < n_out; base += TM_OUTS * TA_WARPS * 32) {
-        float a[TM_OUTS];
-#pragma unroll
-        for (int r = 0; r < TM_OUTS; r++) a[r] = 0.0f;
-        for (int s0 = 0; s0 < splits; s0 += TM_SPLITS) {
-            float v[TM_OUTS][TM_SPLITS];
-#pragma unroll
-            for (int r = 0; r < TM_OUTS; r++) {
-                const int idx = base + r * TA_WARPS * 32 + threadIdx.x;
-                const float* p = rows_of(min(idx, n_out - 1) / HD) + idx % HD;
-#pragma unroll
-                for (int j = 0; j < TM_SPLITS; j++)
-                    v[r][j] = idx < n_out && s0 + j < splits
-                                  ? __ldcg(p + (size_t)(s0 + j) * (HD + 2))
-                                  : 0.0f;
-            }
-#pragma unroll
-            for (int r = 0; r < TM_OUTS; r++) {
-                const int g = min(base + r * TA_WARPS * 32 + (int)threadIdx.x, n_out - 1) / HD;
-#pragma unroll
-                for (int j = 0; j < TM_SPLITS; j++) {
-                    const float w = s0 + j < splits ? wt[g * MAX_SPLITS + s0 + j] : 0.0f;
-                    if (w != 0.0f) a[r] += v[r][j] * w;
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < TM_OUTS; r++) {
-            const int idx = base + r * TA_WARPS * 32 + threadIdx.x;
-            if (idx < n_out) {  // uniform in a warp: n_out is a multiple of 32
-                const int g = idx / HD, d = idx % HD;
-                const size_t o = (size_t)i * n_head * HD + (size_t)(kvh * group + g) * HD + d;
-                const float y = a[r] / m_tot[g];
-                out[o] = y;
-                if (q8) q8_store_block(y, o, q8, q8d);
-            }
-        }
-    }
-}
-
 // The end of the tiled kernels: merges the 4 warps' running max m (log2 units), sum l (this
 // lane's part) and outputs acc (as attn_tiled's) through w_o (shared, TA_WARPS · TA_MAX_GROUP
 // · HD floats, free: the caller synced), then writes the partial of split s (or with one
-// split the normalized output and its 8-bit quantization, if q8 is set). With a counter
-// (`count`, one per (token, kv head) of the launch, zero between launches) and several
-// splits, the last block of the (token, kv head) to finish merges the partials into `out`
-// (tiled_merge: no attention_combine launch) and sets the counter back to zero, so the next
-// launch (or a graph's replay) finds it so.
+// split the normalized output and its 8-bit quantization, if q8 is set).
 template <int HD>
 __device__ __forceinline__ void tiled_finish(float m, float l, float (&acc)[HD / 8][4],
                                              float* w_o, float* dest, int li, int i, int kvh,
                                              int s, int group, int n_head, int splits, i8* q8,
-                                             float* q8d, float* out, u32* count, int n_head_kv) {
+                                             float* q8d) {
     __shared__ float w_m[TA_WARPS][TA_MAX_GROUP], w_l[TA_WARPS][TA_MAX_GROUP];
     __shared__ float w_wt[TA_WARPS][TA_MAX_GROUP], h_big[TA_MAX_GROUP], h_tot[TA_MAX_GROUP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -693,18 +603,6 @@ __device__ __forceinline__ void tiled_finish(float m, float l, float (&acc)[HD /
         o[HD] = h_tot[g] > 0.0f ? h_big[g] * TA_LN2 : NEG_INF;
         o[HD + 1] = h_tot[g];
     }
-    if (splits > 1 && count) {
-        __shared__ bool last;
-        __threadfence();  // this block's partials, visible to the block that merges
-        __syncthreads();
-        u32* c = count + (size_t)li * n_head_kv + kvh;
-        if (threadIdx.x == 0) last = atomicAdd(c, 1u) == (u32)splits - 1;
-        __syncthreads();
-        if (!last) return;
-        if (threadIdx.x == 0) *c = 0u;
-        __threadfence();
-        tiled_merge<HD>(dest, out, w_o, li, i, kvh, group, n_head, splits, q8, q8d);
-    }
 }
 
 // One online-softmax step of the tiled kernels for a chunk: x = this lane's 4 scores (log2
@@ -738,8 +636,7 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
                                            const u32* seq_of, const u32* table_off,
                                            const u32* tables, int block_size, int n_head,
                                            int n_head_kv, float scale, int window, int splits,
-                                           int tok0, i8* q8, float* q8d, float* out,
-                                           u32* count) {
+                                           int tok0, i8* q8, float* q8d) {
     constexpr int ROW = HD + 8;                 // halves per shared row (16 bytes of padding)
     constexpr int SEGS = HD / 8;                // 16-byte pieces per row
     constexpr int LOADS = TA_KEYS * SEGS / 32;  // cp.async per lane per chunk of K (or of V)
@@ -873,24 +770,21 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
     // Merge the warps (tiled_finish); the rows' space is free once every warp is done.
     __syncthreads();
     tiled_finish<HD>(m, l, acc, reinterpret_cast<float*>(&rows[0][0][0][0]), dest, li, i, kvh,
-                     s, group, n_head, splits, q8, q8d, out, count, n_head_kv);
+                     s, group, n_head, splits, q8, q8d);
 }
 
 // attn_tiled for 64- and 128-dim heads. Same arguments as attention_split_gqa; `dest` is
 // the partials buffer, or with splits = 1 the attention output (normalized). With q8 set
 // (single-token steps), one split also writes the output's 8-bit quantization (q8, q8d).
-// With `count` set (a zeroed counter per (token, kv head)) and several splits, the last
-// block of each (token, kv head) merges the partials into `out` (and q8), as
-// attention_combine would (tiled_finish).
 #define ATTN_TILED_KERNEL(NAME, HD, MIN_BLOCKS)                                                \
     extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
     NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
          const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
          int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
-         int tok0, i8* q8, float* q8d, float* out, u32* count) {                              \
+         int tok0, i8* q8, float* q8d) {                                                      \
         pdl_enter();                                                                          \
         attn_tiled<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,     \
-                       n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, out, count);  \
+                       n_head, n_head_kv, scale, window, splits, tok0, q8, q8d);              \
     }
 ATTN_TILED_KERNEL(attention_split_tiled64, 64, 4)
 ATTN_TILED_KERNEL(attention_split_tiled128, 128, 4)
@@ -997,8 +891,7 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
                                              const u32* tables, int block_size, int n_head,
                                              int n_head_kv, float scale, int window,
                                              int splits, int tok0, i8* q8, float* q8d,
-                                             float* out, u32* count, const u16* k_sc,
-                                             const u16* v_sc, int kt, int vt) {
+                                             const u16* k_sc, const u16* v_sc, int kt, int vt) {
     constexpr int ROW = HD + 8;  // halves per f16 row (16 bytes of padding)
     constexpr int NT = HD / 8;   // 8-dim tiles of the output
     constexpr int NB = HD / 32;  // 32-value blocks (scales) per row
@@ -1174,7 +1067,7 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
     cp_async_wait_all();
     __syncthreads();
     tiled_finish<HD>(m, l, acc, reinterpret_cast<float*>(tq_smem), dest, li, i, kvh, s, group,
-                     n_head, splits, q8, q8d, out, count, n_head_kv);
+                     n_head, splits, q8, q8d);
 }
 
 // attn_tiled_q for 64- and 128-dim heads: attention_split_tiled*'s arguments, then the
@@ -1185,12 +1078,11 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
     NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
          const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
          int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
-         int tok0, i8* q8, float* q8d, float* out, u32* count, const u16* k_sc,               \
-         const u16* v_sc, int kt, int vt) {                                                   \
+         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt) {     \
         pdl_enter();                                                                          \
         attn_tiled_q<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,   \
-                         n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, out, count, \
-                         k_sc, v_sc, kt, vt);                                                 \
+                         n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, k_sc, v_sc, \
+                         kt, vt);                                                             \
     }
 ATTN_TILED_Q_KERNEL(attention_split_tiled64_q, 64, 4)
 ATTN_TILED_Q_KERNEL(attention_split_tiled128_q, 128, 3)
@@ -1229,6 +1121,7 @@ __device__ __forceinline__ float combine_value(const float* p, int head_dim, int
 // Merges the splits of attention_split: one block per (token, head). Each split's weight
 // exp(max_s - max) is computed once into shared memory. With q8 set (single-token steps,
 // head_dim a multiple of 32), also the output's 8-bit quantization as quantize_x_q8's.
+#define MAX_SPLITS 64
 extern "C" __global__ void attention_combine(const float* part, float* out, int n_head,
                                              int head_dim, int splits, int tok0, i8* q8,
                                              float* q8d) {

@@ -262,10 +262,7 @@ impl CudaBackend {
                     (_, false) => "attention_split_tiled128",
                     (_, true) => "attention_split_tiled128_q",
                 };
-                // One split: the output itself (normalized); otherwise the partials, merged
-                // by the last block of each (token, kv head) into the output, unless the
-                // output goes to mmk's layout (attention_combine_mmk).
-                let fold = splits > 1 && mmk.is_none();
+                // One split: the output itself (normalized); otherwise the partials.
                 let dest = if splits == 1 {
                     a.out
                 } else {
@@ -274,17 +271,8 @@ impl CudaBackend {
                 let mut args = common(dest);
                 args.push(Arg::I(splits as i32));
                 args.push(Arg::I(t as i32));
-                let (q8, q8d) = if splits == 1 || fold {
-                    (q8, q8d)
-                } else {
-                    (0, 0)
-                };
-                let (out, count) = if fold {
-                    (a.out, step.attn_count_ptr)
-                } else {
-                    (0, 0)
-                };
-                args.extend([Arg::P(q8), Arg::P(q8d), Arg::P(out), Arg::P(count)]);
+                let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
+                args.extend([Arg::P(q8), Arg::P(q8d)]);
                 // Quantized caches: the scales and kinds last.
                 if let Some(quant) = a.quant {
                     args.extend(quant);
@@ -296,7 +284,7 @@ impl CudaBackend {
                     &args,
                 );
                 match mmk {
-                    _ if splits == 1 || fold => {}
+                    _ if splits == 1 => {}
                     Some((npad, bufs)) => combine_mmk(npad, bufs),
                     None => combine(m, t),
                 }

@@ -302,11 +302,6 @@ pub struct CudaStep {
     _attn_part: CudaSlice<f32>,
     attn_part_ptr: u64,
     attn_part_len: usize,
-    /// A counter per (token, head) of a tiled decode launch ([`SPLIT_ATTN_MAX_TOKENS`] ×
-    /// `n_head`), zero between launches: the blocks of a token's kv head count themselves
-    /// in, and the last merges the partials (kernels/attention.cu, tiled_finish).
-    _attn_count: CudaSlice<u32>,
-    attn_count_ptr: u64,
     max_tokens: usize,
     table_capacity: usize,
     host: Vec<u32>,

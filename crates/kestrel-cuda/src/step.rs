@@ -260,11 +260,6 @@ pub(crate) fn new_step(
         * (config.head_dim + 2);
     let attn_part = backend.alloc::<f32>(attn_part_len, "the attention partials")?;
     let attn_part_ptr = backend.ptr(&attn_part);
-    let attn_count = backend.alloc::<u32>(
-        max_tokens.min(SPLIT_ATTN_MAX_TOKENS) * config.n_head,
-        "the attention merge counters",
-    )?;
-    let attn_count_ptr = backend.ptr(&attn_count);
     let delta_conv = match &config.delta_net {
         Some(d) => Some(backend.alloc::<f32>(
             max_tokens * d.conv_dim(),
@@ -279,8 +274,6 @@ pub(crate) fn new_step(
         _attn_part: attn_part,
         attn_part_ptr,
         attn_part_len,
-        _attn_count: attn_count,
-        attn_count_ptr,
         max_tokens,
         table_capacity,
         host: Vec::new(),

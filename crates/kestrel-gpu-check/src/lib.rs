@@ -1969,8 +1969,7 @@ pub const ATTN_CACHE_TYPES: [(KvType, KvType); 7] = [
 pub const ATTN_LONG_POSITIONS: usize = 2_085;
 
 /// A cache whose last decode step's 64 splits leave the last one empty (2,049 keys in
-/// ranges of 33): the tiled kernels' in-kernel merge (the last block of a kv head to finish
-/// merges) must weigh an empty partial as nothing.
+/// ranges of 33): the merge of the splits must weigh an empty partial as nothing.
 pub const ATTN_EMPTY_SPLIT_POSITIONS: usize = 2_049;
 
 /// E4M3's value of code `c` (0x7f and 0xff are NaN and never written).
