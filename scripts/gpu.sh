@@ -24,6 +24,9 @@
 #                            (temperature 1; llama.cpp's defaults), for each binary of $BINS
 #   scripts/gpu.sh ceilings  on the GPU host: ncu durations and DRAM bytes of each launch of
 #                            8-layer Llama-3-8B models (${TYPES:-q4_k_m q8_0}; scripts/ncu_launches.py)
+#   scripts/gpu.sh kv-serve  on the GPU host: `kestrel serve --ctx 8192`, 64 clients, 4,096-token
+#                            prompts, f16 and q8_0 K/V in the same --kv-memory (${KV_MEMORY:-8GiB}):
+#                            running sequences (max, mean) from /metrics and generated tok/s
 #   scripts/gpu.sh batched   on the GPU host: `kestrel bench --seqs ${SEQS:-1,8,32,64}` (llama-batched-
 #                            bench's table) and `kestrel serve` under `kestrel bench-serve` at
 #                            concurrency 1 and 64 (512 + 128 tokens), synthetic Llama-3-8B Q4_K_M
@@ -229,9 +232,45 @@ decode-ab)
             --seqs "$SEQS" -p 512 -n 128 -r 1 | grep -E '^\|' | tail -n +3
     done
     ;;
+kv-serve)
+    # #27's serve target: `kestrel serve --ctx 8192` under 64 clients with 4,096-token prompts
+    # (random ids, 128 generated), f16 then q8_0 K/V in the same --kv-memory (${KV_MEMORY:-8GiB}:
+    # ~15 f16 sequences of 4,224 tokens on Llama-3-8B); /metrics' running sequences sampled
+    # every 0.2 s (max and mean), the generated tokens/s from bench-serve.
+    gpu_env
+    model=/tmp/llama3-8b-q4_k_m-64k.gguf
+    [ -f "$model" ] || .gpu/kestrel synth --arch llama --preset llama3-8b --type q4_k_m \
+        --ctx 65536 -o "$model" >/dev/null
+    for t in ${KV_TYPES:-f16 q8_0}; do
+        .gpu/kestrel serve -m "$model" --device cuda --ctx 8192 --max-seqs 64 \
+            --kv-memory "${KV_MEMORY:-8GiB}" -ctk "$t" -ctv "$t" --batch 2048 --max-prefill 1024 \
+            --port 8096 2>"/tmp/serve-kv-$t.log" &
+        server=$!
+        for _ in $(seq 120); do
+            curl -sf http://127.0.0.1:8096/health | grep -q '"ok"' && break
+            sleep 1
+        done
+        (while kill -0 "$server" 2>/dev/null; do
+            curl -s http://127.0.0.1:8096/metrics | awk '/^kestrel_running_sequences /{print $2}'
+            sleep 0.2
+        done) >"/tmp/running-$t.txt" &
+        sampler=$!
+        echo "== $t K/V, --kv-memory ${KV_MEMORY:-8GiB}"
+        .gpu/kestrel bench-serve --url http://127.0.0.1:8096 --concurrency 64 --requests 64 \
+            --prompt-len 4096 --gen-len 128 || true
+        curl -s http://127.0.0.1:8096/metrics |
+            grep -E '^kestrel_(kv_blocks_total|kv_cache_bytes_per_token|preemptions_total) ' || true
+        kill "$server"
+        wait "$server" 2>/dev/null || true
+        kill "$sampler" 2>/dev/null || true
+        awk '$1 > 0 {n++; s += $1; if ($1 > m) m = $1}
+            END {if (n) printf "running sequences: max %d, mean %.1f (%d samples)\n", m, s / n, n}' \
+            "/tmp/running-$t.txt"
+    done
+    ;;
 run-here) bash -c "$(remote_cmd)" ;;
 *)
-    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|decode-ab|batched|serve-profile|sampled|ceilings]" >&2
+    echo "usage: $0 [build|build-base|remote|run-here|bench|verify|decode-ab|batched|serve-profile|sampled|ceilings|kv-serve]" >&2
     exit 2
     ;;
 esac

@@ -1978,6 +1978,10 @@ pub const ATTN_CACHE_TYPES: [(KvType, KvType); 7] = [
 /// keys, so the tiled kernels' 16-key chunks end inside a split), not a multiple of a block.
 pub const ATTN_LONG_POSITIONS: usize = 2_085;
 
+/// A cache whose last decode step's 64 splits leave the last one empty (2,049 keys in
+/// ranges of 33): the merge of the splits must weigh an empty partial as nothing.
+pub const ATTN_EMPTY_SPLIT_POSITIONS: usize = 2_049;
+
 /// E4M3's value of code `c` (0x7f and 0xff are NaN and never written).
 pub fn e4m3_value(c: u8) -> f64 {
     let e = i32::from((c >> 3) & 15);

@@ -144,8 +144,14 @@ fn attention_over_every_cache_type_matches_f64() {
     for heads in selfcheck::ATTN_SHAPES {
         for (k, v) in selfcheck::ATTN_CACHE_TYPES {
             let kv = kestrel_model::KvTypes { k, v };
-            // A short cache and a long one (many splits, chunks cut by their ends).
-            for range in [40..300, 1_000..selfcheck::ATTN_LONG_POSITIONS] {
+            // A short cache and long ones (many splits, chunks cut by their ends, an empty
+            // last split).
+            let empty = selfcheck::ATTN_EMPTY_SPLIT_POSITIONS;
+            for range in [
+                40..300,
+                1_000..selfcheck::ATTN_LONG_POSITIONS,
+                empty..empty + 1,
+            ] {
                 let (n, seed) = (rng.random_range(range), rng.random());
                 let r = selfcheck::compare_attention_cache(&backend, heads, kv, n, seed)
                     .expect("attention runs");

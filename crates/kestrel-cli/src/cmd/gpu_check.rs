@@ -868,8 +868,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
             let kv = kestrel_model::KvTypes { k, v };
             let (h, hk, d) = heads;
-            // A short cache and a long one (64 splits of 33 keys: chunks cut by the split's end).
-            for len in [40 + positions, selfcheck::ATTN_LONG_POSITIONS] {
+            // A short cache and two long ones (64 splits of 33 keys: chunks cut by the split's
+            // end; the last split empty).
+            for len in [
+                40 + positions,
+                selfcheck::ATTN_EMPTY_SPLIT_POSITIONS,
+                selfcheck::ATTN_LONG_POSITIONS,
+            ] {
                 match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
                     Ok(r) => {
                         failures += usize::from(!r.passed());
