@@ -1035,7 +1035,7 @@ impl<B: Backend> Scheduler<B> {
         // the step), each first accepting the token it was left last step. In a masked step
         // each also writes its mask (one chunk of `words` a filter), which the backend
         // applies once they are ready.
-        let mut filters: Vec<(&mut Box<dyn TokenFilter>, Option<u32>, usize, usize)> = Vec::new();
+        let mut filters: Vec<StepFilter> = Vec::new();
         let mut plan_at = plan.iter().peekable();
         let mut row = 0;
         for (i, seq) in self.running.iter_mut().enumerate() {
@@ -1086,7 +1086,7 @@ impl<B: Backend> Scheduler<B> {
             // Every word is written by `mask` or belongs to no mask: no clearing.
             mask_buf.resize(filters.len() * words, 0);
             mask_buf.truncate(filters.len() * words);
-            let (written, ends): (Vec<(usize, bool)>, Vec<Option<(usize, _)>>) = filters
+            let (written, ends): (Vec<(usize, bool)>, Vec<Option<FilterEnd>>) = filters
                 .par_iter_mut()
                 .zip(mask_buf.par_chunks_mut(words))
                 .map(|((f, token, row, i), m)| match settle(f, token.take()) {
@@ -1594,9 +1594,17 @@ impl<B: Backend> Scheduler<B> {
 struct Prepared {
     masks: Vec<u32>,
     written: Vec<(usize, bool)>,
-    ends: Vec<(usize, Result<bool, String>)>,
+    ends: Vec<FilterEnd>,
     took: Duration,
 }
+
+/// A sampling sequence's filter in a step's preparation: the filter, the token it was left
+/// to accept, its logit row, and the sequence's index in `running`.
+type StepFilter<'a> = (&'a mut Box<dyn TokenFilter>, Option<u32>, usize, usize);
+
+/// A filter that ended on the token it was left: the sequence's index in `running` and
+/// `accept`'s answer.
+type FilterEnd = (usize, Result<bool, String>);
 
 /// Filters accepting their tokens in one step from which the filter pool takes them.
 const PARALLEL_ACCEPT: usize = 16;

@@ -404,7 +404,7 @@ impl TokenFilter for Countdown {
         true
     }
     fn accept(&mut self, token: u32) -> Result<bool, String> {
-        if !self.ready || token % 3 != 0 {
+        if !self.ready || !token.is_multiple_of(3) {
             return Err(format!("token {token} is not allowed"));
         }
         self.ready = false;
