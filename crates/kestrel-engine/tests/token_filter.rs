@@ -515,3 +515,74 @@ fn mask_filters_end_where_their_grammar_ends() {
     let (ids, _) = events(&beside);
     assert_eq!(ids, alone, "an unfiltered neighbour changed");
 }
+
+/// A mask filter whose last token waits to be accepted keeps its output when the next step
+/// samples every row on the host (a neighbour asking for log-probabilities arrives): the
+/// token is accepted there as in a masked step, and the output equals the run alone.
+#[test]
+fn mask_filters_keep_their_tokens_across_host_sampled_steps() {
+    let h = tiny_scheduler(11, 8, 8, None);
+    let submit = |prompt: Vec<u32>,
+                  max_tokens: usize,
+                  logprobs: Option<usize>,
+                  filter: Option<Box<dyn TokenFilter>>| {
+        let (tx, rx) = mpsc::channel();
+        h.submit_filtered(
+            Request {
+                prompt,
+                params: SamplerParams::greedy(),
+                max_tokens,
+                logprobs,
+                speculative: false,
+                sink: Box::new(tx),
+            },
+            filter,
+        )
+        .expect("submit");
+        rx
+    };
+    let run = |neighbour: bool| {
+        let accepted = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let filter = Countdown {
+            len: 30,
+            fail_at: None,
+            ready: false,
+            accepted: accepted.clone(),
+            prepared: Arc::new(AtomicUsize::new(0)),
+        };
+        let rx = submit(vec![9, 2, 6], 40, None, Some(Box::new(filter)));
+        let mut ids = Vec::new();
+        let mut others = Vec::new();
+        let done = loop {
+            match rx.recv().expect("event") {
+                Event::Token { id, .. } => ids.push(id),
+                done => break done,
+            }
+            // Log-probability neighbours arriving while the filtered sequence decodes.
+            if neighbour && ids.len() % 6 == 3 {
+                others.push(submit(vec![4, ids.len() as u32], 4, Some(2), None));
+            }
+        };
+        assert!(
+            matches!(
+                done,
+                Event::Done {
+                    reason: FinishReason::Stop,
+                    ..
+                }
+            ),
+            "{done:?}"
+        );
+        for rx in &others {
+            let (got, _) = events(rx);
+            assert_eq!(got.len(), 4);
+        }
+        assert_eq!(*accepted.lock().unwrap(), ids);
+        (ids, others.len())
+    };
+    let (alone, _) = run(false);
+    let (beside, neighbours) = run(true);
+    assert_eq!(alone.len(), 30);
+    assert!(neighbours >= 4, "{neighbours} neighbours");
+    assert_eq!(beside, alone);
+}
