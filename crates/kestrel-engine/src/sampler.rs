@@ -115,8 +115,8 @@ impl SamplerParams {
 /// the device for CUDA); any other is sampled from its logit row on the host.
 pub trait TokenFilter: Send {
     /// Prepares the restriction of the next token (e.g. computes a grammar's mask). The
-    /// scheduler calls it on another thread once the step's forward pass is launched, while
-    /// the device runs it. A failure is kept and reported by the next
+    /// scheduler calls it on another thread beside the step's forward pass (on a device,
+    /// once the step is launched). A failure is kept and reported by the next
     /// [`TokenFilter::accept`].
     fn prepare(&mut self);
     /// Adjusts a logit row before penalties and sampling; a banned token gets `-inf`.

@@ -1030,9 +1030,9 @@ impl<B: Backend> Scheduler<B> {
         let forward_started = Instant::now();
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
         // The filters of the sequences sampling this step prepare their next token's
-        // restriction on the filter pool once the forward pass is under way (the launch
-        // first: the grammars' work then overlaps the device's, not the host's recording of
-        // the step), each first accepting the token it was left last step. In a masked step
+        // restriction on the filter pool beside the forward pass (on a device, once the
+        // step is launched: the grammars' work then overlaps the device's, not the host's
+        // recording of the step), each first accepting the token it was left last step. In a masked step
         // each also writes its mask (one chunk of `words` a filter), which the backend
         // applies once they are ready.
         let mut filters: Vec<StepFilter> = Vec::new();
@@ -1053,6 +1053,7 @@ impl<B: Backend> Scheduler<B> {
         let filters_empty = filters.is_empty();
         let mut mask_buf = std::mem::take(&mut draws.masks);
         let (mut mask_us, mut mask_wait_us, mut launch_us) = (0, 0, 0);
+        let runs_ahead = self.engine.backend.runs_ahead();
         let engine = &mut self.engine;
         // The filters' work, run on the filter pool beside the forward pass; what it made
         // comes back through `done`.
@@ -1140,24 +1141,34 @@ impl<B: Backend> Scheduler<B> {
         let result = if filters_empty {
             step(&mut || {})
         } else {
-            // Spawned once the step is launched (never, when it fails first: dropping the
-            // job then closes `made`). On rayon's global pool where the filter pool could
-            // not start.
+            // Spawned once the step is launched where the backend computes it beside the
+            // host (never, when it fails first: dropping the job then closes `made`); at
+            // once where each call computes its work before returning (the CPU: beside
+            // the forward pass, not after it). On rayon's global pool where the filter
+            // pool could not start.
             let mut job = Some(prepare);
             match filter_pool() {
                 Some(pool) => pool.in_place_scope(|scope| {
-                    step(&mut || {
+                    let mut launched = || {
                         if let Some(p) = job.take() {
                             scope.spawn(move |_| p());
                         }
-                    })
+                    };
+                    if !runs_ahead {
+                        launched();
+                    }
+                    step(&mut launched)
                 }),
                 None => rayon::in_place_scope(|scope| {
-                    step(&mut || {
+                    let mut launched = || {
                         if let Some(p) = job.take() {
                             scope.spawn(move |_| p());
                         }
-                    })
+                    };
+                    if !runs_ahead {
+                        launched();
+                    }
+                    step(&mut launched)
                 }),
             }
         };
