@@ -1032,9 +1032,9 @@ impl<B: Backend> Scheduler<B> {
         // The filters of the sequences sampling this step prepare their next token's
         // restriction on the filter pool beside the forward pass (on a device, once the
         // step is launched: the grammars' work then overlaps the device's, not the host's
-        // recording of the step), each first accepting the token it was left last step. In a masked step
-        // each also writes its mask (one chunk of `words` a filter), which the backend
-        // applies once they are ready.
+        // recording of the step), each first accepting the token it was left last step.
+        // In a masked step each also writes its mask (one chunk of `words` a filter),
+        // which the backend applies once they are ready.
         let mut filters: Vec<StepFilter> = Vec::new();
         let mut plan_at = plan.iter().peekable();
         let mut row = 0;
