@@ -25,7 +25,8 @@ PROMPT = "A list of digits: [1, 2, 3"
 
 
 def scheduler_totals(url):
-    """(forward seconds, host seconds, mask seconds, steps) from the server's /metrics."""
+    """(forward seconds, host seconds, mask seconds, mask-wait seconds, steps) from the
+    server's /metrics."""
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     vals = {}
     for line in text.splitlines():
@@ -36,6 +37,7 @@ def scheduler_totals(url):
         vals['kestrel_scheduler_seconds_total{phase="forward"}'],
         vals['kestrel_scheduler_seconds_total{phase="host"}'],
         vals.get('kestrel_scheduler_seconds_total{phase="masks"}', 0.0),
+        vals.get('kestrel_scheduler_seconds_total{phase="mask_wait"}', 0.0),
         vals["kestrel_steps_total"],
     )
 
@@ -49,8 +51,8 @@ def complete(url, body):
 
 def run(args, clients, constrained):
     """Tokens/s of `clients` clients each sending `args.requests` requests, and the
-    scheduler's forward, host and mask (beside the forward) milliseconds per step
-    meanwhile."""
+    scheduler's forward, host, mask (beside the forward) and mask-wait (the part of the
+    forward spent waiting for the masks) milliseconds per step meanwhile."""
     body = {"model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0}
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "d", "schema": SCHEMA}}
@@ -63,14 +65,15 @@ def run(args, clients, constrained):
             tokens += r["usage"]["completion_tokens"]
         return tokens
 
-    f0, h0, m0, s0 = scheduler_totals(args.url)
+    f0, h0, m0, w0, s0 = scheduler_totals(args.url)
     start = time.time()
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(one, range(clients)))
     secs = time.time() - start
-    f1, h1, m1, s1 = scheduler_totals(args.url)
+    f1, h1, m1, w1, s1 = scheduler_totals(args.url)
     steps = max(s1 - s0, 1)
-    return tokens / secs, 1e3 * (f1 - f0) / steps, 1e3 * (h1 - h0) / steps, 1e3 * (m1 - m0) / steps
+    per_step = [1e3 * (b - a) / steps for a, b in ((f0, f1), (h0, h1), (m0, m1), (w0, w1))]
+    return (tokens / secs, *per_step)
 
 
 def main():
@@ -99,9 +102,9 @@ def main():
             if r % 2:
                 order.reverse()
             for kind, constrained in order:
-                tps, fwd, host, masks = run(args, clients, constrained)
+                tps, *split = run(args, clients, constrained)
                 got[kind].append(tps)
-                per_step[kind].append((fwd, host, masks))
+                per_step[kind].append(split)
         med = {k: statistics.median(v) for k, v in got.items()}
         paired = [100 * (1 - c / p) for p, c in zip(got["plain"], got["constrained"])]
         row = {"clients": clients, "rounds": args.rounds}
@@ -113,6 +116,7 @@ def main():
             row[k + "_forward_ms_step"] = round(statistics.median(x[0] for x in per_step[k]), 2)
             row[k + "_host_ms_step"] = round(statistics.median(x[1] for x in per_step[k]), 2)
             row[k + "_masks_ms_step"] = round(statistics.median(x[2] for x in per_step[k]), 2)
+            row[k + "_mask_wait_ms_step"] = round(statistics.median(x[3] for x in per_step[k]), 3)
         row["overhead_pct"] = round(100 * (1 - med["constrained"] / med["plain"]), 1)
         row["paired_overhead_pct_median"] = round(statistics.median(paired), 1)
         row["paired_overhead_pct"] = [round(x, 1) for x in paired]

@@ -189,7 +189,7 @@ sampled)
             kill "$server"
             wait "$server" 2>/dev/null || true
             grep -E '^step .* seqs 64 prefill_tokens 0 ' /tmp/serve-sampled.log |
-                awk '{s += $NF; n++} END {if (n) printf "decode steps of 64: %d, mean %.0f us\n", n, s / n}'
+                awk '{s += $9; n++} END {if (n) printf "decode steps of 64: %d, mean %.0f us\n", n, s / n}'
         done
     done
     ;;

@@ -7,18 +7,30 @@ use kestrel_model::{Backend, NO_MASK};
 /// The kernels this module launches (kernels/argmax.cu, kernels/sample.cu).
 pub(crate) const KERNELS: &[&str] = &["argmax_rows", "sample_rows"];
 
-/// The token masks' pinned host copy and device copy (`CudaBackend::sample_masks`).
+/// The token masks' pinned host copies and device copies (`CudaBackend::sample_masks`):
+/// two slots, taken in turn, so that a step's upload never writes into masks that an
+/// earlier step's copy or sampling may still be reading.
 #[derive(Default)]
 pub(crate) struct MaskBuffers {
+    slots: [MaskSlot; 2],
+    next: usize,
+}
+
+#[derive(Default)]
+struct MaskSlot {
     host: Option<cudarc::driver::PinnedHostSlice<u32>>,
     device: Option<CudaSlice<u32>>,
+    /// Recorded on the main stream after the sampling that read this slot: the slot is
+    /// written again once it has passed (its copy finished before that sampling began).
+    read: Option<cudarc::driver::CudaEvent>,
 }
 
 impl CudaBackend {
     /// Uploads `params` (the sampling settings) and `masks` on the mask stream (from
     /// pinned memory, beside the step the main stream may still be running) and makes the
-    /// main stream wait for the copy; returns the device addresses of both.
-    fn upload_masks(&self, params: &[u32], masks: &[u32]) -> anyhow::Result<(u64, u64)> {
+    /// main stream wait for the copy; returns the device addresses of both and the slot
+    /// to mark read ([`Self::masks_read`]) once the sampling is queued.
+    fn upload_masks(&self, params: &[u32], masks: &[u32]) -> anyhow::Result<(u64, u64, usize)> {
         let Some(copy) = self
             .mask_stream
             .get_or_init(|| self.ctx.new_stream().ok())
@@ -27,43 +39,52 @@ impl CudaBackend {
             bail!("no stream for the token masks");
         };
         let mut bufs = self.sample_masks.lock().unwrap_or_else(|p| p.into_inner());
+        let k = bufs.next;
+        bufs.next = 1 - k;
+        let slot = &mut bufs.slots[k];
         // Settings, then the masks from a 16-byte boundary.
         let at = params.len().next_multiple_of(4);
         let len = at + masks.len();
-        // The last upload out of the pinned buffer has finished (its sampling waited for
-        // it); a failed step may have left one queued.
-        copy.synchronize()
-            .map_err(|e| anyhow::anyhow!("CUDA: the token masks' copy: {e:?}"))?;
-        if bufs.host.as_ref().is_none_or(|h| h.len() < len) {
-            bufs.host = None;
-            // SAFETY: written only here, after the mask stream's copies out of it finished.
+        // The last sampling that read this slot (two steps ago) has finished, and with it
+        // the copy out of its pinned buffer.
+        if let Some(read) = &slot.read {
+            read.synchronize()
+                .map_err(|e| anyhow::anyhow!("CUDA: the token masks' last use: {e:?}"))?;
+        }
+        if slot.host.as_ref().is_none_or(|h| h.len() < len) {
+            slot.host = None;
+            // SAFETY: written only here, after the copies out of it finished (above).
             let h = unsafe { self.ctx.alloc_pinned::<u32>(len.next_power_of_two()) }
                 .map_err(|e| anyhow::anyhow!("allocating the token masks' host buffer: {e:?}"))?;
-            bufs.host = Some(h);
+            slot.host = Some(h);
         }
-        if bufs.device.as_ref().is_none_or(|d| d.len() < len) {
-            bufs.device = Some(self.alloc::<u32>(len.next_power_of_two(), "token masks")?);
+        if slot.device.as_ref().is_none_or(|d| d.len() < len) {
+            slot.device = Some(self.alloc::<u32>(len.next_power_of_two(), "token masks")?);
         }
-        let MaskBuffers { host, device } = &mut *bufs;
-        let (Some(host), Some(device)) = (host.as_mut(), device.as_ref()) else {
+        let (Some(host), Some(device)) = (slot.host.as_mut(), slot.device.as_ref()) else {
             bail!("no token mask buffers");
         };
         let src = host
             .as_mut_slice()
             .map_err(|e| anyhow::anyhow!("the token masks' host buffer: {e:?}"))?;
         src[..params.len()].copy_from_slice(params);
-        // Megabytes at 64 rows of a large vocabulary: on every core.
+        // Megabytes at 64 rows of a large vocabulary: on every core (a few rows' masks
+        // stay on this thread, cheaper than waking the pool).
         const CHUNK: usize = 1 << 15;
-        src[at..len]
-            .par_chunks_mut(CHUNK)
-            .zip(masks.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+        if masks.len() <= 4 * CHUNK {
+            src[at..len].copy_from_slice(masks);
+        } else {
+            src[at..len]
+                .par_chunks_mut(CHUNK)
+                .zip(masks.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+        }
         let dst = self.ptr(device);
         self.ctx
             .bind_to_thread()
             .map_err(|e| anyhow::anyhow!("binding the CUDA context: {e:?}"))?;
         // SAFETY: `src` holds `len` words (pinned, alive in `sample_masks`), `dst` at least
-        // `len`; the next write into `src` synchronizes the mask stream first.
+        // `len`; the slot is written again only after its `read` event passed.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), len * 4, copy.cu_stream()) }
             .result()
             .map_err(|e| anyhow::anyhow!("copying the token masks to the GPU: {e:?}"))?;
@@ -73,16 +94,35 @@ impl CudaBackend {
         self.stream
             .wait(&done)
             .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
-        Ok((dst, dst + at as u64 * 4))
+        if slot.read.is_none() {
+            slot.read = Some(
+                self.ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?,
+            );
+        }
+        Ok((dst, dst + at as u64 * 4, k))
+    }
+
+    /// Marks mask slot `k` read by the work queued on the main stream so far.
+    fn masks_read(&self, k: usize) -> anyhow::Result<()> {
+        let bufs = self.sample_masks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(read) = &bufs.slots[k].read {
+            read.record(&self.stream)
+                .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        }
+        Ok(())
     }
 
     /// Launches `kernel` with one block of `threads` per row for `n` rows, each writing its
-    /// token id into the id buffer (`args` gets its address), and reads the ids into `out`.
+    /// token id into the id buffer (`args` gets its address), and reads the ids into `out`;
+    /// `masks`: the mask slot the kernel reads, marked read after it.
     pub(crate) fn launch_for_ids(
         &self,
         kernel: &'static str,
         n: usize,
         threads: u32,
+        masks: Option<usize>,
         out: &mut Vec<u32>,
         args: impl FnOnce(u64) -> Vec<Arg>,
     ) -> anyhow::Result<()> {
@@ -97,6 +137,9 @@ impl CudaBackend {
             bail!("no token id buffer");
         };
         self.launch(kernel, (n as u32, 1, 1), threads, &args(self.ptr(buf)));
+        if let Some(k) = masks {
+            self.masks_read(k)?;
+        }
         self.check()?;
         out.resize(n, 0);
         self.stream
@@ -120,7 +163,7 @@ pub(crate) fn argmax_rows(
     if n == 0 {
         return backend.check();
     }
-    backend.launch_for_ids("argmax_rows", n, 256, out, |ids| {
+    backend.launch_for_ids("argmax_rows", n, 256, None, out, |ids| {
         vec![Arg::P(x.ptr), Arg::P(ids), Arg::I(x.cols as i32)]
     })
 }
@@ -192,9 +235,9 @@ pub(crate) fn sample_rows(
     if masked {
         // The settings go with the masks (the step is already running: nothing waits
         // behind it on the main stream).
-        let (params_ptr, masks_ptr) = backend.upload_masks(host, &sampling.masks)?;
+        let (params_ptr, masks_ptr, slot) = backend.upload_masks(host, &sampling.masks)?;
         drop(params);
-        return backend.launch_for_ids("sample_rows", n, 1024, out, |ids| {
+        return backend.launch_for_ids("sample_rows", n, 1024, Some(slot), out, |ids| {
             vec![
                 Arg::P(x.ptr),
                 Arg::P(params_ptr),
@@ -218,7 +261,7 @@ pub(crate) fn sample_rows(
         .map_err(|e| anyhow::anyhow!("copying the sampling settings to the GPU: {e:?}"))?;
     let params_ptr = backend.ptr(dev);
     drop(params);
-    backend.launch_for_ids("sample_rows", n, 1024, out, |ids| {
+    backend.launch_for_ids("sample_rows", n, 1024, None, out, |ids| {
         vec![
             Arg::P(x.ptr),
             Arg::P(params_ptr),

@@ -115,8 +115,9 @@ impl SamplerParams {
 /// the device for CUDA); any other is sampled from its logit row on the host.
 pub trait TokenFilter: Send {
     /// Prepares the restriction of the next token (e.g. computes a grammar's mask). The
-    /// scheduler calls it on another thread while the step's forward pass runs. A failure
-    /// is kept and reported by the next [`TokenFilter::accept`].
+    /// scheduler calls it on another thread beside the step's forward pass (on a device,
+    /// once the step is launched). A failure is kept and reported by the next
+    /// [`TokenFilter::accept`].
     fn prepare(&mut self);
     /// Adjusts a logit row before penalties and sampling; a banned token gets `-inf`.
     fn apply(&self, logits: &mut [f32]);
@@ -134,6 +135,9 @@ pub trait TokenFilter: Send {
         false
     }
     /// Records the chosen token. `Ok(true)`: the output is complete, end the generation.
+    /// A token drawn under the filter's [`Self::mask`] (which it allows) is recorded on
+    /// the preparation's thread just before the next [`Self::prepare`], beside the next
+    /// step's forward pass; the token has been sent by then, so the generation ends there.
     fn accept(&mut self, token: u32) -> Result<bool, String>;
 }
 

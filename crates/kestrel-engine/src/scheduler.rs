@@ -243,6 +243,9 @@ pub struct SchedulerStats {
     /// Microseconds the token filters took preparing (grammar masks, written for the
     /// sampler), on the filter pool beside the forward steps.
     pub mask_us: AtomicU64,
+    /// Microseconds the scheduler waited for the masks once a step was launched (part of
+    /// `forward_us`).
+    pub mask_wait_us: AtomicU64,
     pub requests_finished: AtomicU64,
     pub requests_cancelled: AtomicU64,
     /// Speculative decoding: tokens drafted and verified, accepted, and verifications.
@@ -405,6 +408,10 @@ struct Seq {
     sink: Box<dyn TokenSink>,
     /// Grammar mask / logit bias: the sequence is sampled on the host.
     filter: Option<Box<dyn TokenFilter>>,
+    /// The last token, sampled under the filter's mask and sent, that the filter has not
+    /// yet accepted: the next step's preparation accepts it beside the forward pass (off
+    /// the path between one step's token ids and the next step's launch).
+    accept_next: Option<u32>,
     /// Prompt lookup, when this sequence may speculate (never with a filter).
     drafter: Option<(NgramDrafter, DraftControl)>,
     /// Drafts at the end of `tokens` this step (evaluated with the pending token).
@@ -760,6 +767,7 @@ impl<B: Backend> Scheduler<B> {
             cached_prompt_tokens: None,
             sink: req.sink,
             filter,
+            accept_next: None,
             drafter,
             n_drafts: 0,
         });
@@ -1022,10 +1030,12 @@ impl<B: Backend> Scheduler<B> {
         let forward_started = Instant::now();
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
         // The filters of the sequences sampling this step prepare their next token's
-        // restriction on another thread while the forward pass runs, each with its logit
-        // row. In a masked step each also writes its mask (one chunk of `words` a filter),
+        // restriction on the filter pool beside the forward pass (on a device, once the
+        // step is launched: the grammars' work then overlaps the device's, not the host's
+        // recording of the step), each first accepting the token it was left last step.
+        // In a masked step each also writes its mask (one chunk of `words` a filter),
         // which the backend applies once they are ready.
-        let mut filters: Vec<(&mut Box<dyn TokenFilter>, usize)> = Vec::new();
+        let mut filters: Vec<StepFilter> = Vec::new();
         let mut plan_at = plan.iter().peekable();
         let mut row = 0;
         for (i, seq) in self.running.iter_mut().enumerate() {
@@ -1034,7 +1044,7 @@ impl<B: Backend> Scheduler<B> {
             };
             if seq.n_cached + n == seq.tokens.len() {
                 if let Some(f) = seq.filter.as_mut() {
-                    filters.push((f, row));
+                    filters.push((f, seq.accept_next.take(), row, i));
                 }
                 row += 1 + seq.n_drafts;
             }
@@ -1042,87 +1052,150 @@ impl<B: Backend> Scheduler<B> {
         let words = vocab.div_ceil(32).max(1);
         let filters_empty = filters.is_empty();
         let mut mask_buf = std::mem::take(&mut draws.masks);
-        let (mut mask_us, mut mask_wait_us) = (0, 0);
+        let (mut mask_us, mut mask_wait_us, mut launch_us) = (0, 0, 0);
+        let runs_ahead = self.engine.backend.runs_ahead();
         let engine = &mut self.engine;
         // The filters' work, run on the filter pool beside the forward pass; what it made
         // comes back through `done`.
         let (done, made) = mpsc::sync_channel(1);
         let prepare = move || {
             let started = Instant::now();
+            // The token left last step first: a filter it ends (output complete, or an
+            // error) prepares nothing more, and this step's token is dropped.
+            let settle = |f: &mut Box<dyn TokenFilter>, token: Option<u32>| match token
+                .map(|t| f.accept(t))
+            {
+                None | Some(Ok(false)) => {
+                    f.prepare();
+                    None
+                }
+                end => end,
+            };
             if !masked_step {
-                filters.par_iter_mut().for_each(|(f, _)| f.prepare());
-                let _ = done.send((mask_buf, Vec::new(), started.elapsed()));
+                let ends = filters
+                    .par_iter_mut()
+                    .filter_map(|(f, token, _, i)| Some((*i, settle(f, token.take())?)))
+                    .collect();
+                let _ = done.send(Prepared {
+                    masks: mask_buf,
+                    written: Vec::new(),
+                    ends,
+                    took: started.elapsed(),
+                });
                 return;
             }
             // Every word is written by `mask` or belongs to no mask: no clearing.
             mask_buf.resize(filters.len() * words, 0);
             mask_buf.truncate(filters.len() * words);
-            let written: Vec<(usize, bool)> = filters
+            let (written, ends): (Vec<(usize, bool)>, Vec<Option<FilterEnd>>) = filters
                 .par_iter_mut()
                 .zip(mask_buf.par_chunks_mut(words))
-                .map(|((f, row), m)| {
-                    f.prepare();
-                    (*row, f.is_mask() && f.mask(m))
+                .map(|((f, token, row, i), m)| match settle(f, token.take()) {
+                    None => ((*row, f.is_mask() && f.mask(m)), None),
+                    Some(end) => ((*row, false), Some((*i, end))),
                 })
-                .collect();
-            let _ = done.send((mask_buf, written, started.elapsed()));
+                .unzip();
+            let _ = done.send(Prepared {
+                masks: mask_buf,
+                written,
+                ends: ends.into_iter().flatten().collect(),
+                took: started.elapsed(),
+            });
         };
-        let mut pending = true;
-        let mut step = |pending: &mut bool| {
+        let mut prepared: Option<Prepared> = None;
+        let mut step = |launched: &mut dyn FnMut()| {
             if all_plain {
-                engine.step_argmax(&batch, &mut argmax_ids)
+                // (No filter samples in such a step; were one to, it prepares after it.)
+                let r = engine.step_argmax(&batch, &mut argmax_ids);
+                launched();
+                r
             } else if masked_step {
                 let masks = |draws: &mut SamplingBatch| {
+                    launch_us = forward_started.elapsed().as_micros() as u64;
+                    launched();
                     let waiting = Instant::now();
-                    let Ok((buf, written, took)) = made.recv() else {
+                    let Ok(mut p) = made.recv() else {
                         return; // the preparation panicked: the scope re-raises it
                     };
-                    *pending = false;
                     mask_wait_us = waiting.elapsed().as_micros() as u64;
-                    mask_us = took.as_micros() as u64;
-                    draws.masks = buf;
+                    draws.masks = std::mem::take(&mut p.masks);
                     draws.mask_words = words;
                     draws.mask_of.clear();
                     draws.mask_of.resize(draws.rows.len(), NO_MASK);
-                    for (k, &(row, ok)) in written.iter().enumerate() {
+                    for (k, &(row, ok)) in p.written.iter().enumerate() {
                         if let (true, Some(m)) = (ok, draws.mask_of.get_mut(row)) {
                             *m = k as u32;
                         }
                     }
+                    prepared = Some(p);
                 };
                 engine.step_sample_masked(&batch, &mut draws, masks, &mut argmax_ids)
             } else if sample_rows {
-                engine.step_sample(&batch, &draws, &mut argmax_ids)
+                let r = engine.step_sample(&batch, &draws, &mut argmax_ids);
+                launched();
+                r
             } else {
-                engine.step_into(&batch, &mut logits)
+                engine.step_into_then(&batch, &mut logits, launched)
             }
         };
         let result = if filters_empty {
-            pending = false;
-            step(&mut pending)
+            step(&mut || {})
         } else {
-            // (rayon's global pool where the filter pool could not start)
+            // Spawned once the step is launched where the backend computes it beside the
+            // host (never, when it fails first: dropping the job then closes `made`); at
+            // once where each call computes its work before returning (the CPU: beside
+            // the forward pass, not after it). On rayon's global pool where the filter
+            // pool could not start.
+            let mut job = Some(prepare);
             match filter_pool() {
                 Some(pool) => pool.in_place_scope(|scope| {
-                    scope.spawn(move |_| prepare());
-                    step(&mut pending)
+                    let mut launched = || {
+                        if let Some(p) = job.take() {
+                            scope.spawn(move |_| p());
+                        }
+                    };
+                    if !runs_ahead {
+                        launched();
+                    }
+                    step(&mut launched)
                 }),
                 None => rayon::in_place_scope(|scope| {
-                    scope.spawn(move |_| prepare());
-                    step(&mut pending)
+                    let mut launched = || {
+                        if let Some(p) = job.take() {
+                            scope.spawn(move |_| p());
+                        }
+                    };
+                    if !runs_ahead {
+                        launched();
+                    }
+                    step(&mut launched)
                 }),
             }
         };
-        if pending && let Ok((buf, _, took)) = made.recv() {
-            mask_us = took.as_micros() as u64;
-            draws.masks = buf;
+        if prepared.is_none()
+            && !filters_empty
+            && let Ok(p) = made.recv()
+        {
+            prepared = Some(p);
+        }
+        // Filters that ended on the token they were left: by sampling slot, below.
+        let mut ends = Vec::new();
+        if let Some(mut p) = prepared {
+            mask_us = p.took.as_micros() as u64;
+            if draws.masks.capacity() == 0 {
+                draws.masks = std::mem::take(&mut p.masks);
+            }
+            ends = p.ends;
         }
         self.stats.mask_us.fetch_add(mask_us, Ordering::Relaxed);
+        self.stats
+            .mask_wait_us
+            .fetch_add(mask_wait_us, Ordering::Relaxed);
         self.last_forward_us = forward_started.elapsed().as_micros() as u64;
         if step_log() {
             let prefill: usize = plan.iter().filter(|p| p.1 > 1).map(|p| p.1).sum();
             eprintln!(
-                "step tokens {} seqs {} prefill_tokens {prefill} forward_us {} masks_us {mask_us} mask_wait_us {mask_wait_us}",
+                "step tokens {} seqs {} prefill_tokens {prefill} forward_us {} launch_us {launch_us} masks_us {mask_us} mask_wait_us {mask_wait_us}",
                 batch.len(),
                 plan.len(),
                 self.last_forward_us
@@ -1231,25 +1304,48 @@ impl<B: Backend> Scheduler<B> {
         };
         // The filters record their chosen tokens first, on the filter pool when there are
         // many (a grammar's step takes microseconds a row). An end-of-generation token is
-        // never shown to a filter.
+        // never shown to a filter. A token drawn under the filter's mask on the device is
+        // left for the next step's preparation to accept (`accept_next`) unless it may end
+        // the sequence by length (whether the filter completes there decides the reason).
         let mut accepted: Vec<Option<Result<bool, String>>> = Vec::new();
+        let mut defer = Vec::new();
+        // Filters that ended beside this step on the token they were left: their sequence
+        // ends and this step's token is dropped.
+        let mut ended: Vec<Option<Result<bool, String>>> = Vec::new();
         if self.running.iter().any(|s| s.filter.is_some()) {
             accepted.resize(sampling.len(), None);
+            defer.resize(sampling.len(), false);
+            ended.resize(sampling.len(), None);
             let mut slot_of = vec![usize::MAX; self.running.len()];
             for (k, &i) in sampling.iter().enumerate() {
                 slot_of[i] = k;
             }
+            for (i, end) in ends {
+                if let Some(e) = slot_of.get(i).and_then(|&k| ended.get_mut(k)) {
+                    *e = Some(end);
+                }
+            }
             let eog = &self.opts.eog;
-            let work: Vec<(usize, &mut Box<dyn TokenFilter>, u32)> = self
-                .running
-                .iter_mut()
-                .zip(&slot_of)
-                .filter_map(|(seq, &k)| {
-                    let id = (*picks.get(k)?)?;
-                    let f = seq.filter.as_mut()?;
-                    (seq.n_drafts == 0 && !eog.contains(&id)).then_some((k, f, id))
-                })
-                .collect();
+            let ctx = self.engine.ctx;
+            let mut work: Vec<(usize, &mut Box<dyn TokenFilter>, u32)> = Vec::new();
+            for (seq, &k) in self.running.iter_mut().zip(&slot_of) {
+                let (Some(Some(id)), Some(f)) = (picks.get(k), seq.filter.as_mut()) else {
+                    continue;
+                };
+                if seq.n_drafts > 0 || eog.contains(id) || ended[k].is_some() {
+                    continue;
+                }
+                let masked = draws
+                    .mask_of
+                    .get(first_row[k])
+                    .is_some_and(|&m| m != NO_MASK);
+                let may_end = seq.generated + 1 >= seq.max_tokens || seq.tokens.len() + 1 > ctx;
+                if masked_step && masked && !may_end {
+                    defer[k] = true;
+                } else {
+                    work.push((k, f, *id));
+                }
+            }
             // Few rows stay on this thread: waking the pool costs more than they do.
             let results: Vec<(usize, Result<bool, String>)> = if work.len() < PARALLEL_ACCEPT {
                 work.into_iter()
@@ -1273,12 +1369,21 @@ impl<B: Backend> Scheduler<B> {
         let mut finished = Vec::new();
         for (k, ((&i, row), pick)) in sampling.iter().zip(&rows).zip(picks).enumerate() {
             let drafts = self.running[i].n_drafts;
-            let done = if drafts > 0 {
+            let done = if let Some(end) = ended.get_mut(k).and_then(Option::take) {
+                match end {
+                    Ok(_) => Some(Some(FinishReason::Stop)),
+                    Err(e) => {
+                        self.running[i].sink.send(Event::Error(e));
+                        Some(None)
+                    }
+                }
+            } else if drafts > 0 {
                 let ids = argmax_ids.get(first_row[k]..first_row[k] + 1 + drafts);
                 self.verify(i, ids.unwrap_or(&[]), step_secs)
             } else {
                 let accepted = accepted.get_mut(k).and_then(Option::take);
-                self.sample_into(i, row, pick, accepted)
+                let defer = defer.get(k).copied().unwrap_or(false);
+                self.sample_into(i, row, pick, accepted, defer)
             };
             if let Some(reason) = done {
                 finished.push((i, reason));
@@ -1317,13 +1422,15 @@ impl<B: Backend> Scheduler<B> {
     /// Samples the next token of running sequence `i` from its logits and sends it. Returns
     /// `Some(Some(reason))` when the sequence is done, `Some(None)` when its client is gone.
     /// `pick`: the token already chosen (a plain greedy row's argmax), if any; `accepted`:
-    /// what the sequence's filter said of it, where it was already asked.
+    /// what the sequence's filter said of it, where it was already asked; `defer`: the
+    /// filter accepts the token at the next step's preparation instead (`accept_next`).
     fn sample_into(
         &mut self,
         i: usize,
         row: &[f32],
         pick: Option<u32>,
         accepted: Option<Result<bool, String>>,
+        defer: bool,
     ) -> Option<Option<FinishReason>> {
         let ctx = self.engine.ctx;
         let eog = &self.opts.eog;
@@ -1335,7 +1442,12 @@ impl<B: Backend> Scheduler<B> {
             return Some(Some(FinishReason::Stop));
         }
         // A filter that rejects the token (or failed preparing) ends the request.
-        let complete = match accepted.or_else(|| seq.filter.as_mut().map(|f| f.accept(id))) {
+        let asked = if defer {
+            None
+        } else {
+            accepted.or_else(|| seq.filter.as_mut().map(|f| f.accept(id)))
+        };
+        let complete = match asked {
             Some(Err(e)) => {
                 seq.sink.send(Event::Error(e));
                 return Some(None);
@@ -1360,6 +1472,9 @@ impl<B: Backend> Scheduler<B> {
             return Some(Some(FinishReason::Length));
         }
         seq.tokens.push(id);
+        if defer {
+            seq.accept_next = Some(id);
+        }
         None
     }
 
@@ -1426,7 +1541,7 @@ impl<B: Backend> Scheduler<B> {
             return Some(Some(FinishReason::Length));
         };
         for (k, &id) in drafts[..accepted].iter().chain([&next]).enumerate() {
-            if let Some(done) = self.sample_into(i, &[], Some(id), None) {
+            if let Some(done) = self.sample_into(i, &[], Some(id), None, false) {
                 return Some(done);
             }
             if k < accepted {
@@ -1483,6 +1598,24 @@ impl<B: Backend> Scheduler<B> {
         );
     }
 }
+
+/// What the filters' preparation of a step hands back: the mask buffer (written in a
+/// masked step), each filter's logit row and whether it wrote its mask, the filters that
+/// ended on the token they were left (running index, `accept`'s answer), and its time.
+struct Prepared {
+    masks: Vec<u32>,
+    written: Vec<(usize, bool)>,
+    ends: Vec<FilterEnd>,
+    took: Duration,
+}
+
+/// A sampling sequence's filter in a step's preparation: the filter, the token it was left
+/// to accept, its logit row, and the sequence's index in `running`.
+type StepFilter<'a> = (&'a mut Box<dyn TokenFilter>, Option<u32>, usize, usize);
+
+/// A filter that ended on the token it was left: the sequence's index in `running` and
+/// `accept`'s answer.
+type FilterEnd = (usize, Result<bool, String>);
 
 /// Filters accepting their tokens in one step from which the filter pool takes them.
 const PARALLEL_ACCEPT: usize = 16;

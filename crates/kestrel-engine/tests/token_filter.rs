@@ -366,3 +366,223 @@ fn mask_filters_give_the_tokens_of_host_filtering() {
         }
     }
 }
+
+/// Allows the tokens `t` with `t % 3 == 0` as a token mask; complete after `len` tokens, or
+/// failing on the `fail_at`-th. Records what it prepared and accepted.
+struct Countdown {
+    len: usize,
+    fail_at: Option<usize>,
+    ready: bool,
+    accepted: Arc<std::sync::Mutex<Vec<u32>>>,
+    prepared: Arc<AtomicUsize>,
+}
+
+impl TokenFilter for Countdown {
+    fn prepare(&mut self) {
+        self.prepared.fetch_add(1, Ordering::Relaxed);
+        self.ready = true;
+    }
+    fn apply(&self, logits: &mut [f32]) {
+        for (t, l) in logits.iter_mut().enumerate() {
+            if t % 3 != 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    fn is_mask(&self) -> bool {
+        true
+    }
+    fn mask(&self, words: &mut [u32]) -> bool {
+        if !self.ready {
+            return false;
+        }
+        for (w, word) in words.iter_mut().enumerate() {
+            *word = (0..32)
+                .filter(|b| (32 * w + b) % 3 == 0)
+                .fold(0, |m, b| m | 1 << b);
+        }
+        true
+    }
+    fn accept(&mut self, token: u32) -> Result<bool, String> {
+        if !self.ready || !token.is_multiple_of(3) {
+            return Err(format!("token {token} is not allowed"));
+        }
+        self.ready = false;
+        let mut accepted = self.accepted.lock().unwrap();
+        accepted.push(token);
+        if self.fail_at == Some(accepted.len()) {
+            return Err("the grammar failed".into());
+        }
+        Ok(accepted.len() == self.len)
+    }
+}
+
+/// Mask filters whose tokens are accepted beside the next step end where their grammar
+/// says: after exactly the token that completes it (no token more, nothing prepared after
+/// it), with `Stop` also when that token is the last `max_tokens` allows; a grammar failing
+/// on an allowed token ends its request with the error. Every sent token was accepted, in
+/// order, and unfiltered neighbours keep their output.
+#[test]
+fn mask_filters_end_where_their_grammar_ends() {
+    let h = tiny_scheduler(7, 8, 8, None);
+    let submit = |prompt: Vec<u32>, max_tokens: usize, filter: Option<Box<dyn TokenFilter>>| {
+        let (tx, rx) = mpsc::channel();
+        h.submit_filtered(
+            Request {
+                prompt,
+                params: SamplerParams::greedy(),
+                max_tokens,
+                logprobs: None,
+                speculative: false,
+                sink: Box::new(tx),
+            },
+            filter,
+        )
+        .expect("submit");
+        rx
+    };
+    let prompt: Vec<u32> = (5..30).collect();
+    let (alone, _) = events(&submit(prompt.clone(), 30, None));
+    // (grammar length, fail at, max_tokens)
+    let cases = [
+        (5, None, 40),
+        (1, None, 40),
+        (7, None, 7),
+        (9, None, 8),
+        (12, Some(4), 40),
+        (12, Some(1), 40),
+    ];
+    let mut runs = Vec::new();
+    for (k, &(len, fail_at, max_tokens)) in cases.iter().enumerate() {
+        let accepted = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let prepared = Arc::new(AtomicUsize::new(0));
+        let filter = Countdown {
+            len,
+            fail_at,
+            ready: false,
+            accepted: accepted.clone(),
+            prepared: prepared.clone(),
+        };
+        let rx = submit(
+            vec![3, 1 + k as u32, 4, 1],
+            max_tokens,
+            Some(Box::new(filter)),
+        );
+        runs.push((rx, accepted, prepared));
+    }
+    let beside = submit(prompt, 30, None);
+    for ((rx, accepted, prepared), &(len, fail_at, max_tokens)) in runs.iter().zip(&cases) {
+        let (ids, done) = events(rx);
+        let accepted = accepted.lock().unwrap().clone();
+        assert!(ids.iter().all(|t| t % 3 == 0), "{ids:?}");
+        match fail_at {
+            Some(at) => {
+                assert_eq!(done, Event::Error("the grammar failed".into()));
+                assert_eq!(ids.len(), at, "the failing token was sent, no token after");
+                assert_eq!(accepted, ids);
+            }
+            None if len <= max_tokens => {
+                assert!(
+                    matches!(
+                        done,
+                        Event::Done {
+                            reason: FinishReason::Stop,
+                            ..
+                        }
+                    ),
+                    "{done:?}"
+                );
+                assert_eq!(ids.len(), len);
+                assert_eq!(accepted, ids);
+                assert_eq!(prepared.load(Ordering::Relaxed), len);
+            }
+            None => {
+                assert!(
+                    matches!(
+                        done,
+                        Event::Done {
+                            reason: FinishReason::Length,
+                            ..
+                        }
+                    ),
+                    "{done:?}"
+                );
+                assert_eq!(ids.len(), max_tokens);
+                assert_eq!(accepted, ids);
+            }
+        }
+    }
+    let (ids, _) = events(&beside);
+    assert_eq!(ids, alone, "an unfiltered neighbour changed");
+}
+
+/// A mask filter whose last token waits to be accepted keeps its output when the next step
+/// samples every row on the host (a neighbour asking for log-probabilities arrives): the
+/// token is accepted there as in a masked step, and the output equals the run alone.
+#[test]
+fn mask_filters_keep_their_tokens_across_host_sampled_steps() {
+    let h = tiny_scheduler(11, 8, 8, None);
+    let submit = |prompt: Vec<u32>,
+                  max_tokens: usize,
+                  logprobs: Option<usize>,
+                  filter: Option<Box<dyn TokenFilter>>| {
+        let (tx, rx) = mpsc::channel();
+        h.submit_filtered(
+            Request {
+                prompt,
+                params: SamplerParams::greedy(),
+                max_tokens,
+                logprobs,
+                speculative: false,
+                sink: Box::new(tx),
+            },
+            filter,
+        )
+        .expect("submit");
+        rx
+    };
+    let run = |neighbour: bool| {
+        let accepted = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let filter = Countdown {
+            len: 30,
+            fail_at: None,
+            ready: false,
+            accepted: accepted.clone(),
+            prepared: Arc::new(AtomicUsize::new(0)),
+        };
+        let rx = submit(vec![9, 2, 6], 40, None, Some(Box::new(filter)));
+        let mut ids = Vec::new();
+        let mut others = Vec::new();
+        let done = loop {
+            match rx.recv().expect("event") {
+                Event::Token { id, .. } => ids.push(id),
+                done => break done,
+            }
+            // Log-probability neighbours arriving while the filtered sequence decodes.
+            if neighbour && ids.len() % 6 == 3 {
+                others.push(submit(vec![4, ids.len() as u32], 4, Some(2), None));
+            }
+        };
+        assert!(
+            matches!(
+                done,
+                Event::Done {
+                    reason: FinishReason::Stop,
+                    ..
+                }
+            ),
+            "{done:?}"
+        );
+        for rx in &others {
+            let (got, _) = events(rx);
+            assert_eq!(got.len(), 4);
+        }
+        assert_eq!(*accepted.lock().unwrap(), ids);
+        (ids, others.len())
+    };
+    let (alone, _) = run(false);
+    let (beside, neighbours) = run(true);
+    assert_eq!(alone.len(), 30);
+    assert!(neighbours >= 4, "{neighbours} neighbours");
+    assert_eq!(beside, alone);
+}

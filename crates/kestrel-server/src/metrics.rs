@@ -148,14 +148,17 @@ impl Metrics {
             "# HELP kestrel_scheduler_seconds_total Scheduler thread time: the model's \
              forward steps, and its own work around them (admission, batching, sampling, \
              sending); \"masks\": the token filters' preparation (grammar masks), on their \
-             own thread beside the forward steps.\n\
+             own thread beside the forward steps; \"mask_wait\": the part of the forward \
+             steps spent waiting for those masks once the step was launched.\n\
              # TYPE kestrel_scheduler_seconds_total counter\n\
              kestrel_scheduler_seconds_total{{phase=\"forward\"}} {:.6}\n\
              kestrel_scheduler_seconds_total{{phase=\"host\"}} {:.6}\n\
-             kestrel_scheduler_seconds_total{{phase=\"masks\"}} {:.6}",
+             kestrel_scheduler_seconds_total{{phase=\"masks\"}} {:.6}\n\
+             kestrel_scheduler_seconds_total{{phase=\"mask_wait\"}} {:.6}",
             load(&s.forward_us) as f64 / 1e6,
             load(&s.host_us) as f64 / 1e6,
-            load(&s.mask_us) as f64 / 1e6
+            load(&s.mask_us) as f64 / 1e6,
+            load(&s.mask_wait_us) as f64 / 1e6
         );
         let mut gauge = |name: &str, help: &str, v: u64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");

@@ -46,6 +46,10 @@ pub struct Args {
     /// Only the linear-attention hybrids' checks (qwen35, qwen3next, qwen35moe).
     #[arg(long)]
     pub hybrids: bool,
+    /// Only the checks of sampling on the device (`sample_rows`, with and without token
+    /// masks).
+    #[arg(long)]
+    pub sampling: bool,
 }
 
 /// `gpu-check --split layer --devices LIST`.
@@ -475,6 +479,40 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
     failures
 }
 
+/// Sampling on the device (`sample_rows`, with and without token masks) against the
+/// host's definition; returns the failures.
+fn check_sampling(backend: &kestrel_cuda::CudaBackend, seed: u64) -> usize {
+    let mut failures = 0;
+    println!(
+        "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words; \"masked\": with token masks, 1-262,145 words:"
+    );
+    for (masks, label, base) in [(false, "sample", 900), (true, "masked", 950)] {
+        for round in 0..3u64 {
+            match selfcheck::compare_sampling(backend, seed.wrapping_add(base + round), masks) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    println!(
+                        "{label:<8} round {round}: {} rows, {} at an interval's edge, {} wrong  {}{}",
+                        r.rows,
+                        r.edge,
+                        r.wrong,
+                        if ok { "ok" } else { "FAIL" },
+                        r.first_wrong
+                            .map(|w| format!(" (first: {w})"))
+                            .unwrap_or_default()
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{label:<8} round {round}: ERROR {e:#}");
+                }
+            }
+        }
+    }
+    failures
+}
+
 /// Prints one comparison's line (`label`, then max |Δ|, top-1 agreement and ok / FAIL, or
 /// the error); true when it passed.
 fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport>) -> bool {
@@ -673,6 +711,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend.kernels_origin(),
         start.elapsed().as_secs_f64()
     );
+    if args.sampling {
+        let failures = check_sampling(&backend, seed);
+        if failures > 0 {
+            anyhow::bail!("{failures} sampling check(s) failed");
+        }
+        println!("all sampling checks passed");
+        return Ok(());
+    }
     let mut failures = check_products(&backend, seed);
     // Logit rows copied to the host while their product runs (after a large read of rows).
     match selfcheck::compare_read_ahead(&backend, seed.wrapping_add(870)) {
@@ -691,33 +737,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             println!("read-ahead of logit rows: ERROR {e:#}");
         }
     }
-    println!(
-        "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words; \"masked\": with token masks, 1-262,145 words:"
-    );
-    for (masks, label, base) in [(false, "sample", 900), (true, "masked", 950)] {
-        for round in 0..3u64 {
-            match selfcheck::compare_sampling(&backend, seed.wrapping_add(base + round), masks) {
-                Ok(r) => {
-                    let ok = r.passed();
-                    failures += usize::from(!ok);
-                    println!(
-                        "{label:<8} round {round}: {} rows, {} at an interval's edge, {} wrong  {}{}",
-                        r.rows,
-                        r.edge,
-                        r.wrong,
-                        if ok { "ok" } else { "FAIL" },
-                        r.first_wrong
-                            .map(|w| format!(" (first: {w})"))
-                            .unwrap_or_default()
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("{label:<8} round {round}: ERROR {e:#}");
-                }
-            }
-        }
-    }
+    failures += check_sampling(&backend, seed);
     drop(backend);
     // Tensor parallelism's one-shot all-reduce kernel, its ranks as streams of this GPU.
     for ranks in [2, 3] {
