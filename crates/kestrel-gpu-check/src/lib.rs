@@ -2886,18 +2886,29 @@ pub fn compare_moe_block_q8(
     let (gate, gw) = random_matrix(backend, &mut rng, types[0], ne * ff, d)?;
     let (up, uw) = random_matrix(backend, &mut rng, types[1], ne * ff, d)?;
     let (down, dw) = random_matrix(backend, &mut rng, types[2], ne * d, ff)?;
-    let mut random = |len: usize, r: f32| -> Vec<f32> {
-        (0..len).map(|_| rng.random_range(-r..r)).collect()
-    };
+    let mut random =
+        |len: usize, r: f32| -> Vec<f32> { (0..len).map(|_| rng.random_range(-r..r)).collect() };
     let (rb, gb, ub, db) = if gpt_oss {
-        (random(ne, 1.0), random(ne * ff, 0.5), random(ne * ff, 0.5), random(ne * d, 0.5))
+        (
+            random(ne, 1.0),
+            random(ne * ff, 0.5),
+            random(ne * ff, 0.5),
+            random(ne * d, 0.5),
+        )
     } else {
-        (vec![0.0; ne], vec![0.0; ne * ff], vec![0.0; ne * ff], vec![0.0; ne * d])
+        (
+            vec![0.0; ne],
+            vec![0.0; ne * ff],
+            vec![0.0; ne * ff],
+            vec![0.0; ne * d],
+        )
     };
     let bias_matrix = |v: &[f32], cols: usize| -> anyhow::Result<kestrel_cuda::CudaWeight> {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         backend.upload_matrix(GgmlType::F32, ne, cols, &bytes)
     };
+    // gpt-oss's expert biases (none otherwise).
+    let bias = |v: &[f32], cols: usize| gpt_oss.then(|| bias_matrix(v, cols)).transpose();
     let one = || backend.upload_vector(&[1.0]);
     let layer = LayerWeights {
         attn_norm: one()?,
@@ -2924,9 +2935,9 @@ pub fn compare_moe_block_q8(
         } else {
             None
         },
-        ffn_gate_exps_bias: if gpt_oss { Some(bias_matrix(&gb, ff)?) } else { None },
-        ffn_up_exps_bias: if gpt_oss { Some(bias_matrix(&ub, ff)?) } else { None },
-        ffn_down_exps_bias: if gpt_oss { Some(bias_matrix(&db, d)?) } else { None },
+        ffn_gate_exps_bias: bias(&gb, ff)?,
+        ffn_up_exps_bias: bias(&ub, ff)?,
+        ffn_down_exps_bias: bias(&db, d)?,
         post_ffw_norm: None,
         shared_expert: None,
     };
