@@ -8,7 +8,9 @@
 //
 // Every step: moe_router (f32 logits), moe_route. Steps of up to 8 tokens then: moe_gate_up (one block row per (token,
 // slot) pair, the expert id read from the device), moe_down (each token's row summed over
-// its k experts in slot order, no atomics). Larger steps group the pairs by expert
+// its k experts in slot order, no atomics); with 8-bit activations (formats gemv_q8 reads)
+// moe_router also quantizes the inputs, and moe_gate_up_q8 / moe_down_q8 run gemv_q8's
+// units and dp4a dot products instead. Larger steps group the pairs by expert
 // (moe_group), gather their inputs (moe_gather), run tiles of up to GV_MAX_T pairs of one
 // expert (moe_gate_up_tiles, moe_down_tiles: each weight row read once per tile), and add
 // each token's weighted outputs in slot order (moe_combine). Grids are sized for the worst
@@ -32,11 +34,24 @@ __device__ __forceinline__ float moe_act(float g, float u, int act, float alpha,
 // Router logits in f32 (as llama.cpp keeps the router): block (expert e, tile of up to
 // GV_MAX_T tokens) of 4 warps splitting the row, logits[t][e] = w_e · x[t]. Each token's
 // sums are its own (the same whatever the step's size).
+// With xq set the block also quantizes 32-value blocks of its tokens' inputs for the 8-bit
+// decode kernels (quantize_x_q8's rounding: xq, and a scale per 32 in xd): warp w of block e
+// takes blocks 4e + w, 4e + w + 4·ne, ... (d a multiple of 32).
 extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_router(const float* x, int d,
                                                                      int n, const u8* w,
                                                                      long long rb, int ty,
-                                                                     int ne, float* logits) {
+                                                                     int ne, float* logits,
+                                                                     i8* xq, float* xd) {
     pdl_enter();
+    if (xq) {
+        const int t0q = blockIdx.y * GV_MAX_T, ntq = min(GV_MAX_T, n - t0q);
+        const int lane = threadIdx.x & 31;
+        for (int b = blockIdx.x * (GV_THREADS / 32) + (threadIdx.x >> 5); b < d / 32;
+             b += ne * (GV_THREADS / 32))
+            for (int t = t0q; t < t0q + ntq; t++)
+                q8_store_block(x[(size_t)t * d + b * 32 + lane], (size_t)t * d + b * 32 + lane,
+                               xq, xd);
+    }
     __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
     const int e = blockIdx.x, t0 = blockIdx.y * GV_MAX_T;
     const int nt = min(GV_MAX_T, n - t0);
@@ -197,6 +212,146 @@ moe_down(const float* a, int ff, int d, int k, const int* ids, const float* wts,
         for (int s = 1; s < k; s++) o = __fadd_rn(o, part[threadIdx.x][s]);
         out[(size_t)t * d + rr] = o;
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode on 8-bit activations (steps of up to 8 tokens; the formats gemv_q8 reads: Q4_K,
+// Q6_K, Q8_0, Q4_0, IQ4_NL, IQ4_XS, MXFP4): gemv_q8's wide units and dp4a dot products with
+// the expert's rows found through the ids on the device. A token's results do not depend on
+// the step around it (each (pair, row) and (token, row) is one warp's work), so
+// batch-invariant steps need nothing special here either.
+
+#define MOE_Q8_WARPS 16  // moe_gate_up_q8: warps a block, 2 rows each: one 32-value q8 block
+
+// Block (32-row group, pair p = t·k + s): rows r of expert ids[p]'s gate and up times token
+// t's 8-bit input (xq, xd), the activation fused, then the 32 values quantized for
+// moe_down_q8 (aq: a row of ff int8 per pair, ad: a scale per 32). ff a multiple of 32.
+extern "C" __global__ void __launch_bounds__(MOE_Q8_WARPS * 32, 1)
+moe_gate_up_q8(const i8* xq, const float* xd, int k, const int* ids, i8* aq, float* ad,
+               MOE_GATE_UP_PARAMS) {
+    pdl_enter();
+    __shared__ float vals[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int p = blockIdx.y, r0 = blockIdx.x * 32 + 2 * warp;
+    const long long e = ids[p];
+    const size_t t = p / k;
+    const i8* x = xq + t * d;
+    const float* xs = xd + t * (d / 32);
+    const u8* g = wg + (e * ff + r0) * rbg;
+    const u8* u = wu + (e * ff + r0) * rbu;
+    float acc[2] = {0.0f, 0.0f}, acc_up[2] = {0.0f, 0.0f};
+    bool waited = true;
+    if (tyg == tyu && rbg == rbu) {
+        rows_dot8_any<2, 2, true>(tyg, g, u, rbg, 2, x, xs, d, lane, acc, acc_up, waited);
+    } else {
+        rows_dot8_any<2, 2, true>(tyg, g, nullptr, rbg, 2, x, xs, d, lane, acc, nullptr, waited);
+        rows_dot8_any<2, 2, true>(tyu, u, nullptr, rbu, 2, x, xs, d, lane, acc_up, nullptr,
+                                  waited);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        acc[i] = warp_sum(acc[i]);
+        acc_up[i] = warp_sum(acc_up[i]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = r0 + i;
+            const float b0 = bg ? bg[e * ff + r] : 0.0f, b1 = bu ? bu[e * ff + r] : 0.0f;
+            vals[2 * warp + i] =
+                moe_act(__fadd_rn(acc[i], b0), __fadd_rn(acc_up[i], b1), act, alpha, limit);
+        }
+    __syncthreads();
+    if (warp == 0) q8_store_block(vals[lane], (size_t)p * ff + blockIdx.x * 32 + lane, aq, ad);
+}
+
+// This lane's share of rows r0 .. r0 + nr (≤ R) of the token's k experts' down matrices
+// (expert id[s]'s rows at wd + (id[s]·d + r)·rb), each dotted with its slot's 8-bit
+// activations (aq + s·ff, ad + s·ff/32) and weighted by wt[s]: the warp's (slot, unit)
+// pairs are one flat range its lanes stride over, NU units in flight a lane.
+template <int TY, int R, int NU>
+__device__ __forceinline__ void moe_down_rows8(const u8* wd, long long rb, int d, int r0, int nr,
+                                               const int* id, const float* wt, const i8* aq,
+                                               const float* ad, int ff, int k, int lane,
+                                               float* acc) {
+    typedef Fmt<TY> F;
+    typedef Unit8<TY> U8;
+    const int units = F::units(ff), nb = ff >> 5, total = k * units;
+    for (int i0 = lane; i0 < total; i0 += 32 * NU) {
+        typename F::Raw raw[NU][R];
+        int s[NU], u[NU];
+#pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int idx = i0 + 32 * j;
+            s[j] = idx / units;
+            u[j] = idx - s[j] * units;
+            if (idx < total) {
+                const u8* row = wd + ((long long)id[s[j]] * d + r0) * rb;
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    if (i < nr) raw[j][i] = F::load(row + i * rb, u[j], nb);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NU; j++)
+            if (i0 + 32 * j < total) {
+                const typename U8::X xv =
+                    U8::load_x(aq + (size_t)s[j] * ff, ad + (size_t)s[j] * nb, u[j]);
+                const float w = wt[s[j]];
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    if (i < nr) acc[i] = fmaf(w, U8::dot(raw[j][i], u[j], xv), acc[i]);
+            }
+    }
+}
+
+#define MOE_DOWN_R 2  // moe_down_q8: rows a warp
+
+// Block (8-row group, token t) of 4 warps, MOE_DOWN_R rows each: out[t][r] = Σ_s wts[t·k+s] ·
+// (down_e · a[t·k+s] + bd_e[r]), e = ids[t·k+s], a the 8-bit activations of moe_gate_up_q8.
+extern "C" __global__ void __launch_bounds__(128, 4)
+moe_down_q8(const i8* aq, const float* ad, int ff, int d, int k, const int* ids,
+            const float* wts, const u8* wd, long long rbd, int tyd, const float* bd,
+            float* out) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31, t = blockIdx.y;
+    const int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * MOE_DOWN_R;
+    if (r0 >= d) return;
+    const int nr = min(MOE_DOWN_R, d - r0);
+    const int* id = ids + (size_t)t * k;
+    const float* wt = wts + (size_t)t * k;
+    const i8* a = aq + (size_t)t * k * ff;
+    const float* as = ad + (size_t)t * k * (ff / 32);
+    float acc[MOE_DOWN_R];
+#pragma unroll
+    for (int i = 0; i < MOE_DOWN_R; i++) acc[i] = 0.0f;
+#define MOE_DOWN_CASE(T, TW)                                                                   \
+    case T:                                                                                    \
+        moe_down_rows8<TW, MOE_DOWN_R, 2>(wd, rbd, d, r0, nr, id, wt, a, as, ff, k, lane, acc); \
+        break;
+    switch (tyd) {
+    MOE_DOWN_CASE(T_Q4_K, T_Q4_K_W)
+    MOE_DOWN_CASE(T_Q6_K, T_Q6_K_W)
+    MOE_DOWN_CASE(T_Q8_0, T_Q8_0_W)
+    MOE_DOWN_CASE(T_Q4_0, T_Q4_0_W)
+    MOE_DOWN_CASE(T_IQ4_NL, T_IQ4_NL_W)
+    MOE_DOWN_CASE(T_IQ4_XS, T_IQ4_XS_W)
+    MOE_DOWN_CASE(T_MXFP4, T_MXFP4_W)
+    default: break;
+    }
+#undef MOE_DOWN_CASE
+#pragma unroll
+    for (int i = 0; i < MOE_DOWN_R; i++) acc[i] = warp_sum(acc[i]);
+    if (lane != 0) return;
+#pragma unroll
+    for (int i = 0; i < MOE_DOWN_R; i++)
+        if (i < nr) {
+            const int r = r0 + i;
+            float o = acc[i];
+            if (bd)
+                for (int s = 0; s < k; s++) o = fmaf(wt[s], bd[(size_t)id[s] * d + r], o);
+            out[(size_t)t * d + r] = o;
+        }
 }
 
 // Groups the np = n·k pairs by expert (one block): pos[p] = the pair's place in the grouped

@@ -9,6 +9,10 @@
 //!   fused) over every (token, slot) pair, one for down (a warp per (row, slot) product,
 //!   then each token's row summed over its k experts in slot order by its block; no
 //!   atomics);
+//!   with 8-bit activations on (the default) and every expert matrix in a format of
+//!   [`Q8_EXPERT_TYPES`], the router also quantizes the inputs and `moe_gate_up_q8` /
+//!   `moe_down_q8` run gemv_q8's units and dp4a dot products (gate/up quantizes its
+//!   activations for down; down takes a token's output rows over all k experts in one warp);
 //! - larger steps: the pairs grouped by expert on the device (`moe_group`), their inputs
 //!   gathered, tiles of up to 8 pairs of one expert per block (each weight row read once
 //!   per tile), and each token's weighted outputs added in slot order.
@@ -28,6 +32,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "moe_route",
     "moe_gate_up",
     "moe_down",
+    "moe_gate_up_q8",
+    "moe_down_q8",
     "moe_group",
     "moe_gather",
     "moe_gate_up_tiles",
@@ -62,6 +68,23 @@ pub const EXPERT_TYPES: &[GgmlType] = &[
     GgmlType::MXFP4,
 ];
 
+/// Formats of the 8-bit decode kernels (`moe_gate_up_q8`, `moe_down_q8`: gemv_q8's units).
+pub const Q8_EXPERT_TYPES: &[GgmlType] = &[
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
+];
+
+/// Rows a `moe_gate_up_q8` block computes (16 warps of 2: one 32-value block of 8-bit
+/// activations for down).
+const Q8_GATE_UP_ROWS: usize = 32;
+/// Rows a `moe_down_q8` block computes (4 warps of `MOE_DOWN_R` = 2).
+const Q8_DOWN_ROWS: usize = 8;
+
 /// Buffers of the block, shared by every layer, grown to the largest step seen.
 pub(crate) struct MoeScratch {
     /// (tokens, experts, used, n_embd, n_ff_exp) they were sized for.
@@ -78,6 +101,12 @@ pub(crate) struct MoeScratch {
     /// Grouped steps: gathered inputs and weighted outputs, one row of n_embd per place.
     xs: CudaSlice<f32>,
     ys: CudaSlice<f32>,
+    /// 8-bit decode: the inputs (n_embd a token) and the gated activations (n_ff_exp a pair)
+    /// as int8 values and a scale per 32.
+    xq: CudaSlice<i8>,
+    xd: CudaSlice<f32>,
+    aq: CudaSlice<i8>,
+    ad: CudaSlice<f32>,
 }
 
 /// Tiles a step of `pairs` (token, slot) pairs over `n_expert` experts can need.
@@ -91,6 +120,8 @@ impl MoeScratch {
         let pairs = n * k;
         let grouped = n > MOE_DEC_MAX_TOKENS;
         let big = |len: usize| if grouped { len } else { 1 };
+        // Tokens of the largest decode step these buffers serve.
+        let dec = n.min(MOE_DEC_MAX_TOKENS);
         Ok(MoeScratch {
             dims,
             logits: b.alloc(n * ne, "router logits")?,
@@ -102,6 +133,10 @@ impl MoeScratch {
             tiles: b.alloc(big(1 + 3 * max_tiles(pairs, ne)), "expert tiles")?,
             xs: b.alloc(big(pairs * d), "gathered expert inputs")?,
             ys: b.alloc(big(pairs * d), "expert outputs")?,
+            xq: b.alloc(dec * d, "8-bit expert inputs")?,
+            xd: b.alloc(dec * d / 32, "8-bit expert inputs")?,
+            aq: b.alloc(dec * k * ff, "8-bit expert activations")?,
+            ad: b.alloc(dec * k * ff / 32, "8-bit expert activations")?,
         })
     }
 }
@@ -205,6 +240,27 @@ fn expert_bias(
     }
 }
 
+/// Whether a decode step's expert products run on 8-bit activations (`moe_gate_up_q8`,
+/// `moe_down_q8`): the backend's 8-bit decode on, every matrix (format ids `tys`) of
+/// [`Q8_EXPERT_TYPES`], and rows of whole 32-value blocks (n_embd `d`, n_ff_exp `ff`:
+/// the quantization blocks; the K-quants' 256 hold by their format).
+fn q8_experts(b: &CudaBackend, tys: &[i32], d: usize, ff: usize) -> bool {
+    b.q8_decode()
+        && d.is_multiple_of(32)
+        && ff.is_multiple_of(Q8_GATE_UP_ROWS)
+        && tys
+            .iter()
+            .all(|&t| Q8_EXPERT_TYPES.iter().any(|q| q.id() as i32 == t))
+}
+
+impl CudaBackend {
+    /// Whether a step of `n` tokens through a mixture-of-experts block of this shape (and
+    /// expert formats) runs the 8-bit decode kernels (for the checks' references).
+    pub fn moe_uses_q8(&self, tys: [GgmlType; 3], d: usize, ff: usize, n: usize) -> bool {
+        n <= MOE_DEC_MAX_TOKENS && q8_experts(self, &tys.map(|t| t.id() as i32), d, ff)
+    }
+}
+
 pub(crate) fn moe_ffn(
     b: &CudaBackend,
     x: &CudaTensor,
@@ -277,6 +333,13 @@ pub(crate) fn moe_ffn(
         b.ptr(&s.wts),
         b.ptr(&s.act),
     );
+    // The 8-bit decode kernels: the inputs are quantized by the router's launch.
+    let q8 = n <= MOE_DEC_MAX_TOKENS && q8_experts(b, &[tyg, tyu, tyd], d, ff);
+    let (xq, xd, aq, ad) = if q8 {
+        (b.ptr(&s.xq), b.ptr(&s.xd), b.ptr(&s.aq), b.ptr(&s.ad))
+    } else {
+        (0, 0, 0, 0)
+    };
     b.launch_reading(
         "moe_router",
         (ne as u32, n.div_ceil(TILE) as u32, 1),
@@ -290,6 +353,8 @@ pub(crate) fn moe_ffn(
             Arg::I(tyr),
             Arg::I(ne as i32),
             Arg::P(logits),
+            Arg::P(xq),
+            Arg::P(xd),
         ],
         (ne * rbr as usize) as u64,
     );
@@ -331,6 +396,45 @@ pub(crate) fn moe_ffn(
     let gate_up_bytes = (pairs * ff) as u64 * (rbg + rbu) as u64;
     let down_bytes = (pairs * d) as u64 * rbd as u64;
     let row_groups = |rows: usize| rows.div_ceil(ROWS) as u32;
+    if q8 {
+        let mut args = vec![
+            Arg::P(xq),
+            Arg::P(xd),
+            Arg::I(k as i32),
+            Arg::P(ids),
+            Arg::P(aq),
+            Arg::P(ad),
+        ];
+        args.extend_from_slice(&gate_up);
+        b.launch_reading(
+            "moe_gate_up_q8",
+            ((ff / Q8_GATE_UP_ROWS) as u32, pairs as u32, 1),
+            (Q8_GATE_UP_ROWS / 2 * 32) as u32,
+            &args,
+            gate_up_bytes,
+        );
+        b.launch_reading(
+            "moe_down_q8",
+            (d.div_ceil(Q8_DOWN_ROWS) as u32, n as u32, 1),
+            128,
+            &[
+                Arg::P(aq),
+                Arg::P(ad),
+                Arg::I(ff as i32),
+                Arg::I(d as i32),
+                Arg::I(k as i32),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::P(wd),
+                Arg::L(rbd),
+                Arg::I(tyd),
+                Arg::P(bd),
+                Arg::P(out.ptr),
+            ],
+            down_bytes,
+        );
+        return Ok(());
+    }
     if n <= MOE_DEC_MAX_TOKENS {
         let mut args = vec![Arg::P(x.ptr), Arg::I(k as i32), Arg::P(ids), Arg::P(a)];
         args.extend_from_slice(&gate_up);

@@ -2820,6 +2820,244 @@ impl MoeBlockReport {
     }
 }
 
+/// A case of [`compare_moe_block_q8`]: expert formats (gate, up, down), n_embd, n_ff_exp,
+/// experts, experts per token, and gpt-oss's clamped SwiGLU with router and expert biases.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeQ8Case {
+    pub types: [GgmlType; 3],
+    pub d: usize,
+    pub ff: usize,
+    pub n_expert: usize,
+    pub k: usize,
+    pub gpt_oss: bool,
+}
+
+/// The 8-bit decode kernels' cases: every format they read, gate and up of different
+/// formats, row lengths of odd numbers of 32- and 256-value blocks, 1 to 16 experts a token
+/// (all of them in one case), Qwen3-MoE's softmax-and-renormalize and gpt-oss's biased,
+/// clamped one.
+pub const MOE_Q8_CASES: [MoeQ8Case; 7] = {
+    use GgmlType::*;
+    const fn c(
+        types: [GgmlType; 3],
+        d: usize,
+        ff: usize,
+        n_expert: usize,
+        k: usize,
+        gpt_oss: bool,
+    ) -> MoeQ8Case {
+        MoeQ8Case {
+            types,
+            d,
+            ff,
+            n_expert,
+            k,
+            gpt_oss,
+        }
+    }
+    [
+        c([Q4K, Q4K, Q6K], 768, 512, 13, 3, false),
+        c([Q4K, Q4K, Q4K], 1280, 768, 20, 8, false),
+        c([Q6K, Q6K, Q4K], 256, 256, 16, 16, false),
+        c([Q8_0, Q8_0, Q8_0], 416, 160, 11, 4, true),
+        c([MXFP4, MXFP4, MXFP4], 352, 96, 9, 4, true),
+        c([Q4_0, IQ4NL, Q4_0], 224, 64, 7, 2, false),
+        c([IQ4XS, IQ4XS, IQ4XS], 512, 256, 10, 10, false),
+    ]
+};
+
+/// Step sizes of [`compare_moe_block_q8`] (the decode kernels' 1 to 8 tokens).
+pub const MOE_Q8_STEPS: [usize; 4] = [1, 2, 5, 8];
+
+/// The mixture-of-experts block on 8-bit activations (`moe_gate_up_q8`, `moe_down_q8`)
+/// against an f64 reference on random stacked experts of `case`: the router in f64 and
+/// `kestrel_model::moe::route`, each token's input rounded as the GPU rounds it
+/// ([`quantize_q8_like_gpu`]), gate/up and the activation in f64, the activations rounded to
+/// 8 bits again, down, the slots' weighted sum. An activation within 1e-3 of a rounding
+/// boundary may round either way on the GPU (its f32 sums): the bound of each output adds
+/// what that one step can move it (weight × |down| × step), so every other difference is
+/// held to f32 agreement. `max_rel_diff` is the largest |Δ| beyond that allowance,
+/// relative to max(1e-3, the token's largest output).
+pub fn compare_moe_block_q8(
+    backend: &CudaBackend,
+    case: MoeQ8Case,
+    seed: u64,
+) -> anyhow::Result<MoeBlockReport> {
+    use kestrel_model::{
+        Activation, Backend, ClampedSwiglu, Gating, LayerWeights, MoeConfig, moe::route,
+    };
+    let MoeQ8Case {
+        types,
+        d,
+        ff,
+        n_expert: ne,
+        k,
+        gpt_oss,
+    } = case;
+    backend.set_q8_decode(true);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (router, rw) = random_matrix(backend, &mut rng, GgmlType::F32, ne, d)?;
+    let (gate, gw) = random_matrix(backend, &mut rng, types[0], ne * ff, d)?;
+    let (up, uw) = random_matrix(backend, &mut rng, types[1], ne * ff, d)?;
+    let (down, dw) = random_matrix(backend, &mut rng, types[2], ne * d, ff)?;
+    let mut random =
+        |len: usize, r: f32| -> Vec<f32> { (0..len).map(|_| rng.random_range(-r..r)).collect() };
+    let (rb, gb, ub, db) = if gpt_oss {
+        (
+            random(ne, 1.0),
+            random(ne * ff, 0.5),
+            random(ne * ff, 0.5),
+            random(ne * d, 0.5),
+        )
+    } else {
+        (
+            vec![0.0; ne],
+            vec![0.0; ne * ff],
+            vec![0.0; ne * ff],
+            vec![0.0; ne * d],
+        )
+    };
+    let bias_matrix = |v: &[f32], cols: usize| -> anyhow::Result<kestrel_cuda::CudaWeight> {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        backend.upload_matrix(GgmlType::F32, ne, cols, &bytes)
+    };
+    // gpt-oss's expert biases (none otherwise).
+    let bias = |v: &[f32], cols: usize| gpt_oss.then(|| bias_matrix(v, cols)).transpose();
+    let one = || backend.upload_vector(&[1.0]);
+    let layer = LayerWeights {
+        attn_norm: one()?,
+        attn_q: None,
+        attn_k: None,
+        attn_v: None,
+        attn_q_bias: None,
+        attn_k_bias: None,
+        attn_v_bias: None,
+        attn_q_norm: None,
+        attn_k_norm: None,
+        attn_output: None,
+        delta_net: None,
+        attn_output_bias: None,
+        attn_sinks: None,
+        post_attention_norm: None,
+        ffn_norm: one()?,
+        ffn_gate_inp: Some(router),
+        ffn_gate: gate,
+        ffn_up: up,
+        ffn_down: down,
+        ffn_gate_inp_bias: if gpt_oss {
+            Some(backend.upload_vector(&rb)?)
+        } else {
+            None
+        },
+        ffn_gate_exps_bias: bias(&gb, ff)?,
+        ffn_up_exps_bias: bias(&ub, ff)?,
+        ffn_down_exps_bias: bias(&db, d)?,
+        post_ffw_norm: None,
+        shared_expert: None,
+    };
+    let clamp = ClampedSwiglu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let moe = MoeConfig {
+        n_expert: ne,
+        n_expert_used: k,
+        n_ff_exp: ff,
+        gating: if gpt_oss {
+            Gating::TopKSoftmax
+        } else {
+            Gating::Softmax
+        },
+        norm_top_k: !gpt_oss,
+        clamped_swiglu: gpt_oss.then_some(clamp),
+        shared_expert: None,
+    };
+    let act = |g: f64, u: f64| -> f64 {
+        if gpt_oss {
+            let (lim, alpha) = (clamp.limit as f64, clamp.alpha as f64);
+            let x = g.min(lim);
+            let y = u.clamp(-lim, lim);
+            x / (1.0 + (-alpha * x).exp()) * (y + 1.0)
+        } else {
+            g / (1.0 + (-g).exp()) * u
+        }
+    };
+    let dot = |w: &[f32], row: usize, x: &[f32]| -> f64 {
+        let len = x.len();
+        w[row * len..(row + 1) * len]
+            .iter()
+            .zip(x)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum()
+    };
+    let mut report = MoeBlockReport::default();
+    for n in MOE_Q8_STEPS {
+        anyhow::ensure!(
+            backend.moe_uses_q8(types, d, ff, n),
+            "the 8-bit expert kernels do not take {types:?} with n_embd {d}, n_ff_exp {ff}"
+        );
+        // Inputs at the scale of a normalized hidden state (gate/up sums of a few units).
+        let x: Vec<f32> = random(n * d, 0.2);
+        let gx = backend.upload_tensor(n, d, &x)?;
+        let mut gout = backend.upload_tensor(n, d, &vec![f32::NAN; n * d])?;
+        backend.moe_ffn(&gx, &layer, &moe, Activation::Silu, n, &mut gout)?;
+        let mut got = Vec::new();
+        backend.read_rows(&gout, n, &mut got)?;
+        for t in 0..n {
+            let xt = &x[t * d..(t + 1) * d];
+            let logits: Vec<f32> = (0..ne)
+                .map(|e| (dot(&rw, e, xt) + rb[e] as f64) as f32)
+                .collect();
+            // route adds no bias: the logits above carry the router's.
+            let mut sel = vec![(0usize, 0f32); k];
+            route(&moe, &logits, &mut sel);
+            let xq = quantize_q8_like_gpu(xt, 32);
+            let mut want = vec![0f64; d];
+            let mut allow = vec![0f64; d];
+            for &(e, w) in &sel {
+                let a: Vec<f32> = (0..ff)
+                    .map(|r| {
+                        let g = dot(&gw, e * ff + r, &xq) + gb[e * ff + r] as f64;
+                        let u = dot(&uw, e * ff + r, &xq) + ub[e * ff + r] as f64;
+                        act(g, u) as f32
+                    })
+                    .collect();
+                let aq = quantize_q8_like_gpu(&a, 32);
+                // Activations near a rounding boundary (either way on the GPU).
+                let mut near = Vec::new();
+                for (c, block) in a.chunks(32).enumerate() {
+                    let step = block.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                    for (j, &v) in block.iter().enumerate() {
+                        let frac = if step > 0.0 { v as f64 / step } else { 0.0 };
+                        if (frac - frac.floor() - 0.5).abs() < 1e-3 {
+                            near.push((c * 32 + j, step));
+                        }
+                    }
+                }
+                for r in 0..d {
+                    let row = e * d + r;
+                    want[r] += w as f64 * (dot(&dw, row, &aq) + db[row] as f64);
+                    for &(c, step) in &near {
+                        allow[r] += (w as f64 * dw[row * ff + c] as f64 * step).abs();
+                    }
+                }
+            }
+            let out = &got[t * d..(t + 1) * d];
+            let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+            for r in 0..d {
+                if !out[r].is_finite() {
+                    report.non_finite += 1;
+                } else {
+                    let excess = ((out[r] as f64 - want[r]).abs() - allow[r]).max(0.0);
+                    report.max_rel_diff = report.max_rel_diff.max((excess / scale) as f32);
+                }
+            }
+        }
+        report.blocks += 1;
+    }
+    Ok(report)
+}
+
 /// Step sizes of [`compare_moe_block`]: the decode kernels (1 to 8 tokens) and the grouped
 /// ones.
 pub const MOE_BLOCK_STEPS: [usize; 5] = [1, 3, 8, 9, 77];

@@ -544,6 +544,23 @@ fn moe_logits_match_cpu() {
     }
 }
 
+/// The 8-bit expert decode kernels (`moe_gate_up_q8`, `moe_down_q8`) against an f64
+/// reference on random stacked experts of every format they read, awkward sizes, 1 to 8
+/// tokens.
+#[test]
+fn moe_q8_block_matches_f64() {
+    if !gpu_present("moe_q8_block_matches_f64") {
+        return;
+    }
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for case in selfcheck::MOE_Q8_CASES {
+        let seed = rng.random();
+        let r = selfcheck::compare_moe_block_q8(&backend, case, seed).expect("block runs");
+        assert!(r.passed(), "{case:?} (seed {seed}): {r:?}");
+    }
+}
+
 #[test]
 fn moe_greedy_generation_matches_cpu() {
     if !gpu_present("moe_greedy_generation_matches_cpu") {

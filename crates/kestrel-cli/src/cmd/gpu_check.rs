@@ -50,6 +50,9 @@ pub struct Args {
     /// masks).
     #[arg(long)]
     pub sampling: bool,
+    /// Only the mixture-of-experts checks.
+    #[arg(long)]
+    pub moe: bool,
 }
 
 /// `gpu-check --split layer --devices LIST`.
@@ -616,6 +619,47 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
             }
         }
     }
+    println!(
+        "mixture-of-experts block on 8-bit activations (moe_gate_up_q8, moe_down_q8; random stacked experts, 1, 2, 5, 8 tokens) against an f64 reference on the same rounded inputs: pass if max |Δ| beyond a boundary rounding's allowance <= {:.0e} of each token's largest output:",
+        selfcheck::MoeBlockReport::LIMIT
+    );
+    match CudaBackend::new(args.gpu) {
+        Ok(backend) => {
+            for (ic, case) in selfcheck::MOE_Q8_CASES.into_iter().enumerate() {
+                let label = format!(
+                    "moe q8 block {:?} d {} ff {} experts {}/{}{}",
+                    case.types,
+                    case.d,
+                    case.ff,
+                    case.k,
+                    case.n_expert,
+                    if case.gpt_oss { " gpt-oss" } else { "" }
+                );
+                let case_seed = seed.wrapping_add(23_000 + ic as u64);
+                match selfcheck::compare_moe_block_q8(&backend, case, case_seed) {
+                    Ok(r) => {
+                        let ok = r.passed();
+                        failures += usize::from(!ok);
+                        println!(
+                            "{label}: {} steps, max rel |Δ| {:.2e}, {} non-finite  {}",
+                            r.blocks,
+                            r.max_rel_diff,
+                            r.non_finite,
+                            if ok { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label}: ERROR {e:#}");
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            failures += 1;
+            println!("moe q8 block: ERROR {e:#}");
+        }
+    }
     // gpt-oss: sinks, sliding windows, biases and clamped SwiGLU experts, published in MXFP4.
     let greedy_cases = [
         (moe, "f16"),
@@ -700,6 +744,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             anyhow::bail!("{failures} hybrid check(s) failed");
         }
         println!("all hybrid checks passed");
+        return Ok(());
+    }
+    if args.moe {
+        println!("seed {seed}");
+        let failures = moe_checks(&args, seed, args.positions);
+        if failures > 0 {
+            anyhow::bail!("{failures} mixture-of-experts check(s) failed");
+        }
+        println!("all mixture-of-experts checks passed");
         return Ok(());
     }
     let start = Instant::now();
