@@ -18,6 +18,8 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/mmq.cu"),
     "\n",
+    include_str!("../kernels/moe_mma.cu"),
+    "\n",
     include_str!("../kernels/elementwise.cu"),
     "\n",
     include_str!("../kernels/norm_rope.cu"),
@@ -51,6 +53,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::sample::KERNELS,
         crate::delta::KERNELS,
         crate::moe::KERNELS,
+        crate::moe_mma::KERNELS,
         crate::split::KERNELS,
     ]
     .into_iter()

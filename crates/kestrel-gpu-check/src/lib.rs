@@ -2789,10 +2789,18 @@ pub fn compare_split_greedy(
 /// Result of [`compare_moe_block`].
 #[derive(Debug, Clone, Default)]
 pub struct MoeBlockReport {
-    /// Blocks compared (layers × step sizes).
+    /// Blocks compared (layers × step sizes) against the CPU on f32 activations.
     pub blocks: usize,
     /// Largest |Δ| of an output, relative to max(1e-3, largest |output|) of its token.
     pub max_rel_diff: f32,
+    /// Blocks the GPU ran on the tensor cores (`moe_mms_*`: 8-bit activations, as
+    /// llama.cpp's CPU path rounds them), compared against the CPU with ggml's numerics.
+    pub mma_blocks: usize,
+    /// Their largest relative |Δ| (as `max_rel_diff`).
+    pub max_rel_diff_mma: f32,
+    /// The same GPU outputs against the CPU on f32 activations: how far the 8-bit rounding
+    /// alone moves them (the bound above must be well below it to mean anything).
+    pub max_rel_diff_mma_f32: f32,
     pub non_finite: usize,
 }
 
@@ -2800,20 +2808,44 @@ impl MoeBlockReport {
     /// The bound of [`Self::max_rel_diff`]: both sides compute in f32 from the same weights
     /// and inputs, the router included (only the order of the sums differs).
     pub const LIMIT: f32 = 1e-4;
+    /// The bound of [`Self::max_rel_diff_mma`]: both sides round the activations to 8 bits
+    /// per 256 values and sum the integer products exactly; the scales' order and ulp
+    /// differences in a block's step (`amax / 127` against ggml's `1 / (127 / max)`) flip
+    /// a rare quant by one.
+    pub const LIMIT_MMA: f32 = 2e-3;
 
     pub fn passed(&self) -> bool {
-        self.blocks > 0 && self.non_finite == 0 && self.max_rel_diff <= Self::LIMIT
+        self.blocks + self.mma_blocks > 0
+            && self.non_finite == 0
+            && self.max_rel_diff <= Self::LIMIT
+            && self.max_rel_diff_mma <= Self::LIMIT_MMA
     }
 }
 
-/// Step sizes of [`compare_moe_block`]: the decode kernels (1 to 8 tokens) and the grouped
-/// ones.
-pub const MOE_BLOCK_STEPS: [usize; 5] = [1, 3, 8, 9, 77];
+/// Step sizes of [`compare_moe_block`] (tokens, of which near-copies of one input): the
+/// decode kernels (1 to 8 tokens) and the grouped ones (on the tensor cores for Q4_K /
+/// Q6_K experts); the near-copies all take the same experts, so that most experts get
+/// none (64 tokens) or one expert takes most of the step (300).
+pub const MOE_BLOCK_STEPS: [(usize, usize); 9] = [
+    (1, 0),
+    (3, 0),
+    (8, 0),
+    (9, 0),
+    (17, 0),
+    (77, 0),
+    (64, 64),
+    (300, 0),
+    (300, 225),
+];
+
+/// (n_embd, n_ff_exp, experts, experts per token) of [`compare_moe_block_wide`]: rows of
+/// several 256-value steps (768 = 3 of them, as Qwen3-30B-A3B's experts) and top-8 of 32.
+pub const MOE_WIDE: (usize, usize, usize, usize) = (512, 768, 32, 8);
 
 /// The mixture-of-experts block alone (`Backend::moe_ffn`), CPU against CUDA, on every
 /// layer of the tiny model of `arch` (gpt-oss: router and expert biases, the clamped
 /// SwiGLU, the softmax over the chosen logits; qwen3moe: the softmax over all, renormalized)
-/// with random inputs of each of [`MOE_BLOCK_STEPS`] tokens; then a shared expert's gate
+/// with random inputs of each of [`MOE_BLOCK_STEPS`]; then a shared expert's gate
 /// (`Backend::add_sigmoid_gated`) on random rows.
 pub fn compare_moe_block(
     arch: Arch,
@@ -2821,50 +2853,113 @@ pub fn compare_moe_block(
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<MoeBlockReport> {
+    compare_moe_block_on(tiny_model(arch, ty, seed)?, seed, ordinal)
+}
+
+/// [`compare_moe_block`] on Qwen3-MoE blocks of the shape [`MOE_WIDE`].
+pub fn compare_moe_block_wide(
+    ty: &str,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<MoeBlockReport> {
+    let mut cfg = SynthConfig::tiny(Arch::Qwen3Moe);
+    let (d, ff, ne, k) = MOE_WIDE;
+    cfg.n_embd = d as u32;
+    cfg.n_ff_exp = ff as u32;
+    cfg.n_expert = ne as u32;
+    cfg.n_expert_used = k as u32;
+    compare_moe_block_on(model_of(cfg, ty, seed)?, seed, ordinal)
+}
+
+fn compare_moe_block_on(
+    file: Arc<GgufFile>,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<MoeBlockReport> {
     use kestrel_model::{Backend, FfnKind, Model};
-    let file = tiny_model(arch, ty, seed)?;
     let cpu = CpuBackend::with_numerics(Kernels::Fast, Numerics::F32);
+    // The tensor-core path's oracle: 8-bit activations as ggml's CPU path rounds them.
+    let cpu_q8 = CpuBackend::with_numerics(Kernels::Fast, Numerics::Ggml);
     let gpu = CudaBackend::new(ordinal)?;
     // f32 activations in the router's product too (8-bit ones move its logits by ~0.4%).
     gpu.set_q8_decode(false);
     let cm = Model::load(&cpu, file.clone()).context("loading on the CPU")?;
+    let qm = Model::load(&cpu_q8, file.clone()).context("loading on the CPU")?;
     let gm = Model::load(&gpu, file).context("loading on the GPU")?;
     let FfnKind::Moe(moe) = cm.config.ffn else {
-        anyhow::bail!("{arch:?} has no mixture-of-experts blocks");
+        anyhow::bail!("the model has no mixture-of-experts blocks");
     };
     let (d, act) = (cm.config.n_embd, cm.config.activation);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x30e);
     let mut report = MoeBlockReport::default();
-    let mut compare = |want: &[f32], got: &[f32], cols: usize| {
+    // Largest relative |Δ| of `got` against `want` (rows of `cols`); non-finite ones counted.
+    let rel_diff = |want: &[f32], got: &[f32], cols: usize, non_finite: &mut usize| {
+        let mut max = 0f32;
         for (w, g) in want.chunks_exact(cols).zip(got.chunks_exact(cols)) {
             let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
             for (a, b) in w.iter().zip(g) {
                 if !b.is_finite() {
-                    report.non_finite += 1;
+                    *non_finite += 1;
                 } else {
-                    report.max_rel_diff = report.max_rel_diff.max((a - b).abs() / scale);
+                    max = max.max((a - b).abs() / scale);
                 }
             }
         }
+        max
     };
-    for (cl, gl) in cm.weights.layers.iter().zip(&gm.weights.layers) {
-        for n in MOE_BLOCK_STEPS {
-            let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let cx = kestrel_cpu::CpuTensor {
-                data: x.clone(),
-                cols: d,
-            };
-            let mut cout = cpu.new_tensor(n, d)?;
-            cpu.moe_ffn(&cx, cl, &moe, act, n, &mut cout)?;
+    let run_cpu = |be: &CpuBackend,
+                   layer: &kestrel_model::LayerWeights<kestrel_cpu::CpuWeight>,
+                   x: &[f32],
+                   n: usize|
+     -> anyhow::Result<Vec<f32>> {
+        let cx = kestrel_cpu::CpuTensor {
+            data: x.to_vec(),
+            cols: d,
+        };
+        let mut out = be.new_tensor(n, d)?;
+        be.moe_ffn(&cx, layer, &moe, act, n, &mut out)?;
+        out.data.truncate(n * d);
+        Ok(out.data)
+    };
+    for ((cl, ql), gl) in cm
+        .weights
+        .layers
+        .iter()
+        .zip(&qm.weights.layers)
+        .zip(&gm.weights.layers)
+    {
+        for (n, copies) in MOE_BLOCK_STEPS {
+            let base: Vec<f32> = (0..d).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let x: Vec<f32> = (0..n * d)
+                .map(|i| match i / d < copies {
+                    true => base[i % d] + rng.random_range(-0.01..0.01),
+                    false => rng.random_range(-2.0..2.0),
+                })
+                .collect();
             let gx = gpu.upload_tensor(n, d, &x)?;
             let mut gout = gpu.upload_tensor(n, d, &vec![f32::NAN; n * d])?;
             gpu.moe_ffn(&gx, gl, &moe, act, n, &mut gout)?;
             let mut got = Vec::new();
             gpu.read_rows(&gout, n, &mut got)?;
-            compare(&cout.data[..n * d], &got, d);
-            report.blocks += 1;
+            let want = run_cpu(&cpu, cl, &x, n)?;
+            let f32_diff = rel_diff(&want, &got, d, &mut report.non_finite);
+            if gpu.moe_on_tensor_cores(gl, &moe, n) {
+                let want = run_cpu(&cpu_q8, ql, &x, n)?;
+                let mut nf = 0;
+                let diff = rel_diff(&want, &got, d, &mut nf);
+                report.max_rel_diff_mma = report.max_rel_diff_mma.max(diff);
+                report.max_rel_diff_mma_f32 = report.max_rel_diff_mma_f32.max(f32_diff);
+                report.mma_blocks += 1;
+            } else {
+                report.max_rel_diff = report.max_rel_diff.max(f32_diff);
+                report.blocks += 1;
+            }
         }
     }
+    let mut compare = |want: &[f32], got: &[f32], cols: usize| {
+        let diff = rel_diff(want, got, cols, &mut report.non_finite);
+        report.max_rel_diff = report.max_rel_diff.max(diff);
+    };
     // A shared expert's gate: out += y · sigmoid(x · w).
     for n in [1, 6, 33] {
         let mut random =

@@ -46,6 +46,9 @@ pub struct Args {
     /// Only the linear-attention hybrids' checks (qwen35, qwen3next, qwen35moe).
     #[arg(long)]
     pub hybrids: bool,
+    /// Only the mixture-of-experts checks (blocks alone, logits, greedy, verification).
+    #[arg(long)]
+    pub moe: bool,
 }
 
 /// `gpu-check --split layer --devices LIST`.
@@ -527,34 +530,49 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
     }
     let moe = kestrel_model::Arch::Qwen3Moe;
     println!(
-        "mixture-of-experts block alone (random inputs of 1, 3, 8, 9, 77 tokens; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output:",
-        selfcheck::MoeBlockReport::LIMIT
+        "mixture-of-experts block alone (random inputs of 1 to 300 tokens, some near-copies of one; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output (tensor-core blocks, 8-bit activations: <= {:.0e} against the CPU's ggml numerics):",
+        selfcheck::MoeBlockReport::LIMIT,
+        selfcheck::MoeBlockReport::LIMIT_MMA
     );
-    for (ia, arch) in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe]
-        .into_iter()
-        .enumerate()
-    {
-        for (it, ty) in ["q8_0", "f16", "q4_k_m", "q4_0", "mxfp4"]
-            .into_iter()
-            .enumerate()
-        {
-            let case_seed = seed.wrapping_add(22_000 + (ia * 10 + it) as u64);
-            match selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu) {
-                Ok(r) => {
-                    let ok = r.passed();
-                    failures += usize::from(!ok);
-                    println!(
-                        "moe block {:<8} {ty:<8} {} blocks, max rel |Δ| {:.2e}  {}",
-                        arch.name(),
-                        r.blocks,
-                        r.max_rel_diff,
-                        if ok { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("moe block {:<8} {ty:<8} ERROR {e:#}", arch.name());
-                }
+    let mut block_cases = Vec::new();
+    for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
+        for ty in ["q8_0", "f16", "q4_k_m", "q6_k", "q4_0", "mxfp4"] {
+            block_cases.push((arch.name(), ty, false));
+        }
+    }
+    // Qwen3-MoE blocks of several 256-value steps a row, top-8 of 32 (MOE_WIDE).
+    for ty in ["q4_k_m", "q6_k"] {
+        block_cases.push(("qwen3moe-wide", ty, true));
+    }
+    for (ic, (name, ty, wide)) in block_cases.into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(22_000 + ic as u64);
+        let result = if wide {
+            selfcheck::compare_moe_block_wide(ty, case_seed, args.gpu)
+        } else {
+            let arch = if name == "qwen3moe" {
+                moe
+            } else {
+                kestrel_model::Arch::GptOss
+            };
+            selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu)
+        };
+        match result {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                println!(
+                    "moe block {name:<13} {ty:<8} {} blocks, max rel |Δ| {:.2e}; {} on tensor cores, {:.2e} (f32 oracle {:.2e})  {}",
+                    r.blocks,
+                    r.max_rel_diff,
+                    r.mma_blocks,
+                    r.max_rel_diff_mma,
+                    r.max_rel_diff_mma_f32,
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("moe block {name:<13} {ty:<8} ERROR {e:#}");
             }
         }
     }
@@ -642,6 +660,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             anyhow::bail!("{failures} hybrid check(s) failed");
         }
         println!("all hybrid checks passed");
+        return Ok(());
+    }
+    if args.moe {
+        println!("seed {seed}");
+        let failures = moe_checks(&args, seed, args.positions.clamp(1, 512));
+        if failures > 0 {
+            anyhow::bail!("{failures} mixture-of-experts check(s) failed");
+        }
+        println!("all mixture-of-experts checks passed");
         return Ok(());
     }
     let start = Instant::now();
