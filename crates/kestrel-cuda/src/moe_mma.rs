@@ -9,7 +9,8 @@
 //! added in slot order (`moe_combine`, moe.rs's).
 //!
 //! For experts in Q4_K or Q6_K (what Q4_K_M files hold) without biases or gpt-oss's clamped
-//! SwiGLU, row lengths multiples of 256; other blocks keep moe.rs's kernels. Grids are sized
+//! SwiGLU, row lengths multiples of 256, while 8-bit activations are on (`KESTREL_CUDA_Q8`,
+//! as for the dense int8 products); other blocks keep moe.rs's kernels. Grids are sized
 //! for the worst case of the step's size (tiles past the count exit), so steps record and
 //! replay as graphs with no host round trip. A token's result does not depend on the rest
 //! of the step (its activations are quantized on their own, its mma column is its own, a
@@ -70,14 +71,15 @@ pub(crate) fn takes(layer: &LayerWeights<CudaWeight>, moe: &MoeConfig) -> bool {
 
 impl CudaBackend {
     /// Whether `moe_ffn` of `n` tokens on this layer runs on the tensor cores (8-bit
-    /// activations) rather than moe.rs's f32 kernels.
+    /// activations, so only while those are on: [`Self::q8_decode`], as the dense int8
+    /// products) rather than moe.rs's f32 kernels.
     pub fn moe_on_tensor_cores(
         &self,
         layer: &LayerWeights<CudaWeight>,
         moe: &MoeConfig,
         n: usize,
     ) -> bool {
-        n > crate::moe::MOE_DEC_MAX_TOKENS && takes(layer, moe)
+        n > crate::moe::MOE_DEC_MAX_TOKENS && self.q8_decode() && takes(layer, moe)
     }
 }
 

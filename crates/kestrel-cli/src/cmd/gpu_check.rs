@@ -530,9 +530,12 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
     }
     let moe = kestrel_model::Arch::Qwen3Moe;
     println!(
-        "mixture-of-experts block alone (random inputs of 1 to 300 tokens, some near-copies of one; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output (tensor-core blocks, 8-bit activations: <= {:.0e} against the CPU's ggml numerics):",
+        "mixture-of-experts block alone (random inputs of 1 to 300 tokens, some near-copies of one; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output; tensor-core blocks (8-bit activations) against the CPU's ggml numerics: mean <= {:.0e}, <= {:.0}% of tokens over {:.0e}, max <= {:.0e}:",
         selfcheck::MoeBlockReport::LIMIT,
-        selfcheck::MoeBlockReport::LIMIT_MMA
+        selfcheck::MoeBlockReport::LIMIT_MMA_MEAN,
+        selfcheck::MoeBlockReport::MMA_MAX_TOKENS_OFF * 100.0,
+        selfcheck::MoeBlockReport::MMA_TOKEN_BOUND,
+        selfcheck::MoeBlockReport::LIMIT_MMA_MAX
     );
     let mut block_cases = Vec::new();
     for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
@@ -561,12 +564,15 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
                 let ok = r.passed();
                 failures += usize::from(!ok);
                 println!(
-                    "moe block {name:<13} {ty:<8} {} blocks, max rel |Δ| {:.2e}; {} on tensor cores, {:.2e} (f32 oracle {:.2e})  {}",
+                    "moe block {name:<13} {ty:<8} {} blocks, max rel |Δ| {:.2e}; {} on tensor cores: mean {:.1e} (f32 oracle {:.1e}), tokens over {}/{}, max {:.1e}  {}",
                     r.blocks,
                     r.max_rel_diff,
                     r.mma_blocks,
+                    r.mean_rel_diff_mma,
+                    r.mean_rel_diff_mma_f32,
+                    r.mma_tokens_off,
+                    r.mma_tokens,
                     r.max_rel_diff_mma,
-                    r.max_rel_diff_mma_f32,
                     if ok { "ok" } else { "FAIL" }
                 );
             }
