@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_mma_quantize(const float* 
 // q0 .. q0 + count of expert e against rows r of W_e (rows of `rows`, k values each; UP:
 // gate and up, 32 rows a block, act(gate) * up into out[q][r]; else 64 rows a block,
 // wts[order[q]] · (W_e[r] · x_q) into out[q][r]). The tile's 8J places are read whole
-// (places past its count belong to padding or the next run: their columns are dropped).
+// (places past its count are its run's padding: their columns are dropped).
 template <int J, bool UP>
 __device__ __forceinline__ void moe_mms_body(const i8* xq, const float* xk, const i8* xb,
                                              int npad, const int* info, int k, int rows,
