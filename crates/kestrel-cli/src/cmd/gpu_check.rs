@@ -537,27 +537,22 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
         selfcheck::MoeBlockReport::MMA_TOKEN_BOUND,
         selfcheck::MoeBlockReport::LIMIT_MMA_MAX
     );
+    // (label, architecture of the tiny model or None for MOE_WIDE's Qwen3-MoE blocks: rows
+    // of several 256-value steps, top-8 of 32, type).
     let mut block_cases = Vec::new();
-    for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
+    for arch in [kestrel_model::Arch::GptOss, moe] {
         for ty in ["q8_0", "f16", "q4_k_m", "q6_k", "q4_0", "mxfp4"] {
-            block_cases.push((arch.name(), ty, false));
+            block_cases.push((arch.name(), Some(arch), ty));
         }
     }
-    // Qwen3-MoE blocks of several 256-value steps a row, top-8 of 32 (MOE_WIDE).
     for ty in ["q4_k_m", "q6_k"] {
-        block_cases.push(("qwen3moe-wide", ty, true));
+        block_cases.push(("qwen3moe-wide", None, ty));
     }
-    for (ic, (name, ty, wide)) in block_cases.into_iter().enumerate() {
+    for (ic, (name, arch, ty)) in block_cases.into_iter().enumerate() {
         let case_seed = seed.wrapping_add(22_000 + ic as u64);
-        let result = if wide {
-            selfcheck::compare_moe_block_wide(ty, case_seed, args.gpu)
-        } else {
-            let arch = if name == "qwen3moe" {
-                moe
-            } else {
-                kestrel_model::Arch::GptOss
-            };
-            selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu)
+        let result = match arch {
+            Some(arch) => selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu),
+            None => selfcheck::compare_moe_block_wide(ty, case_seed, args.gpu),
         };
         match result {
             Ok(r) => {
