@@ -18,6 +18,8 @@ pub const SOURCE: &str = concat!(
     "\n",
     include_str!("../kernels/mmq.cu"),
     "\n",
+    include_str!("../kernels/moe_mma.cu"),
+    "\n",
     include_str!("../kernels/elementwise.cu"),
     "\n",
     include_str!("../kernels/norm_rope.cu"),
@@ -52,6 +54,7 @@ pub fn kernels() -> impl Iterator<Item = &'static str> {
         crate::delta::KERNELS,
         crate::moe::KERNELS,
         crate::tp::KERNELS,
+        crate::moe_mma::KERNELS,
         crate::split::KERNELS,
     ]
     .into_iter()

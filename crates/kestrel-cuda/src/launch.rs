@@ -103,10 +103,11 @@ pub(crate) fn grid_1d(len: usize, block: usize) -> (u32, u32, u32) {
     (len.div_ceil(block) as u32, 1, 1)
 }
 
-/// Dynamic shared memory of a kernel's launches: `mms_*` stage MS_STAGES (3) steps of their
-/// block's 64 weight rows (MS_WROW = 224 bytes each) and of the activations of their 8·J
-/// tokens (MS_XROW = 288 bytes each and a 4-byte step; kernels/mmq.cu); the tiled attention
-/// over quantized caches its staging (`attention::tiled_q_smem`); others use none.
+/// Dynamic shared memory of a kernel's launches: `mms_*` (and `moe_mms_*`) stage MS_STAGES
+/// (3) steps of their block's 64 weight rows (MS_WROW = 224 bytes each) and of the
+/// activations of their 8·J tokens (MS_XROW = 288 bytes each and a 4-byte step;
+/// kernels/mmq.cu); the tiled attention over quantized caches its staging
+/// (`attention::tiled_q_smem`); others use none.
 pub(crate) fn dynamic_smem(name: &str) -> u32 {
     match name {
         "attention_split_tiled64_q" => return crate::attention::tiled_q_smem(64),
@@ -117,8 +118,8 @@ pub(crate) fn dynamic_smem(name: &str) -> u32 {
         return MW_STAGES * (MW_XBYTES + (MW_MAX_WARPS * 2 * MW_TILE_BYTES) as u32);
     }
     let tokens = match name.strip_suffix("_gated").unwrap_or(name) {
-        "mms_t16" => 16,
-        "mms_t32" => 32,
+        "mms_t16" | "moe_mms_gate_up_t16" | "moe_mms_down_t16" => 16,
+        "mms_t32" | "moe_mms_gate_up_t32" | "moe_mms_down_t32" => 32,
         _ => return 0,
     };
     3 * (MMS_ROWS as u32 * 224 + tokens * (288 + 4))

@@ -24,6 +24,7 @@ mod delta;
 mod launch;
 mod matmul;
 mod moe;
+mod moe_mma;
 pub mod nccl;
 mod norm_rope;
 mod options;
@@ -207,6 +208,8 @@ pub struct CudaBackend {
     mmw_warps: std::sync::atomic::AtomicUsize,
     /// Buffers of the mixture-of-experts blocks (`moe.rs`), made at their first step.
     moe_scratch: Mutex<Option<moe::MoeScratch>>,
+    /// Buffers of the grouped tensor-core expert products (`moe_mma.rs`).
+    moe_mma_scratch: Mutex<Option<moe_mma::MoeMmaScratch>>,
 }
 
 /// Steps of more tokens than this multiply through cuBLAS (when present): below it the
@@ -439,6 +442,7 @@ impl CudaBackend {
             sm_count,
             mmw_warps: std::sync::atomic::AtomicUsize::new(0),
             moe_scratch: Mutex::new(None),
+            moe_mma_scratch: Mutex::new(None),
             options,
         })
     }

@@ -376,6 +376,9 @@ pub(crate) fn moe_ffn(
             Arg::P(wts),
         ],
     );
+    if b.moe_on_tensor_cores(layer, moe, n) {
+        return crate::moe_mma::moe_ffn_mma(b, x, layer, moe, act, n, ids, wts, out);
+    }
     let gate_up = [
         Arg::I(d as i32),
         Arg::I(ff as i32),

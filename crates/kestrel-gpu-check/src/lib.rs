@@ -223,7 +223,9 @@ impl MoeLogitReport {
 
 /// [`compare_logits`] on [`tiny_moe_model`] (the GPU on f32 activations where it has the
 /// choice): once one token a step, once in steps of 100 tokens (the grouped expert
-/// kernels), 40, and 1 to 8 (the decode ones); passes by [`MoeLogitReport::passed`].
+/// kernels; K-quant experts: on the tensor cores, 8-bit activations on for that run, held
+/// to the CPU's own spread under 8-bit rounding where it is wider), 40, and 1 to 8 (the
+/// decode ones); passes by [`MoeLogitReport::passed`].
 pub fn compare_logits_moe(
     arch: Arch,
     ty: &str,
@@ -241,6 +243,20 @@ pub fn compare_logits_moe(
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     let a = all_logits(&mut cpu, &tokens)?;
     let one = all_logits_in_parts(&mut gpu, &tokens, &[1])?;
+    // The parts run with 8-bit activations on where the MoE blocks then take the tensor
+    // cores (K-quant experts, steps past 8 tokens): held to the model's own spread under
+    // 8-bit rounding (`LogitReport::q8_spread`), as the 8-bit GEMVs are.
+    gpu.backend.set_q8_decode(true);
+    let mma = match gpu.model.config.ffn {
+        kestrel_model::FfnKind::Moe(m) => gpu
+            .model
+            .weights
+            .layers
+            .iter()
+            .any(|l| gpu.backend.moe_on_tensor_cores(l, &m, PARTS[0])),
+        _ => false,
+    };
+    gpu.backend.set_q8_decode(mma);
     let b = all_logits_in_parts(&mut gpu, &tokens, &PARTS)?;
     anyhow::ensure!(
         a.len() == n && b.len() == n && one.len() == n,
@@ -250,7 +266,11 @@ pub fn compare_logits_moe(
         b.len()
     );
     let single = logit_report(arch, ty, &a, &one);
-    let logits = logit_report(arch, ty, &a, &b);
+    let mut logits = logit_report(arch, ty, &a, &b);
+    if mma {
+        logits.q8 = true;
+        logits.q8_spread = cpu_q8_spread(&file, &tokens, &a)?;
+    }
     let within = |b: &[Vec<f32>], bound: f32| {
         let ok = a
             .iter()
@@ -2803,10 +2823,24 @@ pub fn compare_split_greedy(
 /// Result of [`compare_moe_block`].
 #[derive(Debug, Clone, Default)]
 pub struct MoeBlockReport {
-    /// Blocks compared (layers × step sizes).
+    /// Blocks compared (layers × step sizes) against the CPU on f32 activations, the GPU
+    /// on f32 activations too.
     pub blocks: usize,
     /// Largest |Δ| of an output, relative to max(1e-3, largest |output|) of its token.
     pub max_rel_diff: f32,
+    /// The same blocks run again with 8-bit activations on where the GPU takes them on the
+    /// tensor cores (`moe_mms_*`, rounded as llama.cpp's CPU path rounds them), compared
+    /// against the CPU with ggml's numerics.
+    pub mma_blocks: usize,
+    /// Their largest and mean relative |Δ| (as `max_rel_diff`), and their tokens whose
+    /// largest relative |Δ| is over [`Self::MMA_TOKEN_BOUND`], of how many.
+    pub max_rel_diff_mma: f32,
+    pub mean_rel_diff_mma: f64,
+    pub mma_tokens_off: usize,
+    pub mma_tokens: usize,
+    /// The same GPU outputs' mean relative |Δ| against the CPU on f32 activations: what
+    /// the 8-bit rounding alone moves (the mean bound must be far below it).
+    pub mean_rel_diff_mma_f32: f64,
     pub non_finite: usize,
 }
 
@@ -2814,9 +2848,27 @@ impl MoeBlockReport {
     /// The bound of [`Self::max_rel_diff`]: both sides compute in f32 from the same weights
     /// and inputs, the router included (only the order of the sums differs).
     pub const LIMIT: f32 = 1e-4;
+    /// Tensor-core blocks against ggml's numerics: both sides round the activations to 8
+    /// bits per 256 values and sum the integer products exactly, so most outputs agree to
+    /// f32 rounding, but an activation an ulp from a rounding edge (the GPU's sums and SiLU
+    /// differ from the CPU's by ulps) moves its token's outputs by up to ~1e-2. The CPU
+    /// against itself on inputs moved by ±1 ulp (qwen3moe 256/256 8/2 and 512/768 32/8,
+    /// Q4_K_M and Q6_K, 17 and 300 tokens): max 8.9e-3, mean ≤ 7.9e-6, ≤ 3 of 300 tokens
+    /// over 1e-3; the CPU on f32 activations against ggml's: max 3.4e-2, mean ~4e-3, every
+    /// token over 1e-3. Bounds: the mean, the share of tokens over MMA_TOKEN_BOUND, and the
+    /// largest (a misrouted or misplaced row moves by O(1)).
+    pub const LIMIT_MMA_MEAN: f64 = 1e-4;
+    pub const MMA_TOKEN_BOUND: f32 = 1e-3;
+    pub const MMA_MAX_TOKENS_OFF: f64 = 0.05;
+    pub const LIMIT_MMA_MAX: f32 = 5e-2;
 
     pub fn passed(&self) -> bool {
-        self.blocks > 0 && self.non_finite == 0 && self.max_rel_diff <= Self::LIMIT
+        self.blocks + self.mma_blocks > 0
+            && self.non_finite == 0
+            && self.max_rel_diff <= Self::LIMIT
+            && self.max_rel_diff_mma <= Self::LIMIT_MMA_MAX
+            && self.mean_rel_diff_mma <= Self::LIMIT_MMA_MEAN
+            && self.mma_tokens_off as f64 <= Self::MMA_MAX_TOKENS_OFF * self.mma_tokens as f64
     }
 }
 
@@ -3058,14 +3110,30 @@ pub fn compare_moe_block_q8(
     Ok(report)
 }
 
-/// Step sizes of [`compare_moe_block`]: the decode kernels (1 to 8 tokens) and the grouped
-/// ones.
-pub const MOE_BLOCK_STEPS: [usize; 5] = [1, 3, 8, 9, 77];
+/// Step sizes of [`compare_moe_block`] (tokens, of which near-copies of one input): the
+/// decode kernels (1 to 8 tokens) and the grouped ones (on the tensor cores for Q4_K /
+/// Q6_K experts); the near-copies all take the same experts, so that most experts get
+/// none (64 tokens) or one expert takes most of the step (300).
+pub const MOE_BLOCK_STEPS: [(usize, usize); 9] = [
+    (1, 0),
+    (3, 0),
+    (8, 0),
+    (9, 0),
+    (17, 0),
+    (77, 0),
+    (64, 64),
+    (300, 0),
+    (300, 225),
+];
+
+/// (n_embd, n_ff_exp, experts, experts per token) of [`compare_moe_block_wide`]: rows of
+/// several 256-value steps (768 = 3 of them, as Qwen3-30B-A3B's experts) and top-8 of 32.
+pub const MOE_WIDE: (usize, usize, usize, usize) = (512, 768, 32, 8);
 
 /// The mixture-of-experts block alone (`Backend::moe_ffn`), CPU against CUDA, on every
 /// layer of the tiny model of `arch` (gpt-oss: router and expert biases, the clamped
 /// SwiGLU, the softmax over the chosen logits; qwen3moe: the softmax over all, renormalized)
-/// with random inputs of each of [`MOE_BLOCK_STEPS`] tokens; then a shared expert's gate
+/// with random inputs of each of [`MOE_BLOCK_STEPS`]; then a shared expert's gate
 /// (`Backend::add_sigmoid_gated`) on random rows.
 pub fn compare_moe_block(
     arch: Arch,
@@ -3073,50 +3141,145 @@ pub fn compare_moe_block(
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<MoeBlockReport> {
+    compare_moe_block_on(tiny_model(arch, ty, seed)?, seed, ordinal)
+}
+
+/// [`compare_moe_block`] on Qwen3-MoE blocks of the shape [`MOE_WIDE`].
+pub fn compare_moe_block_wide(
+    ty: &str,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<MoeBlockReport> {
+    let mut cfg = SynthConfig::tiny(Arch::Qwen3Moe);
+    let (d, ff, ne, k) = MOE_WIDE;
+    cfg.n_embd = d as u32;
+    cfg.n_ff_exp = ff as u32;
+    cfg.n_expert = ne as u32;
+    cfg.n_expert_used = k as u32;
+    compare_moe_block_on(model_of(cfg, ty, seed)?, seed, ordinal)
+}
+
+fn compare_moe_block_on(
+    file: Arc<GgufFile>,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<MoeBlockReport> {
     use kestrel_model::{Backend, FfnKind, Model};
-    let file = tiny_model(arch, ty, seed)?;
     let cpu = CpuBackend::with_numerics(Kernels::Fast, Numerics::F32);
+    // The tensor-core path's oracle: 8-bit activations as ggml's CPU path rounds them.
+    let cpu_q8 = CpuBackend::with_numerics(Kernels::Fast, Numerics::Ggml);
     let gpu = CudaBackend::new(ordinal)?;
     // f32 activations in the router's product too (8-bit ones move its logits by ~0.4%).
     gpu.set_q8_decode(false);
     let cm = Model::load(&cpu, file.clone()).context("loading on the CPU")?;
+    let qm = Model::load(&cpu_q8, file.clone()).context("loading on the CPU")?;
     let gm = Model::load(&gpu, file).context("loading on the GPU")?;
     let FfnKind::Moe(moe) = cm.config.ffn else {
-        anyhow::bail!("{arch:?} has no mixture-of-experts blocks");
+        anyhow::bail!("the model has no mixture-of-experts blocks");
     };
     let (d, act) = (cm.config.n_embd, cm.config.activation);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x30e);
     let mut report = MoeBlockReport::default();
-    let mut compare = |want: &[f32], got: &[f32], cols: usize| {
+    // Sums of the tensor-core blocks' relative |Δ| (ggml oracle), their count, and the sum
+    // against the f32 oracle.
+    let mut mma_sums = [0f64; 3];
+    // Relative |Δ| of `got` against `want` (rows of `cols`), each to max(1e-3, the row's
+    // largest |want|): (largest, sum, count, rows whose largest is over `bound`);
+    // non-finite ones counted apart.
+    let rel_diff = |want: &[f32], got: &[f32], cols: usize, bound: f32, non_finite: &mut usize| {
+        let (mut max, mut sum, mut count, mut rows_off) = (0f32, 0f64, 0usize, 0usize);
         for (w, g) in want.chunks_exact(cols).zip(got.chunks_exact(cols)) {
             let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            let mut row_max = 0f32;
             for (a, b) in w.iter().zip(g) {
                 if !b.is_finite() {
-                    report.non_finite += 1;
+                    *non_finite += 1;
                 } else {
-                    report.max_rel_diff = report.max_rel_diff.max((a - b).abs() / scale);
+                    let r = (a - b).abs() / scale;
+                    row_max = row_max.max(r);
+                    sum += r as f64;
+                    count += 1;
                 }
             }
+            max = max.max(row_max);
+            rows_off += usize::from(row_max > bound);
         }
+        (max, sum, count, rows_off)
     };
-    for (cl, gl) in cm.weights.layers.iter().zip(&gm.weights.layers) {
-        for n in MOE_BLOCK_STEPS {
-            let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let cx = kestrel_cpu::CpuTensor {
-                data: x.clone(),
-                cols: d,
-            };
-            let mut cout = cpu.new_tensor(n, d)?;
-            cpu.moe_ffn(&cx, cl, &moe, act, n, &mut cout)?;
+    let run_cpu = |be: &CpuBackend,
+                   layer: &kestrel_model::LayerWeights<kestrel_cpu::CpuWeight>,
+                   x: &[f32],
+                   n: usize|
+     -> anyhow::Result<Vec<f32>> {
+        let cx = kestrel_cpu::CpuTensor {
+            data: x.to_vec(),
+            cols: d,
+        };
+        let mut out = be.new_tensor(n, d)?;
+        be.moe_ffn(&cx, layer, &moe, act, n, &mut out)?;
+        out.data.truncate(n * d);
+        Ok(out.data)
+    };
+    for ((cl, ql), gl) in cm
+        .weights
+        .layers
+        .iter()
+        .zip(&qm.weights.layers)
+        .zip(&gm.weights.layers)
+    {
+        for (n, copies) in MOE_BLOCK_STEPS {
+            let base: Vec<f32> = (0..d).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let x: Vec<f32> = (0..n * d)
+                .map(|i| match i / d < copies {
+                    true => base[i % d] + rng.random_range(-0.01..0.01),
+                    false => rng.random_range(-2.0..2.0),
+                })
+                .collect();
+            // The GPU on f32 activations (moe.rs's kernels), then, where the block takes
+            // them, on the tensor cores with 8-bit activations on.
             let gx = gpu.upload_tensor(n, d, &x)?;
-            let mut gout = gpu.upload_tensor(n, d, &vec![f32::NAN; n * d])?;
-            gpu.moe_ffn(&gx, gl, &moe, act, n, &mut gout)?;
-            let mut got = Vec::new();
-            gpu.read_rows(&gout, n, &mut got)?;
-            compare(&cout.data[..n * d], &got, d);
+            let run_gpu = |q8: bool| -> anyhow::Result<Vec<f32>> {
+                gpu.set_q8_decode(q8);
+                let mut gout = gpu.upload_tensor(n, d, &vec![f32::NAN; n * d])?;
+                let r = gpu.moe_ffn(&gx, gl, &moe, act, n, &mut gout);
+                gpu.set_q8_decode(false);
+                r?;
+                let mut got = Vec::new();
+                gpu.read_rows(&gout, n, &mut got)?;
+                Ok(got)
+            };
+            let want = run_cpu(&cpu, cl, &x, n)?;
+            let bound = MoeBlockReport::MMA_TOKEN_BOUND;
+            let got = run_gpu(false)?;
+            let (max, ..) = rel_diff(&want, &got, d, bound, &mut report.non_finite);
+            report.max_rel_diff = report.max_rel_diff.max(max);
             report.blocks += 1;
+            gpu.set_q8_decode(true);
+            let mma = gpu.moe_on_tensor_cores(gl, &moe, n);
+            gpu.set_q8_decode(false);
+            if mma {
+                let got = run_gpu(true)?;
+                let (_, f32_sum, ..) = rel_diff(&want, &got, d, bound, &mut report.non_finite);
+                let want = run_cpu(&cpu_q8, ql, &x, n)?;
+                let (max, sum, count, off) = rel_diff(&want, &got, d, bound, &mut 0);
+                report.max_rel_diff_mma = report.max_rel_diff_mma.max(max);
+                mma_sums[0] += sum;
+                mma_sums[1] += count as f64;
+                mma_sums[2] += f32_sum;
+                report.mma_tokens_off += off;
+                report.mma_tokens += n;
+                report.mma_blocks += 1;
+            }
         }
     }
+    if mma_sums[1] > 0.0 {
+        report.mean_rel_diff_mma = mma_sums[0] / mma_sums[1];
+        report.mean_rel_diff_mma_f32 = mma_sums[2] / mma_sums[1];
+    }
+    let mut compare = |want: &[f32], got: &[f32], cols: usize| {
+        let (max, ..) = rel_diff(want, got, cols, f32::INFINITY, &mut report.non_finite);
+        report.max_rel_diff = report.max_rel_diff.max(max);
+    };
     // A shared expert's gate: out += y · sigmoid(x · w).
     for n in [1, 6, 33] {
         let mut random =

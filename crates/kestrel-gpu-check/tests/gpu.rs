@@ -607,11 +607,24 @@ fn moe_block_matches_cpu() {
     }
     let mut rng = rand::rng();
     for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
-        for ty in ["q8_0", "f16", "q4_k_m"] {
+        for ty in ["q8_0", "f16", "q4_k_m", "q6_k"] {
             let seed = rng.random();
             let r = selfcheck::compare_moe_block(arch, ty, seed, 0).expect("blocks run");
             eprintln!("moe block {arch:?} {ty}: {r:?}");
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
+            // Qwen3-MoE's K-quant experts take the tensor cores past 8 tokens.
+            let kq =
+                arch == kestrel_model::Arch::Qwen3Moe && ty.starts_with('q') && ty.contains("_k");
+            assert_eq!(r.mma_blocks > 0, kq, "{arch:?} {ty}: {r:?}");
         }
+    }
+    for ty in ["q4_k_m", "q6_k"] {
+        let seed = rng.random();
+        let r = selfcheck::compare_moe_block_wide(ty, seed, 0).expect("blocks run");
+        eprintln!("moe block wide {ty}: {r:?}");
+        assert!(
+            r.passed() && r.mma_blocks > 0,
+            "wide {ty} (seed {seed}): {r:?}"
+        );
     }
 }

@@ -50,7 +50,7 @@ pub struct Args {
     /// masks).
     #[arg(long)]
     pub sampling: bool,
-    /// Only the mixture-of-experts checks.
+    /// Only the mixture-of-experts checks (blocks alone, logits, greedy, verification).
     #[arg(long)]
     pub moe: bool,
 }
@@ -588,34 +588,50 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
     }
     let moe = kestrel_model::Arch::Qwen3Moe;
     println!(
-        "mixture-of-experts block alone (random inputs of 1, 3, 8, 9, 77 tokens; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output:",
-        selfcheck::MoeBlockReport::LIMIT
+        "mixture-of-experts block alone (random inputs of 1 to 300 tokens, some near-copies of one; then a shared expert's gate), pass if max |Δ| <= {:.0e} of each token's largest output; tensor-core blocks (8-bit activations) against the CPU's ggml numerics: mean <= {:.0e}, <= {:.0}% of tokens over {:.0e}, max <= {:.0e}:",
+        selfcheck::MoeBlockReport::LIMIT,
+        selfcheck::MoeBlockReport::LIMIT_MMA_MEAN,
+        selfcheck::MoeBlockReport::MMA_MAX_TOKENS_OFF * 100.0,
+        selfcheck::MoeBlockReport::MMA_TOKEN_BOUND,
+        selfcheck::MoeBlockReport::LIMIT_MMA_MAX
     );
-    for (ia, arch) in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe]
-        .into_iter()
-        .enumerate()
-    {
-        for (it, ty) in ["q8_0", "f16", "q4_k_m", "q4_0", "mxfp4"]
-            .into_iter()
-            .enumerate()
-        {
-            let case_seed = seed.wrapping_add(22_000 + (ia * 10 + it) as u64);
-            match selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu) {
-                Ok(r) => {
-                    let ok = r.passed();
-                    failures += usize::from(!ok);
-                    println!(
-                        "moe block {:<8} {ty:<8} {} blocks, max rel |Δ| {:.2e}  {}",
-                        arch.name(),
-                        r.blocks,
-                        r.max_rel_diff,
-                        if ok { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("moe block {:<8} {ty:<8} ERROR {e:#}", arch.name());
-                }
+    // (label, architecture of the tiny model or None for MOE_WIDE's Qwen3-MoE blocks: rows
+    // of several 256-value steps, top-8 of 32, type).
+    let mut block_cases = Vec::new();
+    for arch in [kestrel_model::Arch::GptOss, moe] {
+        for ty in ["q8_0", "f16", "q4_k_m", "q6_k", "q4_0", "mxfp4"] {
+            block_cases.push((arch.name(), Some(arch), ty));
+        }
+    }
+    for ty in ["q4_k_m", "q6_k"] {
+        block_cases.push(("qwen3moe-wide", None, ty));
+    }
+    for (ic, (name, arch, ty)) in block_cases.into_iter().enumerate() {
+        let case_seed = seed.wrapping_add(22_000 + ic as u64);
+        let result = match arch {
+            Some(arch) => selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu),
+            None => selfcheck::compare_moe_block_wide(ty, case_seed, args.gpu),
+        };
+        match result {
+            Ok(r) => {
+                let ok = r.passed();
+                failures += usize::from(!ok);
+                println!(
+                    "moe block {name:<13} {ty:<8} {} blocks, max rel |Δ| {:.2e}; {} on tensor cores: mean {:.1e} (f32 oracle {:.1e}), tokens over {}/{}, max {:.1e}  {}",
+                    r.blocks,
+                    r.max_rel_diff,
+                    r.mma_blocks,
+                    r.mean_rel_diff_mma,
+                    r.mean_rel_diff_mma_f32,
+                    r.mma_tokens_off,
+                    r.mma_tokens,
+                    r.max_rel_diff_mma,
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("moe block {name:<13} {ty:<8} ERROR {e:#}");
             }
         }
     }
@@ -748,7 +764,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if args.moe {
         println!("seed {seed}");
-        let failures = moe_checks(&args, seed, args.positions);
+        let failures = moe_checks(&args, seed, args.positions.clamp(1, 512));
         if failures > 0 {
             anyhow::bail!("{failures} mixture-of-experts check(s) failed");
         }

@@ -1,0 +1,361 @@
+//! Mixture-of-experts blocks of multi-token steps on the tensor cores (kernels/moe_mma.cu):
+//! after `moe_router` and `moe_route` (moe.rs), the (token, slot) pairs are grouped by
+//! expert on the device (`moe_mma_group`: counts, each expert's run of places padded to a
+//! whole tile, the gather order, the tiles), their inputs gathered and quantized to 8 bits
+//! per 256 values (`moe_mma_quantize`, as `quantize_x_mmk`), then per tile of one expert's
+//! places the staged int8 products of the `mms_*` kernels over that expert's rows: gate and
+//! up with the activation (`moe_mms_gate_up_*`), the activations quantized again, down
+//! scaled by each pair's routing weight (`moe_mms_down_*`), and each token's k outputs
+//! added in slot order (`moe_combine`, moe.rs's).
+//!
+//! For experts in Q4_K or Q6_K (what Q4_K_M files hold) without biases or gpt-oss's clamped
+//! SwiGLU, row lengths multiples of 256, while 8-bit activations are on (`KESTREL_CUDA_Q8`,
+//! as for the dense int8 products); other blocks keep moe.rs's kernels. Grids are sized
+//! for the worst case of the step's size (tiles past the count exit), so steps record and
+//! replay as graphs with no host round trip. A token's result does not depend on the rest
+//! of the step (its activations are quantized on their own, its mma column is its own, a
+//! row's sums run in an order fixed by the row).
+
+use crate::*;
+use kestrel_model::MoeConfig;
+
+/// The kernels this module launches (kernels/moe_mma.cu).
+pub(crate) const KERNELS: &[&str] = &[
+    "moe_mma_group",
+    "moe_mma_quantize",
+    "moe_mms_gate_up_t16",
+    "moe_mms_gate_up_t32",
+    "moe_mms_down_t16",
+    "moe_mms_down_t32",
+];
+
+/// Rows a gate/up block takes (of gate and the same of up) and a down block takes
+/// (MH_ROWS / 2, MH_ROWS in kernels/mmq.cu).
+const GATE_UP_ROWS: usize = 32;
+const DOWN_ROWS: usize = 64;
+/// Threads of the `mms_*` blocks (MS_THREADS).
+const THREADS: u32 = 256;
+/// The largest tile (places of one expert a block multiplies).
+const MAX_TILE: usize = 32;
+
+/// Places of one tile for a step of `pairs` pairs over `n_expert` experts: 16 while an
+/// expert gets at most 16 on average, else 32.
+pub(crate) fn tile_for(pairs: usize, n_expert: usize) -> usize {
+    if pairs <= 16 * n_expert { 16 } else { 32 }
+}
+
+/// Places (padded runs) and tiles a step of `pairs` pairs can need with tiles of `tile`:
+/// each used expert's run rounds up to a whole tile.
+pub(crate) fn worst_case(pairs: usize, n_expert: usize, tile: usize) -> (usize, usize) {
+    let used = n_expert.min(pairs);
+    (pairs + used * (tile - 1), pairs.div_ceil(tile) + used)
+}
+
+/// Whether a block takes this path: Q4_K / Q6_K experts (gate and up of one type), no
+/// expert biases, the plain gated activation, row lengths multiples of 256.
+pub(crate) fn takes(layer: &LayerWeights<CudaWeight>, moe: &MoeConfig) -> bool {
+    let ty = |w: &CudaWeight| match w {
+        CudaWeight::Matrix { ty, cols, .. } => Some((*ty, *cols)),
+        CudaWeight::Vector { .. } => None,
+    };
+    let k_quant = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q4K | GgmlType::Q6K, cols)) if cols % 256 == 0);
+    let (g, u, dn) = (ty(&layer.ffn_gate), ty(&layer.ffn_up), ty(&layer.ffn_down));
+    k_quant(g)
+        && g == u
+        && k_quant(dn)
+        && layer.ffn_gate_exps_bias.is_none()
+        && layer.ffn_up_exps_bias.is_none()
+        && layer.ffn_down_exps_bias.is_none()
+        && moe.clamped_swiglu.is_none()
+}
+
+impl CudaBackend {
+    /// Whether `moe_ffn` of `n` tokens on this layer runs on the tensor cores (8-bit
+    /// activations, so only while those are on: [`Self::q8_decode`], as the dense int8
+    /// products) rather than moe.rs's f32 kernels.
+    pub fn moe_on_tensor_cores(
+        &self,
+        layer: &LayerWeights<CudaWeight>,
+        moe: &MoeConfig,
+        n: usize,
+    ) -> bool {
+        n > crate::moe::MOE_DEC_MAX_TOKENS && self.q8_decode() && takes(layer, moe)
+    }
+}
+
+/// Buffers of the path, shared by every layer, grown to the largest step seen.
+pub(crate) struct MoeMmaScratch {
+    /// (pairs, experts, n_embd, n_ff_exp) they were sized for.
+    dims: (usize, usize, usize, usize),
+    /// Activation rows of the quantized layouts (the worst case's places and a tile).
+    npad: usize,
+    pos: CudaSlice<i32>,
+    order: CudaSlice<i32>,
+    info: CudaSlice<i32>,
+    /// Gathered inputs (npad × n_embd), gated activations (npad × n_ff_exp), quantized.
+    xq: CudaSlice<i8>,
+    xk: CudaSlice<f32>,
+    xb: CudaSlice<i8>,
+    a: CudaSlice<f32>,
+    aq: CudaSlice<i8>,
+    ak: CudaSlice<f32>,
+    ab: CudaSlice<i8>,
+    /// Weighted outputs, one row of n_embd per place.
+    ys: CudaSlice<f32>,
+}
+
+impl MoeMmaScratch {
+    fn new(b: &CudaBackend, dims: (usize, usize, usize, usize)) -> anyhow::Result<Self> {
+        let (pairs, ne, d, ff) = dims;
+        // Sized for either tile: the larger pads more places, the smaller cuts more tiles.
+        let cap = worst_case(pairs, ne, MAX_TILE).0;
+        let tiles = worst_case(pairs, ne, 16).1;
+        let npad = (cap + MAX_TILE).next_multiple_of(32);
+        Ok(MoeMmaScratch {
+            dims,
+            npad,
+            pos: b.alloc(pairs, "expert places")?,
+            order: b.alloc(npad, "expert places")?,
+            info: b.alloc(2 + 3 * tiles, "expert tiles")?,
+            xq: b.alloc(npad * d, "quantized expert inputs")?,
+            xk: b.alloc(npad * d / 256, "quantized expert inputs")?,
+            xb: b.alloc(npad * d / 8, "quantized expert inputs")?,
+            a: b.alloc(npad * ff, "expert activations")?,
+            aq: b.alloc(npad * ff, "quantized expert activations")?,
+            ak: b.alloc(npad * ff / 256, "quantized expert activations")?,
+            ab: b.alloc(npad * ff / 8, "quantized expert activations")?,
+            ys: b.alloc(npad * d, "expert outputs")?,
+        })
+    }
+}
+
+/// The grouped block of `n` tokens at x into out, given `moe_route`'s ids and weights
+/// (device addresses, n · k each). The caller checked [`takes`] and the shapes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_ffn_mma(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    layer: &LayerWeights<CudaWeight>,
+    moe: &MoeConfig,
+    act: Activation,
+    n: usize,
+    ids: u64,
+    wts: u64,
+    out: &mut CudaTensor,
+) -> anyhow::Result<()> {
+    let (ne, k, ff, d) = (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, x.cols);
+    let pairs = n * k;
+    let matrix = |w: &CudaWeight| match w {
+        CudaWeight::Matrix {
+            ptr, ty, row_bytes, ..
+        } => Ok((*ptr, ty.id() as i32, *row_bytes as i64)),
+        CudaWeight::Vector { .. } => bail!("a vector where stacked experts were expected"),
+    };
+    let (wg, tyg, rbg) = matrix(&layer.ffn_gate)?;
+    let (wu, _, rbu) = matrix(&layer.ffn_up)?;
+    let (wd, tyd, rbd) = matrix(&layer.ffn_down)?;
+
+    let mut guard = b.moe_mma_scratch.lock().unwrap_or_else(|p| p.into_inner());
+    let fits = guard.as_ref().is_some_and(|s| {
+        let (sp, sne, sd, sff) = s.dims;
+        sp >= pairs && sne == ne && sd == d && sff == ff
+    });
+    if !fits {
+        let prev = guard.as_ref().map_or(0, |s| s.dims.0);
+        *guard = None; // frees the old buffers first
+        *guard = Some(MoeMmaScratch::new(b, (pairs.max(prev), ne, d, ff))?);
+    }
+    let s = guard.as_mut().expect("allocated above");
+    let npad = s.npad;
+    let [pos, order, info] = [b.ptr(&s.pos), b.ptr(&s.order), b.ptr(&s.info)];
+    let [xq, xk, xb] = [b.ptr(&s.xq), b.ptr(&s.xk), b.ptr(&s.xb)];
+    let [a, aq, ak, ab] = [b.ptr(&s.a), b.ptr(&s.aq), b.ptr(&s.ak), b.ptr(&s.ab)];
+    let ys = b.ptr(&s.ys);
+
+    let tile = tile_for(pairs, ne);
+    let (cap, tiles) = worst_case(pairs, ne, tile);
+    b.launch(
+        "moe_mma_group",
+        (1, 1, 1),
+        1024,
+        &[
+            Arg::P(ids),
+            Arg::I(pairs as i32),
+            Arg::I(ne as i32),
+            Arg::I(tile as i32),
+            Arg::I(cap as i32),
+            Arg::P(pos),
+            Arg::P(order),
+            Arg::P(info),
+        ],
+    );
+    b.launch(
+        "moe_mma_quantize",
+        (cap as u32, (d / 256) as u32, 1),
+        256,
+        &[
+            Arg::P(x.ptr),
+            Arg::I(d as i32),
+            Arg::I(k as i32),
+            Arg::P(order),
+            Arg::P(info),
+            Arg::I(npad as i32),
+            Arg::P(xq),
+            Arg::P(xk),
+            Arg::P(xb),
+        ],
+    );
+    // Bytes of the experts a step can read, for the profiler.
+    let used = ne.min(pairs) as u64;
+    let (gate_up, down) = match tile {
+        16 => ("moe_mms_gate_up_t16", "moe_mms_down_t16"),
+        _ => ("moe_mms_gate_up_t32", "moe_mms_down_t32"),
+    };
+    b.launch_reading(
+        gate_up,
+        (ff.div_ceil(GATE_UP_ROWS) as u32, tiles as u32, 1),
+        THREADS,
+        &[
+            Arg::P(xq),
+            Arg::P(xk),
+            Arg::P(xb),
+            Arg::I(npad as i32),
+            Arg::P(info),
+            Arg::I(d as i32),
+            Arg::I(ff as i32),
+            Arg::P(wg),
+            Arg::L(rbg),
+            Arg::P(wu),
+            Arg::L(rbu),
+            Arg::I(tyg),
+            Arg::I(activation_id(act)),
+            Arg::P(a),
+        ],
+        used * (ff as u64) * (rbg + rbu) as u64,
+    );
+    b.launch(
+        "moe_mma_quantize",
+        (cap as u32, (ff / 256) as u32, 1),
+        256,
+        &[
+            Arg::P(a),
+            Arg::I(ff as i32),
+            Arg::I(1),
+            Arg::P(0),
+            Arg::P(info),
+            Arg::I(npad as i32),
+            Arg::P(aq),
+            Arg::P(ak),
+            Arg::P(ab),
+        ],
+    );
+    b.launch_reading(
+        down,
+        (d.div_ceil(DOWN_ROWS) as u32, tiles as u32, 1),
+        THREADS,
+        &[
+            Arg::P(aq),
+            Arg::P(ak),
+            Arg::P(ab),
+            Arg::I(npad as i32),
+            Arg::P(info),
+            Arg::I(ff as i32),
+            Arg::I(d as i32),
+            Arg::P(wd),
+            Arg::L(rbd),
+            Arg::I(tyd),
+            Arg::P(order),
+            Arg::P(wts),
+            Arg::P(ys),
+        ],
+        used * (d as u64) * rbd as u64,
+    );
+    b.elementwise(
+        "moe_combine",
+        n * d,
+        &[
+            Arg::P(ys),
+            Arg::P(pos),
+            Arg::I(d as i32),
+            Arg::I(k as i32),
+            Arg::I(n as i32),
+            Arg::P(out.ptr),
+        ],
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `worst_case` sizes the grids and buffers before the routes exist: it must cover the
+    /// places and tiles `moe_mma_group` lays out (each expert's run rounded up to whole
+    /// tiles) for any routes: every pair on one expert, every expert used, some experts
+    /// idle and one taking most, and random ones of awkward sizes.
+    #[test]
+    fn the_worst_case_covers_every_grouping() {
+        let layout = |counts: &[usize], tile: usize| -> (usize, usize) {
+            let tiles: usize = counts.iter().map(|c| c.div_ceil(tile)).sum();
+            (tiles * tile, tiles)
+        };
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % m as u64) as usize
+        };
+        for (n, k, ne) in [
+            (9, 2, 8),
+            (17, 8, 128),
+            (64, 8, 128),
+            (300, 8, 32),
+            (512, 8, 128),
+            (2048, 8, 128),
+            (100, 16, 1024),
+        ] {
+            let pairs = n * k;
+            for tile in [16, 32] {
+                let bound = worst_case(pairs, ne, tile);
+                let fits = |c: &[usize]| {
+                    let (places, tiles) = layout(c, tile);
+                    places <= bound.0 && tiles <= bound.1
+                };
+                let mut one = vec![0; ne];
+                one[ne - 1] = pairs;
+                assert!(fits(&one), "{n}×{k} over {ne}, tile {tile}: one expert");
+                let spread: Vec<usize> = (0..ne)
+                    .map(|e| pairs / ne + usize::from(e < pairs % ne))
+                    .collect();
+                assert!(fits(&spread), "{n}×{k} over {ne}, tile {tile}: spread");
+                // Each token's k experts distinct: k experts with n pairs each, or
+                // singletons (1 pair each) beside one heavy expert.
+                let mut skew = vec![0; ne];
+                for (e, c) in skew.iter_mut().enumerate().take(ne.min(pairs)) {
+                    *c = 1 + usize::from(e == 0) * (pairs - ne.min(pairs));
+                }
+                assert!(
+                    fits(&skew),
+                    "{n}×{k} over {ne}, tile {tile}: skewed {skew:?}"
+                );
+                for _ in 0..200 {
+                    let mut counts = vec![0; ne];
+                    for _ in 0..pairs {
+                        counts[next(ne)] += 1;
+                    }
+                    assert!(fits(&counts), "{n}×{k} over {ne}, tile {tile}: {counts:?}");
+                }
+            }
+        }
+    }
+
+    /// The tile follows the mean places per expert.
+    #[test]
+    fn tiles_follow_the_mean_count() {
+        assert_eq!(tile_for(64 * 8, 128), 16);
+        assert_eq!(tile_for(16 * 128, 128), 16);
+        assert_eq!(tile_for(16 * 128 + 1, 128), 32);
+        assert_eq!(tile_for(512 * 8, 128), 32);
+    }
+}
