@@ -409,8 +409,11 @@ pub struct LogitReport {
 /// / sqrt(n_embd) (phi3, mistral3 and the newer tiny models) amplify each product's
 /// rounding more than the 0.02 ones the fixed bound was measured on: tiny Phi-3 IQ4_XS, the
 /// CPU's spread 5.2% of the largest logit and the H100's 8-bit path 2.8% (Llama: 2.1% and
-/// 1.0%).
-pub const Q8_SPREAD_FACTOR: f32 = 1.0;
+/// 1.0%). 1.5, not 1: the spread is the largest of one rounding's differences and the GPU's
+/// another's (with its own rounding scheme), and the largest of such maxima strays past its
+/// typical size (an H100 run of fresh tiny Mistral-3 Q6_K models reached 0.301 at largest
+/// logits of 6.0, over the bound at 1; 0.239 on other seeds).
+pub const Q8_SPREAD_FACTOR: f32 = 1.5;
 
 /// Near-tie width for [`LogitReport::top1_agreement_ties`], relative to max(1, max |logit|).
 pub const TIE_REL: f32 = 3e-3;
@@ -536,7 +539,7 @@ fn compare_logits_in(
 /// 2 × [`cpu_q8_spread`]). Their tiny models turn the 8-bit rounding into 7–11% of the
 /// largest logit on the CPU alone (the dense architectures: 0.7–1.1%; seed 7, 200 tokens,
 /// q8_0 and q4_k_m), and the H100's 8-bit path measured 0.6–0.94 × that spread (seeds 8
-/// and 9, q8_0 and q4_k_m): [`Q8_SPREAD_FACTOR`]'s 1 would leave no margin.
+/// and 9, q8_0 and q4_k_m): [`Q8_SPREAD_FACTOR`]'s √2 · 1.5 would leave little margin.
 pub fn compare_logits_q8_spread(
     arch: Arch,
     ty: &str,
