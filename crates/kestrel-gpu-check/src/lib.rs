@@ -539,7 +539,7 @@ fn compare_logits_in(
 /// 2 × [`cpu_q8_spread`]). Their tiny models turn the 8-bit rounding into 7–11% of the
 /// largest logit on the CPU alone (the dense architectures: 0.7–1.1%; seed 7, 200 tokens,
 /// q8_0 and q4_k_m), and the H100's 8-bit path measured 0.6–0.94 × that spread (seeds 8
-/// and 9, q8_0 and q4_k_m): [`Q8_SPREAD_FACTOR`]'s √2 · 1.5 would leave little margin.
+/// and 9, q8_0 and q4_k_m), so 2 × leaves a margin (the dense bound, √2 · [`Q8_SPREAD_FACTOR`] ×, is about the same).
 pub fn compare_logits_q8_spread(
     arch: Arch,
     ty: &str,
