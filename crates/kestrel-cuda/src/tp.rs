@@ -1208,6 +1208,23 @@ pub struct AllReduceTiming {
     pub oneshot: Option<(f64, f32, f32)>,
 }
 
+/// `ranks` messages of `len` values in [-8, 8) from an LCG advancing `seed` (the checks'
+/// fresh inputs for every size and call).
+fn random_messages(seed: &mut u64, ranks: usize, len: usize) -> Vec<Vec<f32>> {
+    (0..ranks)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    *seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// The all-reduce latency of messages of each of `sizes` bytes on `ordinals` (the mean of
 /// `iters` calls back to back, each rank on its own thread, after a warm-up), and its sums
 /// against the host's, through NCCL and through the one-shot kernel; also the size up to
@@ -1223,21 +1240,8 @@ pub fn all_reduce_latency(
     let mut seed = 0x5eedu64 ^ ordinals.len() as u64;
     for &bytes in sizes {
         let len = (bytes / 4).max(1);
-        // Fresh random values for every size and call (an LCG; values in [-8, 8)).
-        let mut inputs = || -> Vec<Vec<f32>> {
-            (0..tp.ranks())
-                .map(|_| {
-                    (0..len)
-                        .map(|_| {
-                            seed = seed
-                                .wrapping_mul(6364136223846793005)
-                                .wrapping_add(1442695040888963407);
-                            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
-                        })
-                        .collect()
-                })
-                .collect()
-        };
+        // Fresh random values for every size and call.
+        let mut inputs = || random_messages(&mut seed, tp.ranks(), len);
         // One all-reduce of `inputs`; every rank's result.
         let once = |inputs: &[Vec<f32>], oneshot: bool| -> anyhow::Result<Vec<Vec<f32>>> {
             tp.set_oneshot_up_to(if oneshot { ONESHOT_MAX_BYTES } else { 0 });
@@ -1332,18 +1336,7 @@ pub fn oneshot_on_one_gpu(
         let len = (bytes / 4).clamp(1, ONESHOT_MAX_BYTES / 4);
         let mut worst = 0f32;
         for _round in 0..3 {
-            let inputs: Vec<Vec<f32>> = (0..ranks)
-                .map(|_| {
-                    (0..len)
-                        .map(|_| {
-                            seed = seed
-                                .wrapping_mul(6364136223846793005)
-                                .wrapping_add(1442695040888963407);
-                            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
-                        })
-                        .collect()
-                })
-                .collect();
+            let inputs = random_messages(&mut seed, ranks, len);
             let results: Vec<anyhow::Result<Vec<f32>>> = std::thread::scope(|sc| {
                 let handles: Vec<_> = backends
                     .iter()
