@@ -55,6 +55,16 @@ pub struct Args {
     pub moe: bool,
 }
 
+/// The run's end: an error counting the failed checks of `what`, else "all `what` checks
+/// passed".
+fn verdict(failures: usize, what: &str) -> anyhow::Result<()> {
+    if failures > 0 {
+        anyhow::bail!("{failures} {what} check(s) failed");
+    }
+    println!("all {what} checks passed");
+    Ok(())
+}
+
 /// `gpu-check --split layer --devices LIST`.
 fn check_split(args: &Args) -> anyhow::Result<()> {
     use crate::cmd::common::{Device, SplitMode};
@@ -121,11 +131,7 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
             }
         }
     }
-    if failures > 0 {
-        anyhow::bail!("{failures} layer-split check(s) failed");
-    }
-    println!("all layer-split checks passed");
-    Ok(())
+    verdict(failures, "layer-split")
 }
 
 /// `gpu-check --tp N`.
@@ -218,11 +224,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
     }
-    if failures > 0 {
-        anyhow::bail!("{failures} tensor-parallel check(s) failed");
-    }
-    println!("all tensor-parallel checks passed");
-    Ok(())
+    verdict(failures, "tensor-parallel")
 }
 
 /// Times prefill and decode of a model file on the GPU (random token ids).
@@ -756,20 +758,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.hybrids {
         println!("seed {seed}");
         let failures = check_hybrids(&args, seed);
-        if failures > 0 {
-            anyhow::bail!("{failures} hybrid check(s) failed");
-        }
-        println!("all hybrid checks passed");
-        return Ok(());
+        return verdict(failures, "hybrid");
     }
     if args.moe {
         println!("seed {seed}");
         let failures = moe_checks(&args, seed, args.positions.clamp(1, 512));
-        if failures > 0 {
-            anyhow::bail!("{failures} mixture-of-experts check(s) failed");
-        }
-        println!("all mixture-of-experts checks passed");
-        return Ok(());
+        return verdict(failures, "mixture-of-experts");
     }
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
@@ -782,11 +776,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     if args.sampling {
         let failures = check_sampling(&backend, seed);
-        if failures > 0 {
-            anyhow::bail!("{failures} sampling check(s) failed");
-        }
-        println!("all sampling checks passed");
-        return Ok(());
+        return verdict(failures, "sampling");
     }
     let mut failures = check_products(&backend, seed);
     // Logit rows copied to the host while their product runs (after a large read of rows).
@@ -1224,11 +1214,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     failures += check_hybrids(&args, seed);
     println!("total {:.1} s", start.elapsed().as_secs_f64());
-    if failures > 0 {
-        anyhow::bail!("{failures} GPU check(s) failed");
-    }
-    println!("all GPU checks passed");
-    Ok(())
+    verdict(failures, "GPU")
 }
 
 /// A weight type and the token-count cases of one product check: (rows, cols, tokens, seed).
