@@ -71,6 +71,13 @@ pub struct Args {
     /// speculation; reports tokens/s, acceptance and mean accepted length.
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
+    /// Speculative verification steps: for each T, -n steps of T random tokens computed
+    /// batch-invariantly (each token as a single-token step computes it; the greedy id of
+    /// each read back) after the first -d depth, each followed by dropping all but its first
+    /// token (T = 1: plain single-token steps); reports milliseconds a step and, where 1 is
+    /// in the list, the cost in single-token steps.
+    #[arg(long = "verify", value_delimiter = ',')]
+    pub verify: Vec<usize>,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -227,6 +234,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !args.seqs.is_empty() {
         return run_batched(args);
     }
+    if !args.verify.is_empty() {
+        return run_verify(args);
+    }
     let tests: Vec<(usize, usize)> = args
         .n_prompt
         .iter()
@@ -348,6 +358,92 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&results)?);
     }
     Ok(())
+}
+
+/// `--verify T1,T2,...`: the cost of batch-invariant steps of T tokens in single-token steps.
+fn run_verify(args: Args) -> anyhow::Result<()> {
+    let n_gen = args.n_gen.first().copied().unwrap_or(0);
+    if n_gen == 0 {
+        bail!("--verify needs a positive -n (steps per test)");
+    }
+    let depth = args.n_depth.first().copied().unwrap_or(0);
+    let most = args.verify.iter().copied().max().unwrap_or(1);
+    if args.verify.contains(&0) {
+        bail!("--verify: every step must hold at least 1 token");
+    }
+    let mut model_args = args.model.clone();
+    model_args.ctx = model_args.ctx.max(depth + n_gen + most + 1);
+    model_args.batch = model_args.batch.max(most);
+    // A verification step reads back a row (its greedy id) for every token.
+    let (mut engine, _file) = load_any_engine(&model_args, most)?;
+    let limit = with_engine!(&engine, e => e.invariant_max_tokens());
+    if most > limit {
+        bail!("--verify: this backend verifies at most {limit} tokens a step (asked {most})");
+    }
+    let backend = with_engine!(&engine, e => e.backend.name());
+    let mut ids = Ids(0x853c_49e6_748f_ea9b);
+    println!(
+        "{backend}, depth {depth}, {n_gen} steps a test, best of {} runs",
+        args.repetitions
+    );
+    println!("| tokens a step | ms a step | single-token steps | tokens/s verified |");
+    println!("|---:|---:|---:|---:|");
+    let single = args.verify.contains(&1);
+    let mut single_ms = None;
+    for &t in &args.verify {
+        let mut best = f64::INFINITY;
+        // One untimed warm-up, then the timed repetitions (the fastest counts).
+        for rep in 0..=args.repetitions {
+            let s = with_engine!(&mut engine, e => verify_once(e, &mut ids, depth, t, n_gen))?;
+            if rep > 0 {
+                best = best.min(s);
+            }
+        }
+        let ms = best * 1e3 / n_gen as f64;
+        if t == 1 {
+            single_ms = Some(ms);
+        }
+        let cost = match single_ms {
+            Some(base) => format!("{:.2}", ms / base),
+            None if single => "(1 later in the list)".into(),
+            None => "-".into(),
+        };
+        println!("| {t} | {ms:.3} | {cost} | {:.0} |", t as f64 * 1e3 / ms);
+    }
+    Ok(())
+}
+
+/// `n_gen` steps of `t` tokens after `depth` random ones (a single-token step for t = 1),
+/// each keeping only its first token, as a verification that accepts no draft; returns the
+/// seconds the steps took.
+fn verify_once<B: Backend>(
+    engine: &mut Engine<B>,
+    ids: &mut Ids,
+    depth: usize,
+    t: usize,
+    n_gen: usize,
+) -> anyhow::Result<f64> {
+    let vocab = engine.config().vocab_size;
+    let mut seq = fill(engine, ids, depth)?;
+    let steps: Vec<Vec<u32>> = (0..n_gen)
+        .map(|_| (0..t).map(|_| ids.next(vocab)).collect())
+        .collect();
+    let mut next = Vec::new();
+    let start = Instant::now();
+    let result = (|| {
+        for step in &steps {
+            let base = seq.tokens.len();
+            if t == 1 {
+                engine.decode_argmax(std::slice::from_mut(&mut seq), step, &mut next)?;
+            } else {
+                engine.eval_argmax_each(&mut seq, step, &mut next)?;
+                engine.truncate(&mut seq, base + 1);
+            }
+        }
+        Ok(start.elapsed().as_secs_f64())
+    })();
+    engine.release(&mut seq);
+    result
 }
 
 /// One row of the batched benchmark (llama-batched-bench's columns).
