@@ -18,6 +18,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemv_q8_t8",
     "gemv_q8_tw4",
     "gemv_q8_tw8",
+    "gemv_q8_t4_r1",
+    "gemv_q8_t8_r1",
     "gemv_ws_r1",
 ];
 
@@ -30,7 +32,8 @@ pub(crate) struct GemvSeg {
     pub(crate) out: u64,
     pub(crate) ld: usize,
     pub(crate) bias: u64,
-    /// Add into `out` instead of overwriting it (single-token `gemv_dec` only).
+    /// Add into `out` instead of overwriting it (single-token launches, and verification
+    /// steps' `gemv_q8_t*` / `gemv_q8_tw*` / per-token `gemv_dec`).
     pub(crate) accumulate: bool,
 }
 
@@ -326,9 +329,9 @@ impl CudaBackend {
             );
             return;
         }
-        // Only the single-token kernels and the mmq_t8 / mmk_t8* / mms_* add into their
-        // outputs.
-        debug_assert!(n == 1 || segs.iter().all(|s| !s.accumulate));
+        // Only the single-token kernels, their multi-token forms in verification steps and
+        // the mmq_t8 / mmk_t8* / mms_* add into their outputs.
+        debug_assert!(n == 1 || self.invariant_step() || segs.iter().all(|s| !s.accumulate));
         debug_assert!(n <= GEMV_MAX_TOKENS);
         if family.q8() {
             let Some(Q8Ptrs {
@@ -357,11 +360,14 @@ impl CudaBackend {
             let forced = self.gemv_q8_rows();
             // A verification step (see `invariant_step`) on the single-token kernels' own
             // units: `gemv_q8_tw*` for the wide ones of gemv_q8 / gemv_q8_r1 / gemv_q8_b*;
-            // gemv_ws_r1's are the plain ones of gemv_q8_t*.
+            // gemv_ws_r1's are the plain ones of gemv_q8_t*, at one row a warp as it takes.
             let wide = family == Kernel::GemvQ8 && self.invariant_step();
+            let plain = family == Kernel::GemvWs && self.invariant_step();
             let (kernel, rows) = match (n, forced) {
                 (2..=4, _) if wide => ("gemv_q8_tw4", 1),
                 (5.., _) if wide => ("gemv_q8_tw8", 1),
+                (2..=4, _) if plain => ("gemv_q8_t4_r1", 1),
+                (5.., _) if plain => ("gemv_q8_t8_r1", 1),
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
                 (_, 1) => ("gemv_q8_r1", 1),

@@ -83,6 +83,14 @@ impl CudaBackend {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Makes the products launched from now until the next step's preparation batch-invariant
+    /// (as in a verification step) or not: the self-check compares such products with
+    /// single-token ones outside a step.
+    pub fn set_invariant(&self, on: bool) {
+        self.invariant
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The token count a kernel choice is made for: 1 in a batch-invariant step.
     pub(crate) fn plan_tokens(&self, n: usize) -> usize {
         if self.invariant_step() { 1 } else { n }
@@ -547,15 +555,16 @@ pub(crate) fn matmul_add(
     residual: &mut CudaTensor,
 ) {
     let mut ready = x_ready;
-    // Single-token steps and the tensor-core kernels of a few tokens add into the
-    // residual themselves.
+    // Single-token steps, verification steps (whose kernels are the single-token ones'
+    // multi-token forms, adding as those do) and the tensor-core kernels of a few tokens
+    // add into the residual themselves.
     if !backend.prefer_gemm(w, n)
         && let Some(mut seg) = backend.gemv_seg(x, w, residual, None)
     {
         seg.accumulate = true;
         let segs = [seg];
         match backend.plan_segs(x.cols, n, &segs, false) {
-            Some(kernel) if n == 1 || kernel.tensor_core() => {
+            Some(kernel) if n == 1 || kernel.tensor_core() || backend.invariant_step() => {
                 backend.gemv(x, &mut ready, n, &segs, None, kernel);
                 return;
             }
