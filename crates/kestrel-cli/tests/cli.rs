@@ -321,3 +321,36 @@ fn bench_at_depth_with_quantized_caches() {
         stderr(&bad)
     );
 }
+
+/// `bench --verify`: a row per step size with its milliseconds and, against the single-token
+/// steps, its cost in them; a step of no tokens is refused by name.
+#[test]
+fn bench_verification_steps() {
+    let m = model_path("gemma-3-270m");
+    let m = m.to_str().expect("UTF-8 path");
+    let out = kestrel(&[
+        "bench", "-m", m, "--verify", "1,3", "-d", "10", "-n", "2", "-r", "1",
+    ]);
+    assert_ok(&out, "bench --verify");
+    let text = stdout(&out);
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| l.starts_with("| 1 |") || l.starts_with("| 3 |"))
+        .map(|l| l.trim_matches('|').split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    let num = |s: &str| {
+        s.parse::<f64>()
+            .unwrap_or_else(|_| panic!("{s:?} in {text}"))
+    };
+    assert!(num(rows[0][1]) > 0.0 && num(rows[1][1]) > 0.0, "{text}");
+    assert_eq!(num(rows[0][2]), 1.0, "{text}");
+    assert!(num(rows[1][2]) > 0.0, "{text}");
+    let bad = kestrel(&["bench", "-m", m, "--verify", "0,2", "-n", "2"]);
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("at least 1 token"),
+        "{}",
+        stderr(&bad)
+    );
+}
