@@ -1875,9 +1875,79 @@ __device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, const u8* 
 #undef ROWS_DOT8TW_CASE
 }
 
+// gemv_dec's units for 2..T tokens (verification steps of formats on f32 activations): a
+// lane takes units lane, lane + 32, ... of each row in that order, as gemv_dec / gemv_dec_r1
+// do, each loaded once and dotted with every token's activations (x: rows of k floats), so
+// every token's sums are gemv_dec's bit for bit.
+template <int TY, bool UP, int GD_R, int T>
+__device__ __forceinline__ void rows_dot1_t(const u8* w, const u8* up, long long rb, int nr,
+                                            const float* x, int k, int n, int lane,
+                                            float (*acc)[T], float (*acc_up)[T]) {
+    typedef Fmt<TY> F;
+    typedef Unit1<TY> U1;
+    const int units = F::units(k);
+    for (int u = lane; u < units; u += 32) {
+        typename F::Raw raw[GD_R], raw_up[UP ? GD_R : 1];
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                raw[i] = F::load(w + i * rb, u, k >> 5);
+                if (UP) raw_up[UP ? i : 0] = F::load(up + i * rb, u, k >> 5);
+            }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            if (t < n) {
+                float xv[U1::XN];
+                U1::load_x(x + (size_t)t * k, u, xv);
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        acc[i][t] += U1::dot(raw[i], u, xv);
+                        if (UP) acc_up[i][t] += U1::dot(raw_up[UP ? i : 0], u, xv);
+                    }
+            }
+        }
+    }
+}
+
+// rows_dot1_any's choice of units (F16 / BF16 rows of a multiple of 16 values: the 32-byte
+// ones) for rows_dot1_t.
+template <int GD_R, int T>
+__device__ __forceinline__ void rows_dot1_t_any(int ty, const u8* w, const u8* up, long long rb,
+                                                int nr, const float* x, int k, int n, int lane,
+                                                float (*acc)[T], float (*acc_up)[T]) {
+#define ROWS_DOT1T_CALL(TYP)                                                                   \
+    do {                                                                                       \
+        if (up) rows_dot1_t<TYP, true, GD_R, T>(w, up, rb, nr, x, k, n, lane, acc, acc_up);    \
+        else rows_dot1_t<TYP, false, GD_R, T>(w, up, rb, nr, x, k, n, lane, acc, acc_up);      \
+    } while (0)
+    switch (ty) {
+    case T_Q4_K: ROWS_DOT1T_CALL(T_Q4_K); return;
+    case T_Q6_K: ROWS_DOT1T_CALL(T_Q6_K); return;
+    case T_Q8_0: ROWS_DOT1T_CALL(T_Q8_0); return;
+    case T_Q4_0: ROWS_DOT1T_CALL(T_Q4_0); return;
+    case T_Q5_0: ROWS_DOT1T_CALL(T_Q5_0); return;
+    case T_IQ4_NL: ROWS_DOT1T_CALL(T_IQ4_NL); return;
+    case T_IQ4_XS: ROWS_DOT1T_CALL(T_IQ4_XS); return;
+    case T_MXFP4: ROWS_DOT1T_CALL(T_MXFP4); return;
+    case T_F16:
+        if (k % 16 == 0) ROWS_DOT1T_CALL(T_F16_W);
+        else ROWS_DOT1T_CALL(T_F16);
+        return;
+    case T_BF16:
+        if (k % 16 == 0) ROWS_DOT1T_CALL(T_BF16_W);
+        else ROWS_DOT1T_CALL(T_BF16);
+        return;
+    case T_F32: ROWS_DOT1T_CALL(T_F32); return;
+    default: return;
+    }
+#undef ROWS_DOT1T_CALL
+}
+
 // WIDE: the single-token kernels' wide units (rows_dot8_tw_any), else the plain ones of
-// gemv_ws_r1 and the batched decode.
-template <int GD_R, int T, bool WIDE = false>
+// gemv_ws_r1 and the batched decode; F32: gemv_dec's units on f32 activations x
+// (rows_dot1_t_any; xq and xd unused).
+template <int GD_R, int T, bool WIDE = false, bool F32 = false>
 __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
@@ -1900,7 +1970,9 @@ __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GE
     const u8* wr = w + (size_t)r0 * rb;
     auto dot = [&](int t, const u8* rows_w, const u8* up, long long stride, float (*a)[T],
                    float (*a_up)[T]) {
-        if constexpr (WIDE)
+        if constexpr (F32)
+            rows_dot1_t_any<GD_R, T>(t, rows_w, up, stride, nr, x, k, n, lane, a, a_up);
+        else if constexpr (WIDE)
             rows_dot8_tw_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
         else
             rows_dot8_t_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
@@ -1945,6 +2017,16 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
+}
+// Speculative verification of launches whose single-token kernel is gemv_dec / gemv_dec_r1
+// (f32 activations): their units, one row a warp, every token's row from one load of them.
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_t4(GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 4, false, true>(nullptr, nullptr, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_t8(GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 8, false, true>(nullptr, nullptr, GEMV_ARGS);
 }
 // Speculative verification of launches whose single-token kernel is gemv_ws_r1: its plain
 // units, one row a warp (twice gemv_q8_t*'s warps: these launches are short, 1,536 to 2,048

@@ -20,6 +20,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemv_q8_tw8",
     "gemv_q8_t4_r1",
     "gemv_q8_t8_r1",
+    "gemv_dec_t4",
+    "gemv_dec_t8",
     "gemv_ws_r1",
 ];
 
@@ -33,7 +35,7 @@ pub(crate) struct GemvSeg {
     pub(crate) ld: usize,
     pub(crate) bias: u64,
     /// Add into `out` instead of overwriting it (single-token launches, and verification
-    /// steps' `gemv_q8_t*` / `gemv_q8_tw*` / per-token `gemv_dec`).
+    /// steps' `gemv_q8_t*_r1` / `gemv_q8_tw*` / `gemv_dec_t*`).
     pub(crate) accumulate: bool,
 }
 
@@ -289,33 +291,29 @@ impl CudaBackend {
             Some(_) => 0,
             None => i32::from(segs.iter().any(|s| s.accumulate)),
         };
-        // The launch's arguments for its tokens from `t` on (x's and the outputs' rows).
-        let args_from = |t: usize| {
-            let mut args = vec![
-                Arg::P(x.ptr + (t * k * 4) as u64),
-                Arg::I(k as i32),
-                Arg::I(n as i32),
-                Arg::I(rpb as i32),
-                Arg::I(total as i32),
-                Arg::I(i32::from(gated.is_some())),
-                Arg::I(act),
-            ];
-            for i in 0..3 {
-                let s = segs.get(i).unwrap_or(&segs[0]);
-                let rows = if i < segs.len() { s.rows } else { 0 };
-                args.push(Arg::P(s.ptr));
-                args.push(Arg::L(s.row_bytes as i64));
-                args.push(Arg::I(s.ty.id() as i32));
-                if i < 2 {
-                    args.push(Arg::I(rows as i32));
-                }
-                args.push(Arg::P(s.out + (t * s.ld * 4) as u64));
-                args.push(Arg::I(s.ld as i32));
-                args.push(Arg::P(s.bias));
+        // The launch's arguments.
+        let mut args = vec![
+            Arg::P(x.ptr),
+            Arg::I(k as i32),
+            Arg::I(n as i32),
+            Arg::I(rpb as i32),
+            Arg::I(total as i32),
+            Arg::I(i32::from(gated.is_some())),
+            Arg::I(act),
+        ];
+        for i in 0..3 {
+            let s = segs.get(i).unwrap_or(&segs[0]);
+            let rows = if i < segs.len() { s.rows } else { 0 };
+            args.push(Arg::P(s.ptr));
+            args.push(Arg::L(s.row_bytes as i64));
+            args.push(Arg::I(s.ty.id() as i32));
+            if i < 2 {
+                args.push(Arg::I(rows as i32));
             }
-            args
-        };
-        let args = args_from(0);
+            args.push(Arg::P(s.out));
+            args.push(Arg::I(s.ld as i32));
+            args.push(Arg::P(s.bias));
+        }
         if family.tensor_core() {
             self.mmq(
                 x,
@@ -426,12 +424,16 @@ impl CudaBackend {
             } else {
                 ("gemv_dec", 2)
             };
-            let warps = gemv_warps(segs, gated.is_some(), rows);
-            // A single-token kernel: a verification step's tokens one launch each.
-            for t in 0..n {
-                let args = args_from(t);
+            // A verification step: gemv_dec's units for all its tokens in one launch, one row
+            // a warp (each row's sums do not depend on the rows a warp takes).
+            if n > 1 {
+                let kernel = if n <= 4 { "gemv_dec_t4" } else { "gemv_dec_t8" };
+                let warps = gemv_warps(segs, gated.is_some(), 1);
                 self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
+                return;
             }
+            let warps = gemv_warps(segs, gated.is_some(), rows);
+            self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
             return;
         }
         self.launch_reading("gemv", grid_1d(total, rpb), 128, &args, weight_bytes);
