@@ -1375,18 +1375,19 @@ impl InvariantProductReport {
 
 /// A product of a random `rows × cols` matrix of type `ty` (two for [`Product::Gated`]) and
 /// `n` random token rows computed as a verification step computes it (batch-invariantly,
-/// `CudaBackend::set_invariant`), against each token's row computed as a single-token
-/// product: every value must be bit-identical.
+/// `CudaBackend::set_invariant`), for each `n` of `counts`, against each token's row computed
+/// as a single-token product: every value must be bit-identical.
 pub fn compare_gemv_invariant(
     backend: &CudaBackend,
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    n: usize,
+    counts: &[usize],
     seed: u64,
     product: Product,
 ) -> anyhow::Result<InvariantProductReport> {
     use kestrel_model::Backend;
+    let most = counts.iter().copied().max().unwrap_or(0);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let (weight, _) = random_matrix(backend, &mut rng, ty, rows, cols)?;
     let up = if product == Product::Gated {
@@ -1394,21 +1395,22 @@ pub fn compare_gemv_invariant(
     } else {
         None
     };
-    let x: Vec<f32> = (0..n * cols)
+    let x: Vec<f32> = (0..most * cols)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
     let residual: Vec<f32> = if product == Product::AddInto {
-        (0..n * rows)
+        (0..most * rows)
             .map(|_| rng.random_range(-4.0f32..4.0))
             .collect()
     } else {
-        vec![f32::NAN; n * rows]
+        vec![f32::NAN; most * rows]
     };
-    backend.reserve_q8(n.next_power_of_two().max(8) * cols)?;
-    // `m` token rows `xs` through the product (into `res`'s rows for AddInto).
-    let run = |xs: &[f32], res: &[f32], m: usize| -> anyhow::Result<Vec<f32>> {
-        let xt = backend.upload_tensor(m, cols, xs)?;
-        let mut out = backend.upload_tensor(m, rows, res)?;
+    backend.reserve_q8(most.next_power_of_two().max(8) * cols)?;
+    // The first `m` token rows through the product (into the residual's rows for AddInto),
+    // from token `t0` on.
+    let run = |t0: usize, m: usize| -> anyhow::Result<Vec<f32>> {
+        let xt = backend.upload_tensor(m, cols, &x[t0 * cols..(t0 + m) * cols])?;
+        let mut out = backend.upload_tensor(m, rows, &residual[t0 * rows..(t0 + m) * rows])?;
         let nothing = kestrel_cuda::Prepared::Nothing;
         match &up {
             Some(up_w) => {
@@ -1427,24 +1429,27 @@ pub fn compare_gemv_invariant(
         backend.read_rows(&out, m, &mut got)?;
         Ok(got)
     };
-    backend.set_invariant(true);
-    let together = run(&x, &residual, n);
+    // Each token alone (a single-token product does not depend on the step around it).
     backend.set_invariant(false);
-    let together = together?;
+    let mut alone = Vec::with_capacity(most * rows);
+    for t in 0..most {
+        alone.extend(run(t, 1)?);
+    }
     let mut report = InvariantProductReport {
-        values: n * rows,
+        values: 0,
         differing: 0,
         max_abs_diff: 0.0,
-        non_finite: together.iter().filter(|v| !v.is_finite()).count(),
+        non_finite: 0,
         kernel: backend.plan_of(&weight, 1),
     };
-    for t in 0..n {
-        let alone = run(
-            &x[t * cols..(t + 1) * cols],
-            &residual[t * rows..(t + 1) * rows],
-            1,
-        )?;
-        for (a, b) in alone.iter().zip(&together[t * rows..(t + 1) * rows]) {
+    for &n in counts {
+        backend.set_invariant(true);
+        let together = run(0, n);
+        backend.set_invariant(false);
+        let together = together?;
+        report.values += n * rows;
+        report.non_finite += together.iter().filter(|v| !v.is_finite()).count();
+        for (a, b) in alone.iter().zip(&together) {
             if a.to_bits() != b.to_bits() {
                 report.differing += 1;
                 report.max_abs_diff = report.max_abs_diff.max((a - b).abs());
