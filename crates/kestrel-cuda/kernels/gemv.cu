@@ -1071,22 +1071,42 @@ template <> struct Unit8<T_Q4_K> {
         }
         return x;
     }
-    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K>::Raw& raw, int u, const X& x) {
+    // The unit's weights decoded (nibble words, scales and minimums, d and dmin): what
+    // dot needs of them, made once for all tokens of a multi-token launch (rows_dot8_t).
+    struct W {
+        u32 lo[4], hi[4];
+        float d, dmin;
+        int sc0, mn0, sc1, mn1;
+    };
+    static __device__ __forceinline__ W prep(const Fmt<T_Q4_K>::Raw& raw, int u) {
         const int v = u & 7, c = v >> 1;
         const uint4 h = raw.h, q = raw.q;
-        const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+        W w;
+        w.d = h2f((u16)(h.x & 0xFFFF));
+        w.dmin = h2f((u16)(h.x >> 16));
         int sc[2], mn[2];
         q4k_scale_min_pair(h, c, sc, mn);
-        const int sc0 = sc[0], mn0 = mn[0], sc1 = sc[1], mn1 = mn[1];
+        w.sc0 = sc[0]; w.mn0 = mn[0]; w.sc1 = sc[1]; w.mn1 = mn[1];
         const u32 qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.lo[i] = qw[i] & 0x0F0F0F0Fu;
+            w.hi[i] = (qw[i] >> 4) & 0x0F0F0F0Fu;
+        }
+        return w;
+    }
+    static __device__ __forceinline__ float dotp(const W& w, const X& x) {
         int ia = 0, ib = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            ia = dp4a_us(qw[i] & 0x0F0F0F0Fu, x.a[i], ia);
-            ib = dp4a_us((qw[i] >> 4) & 0x0F0F0F0Fu, x.b[i], ib);
+            ia = dp4a_us(w.lo[i], x.a[i], ia);
+            ib = dp4a_us(w.hi[i], x.b[i], ib);
         }
-        return x.da * (d * (float)(sc0 * ia) - dmin * (float)(mn0 * x.sa)) +
-               x.db * (d * (float)(sc1 * ib) - dmin * (float)(mn1 * x.sb));
+        return x.da * (w.d * (float)(w.sc0 * ia) - w.dmin * (float)(w.mn0 * x.sa)) +
+               x.db * (w.d * (float)(w.sc1 * ib) - w.dmin * (float)(w.mn1 * x.sb));
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K>::Raw& raw, int u, const X& x) {
+        return dotp(prep(raw, u), x);
     }
 };
 
@@ -1148,8 +1168,13 @@ template <> struct Unit8<T_Q4_K_W> {
     // less than shifting them down); load_x scaled db and sb to match, so the result is
     // bit for bit the one with shifted nibbles (the factors are powers of two, the integer
     // sums stay below 2^24).
-    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K_W>::Raw& raw, int u,
-                                                const X& x) {
+    // The unit's weights decoded (as Unit8<T_Q4_K>::W).
+    struct W {
+        u32 lo[8], hi[8];
+        float d, dmin;
+        int sc0, mn0, sc1, mn1;
+    };
+    static __device__ __forceinline__ W prep(const Fmt<T_Q4_K_W>::Raw& raw, int u) {
         const int c = u & 3, sh = 16 * (c & 1);
         const bool lo = c < 2;
         const uint4 h = raw.h;
@@ -1160,17 +1185,31 @@ template <> struct Unit8<T_Q4_K_W> {
                          ((h.z >> (sh + 2)) & top);
         const u32 q[8] = {raw.q0.x, raw.q0.y, raw.q0.z, raw.q0.w,
                           raw.q1.x, raw.q1.y, raw.q1.z, raw.q1.w};
+        W w;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            w.lo[i] = q[i] & 0x0F0F0F0Fu;
+            w.hi[i] = q[i] & 0xF0F0F0F0u;
+        }
+        w.d = h2f((u16)(h.x & 0xFFFF));
+        w.dmin = h2f((u16)(h.x >> 16));
+        w.sc0 = sc01 & 0xFF; w.sc1 = (sc01 >> 8) & 0xFF;
+        w.mn0 = mn01 & 0xFF; w.mn1 = (mn01 >> 8) & 0xFF;
+        return w;
+    }
+    static __device__ __forceinline__ float dotp(const W& w, const X& x) {
         int ia = 0, ib = 0;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            ia = dp4a_us(q[i] & 0x0F0F0F0Fu, x.a[i], ia);
-            ib = dp4a_us(q[i] & 0xF0F0F0F0u, x.b[i], ib);
+            ia = dp4a_us(w.lo[i], x.a[i], ia);
+            ib = dp4a_us(w.hi[i], x.b[i], ib);
         }
-        const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
-        const int sc0 = sc01 & 0xFF, sc1 = (sc01 >> 8) & 0xFF;
-        const int mn0 = mn01 & 0xFF, mn1 = (mn01 >> 8) & 0xFF;
-        return x.da * (d * (float)(sc0 * ia) - dmin * (float)(mn0 * x.sa)) +
-               x.db * (d * (float)(sc1 * ib) - dmin * (float)(mn1 * x.sb));
+        return x.da * (w.d * (float)(w.sc0 * ia) - w.dmin * (float)(w.mn0 * x.sa)) +
+               x.db * (w.d * (float)(w.sc1 * ib) - w.dmin * (float)(w.mn1 * x.sb));
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q4_K_W>::Raw& raw, int u,
+                                                const X& x) {
+        return dotp(prep(raw, u), x);
     }
 };
 
@@ -1195,21 +1234,42 @@ template <> struct Unit8<T_Q6_K> {
         }
         return x;
     }
-    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K>::Raw& raw, int, const X& x) {
-        int s[4] = {0, 0, 0, 0};
+    // The unit's weights decoded (6-bit values of each group, scales, d): made once for all
+    // tokens of a multi-token launch (rows_dot8_t).
+    struct W {
+        u32 q[4][2];
+        int sc[4];
+        float d;
+    };
+    static __device__ __forceinline__ W prep(const Fmt<T_Q6_K>::Raw& raw, int) {
+        W v;
 #pragma unroll
         for (int w = 0; w < 2; w++) {
             const u32 qa = raw.qa[w], qb = raw.qb[w], hw = raw.hw[w];
-            s[0] = dp4a_us((qa & 0x0F0F0F0Fu) | ((hw << 4) & 0x30303030u), x.w[0][w], s[0]);
-            s[1] = dp4a_us((qb & 0x0F0F0F0Fu) | ((hw << 2) & 0x30303030u), x.w[1][w], s[1]);
-            s[2] = dp4a_us(((qa >> 4) & 0x0F0F0F0Fu) | (hw & 0x30303030u), x.w[2][w], s[2]);
-            s[3] = dp4a_us(((qb >> 4) & 0x0F0F0F0Fu) | ((hw >> 2) & 0x30303030u), x.w[3][w], s[3]);
+            v.q[0][w] = (qa & 0x0F0F0F0Fu) | ((hw << 4) & 0x30303030u);
+            v.q[1][w] = (qb & 0x0F0F0F0Fu) | ((hw << 2) & 0x30303030u);
+            v.q[2][w] = ((qa >> 4) & 0x0F0F0F0Fu) | (hw & 0x30303030u);
+            v.q[3][w] = ((qb >> 4) & 0x0F0F0F0Fu) | ((hw >> 2) & 0x30303030u);
         }
+#pragma unroll
+        for (int g = 0; g < 4; g++) v.sc[g] = raw.sc[g];
+        v.d = h2f(raw.d);
+        return v;
+    }
+    static __device__ __forceinline__ float dotp(const W& v, const X& x) {
+        int s[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int w = 0; w < 2; w++)
+#pragma unroll
+            for (int g = 0; g < 4; g++) s[g] = dp4a_us(v.q[g][w], x.w[g][w], s[g]);
         float acc = 0.0f;
 #pragma unroll
         for (int g = 0; g < 4; g++)
-            acc += x.dg[g] * (float)(raw.sc[g] * (s[g] - 32 * x.sg[g]));
-        return h2f(raw.d) * acc;
+            acc += x.dg[g] * (float)(v.sc[g] * (s[g] - 32 * x.sg[g]));
+        return v.d * acc;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K>::Raw& raw, int u, const X& x) {
+        return dotp(prep(raw, u), x);
     }
 };
 
@@ -1264,26 +1324,42 @@ template <> struct Unit8<T_Q6_K_W> {
         }
         return x;
     }
-    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K_W>::Raw& raw, int, const X& x) {
+    // The unit's weights decoded (as Unit8<T_Q6_K>::W).
+    struct W {
+        u32 q[4][4];
+        int sc[4];
+        float d;
+    };
+    static __device__ __forceinline__ W prep(const Fmt<T_Q6_K_W>::Raw& raw, int) {
         const u32 qa[4] = {raw.qa.x, raw.qa.y, raw.qa.z, raw.qa.w};
         const u32 qb[4] = {raw.qb.x, raw.qb.y, raw.qb.z, raw.qb.w};
         const u32 hw[4] = {raw.hw.x, raw.hw.y, raw.hw.z, raw.hw.w};
-        int s[4] = {0, 0, 0, 0};
+        W v;
 #pragma unroll
         for (int w = 0; w < 4; w++) {
-            s[0] = dp4a_us((qa[w] & 0x0F0F0F0Fu) | ((hw[w] << 4) & 0x30303030u), x.w[0][w], s[0]);
-            s[1] = dp4a_us((qb[w] & 0x0F0F0F0Fu) | ((hw[w] << 2) & 0x30303030u), x.w[1][w], s[1]);
-            s[2] = dp4a_us(((qa[w] >> 4) & 0x0F0F0F0Fu) | (hw[w] & 0x30303030u), x.w[2][w], s[2]);
-            s[3] = dp4a_us(((qb[w] >> 4) & 0x0F0F0F0Fu) | ((hw[w] >> 2) & 0x30303030u), x.w[3][w],
-                           s[3]);
+            v.q[0][w] = (qa[w] & 0x0F0F0F0Fu) | ((hw[w] << 4) & 0x30303030u);
+            v.q[1][w] = (qb[w] & 0x0F0F0F0Fu) | ((hw[w] << 2) & 0x30303030u);
+            v.q[2][w] = ((qa[w] >> 4) & 0x0F0F0F0Fu) | (hw[w] & 0x30303030u);
+            v.q[3][w] = ((qb[w] >> 4) & 0x0F0F0F0Fu) | ((hw[w] >> 2) & 0x30303030u);
         }
+#pragma unroll
+        for (int g = 0; g < 4; g++) v.sc[g] = (int)(raw.sc << (24 - 8 * g)) >> 24;
+        v.d = h2f(raw.d);
+        return v;
+    }
+    static __device__ __forceinline__ float dotp(const W& v, const X& x) {
+        int s[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int w = 0; w < 4; w++)
+#pragma unroll
+            for (int g = 0; g < 4; g++) s[g] = dp4a_us(v.q[g][w], x.w[g][w], s[g]);
         float acc = 0.0f;
 #pragma unroll
-        for (int g = 0; g < 4; g++) {
-            const int sc = (int)(raw.sc << (24 - 8 * g)) >> 24;
-            acc += x.dg[g] * (float)(sc * (s[g] - x.sg32[g]));
-        }
-        return h2f(raw.d) * acc;
+        for (int g = 0; g < 4; g++) acc += x.dg[g] * (float)(v.sc[g] * (s[g] - x.sg32[g]));
+        return v.d * acc;
+    }
+    static __device__ __forceinline__ float dot(const Fmt<T_Q6_K_W>::Raw& raw, int u, const X& x) {
+        return dotp(prep(raw, u), x);
     }
 };
 
@@ -1674,21 +1750,60 @@ gemv_q8_b_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
 
 // gemv_q8 for 2..T tokens (batched decode): each weight unit is loaded once and dotted with
 // every token's 8-bit activations (rows of k int8 values and k/32 scales, token after
-// token). acc[R][T] per lane; out rows have ld floats.
+// token). acc[R][T] per lane; out rows have ld floats. Plain launches with act != 0 add
+// into the outputs as gv_store_rows does (verification steps' residual adds).
+// A unit's weights as the token loop below reads them: decoded once (Unit8::W by
+// Unit8::prep, dotted by Unit8::dotp: the formats whose dot is dotp of prep, so every token's
+// sum is the single-token kernels' bit for bit), or the raw unit for formats without one.
+template <typename...> struct gv_voider {
+    typedef void type;
+};
+template <typename U8, typename Raw, typename = void> struct UnitW {
+    struct W {
+        Raw raw;
+        int u;
+    };
+    static __device__ __forceinline__ W prep(const Raw& raw, int u) { return {raw, u}; }
+    template <typename X> static __device__ __forceinline__ float dot(const W& w, const X& x) {
+        return U8::dot(w.raw, w.u, x);
+    }
+};
+template <typename U8, typename Raw>
+struct UnitW<U8, Raw, typename gv_voider<typename U8::W>::type> {
+    typedef typename U8::W W;
+    static __device__ __forceinline__ W prep(const Raw& raw, int u) { return U8::prep(raw, u); }
+    template <typename X> static __device__ __forceinline__ float dot(const W& w, const X& x) {
+        return U8::dotp(w, x);
+    }
+};
+
+template <bool B, typename A, typename C> struct gv_if {
+    typedef A type;
+};
+template <typename A, typename C> struct gv_if<false, A, C> {
+    typedef C type;
+};
+
+// Units decoded once at one row a warp (the verification kernels); at two (the batched
+// decode's gemv_q8_t*), 8 tokens' accumulators and two rows' decoded units spilled, so those
+// keep the raw units and decode them in each token's dot.
 template <int TY, bool UP, int GD_R, int T>
 __device__ __forceinline__ void rows_dot8_t(const u8* w, const u8* up, long long rb, int nr,
                                             const i8* xq, const float* xd, int k, int n,
                                             int lane, float (*acc)[T], float (*acc_up)[T]) {
     typedef Fmt<TY> F;
     typedef Unit8<TY> U8;
+    typedef typename gv_if<GD_R == 1, UnitW<U8, typename F::Raw>,
+                           UnitW<U8, typename F::Raw, int>>::type UW;
     const int units = F::units(k);
     for (int u = lane; u < units; u += 32) {
-        typename F::Raw raw[GD_R], raw_up[UP ? GD_R : 1];
+        // Each row's unit decoded once for all the tokens (one row a warp), or kept raw.
+        typename UW::W wd[GD_R], wd_up[UP ? GD_R : 1];
 #pragma unroll
         for (int i = 0; i < GD_R; i++)
             if (i < nr) {
-                raw[i] = F::load(w + i * rb, u, k >> 5);
-                if (UP) raw_up[UP ? i : 0] = F::load(up + i * rb, u, k >> 5);
+                wd[i] = UW::prep(F::load(w + i * rb, u, k >> 5), u);
+                if (UP) wd_up[UP ? i : 0] = UW::prep(F::load(up + i * rb, u, k >> 5), u);
             }
 #pragma unroll
         for (int t = 0; t < T; t++) {
@@ -1698,8 +1813,8 @@ __device__ __forceinline__ void rows_dot8_t(const u8* w, const u8* up, long long
 #pragma unroll
                 for (int i = 0; i < GD_R; i++)
                     if (i < nr) {
-                        acc[i][t] += U8::dot(raw[i], u, xv);
-                        if (UP) acc_up[i][t] += U8::dot(raw_up[UP ? i : 0], u, xv);
+                        acc[i][t] += UW::dot(wd[i], xv);
+                        if (UP) acc_up[i][t] += UW::dot(wd_up[UP ? i : 0], xv);
                     }
             }
         }
@@ -1760,9 +1875,79 @@ __device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, const u8* 
 #undef ROWS_DOT8TW_CASE
 }
 
+// gemv_dec's units for 2..T tokens (verification steps of formats on f32 activations): a
+// lane takes units lane, lane + 32, ... of each row in that order, as gemv_dec / gemv_dec_r1
+// do, each loaded once and dotted with every token's activations (x: rows of k floats), so
+// every token's sums are gemv_dec's bit for bit.
+template <int TY, bool UP, int GD_R, int T>
+__device__ __forceinline__ void rows_dot1_t(const u8* w, const u8* up, long long rb, int nr,
+                                            const float* x, int k, int n, int lane,
+                                            float (*acc)[T], float (*acc_up)[T]) {
+    typedef Fmt<TY> F;
+    typedef Unit1<TY> U1;
+    const int units = F::units(k);
+    for (int u = lane; u < units; u += 32) {
+        typename F::Raw raw[GD_R], raw_up[UP ? GD_R : 1];
+#pragma unroll
+        for (int i = 0; i < GD_R; i++)
+            if (i < nr) {
+                raw[i] = F::load(w + i * rb, u, k >> 5);
+                if (UP) raw_up[UP ? i : 0] = F::load(up + i * rb, u, k >> 5);
+            }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            if (t < n) {
+                float xv[U1::XN];
+                U1::load_x(x + (size_t)t * k, u, xv);
+#pragma unroll
+                for (int i = 0; i < GD_R; i++)
+                    if (i < nr) {
+                        acc[i][t] += U1::dot(raw[i], u, xv);
+                        if (UP) acc_up[i][t] += U1::dot(raw_up[UP ? i : 0], u, xv);
+                    }
+            }
+        }
+    }
+}
+
+// rows_dot1_any's choice of units (F16 / BF16 rows of a multiple of 16 values: the 32-byte
+// ones) for rows_dot1_t.
+template <int GD_R, int T>
+__device__ __forceinline__ void rows_dot1_t_any(int ty, const u8* w, const u8* up, long long rb,
+                                                int nr, const float* x, int k, int n, int lane,
+                                                float (*acc)[T], float (*acc_up)[T]) {
+#define ROWS_DOT1T_CALL(TYP)                                                                   \
+    do {                                                                                       \
+        if (up) rows_dot1_t<TYP, true, GD_R, T>(w, up, rb, nr, x, k, n, lane, acc, acc_up);    \
+        else rows_dot1_t<TYP, false, GD_R, T>(w, up, rb, nr, x, k, n, lane, acc, acc_up);      \
+    } while (0)
+    switch (ty) {
+    case T_Q4_K: ROWS_DOT1T_CALL(T_Q4_K); return;
+    case T_Q6_K: ROWS_DOT1T_CALL(T_Q6_K); return;
+    case T_Q8_0: ROWS_DOT1T_CALL(T_Q8_0); return;
+    case T_Q4_0: ROWS_DOT1T_CALL(T_Q4_0); return;
+    case T_Q5_0: ROWS_DOT1T_CALL(T_Q5_0); return;
+    case T_IQ4_NL: ROWS_DOT1T_CALL(T_IQ4_NL); return;
+    case T_IQ4_XS: ROWS_DOT1T_CALL(T_IQ4_XS); return;
+    case T_MXFP4: ROWS_DOT1T_CALL(T_MXFP4); return;
+    case T_F16:
+        if (k % 16 == 0) ROWS_DOT1T_CALL(T_F16_W);
+        else ROWS_DOT1T_CALL(T_F16);
+        return;
+    case T_BF16:
+        if (k % 16 == 0) ROWS_DOT1T_CALL(T_BF16_W);
+        else ROWS_DOT1T_CALL(T_BF16);
+        return;
+    case T_F32: ROWS_DOT1T_CALL(T_F32); return;
+    default: return;
+    }
+#undef ROWS_DOT1T_CALL
+}
+
 // WIDE: the single-token kernels' wide units (rows_dot8_tw_any), else the plain ones of
-// gemv_ws_r1 and the batched decode.
-template <int GD_R, int T, bool WIDE = false>
+// gemv_ws_r1 and the batched decode; F32: gemv_dec's units on f32 activations x
+// (rows_dot1_t_any; xq and xd unused).
+template <int GD_R, int T, bool WIDE = false, bool F32 = false>
 __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
@@ -1785,7 +1970,9 @@ __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GE
     const u8* wr = w + (size_t)r0 * rb;
     auto dot = [&](int t, const u8* rows_w, const u8* up, long long stride, float (*a)[T],
                    float (*a_up)[T]) {
-        if constexpr (WIDE)
+        if constexpr (F32)
+            rows_dot1_t_any<GD_R, T>(t, rows_w, up, stride, nr, x, k, n, lane, a, a_up);
+        else if constexpr (WIDE)
             rows_dot8_tw_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
         else
             rows_dot8_t_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
@@ -1813,6 +2000,8 @@ __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GE
                     if (t < n) {
                         if (gated)
                             out0[(size_t)t * ld0 + r] = gv_act(acc[i][t], act) * acc_up[i][t];
+                        else if (act)
+                            out[(size_t)t * ld + r] += acc[i][t] + (bias ? bias[r] : 0.0f);
                         else
                             out[(size_t)t * ld + r] = acc[i][t] + (bias ? bias[r] : 0.0f);
                     }
@@ -1828,6 +2017,29 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
 gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
     pdl_enter();
     gemv_q8_t_body<2, 8>(xq, xd, GEMV_ARGS);
+}
+// Speculative verification of launches whose single-token kernel is gemv_dec / gemv_dec_r1
+// (f32 activations): their units, one row a warp, every token's row from one load of them.
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_t4(GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 4, false, true>(nullptr, nullptr, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_t8(GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 8, false, true>(nullptr, nullptr, GEMV_ARGS);
+}
+// Speculative verification of launches whose single-token kernel is gemv_ws_r1: its plain
+// units, one row a warp (twice gemv_q8_t*'s warps: these launches are short, 1,536 to 2,048
+// rows on Qwen2.5-1.5B, and at two rows a warp left ~6 warps an SM).
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_t4_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 4>(xq, xd, GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
+gemv_q8_t8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
+    pdl_enter();
+    gemv_q8_t_body<1, 8>(xq, xd, GEMV_ARGS);
 }
 // Speculative verification: every token as gemv_q8 / gemv_q8_r1 / gemv_q8_b* compute it (one
 // row a warp: a row's sums do not depend on the rows a warp takes, and two rows spilled).

@@ -462,14 +462,20 @@ pub(crate) fn attention(
     let window = p.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
     let width = p.n_head * p.head_dim;
     // A single token's output feeds the output projection's gemv_q8: quantized by the
-    // kernel that writes it (no quantize_x_q8 launch), as rms_norm_q8 does for its rows.
-    let q8 = backend
-        .single_q8_buffers(n, width)
-        .filter(|_| p.head_dim.is_multiple_of(32))
-        .map(|b| (b.q, b.d));
+    // kernel that writes it (no quantize_x_q8 launch), as rms_norm_q8 does for its rows;
+    // so are a verification step's rows (`invariant_step`), each as its own step's.
+    let invariant = backend.invariant_step();
+    let q8 = if invariant {
+        backend
+            .single_q8_buffers(1, width)
+            .and_then(|_| backend.q8_buffers(n * width))
+    } else {
+        backend.single_q8_buffers(n, width)
+    }
+    .filter(|_| p.head_dim.is_multiple_of(32))
+    .map(|b| (b.q, b.d));
     // A few tokens whose output projection reads mmk's layout (mmk_t8*, mms_*): the
     // split merge quantizes them (256-value blocks of whole heads).
-    let invariant = backend.invariant_step();
     let mmk = backend
         .multi_q8_layout(n, width)
         .filter(|l| !invariant && l.mmk && p.head_dim <= 256 && 256 % p.head_dim == 0)
@@ -508,13 +514,19 @@ pub(crate) fn attention(
             // tokens sharing one, a launch each.
             let bucket = |i: usize| (step.position(i) + 1).next_power_of_two();
             let mut start = 0;
+            let mut wrote_q8 = true;
             while start < n {
                 let first = bucket(start);
                 let len = (start..n).take_while(|&i| bucket(i) == first).count();
-                backend.attention_short(&ctx, p, step, start, len, Some(first));
+                wrote_q8 &= backend.attention_short(&ctx, p, step, start, len, Some(first));
                 start += len;
             }
-            return Prepared::Nothing;
+            // Every launch quantized its tokens' rows: the output projection reads them.
+            return if wrote_q8 && q8.is_some() {
+                Prepared::Q8 { of: out.ptr, n }
+            } else {
+                Prepared::Nothing
+            };
         }
         if backend.attention_short(&ctx, p, step, 0, n, None) {
             return quantized;

@@ -56,7 +56,7 @@ use kestrel_model::{
 
 pub use compile::Origin;
 pub use launch::Prepared;
-pub use matmul::{PendingSplit, QkvWeights};
+pub use matmul::{INVARIANT_MAX_TOKENS, Kernel, PendingSplit, QkvWeights};
 pub use options::{F16Copies, Options, request_profile};
 pub use split::SplitBackend;
 pub use tp::TpBackend;

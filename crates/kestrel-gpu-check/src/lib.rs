@@ -1337,6 +1337,149 @@ pub fn compare_gemv(
     })
 }
 
+/// Weight types whose verification-step products [`compare_gemv_invariant`] checks: the
+/// 8-bit GEMVs' formats (`gemv_q8_t*_r1` where the single-token kernel is `gemv_ws_r1`,
+/// `gemv_q8_tw*` where it is `gemv_q8*`) and two f32-activation ones (`gemv_dec` a token).
+pub const INVARIANT_TYPES: [GgmlType; 9] = [
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
+    GgmlType::Q5_0,
+    GgmlType::F16,
+];
+
+/// A verification-step product against single-token ones.
+#[derive(Debug, Clone)]
+pub struct InvariantProductReport {
+    /// Output values compared (tokens × rows).
+    pub values: usize,
+    /// Values not bit-identical to the single-token product's, and the largest |Δ|.
+    pub differing: usize,
+    pub max_abs_diff: f32,
+    /// Values of the verification step left unwritten (NaN poison) or non-finite.
+    pub non_finite: usize,
+    /// The kernel family a single token of it takes (the verification step runs that
+    /// family's multi-token form).
+    pub kernel: kestrel_cuda::Kernel,
+}
+
+impl InvariantProductReport {
+    pub fn passed(&self) -> bool {
+        self.values > 0 && self.differing == 0 && self.non_finite == 0
+    }
+}
+
+/// A product of a random `rows × cols` matrix of type `ty` (two for [`Product::Gated`]) and
+/// `n` random token rows computed as a verification step computes it (batch-invariantly,
+/// `CudaBackend::set_invariant`), for each `n` of `counts`, against each token's row computed
+/// as a single-token product: every value must be bit-identical.
+pub fn compare_gemv_invariant(
+    backend: &CudaBackend,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    counts: &[usize],
+    seed: u64,
+    product: Product,
+) -> anyhow::Result<InvariantProductReport> {
+    use kestrel_model::Backend;
+    let most = counts.iter().copied().max().unwrap_or(0);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (weight, _) = random_matrix(backend, &mut rng, ty, rows, cols)?;
+    let up = if product == Product::Gated {
+        Some(random_matrix(backend, &mut rng, ty, rows, cols)?.0)
+    } else {
+        None
+    };
+    let x: Vec<f32> = (0..most * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let residual: Vec<f32> = if product == Product::AddInto {
+        (0..most * rows)
+            .map(|_| rng.random_range(-4.0f32..4.0))
+            .collect()
+    } else {
+        vec![f32::NAN; most * rows]
+    };
+    backend.reserve_q8(most.next_power_of_two().max(8) * cols)?;
+    // The first `m` token rows through the product (into the residual's rows for AddInto),
+    // from token `t0` on.
+    let run = |t0: usize, m: usize| -> anyhow::Result<Vec<f32>> {
+        let xt = backend.upload_tensor(m, cols, &x[t0 * cols..(t0 + m) * cols])?;
+        let mut out = backend.upload_tensor(m, rows, &residual[t0 * rows..(t0 + m) * rows])?;
+        let nothing = kestrel_cuda::Prepared::Nothing;
+        match &up {
+            Some(up_w) => {
+                let mut up_out = backend.upload_tensor(m, rows, &vec![f32::NAN; m * rows])?;
+                let act = kestrel_model::Activation::Silu;
+                let _ =
+                    backend.gate_up_of(&xt, nothing, &weight, up_w, act, m, &mut out, &mut up_out);
+            }
+            None if product == Product::AddInto => {
+                let mut tmp = backend.upload_tensor(m, rows, &vec![f32::NAN; m * rows])?;
+                backend.matmul_add(&xt, nothing, &weight, m, &mut tmp, &mut out);
+            }
+            None => backend.matmul(&xt, &weight, m, &mut out),
+        }
+        let mut got = Vec::new();
+        backend.read_rows(&out, m, &mut got)?;
+        Ok(got)
+    };
+    // Each token alone (a single-token product does not depend on the step around it).
+    backend.set_invariant(false);
+    let mut alone = Vec::with_capacity(most * rows);
+    for t in 0..most {
+        alone.extend(run(t, 1)?);
+    }
+    let mut report = InvariantProductReport {
+        values: 0,
+        differing: 0,
+        max_abs_diff: 0.0,
+        non_finite: 0,
+        kernel: backend.plan_of(&weight, 1),
+    };
+    for &n in counts {
+        backend.set_invariant(true);
+        let together = run(0, n);
+        backend.set_invariant(false);
+        let together = together?;
+        report.values += n * rows;
+        report.non_finite += together.iter().filter(|v| !v.is_finite()).count();
+        for (a, b) in alone.iter().zip(&together) {
+            if a.to_bits() != b.to_bits() {
+                report.differing += 1;
+                report.max_abs_diff = report.max_abs_diff.max((a - b).abs());
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Random shapes for [`compare_gemv_invariant`] (each run at 2..=8 tokens): awkward row
+/// counts within one wave of one-row warps (single tokens on `gemv_ws_r1` for the K-quants)
+/// and beyond it (2,641+ rows: `gemv_q8`), short rows and rows of 35 blocks (8,960 values
+/// for the K-quants, as Qwen2.5-1.5B's down projection).
+pub fn invariant_cases(ty: GgmlType, seed: u64) -> Vec<(usize, usize, u64)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let unit = if matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::IQ4XS) {
+        256
+    } else {
+        32
+    };
+    [
+        (rng.random_range(1..300), 6 * unit),
+        (rng.random_range(1..200), 35 * unit),
+        (2_641 + rng.random_range(0..400), unit),
+    ]
+    .into_iter()
+    .map(|(rows, cols)| (rows, cols, rng.random()))
+    .collect()
+}
+
 /// ‖got − want‖ / ‖want‖ over `n` token rows of `rows` values (`want(t, r)`, in f64), the
 /// non-finite values of `got` left out and counted.
 fn rel_error(

@@ -101,6 +101,34 @@ fn verification_steps_are_batch_invariant() {
     }
 }
 
+/// Each verification-step product (plain, gated, added into a residual) of 2..=8 tokens,
+/// on fresh random weights and tokens of awkward row counts, equals its tokens' single-token
+/// products bit for bit.
+#[test]
+fn verification_products_are_bit_identical() {
+    if !gpu_present("verification_products_are_bit_identical") {
+        return;
+    }
+    use selfcheck::Product;
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let mut rng = rand::rng();
+    for ty in selfcheck::INVARIANT_TYPES {
+        for product in [Product::Plain, Product::Gated, Product::AddInto] {
+            for (rows, cols, seed) in selfcheck::invariant_cases(ty, rng.random()) {
+                let counts: Vec<usize> = (2..=kestrel_cuda::INVARIANT_MAX_TOKENS).collect();
+                let r = selfcheck::compare_gemv_invariant(
+                    &backend, ty, rows, cols, &counts, seed, product,
+                )
+                .expect("products run");
+                assert!(
+                    r.passed(),
+                    "{ty} {product:?} {rows}x{cols} (seed {seed}): {r:?}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn missing_device_is_an_error_not_a_panic() {
     // Whatever the machine: asking for a device that does not exist must fail cleanly.

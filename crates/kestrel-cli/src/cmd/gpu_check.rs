@@ -1429,6 +1429,57 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
     },
 ];
 
+/// Verification steps' products (batch-invariant, 2..=8 tokens) against each token's row as
+/// a single-token product, bit for bit (plain, gated, added into a residual); the failures.
+fn check_invariant_products(backend: &CudaBackend, seed: u64) -> usize {
+    println!(
+        "verification-step products (batch-invariant, 2..=8 tokens) vs each token as a single-token product: pass if every value is bit-identical:"
+    );
+    let mut failures = 0;
+    for (it, &ty) in selfcheck::INVARIANT_TYPES.iter().enumerate() {
+        for (kind, product) in [
+            ("plain", Product::Plain),
+            ("gated", Product::Gated),
+            ("add", Product::AddInto),
+        ] {
+            let (mut values, mut differing, mut max_abs, mut non_finite) = (0, 0, 0.0f32, 0);
+            let mut kernels = Vec::new();
+            let mut error = None;
+            let case_seed = seed.wrapping_add(900 + it as u64);
+            let counts: Vec<usize> = (2..=kestrel_cuda::INVARIANT_MAX_TOKENS).collect();
+            for (rows, cols, s) in selfcheck::invariant_cases(ty, case_seed) {
+                match selfcheck::compare_gemv_invariant(
+                    backend, ty, rows, cols, &counts, s, product,
+                ) {
+                    Ok(r) => {
+                        values += r.values;
+                        differing += r.differing;
+                        non_finite += r.non_finite;
+                        max_abs = max_abs.max(r.max_abs_diff);
+                        let k = format!("{:?}", r.kernel);
+                        if !kernels.contains(&k) {
+                            kernels.push(k);
+                        }
+                    }
+                    Err(e) => error = Some(format!("{rows}x{cols}: {e:#}")),
+                }
+            }
+            let ok = error.is_none() && values > 0 && differing == 0 && non_finite == 0;
+            failures += usize::from(!ok);
+            match error {
+                Some(e) => println!("verify-{kind} {:<6} ERROR {e}", ty.name()),
+                None => println!(
+                    "verify-{kind} {:<6} {values} values (single-token {}): {differing} differ (max |Δ| {max_abs:.2e}), {non_finite} non-finite  {}",
+                    ty.name(),
+                    kernels.join("/"),
+                    if ok { "ok" } else { "FAIL" }
+                ),
+            }
+        }
+    }
+    failures
+}
+
 /// Every row of [`PRODUCT_CHECKS`], then `mmw_gated` (Q4_K gate/up of 33..=64 tokens on the
 /// repacked 4-bit copies, 1..=8 warps a block forced on some cases); the failures.
 fn check_products(backend: &CudaBackend, seed: u64) -> usize {
@@ -1505,6 +1556,7 @@ fn check_products(backend: &CudaBackend, seed: u64) -> usize {
     }
     backend.set_q8_decode(q8_default);
     backend.set_mmk(true);
+    failures += check_invariant_products(backend, seed);
     let ty = GgmlType::Q4K;
     for (rows, cols, n, s, warps) in selfcheck::mmw_cases(seed.wrapping_add(880)) {
         backend.set_mmw_warps(warps);

@@ -18,6 +18,10 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemv_q8_t8",
     "gemv_q8_tw4",
     "gemv_q8_tw8",
+    "gemv_q8_t4_r1",
+    "gemv_q8_t8_r1",
+    "gemv_dec_t4",
+    "gemv_dec_t8",
     "gemv_ws_r1",
 ];
 
@@ -30,7 +34,8 @@ pub(crate) struct GemvSeg {
     pub(crate) out: u64,
     pub(crate) ld: usize,
     pub(crate) bias: u64,
-    /// Add into `out` instead of overwriting it (single-token `gemv_dec` only).
+    /// Add into `out` instead of overwriting it (single-token launches, and verification
+    /// steps' `gemv_q8_t*_r1` / `gemv_q8_tw*` / `gemv_dec_t*`).
     pub(crate) accumulate: bool,
 }
 
@@ -286,33 +291,29 @@ impl CudaBackend {
             Some(_) => 0,
             None => i32::from(segs.iter().any(|s| s.accumulate)),
         };
-        // The launch's arguments for its tokens from `t` on (x's and the outputs' rows).
-        let args_from = |t: usize| {
-            let mut args = vec![
-                Arg::P(x.ptr + (t * k * 4) as u64),
-                Arg::I(k as i32),
-                Arg::I(n as i32),
-                Arg::I(rpb as i32),
-                Arg::I(total as i32),
-                Arg::I(i32::from(gated.is_some())),
-                Arg::I(act),
-            ];
-            for i in 0..3 {
-                let s = segs.get(i).unwrap_or(&segs[0]);
-                let rows = if i < segs.len() { s.rows } else { 0 };
-                args.push(Arg::P(s.ptr));
-                args.push(Arg::L(s.row_bytes as i64));
-                args.push(Arg::I(s.ty.id() as i32));
-                if i < 2 {
-                    args.push(Arg::I(rows as i32));
-                }
-                args.push(Arg::P(s.out + (t * s.ld * 4) as u64));
-                args.push(Arg::I(s.ld as i32));
-                args.push(Arg::P(s.bias));
+        // The launch's arguments.
+        let mut args = vec![
+            Arg::P(x.ptr),
+            Arg::I(k as i32),
+            Arg::I(n as i32),
+            Arg::I(rpb as i32),
+            Arg::I(total as i32),
+            Arg::I(i32::from(gated.is_some())),
+            Arg::I(act),
+        ];
+        for i in 0..3 {
+            let s = segs.get(i).unwrap_or(&segs[0]);
+            let rows = if i < segs.len() { s.rows } else { 0 };
+            args.push(Arg::P(s.ptr));
+            args.push(Arg::L(s.row_bytes as i64));
+            args.push(Arg::I(s.ty.id() as i32));
+            if i < 2 {
+                args.push(Arg::I(rows as i32));
             }
-            args
-        };
-        let args = args_from(0);
+            args.push(Arg::P(s.out));
+            args.push(Arg::I(s.ld as i32));
+            args.push(Arg::P(s.bias));
+        }
         if family.tensor_core() {
             self.mmq(
                 x,
@@ -326,9 +327,9 @@ impl CudaBackend {
             );
             return;
         }
-        // Only the single-token kernels and the mmq_t8 / mmk_t8* / mms_* add into their
-        // outputs.
-        debug_assert!(n == 1 || segs.iter().all(|s| !s.accumulate));
+        // Only the single-token kernels, their multi-token forms in verification steps and
+        // the mmq_t8 / mmk_t8* / mms_* add into their outputs.
+        debug_assert!(n == 1 || self.invariant_step() || segs.iter().all(|s| !s.accumulate));
         debug_assert!(n <= GEMV_MAX_TOKENS);
         if family.q8() {
             let Some(Q8Ptrs {
@@ -357,11 +358,14 @@ impl CudaBackend {
             let forced = self.gemv_q8_rows();
             // A verification step (see `invariant_step`) on the single-token kernels' own
             // units: `gemv_q8_tw*` for the wide ones of gemv_q8 / gemv_q8_r1 / gemv_q8_b*;
-            // gemv_ws_r1's are the plain ones of gemv_q8_t*.
+            // gemv_ws_r1's are the plain ones of gemv_q8_t*, at one row a warp as it takes.
             let wide = family == Kernel::GemvQ8 && self.invariant_step();
+            let plain = family == Kernel::GemvWs && self.invariant_step();
             let (kernel, rows) = match (n, forced) {
                 (2..=4, _) if wide => ("gemv_q8_tw4", 1),
                 (5.., _) if wide => ("gemv_q8_tw8", 1),
+                (2..=4, _) if plain => ("gemv_q8_t4_r1", 1),
+                (5.., _) if plain => ("gemv_q8_t8_r1", 1),
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
                 (_, 1) => ("gemv_q8_r1", 1),
@@ -420,12 +424,16 @@ impl CudaBackend {
             } else {
                 ("gemv_dec", 2)
             };
-            let warps = gemv_warps(segs, gated.is_some(), rows);
-            // A single-token kernel: a verification step's tokens one launch each.
-            for t in 0..n {
-                let args = args_from(t);
+            // A verification step: gemv_dec's units for all its tokens in one launch, one row
+            // a warp (each row's sums do not depend on the rows a warp takes).
+            if n > 1 {
+                let kernel = if n <= 4 { "gemv_dec_t4" } else { "gemv_dec_t8" };
+                let warps = gemv_warps(segs, gated.is_some(), 1);
                 self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
+                return;
             }
+            let warps = gemv_warps(segs, gated.is_some(), rows);
+            self.launch_reading(kernel, grid_1d(warps, 4), 128, &args, weight_bytes);
             return;
         }
         self.launch_reading("gemv", grid_1d(total, rpb), 128, &args, weight_bytes);

@@ -77,10 +77,18 @@ impl CudaBackend {
     /// verification): each of its tokens is computed exactly as a step of that token alone
     /// would compute it, so greedy speculation gives the tokens decoding one at a time
     /// gives. Products take the single-token kernel family (its multi-token form with the
-    /// same per-token sums: `gemv_q8_t*` / `gemv_q8_tw*`, or one launch a token), norms
+    /// same per-token sums: `gemv_q8_t*_r1` / `gemv_q8_tw*` / `gemv_dec_t*`), norms
     /// `rms_norm_q8` per row, attention each token's single-token split count.
     pub(crate) fn invariant_step(&self) -> bool {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Makes the products launched from now until the next step's preparation batch-invariant
+    /// (as in a verification step) or not: the self-check compares such products with
+    /// single-token ones outside a step.
+    pub fn set_invariant(&self, on: bool) {
+        self.invariant
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The token count a kernel choice is made for: 1 in a batch-invariant step.
@@ -547,15 +555,16 @@ pub(crate) fn matmul_add(
     residual: &mut CudaTensor,
 ) {
     let mut ready = x_ready;
-    // Single-token steps and the tensor-core kernels of a few tokens add into the
-    // residual themselves.
+    // Single-token steps, verification steps (whose kernels are the single-token ones'
+    // multi-token forms, adding as those do) and the tensor-core kernels of a few tokens
+    // add into the residual themselves.
     if !backend.prefer_gemm(w, n)
         && let Some(mut seg) = backend.gemv_seg(x, w, residual, None)
     {
         seg.accumulate = true;
         let segs = [seg];
         match backend.plan_segs(x.cols, n, &segs, false) {
-            Some(kernel) if n == 1 || kernel.tensor_core() => {
+            Some(kernel) if n == 1 || kernel.tensor_core() || backend.invariant_step() => {
                 backend.gemv(x, &mut ready, n, &segs, None, kernel);
                 return;
             }
