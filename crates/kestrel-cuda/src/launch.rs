@@ -73,7 +73,11 @@ pub(crate) struct Recorder {
     /// Whether launches are being recorded instead of issued.
     pub(crate) deferring: bool,
     pub(crate) pending: Vec<Launch>,
-    pub(crate) previous: Vec<Launch>,
+    /// The list each part of the last step ran eagerly (a step is issued in parts when its
+    /// owner calls `issue_part` while recording: see [`CudaBackend::flush_part`]).
+    pub(crate) previous: Vec<Vec<Launch>>,
+    /// The part of the step being recorded (0 until the step's first `flush_part`).
+    pub(crate) part: usize,
     pub(crate) graphs: Vec<(Vec<Launch>, StepGraph)>,
     pub(crate) captures: u64,
 }
@@ -125,8 +129,9 @@ pub(crate) fn dynamic_smem(name: &str) -> u32 {
     3 * (MMS_ROWS as u32 * 224 + tokens * (288 + 4))
 }
 
-/// Graphs kept (one per distinct launch list, e.g. per batch size).
-pub(crate) const MAX_GRAPHS: usize = 8;
+/// Graphs kept (one per distinct launch list: per batch size, and per part of a step issued
+/// in parts).
+pub(crate) const MAX_GRAPHS: usize = 32;
 
 impl PartialEq for Arg {
     fn eq(&self, other: &Arg) -> bool {
@@ -383,36 +388,61 @@ impl CudaBackend {
     /// Issues the recorded launches of the current step: from a graph when the same list
     /// was seen before, eagerly otherwise.
     pub(crate) fn flush(&self) {
+        self.flush_inner(true);
+    }
+
+    /// Issues what the step has recorded so far (its next part: from a graph when that
+    /// part's list was seen before, eagerly otherwise) and goes on recording the rest, so
+    /// that the GPU runs the first parts while the host records the last. Nothing when the
+    /// step is not being recorded.
+    pub(crate) fn flush_part(&self) {
+        self.flush_inner(false);
+    }
+
+    fn flush_inner(&self, step_end: bool) {
         let mut rec = self.lock_recorder();
-        rec.deferring = false;
+        if !rec.deferring {
+            return;
+        }
+        let part = rec.part;
+        if step_end {
+            rec.deferring = false;
+            rec.part = 0;
+        }
         if rec.pending.is_empty() {
             return;
         }
+        if !step_end {
+            rec.part += 1;
+        }
         let pending = std::mem::take(&mut rec.pending);
+        let count_step = |b: &CudaBackend| {
+            if part == 0 {
+                b.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        };
         if let Some(i) = rec.graphs.iter().position(|(l, _)| *l == pending) {
             if let Err(e) = rec.graphs[i].1.0.launch() {
                 self.fail(format!("launching a CUDA graph: {e:?}"));
             }
-            self.replays
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            count_step(self);
             rec.pending = pending;
             rec.pending.clear();
             return;
         }
-        if pending == rec.previous {
+        if rec.previous.get(part) == Some(&pending) {
             match self.capture(&pending) {
                 Ok(graph) => {
                     if let Err(e) = graph.launch() {
                         self.fail(format!("launching a CUDA graph: {e:?}"));
                     }
                     rec.captures += 1;
-                    self.replays
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    count_step(self);
                     if rec.graphs.len() >= MAX_GRAPHS {
                         rec.graphs.remove(0);
                     }
                     rec.graphs.push((pending, StepGraph(graph)));
-                    rec.previous.clear();
+                    rec.previous[part].clear();
                     return;
                 }
                 Err(e) => {
@@ -426,7 +456,10 @@ impl CudaBackend {
         for l in &pending {
             self.launch_now(l);
         }
-        rec.previous = pending;
+        if rec.previous.len() <= part {
+            rec.previous.resize_with(part + 1, Vec::new);
+        }
+        rec.previous[part] = pending;
     }
 
     /// Captures `launches` on the stream into an instantiated graph.

@@ -160,6 +160,12 @@ impl CudaBackend {
         self.flush();
     }
 
+    /// Issues the launches the step has recorded so far and goes on recording the rest
+    /// (see `flush_part`).
+    pub fn issue_part(&self) {
+        self.flush_part();
+    }
+
     /// Makes this backend's CUDA context the calling thread's.
     pub fn bind(&self) -> anyhow::Result<()> {
         self.ctx
@@ -404,7 +410,16 @@ pub struct TpBackend {
     pool: Pool,
     plan: Mutex<Option<Arc<TpPlan>>>,
     lm: Mutex<Option<LmBuffers>>,
+    /// Row-parallel products (all-reduces) of the step so far, and after how many of them
+    /// the ranks issue the part recorded so far (a quarter of the layers: see
+    /// [`STEP_PARTS`]).
+    reduces: AtomicUsize,
+    part_every: AtomicUsize,
 }
+
+/// Parts a recorded step is issued in: the GPUs run the first while the host records the
+/// next (each part a graph of its own once seen twice).
+const STEP_PARTS: usize = 4;
 
 impl TpBackend {
     /// Opens the GPUs `ordinals` (rank i on `ordinals[i]`) and joins them by NCCL.
@@ -437,6 +452,8 @@ impl TpBackend {
             pool,
             plan: Mutex::new(None),
             lm: Mutex::new(None),
+            reduces: AtomicUsize::new(0),
+            part_every: AtomicUsize::new(usize::MAX),
         };
         tp.each_ok(|_, b| b.bind())?;
         let up_to = tp.choose_oneshot_up_to()?;
@@ -804,6 +821,11 @@ impl Backend for TpBackend {
         self.ranks[0].check_model(cfg)?;
         let plan = TpPlan::new(cfg, self.ranks.len())?;
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(plan));
+        // Two all-reduces a layer.
+        self.part_every.store(
+            (2 * cfg.n_layer).div_ceil(STEP_PARTS).max(1),
+            Ordering::Relaxed,
+        );
         Ok(())
     }
 
@@ -890,6 +912,7 @@ impl Backend for TpBackend {
         let steps = PerRank::new(&mut step.0);
         // SAFETY: rank r's own step.
         self.each_ok(|r, b| b.prepare_step(batch, unsafe { steps.get(r) }))?;
+        self.reduces.store(0, Ordering::Relaxed);
         Ok(())
     }
 
@@ -1139,6 +1162,8 @@ impl Backend for TpBackend {
         // Rank 0 adds its partial product into the residual, the others write theirs
         // there; the all-reduce then leaves residual + Σ partial products on every rank.
         let (ts, rs) = (PerRank::new(&mut tmp.0), PerRank::new(&mut residual.0));
+        let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
+        let issue_part = done.is_multiple_of(self.part_every.load(Ordering::Relaxed));
         self.each(|r, b| {
             let (t, res) = unsafe { (ts.get(r), rs.get(r)) };
             if r == 0 {
@@ -1147,6 +1172,9 @@ impl Backend for TpBackend {
                 b.matmul_ready(&x.0[r], x_ready.0[r], &w.ranks[r], n, res);
             }
             b.all_reduce_rows(res, n);
+            if issue_part {
+                b.issue_part();
+            }
         });
     }
 
