@@ -84,9 +84,7 @@ pub(crate) fn family(layer: &LayerWeights<CudaWeight>, moe: &MoeConfig) -> Optio
         CudaWeight::Vector { .. } => None,
     };
     let k_quant = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q4K | GgmlType::Q6K, cols)) if cols % 256 == 0);
-    let blocks32 = |t: Option<(GgmlType, usize)>| {
-        matches!(t, Some((GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4NL | GgmlType::MXFP4, cols)) if cols % 32 == 0)
-    };
+    let blocks32 = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4NL | GgmlType::MXFP4, cols)) if cols % 32 == 0);
     let (g, u, dn) = (ty(&layer.ffn_gate), ty(&layer.ffn_up), ty(&layer.ffn_down));
     if g.map(|t| t.0) != u.map(|t| t.0) {
         return None;
@@ -256,27 +254,32 @@ pub(crate) fn moe_ffn_mma(
     let t16 = tile == 16;
     match fam {
         Family::KQuant => {
-            let quantize = |src: u64, cols: usize, kk: usize, ord: u64, q: u64, qk: u64, qb: u64| {
-                b.launch(
-                    "moe_mma_quantize",
-                    (cap as u32, (cols / 256) as u32, 1),
-                    256,
-                    &[
-                        Arg::P(src),
-                        Arg::I(cols as i32),
-                        Arg::I(kk as i32),
-                        Arg::P(ord),
-                        Arg::P(info),
-                        Arg::I(npad as i32),
-                        Arg::P(q),
-                        Arg::P(qk),
-                        Arg::P(qb),
-                    ],
-                )
-            };
+            let quantize =
+                |src: u64, cols: usize, kk: usize, ord: u64, q: u64, qk: u64, qb: u64| {
+                    b.launch(
+                        "moe_mma_quantize",
+                        (cap as u32, (cols / 256) as u32, 1),
+                        256,
+                        &[
+                            Arg::P(src),
+                            Arg::I(cols as i32),
+                            Arg::I(kk as i32),
+                            Arg::P(ord),
+                            Arg::P(info),
+                            Arg::I(npad as i32),
+                            Arg::P(q),
+                            Arg::P(qk),
+                            Arg::P(qb),
+                        ],
+                    )
+                };
             quantize(x.ptr, d, k, order, xq, xk, xb);
             b.launch_reading(
-                if t16 { "moe_mms_gate_up_t16" } else { "moe_mms_gate_up_t32" },
+                if t16 {
+                    "moe_mms_gate_up_t16"
+                } else {
+                    "moe_mms_gate_up_t32"
+                },
                 (ff.div_ceil(GATE_UP_ROWS) as u32, tiles as u32, 1),
                 THREADS,
                 &[
@@ -299,7 +302,11 @@ pub(crate) fn moe_ffn_mma(
             );
             quantize(a, ff, 1, 0, aq, ak, ab);
             b.launch_reading(
-                if t16 { "moe_mms_down_t16" } else { "moe_mms_down_t32" },
+                if t16 {
+                    "moe_mms_down_t16"
+                } else {
+                    "moe_mms_down_t32"
+                },
                 (d.div_ceil(DOWN_ROWS) as u32, tiles as u32, 1),
                 THREADS,
                 &[
@@ -340,7 +347,11 @@ pub(crate) fn moe_ffn_mma(
             };
             quantize(x.ptr, d, k, order, xq, xd);
             b.launch_reading(
-                if t16 { "moe_mq_gate_up_t16" } else { "moe_mq_gate_up_t32" },
+                if t16 {
+                    "moe_mq_gate_up_t16"
+                } else {
+                    "moe_mq_gate_up_t32"
+                },
                 (ff.div_ceil(MQ_ROWS) as u32, tiles as u32, 1),
                 THREADS,
                 &[
@@ -366,7 +377,11 @@ pub(crate) fn moe_ffn_mma(
             );
             quantize(a, ff, 1, 0, aq, ad);
             b.launch_reading(
-                if t16 { "moe_mq_down_t16" } else { "moe_mq_down_t32" },
+                if t16 {
+                    "moe_mq_down_t16"
+                } else {
+                    "moe_mq_down_t32"
+                },
                 (d.div_ceil(MQ_ROWS) as u32, tiles as u32, 1),
                 THREADS,
                 &[
