@@ -267,11 +267,9 @@ template <bool MX> struct MqCode32 {
     }
 };
 
-// The tiling of moe_mq_*: a block of MQE_RG row groups of 16 rows and MQE_KP = 2 warps a
-// group: gate/up launches give the group's gate rows to its first warp and the same rows of
-// up to the second (each walks the whole row length, up's sums handed over through shared
-// memory); down launches split the row length between them in 256-value steps (steps p,
-// p + 2, ...), their sums added in part order. One matrix a warp keeps two blocks a SM.
+// The tiling of moe_mq_*: a block of MQE_RG row groups of 16 rows (gate/up: the same rows
+// of both), MQE_KP warps a group splitting the row length in 256-value steps (warp part p
+// takes steps p, p + MQE_KP, ...), their sums added in part order.
 #define MQE_RG 4
 #define MQE_KP 2
 #define MQE_THREADS (MQE_RG * MQE_KP * 32)
@@ -299,46 +297,49 @@ __device__ __forceinline__ void moe_mq_body(const i8* xq, const float* xds, int 
     const int r0 = blockIdx.x * MQE_ROWS + 16 * rg;
     // Rows past the matrix's end read its last row; their results are dropped.
     const int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
-    const bool up = UP && kp > 0;
-    const long long rbytes = up ? rb1 : rb0;
-    const u8* w = (up ? w1 : w0) + e * rows * rbytes;
-    const u8* rw[4] = {w + (size_t)ra * rbytes, w + (size_t)rb * rbytes, nullptr, nullptr};
+    const u8* wa = w0 + e * rows * rb0;
+    const u8* wb = UP ? w1 + e * rows * rb1 : wa;
+    const u8* rw[4] = {wa + (size_t)ra * rb0, wa + (size_t)rb * rb0,
+                       UP ? wb + (size_t)ra * rb1 : nullptr, UP ? wb + (size_t)rb * rb1 : nullptr};
     const MqX xx{xq + (size_t)q0 * k, xds + 2 * (size_t)q0, k, npad, g, c};
     const int nt = (cnt + 7) >> 3;
-    float acc[J][4], none[J][4];
+    float acc[J][4], acc_up[J][4];
 #pragma unroll
     for (int j = 0; j < J; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc[j][i] = none[j][i] = 0.0f;
+        for (int i = 0; i < 4; i++) acc[j][i] = acc_up[j][i] = 0.0f;
     const int steps = (k + 255) >> 8, kbs = k >> 5;
-    const int s0 = UP ? 0 : kp, ds = UP ? 1 : MQE_KP;
-    for (int st = s0; st < steps; st += ds) {
+    for (int st = kp; st < steps; st += MQE_KP) {
         switch (ty) {
-        case T_Q8_0: Mq<T_Q8_0>::step<J, false>(rw, st, nt, kbs, xx, acc, none); break;
-        case T_Q4_0: Mq<T_Q4_0>::step<J, false>(rw, st, nt, kbs, xx, acc, none); break;
-        case T_IQ4_NL: MqCode32<false>::step<J, false>(rw, st, nt, kbs, xx, acc, none); break;
-        case T_MXFP4: MqCode32<true>::step<J, false>(rw, st, nt, kbs, xx, acc, none); break;
+        case T_Q8_0: Mq<T_Q8_0>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        case T_Q4_0: Mq<T_Q4_0>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        case T_IQ4_NL: MqCode32<false>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        case T_MXFP4: MqCode32<true>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
         default: break;
         }
     }
-    // The second warp's sums meet the first's (fixed order; lane-minor).
-    __shared__ float red[MQE_RG][J * 4][32];
+    // The parts' sums meet in part 0, added in part order.
+    __shared__ float red[MQE_KP - 1][MQE_RG][(UP ? 2 : 1) * J * 4][32];
     if (kp > 0) {
 #pragma unroll
         for (int j = 0; j < J; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) red[rg][4 * j + i][lane] = acc[j][i];
+            for (int i = 0; i < 4; i++) {
+                red[kp - 1][rg][4 * j + i][lane] = acc[j][i];
+                if (UP) red[kp - 1][rg][UP ? 4 * (J + j) + i : 0][lane] = acc_up[j][i];
+            }
     }
     __syncthreads();
     if (kp > 0) return;
 #pragma unroll
-    for (int j = 0; j < J; j++)
+    for (int p = 0; p < MQE_KP - 1; p++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float o = red[rg][4 * j + i][lane];
-            if (UP) none[j][i] = o;  // up's sums
-            else acc[j][i] += o;
-        }
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[j][i] += red[p][rg][4 * j + i][lane];
+                if (UP) acc_up[j][i] += red[p][rg][UP ? 4 * (J + j) + i : 0][lane];
+            }
 #pragma unroll
     for (int j = 0; j < J; j++)
 #pragma unroll
@@ -350,7 +351,7 @@ __device__ __forceinline__ void moe_mq_body(const i8* xq, const float* xds, int 
             if (UP) {
                 const float bu = b1 ? b1[e * rows + r] : 0.0f;
                 out[(size_t)q * rows + r] = moe_act(__fadd_rn(acc[j][i], bias),
-                                                    __fadd_rn(none[j][i], bu), act, alpha, limit);
+                                                    __fadd_rn(acc_up[j][i], bu), act, alpha, limit);
             } else {
                 out[(size_t)q * rows + r] = __fmul_rn(__fadd_rn(acc[j][i], bias), wts[order[q]]);
             }
@@ -359,7 +360,7 @@ __device__ __forceinline__ void moe_mq_body(const i8* xq, const float* xds, int 
 
 // Gate/up: grid (ceil(ff / MQE_ROWS), worst-case tiles).
 #define MOE_MQ_GATE_UP(NAME, J)                                                                \
-    extern "C" __global__ void __launch_bounds__(MQE_THREADS, 2)                               \
+    extern "C" __global__ void __launch_bounds__(MQE_THREADS, J > 2 ? 1 : 2)                   \
         NAME(const i8* xq, const float* xds, int npad, const int* info, int d, int ff,         \
              const u8* wg, long long rbg, const u8* wu, long long rbu, int ty, const float* bg, \
              const float* bu, int act, float alpha, float limit, float* a) {                   \
@@ -369,7 +370,7 @@ __device__ __forceinline__ void moe_mq_body(const i8* xq, const float* xds, int 
     }
 // Down: grid (ceil(d / MQE_ROWS), worst-case tiles).
 #define MOE_MQ_DOWN(NAME, J)                                                                   \
-    extern "C" __global__ void __launch_bounds__(MQE_THREADS, 2)                               \
+    extern "C" __global__ void __launch_bounds__(MQE_THREADS, J > 2 ? 1 : 2)                   \
         NAME(const i8* aq, const float* ads, int npad, const int* info, int ff, int d,         \
              const u8* wd, long long rbd, int ty, const float* bd, const int* order,           \
              const float* wts, float* ys) {                                                    \
