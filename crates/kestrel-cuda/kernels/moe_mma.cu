@@ -178,3 +178,207 @@ MOE_MMS_GATE_UP(moe_mms_gate_up_t16, 2)
 MOE_MMS_GATE_UP(moe_mms_gate_up_t32, 4)
 MOE_MMS_DOWN(moe_mms_down_t16, 2)
 MOE_MMS_DOWN(moe_mms_down_t32, 4)
+
+// ---------------------------------------------------------------------------------------
+// Experts in 32-value block formats (Q8_0, Q4_0, IQ4_NL, MXFP4: gpt-oss's experts as
+// published), with gpt-oss's epilogue: the same grouping (moe_mma_group), the places'
+// inputs quantized per 32 values as ggml's Q8_0 (`moe_mma_quantize32`, mmq's layout), then
+// per tile of one expert's places mmq's int8 block products (m16n8k32 per 32-value block,
+// its integer sums scaled into f32 by the weight's and the token's block scales; MXFP4's
+// e2m1 levels doubled are the integers -12..12 and its E8M0 scale a power of two, so each
+// block's product is exact): gate and up with their biases and the (clamped) activation
+// (`moe_mq_gate_up_*`), the activations quantized again, down plus its bias times the
+// pair's routing weight (`moe_mq_down_*`), then moe_combine.
+
+// Place q's values (as moe_mma_quantize) rounded as ggml's quantize_row_q8_0 (127 / amax,
+// nearest even, the scale kept as its f16) into mmq's layout for npad rows: xq[q][c] and
+// xds[kb][q] = {d, d·Σq}. Block (place, 8 blocks of 32) of 256 threads, a warp a block.
+extern "C" __global__ void __launch_bounds__(256) moe_mma_quantize32(const float* x, int cols,
+                                                                     int k, const int* order,
+                                                                     const int* info, int npad,
+                                                                     i8* q, float* xds) {
+    pdl_enter();
+    const int r = blockIdx.x, kb = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= info[1] || kb >= cols / 32) return;  // whole warps
+    const int src = order ? order[r] : r;
+    const int c = kb * 32 + lane;
+    const float v = src < 0 ? 0.0f : x[(size_t)(order ? src / k : src) * cols + c];
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const int qi = max(-127, min(127, __float2int_rn(__fmul_rn(v, id))));
+    int s = qi;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    q[(size_t)r * cols + c] = (i8)qi;
+    if (lane == 0) {
+        const float d = h2f(f2h(__fdiv_rn(amax, 127.0f)));
+        xds[2 * ((size_t)kb * npad + r)] = d;
+        xds[2 * ((size_t)kb * npad + r) + 1] = d * (float)s;
+    }
+}
+
+// MXFP4 (MX) and IQ4_NL rows as the GPU stores them (16 quant bytes a block, then the
+// scales: one E8M0 byte / an f16 a block): MqBlocks32's Q4_0 walk, each lane's nibbles
+// (low for c < 2, else high, of bytes 8 (c & 1) ..) turned into their int8 levels by lut16;
+// no offset.
+template <bool MX> struct MqCode32 {
+    template <int J, bool UP>
+    static __device__ __forceinline__ void step(const u8* const (&rw)[4], int st, int nt, int kbs,
+                                                const MqX& x, float (&acc)[J][4],
+                                                float (&acc_up)[J][4]) {
+        constexpr int NR = UP ? 4 : 2;
+        const int off = 8 * (x.c & 1);
+        const bool high = x.c >= 2;
+        const u32 t0 = MX ? MXFP4_T0 : IQ4NL_T0, t1 = MX ? MXFP4_T1 : IQ4NL_T1;
+        const u32 t2 = MX ? MXFP4_T2 : IQ4NL_T2, t3 = MX ? MXFP4_T3 : IQ4NL_T3;
+        const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int kb0 = st * 8 + 4 * half;
+            uint2 q[4][NR];
+            float d[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int rr = r < NR ? r : 0;
+                    const int blk = min(kb0 + i, kbs - 1);
+                    if (r < NR) q[i][rr] = *(const uint2*)(rw[rr] + (size_t)blk * 16 + off);
+                    d[i][r] = MX ? e8m0_half(rw[rr][(size_t)kbs * 16 + blk])
+                                 : h2f(*(const u16*)(rw[rr] + (size_t)kbs * 16 + 2 * blk));
+                }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (kb0 + i < kbs) {
+                    u32 a[4][2];
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        const int rr = r < NR ? r : 0;
+                        u32 lo, hi;
+                        lut16(q[i][rr].x, t0, t1, t2, t3, lo, hi);
+                        a[r][0] = high ? hi : lo;
+                        lut16(q[i][rr].y, t0, t1, t2, t3, lo, hi);
+                        a[r][1] = high ? hi : lo;
+                    }
+                    mq_block<J, UP>(a, d[i], zero, kb0 + i, nt, x, acc, acc_up);
+                }
+            }
+        }
+    }
+};
+
+// The tiling of moe_mq_*: a block of MQE_RG row groups of 16 rows (gate/up: the same rows
+// of both), MQE_KP warps a group splitting the row length in 256-value steps (warp part p
+// takes steps p, p + MQE_KP, ...), their sums added in part order.
+#define MQE_RG 4
+#define MQE_KP 2
+#define MQE_THREADS (MQE_RG * MQE_KP * 32)
+#define MQE_ROWS (16 * MQE_RG)
+
+// One tile's product over MQE_ROWS rows (block (row tile, tile)): the tile's places q0 ..
+// q0 + count of expert e (UP: out[q][r] = moe_act(gate_e[r] · x_q + bg_e[r], up_e[r] · x_q
+// + bu_e[r]); else out[q][r] = (down_e[r] · a_q + bd_e[r]) · wts[order[q]]). The tile's
+// 8-token groups past its count are skipped; places past it in the last group are padding
+// (zero, their columns dropped).
+template <int J, bool UP>
+__device__ __forceinline__ void moe_mq_body(const i8* xq, const float* xds, int npad,
+                                            const int* info, int k, int rows, const u8* w0,
+                                            long long rb0, int ty, const u8* w1, long long rb1,
+                                            const float* b0, const float* b1, int act,
+                                            float alpha, float limit, const int* order,
+                                            const float* wts, float* out) {
+    const int ti = blockIdx.y;
+    if (ti >= info[0]) return;  // the whole block
+    const int* tl = info + 2 + 3 * ti;
+    const long long e = tl[0];
+    const int q0 = tl[1], cnt = tl[2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int rg = warp % MQE_RG, kp = warp / MQE_RG;
+    const int r0 = blockIdx.x * MQE_ROWS + 16 * rg;
+    // Rows past the matrix's end read its last row; their results are dropped.
+    const int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
+    const u8* wa = w0 + e * rows * rb0;
+    const u8* wb = UP ? w1 + e * rows * rb1 : wa;
+    const u8* rw[4] = {wa + (size_t)ra * rb0, wa + (size_t)rb * rb0,
+                       UP ? wb + (size_t)ra * rb1 : nullptr, UP ? wb + (size_t)rb * rb1 : nullptr};
+    const MqX xx{xq + (size_t)q0 * k, xds + 2 * (size_t)q0, k, npad, g, c};
+    const int nt = (cnt + 7) >> 3;
+    float acc[J][4], acc_up[J][4];
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = acc_up[j][i] = 0.0f;
+    const int steps = (k + 255) >> 8, kbs = k >> 5;
+    for (int st = kp; st < steps; st += MQE_KP) {
+        switch (ty) {
+        case T_Q8_0: Mq<T_Q8_0>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        case T_Q4_0: Mq<T_Q4_0>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        case T_IQ4_NL: MqCode32<false>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        case T_MXFP4: MqCode32<true>::step<J, UP>(rw, st, nt, kbs, xx, acc, acc_up); break;
+        default: break;
+        }
+    }
+    // The parts' sums meet in part 0, added in part order.
+    __shared__ float red[MQE_KP - 1][MQE_RG][(UP ? 2 : 1) * J * 4][32];
+    if (kp > 0) {
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                red[kp - 1][rg][4 * j + i][lane] = acc[j][i];
+                if (UP) red[kp - 1][rg][UP ? 4 * (J + j) + i : 0][lane] = acc_up[j][i];
+            }
+    }
+    __syncthreads();
+    if (kp > 0) return;
+#pragma unroll
+    for (int p = 0; p < MQE_KP - 1; p++)
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[j][i] += red[p][rg][4 * j + i][lane];
+                if (UP) acc_up[j][i] += red[p][rg][UP ? 4 * (J + j) + i : 0][lane];
+            }
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * c + (i & 1);
+            if (r >= rows || tok >= cnt) continue;
+            const int q = q0 + tok;
+            const float bias = b0 ? b0[e * rows + r] : 0.0f;
+            if (UP) {
+                const float bu = b1 ? b1[e * rows + r] : 0.0f;
+                out[(size_t)q * rows + r] = moe_act(__fadd_rn(acc[j][i], bias),
+                                                    __fadd_rn(acc_up[j][i], bu), act, alpha, limit);
+            } else {
+                out[(size_t)q * rows + r] = __fmul_rn(__fadd_rn(acc[j][i], bias), wts[order[q]]);
+            }
+        }
+}
+
+// Gate/up: grid (ceil(ff / MQE_ROWS), worst-case tiles).
+#define MOE_MQ_GATE_UP(NAME, J)                                                                \
+    extern "C" __global__ void __launch_bounds__(MQE_THREADS, J > 2 ? 1 : 2)                   \
+        NAME(const i8* xq, const float* xds, int npad, const int* info, int d, int ff,         \
+             const u8* wg, long long rbg, const u8* wu, long long rbu, int ty, const float* bg, \
+             const float* bu, int act, float alpha, float limit, float* a) {                   \
+        pdl_enter();                                                                           \
+        moe_mq_body<J, true>(xq, xds, npad, info, d, ff, wg, rbg, ty, wu, rbu, bg, bu, act,    \
+                             alpha, limit, nullptr, nullptr, a);                               \
+    }
+// Down: grid (ceil(d / MQE_ROWS), worst-case tiles).
+#define MOE_MQ_DOWN(NAME, J)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MQE_THREADS, J > 2 ? 1 : 2)                   \
+        NAME(const i8* aq, const float* ads, int npad, const int* info, int ff, int d,         \
+             const u8* wd, long long rbd, int ty, const float* bd, const int* order,           \
+             const float* wts, float* ys) {                                                    \
+        pdl_enter();                                                                           \
+        moe_mq_body<J, false>(aq, ads, npad, info, ff, d, wd, rbd, ty, nullptr, 0, bd,         \
+                              nullptr, 0, 0.0f, 0.0f, order, wts, ys);                         \
+    }
+MOE_MQ_GATE_UP(moe_mq_gate_up_t16, 2)
+MOE_MQ_GATE_UP(moe_mq_gate_up_t32, 4)
+MOE_MQ_DOWN(moe_mq_down_t16, 2)
+MOE_MQ_DOWN(moe_mq_down_t32, 4)

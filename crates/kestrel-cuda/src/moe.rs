@@ -377,7 +377,14 @@ pub(crate) fn moe_ffn(
         ],
     );
     if b.moe_on_tensor_cores(layer, moe, n) {
-        return crate::moe_mma::moe_ffn_mma(b, x, layer, moe, act, n, ids, wts, out);
+        let epi = crate::moe_mma::Epilogue {
+            bg,
+            bu,
+            bd,
+            alpha,
+            limit,
+        };
+        return crate::moe_mma::moe_ffn_mma(b, x, layer, moe, act, n, ids, wts, epi, out);
     }
     let gate_up = [
         Arg::I(d as i32),

@@ -1,20 +1,27 @@
 //! Mixture-of-experts blocks of multi-token steps on the tensor cores (kernels/moe_mma.cu):
 //! after `moe_router` and `moe_route` (moe.rs), the (token, slot) pairs are grouped by
 //! expert on the device (`moe_mma_group`: counts, each expert's run of places padded to a
-//! whole tile, the gather order, the tiles), their inputs gathered and quantized to 8 bits
-//! per 256 values (`moe_mma_quantize`, as `quantize_x_mmk`), then per tile of one expert's
-//! places the staged int8 products of the `mms_*` kernels over that expert's rows: gate and
-//! up with the activation (`moe_mms_gate_up_*`), the activations quantized again, down
-//! scaled by each pair's routing weight (`moe_mms_down_*`), and each token's k outputs
-//! added in slot order (`moe_combine`, moe.rs's).
+//! whole tile, the gather order, the tiles), their inputs gathered and quantized to 8 bits,
+//! then per tile of one expert's places int8 products over that expert's rows: gate and up
+//! with the activation, the activations quantized again, down scaled by each pair's routing
+//! weight, and each token's k outputs added in slot order (`moe_combine`, moe.rs's).
 //!
-//! For experts in Q4_K or Q6_K (what Q4_K_M files hold) without biases or gpt-oss's clamped
-//! SwiGLU, row lengths multiples of 256, while 8-bit activations are on (`KESTREL_CUDA_Q8`,
-//! as for the dense int8 products); other blocks keep moe.rs's kernels. Grids are sized
-//! for the worst case of the step's size (tiles past the count exit), so steps record and
-//! replay as graphs with no host round trip. A token's result does not depend on the rest
-//! of the step (its activations are quantized on their own, its mma column is its own, a
-//! row's sums run in an order fixed by the row).
+//! Two families of expert formats ([`Family`]):
+//! - Q4_K / Q6_K experts (what Q4_K_M files hold) without biases or gpt-oss's clamped
+//!   SwiGLU, rows multiples of 256: activations per 256 values (`moe_mma_quantize`, as
+//!   `quantize_x_mmk`), the staged products of the `mms_*` kernels (`moe_mms_*`);
+//! - Q8_0 / Q4_0 / IQ4_NL / MXFP4 experts (gpt-oss's as published), rows multiples of 32,
+//!   with or without gpt-oss's expert biases and clamped SwiGLU: activations per 32 values as
+//!   ggml's Q8_0 (`moe_mma_quantize32`), mmq's block products (`moe_mq_*`: MXFP4's doubled
+//!   e2m1 levels are integers and its scale a power of two, so each block's int8 product is
+//!   exact), the biases, the activation and the routing weight in their epilogues.
+//!
+//! Only while 8-bit activations are on (`KESTREL_CUDA_Q8`, as for the dense int8
+//! products); other blocks keep moe.rs's kernels. Grids are sized for the worst case of the
+//! step's size (tiles past the count exit), so steps record and replay as graphs with no
+//! host round trip. A token's result does not depend on the rest of the step (its
+//! activations are quantized on their own, its mma column is its own, a row's sums run in
+//! an order fixed by the row).
 
 use crate::*;
 use kestrel_model::MoeConfig;
@@ -27,12 +34,19 @@ pub(crate) const KERNELS: &[&str] = &[
     "moe_mms_gate_up_t32",
     "moe_mms_down_t16",
     "moe_mms_down_t32",
+    "moe_mma_quantize32",
+    "moe_mq_gate_up_t16",
+    "moe_mq_gate_up_t32",
+    "moe_mq_down_t16",
+    "moe_mq_down_t32",
 ];
 
 /// Rows a gate/up block takes (of gate and the same of up) and a down block takes
 /// (MH_ROWS / 2, MH_ROWS in kernels/mmq.cu).
 const GATE_UP_ROWS: usize = 32;
 const DOWN_ROWS: usize = 64;
+/// Rows a `moe_mq_*` block takes (of gate and the same of up; MQE_ROWS).
+const MQ_ROWS: usize = 64;
 /// Threads of the `mms_*` blocks (MS_THREADS).
 const THREADS: u32 = 256;
 /// The largest tile (places of one expert a block multiplies).
@@ -51,22 +65,41 @@ pub(crate) fn worst_case(pairs: usize, n_expert: usize, tile: usize) -> (usize, 
     (pairs + used * (tile - 1), pairs.div_ceil(tile) + used)
 }
 
-/// Whether a block takes this path: Q4_K / Q6_K experts (gate and up of one type), no
-/// expert biases, the plain gated activation, row lengths multiples of 256.
-pub(crate) fn takes(layer: &LayerWeights<CudaWeight>, moe: &MoeConfig) -> bool {
+/// The kernels a block's experts take on this path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Family {
+    /// Q4_K / Q6_K: `moe_mms_*` on activations per 256 values.
+    KQuant,
+    /// Q8_0 / Q4_0 / IQ4_NL / MXFP4: `moe_mq_*` on activations per 32 values.
+    Blocks32,
+}
+
+/// Which family a block takes, if any: gate and up of one type, and Q4_K / Q6_K experts
+/// without expert biases and with the plain gated activation, rows multiples of 256; or
+/// Q8_0 / Q4_0 / IQ4_NL / MXFP4 experts (biases and the clamped SwiGLU allowed), rows
+/// multiples of 32.
+pub(crate) fn family(layer: &LayerWeights<CudaWeight>, moe: &MoeConfig) -> Option<Family> {
     let ty = |w: &CudaWeight| match w {
         CudaWeight::Matrix { ty, cols, .. } => Some((*ty, *cols)),
         CudaWeight::Vector { .. } => None,
     };
     let k_quant = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q4K | GgmlType::Q6K, cols)) if cols % 256 == 0);
+    let blocks32 = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4NL | GgmlType::MXFP4, cols)) if cols % 32 == 0);
     let (g, u, dn) = (ty(&layer.ffn_gate), ty(&layer.ffn_up), ty(&layer.ffn_down));
-    k_quant(g)
-        && g == u
-        && k_quant(dn)
-        && layer.ffn_gate_exps_bias.is_none()
+    if g.map(|t| t.0) != u.map(|t| t.0) {
+        return None;
+    }
+    let plain = layer.ffn_gate_exps_bias.is_none()
         && layer.ffn_up_exps_bias.is_none()
         && layer.ffn_down_exps_bias.is_none()
-        && moe.clamped_swiglu.is_none()
+        && moe.clamped_swiglu.is_none();
+    if k_quant(g) && k_quant(u) && k_quant(dn) && plain {
+        Some(Family::KQuant)
+    } else if blocks32(g) && blocks32(u) && blocks32(dn) {
+        Some(Family::Blocks32)
+    } else {
+        None
+    }
 }
 
 impl CudaBackend {
@@ -79,7 +112,7 @@ impl CudaBackend {
         moe: &MoeConfig,
         n: usize,
     ) -> bool {
-        n > crate::moe::MOE_DEC_MAX_TOKENS && self.q8_decode() && takes(layer, moe)
+        n > crate::moe::MOE_DEC_MAX_TOKENS && self.q8_decode() && family(layer, moe).is_some()
     }
 }
 
@@ -100,6 +133,10 @@ pub(crate) struct MoeMmaScratch {
     aq: CudaSlice<i8>,
     ak: CudaSlice<f32>,
     ab: CudaSlice<i8>,
+    /// The per-32 layouts' scales ({d, d·Σq} per block and place) of the inputs and the
+    /// activations (their values in `xq` / `aq`).
+    xd: CudaSlice<f32>,
+    ad: CudaSlice<f32>,
     /// Weighted outputs, one row of n_embd per place.
     ys: CudaSlice<f32>,
 }
@@ -124,13 +161,26 @@ impl MoeMmaScratch {
             aq: b.alloc(npad * ff, "quantized expert activations")?,
             ak: b.alloc(npad * ff / 256, "quantized expert activations")?,
             ab: b.alloc(npad * ff / 8, "quantized expert activations")?,
+            xd: b.alloc(npad * d / 32 * 2, "quantized expert inputs")?,
+            ad: b.alloc(npad * ff / 32 * 2, "quantized expert activations")?,
             ys: b.alloc(npad * d, "expert outputs")?,
         })
     }
 }
 
+/// gpt-oss's expert epilogue: the device addresses of the gate, up and down biases (0:
+/// none) and the clamped SwiGLU's alpha and limit (limit 0: the plain activation).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Epilogue {
+    pub bg: u64,
+    pub bu: u64,
+    pub bd: u64,
+    pub alpha: f32,
+    pub limit: f32,
+}
+
 /// The grouped block of `n` tokens at x into out, given `moe_route`'s ids and weights
-/// (device addresses, n · k each). The caller checked [`takes`] and the shapes.
+/// (device addresses, n · k each). The caller checked [`family`] and the shapes.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_ffn_mma(
     b: &CudaBackend,
@@ -141,10 +191,12 @@ pub(crate) fn moe_ffn_mma(
     n: usize,
     ids: u64,
     wts: u64,
+    epi: Epilogue,
     out: &mut CudaTensor,
 ) -> anyhow::Result<()> {
     let (ne, k, ff, d) = (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, x.cols);
     let pairs = n * k;
+    let fam = family(layer, moe).context("experts the tensor-core path does not take")?;
     let matrix = |w: &CudaWeight| match w {
         CudaWeight::Matrix {
             ptr, ty, row_bytes, ..
@@ -168,8 +220,14 @@ pub(crate) fn moe_ffn_mma(
     let s = guard.as_mut().expect("allocated above");
     let npad = s.npad;
     let [pos, order, info] = [b.ptr(&s.pos), b.ptr(&s.order), b.ptr(&s.info)];
-    let [xq, xk, xb] = [b.ptr(&s.xq), b.ptr(&s.xk), b.ptr(&s.xb)];
-    let [a, aq, ak, ab] = [b.ptr(&s.a), b.ptr(&s.aq), b.ptr(&s.ak), b.ptr(&s.ab)];
+    let [xq, xk, xb, xd] = [b.ptr(&s.xq), b.ptr(&s.xk), b.ptr(&s.xb), b.ptr(&s.xd)];
+    let [a, aq, ak, ab, ad] = [
+        b.ptr(&s.a),
+        b.ptr(&s.aq),
+        b.ptr(&s.ak),
+        b.ptr(&s.ab),
+        b.ptr(&s.ad),
+    ];
     let ys = b.ptr(&s.ys);
 
     let tile = tile_for(pairs, ne);
@@ -189,87 +247,162 @@ pub(crate) fn moe_ffn_mma(
             Arg::P(info),
         ],
     );
-    b.launch(
-        "moe_mma_quantize",
-        (cap as u32, (d / 256) as u32, 1),
-        256,
-        &[
-            Arg::P(x.ptr),
-            Arg::I(d as i32),
-            Arg::I(k as i32),
-            Arg::P(order),
-            Arg::P(info),
-            Arg::I(npad as i32),
-            Arg::P(xq),
-            Arg::P(xk),
-            Arg::P(xb),
-        ],
-    );
     // Bytes of the experts a step can read, for the profiler.
     let used = ne.min(pairs) as u64;
-    let (gate_up, down) = match tile {
-        16 => ("moe_mms_gate_up_t16", "moe_mms_down_t16"),
-        _ => ("moe_mms_gate_up_t32", "moe_mms_down_t32"),
-    };
-    b.launch_reading(
-        gate_up,
-        (ff.div_ceil(GATE_UP_ROWS) as u32, tiles as u32, 1),
-        THREADS,
-        &[
-            Arg::P(xq),
-            Arg::P(xk),
-            Arg::P(xb),
-            Arg::I(npad as i32),
-            Arg::P(info),
-            Arg::I(d as i32),
-            Arg::I(ff as i32),
-            Arg::P(wg),
-            Arg::L(rbg),
-            Arg::P(wu),
-            Arg::L(rbu),
-            Arg::I(tyg),
-            Arg::I(activation_id(act)),
-            Arg::P(a),
-        ],
-        used * (ff as u64) * (rbg + rbu) as u64,
-    );
-    b.launch(
-        "moe_mma_quantize",
-        (cap as u32, (ff / 256) as u32, 1),
-        256,
-        &[
-            Arg::P(a),
-            Arg::I(ff as i32),
-            Arg::I(1),
-            Arg::P(0),
-            Arg::P(info),
-            Arg::I(npad as i32),
-            Arg::P(aq),
-            Arg::P(ak),
-            Arg::P(ab),
-        ],
-    );
-    b.launch_reading(
-        down,
-        (d.div_ceil(DOWN_ROWS) as u32, tiles as u32, 1),
-        THREADS,
-        &[
-            Arg::P(aq),
-            Arg::P(ak),
-            Arg::P(ab),
-            Arg::I(npad as i32),
-            Arg::P(info),
-            Arg::I(ff as i32),
-            Arg::I(d as i32),
-            Arg::P(wd),
-            Arg::L(rbd),
-            Arg::I(tyd),
-            Arg::P(order),
-            Arg::P(wts),
-            Arg::P(ys),
-        ],
-        used * (d as u64) * rbd as u64,
-    );
+    let gate_up_bytes = used * (ff as u64) * (rbg + rbu) as u64;
+    let down_bytes = used * (d as u64) * rbd as u64;
+    let t16 = tile == 16;
+    match fam {
+        Family::KQuant => {
+            let quantize =
+                |src: u64, cols: usize, kk: usize, ord: u64, q: u64, qk: u64, qb: u64| {
+                    b.launch(
+                        "moe_mma_quantize",
+                        (cap as u32, (cols / 256) as u32, 1),
+                        256,
+                        &[
+                            Arg::P(src),
+                            Arg::I(cols as i32),
+                            Arg::I(kk as i32),
+                            Arg::P(ord),
+                            Arg::P(info),
+                            Arg::I(npad as i32),
+                            Arg::P(q),
+                            Arg::P(qk),
+                            Arg::P(qb),
+                        ],
+                    )
+                };
+            quantize(x.ptr, d, k, order, xq, xk, xb);
+            b.launch_reading(
+                if t16 {
+                    "moe_mms_gate_up_t16"
+                } else {
+                    "moe_mms_gate_up_t32"
+                },
+                (ff.div_ceil(GATE_UP_ROWS) as u32, tiles as u32, 1),
+                THREADS,
+                &[
+                    Arg::P(xq),
+                    Arg::P(xk),
+                    Arg::P(xb),
+                    Arg::I(npad as i32),
+                    Arg::P(info),
+                    Arg::I(d as i32),
+                    Arg::I(ff as i32),
+                    Arg::P(wg),
+                    Arg::L(rbg),
+                    Arg::P(wu),
+                    Arg::L(rbu),
+                    Arg::I(tyg),
+                    Arg::I(activation_id(act)),
+                    Arg::P(a),
+                ],
+                gate_up_bytes,
+            );
+            quantize(a, ff, 1, 0, aq, ak, ab);
+            b.launch_reading(
+                if t16 {
+                    "moe_mms_down_t16"
+                } else {
+                    "moe_mms_down_t32"
+                },
+                (d.div_ceil(DOWN_ROWS) as u32, tiles as u32, 1),
+                THREADS,
+                &[
+                    Arg::P(aq),
+                    Arg::P(ak),
+                    Arg::P(ab),
+                    Arg::I(npad as i32),
+                    Arg::P(info),
+                    Arg::I(ff as i32),
+                    Arg::I(d as i32),
+                    Arg::P(wd),
+                    Arg::L(rbd),
+                    Arg::I(tyd),
+                    Arg::P(order),
+                    Arg::P(wts),
+                    Arg::P(ys),
+                ],
+                down_bytes,
+            );
+        }
+        Family::Blocks32 => {
+            let quantize = |src: u64, cols: usize, kk: usize, ord: u64, q: u64, qd: u64| {
+                b.launch(
+                    "moe_mma_quantize32",
+                    (cap as u32, (cols / 32).div_ceil(8) as u32, 1),
+                    256,
+                    &[
+                        Arg::P(src),
+                        Arg::I(cols as i32),
+                        Arg::I(kk as i32),
+                        Arg::P(ord),
+                        Arg::P(info),
+                        Arg::I(npad as i32),
+                        Arg::P(q),
+                        Arg::P(qd),
+                    ],
+                )
+            };
+            quantize(x.ptr, d, k, order, xq, xd);
+            b.launch_reading(
+                if t16 {
+                    "moe_mq_gate_up_t16"
+                } else {
+                    "moe_mq_gate_up_t32"
+                },
+                (ff.div_ceil(MQ_ROWS) as u32, tiles as u32, 1),
+                THREADS,
+                &[
+                    Arg::P(xq),
+                    Arg::P(xd),
+                    Arg::I(npad as i32),
+                    Arg::P(info),
+                    Arg::I(d as i32),
+                    Arg::I(ff as i32),
+                    Arg::P(wg),
+                    Arg::L(rbg),
+                    Arg::P(wu),
+                    Arg::L(rbu),
+                    Arg::I(tyg),
+                    Arg::P(epi.bg),
+                    Arg::P(epi.bu),
+                    Arg::I(activation_id(act)),
+                    Arg::F(epi.alpha),
+                    Arg::F(epi.limit),
+                    Arg::P(a),
+                ],
+                gate_up_bytes,
+            );
+            quantize(a, ff, 1, 0, aq, ad);
+            b.launch_reading(
+                if t16 {
+                    "moe_mq_down_t16"
+                } else {
+                    "moe_mq_down_t32"
+                },
+                (d.div_ceil(MQ_ROWS) as u32, tiles as u32, 1),
+                THREADS,
+                &[
+                    Arg::P(aq),
+                    Arg::P(ad),
+                    Arg::I(npad as i32),
+                    Arg::P(info),
+                    Arg::I(ff as i32),
+                    Arg::I(d as i32),
+                    Arg::P(wd),
+                    Arg::L(rbd),
+                    Arg::I(tyd),
+                    Arg::P(epi.bd),
+                    Arg::P(order),
+                    Arg::P(wts),
+                    Arg::P(ys),
+                ],
+                down_bytes,
+            );
+        }
+    }
     b.elementwise(
         "moe_combine",
         n * d,

@@ -3258,7 +3258,7 @@ pub fn compare_moe_block_q8(
 
 /// Step sizes of [`compare_moe_block`] (tokens, of which near-copies of one input): the
 /// decode kernels (1 to 8 tokens) and the grouped ones (on the tensor cores for Q4_K /
-/// Q6_K experts); the near-copies all take the same experts, so that most experts get
+/// Q6_K and Q8_0 / Q4_0 / IQ4_NL / MXFP4 experts); the near-copies all take the same experts, so that most experts get
 /// none (64 tokens) or one expert takes most of the step (300).
 pub const MOE_BLOCK_STEPS: [(usize, usize); 9] = [
     (1, 0),
@@ -3276,6 +3276,11 @@ pub const MOE_BLOCK_STEPS: [(usize, usize); 9] = [
 /// several 256-value steps (768 = 3 of them, as Qwen3-30B-A3B's experts) and top-8 of 32.
 pub const MOE_WIDE: (usize, usize, usize, usize) = (512, 768, 32, 8);
 
+/// The same for gpt-oss blocks ([`compare_moe_block_wide`] with `Arch::GptOss`): rows of
+/// whole 32-value blocks but not of 256-value steps (as gpt-oss-20b's 2,880: 608 = 2.375
+/// steps, 352 = 1.375), top-4 of 32 as gpt-oss-20b.
+pub const MOE_WIDE_GPT_OSS: (usize, usize, usize, usize) = (608, 352, 32, 4);
+
 /// The mixture-of-experts block alone (`Backend::moe_ffn`), CPU against CUDA, on every
 /// layer of the tiny model of `arch` (gpt-oss: router and expert biases, the clamped
 /// SwiGLU, the softmax over the chosen logits; qwen3moe: the softmax over all, renormalized)
@@ -3290,14 +3295,19 @@ pub fn compare_moe_block(
     compare_moe_block_on(tiny_model(arch, ty, seed)?, seed, ordinal)
 }
 
-/// [`compare_moe_block`] on Qwen3-MoE blocks of the shape [`MOE_WIDE`].
+/// [`compare_moe_block`] on blocks of the shape [`MOE_WIDE`] (Qwen3-MoE) or
+/// [`MOE_WIDE_GPT_OSS`] (gpt-oss).
 pub fn compare_moe_block_wide(
+    arch: Arch,
     ty: &str,
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<MoeBlockReport> {
-    let mut cfg = SynthConfig::tiny(Arch::Qwen3Moe);
-    let (d, ff, ne, k) = MOE_WIDE;
+    let mut cfg = SynthConfig::tiny(arch);
+    let (d, ff, ne, k) = match arch {
+        Arch::GptOss => MOE_WIDE_GPT_OSS,
+        _ => MOE_WIDE,
+    };
     cfg.n_embd = d as u32;
     cfg.n_ff_exp = ff as u32;
     cfg.n_expert = ne as u32;

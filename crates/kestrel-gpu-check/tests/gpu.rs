@@ -635,21 +635,29 @@ fn moe_block_matches_cpu() {
     }
     let mut rng = rand::rng();
     for arch in [kestrel_model::Arch::GptOss, kestrel_model::Arch::Qwen3Moe] {
-        for ty in ["q8_0", "f16", "q4_k_m", "q6_k"] {
+        for ty in ["q8_0", "f16", "q4_k_m", "q6_k", "mxfp4", "q4_0"] {
             let seed = rng.random();
             let r = selfcheck::compare_moe_block(arch, ty, seed, 0).expect("blocks run");
             eprintln!("moe block {arch:?} {ty}: {r:?}");
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
-            // Qwen3-MoE's K-quant experts take the tensor cores past 8 tokens.
+            // Qwen3-MoE's K-quant experts take the tensor cores past 8 tokens, and so do
+            // Q8_0 / MXFP4 experts of either (gpt-oss's biases and clamped SwiGLU too).
             let kq =
                 arch == kestrel_model::Arch::Qwen3Moe && ty.starts_with('q') && ty.contains("_k");
-            assert_eq!(r.mma_blocks > 0, kq, "{arch:?} {ty}: {r:?}");
+            if ty != "q4_0" {
+                let mma = kq || ty == "q8_0" || ty == "mxfp4";
+                assert_eq!(r.mma_blocks > 0, mma, "{arch:?} {ty}: {r:?}");
+            }
         }
     }
-    for ty in ["q4_k_m", "q6_k"] {
+    for (arch, ty) in [
+        (kestrel_model::Arch::Qwen3Moe, "q4_k_m"),
+        (kestrel_model::Arch::Qwen3Moe, "q6_k"),
+        (kestrel_model::Arch::GptOss, "mxfp4"),
+    ] {
         let seed = rng.random();
-        let r = selfcheck::compare_moe_block_wide(ty, seed, 0).expect("blocks run");
-        eprintln!("moe block wide {ty}: {r:?}");
+        let r = selfcheck::compare_moe_block_wide(arch, ty, seed, 0).expect("blocks run");
+        eprintln!("moe block wide {arch:?} {ty}: {r:?}");
         assert!(
             r.passed() && r.mma_blocks > 0,
             "wide {ty} (seed {seed}): {r:?}"

@@ -597,22 +597,26 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
         selfcheck::MoeBlockReport::MMA_TOKEN_BOUND,
         selfcheck::MoeBlockReport::LIMIT_MMA_MAX
     );
-    // (label, architecture of the tiny model or None for MOE_WIDE's Qwen3-MoE blocks: rows
-    // of several 256-value steps, top-8 of 32, type).
+    // (label, architecture, wide: the tiny model or the shape of MOE_WIDE (Qwen3-MoE: rows
+    // of several 256-value steps, top-8 of 32) / MOE_WIDE_GPT_OSS (rows of whole 32-value
+    // blocks only, top-4 of 32), type).
     let mut block_cases = Vec::new();
     for arch in [kestrel_model::Arch::GptOss, moe] {
-        for ty in ["q8_0", "f16", "q4_k_m", "q6_k", "q4_0", "mxfp4"] {
-            block_cases.push((arch.name(), Some(arch), ty));
+        for ty in ["q8_0", "f16", "q4_k_m", "q6_k", "q4_0", "mxfp4", "iq4_nl"] {
+            block_cases.push((arch.name(), arch, false, ty));
         }
     }
     for ty in ["q4_k_m", "q6_k"] {
-        block_cases.push(("qwen3moe-wide", None, ty));
+        block_cases.push(("qwen3moe-wide", moe, true, ty));
     }
-    for (ic, (name, arch, ty)) in block_cases.into_iter().enumerate() {
+    for ty in ["mxfp4", "q8_0"] {
+        block_cases.push(("gpt-oss-wide", kestrel_model::Arch::GptOss, true, ty));
+    }
+    for (ic, (name, arch, wide, ty)) in block_cases.into_iter().enumerate() {
         let case_seed = seed.wrapping_add(22_000 + ic as u64);
-        let result = match arch {
-            Some(arch) => selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu),
-            None => selfcheck::compare_moe_block_wide(ty, case_seed, args.gpu),
+        let result = match wide {
+            false => selfcheck::compare_moe_block(arch, ty, case_seed, args.gpu),
+            true => selfcheck::compare_moe_block_wide(arch, ty, case_seed, args.gpu),
         };
         match result {
             Ok(r) => {
