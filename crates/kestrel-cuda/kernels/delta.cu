@@ -116,20 +116,22 @@ extern "C" __global__ void delta_conv(const float* mix, int mix_cols, const floa
 
 // Tokens delta_scan stages in shared memory at a time.
 #define DN_STAGE 16
-// Largest head_v_dim (blockDim.x / DN_P).
-#define DN_MAX_HV 128
+// State rows (value dimensions) of a v head each delta_scan block holds: a head's rows are
+// spread over ceil(hv / DN_ROWS) blocks, so that a layer's 32 heads fill ~128 SMs.
+#define DN_ROWS 32
 
-// The gated delta rule of v head blockIdx.x of the step's sequence blockIdx.y, its tokens in
-// order: S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(hk), with β = sigmoid(beta),
+// The gated delta rule of rows [part·DN_ROWS, part·DN_ROWS + DN_ROWS) of v head h
+// (blockIdx.x = h · parts + part) of the step's sequence blockIdx.y, its tokens in order:
+// S ← exp(g)·S; S ← S + β (v − S k) kᵀ; o = S q / sqrt(hk), with β = sigmoid(beta),
 // g = softplus(alpha + dt_bias) · a, q and k L2-normalized as the CPU does (ggml's rms_norm
-// with eps / hk, then 1 / sqrt(hk); every row group of lanes holds a whole k head, so it
-// sums its squares itself; q's scale applies to the dot product). `conv`: the
-// convolution's output (q heads, k heads, v heads); out[t][h·hv + j] = o_j (before the
-// gated norm). State row j (value dimension j, hk values) is held in registers by DN_P
-// lanes, lane p its columns p, p + DN_P, ... (hk <= DN_P · DN_C); blockDim.x = hv · DN_P
-// <= 512. The block stages DN_STAGE tokens' q, k, v, β and decay in shared memory at a
-// time (loads in parallel), so that a token's step waits on no global load.
-extern "C" __global__ void __launch_bounds__(512)
+// with eps / hk, then 1 / sqrt(hk)). `conv`: the convolution's output (q heads, k heads,
+// v heads); out[t][h·hv + j] = o_j (before the gated norm). State row j (value dimension
+// j, hk values) is held in registers by DN_P lanes, lane p its columns p, p + DN_P, ...
+// (hk <= DN_P · DN_C); blockDim.x = DN_ROWS · DN_P; rows past hv idle. The block stages
+// DN_STAGE tokens' q, k, its rows of v, β and decay in shared memory at a time (loads in
+// parallel), with each staged token's q and k norms (a warp a vector), so that a token's
+// step waits on no global load and holds only the state's two dot products.
+extern "C" __global__ void __launch_bounds__(DN_ROWS * DN_P)
     delta_scan(const float* conv, int conv_dim, const float* beta, int beta_cols,
                const float* alpha, int alpha_cols, const float* dt_bias, const float* a, int hk,
                int hv, int nv, int nk, int qwen3next_layout, float* states, long long slot_len,
@@ -139,13 +141,18 @@ extern "C" __global__ void __launch_bounds__(512)
     pdl_enter();
     __shared__ float s_q[DN_STAGE][DN_P * DN_C];
     __shared__ float s_k[DN_STAGE][DN_P * DN_C];
-    __shared__ float s_v[DN_STAGE][DN_MAX_HV];
-    __shared__ float s_b[DN_STAGE], s_decay[DN_STAGE];
-    const int h = blockIdx.x, s = blockIdx.y;
+    __shared__ float s_v[DN_STAGE][DN_ROWS];
+    __shared__ float s_b[DN_STAGE], s_decay[DN_STAGE], s_qs[DN_STAGE], s_ks[DN_STAGE];
+    const int parts = (hv + DN_ROWS - 1) / DN_ROWS;
+    const int h = blockIdx.x / parts, row0 = (blockIdx.x % parts) * DN_ROWS;
+    const int s = blockIdx.y;
     int t0, t1;
     dn_run(seq_of, n, s, t0, t1);
     if (t0 >= t1) return;
-    const int j = threadIdx.x / DN_P, p = threadIdx.x % DN_P;
+    const int jr = threadIdx.x / DN_P, p = threadIdx.x % DN_P;
+    const int j = row0 + jr;
+    const bool live = j < hv;
+    const int rows = min(DN_ROWS, hv - row0);
     int kh, bc, ac;
     if (qwen3next_layout) {
         const int r = nv / nk;
@@ -159,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(512)
     }
     const int key_dim = hk * nk;
     float* sg = states + dn_slot(s, table_off, tables, slot_of_block) * slot_len + ssm_off +
-                ((size_t)h * hv + j) * hk;
+                ((size_t)h * hv + (live ? j : 0)) * hk;
     const float scale = 1.0f / sqrtf((float)hk);
     const float l2_eps = eps / (float)hk;
     const float dt = dt_bias[h], ah = a[h];
@@ -168,9 +175,10 @@ extern "C" __global__ void __launch_bounds__(512)
 #pragma unroll
     for (int c = 0; c < DN_C; c++) {
         const int i = p + DN_P * c;
-        S[c] = (!fresh && i < hk) ? sg[i] : 0.0f;
+        S[c] = (!fresh && live && i < hk) ? sg[i] : 0.0f;
     }
-    const int width = 2 * hk + hv;
+    const int width = 2 * hk + rows;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     for (int base = t0; base < t1; base += DN_STAGE) {
         const int m = min(DN_STAGE, t1 - base);
         __syncthreads();  // the previous stage is consumed
@@ -182,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(512)
             else if (f < 2 * hk)
                 s_k[tt][f - hk] = row[key_dim + kh * hk + f - hk];
             else
-                s_v[tt][f - 2 * hk] = row[2 * key_dim + h * hv + f - 2 * hk];
+                s_v[tt][f - 2 * hk] = row[2 * key_dim + h * hv + row0 + f - 2 * hk];
         }
         if (threadIdx.x < m) {
             const size_t t = base + threadIdx.x;
@@ -191,51 +199,64 @@ extern "C" __global__ void __launch_bounds__(512)
             s_decay[threadIdx.x] = expf((x > 20.0f ? x : logf(1.0f + expf(x))) * ah);
         }
         __syncthreads();
+        // Each staged token's q and k scales (L2 norm, then 1 / sqrt(hk)), a warp a vector.
+        for (int w = warp; w < 2 * m; w += warps) {
+            const float* x = (w & 1) ? s_k[w >> 1] : s_q[w >> 1];
+            float ss = 0.0f;
+            for (int i = lane; i < hk; i += 32) ss = fmaf(x[i], x[i], ss);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) {
+                const float sc = scale / sqrtf(ss / (float)hk + l2_eps);
+                if (w & 1)
+                    s_ks[w >> 1] = sc;
+                else
+                    s_qs[w >> 1] = sc * scale;
+            }
+        }
+        __syncthreads();
         for (int tt = 0; tt < m; tt++) {
-            const float decay = s_decay[tt], b = s_b[tt], v = s_v[tt][j];
+            const float decay = s_decay[tt], b = s_b[tt], ks = s_ks[tt];
+            const float v = live ? s_v[tt][jr] : 0.0f;
             float kk[DN_C];
-            float kss = 0.0f;
+            float sk0 = 0.0f, sk1 = 0.0f;
 #pragma unroll
             for (int c = 0; c < DN_C; c++) {
                 const int i = p + DN_P * c;
-                kk[c] = i < hk ? s_k[tt][i] : 0.0f;
-                kss = fmaf(kk[c], kk[c], kss);
-            }
-#pragma unroll
-            for (int o = 1; o < DN_P; o <<= 1) kss += __shfl_xor_sync(0xffffffffu, kss, o);
-            const float ks = 1.0f / sqrtf(kss / (float)hk + l2_eps);
-            float sk = 0.0f;
-#pragma unroll
-            for (int c = 0; c < DN_C; c++) {
-                kk[c] = kk[c] * ks * scale;
+                kk[c] = i < hk ? s_k[tt][i] * ks : 0.0f;
                 S[c] *= decay;
-                sk = fmaf(S[c], kk[c], sk);
+                if (c & 1)
+                    sk1 = fmaf(S[c], kk[c], sk1);
+                else
+                    sk0 = fmaf(S[c], kk[c], sk0);
             }
+            float sk = sk0 + sk1;
 #pragma unroll
             for (int o = 1; o < DN_P; o <<= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
             const float delta = (v - sk) * b;
-            float o_j = 0.0f, qss = 0.0f;
+            float o0 = 0.0f, o1 = 0.0f;
 #pragma unroll
             for (int c = 0; c < DN_C; c++) {
                 const int i = p + DN_P * c;
                 const float qi = i < hk ? s_q[tt][i] : 0.0f;
                 S[c] = fmaf(kk[c], delta, S[c]);
-                o_j = fmaf(S[c], qi, o_j);
-                qss = fmaf(qi, qi, qss);
+                if (c & 1)
+                    o1 = fmaf(S[c], qi, o1);
+                else
+                    o0 = fmaf(S[c], qi, o0);
             }
+            float o_j = o0 + o1;
 #pragma unroll
-            for (int o = 1; o < DN_P; o <<= 1) {
-                o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
-                qss += __shfl_xor_sync(0xffffffffu, qss, o);
-            }
-            const float qs = 1.0f / sqrtf(qss / (float)hk + l2_eps);
-            if (p == 0) out[(size_t)(base + tt) * out_cols + h * hv + j] = o_j * qs * scale * scale;
+            for (int o = 1; o < DN_P; o <<= 1) o_j += __shfl_xor_sync(0xffffffffu, o_j, o);
+            if (p == 0 && live) out[(size_t)(base + tt) * out_cols + h * hv + j] = o_j * s_qs[tt];
         }
     }
+    if (live) {
 #pragma unroll
-    for (int c = 0; c < DN_C; c++) {
-        const int i = p + DN_P * c;
-        if (i < hk) sg[i] = S[c];
+        for (int c = 0; c < DN_C; c++) {
+            const int i = p + DN_P * c;
+            if (i < hk) sg[i] = S[c];
+        }
     }
 }
 
@@ -249,6 +270,32 @@ extern "C" __global__ void delta_gated_norm(float* o, int o_cols, const float* z
     const float rs = rms_scale(x, hv, eps);
     __syncthreads();
     for (int j = threadIdx.x; j < hv; j += blockDim.x) x[j] = x[j] * rs * norm[j] * dn_silu(zr[j]);
+}
+
+// delta_gated_norm of a single-token step whose consumer is a gemv_q8 (hv a multiple of
+// 32): the row also in 8 bits on the way out, as rms_norm_q8 writes it (each warp's 32
+// consecutive values one block: q[j], d[j / 32]).
+extern "C" __global__ void delta_gated_norm_q8(float* o, int o_cols, const float* z, int z_cols,
+                                               const float* norm, int hv, float eps, i8* q,
+                                               float* d) {
+    pdl_enter();
+    const size_t at = (size_t)blockIdx.x * o_cols + (size_t)blockIdx.y * hv;
+    float* x = o + at;
+    const float* zr = z + (size_t)blockIdx.x * z_cols + (size_t)blockIdx.y * hv;
+    const float rs = rms_scale(x, hv, eps);
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    for (int base = 0; base < hv; base += blockDim.x) {
+        const int j = base + threadIdx.x;
+        const float v = j < hv ? x[j] * rs * norm[j] * dn_silu(zr[j]) : 0.0f;
+        float step;
+        const int qi = warp_q8(v, step);
+        if (j < hv) {
+            x[j] = v;
+            q[at + j] = (i8)qi;
+            if (lane == 0) d[(at + j) >> 5] = step;
+        }
+    }
 }
 
 // Each token's [n_head × 2·head_dim] row of qg (per head its query, then its gate) into q

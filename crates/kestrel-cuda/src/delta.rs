@@ -11,7 +11,8 @@
 //! has taken in, and refuses a step that does not continue a sequence where its state
 //! stopped (as the CPU does: the state cannot roll back or be rebuilt from K/V blocks).
 //! Prompts run the same token-by-token recurrence as decode steps (`delta_scan`), one block
-//! per (v head, sequence), its tokens staged 16 at a time in shared memory. Three launches
+//! per 32 state rows of a (v head, sequence), its tokens staged 16 at a time in shared
+//! memory with their q/k norms. Three launches
 //! a layer: the convolution (`delta_conv`, a thread per channel and 16 tokens), the
 //! recurrence with the q/k L2 norms (`delta_scan`), the gated norm (`delta_gated_norm`).
 
@@ -22,19 +23,22 @@ pub(crate) const KERNELS: &[&str] = &[
     "delta_conv",
     "delta_scan",
     "delta_gated_norm",
+    "delta_gated_norm_q8",
     "split_gated_query",
     "sigmoid_mul",
 ];
 
 /// Largest `head_k_dim` `delta_scan` holds in registers (DN_P · DN_C in kernels/delta.cu).
 pub const MAX_HEAD_K_DIM: usize = 128;
-/// Largest `head_v_dim` (a block of 4 threads a state row, at most 512 threads: 128
-/// registers a thread, the state row held without spilling).
+/// Largest `head_v_dim` (the largest the models have; `delta_scan` spreads a head's rows
+/// over blocks of 32).
 pub const MAX_HEAD_V_DIM: usize = 128;
 /// Most convolution taps (DN_MAX_TAPS).
 pub const MAX_CONV_TAPS: usize = 8;
 /// Lanes of a state row (DN_P).
 const LANES_PER_ROW: usize = 4;
+/// State rows of a v head per `delta_scan` block (DN_ROWS).
+const ROWS_PER_BLOCK: usize = 32;
 
 /// No slot (`slot_of_block` of a block that starts no live sequence).
 const NO_SLOT: u32 = u32::MAX;
@@ -308,7 +312,7 @@ pub(crate) fn delta_net(
     step: &CudaStep,
     n: usize,
     out: &mut CudaTensor,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Prepared> {
     let st = cache
         .delta
         .as_mut()
@@ -398,23 +402,39 @@ pub(crate) fn delta_net(
         &[Arg::F(eps), Arg::P(out.ptr), Arg::I(out.cols as i32)],
     ]
     .concat();
-    let scan_block = (hv * LANES_PER_ROW) as u32;
-    backend.launch("delta_scan", (nv as u32, seqs, 1), scan_block, &scan_args);
+    // A block per ROWS_PER_BLOCK state rows of a v head and sequence.
+    let parts = hv.div_ceil(ROWS_PER_BLOCK) as u32;
+    let scan_block = (ROWS_PER_BLOCK * LANES_PER_ROW) as u32;
     backend.launch(
-        "delta_gated_norm",
-        (n as u32, nv as u32, 1),
-        hv.next_multiple_of(32).min(256) as u32,
-        &[
-            Arg::P(out.ptr),
-            Arg::I(out.cols as i32),
-            Arg::P(z.ptr),
-            Arg::I(z.cols as i32),
-            Arg::P(norm),
-            Arg::I(hv as i32),
-            Arg::F(eps),
-        ],
+        "delta_scan",
+        (nv as u32 * parts, seqs, 1),
+        scan_block,
+        &scan_args,
     );
-    Ok(())
+    let norm_args = [
+        Arg::P(out.ptr),
+        Arg::I(out.cols as i32),
+        Arg::P(z.ptr),
+        Arg::I(z.cols as i32),
+        Arg::P(norm),
+        Arg::I(hv as i32),
+        Arg::F(eps),
+    ];
+    let (norm_grid, norm_block) = ((n as u32, nv as u32, 1), hv.next_multiple_of(32).min(256));
+    // A single-token step whose output projection is a gemv_q8: the norm quantizes its
+    // output on the way out (whole 8-bit blocks per head), as rms_norm_q8 does.
+    let q8 = if hv.is_multiple_of(32) && !backend.invariant_step() {
+        backend.single_q8_buffers(n, out.cols)
+    } else {
+        None
+    };
+    if let Some(Q8Ptrs { q, d, .. }) = q8 {
+        let args = [&norm_args[..], &[Arg::P(q), Arg::P(d)]].concat();
+        backend.launch("delta_gated_norm_q8", norm_grid, norm_block as u32, &args);
+        return Ok(Prepared::Q8 { of: out.ptr, n });
+    }
+    backend.launch("delta_gated_norm", norm_grid, norm_block as u32, &norm_args);
+    Ok(Prepared::Nothing)
 }
 
 pub(crate) fn split_gated_query(

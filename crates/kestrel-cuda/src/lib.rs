@@ -497,6 +497,20 @@ impl kestrel_model::Backend for CudaBackend {
         self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
     }
 
+    fn gate_up_pair(
+        &self,
+        x: &CudaTensor,
+        x_ready: Prepared,
+        gate_w: &CudaWeight,
+        up_w: &CudaWeight,
+        act: Activation,
+        n: usize,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+    ) -> Prepared {
+        self.gate_up_of(x, x_ready, gate_w, up_w, act, n, gate, up)
+    }
+
     fn attention_sinks(
         &self,
         q: &CudaTensor,
@@ -831,7 +845,7 @@ impl kestrel_model::Backend for CudaBackend {
         step: &CudaStep,
         n: usize,
         out: &mut CudaTensor,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Prepared> {
         delta::delta_net(
             self, cache, layer, cfg, w, mix, z, beta, alpha, eps, step, n, out,
         )

@@ -69,6 +69,35 @@ pub fn compare_logits_awkward_hybrid(
     compare_logits_in(file, arch, ty, n, seed, ordinal, false, &PARTS)
 }
 
+/// The tiny hybrid with the real models' linear-attention heads: 128 dimensions, so that
+/// each v head's state rows spread over four `delta_scan` blocks (of 32 rows) as in
+/// Qwen3-Next's and Qwen3.5's layers.
+pub fn tiny_model_real_heads_hybrid(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+) -> anyhow::Result<Arc<GgufFile>> {
+    let mut cfg = SynthConfig::tiny(arch);
+    let h = cfg
+        .hybrid
+        .as_mut()
+        .with_context(|| format!("{} has no linear-attention layers", arch.name()))?;
+    h.d_state = 128;
+    model_of(cfg, ty, seed)
+}
+
+/// [`compare_logits`] on [`tiny_model_real_heads_hybrid`] (f32 activations, the strict bound).
+pub fn compare_logits_real_heads_hybrid(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<LogitReport> {
+    let file = tiny_model_real_heads_hybrid(arch, ty, seed)?;
+    compare_logits_in(file, arch, ty, n, seed, ordinal, false, &PARTS)
+}
+
 /// Whether the tiny model of `arch` has mixture-of-experts layers.
 pub fn has_moe(arch: Arch) -> bool {
     SynthConfig::tiny(arch).n_expert > 0

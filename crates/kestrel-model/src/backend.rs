@@ -391,7 +391,8 @@ pub trait Backend: Sync {
     /// fused `ssm_ba`). Runs the causal convolution and the gated delta rule token by token
     /// in each sequence's state (kept in `cache`; a sequence's state starts from zero at
     /// position 0 and must continue where it stopped), and writes the gated, normalized
-    /// output `[n × value_dim]` to `out` for `ssm_out`. Default: an error.
+    /// output `[n × value_dim]` to `out` for `ssm_out`; returns what it prepared for that
+    /// product. Default: an error.
     #[allow(clippy::too_many_arguments)]
     fn delta_net(
         &self,
@@ -407,8 +408,9 @@ pub trait Backend: Sync {
         _step: &Self::Step,
         _n: usize,
         _out: &mut Self::Tensor,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Self::Prepared> {
         self.check_linear_attention()
+            .map(|()| Self::Prepared::default())
     }
 
     // ---- fused operations; the defaults compose the basic ones ----
@@ -478,6 +480,26 @@ pub trait Backend: Sync {
         let _ = x_ready;
         self.matmul(x, &layer.ffn_gate, n, gate);
         self.matmul(x, &layer.ffn_up, n, up);
+        self.gated_activation(gate, up, act, n)
+    }
+
+    /// [`Self::gate_up`] of any pair of weights (a shared expert's): `gate = act(x ·
+    /// gate_wᵀ) * (x · up_wᵀ)`; returns what it prepared for the down projection.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_pair(
+        &self,
+        x: &Self::Tensor,
+        x_ready: Self::Prepared,
+        gate_w: &Self::Weight,
+        up_w: &Self::Weight,
+        act: Activation,
+        n: usize,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+    ) -> Self::Prepared {
+        let _ = x_ready;
+        self.matmul(x, gate_w, n, gate);
+        self.matmul(x, up_w, n, up);
         self.gated_activation(gate, up, act, n)
     }
 

@@ -189,7 +189,7 @@ impl<B: Backend> Model<B> {
                         &s.beta
                     }
                 };
-                backend.delta_net(
+                let ready = backend.delta_net(
                     cache,
                     il,
                     dn,
@@ -203,7 +203,6 @@ impl<B: Backend> Model<B> {
                     n,
                     &mut s.dn,
                 )?;
-                let ready = B::Prepared::default();
                 backend.matmul_add(&s.dn, ready, &dw.out, n, &mut s.proj, &mut s.x);
             } else {
                 self.attention_block(backend, cache, layer, il, h_ready, s, n)?;
@@ -232,13 +231,17 @@ impl<B: Backend> Model<B> {
                     &mut s.proj,
                 ),
                 (FfnKind::Moe(moe), _) => {
+                    // The shared expert first: its gate/up product reads what the norm
+                    // prepared (one launch on CUDA decode steps, x not quantized again).
+                    if let Some(se) = &layer.shared_expert {
+                        let (gate, up) = (&mut s.sh_gate, &mut s.sh_up);
+                        let act = Activation::Silu;
+                        let r =
+                            backend.gate_up_pair(&s.h, h_ready, &se.gate, &se.up, act, n, gate, up);
+                        backend.matmul_ready(&s.sh_gate, r, &se.down, n, &mut s.shexp);
+                    }
                     backend.moe_ffn(&s.h, layer, moe, cfg.activation, n, &mut s.proj)?;
                     if let Some(se) = &layer.shared_expert {
-                        backend.matmul(&s.h, &se.gate, n, &mut s.sh_gate);
-                        backend.matmul(&s.h, &se.up, n, &mut s.sh_up);
-                        let (gate, up) = (&mut s.sh_gate, &s.sh_up);
-                        let r = backend.gated_activation(gate, up, Activation::Silu, n);
-                        backend.matmul_ready(&s.sh_gate, r, &se.down, n, &mut s.shexp);
                         backend.add_sigmoid_gated(&mut s.proj, &s.shexp, &s.h, &se.gate_inp, n)?;
                     }
                 }

@@ -380,6 +380,15 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
                 );
                 failures += usize::from(!print_logit_report(&label, r));
             }
+            // The real models' heads of 128 (four delta_scan blocks a v head).
+            for (it, ty) in ["f32", "q4_k_m"].into_iter().enumerate() {
+                let case_seed = seed.wrapping_add(2_040 + (ia * 100 + it) as u64);
+                let label = format!("hybrid   {:<9} {ty:<9} heads 128", arch.name());
+                let r = selfcheck::compare_logits_real_heads_hybrid(
+                    arch, ty, positions, case_seed, args.gpu,
+                );
+                failures += usize::from(!print_logit_report(&label, r));
+            }
             // 8-bit activations (the default decode path), against the CPU's own 8-bit spread.
             for (it, ty) in selfcheck::HYBRID_TYPES.into_iter().enumerate() {
                 if !selfcheck::Q8_TYPES.contains(&ty) {
