@@ -47,7 +47,7 @@ pub struct Args {
     #[arg(long)]
     pub hybrids: bool,
     /// Only the checks of sampling on the device (`sample_rows`, with and without token
-    /// masks).
+    /// masks; masked also behind queued work on fresh backends).
     #[arg(long)]
     pub sampling: bool,
     /// Only the mixture-of-experts checks (blocks alone, logits, greedy, verification).
