@@ -804,10 +804,6 @@ impl kestrel_model::Backend for CudaBackend {
         self.flush();
     }
 
-    fn runs_ahead(&self) -> bool {
-        true
-    }
-
     fn check_linear_attention(&self) -> anyhow::Result<()> {
         Ok(())
     }

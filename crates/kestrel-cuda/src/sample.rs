@@ -58,8 +58,13 @@ impl CudaBackend {
                 .map_err(|e| anyhow::anyhow!("allocating the token masks' host buffer: {e:?}"))?;
             slot.host = Some(h);
         }
+        // A new device buffer is allocated and zeroed in the main stream's order, behind
+        // the step it may still be running: the copy waits for that (else the zeroing
+        // could land after the masks, and the sampling read zeros: every token banned).
         if slot.device.as_ref().is_none_or(|d| d.len() < len) {
             slot.device = Some(self.alloc::<u32>(len.next_power_of_two(), "token masks")?);
+            copy.join(&self.stream)
+                .map_err(|e| anyhow::anyhow!("CUDA: the token masks' new buffer: {e:?}"))?;
         }
         let (Some(host), Some(device)) = (slot.host.as_mut(), slot.device.as_ref()) else {
             bail!("no token mask buffers");

@@ -259,22 +259,6 @@ impl<B: Backend> Engine<B> {
             .read_rows(&self.scratch.logits, batch.logit_rows.len(), logits)
     }
 
-    /// [`Self::step_into`] calling `launched` once the forward pass is under way (the
-    /// backend started it, [`Backend::submit`]) and before the logits are read: work the
-    /// caller starts there runs beside the device's.
-    pub fn step_into_then(
-        &mut self,
-        batch: &Batch,
-        logits: &mut Vec<f32>,
-        launched: impl FnOnce(),
-    ) -> anyhow::Result<()> {
-        self.forward(batch)?;
-        self.backend.submit();
-        launched();
-        self.backend
-            .read_rows(&self.scratch.logits, batch.logit_rows.len(), logits)
-    }
-
     /// Checks `batch` against the cache and runs the model over it; the logits stay in
     /// the scratch on the backend.
     pub(crate) fn forward(&mut self, batch: &Batch) -> anyhow::Result<()> {

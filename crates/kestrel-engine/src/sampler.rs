@@ -115,9 +115,8 @@ impl SamplerParams {
 /// the device for CUDA); any other is sampled from its logit row on the host.
 pub trait TokenFilter: Send {
     /// Prepares the restriction of the next token (e.g. computes a grammar's mask). The
-    /// scheduler calls it on another thread beside the step's forward pass (on a device,
-    /// once the step is launched). A failure is kept and reported by the next
-    /// [`TokenFilter::accept`].
+    /// scheduler calls it on another thread beside the step's forward pass, from the
+    /// step's start. A failure is kept and reported by the next [`TokenFilter::accept`].
     fn prepare(&mut self);
     /// Adjusts a logit row before penalties and sampling; a banned token gets `-inf`.
     fn apply(&self, logits: &mut [f32]);

@@ -1030,9 +1030,10 @@ impl<B: Backend> Scheduler<B> {
         let forward_started = Instant::now();
         let mut argmax_ids = std::mem::take(&mut self.argmax_ids);
         // The filters of the sequences sampling this step prepare their next token's
-        // restriction on the filter pool beside the forward pass (on a device, once the
-        // step is launched: the grammars' work then overlaps the device's, not the host's
-        // recording of the step), each first accepting the token it was left last step.
+        // restriction on the filter pool beside the forward pass, from the step's start
+        // (on the H100, starting them once a 64-row step was launched left the forward
+        // waiting 0.43 ms for masks: the launch itself takes 1.6 ms of host time), each
+        // first accepting the token it was left last step.
         // In a masked step each also writes its mask (one chunk of `words` a filter),
         // which the backend applies once they are ready.
         let mut filters: Vec<StepFilter> = Vec::new();
@@ -1053,7 +1054,6 @@ impl<B: Backend> Scheduler<B> {
         let filters_empty = filters.is_empty();
         let mut mask_buf = std::mem::take(&mut draws.masks);
         let (mut mask_us, mut mask_wait_us, mut launch_us) = (0, 0, 0);
-        let runs_ahead = self.engine.backend.runs_ahead();
         let engine = &mut self.engine;
         // The filters' work, run on the filter pool beside the forward pass; what it made
         // comes back through `done`.
@@ -1103,16 +1103,13 @@ impl<B: Backend> Scheduler<B> {
             });
         };
         let mut prepared: Option<Prepared> = None;
-        let mut step = |launched: &mut dyn FnMut()| {
+        let mut step = || {
             if all_plain {
                 // (No filter samples in such a step; were one to, it prepares after it.)
-                let r = engine.step_argmax(&batch, &mut argmax_ids);
-                launched();
-                r
+                engine.step_argmax(&batch, &mut argmax_ids)
             } else if masked_step {
                 let masks = |draws: &mut SamplingBatch| {
                     launch_us = forward_started.elapsed().as_micros() as u64;
-                    launched();
                     let waiting = Instant::now();
                     let Ok(mut p) = made.recv() else {
                         return; // the preparation panicked: the scope re-raises it
@@ -1131,44 +1128,24 @@ impl<B: Backend> Scheduler<B> {
                 };
                 engine.step_sample_masked(&batch, &mut draws, masks, &mut argmax_ids)
             } else if sample_rows {
-                let r = engine.step_sample(&batch, &draws, &mut argmax_ids);
-                launched();
-                r
+                engine.step_sample(&batch, &draws, &mut argmax_ids)
             } else {
-                engine.step_into_then(&batch, &mut logits, launched)
+                engine.step_into(&batch, &mut logits)
             }
         };
         let result = if filters_empty {
-            step(&mut || {})
+            step()
         } else {
-            // Spawned once the step is launched where the backend computes it beside the
-            // host (never, when it fails first: dropping the job then closes `made`); at
-            // once where each call computes its work before returning (the CPU: beside
-            // the forward pass, not after it). On rayon's global pool where the filter
-            // pool could not start.
-            let mut job = Some(prepare);
+            // Beside the forward pass, on rayon's global pool where the filter pool could
+            // not start.
             match filter_pool() {
                 Some(pool) => pool.in_place_scope(|scope| {
-                    let mut launched = || {
-                        if let Some(p) = job.take() {
-                            scope.spawn(move |_| p());
-                        }
-                    };
-                    if !runs_ahead {
-                        launched();
-                    }
-                    step(&mut launched)
+                    scope.spawn(move |_| prepare());
+                    step()
                 }),
                 None => rayon::in_place_scope(|scope| {
-                    let mut launched = || {
-                        if let Some(p) = job.take() {
-                            scope.spawn(move |_| p());
-                        }
-                    };
-                    if !runs_ahead {
-                        launched();
-                    }
-                    step(&mut launched)
+                    scope.spawn(move |_| prepare());
+                    step()
                 }),
             }
         };

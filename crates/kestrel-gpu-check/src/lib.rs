@@ -1876,11 +1876,15 @@ impl SamplingReport {
 /// on fresh random rows: vocabularies from 1 to 151,936 words, ties, NaN and ±inf logits,
 /// every filter and the penalties, in batches of 1 to 64 rows. With `masks`, token masks
 /// too (vocabularies mostly not multiples of 32): rows without one mixed with rows
-/// allowing one token, a few, half, or all but the best, and greedy-only batches.
+/// allowing one token, a few, half, or all but the best, and greedy-only batches. With
+/// `busy`, each batch is sampled while the stream still runs ~10 ms of queued work (as a
+/// step's forward pass runs when its masks go up): on a fresh backend, the masks' first
+/// buffers and each growth are then allocated behind that work.
 pub fn compare_sampling(
     backend: &CudaBackend,
     seed: u64,
     masks: bool,
+    busy: bool,
 ) -> anyhow::Result<SamplingReport> {
     use kestrel_model::Backend;
     use kestrel_model::sampling::{NO_MASK, RowSampler, RowSampling, SamplingBatch};
@@ -1912,6 +1916,16 @@ pub fn compare_sampling(
         ]
     };
     let mut host = RowSampler::default();
+    // The queued work: adds over 256 MiB tensors (~0.25 ms each on an H100).
+    let mut work = if busy {
+        let (rows, cols) = (4096, 16_384);
+        Some((
+            backend.new_tensor(rows, cols)?,
+            backend.new_tensor(rows, cols)?,
+        ))
+    } else {
+        None
+    };
     for &(rows, cols, greedy_only) in shapes {
         let mut logits: Vec<f32> = Vec::with_capacity(rows * cols);
         for r in 0..rows {
@@ -1998,6 +2012,11 @@ pub fn compare_sampling(
         batch.sample_host(&logits, rows, &mut want);
         let tensor = backend.upload_tensor(rows, cols, &logits)?;
         let (mut got, mut scratch) = (Vec::new(), Vec::new());
+        if let Some((x, y)) = work.as_mut() {
+            for _ in 0..40 {
+                backend.add(x, y, 4096);
+            }
+        }
         backend.sample_rows(&tensor, rows, &batch, &mut scratch, &mut got)?;
         anyhow::ensure!(got.len() == rows, "{} ids for {rows} rows", got.len());
         for (r, row) in logits.chunks_exact(cols).enumerate() {

@@ -664,3 +664,17 @@ fn moe_block_matches_cpu() {
         );
     }
 }
+
+/// Masked sampling on a fresh backend while the stream still runs queued work (as a
+/// step's forward pass runs when its masks go up): the masks' first buffers and each
+/// growth are allocated behind that work, and every row draws what the host draws.
+#[test]
+fn masked_sampling_behind_queued_work_matches_host() {
+    if !gpu_present("masked_sampling_behind_queued_work_matches_host") {
+        return;
+    }
+    let seed = rand::rng().random();
+    let backend = kestrel_cuda::CudaBackend::new(0).expect("backend");
+    let r = selfcheck::compare_sampling(&backend, seed, true, true).expect("comparison runs");
+    assert!(r.passed(), "seed {seed}: {r:?}");
+}

@@ -299,13 +299,6 @@ pub trait Backend: Sync {
     /// is done when its call returns).
     fn submit(&self) {}
 
-    /// Whether the work [`Self::submit`] starts runs on while the caller goes on (a device
-    /// computing the step), so that host work begun after it overlaps the step; false
-    /// when every call has done its work by the time it returns. Default: false.
-    fn runs_ahead(&self) -> bool {
-        false
-    }
-
     /// The mixture-of-experts block ([`MoeConfig`] defines it): `out = Σ w_e · down_e(
     /// act(gate_e(x)) * up_e(x))` over each token's selected experts `e`. Default: an
     /// error (see [`Self::load_experts`]).

@@ -47,7 +47,7 @@ pub struct Args {
     #[arg(long)]
     pub hybrids: bool,
     /// Only the checks of sampling on the device (`sample_rows`, with and without token
-    /// masks).
+    /// masks; masked also behind queued work on fresh backends).
     #[arg(long)]
     pub sampling: bool,
     /// Only the mixture-of-experts checks (blocks alone, logits, greedy, verification).
@@ -494,15 +494,38 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
 }
 
 /// Sampling on the device (`sample_rows`, with and without token masks) against the
-/// host's definition; returns the failures.
-fn check_sampling(backend: &kestrel_cuda::CudaBackend, seed: u64) -> usize {
+/// host's definition; returns the failures. "busy": masked batches sampled while the
+/// stream runs queued work, each round on a fresh backend of GPU `gpu` (the masks' buffers
+/// allocated behind that work).
+fn check_sampling(backend: &kestrel_cuda::CudaBackend, gpu: usize, seed: u64) -> usize {
     let mut failures = 0;
     println!(
-        "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words; \"masked\": with token masks, 1-262,145 words:"
+        "sampling on the device (sample_rows) vs the host's definition, random rows of 1-151,936 words; \"masked\": with token masks, 1-262,145 words; \"busy\": masked behind queued work, a fresh backend a round:"
     );
-    for (masks, label, base) in [(false, "sample", 900), (true, "masked", 950)] {
+    for (masks, busy, label, base) in [
+        (false, false, "sample", 900),
+        (true, false, "masked", 950),
+        (true, true, "busy", 980),
+    ] {
         for round in 0..3u64 {
-            match selfcheck::compare_sampling(backend, seed.wrapping_add(base + round), masks) {
+            let fresh;
+            let backend = if busy {
+                match kestrel_cuda::CudaBackend::new(gpu) {
+                    Ok(b) => {
+                        fresh = b;
+                        &fresh
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label:<8} round {round}: ERROR {e:#}");
+                        continue;
+                    }
+                }
+            } else {
+                backend
+            };
+            let seed = seed.wrapping_add(base + round);
+            match selfcheck::compare_sampling(backend, seed, masks, busy) {
                 Ok(r) => {
                     let ok = r.passed();
                     failures += usize::from(!ok);
@@ -788,7 +811,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         start.elapsed().as_secs_f64()
     );
     if args.sampling {
-        let failures = check_sampling(&backend, seed);
+        let failures = check_sampling(&backend, args.gpu, seed);
         return verdict(failures, "sampling");
     }
     let mut failures = check_products(&backend, seed);
@@ -809,7 +832,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             println!("read-ahead of logit rows: ERROR {e:#}");
         }
     }
-    failures += check_sampling(&backend, seed);
+    failures += check_sampling(&backend, args.gpu, seed);
     drop(backend);
     // Tensor parallelism's one-shot all-reduce kernel, its ranks as streams of this GPU.
     for ranks in [2, 3] {
