@@ -630,40 +630,68 @@ __device__ __forceinline__ void tiled_softmax(const float (&x)[4], float& m, flo
     }
 }
 
+// Stages of each warp's ring in attn_tiled (a stage: the K and V rows of one 16-key chunk,
+// ROW = HD + 8 halves a row): 3 for 128-dim heads (106 KiB a block, 2 blocks an SM), 2 for
+// 64-dim heads (38 KiB, 4 blocks an SM by the launch bounds). The block's dynamic shared memory: TA_WARPS rings,
+// then the query rows (attention.rs's `tiled_smem` mirrors it).
+#define TA_STAGES(HD) ((HD) == 128 ? 3 : 2)
+#define TA_STAGE_HALVES(HD) (2 * TA_KEYS * ((HD) + 8))
+#define TA_SMEM_BYTES(HD) \
+    ((TA_WARPS * TA_STAGES(HD) * TA_STAGE_HALVES(HD) + 16 * ((HD) + 8)) * 2)
+
+// The tiled decode attention over an f16 cache: block (token, kv head, split), the group's
+// query heads together on the tensor cores (scores and P·V as m16 mma, rows 8.. the f16
+// remainders of rows 0..), each warp its 16-key chunks of the split (every TA_WARPS-th)
+// through a ring of TA_STAGES(HD) stages: the warp's first chunks all stream in at once and
+// a stage is refilled with the chunk TA_STAGES later as soon as its P·V is done.
+//
+// The step's inputs (positions, block tables) are host-written and the keys before
+// pos + 1 - fresh (fresh: the step's token count) were written by earlier steps, so the
+// first chunks wholly below that are issued before the grid-dependency wait: under PDL they
+// stream while the previous kernel (the RoPE + store of this step's keys) still runs.
 template <int HD>
 __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const u16* vc,
                                            float* dest, const u32* positions,
                                            const u32* seq_of, const u32* table_off,
                                            const u32* tables, int block_size, int n_head,
                                            int n_head_kv, float scale, int window, int splits,
-                                           int tok0, i8* q8, float* q8d) {
+                                           int tok0, i8* q8, float* q8d, int fresh) {
     constexpr int ROW = HD + 8;                 // halves per shared row (16 bytes of padding)
     constexpr int SEGS = HD / 8;                // 16-byte pieces per row
     constexpr int LOADS = TA_KEYS * SEGS / 32;  // cp.async per lane per chunk of K (or of V)
     constexpr int NT = HD / 8;                  // 8-dim tiles of the output
-    // [0]: K rows, [1]: V rows, per warp; reused as the warps' outputs (f32) at the end.
-    __shared__ __align__(16) u16 rows[2][TA_WARPS][TA_KEYS][ROW];
-    __shared__ __align__(16) u16 qrows[16][ROW];
+    constexpr int STAGES = TA_STAGES(HD);
+    constexpr int STAGE = TA_STAGE_HALVES(HD);
+    static_assert(TA_WARPS * STAGES * STAGE * 2 >= TA_WARPS * TA_MAX_GROUP * HD * 4, "merge");
+    // Per warp STAGES × (K rows, V rows), then the query rows; the rings are reused as the
+    // warps' outputs (f32) at the end.
+    extern __shared__ __align__(16) u8 ta_smem[];
+    u16* smem = reinterpret_cast<u16*>(ta_smem);
+    u16(*qrows)[ROW] = reinterpret_cast<u16(*)[ROW]>(smem + TA_WARPS * STAGES * STAGE);
     const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_head / n_head_kv;
     const int kv_dim = n_head_kv * HD;
+    const int pos = (int)positions[i];
     int k_begin, k_end;
-    split_key_range((int)positions[i], window, splits, s, k_begin, k_end);
+    split_key_range(pos, window, splits, s, k_begin, k_end);
     const u32* table = tables + table_off[seq_of[i]];
     // mma fragment coordinates: this lane's first column pair qd.
     const int qd = (lane & 3) * 2;
 
-    const u32 ks = smem_u32(&rows[0][warp][0][0]), vs = smem_u32(&rows[1][warp][0][0]);
+    const u32 ring = smem_u32(smem + warp * STAGES * STAGE);
     const u32 qa = smem_u32(&qrows[0][0]);
+    // Stage st's K rows (and + TA_KEYS rows, its V rows).
+    auto ks = [&](int st) { return ring + (u32)(st * STAGE) * 2u; };
+    constexpr u32 V_OFF = TA_KEYS * ROW * 2;
     // Cache slot of key c + (lane & 15) of the chunk starting at c (0 past the split).
     auto chunk_slot = [&](int c) -> u32 {
         const int kp = c + (lane & 15);
         return kp < k_end ? (u32)kv_slot(table, block_size, kp) : 0u;
     };
-    // The chunk's rows of `cache` into the warp's shared rows at `base` (zeros past the
-    // split: their scores are masked, and p = 0 must not meet a NaN).
-    auto issue = [&](u32 base, const u16* cache, int c, u32 slot) {
+    // The chunk's rows of `cache` into the shared rows at `base` (zeros past the split:
+    // their scores are masked, and p = 0 must not meet a NaN).
+    auto issue_rows = [&](u32 base, const u16* cache, int c, u32 slot) {
 #pragma unroll
         for (int it = 0; it < LOADS; it++) {
             const int f = it * 32 + lane, kl = f / SEGS, seg = f % SEGS;
@@ -674,22 +702,36 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
             cp_async16(base + (u32)(kl * ROW + seg * 8) * 2u, src, ok);
         }
     };
+    // Chunk c (if in the split) into stage st as one cp.async group (empty past the end).
+    auto issue = [&](int st, int c, u32 slot) {
+        if (c < k_end) {
+            issue_rows(ks(st), kc, c, slot);
+            issue_rows(ks(st) + V_OFF, vc, c, slot);
+        }
+        cp_async_commit();
+    };
 
     constexpr int STRIDE = TA_WARPS * TA_KEYS;
-    int c = k_begin + warp * TA_KEYS;
-    u32 slot = 0;
-    if (c < k_end) {
-        slot = chunk_slot(c);
-        issue(ks, kc, c, slot);
+    const int c0 = k_begin + warp * TA_KEYS;
+    // The ring's first chunks: those wholly before pos + 1 - fresh now, the rest (in order:
+    // the groups are waited on oldest first) after the wait.
+    const int safe = pos + 1 - fresh;
+    int st0 = 0;
+    while (st0 < STAGES && c0 + st0 * STRIDE < k_end &&
+           min(c0 + st0 * STRIDE + TA_KEYS, k_end) <= safe) {
+        issue(st0, c0 + st0 * STRIDE, chunk_slot(c0 + st0 * STRIDE));
+        st0++;
     }
-    cp_async_commit();
-    if (c < k_end) issue(vs, vc, c, slot);
-    cp_async_commit();
-    // Groups committed so far, oldest first: K(c), V(c). Each iteration commits K(next)
-    // after the scores and V(next) after P·V (empty groups past the end), so "all but the
-    // newest group done" is K(c) at the top and V(c) before P·V.
+    pdl_enter();
+    for (int st = st0; st < STAGES; st++) {
+        const int c = c0 + st * STRIDE;
+        issue(st, c, c < k_end ? chunk_slot(c) : 0u);
+    }
+    // Groups committed so far: the ring's STAGES chunks, oldest first. Each iteration
+    // commits one more (the chunk STAGES later, empty past the end), so "all but the newest
+    // STAGES - 1 groups done" is the current chunk at the top of the loop.
 
-    // While the first chunk streams in: the group's queries (tiled_queries).
+    // While the first chunks stream in: the group's queries (tiled_queries).
     tiled_queries<HD>(q, qrows, i, n_head, group, kvh, scale);
     __syncthreads();
 
@@ -698,13 +740,16 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 
-    for (; c < k_end; c += STRIDE) {
-        const int cn = c + STRIDE;
-        const bool more = cn < k_end;
-        // The next chunk's slots (a block-table read) while K(c) lands.
-        const u32 slot_n = more ? chunk_slot(cn) : 0u;
-        cp_async_wait_prev();
+    // The slot of the next chunk to issue, read a chunk ahead.
+    u32 slot_n = c0 + STAGES * STRIDE < k_end ? chunk_slot(c0 + STAGES * STRIDE) : 0u;
+    int st = 0;
+    for (int c = c0; c < k_end; c += STRIDE) {
+        const int cn = c + STAGES * STRIDE;
+        const u32 slot_cn = slot_n;
+        slot_n = cn + STRIDE < k_end ? chunk_slot(cn + STRIDE) : 0u;
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
         __syncwarp();
+        const u32 kb = ks(st), vb = kb + V_OFF;
         // sc[j]: keys 8j + qd, 8j + qd + 1 of the chunk; [0..1] from rows h, [2..3] from h + 8.
         float sc[2][4];
 #pragma unroll
@@ -722,16 +767,13 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
                 // B: matrix lane / 8 = keys 8·(lane / 16) .. + 7, dims kk + 8·((lane / 8) & 1):
                 // b0, b1 for keys 0..7 (sc[0]), b2, b3 for keys 8..15 (sc[1]).
                 u32 b[4];
-                ldsm_x4(b, ks + (u32)(((lane >> 4) * 8 + (lane & 7)) * ROW + kk +
+                ldsm_x4(b, kb + (u32)(((lane >> 4) * 8 + (lane & 7)) * ROW + kk +
                                       ((lane >> 3) & 1) * 8) *
                                2u);
                 mma_f16(sc[0], a, b[0], b[1]);
                 mma_f16(sc[1], a, b[2], b[3]);
             }
         }
-        __syncwarp();  // every lane has read the K rows: refill them
-        if (more) issue(ks, kc, cn, slot_n);
-        cp_async_commit();
 
         // One online-softmax step for the chunk: head h's 16 scores are spread over lanes
         // 4h..4h+3 (4 each). Key c is always in the split, so the chunk max is finite.
@@ -747,47 +789,45 @@ __device__ __forceinline__ void attn_tiled(const float* q, const u16* kc, const 
         u32 pa[4];
         split_f16x2(p[0], p[1], pa[0], pa[1]);
         split_f16x2(p[2], p[3], pa[2], pa[3]);
-
-        cp_async_wait_prev();
-        __syncwarp();
 #pragma unroll
         for (int n2 = 0; n2 < HD / 16; n2++) {
             // Matrix lane / 8: keys 8·((lane / 8) & 1) .. + 7, dims n2*16 + 8·(lane / 16) .. + 7,
             // transposed: B fragments of output tiles 2·n2 (b0, b1) and 2·n2 + 1 (b2, b3).
             u32 b[4];
-            ldsm_x4_trans(b, vs + (u32)((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + n2 * 16 +
+            ldsm_x4_trans(b, vb + (u32)((((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + n2 * 16 +
                                         (lane >> 4) * 8) *
                                  2u);
             mma_f16(acc[2 * n2], pa, b[0], b[1]);
             mma_f16(acc[2 * n2 + 1], pa, b[2], b[3]);
         }
-        __syncwarp();  // every lane has read the V rows: refill them
-        if (more) issue(vs, vc, cn, slot_n);
-        cp_async_commit();
+        __syncwarp();  // every lane has read the stage's rows: refill it
+        issue(st, cn, slot_cn);
+        st = st + 1 == STAGES ? 0 : st + 1;
     }
     cp_async_wait_all();
 
-    // Merge the warps (tiled_finish); the rows' space is free once every warp is done.
+    // Merge the warps (tiled_finish); the rings' space is free once every warp is done.
     __syncthreads();
-    tiled_finish<HD>(m, l, acc, reinterpret_cast<float*>(&rows[0][0][0][0]), dest, li, i, kvh,
-                     s, group, n_head, splits, q8, q8d);
+    tiled_finish<HD>(m, l, acc, reinterpret_cast<float*>(smem), dest, li, i, kvh, s, group,
+                     n_head, splits, q8, q8d);
 }
 
-// attn_tiled for 64- and 128-dim heads. Same arguments as attention_split_gqa; `dest` is
-// the partials buffer, or with splits = 1 the attention output (normalized). With q8 set
-// (single-token steps), one split also writes the output's 8-bit quantization (q8, q8d).
+// attn_tiled for 64- and 128-dim heads. Same arguments as attention_split_gqa, then
+// `fresh`; `dest` is the partials buffer, or with splits = 1 the attention output
+// (normalized). With q8 set (single-token steps), one split also writes the output's 8-bit
+// quantization (q8, q8d). TA_SMEM_BYTES(HD) of dynamic shared memory. The grid-dependency
+// wait (pdl_enter) is inside, after the first loads.
 #define ATTN_TILED_KERNEL(NAME, HD, MIN_BLOCKS)                                                \
     extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
     NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
          const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
          int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
-         int tok0, i8* q8, float* q8d) {                                                      \
-        pdl_enter();                                                                          \
+         int tok0, i8* q8, float* q8d, int fresh) {                                           \
         attn_tiled<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,     \
-                       n_head, n_head_kv, scale, window, splits, tok0, q8, q8d);              \
+                       n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, fresh);       \
     }
 ATTN_TILED_KERNEL(attention_split_tiled64, 64, 4)
-ATTN_TILED_KERNEL(attention_split_tiled128, 128, 4)
+ATTN_TILED_KERNEL(attention_split_tiled128, 128, 2)
 
 // The tiled decode attention over quantized keys and values (both of KV_Q8_0, KV_Q4_0 or
 // KV_FP8, kinds kt / vt: kv_load's layouts), the same walk as attn_tiled (block (token, kv
@@ -1732,6 +1772,17 @@ ATTN_PREFILL_MMA(128)
     head_dim, n_rot, neox, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi,      \
         freq_factors
 
+// pdl_enter with the dependents let in before the wait: the next kernel (the step's
+// attention) may start while this one still waits for the Q/K/V product. Every kernel that
+// follows rope_store_kv waits (pdl_enter) before it reads what this one writes; the tiled
+// decode attention loads older keys first (attn_tiled).
+__device__ __forceinline__ void pdl_enter_early() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The body of rope_store_kv and rope_store_kv_q: the store of each key head's rows as kinds
 // kt / vt (scales ks / vs; KV_F16 folds the quantized store away).
 __device__ __forceinline__ void rope_store(const float* m, const float* bq, const float* bk,
@@ -1741,7 +1792,7 @@ __device__ __forceinline__ void rope_store(const float* m, const float* bq, cons
                                            const u32* tables, int block_size, int n_head,
                                            int n_head_kv, ROPE_PARAMS, u16* ks, u16* vs, int kt,
                                            int vt) {
-    pdl_enter();
+    pdl_enter_early();
     const int i = blockIdx.x, h = blockIdx.y;
     const float pos = (float)positions[i];
     const int q_dim = n_head * head_dim, kv_dim = n_head_kv * head_dim;

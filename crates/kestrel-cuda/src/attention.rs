@@ -54,6 +54,16 @@ pub(crate) const TILED_ATTN_MAX_GROUP: usize = 8;
 /// Keys one block of the tiled decode attention covers per round (4 warps × 16).
 pub(crate) const TILED_ATTN_KEYS_PER_ROUND: usize = 64;
 
+/// Dynamic shared memory of `attention_split_tiled{64,128}` (kernels/attention.cu:
+/// TA_SMEM_BYTES): per warp a ring of TA_STAGES (3 for 128-dim heads, 2 for 64-dim ones)
+/// stages of a 16-key chunk's f16 K and V rows (`head_dim + 8` halves each), then the query
+/// rows.
+pub(crate) fn tiled_smem(head_dim: usize) -> u32 {
+    let stages = if head_dim == 128 { 3 } else { 2 };
+    let row = head_dim + 8;
+    ((4 * stages * 2 * 16 * row + 16 * row) * 2) as u32
+}
+
 /// Dynamic shared memory of `attention_split_tiled{64,128}_q` (kernels/attention.cu:
 /// TQ_WARP_BYTES per warp, then the query rows): per warp the f16 rows of a 16-key chunk,
 /// TQ_STAGES = 2 stages of the raw K and V rows (`head_dim` bytes a key each) and their f16
@@ -129,6 +139,10 @@ pub(crate) struct AttnLaunch {
     /// Keys and values both quantized (q8_0, q4_0 or fp8, in any pair): the tiled kernels
     /// over quantized blocks can take the decode steps.
     pub(crate) tiled_q: bool,
+    /// The step's token count: each token's keys before its position + 1 − this were
+    /// written by earlier steps (the f16 tiled kernels load those before their
+    /// grid-dependency wait).
+    pub(crate) fresh: usize,
 }
 
 impl CudaBackend {
@@ -161,10 +175,10 @@ impl CudaBackend {
         // 264 / 265, 8 sequences 1,207 / 1,341 / 1,287 / 1,228 / 1,144: both best at ~512
         // blocks. (Splits used to follow the cache size: 64 for 8 sequences.)
         //
-        // The tiled kernels instead take at most ATTN_SPLIT_BLOCKS blocks (about one wave on
-        // the H100: 132 SMs × 4 resident blocks of the 128-dim kernel, 5 of the 64-dim one;
-        // a block's warps stream 16-key chunks with the next chunk in flight, so one wave
-        // already keeps enough bytes in flight), the count rounded down to a power of two,
+        // The tiled kernels instead take at most one wave of blocks on the H100 (132 SMs ×
+        // 2 resident blocks of the f16 128-dim kernel: 256; × 4 of the 64-dim one: 512; a
+        // block's warps each keep 2 or 3 chunks of 16 keys in flight, so one wave already
+        // keeps enough bytes in flight), the count rounded down to a power of two,
         // and splits of TILED_ATTN_KEYS_PER_ROUND keys or more of the longest length rounded
         // up to a power of two (32 to 64 keys of the longest sequence: a 16-key chunk for
         // 2 to 4 of the block's 4 warps; more, shorter splits would not shorten a block's one
@@ -178,10 +192,10 @@ impl CudaBackend {
         let tiled = (a.quant.is_none() || a.tiled_q) && tiled_split_attention(p);
         let gqa = gqa_split_attention(p);
         let splits = if tiled {
-            let wave = if a.quant.is_some() && p.head_dim == 128 {
-                384
-            } else {
-                ATTN_SPLIT_BLOCKS
+            let wave = match (a.quant.is_some(), p.head_dim) {
+                (true, 128) => 384,
+                (false, 128) => 256,
+                _ => ATTN_SPLIT_BLOCKS,
             };
             let by_len = max_len.next_power_of_two() / TILED_ATTN_KEYS_PER_ROUND;
             let pairs = n_split.min(SPLIT_ATTN_MAX_TOKENS) * p.n_head_kv.max(1);
@@ -273,9 +287,10 @@ impl CudaBackend {
                 args.push(Arg::I(t as i32));
                 let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
                 args.extend([Arg::P(q8), Arg::P(q8d)]);
-                // Quantized caches: the scales and kinds last.
-                if let Some(quant) = a.quant {
-                    args.extend(quant);
+                // Quantized caches: the scales and kinds last; f16: the step's token count.
+                match a.quant {
+                    Some(quant) => args.extend(quant),
+                    None => args.push(Arg::I(a.fresh as i32)),
                 }
                 self.launch(
                     name,
@@ -494,6 +509,7 @@ pub(crate) fn attention(
         mmk,
         quant: cache.quantized().then(|| cache.quant_args(p.layer)),
         tiled_q: cache.types.k != KvType::F16 && cache.types.v != KvType::F16,
+        fresh: n,
     };
     // After launches that wrote the whole step's quantized output: what the output
     // projection then reads.
@@ -716,5 +732,27 @@ pub(crate) fn rope_store_kv(
         backend.launch("rope_store_kv_q", grid, threads, &args);
     } else {
         backend.launch("rope_store_kv", grid, threads, &args);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The split counts assume one wave of the f16 tiled kernels: 2 blocks of the 128-dim
+    /// kernel an SM and 4 of the 64-dim one (an H100 SM: 228 KiB of shared memory, 1 KiB
+    /// of it reserved per block), and the rings' space holds the warps' f32 outputs at the
+    /// end (TA_WARPS · TA_MAX_GROUP · head_dim floats).
+    #[test]
+    fn tiled_smem_fits_the_wave() {
+        let sm = 228 << 10;
+        for (hd, blocks) in [(128usize, 2u32), (64, 4)] {
+            let smem = tiled_smem(hd);
+            assert!(blocks * (smem + 1024) <= sm, "{hd}: {smem} B × {blocks}");
+            let queries = (16 * (hd + 8) * 2) as u32;
+            assert!(smem - queries >= (4 * TILED_ATTN_MAX_GROUP * hd * 4) as u32);
+        }
+        // Three stages of a 128-dim head's 16-key chunk (K and V) a warp: 106.25 KiB.
+        assert_eq!(tiled_smem(128), 108_800);
     }
 }

@@ -53,6 +53,10 @@ pub struct Args {
     /// Only the mixture-of-experts checks (blocks alone, logits, greedy, verification).
     #[arg(long)]
     pub moe: bool,
+    /// Only the attention kernels' checks against f64 (every shape and cache type, the deep
+    /// f16 caches) and `store_kv_q`'s bytes.
+    #[arg(long)]
+    pub attention: bool,
 }
 
 /// The run's end: an error counting the failed checks of `what`, else "all `what` checks
@@ -801,6 +805,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let failures = moe_checks(&args, seed, args.positions.clamp(1, 512));
         return verdict(failures, "mixture-of-experts");
     }
+    if args.attention {
+        println!("seed {seed}");
+        let failures = check_attention(&args, seed, args.positions.clamp(1, 512))?;
+        return verdict(failures, "attention");
+    }
     let start = Instant::now();
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
     println!(
@@ -977,83 +986,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "quantized K/V: store_kv_q vs the CPU's quantizer (byte for byte; fp8 vs the reference one) and attention vs f64 over the stored values, then logits with the cache stored so on both backends (f32 activations, steps of 1-8 tokens and prompt chunks), then several sequences per step vs alone:"
     );
     // A backend of its own for the kernel-level checks, gone before the engines' checks.
-    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
-    for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
-        for (ik, (k, v)) in selfcheck::ATTN_CACHE_TYPES.into_iter().enumerate() {
-            let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
-            let kv = kestrel_model::KvTypes { k, v };
-            let (h, hk, d) = heads;
-            // A short cache and two long ones (64 splits of 33 keys: chunks cut by the split's
-            // end; the last split empty).
-            for len in [
-                40 + positions,
-                selfcheck::ATTN_EMPTY_SPLIT_POSITIONS,
-                selfcheck::ATTN_LONG_POSITIONS,
-            ] {
-                match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
-                    Ok(r) => {
-                        failures += usize::from(!r.passed());
-                        println!(
-                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
-                            r.steps,
-                            r.positions,
-                            r.max_abs_diff,
-                            r.chunk_abs_diff,
-                            r.max_abs_out,
-                            if r.passed() { "ok" } else { "FAIL" }
-                        );
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
-                    }
-                }
-            }
-            // gpt-oss's attention: sinks, over all keys and over a 16-key window.
-            for window in [None, Some(16)] {
-                let n = 40 + positions;
-                let r =
-                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
-                let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
-                match r {
-                    Ok(r) => {
-                        failures += usize::from(!r.passed());
-                        println!(
-                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
-                            r.steps,
-                            r.positions,
-                            r.max_abs_diff,
-                            r.max_abs_out,
-                            if r.passed() { "ok" } else { "FAIL" }
-                        );
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        println!("{label}: ERROR {e:#}");
-                    }
-                }
-            }
-            match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
-                Ok(r) => {
-                    failures += usize::from(!r.passed());
-                    println!(
-                        "store    {h}/{hk}/{d:<6} kv {k}/{v}: {} of {} bytes differ{}  {}",
-                        r.differing,
-                        r.bytes,
-                        r.first
-                            .map(|(t, what, b)| format!(" (first: token {t} {what} byte {b})"))
-                            .unwrap_or_default(),
-                        if r.passed() { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("store    {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
-                }
-            }
-        }
-    }
-    drop(backend);
+    failures += check_attention(&args, seed, positions)?;
     for (ia, arch) in selfcheck::KERNEL_ARCHS.into_iter().enumerate() {
         for (ik, (k, v)) in selfcheck::CACHE_TYPES.into_iter().enumerate() {
             let heads = selfcheck::ATTN_SHAPES[(ia + ik) % selfcheck::ATTN_SHAPES.len()];
@@ -1280,6 +1213,116 @@ struct ProductCheck {
 }
 
 const K_QUANTS: &[GgmlType] = &[GgmlType::Q4K, GgmlType::Q6K];
+
+/// The attention kernels against f64 over the values each cache holds (every shape of
+/// `ATTN_SHAPES` and cache type, a short and two long caches; then the deep f16 caches of
+/// `ATTN_DEEP`), gpt-oss's sinks, and `store_kv_q` against the CPU's quantizer, on a
+/// backend of their own: the count of failed checks.
+fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<usize> {
+    let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
+    let mut failures = 0usize;
+    for (is, &heads) in selfcheck::ATTN_SHAPES.iter().enumerate() {
+        for (ik, (k, v)) in selfcheck::ATTN_CACHE_TYPES.into_iter().enumerate() {
+            let case_seed = seed.wrapping_add(1_100 + (is * 10 + ik) as u64);
+            let kv = kestrel_model::KvTypes { k, v };
+            let (h, hk, d) = heads;
+            // A short cache and two long ones (64 splits of 33 keys: chunks cut by the split's
+            // end; the last split empty).
+            for len in [
+                40 + positions,
+                selfcheck::ATTN_EMPTY_SPLIT_POSITIONS,
+                selfcheck::ATTN_LONG_POSITIONS,
+            ] {
+                match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.chunk_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                    }
+                }
+            }
+            // gpt-oss's attention: sinks, over all keys and over a 16-key window.
+            for window in [None, Some(16)] {
+                let n = 40 + positions;
+                let r =
+                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
+                let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
+                match r {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            r.steps,
+                            r.positions,
+                            r.max_abs_diff,
+                            r.max_abs_out,
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{label}: ERROR {e:#}");
+                    }
+                }
+            }
+            match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "store    {h}/{hk}/{d:<6} kv {k}/{v}: {} of {} bytes differ{}  {}",
+                        r.differing,
+                        r.bytes,
+                        r.first
+                            .map(|(t, what, b)| format!(" (first: token {t} {what} byte {b})"))
+                            .unwrap_or_default(),
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("store    {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
+                }
+            }
+        }
+    }
+    // Deep f16 caches: many 16-key chunks a warp (the tiled kernels' ring wraps), 1 to 64
+    // splits, groups of 1, 4 and 8 query heads.
+    for (id, &(heads, len)) in selfcheck::ATTN_DEEP.iter().enumerate() {
+        let kv = kestrel_model::KvTypes::default();
+        let (h, hk, d) = heads;
+        let case_seed = seed.wrapping_add(1_180 + id as u64);
+        match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "attn f64 {h}/{hk}/{d:<6} kv f16/f16 deep: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
+                    r.steps,
+                    r.positions,
+                    r.max_abs_diff,
+                    r.chunk_abs_diff,
+                    r.max_abs_out,
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("attn f64 {h}/{hk}/{d:<6} kv f16/f16 deep: ERROR {e:#}");
+            }
+        }
+    }
+    Ok(failures)
+}
 
 /// Any path.
 fn anywhere(_: &GemvReport, _: usize) -> Option<String> {
