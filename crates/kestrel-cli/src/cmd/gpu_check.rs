@@ -57,6 +57,10 @@ pub struct Args {
     /// f16 caches) and `store_kv_q`'s bytes.
     #[arg(long)]
     pub attention: bool,
+    /// Only the speculative-verification checks: products of 2..=8 tokens bit-identical to
+    /// single-token ones, and batch-invariant steps' logits and greedy ids.
+    #[arg(long)]
+    pub verification: bool,
 }
 
 /// The run's end: an error counting the failed checks of `what`, else "all `what` checks
@@ -823,6 +827,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let failures = check_sampling(&backend, args.gpu, seed);
         return verdict(failures, "sampling");
     }
+    if args.verification {
+        let mut failures = check_invariant_products(&backend, seed);
+        drop(backend);
+        failures += check_invariant_steps(&args, seed);
+        return verdict(failures, "verification");
+    }
     let mut failures = check_products(&backend, seed);
     // Logit rows copied to the host while their product runs (after a large read of rows).
     match selfcheck::compare_read_ahead(&backend, seed.wrapping_add(870)) {
@@ -1088,39 +1098,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
-    println!(
-        "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
-    );
-    for (ia, arch) in ARCHS.into_iter().enumerate() {
-        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k", "iq4_xs"] {
-            let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
-            match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
-                Ok(r) => {
-                    let ok = r.passed();
-                    failures += usize::from(!ok);
-                    let ids = if r.spec == r.plain {
-                        "ids equal"
-                    } else {
-                        "IDS DIFFER"
-                    };
-                    println!(
-                        "{:<8} {:<8} {} rows, {} differ (max |Δ| {:.2e}); {ids}, {} drafted  {}",
-                        arch.name(),
-                        ty,
-                        r.rows,
-                        r.differing,
-                        r.max_abs_diff,
-                        r.drafted,
-                        if ok { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
-                }
-            }
-        }
-    }
+    failures += check_invariant_steps(&args, seed);
     failures += moe_checks(&args, seed, positions);
     println!(
         "sampled generation, {} tokens drawn on the GPU (t 0.9, top-k 40, top-p 0.95, min-p 0.05, penalties) vs the host's definition on the same logits (teacher-forced, same seed): pass if every other draw is at an interval's edge (u or top-p moved by 1e-6) and those are <= 5%:",
@@ -1507,6 +1485,47 @@ const PRODUCT_CHECKS: &[ProductCheck] = &[
         expect: anywhere,
     },
 ];
+
+/// Batch-invariant steps (speculative verification) of every architecture and type against
+/// those tokens one step each, then greedy generation with prompt lookup against plain; the
+/// failures.
+fn check_invariant_steps(args: &Args, seed: u64) -> usize {
+    let mut failures = 0;
+    println!(
+        "batch-invariant steps (speculative verification): steps of 8, 5, 2 tokens vs those tokens one step each, pass if every logit is bit-identical; then greedy ids with prompt lookup vs plain:"
+    );
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for ty in ["q4_k_m", "q8_0", "q4_0", "f16", "q5_k", "iq4_xs"] {
+            let case_seed = seed.wrapping_add(12_000 + 16 * ia as u64);
+            match selfcheck::compare_invariant(arch, ty, case_seed, args.gpu) {
+                Ok(r) => {
+                    let ok = r.passed();
+                    failures += usize::from(!ok);
+                    let ids = if r.spec == r.plain {
+                        "ids equal"
+                    } else {
+                        "IDS DIFFER"
+                    };
+                    println!(
+                        "{:<8} {:<8} {} rows, {} differ (max |Δ| {:.2e}); {ids}, {} drafted  {}",
+                        arch.name(),
+                        ty,
+                        r.rows,
+                        r.differing,
+                        r.max_abs_diff,
+                        r.drafted,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
+                }
+            }
+        }
+    }
+    failures
+}
 
 /// Verification steps' products (batch-invariant, 2..=8 tokens) against each token's row as
 /// a single-token product, bit for bit (plain, gated, added into a residual); the failures.
