@@ -24,6 +24,8 @@
 #                            (temperature 1; llama.cpp's defaults), for each binary of $BINS
 #   scripts/gpu.sh ceilings  on the GPU host: ncu durations and DRAM bytes of each launch of
 #                            8-layer Llama-3-8B models (${TYPES:-q4_k_m q8_0}; scripts/ncu_launches.py)
+#   scripts/gpu.sh verify-ab on the GPU host: gpu-check --verification, then `bench --verify`
+#                            step costs (1..8 tokens) of ${BINS:-.gpu/kestrel-base .gpu/kestrel}
 #   scripts/gpu.sh kv-serve  on the GPU host: `kestrel serve --ctx 8192`, 64 clients, 4,096-token
 #                            prompts, f16 and q8_0 K/V in the same --kv-memory (${KV_MEMORY:-8GiB}):
 #                            running sequences (max, mean) from /metrics and generated tok/s
@@ -230,6 +232,21 @@ decode-ab)
         done
         [ -z "${SEQS:-}" ] || env "${vars[@]}" "$bin" bench -m "$model" --device cuda \
             --seqs "$SEQS" -p 512 -n 128 -r 1 | grep -E '^\|' | tail -n +3
+    done
+    ;;
+verify-ab)
+    # Speculative verification (#26): gpu-check --verification (products of 2..=8 tokens and
+    # invariant steps bit-identical to single-token ones), then `bench --verify` step costs
+    # on synthetic Qwen2.5-1.5B Q4_K_M for each binary of ${BINS:-.gpu/kestrel-base .gpu/kestrel},
+    # alternated over two rounds (see `build-base`).
+    gpu_env
+    qwen=$(peer_model qwen2 qwen2.5-1.5b q4_k_m)
+    .gpu/kestrel gpu-check --verification | grep -E 'FAIL|ERROR|checks? (passed|failed)' || true
+    for round in 1 2; do
+        for bin in ${BINS:-.gpu/kestrel-base .gpu/kestrel}; do
+            echo "$bin, round $round:"
+            "$bin" bench -m "$qwen" --device cuda --verify 1,2,3,5,8 -n 96 -d 384 -r 3 | grep -E '^\| [0-9]'
+        done
     done
     ;;
 kv-serve)
