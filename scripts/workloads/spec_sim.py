@@ -5,7 +5,7 @@ costs of verification steps, without running speculation.
 Greedy speculation is lossless, so the tokens are the plain greedy ones; which drafts the
 prompt lookup proposes, how many are accepted and how long each round's step is follow from
 them alone. This replays the engine's loop (`kestrel-engine/src/spec/generate.rs`), drafter
-(`ngram.rs`, sizes 1..=4) and length control (`control.rs`: its constants are copied below;
+(`ngram.rs`, sizes 2..=4) and length control (`control.rs`: its constants are copied below;
 keep them in step), charging each step its cost in single-token steps (`kestrel bench
 --verify`), and prints the predicted ratio with the acceptance, mean accepted length and
 step sizes (which match `bench --spec ngram`'s exactly when the replay is right).
@@ -24,7 +24,7 @@ import sys
 
 # control.rs
 SPEC_DECAY, PLAIN_DECAY, REFRESH_ROUNDS, PROBE_ROUNDS, OFF_STEPS, GROW = 0.875, 0.5, 16, 8, 4, 3
-NGRAM_MIN, NGRAM_MAX = 1, 4
+NGRAM_MIN, NGRAM_MAX = 2, 4  # the CLI's --ngram-min / --ngram-max defaults
 
 
 class Rate:

@@ -94,7 +94,7 @@ pub struct Args {
     #[arg(long = "draft-min", default_value_t = 1)]
     pub draft_min: usize,
     /// Prompt lookup's shortest and longest matched suffix, in tokens.
-    #[arg(long = "ngram-min", default_value_t = 1)]
+    #[arg(long = "ngram-min", default_value_t = 2)]
     pub ngram_min: usize,
     #[arg(long = "ngram-max", default_value_t = 4)]
     pub ngram_max: usize,
