@@ -483,20 +483,6 @@ impl kestrel_model::Backend for CudaBackend {
         self.read_pinned(x, n, |values| f(values))
     }
 
-    fn gate_up(
-        &self,
-        x: &CudaTensor,
-        x_ready: Prepared,
-        layer: &LayerWeights<CudaWeight>,
-        act: Activation,
-        n: usize,
-        gate: &mut CudaTensor,
-        up: &mut CudaTensor,
-    ) -> Prepared {
-        let (gw, uw) = (&layer.ffn_gate, &layer.ffn_up);
-        self.gate_up_of(x, x_ready, gw, uw, act, n, gate, up)
-    }
-
     fn gate_up_pair(
         &self,
         x: &CudaTensor,

@@ -7,7 +7,7 @@ use anyhow::Context;
 use kestrel_cpu::{CpuBackend, Kernels, Numerics};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::{GgmlType, GgufFile};
-use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+use kestrel_model::synth::{SynthConfig, SynthHybrid, WeightType, write_synth_to};
 use kestrel_model::{Arch, Batch, KvType, KvTypes, SeqSlot};
 use rand::{Rng, SeedableRng};
 
@@ -45,15 +45,27 @@ pub const HYBRID_TYPES: [&str; 3] = ["f16", "q8_0", "q4_k_m"];
 /// kernels' 4-lane, 32-column layout), three q/k heads for six v heads, three convolution
 /// taps. Row lengths are not whole K-quant blocks: f32 / f16 weights only.
 pub fn tiny_model_awkward_hybrid(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
+    tiny_hybrid_with(arch, ty, seed, |h| {
+        h.d_conv = 3;
+        h.d_state = 24;
+        h.n_group = 3;
+        h.n_v_heads = 6;
+    })
+}
+
+/// The tiny model of hybrid `arch` with its linear-attention sizes changed by `edit`.
+fn tiny_hybrid_with(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    edit: impl FnOnce(&mut SynthHybrid),
+) -> anyhow::Result<Arc<GgufFile>> {
     let mut cfg = SynthConfig::tiny(arch);
     let h = cfg
         .hybrid
         .as_mut()
         .with_context(|| format!("{} has no linear-attention layers", arch.name()))?;
-    h.d_conv = 3;
-    h.d_state = 24;
-    h.n_group = 3;
-    h.n_v_heads = 6;
+    edit(h);
     model_of(cfg, ty, seed)
 }
 
@@ -77,13 +89,7 @@ pub fn tiny_model_real_heads_hybrid(
     ty: &str,
     seed: u64,
 ) -> anyhow::Result<Arc<GgufFile>> {
-    let mut cfg = SynthConfig::tiny(arch);
-    let h = cfg
-        .hybrid
-        .as_mut()
-        .with_context(|| format!("{} has no linear-attention layers", arch.name()))?;
-    h.d_state = 128;
-    model_of(cfg, ty, seed)
+    tiny_hybrid_with(arch, ty, seed, |h| h.d_state = 128)
 }
 
 /// [`compare_logits`] on [`tiny_model_real_heads_hybrid`] (f32 activations, the strict bound).

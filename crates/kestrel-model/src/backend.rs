@@ -470,10 +470,7 @@ pub trait Backend: Sync {
         gate: &mut Self::Tensor,
         up: &mut Self::Tensor,
     ) -> Self::Prepared {
-        let _ = x_ready;
-        self.matmul(x, &layer.ffn_gate, n, gate);
-        self.matmul(x, &layer.ffn_up, n, up);
-        self.gated_activation(gate, up, act, n)
+        self.gate_up_pair(x, x_ready, &layer.ffn_gate, &layer.ffn_up, act, n, gate, up)
     }
 
     /// [`Self::gate_up`] of any pair of weights (a shared expert's): `gate = act(x ·

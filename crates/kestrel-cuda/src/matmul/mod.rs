@@ -198,9 +198,8 @@ impl CudaBackend {
 
     /// `gate = act(gate_w·x) * (up_w·x)`: one gated launch where the GEMV or tensor-core
     /// kernels take both matrices, else two products and the activation (the backend's
-    /// `gate_up`; public for the self-check).
-    #[allow(clippy::too_many_arguments)]
-    /// Returns what it prepared for the down projection.
+    /// `gate_up`; public for the self-check). Returns what it prepared for the down
+    /// projection.
     #[allow(clippy::too_many_arguments)]
     pub fn gate_up_of(
         &self,
