@@ -1846,21 +1846,16 @@ __device__ __forceinline__ void rows_dot8_t_any(int ty, const u8* w, const u8* u
     }
 }
 
-// The same over the single-token kernels' wide units (gemv_q8, gemv_q8_r1, gemv_q8_b*): a
-// lane takes units lane, lane + 32, ... of each row in that order, as they do, so every
-// token's sums are those of a single-token launch bit for bit (speculative verification,
-// `gemv_q8_tw*`).
+// The single-token kernels' wide units (gemv_q8, gemv_q8_r1, gemv_q8_b*) of format ty, plain
+// rows only (`up` unused): a lane takes units lane, lane + 32, ... of each row in that order,
+// as they do (gemv_v*'s gated launches whose gate and up differ in format).
 template <int GD_R, int T>
-__device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, const u8* up, long long rb,
-                                                 int nr, const i8* xq, const float* xd, int k,
-                                                 int n, int lane, float (*acc)[T],
-                                                 float (*acc_up)[T]) {
+__device__ __forceinline__ void rows_dot8_tw_any(int ty, const u8* w, long long rb, int nr,
+                                                 const i8* xq, const float* xd, int k, int n,
+                                                 int lane, float (*acc)[T]) {
 #define ROWS_DOT8TW_CASE(TYP, WIDE)                                                            \
     case TYP:                                                                                  \
-        if (up)                                                                                \
-            rows_dot8_t<WIDE, true, GD_R, T>(w, up, rb, nr, xq, xd, k, n, lane, acc, acc_up);  \
-        else                                                                                   \
-            rows_dot8_t<WIDE, false, GD_R, T>(w, up, rb, nr, xq, xd, k, n, lane, acc, acc_up); \
+        rows_dot8_t<WIDE, false, GD_R, T>(w, nullptr, rb, nr, xq, xd, k, n, lane, acc, acc);   \
         return;
     switch (ty) {
     ROWS_DOT8TW_CASE(T_Q4_K, T_Q4_K_W)
@@ -1944,10 +1939,9 @@ __device__ __forceinline__ void rows_dot1_t_any(int ty, const u8* w, const u8* u
 #undef ROWS_DOT1T_CALL
 }
 
-// WIDE: the single-token kernels' wide units (rows_dot8_tw_any), else the plain ones of
-// gemv_ws_r1 and the batched decode; F32: gemv_dec's units on f32 activations x
-// (rows_dot1_t_any; xq and xd unused).
-template <int GD_R, int T, bool WIDE = false, bool F32 = false>
+// The batched decode's plain units (rows_dot8_t_any), or with F32 gemv_dec's units on f32
+// activations x (rows_dot1_t_any; xq and xd unused).
+template <int GD_R, int T, bool F32 = false>
 __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GEMV_PARAMS) {
     const int lane = threadIdx.x & 31;
     GvRows g;
@@ -1972,8 +1966,6 @@ __device__ __forceinline__ void gemv_q8_t_body(const i8* xq, const float* xd, GE
                    float (*a_up)[T]) {
         if constexpr (F32)
             rows_dot1_t_any<GD_R, T>(t, rows_w, up, stride, nr, x, k, n, lane, a, a_up);
-        else if constexpr (WIDE)
-            rows_dot8_tw_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
         else
             rows_dot8_t_any<GD_R, T>(t, rows_w, up, stride, nr, xq, xd, k, n, lane, a, a_up);
     };
@@ -2022,38 +2014,12 @@ gemv_q8_t8(const i8* xq, const float* xd, GEMV_PARAMS) {
 // (f32 activations): their units, one row a warp, every token's row from one load of them.
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_t4(GEMV_PARAMS) {
     pdl_enter();
-    gemv_q8_t_body<1, 4, false, true>(nullptr, nullptr, GEMV_ARGS);
+    gemv_q8_t_body<1, 4, true>(nullptr, nullptr, GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4) gemv_dec_t8(GEMV_PARAMS) {
     pdl_enter();
-    gemv_q8_t_body<1, 8, false, true>(nullptr, nullptr, GEMV_ARGS);
+    gemv_q8_t_body<1, 8, true>(nullptr, nullptr, GEMV_ARGS);
 }
-// Speculative verification of launches whose single-token kernel is gemv_ws_r1: its plain
-// units, one row a warp (twice gemv_q8_t*'s warps: these launches are short, 1,536 to 2,048
-// rows on Qwen2.5-1.5B, and at two rows a warp left ~6 warps an SM).
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
-gemv_q8_t4_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
-    gemv_q8_t_body<1, 4>(xq, xd, GEMV_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
-gemv_q8_t8_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
-    gemv_q8_t_body<1, 8>(xq, xd, GEMV_ARGS);
-}
-// Speculative verification: every token as gemv_q8 / gemv_q8_r1 / gemv_q8_b* compute it (one
-// row a warp: a row's sums do not depend on the rows a warp takes, and two rows spilled).
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
-gemv_q8_tw4(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
-    gemv_q8_t_body<1, 4, true>(xq, xd, GEMV_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 4)
-gemv_q8_tw8(const i8* xq, const float* xd, GEMV_PARAMS) {
-    pdl_enter();
-    gemv_q8_t_body<1, 8, true>(xq, xd, GEMV_ARGS);
-}
-
 // ---------------------------------------------------------------------------------------
 // Single-token GEMV with each warp streaming its rows through its own slice of shared
 // memory (`gemv_ws_r1`): gemv_q8's units and dot products, but the weights of the next
@@ -2165,3 +2131,221 @@ extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, 5)
 gemv_ws_r1(const i8* xq, const float* xd, GEMV_PARAMS) {
     gemv_ws_body<1>(xq, xd, GEMV_ARGS);
 }
+
+// ---------------------------------------------------------------------------------------
+// Speculative verification steps of T = 2..8 tokens (`gemv_v2` .. `gemv_v8`, one kernel per
+// T): every token's sums exactly as the launch's single-token kernel computes them. A lane
+// holds the units it holds there (u = lane, lane + 32, ...; the wide units of gemv_q8 /
+// gemv_q8_r1 / gemv_q8_b*, or the plain ones of gemv_ws_r1), decodes each once, adds its
+// dots with every token in that order, and the lanes' sums go through warp_sum's tree
+// (vt_reduce), so each token's result is the single-token one bit for bit (a row's sums do
+// not depend on which rows a warp takes). What makes them cheaper than one row a warp with
+// each token's work behind a `t < n` test:
+// - T is a constant: the T tokens' activation loads and dots are independent and interleave;
+// - a warp walks its rows (grid-stride over the launch's rows) with the next chunk of weights
+//   already loading into registers while it computes this one, and its first weights are
+//   requested before the wait on the previous kernel;
+// - the T (gated: 2T) sums of a row reduce in one transposed butterfly: P - 1 + (5 - log2 P)
+//   shuffles for P ≥ T values, not 5 a value.
+
+// Values a lane reduces: V rounded up to a power of two.
+__host__ __device__ constexpr int vt_pow2(int v) { return v <= 1 ? 1 : 2 * vt_pow2((v + 1) / 2); }
+__host__ __device__ constexpr int vt_log2(int p) { return p <= 1 ? 0 : 1 + vt_log2(p / 2); }
+
+// v[0..S) -> v[0..S/2): a lane whose `bit` is set keeps the upper half, its partner (lane ^
+// bit) the lower, and each adds the other's copy of what it keeps: value j's sum over the
+// pair, as warp_sum's step at `bit` computes it (float addition commutes).
+template <int S>
+__device__ __forceinline__ void vt_halve(float* v, int lane, int bit) {
+    const bool hi = lane & bit;
+#pragma unroll
+    for (int j = 0; j < S / 2; j++) {
+        const float keep = hi ? v[j + S / 2] : v[j], send = hi ? v[j] : v[j + S / 2];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+    }
+}
+
+// warp_sum of each of P values (a power of two, at most 32): the sum of value
+// (lane >> (5 - log2 P)) & (P - 1) is returned, bit for bit warp_sum's (the same pairs added
+// at each of the steps 16, 8, 4, 2, 1).
+template <int P>
+__device__ __forceinline__ float vt_reduce(float (&v)[P], int lane) {
+    if constexpr (P >= 2) vt_halve<P>(v, lane, 16);
+    if constexpr (P >= 4) vt_halve<P / 2>(v, lane, 8);
+    if constexpr (P >= 8) vt_halve<P / 4>(v, lane, 4);
+    if constexpr (P >= 16) vt_halve<P / 8>(v, lane, 2);
+    if constexpr (P >= 32) vt_halve<P / 16>(v, lane, 1);
+    float s = v[0];
+#pragma unroll
+    for (int o = 16 >> vt_log2(P); o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+// Chunk c (NU units a lane) of row r (< rows: else nothing) into raw (and raw_up).
+template <int TY, bool UP, int NU>
+__device__ __forceinline__ void vt_fetch(const u8* w, const u8* up, long long rb, int rows, int r,
+                                         int c, int units, int nb, int lane,
+                                         typename Fmt<TY>::Raw (&raw)[NU],
+                                         typename Fmt<TY>::Raw (&raw_up)[UP ? NU : 1]) {
+#pragma unroll
+    for (int i = 0; i < NU; i++) {
+        const int u = (c * NU + i) * 32 + lane;
+        if (r < rows && u < units) {
+            raw[i] = Fmt<TY>::load(w + (size_t)r * rb, u, nb);
+            if (UP) raw_up[UP ? i : 0] = Fmt<TY>::load(up + (size_t)r * rb, u, nb);
+        }
+    }
+}
+
+// Rows r_first, r_first + r_step, ... (< rows) of one matrix (with UP the same rows of up):
+// out[t][r] = row · x_t as the single-token kernels store it (gated: act(gate) * up; act != 0
+// on plain rows: added into out). Chunks of NU units a lane; the next chunk (of this row or
+// the warp's next) is loaded while this one is computed.
+template <int TY, bool UP, int T, int NU>
+__device__ __forceinline__ void vt_rows(const u8* w, const u8* up, long long rb, int rows,
+                                     int r_first, int r_step, const i8* xq, const float* xd,
+                                     int k, int lane, int act, float* out, int ld,
+                                     const float* bias) {
+    typedef Fmt<TY> F;
+    typedef Unit8<TY> U8;
+    typedef UnitW<U8, typename F::Raw> UW;
+    constexpr int V = UP ? 2 * T : T, P = vt_pow2(V), L = vt_log2(P);
+    const int units = F::units(k), nb = k >> 5;
+    const int chunks = (units + 32 * NU - 1) / (32 * NU);
+    typename F::Raw raw[NU], raw_up[UP ? NU : 1];
+    vt_fetch<TY, UP, NU>(w, up, rb, rows, r_first, 0, units, nb, lane, raw, raw_up);
+    pdl_enter();  // the weights are never written; the activations are read after this
+    for (int r = r_first; r < rows; r += r_step) {
+        float acc[P];
+#pragma unroll
+        for (int j = 0; j < P; j++) acc[j] = 0.0f;
+        for (int c = 0; c < chunks; c++) {
+            typename UW::W wd[NU], wu[UP ? NU : 1];
+#pragma unroll
+            for (int i = 0; i < NU; i++)
+                if ((c * NU + i) * 32 + lane < units) {
+                    const int u = (c * NU + i) * 32 + lane;
+                    wd[i] = UW::prep(raw[i], u);
+                    if (UP) wu[UP ? i : 0] = UW::prep(raw_up[UP ? i : 0], u);
+                }
+            if (c + 1 < chunks)
+                vt_fetch<TY, UP, NU>(w, up, rb, rows, r, c + 1, units, nb, lane, raw, raw_up);
+            else
+                vt_fetch<TY, UP, NU>(w, up, rb, rows, r + r_step, 0, units, nb, lane, raw, raw_up);
+#pragma unroll
+            for (int i = 0; i < NU; i++) {
+                const int u = (c * NU + i) * 32 + lane;
+                if (u < units) {
+#pragma unroll
+                    for (int t = 0; t < T; t++) {
+                        const typename U8::X xv =
+                            U8::load_x(xq + (size_t)t * k, xd + (size_t)t * nb, u);
+                        acc[UP ? 2 * t : t] += UW::dot(wd[i], xv);
+                        if (UP) acc[UP ? 2 * t + 1 : t] += UW::dot(wu[UP ? i : 0], xv);
+                    }
+                }
+            }
+        }
+        const float s = vt_reduce<P>(acc, lane);
+        const int idx = (lane >> (5 - L)) & (P - 1);
+        if (UP) {
+            // Gate (even idx) and up (odd) of a token: lanes differing in bit 5 - L.
+            const float su = __shfl_xor_sync(0xffffffffu, s, 1 << (5 - L));
+            const int t = idx >> 1;
+            if ((lane & ((2 << (5 - L)) - 1)) == 0 && t < T)
+                out[(size_t)t * ld + r] = gv_act(s, act) * su;
+        } else if ((lane & ((1 << (5 - L)) - 1)) == 0 && idx < T) {
+            const float b = bias ? bias[r] : 0.0f;
+            if (act) out[(size_t)idx * ld + r] += s + b;
+            else out[(size_t)idx * ld + r] = s + b;
+        }
+    }
+}
+
+// Gated launches whose gate and up differ in format (wide units): each row's gate sums, then
+// its up sums, plain warp_sum, no prefetch (no Q4_K_M file has such a pair).
+template <int T>
+__device__ __forceinline__ void vt_rows_pair(const u8* w, int ty, long long rb, const u8* up,
+                                             int tyu, long long rbu, int rows, int r_first,
+                                             int r_step, const i8* xq, const float* xd, int k,
+                                             int lane, int act, float* out, int ld) {
+    for (int r = r_first; r < rows; r += r_step) {
+        float acc[1][T], acc_up[1][T];
+#pragma unroll
+        for (int t = 0; t < T; t++) acc[0][t] = acc_up[0][t] = 0.0f;
+        rows_dot8_tw_any<1, T>(ty, w + (size_t)r * rb, rb, 1, xq, xd, k, T, lane, acc);
+        rows_dot8_tw_any<1, T>(tyu, up + (size_t)r * rbu, rbu, 1, xq, xd, k, T, lane, acc_up);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float g = warp_sum(acc[0][t]), u = warp_sum(acc_up[0][t]);
+            if (lane == 0) out[(size_t)t * ld + r] = gv_act(g, act) * u;
+        }
+    }
+}
+
+// Same parameters as gemv_q8 (n == T; rpb 1: the wide units, 0: gemv_ws_r1's plain ones, Q4_K /
+// Q6_K only, gated only for Q4_K pairs). Grid: blockIdx.y is the matrix (gated: one, gate's
+// rows each with up's), blockIdx.x any number of blocks of GD_WARPS warps (the host sends at
+// most a wave of them): warp g takes rows g, g + warps, ... of the matrix. (A loop over the
+// matrices in one block spilled.)
+template <int T>
+__device__ __forceinline__ void gemv_v_body(const i8* xq, const float* xd, GEMV_PARAMS) {
+    const int lane = threadIdx.x & 31, s = blockIdx.y;
+    const int r0 = blockIdx.x * GD_WARPS + (threadIdx.x >> 5), nw = gridDim.x * GD_WARPS;
+    const u8* w = s == 0 ? w0 : s == 1 ? w1 : w2;
+    const long long rb = s == 0 ? rb0 : s == 1 ? rb1 : rb2;
+    const int ty = s == 0 ? ty0 : s == 1 ? ty1 : ty2;
+    const int rows = s == 0 ? rows0 : s == 1 ? rows1 : total - rows0 - rows1;
+    float* out = s == 0 ? out0 : s == 1 ? out1 : out2;
+    const int ld = s == 0 ? ld0 : s == 1 ? ld1 : ld2;
+    const float* bias = s == 0 ? bias0 : s == 1 ? bias1 : bias2;
+    if (r0 >= rows || (gated && s > 0)) {
+        pdl_enter();
+        return;
+    }
+#define VT_ROWS(TYP, UPP, NU)                                                                  \
+    vt_rows<TYP, UPP, T, NU>(w, w1, rb, rows, r0, nw, xq, xd, k, lane, act, out, ld, bias)
+    if (gated && (ty0 != ty1 || rb0 != rb1)) {
+        pdl_enter();
+        vt_rows_pair<T>(w0, ty0, rb0, w1, ty1, rb1, rows, r0, nw, xq, xd, k, lane, act, out0, ld0);
+    } else if (rpb == 0) {
+        if (gated) VT_ROWS(T_Q4_K, true, 1);
+        else if (ty == T_Q4_K) VT_ROWS(T_Q4_K, false, 2);
+        else VT_ROWS(T_Q6_K, false, 2);
+    } else {
+#define VT_WIDE(TYP, WT)                                                                       \
+    case TYP:                                                                                  \
+        if (gated) VT_ROWS(WT, true, 1);                                                       \
+        else VT_ROWS(WT, false, 1);                                                            \
+        return;
+        switch (ty) {
+        VT_WIDE(T_Q4_K, T_Q4_K_W)
+        VT_WIDE(T_Q6_K, T_Q6_K_W)
+        VT_WIDE(T_Q8_0, T_Q8_0_W)
+        VT_WIDE(T_Q4_0, T_Q4_0_W)
+        VT_WIDE(T_IQ4_NL, T_IQ4_NL_W)
+        VT_WIDE(T_IQ4_XS, T_IQ4_XS_W)
+        VT_WIDE(T_MXFP4, T_MXFP4_W)
+        default: pdl_enter(); return;
+        }
+#undef VT_WIDE
+    }
+#undef VT_ROWS
+}
+
+// 3 blocks an SM (168 registers): at 4 (128) the wide formats' bodies spilled ~100-250 bytes
+// in their row loops. The host sends at most VT_BLOCKS blocks an SM.
+#define VT_BLOCKS 3
+#define GEMV_V(T)                                                                              \
+    extern "C" __global__ void __launch_bounds__(GD_WARPS * 32, VT_BLOCKS)                     \
+        gemv_v##T(const i8* xq, const float* xd, GEMV_PARAMS) {                                \
+        gemv_v_body<T>(xq, xd, GEMV_ARGS);                                                     \
+    }
+GEMV_V(2)
+GEMV_V(3)
+GEMV_V(4)
+GEMV_V(5)
+GEMV_V(6)
+GEMV_V(7)
+GEMV_V(8)
+#undef GEMV_V

@@ -1373,8 +1373,8 @@ pub fn compare_gemv(
 }
 
 /// Weight types whose verification-step products [`compare_gemv_invariant`] checks: the
-/// 8-bit GEMVs' formats (`gemv_q8_t*_r1` where the single-token kernel is `gemv_ws_r1`,
-/// `gemv_q8_tw*` where it is `gemv_q8*`) and two f32-activation ones (`gemv_dec` a token).
+/// 8-bit GEMVs' formats (`gemv_v*` on `gemv_ws_r1`'s units or on `gemv_q8*`'s) and two
+/// f32-activation ones (`gemv_dec` a token).
 pub const INVARIANT_TYPES: [GgmlType; 9] = [
     GgmlType::Q4K,
     GgmlType::Q6K,

@@ -16,14 +16,26 @@ pub(crate) const KERNELS: &[&str] = &[
     "gemv_q8_b_r1",
     "gemv_q8_t4",
     "gemv_q8_t8",
-    "gemv_q8_tw4",
-    "gemv_q8_tw8",
-    "gemv_q8_t4_r1",
-    "gemv_q8_t8_r1",
+    "gemv_v2",
+    "gemv_v3",
+    "gemv_v4",
+    "gemv_v5",
+    "gemv_v6",
+    "gemv_v7",
+    "gemv_v8",
     "gemv_dec_t4",
     "gemv_dec_t8",
     "gemv_ws_r1",
 ];
+
+/// The verification kernels by token count (2..=GEMV_MAX_TOKENS): kernels/gemv.cu's
+/// `gemv_v*`.
+const VERIFY_KERNELS: [&str; GEMV_MAX_TOKENS - 1] = [
+    "gemv_v2", "gemv_v3", "gemv_v4", "gemv_v5", "gemv_v6", "gemv_v7", "gemv_v8",
+];
+
+/// Blocks an SM of a `gemv_v*` launch (kernels/gemv.cu's VT_BLOCKS, its launch bounds).
+const VERIFY_BLOCKS_PER_SM: usize = 3;
 
 /// One matrix of a GEMV launch.
 pub(crate) struct GemvSeg {
@@ -35,7 +47,7 @@ pub(crate) struct GemvSeg {
     pub(crate) ld: usize,
     pub(crate) bias: u64,
     /// Add into `out` instead of overwriting it (single-token launches, and verification
-    /// steps' `gemv_q8_t*_r1` / `gemv_q8_tw*` / `gemv_dec_t*`).
+    /// steps' `gemv_v*` / `gemv_dec_t*`).
     pub(crate) accumulate: bool,
 }
 
@@ -356,16 +368,30 @@ impl CudaBackend {
                 *ready = Prepared::Q8 { of: x.ptr, n };
             }
             let forced = self.gemv_q8_rows();
-            // A verification step (see `invariant_step`) on the single-token kernels' own
-            // units: `gemv_q8_tw*` for the wide ones of gemv_q8 / gemv_q8_r1 / gemv_q8_b*;
-            // gemv_ws_r1's are the plain ones of gemv_q8_t*, at one row a warp as it takes.
-            let wide = family == Kernel::GemvQ8 && self.invariant_step();
-            let plain = family == Kernel::GemvWs && self.invariant_step();
+            // A verification step (see `invariant_step`): `gemv_v{n}` on the single-token
+            // kernel's own units (the wide ones of gemv_q8 / gemv_q8_r1 / gemv_q8_b*, or
+            // gemv_ws_r1's plain ones), one row a warp at a time, at most a wave of warps
+            // walking the rows, a grid row (blockIdx.y) a matrix.
+            if self.invariant_step() && (2..=GEMV_MAX_TOKENS).contains(&n) {
+                let kernel = VERIFY_KERNELS[n - 2];
+                let rows = if gated.is_some() {
+                    segs[0].rows
+                } else {
+                    segs.iter().map(|s| s.rows).max().unwrap_or(0)
+                };
+                let blocks = rows
+                    .div_ceil(4)
+                    .min(self.sm_count * VERIFY_BLOCKS_PER_SM)
+                    .max(1);
+                let matrices = if gated.is_some() { 1 } else { segs.len() };
+                args[3] = Arg::I(i32::from(family == Kernel::GemvQ8));
+                let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
+                q8_args.extend_from_slice(&args);
+                let grid = (blocks as u32, matrices as u32, 1);
+                self.launch_reading(kernel, grid, 128, &q8_args, weight_bytes);
+                return;
+            }
             let (kernel, rows) = match (n, forced) {
-                (2..=4, _) if wide => ("gemv_q8_tw4", 1),
-                (5.., _) if wide => ("gemv_q8_tw8", 1),
-                (2..=4, _) if plain => ("gemv_q8_t4_r1", 1),
-                (5.., _) if plain => ("gemv_q8_t8_r1", 1),
                 (2..=4, _) => ("gemv_q8_t4", 2),
                 (5.., _) => ("gemv_q8_t8", 2),
                 (_, 1) => ("gemv_q8_r1", 1),

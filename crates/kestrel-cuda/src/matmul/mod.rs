@@ -77,7 +77,7 @@ impl CudaBackend {
     /// verification): each of its tokens is computed exactly as a step of that token alone
     /// would compute it, so greedy speculation gives the tokens decoding one at a time
     /// gives. Products take the single-token kernel family (its multi-token form with the
-    /// same per-token sums: `gemv_q8_t*_r1` / `gemv_q8_tw*` / `gemv_dec_t*`), norms
+    /// same per-token sums: `gemv_v*` / `gemv_dec_t*`), norms
     /// `rms_norm_q8` per row, attention each token's single-token split count.
     pub(crate) fn invariant_step(&self) -> bool {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
