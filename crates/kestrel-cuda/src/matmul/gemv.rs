@@ -37,6 +37,19 @@ const VERIFY_KERNELS: [&str; GEMV_MAX_TOKENS - 1] = [
 /// Blocks an SM of a `gemv_v*` launch (kernels/gemv.cu's VT_BLOCKS, its launch bounds).
 const VERIFY_BLOCKS_PER_SM: usize = 3;
 
+/// The grid of a `gemv_v*` launch over matrices of `rows` rows (gated: gate and up, the
+/// first's rows): a grid row (blockIdx.y) a matrix (gated: one), as many blocks of 4 one-row
+/// warps as the largest matrix needs, at most a wave of them (VERIFY_BLOCKS_PER_SM an SM):
+/// the warps then walk the rows.
+fn verify_grid(rows: &[usize], gated: bool, sm_count: usize) -> (u32, u32, u32) {
+    let matrices = if gated { 1 } else { rows.len() };
+    let most = rows[..matrices].iter().copied().max().unwrap_or(0);
+    let blocks = most
+        .div_ceil(4)
+        .clamp(1, (sm_count * VERIFY_BLOCKS_PER_SM).max(1));
+    (blocks as u32, matrices as u32, 1)
+}
+
 /// One matrix of a GEMV launch.
 pub(crate) struct GemvSeg {
     pub(crate) ptr: u64,
@@ -373,22 +386,20 @@ impl CudaBackend {
             // gemv_ws_r1's plain ones), one row a warp at a time, at most a wave of warps
             // walking the rows, a grid row (blockIdx.y) a matrix.
             if self.invariant_step() && (2..=GEMV_MAX_TOKENS).contains(&n) {
-                let kernel = VERIFY_KERNELS[n - 2];
-                let rows = if gated.is_some() {
-                    segs[0].rows
-                } else {
-                    segs.iter().map(|s| s.rows).max().unwrap_or(0)
-                };
-                let blocks = rows
-                    .div_ceil(4)
-                    .min(self.sm_count * VERIFY_BLOCKS_PER_SM)
-                    .max(1);
-                let matrices = if gated.is_some() { 1 } else { segs.len() };
+                // gemv_v* read gemv_ws_r1's plain units of Q4_K / Q6_K only (gated: a Q4_K
+                // pair), as plan_launch sends them.
+                debug_assert!(
+                    family == Kernel::GemvQ8
+                        || segs
+                            .iter()
+                            .all(|s| matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K))
+                );
+                let rows: Vec<usize> = segs.iter().map(|s| s.rows).collect();
+                let grid = verify_grid(&rows, gated.is_some(), self.sm_count);
                 args[3] = Arg::I(i32::from(family == Kernel::GemvQ8));
                 let mut q8_args = vec![Arg::P(q_ptr), Arg::P(d_ptr)];
                 q8_args.extend_from_slice(&args);
-                let grid = (blocks as u32, matrices as u32, 1);
-                self.launch_reading(kernel, grid, 128, &q8_args, weight_bytes);
+                self.launch_reading(VERIFY_KERNELS[n - 2], grid, 128, &q8_args, weight_bytes);
                 return;
             }
             let (kernel, rows) = match (n, forced) {
@@ -463,5 +474,23 @@ impl CudaBackend {
             return;
         }
         self.launch_reading("gemv", grid_1d(total, rpb), 128, &args, weight_bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::verify_grid;
+
+    #[test]
+    fn verify_grid_covers_each_matrix_within_a_wave() {
+        // Q/K/V of Qwen2.5-1.5B on the H100: a grid row a matrix, blocks for the largest.
+        assert_eq!(verify_grid(&[1536, 256, 256], false, 132), (384, 3, 1));
+        // Gated: one grid row whatever up's rows; the LM head: one wave, the warps walk.
+        assert_eq!(verify_grid(&[8960, 8960], true, 132), (396, 1, 1));
+        assert_eq!(verify_grid(&[151_936], false, 132), (396, 1, 1));
+        // Awkward sizes: a block for a single row, ceil(rows / 4) below a wave.
+        assert_eq!(verify_grid(&[1], false, 132), (1, 1, 1));
+        assert_eq!(verify_grid(&[7, 3], false, 2), (2, 2, 1));
+        assert_eq!(verify_grid(&[1583, 2], false, 132), (396, 2, 1));
     }
 }
