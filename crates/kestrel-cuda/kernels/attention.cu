@@ -931,7 +931,8 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
                                              const u32* tables, int block_size, int n_head,
                                              int n_head_kv, float scale, int window,
                                              int splits, int tok0, i8* q8, float* q8d,
-                                             const u16* k_sc, const u16* v_sc, int kt, int vt) {
+                                             const u16* k_sc, const u16* v_sc, int kt, int vt,
+                                             int fresh) {
     constexpr int ROW = HD + 8;  // halves per f16 row (16 bytes of padding)
     constexpr int NT = HD / 8;   // 8-dim tiles of the output
     constexpr int NB = HD / 32;  // 32-value blocks (scales) per row
@@ -1028,9 +1029,18 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
     int c = k_begin + warp * TA_KEYS;
     // TQ_STAGES chunks in flight from the start, one cp.async group each; a chunk's stage is
     // refilled (chunk + TQ_STAGES) once both its sides are converted, so "all but the newest
-    // TQ_STAGES - 1 groups done" is the current chunk at the top of the loop.
-#pragma unroll
-    for (int st = 0; st < TQ_STAGES; st++) issue(st, c + st * STRIDE);
+    // TQ_STAGES - 1 groups done" is the current chunk at the top of the loop. As in
+    // attn_tiled, the chunks wholly before pos + 1 - fresh (keys and scales of earlier
+    // steps) are issued before the grid-dependency wait, the rest after it, in order.
+    const int safe = (int)positions[i] + 1 - fresh;
+    int st0 = 0;
+    while (st0 < TQ_STAGES && c + st0 * STRIDE < k_end &&
+           min(c + st0 * STRIDE + TA_KEYS, k_end) <= safe) {
+        issue(st0, c + st0 * STRIDE);
+        st0++;
+    }
+    pdl_enter();
+    for (int st = st0; st < TQ_STAGES; st++) issue(st, c + st * STRIDE);
 
     tiled_queries<HD>(q, qrows, i, n_head, group, kvh, scale);
     __syncthreads();
@@ -1110,19 +1120,20 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
                      n_head, splits, q8, q8d);
 }
 
-// attn_tiled_q for 64- and 128-dim heads: attention_split_tiled*'s arguments, then the
-// scales and kinds as the other `_q` kernels take them; TA_WARPS · TQ_WARP_BYTES(HD) + the
-// query rows of dynamic shared memory.
+// attn_tiled_q for 64- and 128-dim heads: attention_split_tiled*'s arguments up to q8d, the
+// scales and kinds as the other `_q` kernels take them, then `fresh`; TA_WARPS ·
+// TQ_WARP_BYTES(HD) + the query rows of dynamic shared memory. The grid-dependency wait
+// (pdl_enter) is inside, after the first loads.
 #define ATTN_TILED_Q_KERNEL(NAME, HD, MIN_BLOCKS)                                              \
     extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
     NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
          const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
          int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
-         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt) {     \
-        pdl_enter();                                                                          \
+         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt,       \
+         int fresh) {                                                                         \
         attn_tiled_q<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,   \
                          n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, k_sc, v_sc, \
-                         kt, vt);                                                             \
+                         kt, vt, fresh);                                                      \
     }
 ATTN_TILED_Q_KERNEL(attention_split_tiled64_q, 64, 4)
 ATTN_TILED_Q_KERNEL(attention_split_tiled128_q, 128, 3)

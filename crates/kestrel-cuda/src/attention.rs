@@ -140,7 +140,7 @@ pub(crate) struct AttnLaunch {
     /// over quantized blocks can take the decode steps.
     pub(crate) tiled_q: bool,
     /// The step's token count: each token's keys before its position + 1 − this were
-    /// written by earlier steps (the f16 tiled kernels load those before their
+    /// written by earlier steps (the tiled kernels load those before their
     /// grid-dependency wait).
     pub(crate) fresh: usize,
 }
@@ -287,11 +287,11 @@ impl CudaBackend {
                 args.push(Arg::I(t as i32));
                 let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
                 args.extend([Arg::P(q8), Arg::P(q8d)]);
-                // Quantized caches: the scales and kinds last; f16: the step's token count.
-                match a.quant {
-                    Some(quant) => args.extend(quant),
-                    None => args.push(Arg::I(a.fresh as i32)),
+                // Quantized caches: the scales and kinds; then the step's token count.
+                if let Some(quant) = a.quant {
+                    args.extend(quant);
                 }
+                args.push(Arg::I(a.fresh as i32));
                 self.launch(
                     name,
                     (m as u32, p.n_head_kv as u32, splits as u32),
