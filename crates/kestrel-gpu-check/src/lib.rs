@@ -2202,7 +2202,7 @@ pub const ATTN_LONG_POSITIONS: usize = 2_085;
 /// ranges of 33): the merge of the splits must weigh an empty partial as nothing.
 pub const ATTN_EMPTY_SPLIT_POSITIONS: usize = 2_049;
 
-/// Deep f16 caches of the attention check ((query heads, kv heads, head size), cached
+/// Deep caches of the attention check (f16 and q8_0) ((query heads, kv heads, head size), cached
 /// positions): steps of 1 and 5 tokens at the end split them (128-dim heads: at most 256
 /// blocks; 64-dim: 512) into ranges of many 16-key chunks a warp, so the tiled kernels' ring
 /// of stages wraps, at odd lengths. Group 1: 8 splits of 376 keys, then one split of all
