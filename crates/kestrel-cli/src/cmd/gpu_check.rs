@@ -54,7 +54,7 @@ pub struct Args {
     #[arg(long)]
     pub moe: bool,
     /// Only the attention kernels' checks against f64 (every shape and cache type, the deep
-    /// f16 caches) and `store_kv_q`'s bytes.
+    /// f16 and q8_0 caches) and `store_kv_q`'s bytes.
     #[arg(long)]
     pub attention: bool,
     /// Only the speculative-verification checks: products of 2..=8 tokens bit-identical to
@@ -1193,8 +1193,8 @@ struct ProductCheck {
 const K_QUANTS: &[GgmlType] = &[GgmlType::Q4K, GgmlType::Q6K];
 
 /// The attention kernels against f64 over the values each cache holds (every shape of
-/// `ATTN_SHAPES` and cache type, a short and two long caches; then the deep f16 caches of
-/// `ATTN_DEEP`), gpt-oss's sinks, and `store_kv_q` against the CPU's quantizer, on a
+/// `ATTN_SHAPES` and cache type, a short and two long caches; then the deep f16 and q8_0
+/// caches of `ATTN_DEEP`), gpt-oss's sinks, and `store_kv_q` against the CPU's quantizer, on a
 /// backend of their own: the count of failed checks.
 fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<usize> {
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
