@@ -1159,7 +1159,7 @@ ATTN_TILED_Q_KERNEL(attention_split_tiled128_q, 128, 3)
 // (block (token, kv head, split), each warp its 16-key chunks, the same partials or output,
 // the chunks of older keys issued before the grid-dependency wait, each chunk's slots read a
 // chunk ahead), but the warp's ring of TQ8_STAGES(HD) stages holds a chunk's raw quants and
-// scales (17 bytes a value pair instead of 32), and the quants go from there straight into
+// scales (34 bytes a 32-value block instead of 64), and the quants go from there straight into
 // mma fragments as exact f16 integers, with no f16 rows in between:
 //   scores: the k-steps' dims are permuted so that lane (g, c) of B reads 8 consecutive
 //     bytes of key g's (and g + 8's) 32-dim block: bytes 8c + 4s .. + 3 for k-step s of the
