@@ -543,8 +543,9 @@ __device__ __forceinline__ void tiled_queries(const float* q, u16 (*qrows)[HD + 
 // The end of the tiled kernels: merges the 4 warps' running max m (log2 units), sum l (this
 // lane's part) and outputs acc (as attn_tiled's) through w_o (shared, TA_WARPS · TA_MAX_GROUP
 // · HD floats, free: the caller synced), then writes the partial of split s (or with one
-// split the normalized output and its 8-bit quantization, if q8 is set).
-template <int HD>
+// split the normalized output and its 8-bit quantization, if q8 is set). PERM: acc's tiles
+// in attn_tiled_q8's order (tile 4b + j, column n: dim 32b + 4n + j) instead of dims 8nt + n.
+template <int HD, bool PERM = false>
 __device__ __forceinline__ void tiled_finish(float m, float l, float (&acc)[HD / 8][4],
                                              float* w_o, float* dest, int li, int i, int kvh,
                                              int s, int group, int n_head, int splits, i8* q8,
@@ -560,10 +561,24 @@ __device__ __forceinline__ void tiled_finish(float m, float l, float (&acc)[HD /
         w_m[warp][h] = m;
         w_l[warp][h] = l;
     }
+    if (PERM) {
+        // Lane (h, c) holds columns 2c, 2c + 1 of tiles 4b .. 4b + 3: dims 32b + 8c + 4e + j.
 #pragma unroll
-    for (int nt = 0; nt < HD / 8; nt++)
-        *reinterpret_cast<float2*>(&w_o[(warp * TA_MAX_GROUP + h) * HD + nt * 8 + qd]) =
-            make_float2(acc[nt][0] + acc[nt][2], acc[nt][1] + acc[nt][3]);
+        for (int b = 0; b < HD / 32; b++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                *reinterpret_cast<float4*>(
+                    &w_o[(warp * TA_MAX_GROUP + h) * HD + b * 32 + 4 * qd + 4 * e]) =
+                    make_float4(acc[4 * b][e] + acc[4 * b][e + 2],
+                                acc[4 * b + 1][e] + acc[4 * b + 1][e + 2],
+                                acc[4 * b + 2][e] + acc[4 * b + 2][e + 2],
+                                acc[4 * b + 3][e] + acc[4 * b + 3][e + 2]);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+            *reinterpret_cast<float2*>(&w_o[(warp * TA_MAX_GROUP + h) * HD + nt * 8 + qd]) =
+                make_float2(acc[nt][0] + acc[nt][2], acc[nt][1] + acc[nt][3]);
+    }
     __syncthreads();
     if (threadIdx.x < group) {
         const int g = threadIdx.x;
@@ -608,8 +623,9 @@ __device__ __forceinline__ void tiled_finish(float m, float l, float (&acc)[HD /
 // One online-softmax step of the tiled kernels for a chunk: x = this lane's 4 scores (log2
 // units, NEG_INF past the split) of head h, whose 16 are spread over lanes 4h..4h+3. Updates
 // the running max m and this lane's sum l, rescales acc, leaves the weights in p. The
-// chunk's first key is always in the split, so its max is finite.
-template <int NT>
+// chunk's first key is always in the split, so its max is finite. LAZY: acc is rescaled
+// only when some lane's max moved (warp-uniform; a factor of 1 leaves it as it is).
+template <int NT, bool LAZY = false>
 __device__ __forceinline__ void tiled_softmax(const float (&x)[4], float& m, float& l,
                                               float (&acc)[NT][4], float (&p)[4]) {
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
@@ -621,6 +637,7 @@ __device__ __forceinline__ void tiled_softmax(const float (&x)[4], float& m, flo
     for (int e = 0; e < 4; e++) p[e] = x[e] == NEG_INF ? 0.0f : ex2(x[e] - m_new);
     l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
     m = m_new;
+    if (LAZY && !__any_sync(0xffffffffu, corr != 1.0f)) return;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         acc[nt][0] *= corr;
@@ -931,7 +948,8 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
                                              const u32* tables, int block_size, int n_head,
                                              int n_head_kv, float scale, int window,
                                              int splits, int tok0, i8* q8, float* q8d,
-                                             const u16* k_sc, const u16* v_sc, int kt, int vt) {
+                                             const u16* k_sc, const u16* v_sc, int kt, int vt,
+                                             int fresh) {
     constexpr int ROW = HD + 8;  // halves per f16 row (16 bytes of padding)
     constexpr int NT = HD / 8;   // 8-dim tiles of the output
     constexpr int NB = HD / 32;  // 32-value blocks (scales) per row
@@ -1028,9 +1046,18 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
     int c = k_begin + warp * TA_KEYS;
     // TQ_STAGES chunks in flight from the start, one cp.async group each; a chunk's stage is
     // refilled (chunk + TQ_STAGES) once both its sides are converted, so "all but the newest
-    // TQ_STAGES - 1 groups done" is the current chunk at the top of the loop.
-#pragma unroll
-    for (int st = 0; st < TQ_STAGES; st++) issue(st, c + st * STRIDE);
+    // TQ_STAGES - 1 groups done" is the current chunk at the top of the loop. As in
+    // attn_tiled, the chunks wholly before pos + 1 - fresh (keys and scales of earlier
+    // steps) are issued before the grid-dependency wait, the rest after it, in order.
+    const int safe = (int)positions[i] + 1 - fresh;
+    int st0 = 0;
+    while (st0 < TQ_STAGES && c + st0 * STRIDE < k_end &&
+           min(c + st0 * STRIDE + TA_KEYS, k_end) <= safe) {
+        issue(st0, c + st0 * STRIDE);
+        st0++;
+    }
+    pdl_enter();
+    for (int st = st0; st < TQ_STAGES; st++) issue(st, c + st * STRIDE);
 
     tiled_queries<HD>(q, qrows, i, n_head, group, kvh, scale);
     __syncthreads();
@@ -1110,22 +1137,266 @@ __device__ __forceinline__ void attn_tiled_q(const float* q, const u16* kc, cons
                      n_head, splits, q8, q8d);
 }
 
-// attn_tiled_q for 64- and 128-dim heads: attention_split_tiled*'s arguments, then the
-// scales and kinds as the other `_q` kernels take them; TA_WARPS · TQ_WARP_BYTES(HD) + the
-// query rows of dynamic shared memory.
+// attn_tiled_q for 64- and 128-dim heads: attention_split_tiled*'s arguments up to q8d, the
+// scales and kinds as the other `_q` kernels take them, then `fresh`; TA_WARPS ·
+// TQ_WARP_BYTES(HD) + the query rows of dynamic shared memory. The grid-dependency wait
+// (pdl_enter) is inside, after the first loads.
 #define ATTN_TILED_Q_KERNEL(NAME, HD, MIN_BLOCKS)                                              \
     extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
     NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
          const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
          int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
-         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt) {     \
-        pdl_enter();                                                                          \
+         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt,       \
+         int fresh) {                                                                         \
         attn_tiled_q<HD>(q, kc, vc, dest, positions, seq_of, table_off, tables, block_size,   \
                          n_head, n_head_kv, scale, window, splits, tok0, q8, q8d, k_sc, v_sc, \
-                         kt, vt);                                                             \
+                         kt, vt, fresh);                                                      \
     }
 ATTN_TILED_Q_KERNEL(attention_split_tiled64_q, 64, 4)
 ATTN_TILED_Q_KERNEL(attention_split_tiled128_q, 128, 3)
+
+// The tiled decode attention over q8_0 keys and values (both KV_Q8_0): attn_tiled's walk
+// (block (token, kv head, split), each warp its 16-key chunks, the same partials or output,
+// the chunks of older keys issued before the grid-dependency wait, each chunk's slots read a
+// chunk ahead), but the warp's ring of TQ8_STAGES(HD) stages holds a chunk's raw quants and
+// scales (34 bytes a 32-value block instead of 64), and the quants go from there straight into
+// mma fragments as exact f16 integers, with no f16 rows in between:
+//   scores: the k-steps' dims are permuted so that lane (g, c) of B reads 8 consecutive
+//     bytes of key g's (and g + 8's) 32-dim block: bytes 8c + 4s .. + 3 for k-step s of the
+//     block, (bytes 0, 2) as k = 2c, 2c + 1 and (1, 3) as 2c + 8, 2c + 9; the query
+//     fragments (rows g: q rounded to f16, g + 8: the remainder, kept in registers) take
+//     the same order. Each block's two k-steps sum Σ q·quant, times the key's block scale,
+//     summed in f32.
+//   P·V: output tile 4b + j's column n is dim 32b + 4n + j, so lane (g, c) reads the word
+//     of dims 4g .. 4g + 3 of keys 2c, 2c + 1, 2c + 8, 2c + 9 and pairs their bytes j; A =
+//     P times the keys' value scales of block b, split into f16 and remainder rows.
+// So the arithmetic is attn_tiled_q's (only the f32 sums and the ~22-bit q and p splits
+// round). Rows are padded (keys by 32 bytes, values by 16) so that those reads hit distinct
+// banks. TQ8_SMEM_BYTES(HD) of dynamic shared memory (attention.rs's `tiled_q8_smem`
+// mirrors it): 5 stages for 128-dim heads (100 KiB a block, 2 blocks an SM), 4 for 64-dim
+// (46 KiB, 4 an SM).
+#define TQ8_KROW(HD) ((HD) + 32)
+#define TQ8_VROW(HD) ((HD) + 16)
+#define TQ8_STAGES(HD) ((HD) == 128 ? 5 : 4)
+#define TQ8_STAGE_BYTES(HD) \
+    (TA_KEYS * (TQ8_KROW(HD) + TQ8_VROW(HD)) + 2 * TA_KEYS * ((HD) / 32) * 2)
+#define TQ8_SMEM_BYTES(HD) (TA_WARPS * TQ8_STAGES(HD) * TQ8_STAGE_BYTES(HD))
+
+// Bytes 0 and 2 of r (two i8) as an f16 pair (byte 0 in the low half), exactly:
+// (1024 + (x + 128)) - 1152.
+__device__ __forceinline__ u32 q8_pair(u32 r) {
+    const u32 x = (r & 0x00ff00ffu) ^ 0x64806480u;
+    u32 y;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(y) : "r"(x), "r"(0x64806480u));
+    return y;
+}
+
+// The NB f16 scales at p (4-byte aligned) as f32.
+template <int NB>
+__device__ __forceinline__ void q8_scales(const u8* p, float (&d)[NB]) {
+#pragma unroll
+    for (int w = 0; w < NB / 2; w++) {
+        const u32 x = reinterpret_cast<const u32*>(p)[w];
+        d[2 * w] = h2f((u16)(x & 0xffffu));
+        d[2 * w + 1] = h2f((u16)(x >> 16));
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_tiled_q8(const float* q, const u8* kc, const u8* vc,
+                                              float* dest, const u32* positions,
+                                              const u32* seq_of, const u32* table_off,
+                                              const u32* tables, int block_size, int n_head,
+                                              int n_head_kv, float scale, int window,
+                                              int splits, int tok0, i8* q8, float* q8d,
+                                              const u16* k_sc, const u16* v_sc, int fresh) {
+    constexpr int NB = HD / 32;  // 32-value blocks (scales) per row
+    constexpr int NT = HD / 8;   // 8-dim tiles of the output
+    constexpr int KROW = TQ8_KROW(HD), VROW = TQ8_VROW(HD);
+    constexpr int STAGES = TQ8_STAGES(HD);
+    constexpr int STAGE = TQ8_STAGE_BYTES(HD);
+    // A stage: K quants [TA_KEYS][KROW], V quants [TA_KEYS][VROW], K scales [TA_KEYS][NB]
+    // f16, V scales likewise.
+    constexpr int V_OFF = TA_KEYS * KROW;
+    constexpr int KS_OFF = TA_KEYS * (KROW + VROW);
+    constexpr int VS_OFF = KS_OFF + TA_KEYS * NB * 2;
+    static_assert(TA_WARPS * STAGES * STAGE >= TA_WARPS * TA_MAX_GROUP * HD * 4, "merge");
+    extern __shared__ __align__(16) u8 t8_smem[];
+    const int li = blockIdx.x, i = tok0 + li, kvh = blockIdx.y, s = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, qc = lane & 3;  // mma fragment row / column pair
+    const int group = n_head / n_head_kv;
+    const int kv_dim = n_head_kv * HD;
+    const int pos = (int)positions[i];
+    int k_begin, k_end;
+    split_key_range(pos, window, splits, s, k_begin, k_end);
+    const u32* table = tables + table_off[seq_of[i]];
+    const u8* ring = t8_smem + warp * STAGES * STAGE;
+    const u32 ring_s = smem_u32(ring);
+
+    // Cache slot of key c + (lane & 15) of the chunk starting at c (0 past the split).
+    auto chunk_slot = [&](int c) -> u32 {
+        const int kp = c + (lane & 15);
+        return kp < k_end ? (u32)kv_slot(table, block_size, kp) : 0u;
+    };
+    // Chunk c (if in the split) into stage st as one cp.async group (empty past the end):
+    // its K and V quants (16-byte pieces), and from lanes 0..15 the key scales, 16..31 the
+    // value scales of key lane & 15. Zeros past the split (scores masked, p = 0 · 0).
+    auto issue = [&](int st, int c, u32 slot) {
+        if (c < k_end) {
+            const u32 base = ring_s + (u32)(st * STAGE);
+#pragma unroll
+            for (int it = 0; it < HD / 32; it++) {
+                const int f = it * 32 + lane, kl = f / (HD / 16), seg = f % (HD / 16);
+                const u32 sl = __shfl_sync(0xffffffffu, slot, kl);
+                const bool ok = c + kl < k_end;
+                const size_t off = ok ? (size_t)sl * kv_dim + (size_t)kvh * HD + seg * 16 : 0;
+                cp_async16(base + (u32)(kl * KROW + seg * 16), kc + off, ok);
+                cp_async16(base + (u32)(V_OFF + kl * VROW + seg * 16), vc + off, ok);
+            }
+            const int kl = lane & 15;
+            const bool ok = c + kl < k_end;
+            const u16* sc = lane < 16 ? k_sc : v_sc;
+            const u16* src = ok ? sc + (size_t)slot * (kv_dim / 32) + (size_t)kvh * NB : sc;
+            cp_async_small(base + (u32)((lane < 16 ? KS_OFF : VS_OFF) + kl * NB * 2), src,
+                           NB * 2, ok);
+        }
+        cp_async_commit();
+    };
+
+    constexpr int STRIDE = TA_WARPS * TA_KEYS;
+    const int c0 = k_begin + warp * TA_KEYS;
+    // The ring's first chunks: those wholly before pos + 1 - fresh (written by earlier
+    // steps) now, the rest (in order: the groups are waited on oldest first) after the wait.
+    const int safe = pos + 1 - fresh;
+    int st0 = 0;
+    while (st0 < STAGES && c0 + st0 * STRIDE < k_end &&
+           min(c0 + st0 * STRIDE + TA_KEYS, k_end) <= safe) {
+        issue(st0, c0 + st0 * STRIDE, chunk_slot(c0 + st0 * STRIDE));
+        st0++;
+    }
+    pdl_enter();
+    for (int st = st0; st < STAGES; st++) {
+        const int c = c0 + st * STRIDE;
+        issue(st, c, c < k_end ? chunk_slot(c) : 0u);
+    }
+
+    // The query fragments of k-step 2b + s: dims d = 32b + 8qc + 4s .. d + 3 of head g of
+    // the group (zeros past it), pre-scaled into log2 units: [0] = f16 of (d, d + 2), [1]
+    // its remainder (row g + 8), [2] / [3] the same of (d + 1, d + 3).
+    u32 qf[2 * NB][4];
+    {
+        const float qs = scale * TA_LOG2E;
+        const float* qrow = q + (size_t)i * n_head * HD + (size_t)(kvh * group + g) * HD;
+#pragma unroll
+        for (int k = 0; k < 2 * NB; k++) {
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (g < group)
+                x = *reinterpret_cast<const float4*>(qrow + (k >> 1) * 32 + 8 * qc + 4 * (k & 1));
+            split_f16x2(x.x * qs, x.z * qs, qf[k][0], qf[k][1]);
+            split_f16x2(x.y * qs, x.w * qs, qf[k][2], qf[k][3]);
+        }
+    }
+
+    float m = NEG_INF, l = 0.0f;  // head g: running max (log2 units), this lane's sum
+    float acc[NT][4];             // tile 4b + j (see above); [0..1] rows g, [2..3] g + 8
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+
+    // The slot of the next chunk to issue, read a chunk ahead.
+    u32 slot_n = c0 + STAGES * STRIDE < k_end ? chunk_slot(c0 + STAGES * STRIDE) : 0u;
+    int st = 0;
+    for (int c = c0; c < k_end; c += STRIDE) {
+        const int cn = c + STAGES * STRIDE;
+        const u32 slot_cn = slot_n;
+        slot_n = cn + STRIDE < k_end ? chunk_slot(cn + STRIDE) : 0u;
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+        __syncwarp();
+        const u8* kq = ring + st * STAGE;
+        const u8* vq = kq + V_OFF;
+        // This lane's keys 2qc, 2qc + 1, 8 + 2qc, 9 + 2qc (its score columns and P's A
+        // columns): their key and value scales.
+        float kd[4][NB], vd[4][NB];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int key = (r >> 1) * 8 + 2 * qc + (r & 1);
+            q8_scales<NB>(kq + KS_OFF + key * NB * 2, kd[r]);
+            q8_scales<NB>(kq + VS_OFF + key * NB * 2, vd[r]);
+        }
+        // sc[j][e]: key 8j + 2qc + e of the chunk, Σ over the blocks of its scale times the
+        // block's (hi + lo) sum.
+        float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            float t[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                t[j][0] = t[j][1] = t[j][2] = t[j][3] = 0.0f;
+                const uint2 w =
+                    *reinterpret_cast<const uint2*>(kq + (8 * j + g) * KROW + b * 32 + 8 * qc);
+                mma_f16(t[j], qf[2 * b], q8_pair(w.x), q8_pair(w.x >> 8));
+                mma_f16(t[j], qf[2 * b + 1], q8_pair(w.y), q8_pair(w.y >> 8));
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    sc[j][e] += kd[2 * j + e][b] * (t[j][e] + t[j][e + 2]);
+        }
+        float x[4];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                x[2 * j + e] = c + 8 * j + 2 * qc + e < k_end ? sc[j][e] : NEG_INF;
+        float p[4];
+        tiled_softmax<NT, true>(x, m, l, acc, p);
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            // P for this block: each key's weight times its value scale, split.
+            u32 pa[4];
+            split_f16x2(p[0] * vd[0][b], p[1] * vd[1][b], pa[0], pa[1]);
+            split_f16x2(p[2] * vd[2][b], p[3] * vd[3][b], pa[2], pa[3]);
+            const u8* vb = vq + b * 32 + 4 * g;
+            const u32 w0 = *reinterpret_cast<const u32*>(vb + (2 * qc) * VROW);
+            const u32 w1 = *reinterpret_cast<const u32*>(vb + (2 * qc + 1) * VROW);
+            const u32 w2 = *reinterpret_cast<const u32*>(vb + (2 * qc + 8) * VROW);
+            const u32 w3 = *reinterpret_cast<const u32*>(vb + (2 * qc + 9) * VROW);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                // Byte j of the first word in byte 0, of the second in byte 2.
+                const u32 sel = (u32)j | ((u32)(4 + j) << 8);
+                mma_f16(acc[4 * b + j], pa, q8_pair(__byte_perm(w0, w1, sel)),
+                        q8_pair(__byte_perm(w2, w3, sel)));
+            }
+        }
+        __syncwarp();  // every lane has read the stage: refill it
+        issue(st, cn, slot_cn);
+        st = st + 1 == STAGES ? 0 : st + 1;
+    }
+    cp_async_wait_all();
+
+    // Merge the warps (tiled_finish); the rings' space is free once every warp is done.
+    __syncthreads();
+    tiled_finish<HD, true>(m, l, acc, reinterpret_cast<float*>(t8_smem), dest, li, i, kvh, s,
+                           group, n_head, splits, q8, q8d);
+}
+
+// attn_tiled_q8 for 64- and 128-dim heads: attention_split_tiled*_q's arguments (the kinds
+// unused: both KV_Q8_0), TQ8_SMEM_BYTES(HD) of dynamic shared memory.
+#define ATTN_TILED_Q8_KERNEL(NAME, HD, MIN_BLOCKS)                                             \
+    extern "C" __global__ void __launch_bounds__(TA_WARPS * 32, MIN_BLOCKS)                   \
+    NAME(const float* q, const u16* kc, const u16* vc, float* dest, const u32* positions,     \
+         const u32* seq_of, const u32* table_off, const u32* tables, int block_size,          \
+         int n_head, int n_head_kv, int head_dim, float scale, int window, int splits,        \
+         int tok0, i8* q8, float* q8d, const u16* k_sc, const u16* v_sc, int kt, int vt,       \
+         int fresh) {                                                                         \
+        attn_tiled_q8<HD>(q, reinterpret_cast<const u8*>(kc), reinterpret_cast<const u8*>(vc), \
+                          dest, positions, seq_of, table_off, tables, block_size, n_head,     \
+                          n_head_kv, scale, window, splits, tok0, q8, q8d, k_sc, v_sc, fresh); \
+    }
+ATTN_TILED_Q8_KERNEL(attention_split_tiled64_q8, 64, 4)
+ATTN_TILED_Q8_KERNEL(attention_split_tiled128_q8, 128, 2)
 
 // The merge weights of one (token, head)'s partials p (splits × (head_dim + 2) floats:
 // the partial output, its max, its sum), computed by one warp: weight[s] = exp(max_s −

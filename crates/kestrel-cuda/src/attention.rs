@@ -20,6 +20,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "attention_split_tiled128",
     "attention_split_tiled64_q",
     "attention_split_tiled128_q",
+    "attention_split_tiled64_q8",
+    "attention_split_tiled128_q8",
     "attention_combine",
     "attention_combine_mmk",
     "attention_prefill",
@@ -76,6 +78,16 @@ pub(crate) fn tiled_q_smem(head_dim: usize) -> u32 {
     let stage = 2 * keys * head_dim + 2 * keys * nb * 2;
     let warp = rows + STAGES * stage + 2 * keys * nb * 4;
     (4 * warp + rows) as u32
+}
+
+/// Dynamic shared memory of `attention_split_tiled{64,128}_q8` (kernels/attention.cu:
+/// TQ8_SMEM_BYTES): per warp a ring of 5 (128-dim heads) or 4 (64-dim) stages of a 16-key
+/// chunk's raw q8_0 rows, keys padded by 32 bytes and values by 16, and their f16 scales.
+pub(crate) fn tiled_q8_smem(head_dim: usize) -> u32 {
+    let stages = if head_dim == 128 { 5 } else { 4 };
+    let keys = 16;
+    let stage = keys * (head_dim + 32) + keys * (head_dim + 16) + 2 * keys * (head_dim / 32) * 2;
+    (4 * stages * stage) as u32
 }
 
 /// Whether split decode attention runs `attention_split_gqa` (one block per kv head, its
@@ -139,8 +151,11 @@ pub(crate) struct AttnLaunch {
     /// Keys and values both quantized (q8_0, q4_0 or fp8, in any pair): the tiled kernels
     /// over quantized blocks can take the decode steps.
     pub(crate) tiled_q: bool,
+    /// Keys and values both q8_0: the tiled decode kernels reading the quants straight into
+    /// their mma fragments (`attention_split_tiled*_q8`) take the decode steps.
+    pub(crate) tiled_q8: bool,
     /// The step's token count: each token's keys before its position + 1 − this were
-    /// written by earlier steps (the f16 tiled kernels load those before their
+    /// written by earlier steps (the tiled kernels load those before their
     /// grid-dependency wait).
     pub(crate) fresh: usize,
 }
@@ -185,14 +200,14 @@ impl CudaBackend {
         // round of loads, and each split is one more partial to write and merge). One split
         // (e.g. 64 sequences × 8 kv heads, or no sequence longer than 64) writes the output
         // directly, without attention_combine. The count is a power of two and changes only
-        // when the longest length crosses one. Over quantized caches the 128-dim kernel
-        // (168 registers, 57 KiB of staging) keeps 3 blocks an SM: its wave is 396 blocks,
-        // so at most 384.
+        // when the longest length crosses one. The q8_0 kernels (100 / 46 KiB of ring) keep
+        // the f16 kernels' 2 / 4 blocks an SM; over other quantized caches the 128-dim kernel
+        // (168 registers, 57 KiB of staging) keeps 3: its wave is 396 blocks, so at most 384.
         const ATTN_SPLIT_BLOCKS: usize = 512;
         let tiled = (a.quant.is_none() || a.tiled_q) && tiled_split_attention(p);
         let gqa = gqa_split_attention(p);
         let splits = if tiled {
-            let wave = match (a.quant.is_some(), p.head_dim) {
+            let wave = match (a.quant.is_some() && !a.tiled_q8, p.head_dim) {
                 (true, 128) => 384,
                 (false, 128) => 256,
                 _ => ATTN_SPLIT_BLOCKS,
@@ -270,11 +285,13 @@ impl CudaBackend {
             let part_len = m * p.n_head * splits * (p.head_dim + 2);
             let fits = part_len <= step.attn_part_len;
             if tiled && (splits == 1 || fits) {
-                let name = match (p.head_dim, a.quant.is_some()) {
-                    (64, false) => "attention_split_tiled64",
-                    (64, true) => "attention_split_tiled64_q",
-                    (_, false) => "attention_split_tiled128",
-                    (_, true) => "attention_split_tiled128_q",
+                let name = match (p.head_dim, a.quant.is_some(), a.tiled_q8) {
+                    (64, false, _) => "attention_split_tiled64",
+                    (64, true, false) => "attention_split_tiled64_q",
+                    (64, true, true) => "attention_split_tiled64_q8",
+                    (_, false, _) => "attention_split_tiled128",
+                    (_, true, false) => "attention_split_tiled128_q",
+                    (_, true, true) => "attention_split_tiled128_q8",
                 };
                 // One split: the output itself (normalized); otherwise the partials.
                 let dest = if splits == 1 {
@@ -287,11 +304,11 @@ impl CudaBackend {
                 args.push(Arg::I(t as i32));
                 let (q8, q8d) = if splits == 1 { (q8, q8d) } else { (0, 0) };
                 args.extend([Arg::P(q8), Arg::P(q8d)]);
-                // Quantized caches: the scales and kinds last; f16: the step's token count.
-                match a.quant {
-                    Some(quant) => args.extend(quant),
-                    None => args.push(Arg::I(a.fresh as i32)),
+                // Quantized caches: the scales and kinds; then the step's token count.
+                if let Some(quant) = a.quant {
+                    args.extend(quant);
                 }
+                args.push(Arg::I(a.fresh as i32));
                 self.launch(
                     name,
                     (m as u32, p.n_head_kv as u32, splits as u32),
@@ -509,6 +526,7 @@ pub(crate) fn attention(
         mmk,
         quant: cache.quantized().then(|| cache.quant_args(p.layer)),
         tiled_q: cache.types.k != KvType::F16 && cache.types.v != KvType::F16,
+        tiled_q8: cache.types.k == KvType::Q8_0 && cache.types.v == KvType::Q8_0,
         fresh: n,
     };
     // After launches that wrote the whole step's quantized output: what the output
@@ -754,5 +772,13 @@ mod tests {
         }
         // Three stages of a 128-dim head's 16-key chunk (K and V) a warp: 106.25 KiB.
         assert_eq!(tiled_smem(128), 108_800);
+        // The q8_0 kernels: the same blocks an SM, the merge in their rings.
+        for (hd, blocks) in [(128usize, 2u32), (64, 4)] {
+            let smem = tiled_q8_smem(hd);
+            assert!(blocks * (smem + 1024) <= sm, "q8 {hd}: {smem} B × {blocks}");
+            assert!(smem >= (4 * TILED_ATTN_MAX_GROUP * hd * 4) as u32);
+        }
+        // Five stages of 16 keys × (160 + 144) bytes and 256 bytes of scales a warp: 100 KiB.
+        assert_eq!(tiled_q8_smem(128), 102_400);
     }
 }

@@ -111,13 +111,15 @@ pub(crate) fn grid_1d(len: usize, block: usize) -> (u32, u32, u32) {
 /// (3) steps of their block's 64 weight rows (MS_WROW = 224 bytes each) and of the
 /// activations of their 8·J tokens (MS_XROW = 288 bytes each and a 4-byte step;
 /// kernels/mmq.cu); the tiled decode attention its staging (`attention::tiled_smem`,
-/// `attention::tiled_q_smem`); others use none.
+/// `attention::tiled_q_smem`, `attention::tiled_q8_smem`); others use none.
 pub(crate) fn dynamic_smem(name: &str) -> u32 {
     match name {
         "attention_split_tiled64" => return crate::attention::tiled_smem(64),
         "attention_split_tiled128" => return crate::attention::tiled_smem(128),
         "attention_split_tiled64_q" => return crate::attention::tiled_q_smem(64),
         "attention_split_tiled128_q" => return crate::attention::tiled_q_smem(128),
+        "attention_split_tiled64_q8" => return crate::attention::tiled_q8_smem(64),
+        "attention_split_tiled128_q8" => return crate::attention::tiled_q8_smem(128),
         _ => {}
     }
     if name == "mmw_gated" {

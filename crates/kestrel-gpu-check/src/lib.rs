@@ -2202,17 +2202,19 @@ pub const ATTN_LONG_POSITIONS: usize = 2_085;
 /// ranges of 33): the merge of the splits must weigh an empty partial as nothing.
 pub const ATTN_EMPTY_SPLIT_POSITIONS: usize = 2_049;
 
-/// Deep f16 caches of the attention check ((query heads, kv heads, head size), cached
+/// Deep caches of the attention check (f16 and q8_0) ((query heads, kv heads, head size), cached
 /// positions): steps of 1 and 5 tokens at the end split them (128-dim heads: at most 256
 /// blocks; 64-dim: 512) into ranges of many 16-key chunks a warp, so the tiled kernels' ring
 /// of stages wraps, at odd lengths. Group 1: 8 splits of 376 keys, then one split of all
 /// 3,001 (the output written directly); group 4: 32 splits of 94, then 4 of 751; group 8 at
-/// both head sizes: 64 splits of 193, then 32 of 386 (64-dim: 64).
-pub const ATTN_DEEP: [((usize, usize, usize), usize); 4] = [
+/// both head sizes: 64 splits of 193, then 32 of 386 (64-dim: 64); group 2 of 64-dim heads:
+/// 64 splits of 313 (the 4-stage q8_0 ring wraps), then 32 of 626.
+pub const ATTN_DEEP: [((usize, usize, usize), usize); 5] = [
     ((32, 32, 128), 3_001),
     ((32, 8, 128), 3_001),
     ((8, 1, 128), 12_345),
     ((8, 1, 64), 12_345),
+    ((4, 2, 64), 20_011),
 ];
 
 /// E4M3's value of code `c` (0x7f and 0xff are NaN and never written).

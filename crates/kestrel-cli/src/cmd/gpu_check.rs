@@ -54,7 +54,7 @@ pub struct Args {
     #[arg(long)]
     pub moe: bool,
     /// Only the attention kernels' checks against f64 (every shape and cache type, the deep
-    /// f16 caches) and `store_kv_q`'s bytes.
+    /// f16 and q8_0 caches) and `store_kv_q`'s bytes.
     #[arg(long)]
     pub attention: bool,
     /// Only the speculative-verification checks: products of 2..=8 tokens bit-identical to
@@ -1193,8 +1193,8 @@ struct ProductCheck {
 const K_QUANTS: &[GgmlType] = &[GgmlType::Q4K, GgmlType::Q6K];
 
 /// The attention kernels against f64 over the values each cache holds (every shape of
-/// `ATTN_SHAPES` and cache type, a short and two long caches; then the deep f16 caches of
-/// `ATTN_DEEP`), gpt-oss's sinks, and `store_kv_q` against the CPU's quantizer, on a
+/// `ATTN_SHAPES` and cache type, a short and two long caches; then the deep f16 and q8_0
+/// caches of `ATTN_DEEP`), gpt-oss's sinks, and `store_kv_q` against the CPU's quantizer, on a
 /// backend of their own: the count of failed checks.
 fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<usize> {
     let backend = kestrel_cuda::CudaBackend::new(args.gpu)?;
@@ -1274,28 +1274,33 @@ fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<u
             }
         }
     }
-    // Deep f16 caches: many 16-key chunks a warp (the tiled kernels' ring wraps), 1 to 64
-    // splits, groups of 1, 4 and 8 query heads.
+    // Deep caches, f16 and q8_0: many 16-key chunks a warp (the tiled kernels' rings wrap),
+    // 1 to 64 splits, groups of 1, 4 and 8 query heads.
     for (id, &(heads, len)) in selfcheck::ATTN_DEEP.iter().enumerate() {
-        let kv = kestrel_model::KvTypes::default();
-        let (h, hk, d) = heads;
-        let case_seed = seed.wrapping_add(1_180 + id as u64);
-        match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
-            Ok(r) => {
-                failures += usize::from(!r.passed());
-                println!(
-                    "attn f64 {h}/{hk}/{d:<6} kv f16/f16 deep: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
-                    r.steps,
-                    r.positions,
-                    r.max_abs_diff,
-                    r.chunk_abs_diff,
-                    r.max_abs_out,
-                    if r.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("attn f64 {h}/{hk}/{d:<6} kv f16/f16 deep: ERROR {e:#}");
+        for (ik, t) in [kestrel_model::KvType::F16, kestrel_model::KvType::Q8_0]
+            .into_iter()
+            .enumerate()
+        {
+            let kv = kestrel_model::KvTypes { k: t, v: t };
+            let (h, hk, d) = heads;
+            let case_seed = seed.wrapping_add(1_180 + (id * 2 + ik) as u64);
+            match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "attn f64 {h}/{hk}/{d:<6} kv {t}/{t} deep: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
+                        r.steps,
+                        r.positions,
+                        r.max_abs_diff,
+                        r.chunk_abs_diff,
+                        r.max_abs_out,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("attn f64 {h}/{hk}/{d:<6} kv {t}/{t} deep: ERROR {e:#}");
+                }
             }
         }
     }
