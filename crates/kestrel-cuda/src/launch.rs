@@ -55,14 +55,17 @@ pub(crate) struct Launch {
 /// Launch records from this index on are not kernels but operations on other devices'
 /// data, recorded and captured like kernels (`run_special`): an NCCL all-reduce
 /// (`[P(buffer), L(count)]`), an NCCL all-gather (`[P(send), P(recv), L(count)]`) and a
-/// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`)
-/// and a copy to another device's memory (`[P(dst), P(src), L(bytes)]`, a layer split's
-/// activations where the devices lack peer access).
-pub(crate) const SPECIAL_BASE: usize = usize::MAX - 3;
+/// strided copy (`[P(src), L(src pitch), P(dst), L(dst pitch), L(width bytes), L(rows)]`),
+/// a copy to another device's memory (`[P(dst), P(src), L(bytes)]`, a layer split's
+/// activations where the devices lack peer access) and a cuBLAS product
+/// (`[P(a), L(rows), L(cols), P(x), L(n), P(out), L(ld), I(accumulate)]`, see
+/// `gemm_f16_raw`).
+pub(crate) const SPECIAL_BASE: usize = usize::MAX - 4;
 pub(crate) const SPECIAL_ALL_REDUCE: usize = usize::MAX;
 pub(crate) const SPECIAL_ALL_GATHER: usize = usize::MAX - 1;
 pub(crate) const SPECIAL_COPY_2D: usize = usize::MAX - 2;
 pub(crate) const SPECIAL_PEER_COPY: usize = usize::MAX - 3;
+pub(crate) const SPECIAL_GEMM: usize = usize::MAX - 4;
 
 /// A captured step.
 pub(crate) struct StepGraph(CudaGraph);
@@ -72,6 +75,9 @@ pub(crate) struct StepGraph(CudaGraph);
 pub(crate) struct Recorder {
     /// Whether launches are being recorded instead of issued.
     pub(crate) deferring: bool,
+    /// Whether the step being recorded takes cuBLAS where an eager one would (its products
+    /// recorded as [`SPECIAL_GEMM`]); false: the step's kernels are chosen without cuBLAS.
+    pub(crate) gemms: bool,
     pub(crate) pending: Vec<Launch>,
     /// The list each part of the last step ran eagerly (a step is issued in parts when its
     /// owner calls `issue_part` while recording: see [`CudaBackend::flush_part`]).
@@ -275,6 +281,34 @@ impl CudaBackend {
         }
         let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
         let r = match l.func {
+            SPECIAL_GEMM => match &self.blas {
+                None => Err(anyhow::anyhow!("a GEMM without cuBLAS")),
+                Some(blas) => {
+                    let shape = crate::matmul::cublas::Shape {
+                        rows: arg(1) as usize,
+                        cols: arg(2) as usize,
+                        n: arg(4) as usize,
+                        ld: arg(6) as usize,
+                    };
+                    let accumulate = matches!(l.args.get(7), Some(Arg::I(1)));
+                    crate::matmul::cublas::gemm_ex_raw(
+                        blas,
+                        shape,
+                        arg(0),
+                        arg(3),
+                        arg(5),
+                        accumulate,
+                    )
+                    .map_err(|e| {
+                        anyhow::anyhow!(
+                            "cuBLAS GEMM ({}×{} by {} tokens): {e}",
+                            shape.rows,
+                            shape.cols,
+                            shape.n
+                        )
+                    })
+                }
+            },
             SPECIAL_ALL_REDUCE | SPECIAL_ALL_GATHER => match self.comm.get() {
                 None => Err(anyhow::anyhow!(
                     "a collective on a backend without a communicator"
@@ -411,6 +445,7 @@ impl CudaBackend {
         let part = rec.part;
         if step_end {
             rec.deferring = false;
+            rec.gemms = false;
             rec.part = 0;
         }
         if rec.pending.is_empty() {

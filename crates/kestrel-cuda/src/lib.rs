@@ -11,7 +11,8 @@
 //! remembered and reported by the next `prepare_step` or `read_rows`.
 //!
 //! Decode steps (at most [`GRAPH_MAX_TOKENS`] tokens, or as many as the tensor-core kernels
-//! for quantized weights take) are replayed as CUDA graphs: their
+//! for quantized weights take, or one token a sequence of any count, their cuBLAS products
+//! included: see `step::record_step`) are replayed as CUDA graphs: their
 //! launches are recorded, not issued, until the step's results are needed (`read_rows`,
 //! `check`, the next `prepare_step`). A recorded list identical to the previous one (same
 //! kernels, grids and arguments, pointers included) is captured once as a graph and
@@ -95,7 +96,8 @@ pub fn device_count() -> anyhow::Result<usize> {
     Ok(n.max(0) as usize)
 }
 
-/// Steps of at most this many tokens are recorded and replayed as CUDA graphs.
+/// Steps of at most this many tokens are recorded and replayed as CUDA graphs (and larger
+/// ones: see `step::record_step`).
 pub const GRAPH_MAX_TOKENS: usize = 8;
 /// Steps of at most this many tokens use the GEMV kernels (`kernels/gemv.cu`).
 pub const GEMV_MAX_TOKENS: usize = 8;
@@ -189,7 +191,7 @@ pub struct CudaBackend {
     sample_masks: Mutex<sample::MaskBuffers>,
     mask_stream: std::sync::OnceLock<Option<Arc<CudaStream>>>,
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
-    /// cuBLAS (then steps of 2–8 tokens are not recorded for graph replay).
+    /// cuBLAS (then steps of 2–8 tokens are recorded with their cuBLAS products, on one GPU).
     f16_copies: std::sync::atomic::AtomicBool,
     /// The Q8-capable types (bit `GgmlType::id()`) of which some weight has an f16 copy:
     /// cuBLAS takes their steps that the 8-bit kernels do not.

@@ -1805,6 +1805,79 @@ pub fn compare_graph_replay(
     })
 }
 
+/// Batched decode with CUDA graphs against decode without them: `seqs` sequences (prompts
+/// of 1-7 tokens, evaluated together), then `steps` decode steps of one token a sequence
+/// (teacher-forced, all logits read back); every logit must be bit-identical. Decode steps
+/// of more than 32 sequences go through cuBLAS, recorded into the step's graph.
+/// `replays` counts the graph engine's replays during the decode steps only.
+pub fn compare_graph_replay_batched(
+    arch: Arch,
+    ty: &str,
+    seqs: usize,
+    steps: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<GraphReport> {
+    let file = tiny_model(arch, ty, seed)?;
+    let with = CudaBackend::new(ordinal)?;
+    with.set_graphs(true);
+    let without = CudaBackend::new(ordinal)?;
+    without.set_graphs(false);
+    let replays = with.replay_counter();
+    let opts = EngineOptions {
+        max_seqs: seqs + 1,
+        ..options(256)
+    };
+    let mut engines = [
+        Engine::new(with, file.clone(), &opts)?,
+        Engine::new(without, file.clone(), &opts)?,
+    ];
+    let vocab = engines[0].config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x64b7);
+    let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
+    let tokens: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
+        .collect();
+    let mut logits: [Vec<Vec<f32>>; 2] = Default::default();
+    let mut decode_replays = 0;
+    for (e, (engine, out)) in engines.iter_mut().zip(&mut logits).enumerate() {
+        let mut state = vec![Sequence::default(); seqs];
+        let heads: Vec<&[u32]> = tokens.iter().zip(&lens).map(|(t, &n)| &t[..n]).collect();
+        engine.eval_batch(&mut state, &heads, false, |_, _, row| {
+            out.push(row.to_vec())
+        })?;
+        let before = replays.load(std::sync::atomic::Ordering::Relaxed);
+        for t in 0..steps {
+            let step: Vec<&[u32]> = tokens
+                .iter()
+                .zip(&lens)
+                .map(|(p, &n)| &p[n + t..n + t + 1])
+                .collect();
+            engine.eval_batch(&mut state, &step, false, |_, _, row| out.push(row.to_vec()))?;
+        }
+        if e == 0 {
+            decode_replays = replays.load(std::sync::atomic::Ordering::Relaxed) - before;
+        }
+        for s in &mut state {
+            engine.release(s);
+        }
+    }
+    let [a, b] = &logits;
+    let identical = a.len() == seqs * (steps + 1)
+        && a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        });
+    Ok(GraphReport {
+        arch,
+        ty: ty.to_string(),
+        steps,
+        replays: decode_replays,
+        identical,
+    })
+}
+
 /// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,
 /// for a prompt-sized step (eager) and a decode-sized one run three times (recorded into
 /// a CUDA graph, then replayed). Returns (rows compared, rows that differ).

@@ -53,6 +53,10 @@ pub struct Args {
     /// Only the mixture-of-experts checks (blocks alone, logits, greedy, verification).
     #[arg(long)]
     pub moe: bool,
+    /// Only the graph-replay checks: single-token steps and batched decode steps (37 and 64
+    /// sequences, their cuBLAS products in the graph) against eager launches, bit for bit.
+    #[arg(long)]
+    pub graphs: bool,
     /// Only the attention kernels' checks against f64 (every shape and cache type, the deep
     /// f16 and q8_0 caches) and `store_kv_q`'s bytes.
     #[arg(long)]
@@ -827,6 +831,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let failures = check_sampling(&backend, args.gpu, seed);
         return verdict(failures, "sampling");
     }
+    if args.graphs {
+        drop(backend);
+        let failures = check_graphs(&args, seed);
+        return verdict(failures, "graph replay");
+    }
     if args.verification {
         let mut failures = check_invariant_products(&backend, seed);
         drop(backend);
@@ -1128,6 +1137,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    failures += check_graphs(&args, seed);
+    failures += check_hybrids(&args, seed);
+    println!("total {:.1} s", start.elapsed().as_secs_f64());
+    verdict(failures, "GPU")
+}
+
+/// Graph replay against eager launches: single-token steps, then batched decode steps of
+/// more sequences than the tensor-core kernels take (through cuBLAS, recorded). Returns
+/// the failures.
+fn check_graphs(args: &Args, seed: u64) -> usize {
+    let mut failures = 0;
+    let row =
+        |failures: &mut usize, what: String, r: anyhow::Result<selfcheck::GraphReport>| match r {
+            Ok(r) => {
+                let ok = r.passed();
+                *failures += usize::from(!ok);
+                println!(
+                    "{what} {} replays, logits {}  {}",
+                    r.replays,
+                    if r.identical {
+                        "bit-identical"
+                    } else {
+                        "DIFFER"
+                    },
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                *failures += 1;
+                println!("{what} ERROR {e:#}");
+            }
+        };
     println!(
         "graph replay vs eager launches, {} single-token steps:",
         args.generate
@@ -1135,33 +1176,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for (ia, arch) in ARCHS.into_iter().enumerate() {
         for ty in ["f32", "q4_k_m", "q8_0"] {
             let case_seed = seed.wrapping_add(20_000 + ia as u64);
-            match selfcheck::compare_graph_replay(arch, ty, args.generate, case_seed, args.gpu) {
-                Ok(r) => {
-                    let ok = r.passed();
-                    failures += usize::from(!ok);
-                    println!(
-                        "{:<8} {:<8} {} replays, logits {}  {}",
-                        arch.name(),
-                        ty,
-                        r.replays,
-                        if r.identical {
-                            "bit-identical"
-                        } else {
-                            "DIFFER"
-                        },
-                        if ok { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("{:<8} {:<8} ERROR {e:#}", arch.name(), ty);
-                }
+            let r = selfcheck::compare_graph_replay(arch, ty, args.generate, case_seed, args.gpu);
+            row(&mut failures, format!("{:<8} {:<8}", arch.name(), ty), r);
+        }
+    }
+    const STEPS: usize = 8;
+    println!("graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graph):");
+    for (ia, arch) in ARCHS.into_iter().enumerate() {
+        for (it, ty) in ["f32", "q4_k_m", "q8_0"].into_iter().enumerate() {
+            for seqs in [37, 64] {
+                let case_seed = seed.wrapping_add(21_000 + (ia * 10 + it) as u64 + seqs as u64);
+                let r = selfcheck::compare_graph_replay_batched(
+                    arch, ty, seqs, STEPS, case_seed, args.gpu,
+                );
+                row(
+                    &mut failures,
+                    format!("{:<8} {:<8} {seqs:>2} seqs", arch.name(), ty),
+                    r,
+                );
             }
         }
     }
-    failures += check_hybrids(&args, seed);
-    println!("total {:.1} s", start.elapsed().as_secs_f64());
-    verdict(failures, "GPU")
+    failures
 }
 
 /// A weight type and the token-count cases of one product check: (rows, cols, tokens, seed).

@@ -70,6 +70,8 @@ pub(crate) struct GemmScratch {
     pub(crate) gate_up: Option<CudaSlice<u16>>,
     /// f16 activations written by a kernel that reads others from `x` (`mmw_gated`).
     pub(crate) h: Option<CudaSlice<u16>>,
+    /// Buffers replaced while a step was being recorded, freed once it has run.
+    pub(crate) retired: Vec<CudaSlice<u16>>,
 }
 
 impl CudaBackend {
@@ -80,17 +82,25 @@ impl CudaBackend {
         len: usize,
     ) -> Option<u64> {
         let mut s = self.gemm_scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let slot = which(&mut s);
-        if slot.as_ref().is_none_or(|b| b.len() < len) {
-            *slot = None; // free the old one first
+        if which(&mut s).as_ref().is_none_or(|b| b.len() < len) {
+            // Free the old one first, unless launches of the step being recorded (issued
+            // later) still read it: then it is kept until the next step's preparation.
+            if let Some(old) = which(&mut s).take() {
+                if self.lock_recorder().deferring {
+                    s.retired.push(old);
+                } else {
+                    drop(old);
+                }
+            }
             match self.alloc::<u16>(len, "GEMM scratch") {
-                Ok(b) => *slot = Some(b),
+                Ok(b) => *which(&mut s) = Some(b),
                 Err(e) => {
                     self.fail(format!("{e:#}"));
                     return None;
                 }
             }
         }
+        let slot = which(&mut s);
         slot.as_ref().map(|b| self.ptr(b))
     }
 
@@ -140,10 +150,8 @@ impl CudaBackend {
     /// the tensor-core kernels' token range run on cuBLAS (see `prefer_gemm`). None: not
     /// such a step.
     pub(crate) fn f16_copy_for_gemm(&self, n: usize, cols: usize) -> Option<u64> {
-        let gemm_step = self.blas.is_some()
-            && n >= GEMM_MIN_TOKENS
-            && n > MMQ_MAX_TOKENS
-            && !self.lock_recorder().deferring;
+        let gemm_step =
+            self.blas.is_some() && n >= GEMM_MIN_TOKENS && n > MMQ_MAX_TOKENS && self.cublas_now();
         gemm_step
             .then(|| self.scratch_ptr(|s| &mut s.x, n * cols))
             .flatten()
@@ -280,7 +288,9 @@ impl CudaBackend {
         out: &CudaTensor,
     ) -> bool {
         let len = n * out.cols;
+        // (Its copies wait on events of another stream: not a step's recorded launches.)
         if !self.options.read_ahead
+            || self.lock_recorder().deferring
             || !self
                 .rows_read_back
                 .load(std::sync::atomic::Ordering::Relaxed)
@@ -382,13 +392,30 @@ impl CudaBackend {
         ld: usize,
         accumulate: bool,
     ) {
-        let Some(blas) = &self.blas else {
+        if self.blas.is_none() {
             self.fail("GEMM without cuBLAS".into());
             return;
-        };
-        let shape = cublas::Shape { rows, cols, n, ld };
-        if let Err(e) = cublas::gemm_ex_raw(blas, shape, a, xh, out, accumulate) {
-            self.fail(format!("cuBLAS GEMM ({rows}×{cols} by {n} tokens): {e}"));
+        }
+        // Issued now, or recorded with the step (`run_special` issues it, also into a graph).
+        let args = [
+            Arg::P(a),
+            Arg::L(rows as i64),
+            Arg::L(cols as i64),
+            Arg::P(xh),
+            Arg::L(n as i64),
+            Arg::P(out),
+            Arg::L(ld as i64),
+            Arg::I(i32::from(accumulate)),
+        ];
+        self.enqueue(SPECIAL_GEMM, (1, 1, 1), 0, &args, 0);
+    }
+
+    /// Whether products may go through cuBLAS now: it is loaded, and no step is being
+    /// recorded or the recorded one takes cuBLAS (see `record_step`).
+    pub(crate) fn cublas_now(&self) -> bool {
+        self.blas.is_some() && {
+            let rec = self.lock_recorder();
+            !rec.deferring || rec.gemms
         }
     }
 }

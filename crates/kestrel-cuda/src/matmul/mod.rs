@@ -64,7 +64,7 @@ impl CudaBackend {
     /// What the kernel choice depends on besides the product (see [`plan::Context`]).
     pub(crate) fn plan_context(&self) -> Context {
         Context {
-            cublas: self.blas.is_some() && !self.lock_recorder().deferring,
+            cublas: self.cublas_now(),
             q8: self.q8_decode(),
             mmk: self.mmk_on(),
             forced_rows: self.gemv_q8_rows(),
@@ -471,8 +471,8 @@ pub(crate) fn qkv(
     }
     // Through cuBLAS: one product over Q's merged f16 copy (K's and V's rows behind
     // Q's), split into q, k and v with the biases added.
-    // (Only where prefer_gemm agrees: a step recorded for graph replay must not call
-    // cuBLAS, and formats the GEMVs do not read come here in such steps too.) Up to
+    // (Only where prefer_gemm agrees: a step recorded without cuBLAS (`record_step`) must
+    // not call it, and formats the GEMVs do not read come here in such steps too.) Up to
     // MERGED_QKV_MAX_TOKENS: Llama-3-8B Q4_K_M, B = 64 decode with device argmax
     // 6,710 / 6,738 / 6,803 -> 6,902 / 7,047 / 6,885 t/s, pp512 +0.9%; its 2,048-token
     // prefill steps lost 2.5% to the split's extra pass over the outputs.

@@ -60,8 +60,9 @@ impl Kernel {
 /// What the choice depends on besides the matrices and the token count.
 #[derive(Clone, Copy, Debug)]
 pub struct Context {
-    /// cuBLAS is present and the step is not being recorded for graph replay (cuBLAS
-    /// calls are not launches a graph can hold).
+    /// cuBLAS is present and the step is not being recorded for graph replay, or is
+    /// recorded with its cuBLAS products (`record_step`: larger steps; the small steps the
+    /// GEMV and tensor-core kernels take are recorded without cuBLAS).
     pub cublas: bool,
     /// 8-bit activations are on (`KESTREL_CUDA_Q8`).
     pub q8: bool,
@@ -560,7 +561,7 @@ mod tests {
         assert_eq!(plan(&q8, 12, &cx).0, Kernel::Matmul);
     }
 
-    /// A step recorded for graph replay cannot call cuBLAS: the GEMVs keep up to 8 tokens,
+    /// A step recorded without cuBLAS (`record_step`): the GEMVs keep up to 8 tokens,
     /// the tensor-core kernels their range, `matmul` the rest.
     #[test]
     fn recorded_steps_never_take_cublas() {
