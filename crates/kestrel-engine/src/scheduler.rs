@@ -1102,16 +1102,6 @@ impl<B: Backend> Scheduler<B> {
                 took: started.elapsed(),
             });
         };
-        // Decode steps of one token a sequence are replayed as CUDA graphs (a launch of
-        // ~0.1 ms): their masks are prepared once the step is submitted, while the device
-        // runs it, rather than beside its recording. Other steps (launched kernel by
-        // kernel on CUDA: 1.9 ms at 64 rows) prepare them from the step's start.
-        let late = masked_step && batch.len() == plan.len();
-        let (mut early, mut late_prepare) = if late {
-            (None, Some(prepare))
-        } else {
-            (Some(prepare), None)
-        };
         let mut prepared: Option<Prepared> = None;
         let mut step = || {
             if all_plain {
@@ -1121,12 +1111,6 @@ impl<B: Backend> Scheduler<B> {
                 let masks = |draws: &mut SamplingBatch| {
                     launch_us = forward_started.elapsed().as_micros() as u64;
                     let waiting = Instant::now();
-                    if let Some(prepare) = late_prepare.take() {
-                        match filter_pool() {
-                            Some(pool) => pool.install(prepare),
-                            None => prepare(),
-                        }
-                    }
                     let Ok(mut p) = made.recv() else {
                         return; // the preparation panicked: the scope re-raises it
                     };
@@ -1156,24 +1140,15 @@ impl<B: Backend> Scheduler<B> {
             // not start.
             match filter_pool() {
                 Some(pool) => pool.in_place_scope(|scope| {
-                    if let Some(prepare) = early.take() {
-                        scope.spawn(move |_| prepare());
-                    }
+                    scope.spawn(move |_| prepare());
                     step()
                 }),
                 None => rayon::in_place_scope(|scope| {
-                    if let Some(prepare) = early.take() {
-                        scope.spawn(move |_| prepare());
-                    }
+                    scope.spawn(move |_| prepare());
                     step()
                 }),
             }
         };
-        // (A step that failed before its masks were asked for still prepares them, as an
-        // early one does: `made` then has its answer.)
-        if let Some(prepare) = late_prepare.take() {
-            prepare();
-        }
         if prepared.is_none()
             && !filters_empty
             && let Ok(p) = made.recv()
