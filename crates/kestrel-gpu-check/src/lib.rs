@@ -1766,6 +1766,23 @@ impl GraphReport {
     }
 }
 
+/// Two backends on GPU `ordinal`: the first replays graphs, the second launches every kernel.
+fn graph_pair(ordinal: usize) -> anyhow::Result<(CudaBackend, CudaBackend)> {
+    let with = CudaBackend::new(ordinal)?;
+    with.set_graphs(true);
+    let without = CudaBackend::new(ordinal)?;
+    without.set_graphs(false);
+    Ok((with, without))
+}
+
+/// Whether two runs' logit rows are the same rows, bit for bit.
+fn bit_identical_rows(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        })
+}
+
 /// Teacher-forced single-token steps (after a short prompt) on two CUDA engines, one
 /// replaying graphs, one launching every kernel.
 pub fn compare_graph_replay(
@@ -1776,10 +1793,7 @@ pub fn compare_graph_replay(
     ordinal: usize,
 ) -> anyhow::Result<GraphReport> {
     let file = tiny_model(arch, ty, seed)?;
-    let with = CudaBackend::new(ordinal)?;
-    with.set_graphs(true);
-    let without = CudaBackend::new(ordinal)?;
-    without.set_graphs(false);
+    let (with, without) = graph_pair(ordinal)?;
     let replays = with.replay_counter();
     let mut a = Engine::new(with, file.clone(), &options(100))?;
     let mut b = Engine::new(without, file.clone(), &options(100))?;
@@ -1791,11 +1805,7 @@ pub fn compare_graph_replay(
     parts.extend(std::iter::repeat_n(1, steps));
     let la = all_logits_in_parts(&mut a, &tokens, &parts)?;
     let lb = all_logits_in_parts(&mut b, &tokens, &parts)?;
-    let identical = la.len() == lb.len()
-        && la
-            .iter()
-            .zip(&lb)
-            .all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+    let identical = bit_identical_rows(&la, &lb);
     Ok(GraphReport {
         arch,
         ty: ty.to_string(),
@@ -1819,10 +1829,7 @@ pub fn compare_graph_replay_batched(
     ordinal: usize,
 ) -> anyhow::Result<GraphReport> {
     let file = tiny_model(arch, ty, seed)?;
-    let with = CudaBackend::new(ordinal)?;
-    with.set_graphs(true);
-    let without = CudaBackend::new(ordinal)?;
-    without.set_graphs(false);
+    let (with, without) = graph_pair(ordinal)?;
     let replays = with.replay_counter();
     let opts = EngineOptions {
         max_seqs: seqs + 1,
@@ -1864,11 +1871,7 @@ pub fn compare_graph_replay_batched(
         }
     }
     let [a, b] = &logits;
-    let identical = a.len() == seqs * (steps + 1)
-        && a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
-        });
+    let identical = a.len() == seqs * (steps + 1) && bit_identical_rows(a, b);
     Ok(GraphReport {
         arch,
         ty: ty.to_string(),

@@ -1247,24 +1247,10 @@ fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<u
                 selfcheck::ATTN_EMPTY_SPLIT_POSITIONS,
                 selfcheck::ATTN_LONG_POSITIONS,
             ] {
-                match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
-                    Ok(r) => {
-                        failures += usize::from(!r.passed());
-                        println!(
-                            "attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
-                            r.steps,
-                            r.positions,
-                            r.max_abs_diff,
-                            r.chunk_abs_diff,
-                            r.max_abs_out,
-                            if r.passed() { "ok" } else { "FAIL" }
-                        );
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        println!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}: ERROR {e:#}");
-                    }
-                }
+                failures += print_attention_report(
+                    &format!("attn f64 {h}/{hk}/{d:<6} kv {k}/{v}"),
+                    selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed),
+                );
             }
             // gpt-oss's attention: sinks, over all keys and over a 16-key window.
             for window in [None, Some(16)] {
@@ -1320,30 +1306,38 @@ fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<u
             let kv = kestrel_model::KvTypes { k: t, v: t };
             let (h, hk, d) = heads;
             let case_seed = seed.wrapping_add(1_180 + (id * 2 + ik) as u64);
-            match selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed) {
-                Ok(r) => {
-                    failures += usize::from(!r.passed());
-                    println!(
-                        "attn f64 {h}/{hk}/{d:<6} kv {t}/{t} deep: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
-                        r.steps,
-                        r.positions,
-                        r.max_abs_diff,
-                        r.chunk_abs_diff,
-                        r.max_abs_out,
-                        if r.passed() { "ok" } else { "FAIL" }
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    println!("attn f64 {h}/{hk}/{d:<6} kv {t}/{t} deep: ERROR {e:#}");
-                }
-            }
+            failures += print_attention_report(
+                &format!("attn f64 {h}/{hk}/{d:<6} kv {t}/{t} deep"),
+                selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed),
+            );
         }
     }
     Ok(failures)
 }
 
 /// Any path.
+/// Prints one attention-vs-f64 case under `label`; returns 1 when it failed or errored.
+fn print_attention_report(label: &str, result: anyhow::Result<selfcheck::AttnReport>) -> usize {
+    match result {
+        Ok(r) => {
+            println!(
+                "{label}: steps {:?} at {} positions, max|Δ| {:.3e} (chunk {:.3e}) of {:.3e}  {}",
+                r.steps,
+                r.positions,
+                r.max_abs_diff,
+                r.chunk_abs_diff,
+                r.max_abs_out,
+                if r.passed() { "ok" } else { "FAIL" }
+            );
+            usize::from(!r.passed())
+        }
+        Err(e) => {
+            println!("{label}: ERROR {e:#}");
+            1
+        }
+    }
+}
+
 fn anywhere(_: &GemvReport, _: usize) -> Option<String> {
     None
 }
