@@ -419,6 +419,9 @@ pub struct LogitReport {
     pub ty: String,
     pub positions: usize,
     pub max_abs_diff: f32,
+    /// The position (row) of the largest |Δ logit|: with the parts the GPU ran in, it names
+    /// the path that produced it (a prompt part's GEMMs or a decode step's GEMVs).
+    pub worst_position: usize,
     pub max_abs_logit: f32,
     pub top1_agreement: f64,
     /// Agreement counting a different top-1 as agreeing when the reference's logits of the
@@ -612,6 +615,7 @@ fn logit_report(arch: Arch, ty: &str, a: &[Vec<f32>], b: &[Vec<f32>]) -> LogitRe
         ty: ty.to_string(),
         positions: n,
         max_abs_diff: 0.0,
+        worst_position: 0,
         max_abs_logit: 0.0,
         top1_agreement: 0.0,
         top1_agreement_ties: 0.0,
@@ -620,13 +624,16 @@ fn logit_report(arch: Arch, ty: &str, a: &[Vec<f32>], b: &[Vec<f32>]) -> LogitRe
         q8_reference: false,
         q8_spread: 0.0,
     };
-    for (ra, rb) in a.iter().zip(b) {
+    for (pos, (ra, rb)) in a.iter().zip(b).enumerate() {
         for (x, y) in ra.iter().zip(rb) {
             if !y.is_finite() {
                 report.non_finite += 1;
                 continue;
             }
-            report.max_abs_diff = report.max_abs_diff.max((x - y).abs());
+            if (x - y).abs() > report.max_abs_diff {
+                report.max_abs_diff = (x - y).abs();
+                report.worst_position = pos;
+            }
             report.max_abs_logit = report.max_abs_logit.max(x.abs());
         }
     }

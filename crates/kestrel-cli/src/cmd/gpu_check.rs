@@ -568,8 +568,15 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
     match result {
         Ok(r) => {
             let ok = r.passed();
+            // A failure names the position of its largest |Δ|: which part of the step
+            // sizes (prompt GEMMs or decode GEMVs) produced it.
+            let at = if ok {
+                String::new()
+            } else {
+                format!(" at position {}", r.worst_position)
+            };
             println!(
-                "{label} max|Δ| {:.3e} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                "{label} max|Δ| {:.3e}{at} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
                 r.max_abs_diff,
                 r.max_abs_logit,
                 r.top1_agreement * 100.0,
