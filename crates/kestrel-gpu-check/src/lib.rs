@@ -69,18 +69,6 @@ fn tiny_hybrid_with(
     model_of(cfg, ty, seed)
 }
 
-/// [`compare_logits`] on [`tiny_model_awkward_hybrid`] (f32 activations, the strict bound).
-pub fn compare_logits_awkward_hybrid(
-    arch: Arch,
-    ty: &str,
-    n: usize,
-    seed: u64,
-    ordinal: usize,
-) -> anyhow::Result<LogitReport> {
-    let file = tiny_model_awkward_hybrid(arch, ty, seed)?;
-    compare_logits_in(file, arch, ty, n, seed, ordinal, false, &PARTS)
-}
-
 /// The tiny hybrid with the real models' linear-attention heads: 128 dimensions, so that
 /// each v head's state rows spread over four `delta_scan` blocks (of 32 rows) as in
 /// Qwen3-Next's and Qwen3.5's layers.
@@ -92,15 +80,17 @@ pub fn tiny_model_real_heads_hybrid(
     tiny_hybrid_with(arch, ty, seed, |h| h.d_state = 128)
 }
 
-/// [`compare_logits`] on [`tiny_model_real_heads_hybrid`] (f32 activations, the strict bound).
-pub fn compare_logits_real_heads_hybrid(
+/// [`compare_logits`] on a model built by `model` (`tiny_model_*(arch, ty, seed)`, e.g.
+/// [`tiny_model_awkward_hybrid`]), f32 activations, the strict bound.
+pub fn compare_logits_of(
+    model: fn(Arch, &str, u64) -> anyhow::Result<Arc<GgufFile>>,
     arch: Arch,
     ty: &str,
     n: usize,
     seed: u64,
     ordinal: usize,
 ) -> anyhow::Result<LogitReport> {
-    let file = tiny_model_real_heads_hybrid(arch, ty, seed)?;
+    let file = model(arch, ty, seed)?;
     compare_logits_in(file, arch, ty, n, seed, ordinal, false, &PARTS)
 }
 

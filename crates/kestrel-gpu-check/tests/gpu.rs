@@ -421,7 +421,14 @@ fn hybrids_match_cpu() {
         }
         for ty in ["f32", "f16"] {
             let seed = rng.random();
-            match selfcheck::compare_logits_awkward_hybrid(arch, ty, 150, seed, 0) {
+            match selfcheck::compare_logits_of(
+                selfcheck::tiny_model_awkward_hybrid,
+                arch,
+                ty,
+                150,
+                seed,
+                0,
+            ) {
                 Err(e) if skip(&e) => {}
                 r => {
                     let r = r.expect("comparison runs");

@@ -387,8 +387,13 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
             for (it, ty) in ["f32", "f16"].into_iter().enumerate() {
                 let case_seed = seed.wrapping_add(2_030 + (ia * 100 + it) as u64);
                 let label = format!("hybrid   {:<9} {ty:<9} heads 24, 3/6, 3 taps", arch.name());
-                let r = selfcheck::compare_logits_awkward_hybrid(
-                    arch, ty, positions, case_seed, args.gpu,
+                let r = selfcheck::compare_logits_of(
+                    selfcheck::tiny_model_awkward_hybrid,
+                    arch,
+                    ty,
+                    positions,
+                    case_seed,
+                    args.gpu,
                 );
                 failures += usize::from(!print_logit_report(&label, r));
             }
@@ -396,8 +401,13 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
             for (it, ty) in ["f32", "q4_k_m"].into_iter().enumerate() {
                 let case_seed = seed.wrapping_add(2_040 + (ia * 100 + it) as u64);
                 let label = format!("hybrid   {:<9} {ty:<9} heads 128", arch.name());
-                let r = selfcheck::compare_logits_real_heads_hybrid(
-                    arch, ty, positions, case_seed, args.gpu,
+                let r = selfcheck::compare_logits_of(
+                    selfcheck::tiny_model_real_heads_hybrid,
+                    arch,
+                    ty,
+                    positions,
+                    case_seed,
+                    args.gpu,
                 );
                 failures += usize::from(!print_logit_report(&label, r));
             }
