@@ -1831,26 +1831,91 @@ pub fn compare_graph_replay_batched(
     let file = tiny_model(arch, ty, seed)?;
     let (with, without) = graph_pair(ordinal)?;
     let replays = with.replay_counter();
+    let mut backends = [Some(with), Some(without)];
+    let (replays, identical) = batched_graph_vs_eager(&file, seqs, steps, seed, |e| {
+        let b = backends[e].take().context("each backend once")?;
+        Ok((b, replays.clone()))
+    })?;
+    Ok(GraphReport {
+        arch,
+        ty: ty.to_string(),
+        steps,
+        replays,
+        identical,
+    })
+}
+
+/// [`compare_graph_replay_batched`] tensor parallel over `ordinals`: one group replaying
+/// graphs (each rank its steps' parts, all-reduces and cuBLAS products inside), then one
+/// launching every kernel, on [`tp_model`]. `replays` counts rank 0's replays of a step's
+/// first part. Both groups send the same all-reduces through the one-shot kernel (the
+/// first group's choice), so that more than two ranks sum in the same order.
+pub fn compare_tp_graph_replay_batched(
+    arch: Arch,
+    ty: &str,
+    seqs: usize,
+    steps: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<GraphReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut oneshot_up_to = None;
+    let (replays, identical) = batched_graph_vs_eager(&file, seqs, steps, seed, |e| {
+        let tp = kestrel_cuda::TpBackend::new(ordinals)?;
+        match oneshot_up_to {
+            Some(bytes) => {
+                tp.set_oneshot_up_to(bytes);
+            }
+            None => oneshot_up_to = Some(tp.oneshot_up_to()),
+        }
+        for r in 0..tp.ranks() {
+            tp.rank(r).set_graphs(e == 0);
+        }
+        let replays = tp.rank(0).replay_counter();
+        Ok((tp, replays))
+    })?;
+    Ok(GraphReport {
+        arch,
+        ty: ty.to_string(),
+        steps,
+        replays,
+        identical,
+    })
+}
+
+/// The run of the batched graph checks: `backend(0)` (replaying graphs, its replay
+/// counter beside it) and `backend(1)` (launching every kernel), each made when its turn
+/// comes and dropped after it, decode the same batch; returns the first's replays during
+/// the decode steps and whether every logit row of both is the same, bit for bit.
+fn batched_graph_vs_eager<B: kestrel_model::Backend>(
+    file: &Arc<GgufFile>,
+    seqs: usize,
+    steps: usize,
+    seed: u64,
+    mut backend: impl FnMut(usize) -> anyhow::Result<(B, Arc<std::sync::atomic::AtomicU64>)>,
+) -> anyhow::Result<(u64, bool)> {
     let opts = EngineOptions {
         max_seqs: seqs + 1,
         ..options(256)
     };
-    let mut engines = [
-        Engine::new(with, file.clone(), &opts)?,
-        Engine::new(without, file.clone(), &opts)?,
-    ];
-    let vocab = engines[0].config().vocab_size as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x64b7);
-    let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
-    let tokens: Vec<Vec<u32>> = lens
-        .iter()
-        .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
-        .collect();
     let mut logits: [Vec<Vec<f32>>; 2] = Default::default();
     let mut decode_replays = 0;
-    for (e, (engine, out)) in engines.iter_mut().zip(&mut logits).enumerate() {
+    let mut inputs: Option<(Vec<usize>, Vec<Vec<u32>>)> = None;
+    for (e, out) in logits.iter_mut().enumerate() {
+        let (b, replays) = backend(e)?;
+        let mut engine = Engine::new(b, file.clone(), &opts)?;
+        let (lens, tokens) = inputs.get_or_insert_with(|| {
+            let vocab = engine.config().vocab_size as u32;
+            let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
+            let tokens = lens
+                .iter()
+                .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
+                .collect();
+            (lens, tokens)
+        });
         let mut state = vec![Sequence::default(); seqs];
-        let heads: Vec<&[u32]> = tokens.iter().zip(&lens).map(|(t, &n)| &t[..n]).collect();
+        let heads: Vec<&[u32]> = tokens.iter().zip(&*lens).map(|(t, &n)| &t[..n]).collect();
         engine.eval_batch(&mut state, &heads, false, |_, _, row| {
             out.push(row.to_vec())
         })?;
@@ -1858,7 +1923,7 @@ pub fn compare_graph_replay_batched(
         for t in 0..steps {
             let step: Vec<&[u32]> = tokens
                 .iter()
-                .zip(&lens)
+                .zip(&*lens)
                 .map(|(p, &n)| &p[n + t..n + t + 1])
                 .collect();
             engine.eval_batch(&mut state, &step, false, |_, _, row| out.push(row.to_vec()))?;
@@ -1871,14 +1936,10 @@ pub fn compare_graph_replay_batched(
         }
     }
     let [a, b] = &logits;
-    let identical = a.len() == seqs * (steps + 1) && bit_identical_rows(a, b);
-    Ok(GraphReport {
-        arch,
-        ty: ty.to_string(),
-        steps,
-        replays: decode_replays,
-        identical,
-    })
+    Ok((
+        decode_replays,
+        a.len() == seqs * (steps + 1) && bit_identical_rows(a, b),
+    ))
 }
 
 /// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,
