@@ -1831,25 +1831,25 @@ pub fn compare_graph_replay_batched(
     let file = tiny_model(arch, ty, seed)?;
     let (with, without) = graph_pair(ordinal)?;
     let replays = with.replay_counter();
-    let mut backends = [Some(with), Some(without)];
-    let (replays, identical) = batched_graph_vs_eager(&file, seqs, steps, seed, |e| {
-        let b = backends[e].take().context("each backend once")?;
-        Ok((b, replays.clone()))
-    })?;
+    let opts = batched_options(seqs);
+    let mut a = Engine::new(with, file.clone(), &opts)?;
+    let mut b = Engine::new(without, file.clone(), &opts)?;
+    let inputs = BatchedInputs::new(a.config().vocab_size, seqs, steps, seed);
+    let (la, replays) = inputs.decode(&mut a, &replays)?;
+    let (lb, _) = inputs.decode(&mut b, &replays_unused())?;
     Ok(GraphReport {
         arch,
         ty: ty.to_string(),
         steps,
         replays,
-        identical,
+        identical: la.len() == seqs * (steps + 1) && bit_identical_rows(&la, &lb),
     })
 }
 
-/// [`compare_graph_replay_batched`] tensor parallel over `ordinals`: one group replaying
-/// graphs (each rank its steps' parts, all-reduces and cuBLAS products inside), then one
-/// launching every kernel, on [`tp_model`]. `replays` counts rank 0's replays of a step's
-/// first part. Both groups send the same all-reduces through the one-shot kernel (the
-/// first group's choice), so that more than two ranks sum in the same order.
+/// [`compare_graph_replay_batched`] tensor parallel over `ordinals`, on [`tp_model`]: the
+/// batch decoded by one group replaying graphs (each rank its steps' parts, all-reduces and
+/// cuBLAS products inside), then by the same group launching every kernel (the same
+/// all-reduce choices). `replays` counts rank 0's replays of a step's first part.
 pub fn compare_tp_graph_replay_batched(
     arch: Arch,
     ty: &str,
@@ -1859,87 +1859,95 @@ pub fn compare_tp_graph_replay_batched(
     ordinals: &[usize],
 ) -> anyhow::Result<GraphReport> {
     let file = tp_model(arch, ty, seed)?;
-    let mut oneshot_up_to = None;
-    let (replays, identical) = batched_graph_vs_eager(&file, seqs, steps, seed, |e| {
-        let tp = kestrel_cuda::TpBackend::new(ordinals)?;
-        match oneshot_up_to {
-            Some(bytes) => {
-                tp.set_oneshot_up_to(bytes);
-            }
-            None => oneshot_up_to = Some(tp.oneshot_up_to()),
-        }
+    let tp = kestrel_cuda::TpBackend::new(ordinals)?;
+    let set_graphs = |tp: &kestrel_cuda::TpBackend, on: bool| {
         for r in 0..tp.ranks() {
-            tp.rank(r).set_graphs(e == 0);
+            tp.rank(r).set_graphs(on);
         }
-        let replays = tp.rank(0).replay_counter();
-        Ok((tp, replays))
-    })?;
+    };
+    set_graphs(&tp, true);
+    let replays = tp.rank(0).replay_counter();
+    let mut engine = Engine::new(tp, file.clone(), &batched_options(seqs))?;
+    let inputs = BatchedInputs::new(engine.config().vocab_size, seqs, steps, seed);
+    let (la, replays) = inputs.decode(&mut engine, &replays)?;
+    set_graphs(&engine.backend, false);
+    let (lb, _) = inputs.decode(&mut engine, &replays_unused())?;
     Ok(GraphReport {
         arch,
         ty: ty.to_string(),
         steps,
         replays,
-        identical,
+        identical: la.len() == seqs * (steps + 1) && bit_identical_rows(&la, &lb),
     })
 }
 
-/// The run of the batched graph checks: `backend(0)` (replaying graphs, its replay
-/// counter beside it) and `backend(1)` (launching every kernel), each made when its turn
-/// comes and dropped after it, decode the same batch; returns the first's replays during
-/// the decode steps and whether every logit row of both is the same, bit for bit.
-fn batched_graph_vs_eager<B: kestrel_model::Backend>(
-    file: &Arc<GgufFile>,
-    seqs: usize,
-    steps: usize,
-    seed: u64,
-    mut backend: impl FnMut(usize) -> anyhow::Result<(B, Arc<std::sync::atomic::AtomicU64>)>,
-) -> anyhow::Result<(u64, bool)> {
-    let opts = EngineOptions {
+/// Engine options of the batched graph checks: room for `seqs` sequences.
+fn batched_options(seqs: usize) -> EngineOptions {
+    EngineOptions {
         max_seqs: seqs + 1,
         ..options(256)
-    };
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x64b7);
-    let mut logits: [Vec<Vec<f32>>; 2] = Default::default();
-    let mut decode_replays = 0;
-    let mut inputs: Option<(Vec<usize>, Vec<Vec<u32>>)> = None;
-    for (e, out) in logits.iter_mut().enumerate() {
-        let (b, replays) = backend(e)?;
-        let mut engine = Engine::new(b, file.clone(), &opts)?;
-        let (lens, tokens) = inputs.get_or_insert_with(|| {
-            let vocab = engine.config().vocab_size as u32;
-            let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
-            let tokens = lens
-                .iter()
-                .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
-                .collect();
-            (lens, tokens)
-        });
-        let mut state = vec![Sequence::default(); seqs];
-        let heads: Vec<&[u32]> = tokens.iter().zip(&*lens).map(|(t, &n)| &t[..n]).collect();
+    }
+}
+
+/// A counter no backend advances (for a run whose replays are not counted).
+fn replays_unused() -> Arc<std::sync::atomic::AtomicU64> {
+    Arc::default()
+}
+
+/// The batched graph checks' tokens: each sequence's prompt length (1-7) and its prompt
+/// followed by one token for each decode step.
+struct BatchedInputs {
+    lens: Vec<usize>,
+    tokens: Vec<Vec<u32>>,
+    steps: usize,
+}
+
+impl BatchedInputs {
+    fn new(vocab: usize, seqs: usize, steps: usize, seed: u64) -> BatchedInputs {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x64b7);
+        let vocab = vocab as u32;
+        let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
+        let tokens = lens
+            .iter()
+            .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
+            .collect();
+        BatchedInputs {
+            lens,
+            tokens,
+            steps,
+        }
+    }
+
+    /// The prompts evaluated together, then the decode steps (teacher-forced); every logit
+    /// row, and how far `replays` advanced during the decode steps. The sequences are
+    /// released at the end.
+    fn decode<B: kestrel_model::Backend>(
+        &self,
+        engine: &mut Engine<B>,
+        replays: &std::sync::atomic::AtomicU64,
+    ) -> anyhow::Result<(Vec<Vec<f32>>, u64)> {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let mut out = Vec::new();
+        let mut state = vec![Sequence::default(); self.lens.len()];
+        let heads: Vec<&[u32]> = (self.tokens.iter().zip(&self.lens))
+            .map(|(t, &n)| &t[..n])
+            .collect();
         engine.eval_batch(&mut state, &heads, false, |_, _, row| {
             out.push(row.to_vec())
         })?;
-        let before = replays.load(std::sync::atomic::Ordering::Relaxed);
-        for t in 0..steps {
-            let step: Vec<&[u32]> = tokens
-                .iter()
-                .zip(&*lens)
+        let before = replays.load(relaxed);
+        for t in 0..self.steps {
+            let step: Vec<&[u32]> = (self.tokens.iter().zip(&self.lens))
                 .map(|(p, &n)| &p[n + t..n + t + 1])
                 .collect();
             engine.eval_batch(&mut state, &step, false, |_, _, row| out.push(row.to_vec()))?;
         }
-        if e == 0 {
-            decode_replays = replays.load(std::sync::atomic::Ordering::Relaxed) - before;
-        }
+        let replayed = replays.load(relaxed) - before;
         for s in &mut state {
             engine.release(s);
         }
+        Ok((out, replayed))
     }
-    let [a, b] = &logits;
-    Ok((
-        decode_replays,
-        a.len() == seqs * (steps + 1) && bit_identical_rows(a, b),
-    ))
 }
 
 /// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,
