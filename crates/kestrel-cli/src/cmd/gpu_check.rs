@@ -33,7 +33,8 @@ pub struct Args {
     pub tg: usize,
     /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
-    /// dense architecture's logits against the CPU and one GPU, and greedy generations.
+    /// dense architecture's logits against the CPU and one GPU, greedy generations, and
+    /// decode steps of 37 and 64 sequences replayed from graphs against eager ones.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
     /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
