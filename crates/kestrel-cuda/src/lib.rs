@@ -191,7 +191,7 @@ pub struct CudaBackend {
     sample_masks: Mutex<sample::MaskBuffers>,
     mask_stream: std::sync::OnceLock<Option<Arc<CudaStream>>>,
     /// Whether some weight has an f16 copy (or is F16) that small batches multiply through
-    /// cuBLAS (then steps of 2–8 tokens are recorded with their cuBLAS products, on one GPU).
+    /// cuBLAS (then steps of 2–8 tokens are recorded with their cuBLAS products).
     f16_copies: std::sync::atomic::AtomicBool,
     /// The Q8-capable types (bit `GgmlType::id()`) of which some weight has an f16 copy:
     /// cuBLAS takes their steps that the 8-bit kernels do not.

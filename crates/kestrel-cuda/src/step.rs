@@ -361,14 +361,11 @@ pub(crate) fn prepare_step(
                 .iter()
                 .filter(|&&ty| plan::q8_supported(ty))
                 .any(|&ty| copies_q8 & (1 << ty.id()) != 0 && !q8_kernels_take(ty)));
-    let reads_ahead = backend.options.read_ahead && backend.rows_read_back.load(relaxed);
-    let record = record_step(
-        n,
-        batch.seqs.len(),
-        uses_cublas,
-        reads_ahead,
-        backend.comm.get().is_none(),
-    );
+    // (A rank of a tensor-parallel group never reads ahead: see `gemm_reading_ahead`.)
+    let reads_ahead = backend.options.read_ahead
+        && backend.rows_read_back.load(relaxed)
+        && backend.comm.get().is_none();
+    let record = record_step(n, batch.seqs.len(), uses_cublas, reads_ahead);
     if let Some(gemms) = record
         && backend.graphs.load(relaxed)
     {
@@ -384,22 +381,29 @@ pub(crate) fn prepare_step(
 /// an eager step takes) or with kernels chosen without cuBLAS (`Some(false)`); None:
 /// launched kernel by kernel. Steps of up to GRAPH_MAX_TOKENS / MMQ_MAX_TOKENS tokens that
 /// take no cuBLAS are recorded as before; those that would, and decode steps of one token a
-/// sequence of any size, are recorded with their cuBLAS products, on one GPU (a rank of a
-/// tensor-parallel group records only the former) and unless the step's logit rows are read
-/// ahead (`reads_ahead`: those copies wait on another stream's events). On the H100, 64
-/// clients of the server launched their 64-row steps kernel by kernel, 1.9 ms of host time a
-/// step, and the grammars of structured output (#30) slowed that launch by 0.3 ms.
+/// sequence of any size, are recorded with their cuBLAS products, unless the step's logit
+/// rows are read ahead (`reads_ahead`: those copies wait on another stream's events). On the
+/// H100, 64 clients of the server launched their 64-row steps kernel by kernel, 1.9 ms of
+/// host time a step, and the grammars of structured output (#30) slowed that launch by 0.3
+/// ms.
+///
+/// The ranks of a tensor-parallel group take the same rule (their steps' cuBLAS products
+/// are recorded beside the all-reduces, as in a step of up to 32 tokens) and never read
+/// ahead; whether a step is recorded then does not depend on `uses_cublas`, which may
+/// differ between ranks (their f16 copies depend on each GPU's free memory): every rank
+/// records the same steps, so no rank issues a collective eagerly, inside a fork-join,
+/// that a recording rank issues only later (a collective that connects lazily blocks
+/// until its peers arrive).
 pub(crate) fn record_step(
     n: usize,
     seqs: usize,
     uses_cublas: bool,
     reads_ahead: bool,
-    one_device: bool,
 ) -> Option<bool> {
     let graph_max = GRAPH_MAX_TOKENS.max(MMQ_MAX_TOKENS);
     if n <= graph_max && !uses_cublas {
         Some(false)
-    } else if one_device && !reads_ahead && (n <= graph_max || n == seqs) {
+    } else if !reads_ahead && (n <= graph_max || n == seqs) {
         Some(true)
     } else {
         None
@@ -461,24 +465,41 @@ mod tests {
     fn record_step_keeps_small_steps_and_takes_decode_steps_with_cublas() {
         let graph_max = GRAPH_MAX_TOKENS.max(MMQ_MAX_TOKENS);
         for n in 1..=graph_max {
-            // As before: small steps without cuBLAS, on any number of devices.
-            for (ahead, one) in [(false, true), (true, true), (false, false)] {
-                assert_eq!(record_step(n, 1, false, ahead, one), Some(false), "n {n}");
+            // As before: small steps without cuBLAS, reading ahead or not.
+            for ahead in [false, true] {
+                assert_eq!(record_step(n, 1, false, ahead), Some(false), "n {n}");
             }
-            // Small steps through cuBLAS: recorded with it on one GPU, not reading ahead.
-            assert_eq!(record_step(n, 1, true, false, true), Some(true), "n {n}");
-            assert_eq!(record_step(n, 1, true, true, true), None, "n {n}");
-            assert_eq!(record_step(n, 1, true, false, false), None, "n {n}");
+            // Small steps through cuBLAS: recorded with it, unless reading ahead.
+            assert_eq!(record_step(n, 1, true, false), Some(true), "n {n}");
+            assert_eq!(record_step(n, 1, true, true), None, "n {n}");
         }
         for n in [graph_max + 1, 37, 64, 100, 257] {
             for cublas in [false, true] {
                 // Decode steps, one token a sequence.
-                assert_eq!(record_step(n, n, cublas, false, true), Some(true), "n {n}");
-                assert_eq!(record_step(n, n, cublas, true, true), None, "n {n}");
-                assert_eq!(record_step(n, n, cublas, false, false), None, "n {n}");
+                assert_eq!(record_step(n, n, cublas, false), Some(true), "n {n}");
+                assert_eq!(record_step(n, n, cublas, true), None, "n {n}");
                 // Prompt parts: launched kernel by kernel.
-                assert_eq!(record_step(n, n - 1, cublas, false, true), None, "n {n}");
-                assert_eq!(record_step(n, 1, cublas, false, true), None, "n {n}");
+                assert_eq!(record_step(n, n - 1, cublas, false), None, "n {n}");
+                assert_eq!(record_step(n, 1, cublas, false), None, "n {n}");
+            }
+        }
+    }
+
+    /// The ranks of a tensor-parallel group (which never read ahead) record the same steps
+    /// whether or not each would call cuBLAS: only how they record may differ.
+    #[test]
+    fn ranks_agree_on_recording_whatever_their_cublas() {
+        for seqs in 1..=300 {
+            for n in [1, 2, 7, 8, 9, 16, 31, 32, 33, 37, 64, 65, 128, 300] {
+                let (without, with) = (
+                    record_step(n, seqs, false, false),
+                    record_step(n, seqs, true, false),
+                );
+                assert_eq!(without.is_some(), with.is_some(), "n {n}, {seqs} seqs");
+                // And a decode step (one token a sequence) is always recorded.
+                if n == seqs {
+                    assert!(with.is_some(), "n {n}");
+                }
             }
         }
     }

@@ -5,8 +5,9 @@
 //! products of row-parallel weights (attention output, down) are followed by an NCCL
 //! all-reduce, and the LM head's logits, split by vocabulary, are gathered onto rank 0,
 //! which samples. The collectives are launch records of each rank's step like its kernels,
-//! so a decode step, NCCL calls included, is captured and replayed as one CUDA graph per
-//! GPU.
+//! so a decode step of any number of sequences, NCCL calls and cuBLAS products included, is
+//! captured and replayed as CUDA graphs on each GPU (one per part: [`STEP_PARTS`]), by the
+//! rule one GPU follows (`step::record_step`).
 //!
 //! Activations are per-rank tensors allocated at the full width; an operation that writes
 //! a rank's share (q, k, v, gate, up, the attention output) reshapes that rank's tensor to

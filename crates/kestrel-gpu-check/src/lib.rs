@@ -1828,54 +1828,123 @@ pub fn compare_graph_replay_batched(
     let file = tiny_model(arch, ty, seed)?;
     let (with, without) = graph_pair(ordinal)?;
     let replays = with.replay_counter();
-    let opts = EngineOptions {
-        max_seqs: seqs + 1,
-        ..options(256)
-    };
-    let mut engines = [
-        Engine::new(with, file.clone(), &opts)?,
-        Engine::new(without, file.clone(), &opts)?,
-    ];
-    let vocab = engines[0].config().vocab_size as u32;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x64b7);
-    let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
-    let tokens: Vec<Vec<u32>> = lens
-        .iter()
-        .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
-        .collect();
-    let mut logits: [Vec<Vec<f32>>; 2] = Default::default();
-    let mut decode_replays = 0;
-    for (e, (engine, out)) in engines.iter_mut().zip(&mut logits).enumerate() {
-        let mut state = vec![Sequence::default(); seqs];
-        let heads: Vec<&[u32]> = tokens.iter().zip(&lens).map(|(t, &n)| &t[..n]).collect();
-        engine.eval_batch(&mut state, &heads, false, |_, _, row| {
-            out.push(row.to_vec())
-        })?;
-        let before = replays.load(std::sync::atomic::Ordering::Relaxed);
-        for t in 0..steps {
-            let step: Vec<&[u32]> = tokens
-                .iter()
-                .zip(&lens)
-                .map(|(p, &n)| &p[n + t..n + t + 1])
-                .collect();
-            engine.eval_batch(&mut state, &step, false, |_, _, row| out.push(row.to_vec()))?;
-        }
-        if e == 0 {
-            decode_replays = replays.load(std::sync::atomic::Ordering::Relaxed) - before;
-        }
-        for s in &mut state {
-            engine.release(s);
-        }
-    }
-    let [a, b] = &logits;
-    let identical = a.len() == seqs * (steps + 1) && bit_identical_rows(a, b);
+    let opts = batched_options(seqs);
+    let mut a = Engine::new(with, file.clone(), &opts)?;
+    let mut b = Engine::new(without, file.clone(), &opts)?;
+    let inputs = BatchedInputs::new(a.config().vocab_size, seqs, steps, seed);
+    let (la, replays) = inputs.decode(&mut a, &replays)?;
+    let (lb, _) = inputs.decode(&mut b, &replays_unused())?;
     Ok(GraphReport {
         arch,
         ty: ty.to_string(),
         steps,
-        replays: decode_replays,
-        identical,
+        replays,
+        identical: la.len() == seqs * (steps + 1) && bit_identical_rows(&la, &lb),
     })
+}
+
+/// [`compare_graph_replay_batched`] tensor parallel over `ordinals`, on [`tp_model`]: the
+/// batch decoded by one group replaying graphs (each rank its steps' parts, all-reduces and
+/// cuBLAS products inside), then by the same group launching every kernel (the same
+/// all-reduce choices). `replays` counts rank 0's replays of a step's first part.
+pub fn compare_tp_graph_replay_batched(
+    arch: Arch,
+    ty: &str,
+    seqs: usize,
+    steps: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<GraphReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let tp = kestrel_cuda::TpBackend::new(ordinals)?;
+    let set_graphs = |tp: &kestrel_cuda::TpBackend, on: bool| {
+        for r in 0..tp.ranks() {
+            tp.rank(r).set_graphs(on);
+        }
+    };
+    set_graphs(&tp, true);
+    let replays = tp.rank(0).replay_counter();
+    let mut engine = Engine::new(tp, file.clone(), &batched_options(seqs))?;
+    let inputs = BatchedInputs::new(engine.config().vocab_size, seqs, steps, seed);
+    let (la, replays) = inputs.decode(&mut engine, &replays)?;
+    set_graphs(&engine.backend, false);
+    let (lb, _) = inputs.decode(&mut engine, &replays_unused())?;
+    Ok(GraphReport {
+        arch,
+        ty: ty.to_string(),
+        steps,
+        replays,
+        identical: la.len() == seqs * (steps + 1) && bit_identical_rows(&la, &lb),
+    })
+}
+
+/// Engine options of the batched graph checks: room for `seqs` sequences.
+fn batched_options(seqs: usize) -> EngineOptions {
+    EngineOptions {
+        max_seqs: seqs + 1,
+        ..options(256)
+    }
+}
+
+/// A counter no backend advances (for a run whose replays are not counted).
+fn replays_unused() -> Arc<std::sync::atomic::AtomicU64> {
+    Arc::default()
+}
+
+/// The batched graph checks' tokens: each sequence's prompt length (1-7) and its prompt
+/// followed by one token for each decode step.
+struct BatchedInputs {
+    lens: Vec<usize>,
+    tokens: Vec<Vec<u32>>,
+    steps: usize,
+}
+
+impl BatchedInputs {
+    fn new(vocab: usize, seqs: usize, steps: usize, seed: u64) -> BatchedInputs {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x64b7);
+        let vocab = vocab as u32;
+        let lens: Vec<usize> = (0..seqs).map(|_| rng.random_range(1..8)).collect();
+        let tokens = lens
+            .iter()
+            .map(|&n| (0..n + steps).map(|_| rng.random_range(0..vocab)).collect())
+            .collect();
+        BatchedInputs {
+            lens,
+            tokens,
+            steps,
+        }
+    }
+
+    /// The prompts evaluated together, then the decode steps (teacher-forced); every logit
+    /// row, and how far `replays` advanced during the decode steps. The sequences are
+    /// released at the end.
+    fn decode<B: kestrel_model::Backend>(
+        &self,
+        engine: &mut Engine<B>,
+        replays: &std::sync::atomic::AtomicU64,
+    ) -> anyhow::Result<(Vec<Vec<f32>>, u64)> {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let mut out = Vec::new();
+        let mut state = vec![Sequence::default(); self.lens.len()];
+        let heads: Vec<&[u32]> = (self.tokens.iter().zip(&self.lens))
+            .map(|(t, &n)| &t[..n])
+            .collect();
+        engine.eval_batch(&mut state, &heads, false, |_, _, row| {
+            out.push(row.to_vec())
+        })?;
+        let before = replays.load(relaxed);
+        for t in 0..self.steps {
+            let step: Vec<&[u32]> = (self.tokens.iter().zip(&self.lens))
+                .map(|(p, &n)| &p[n + t..n + t + 1])
+                .collect();
+            engine.eval_batch(&mut state, &step, false, |_, _, row| out.push(row.to_vec()))?;
+        }
+        let replayed = replays.load(relaxed) - before;
+        for s in &mut state {
+            engine.release(s);
+        }
+        Ok((out, replayed))
+    }
 }
 
 /// On-device greedy sampling (`argmax_rows`) against the argmax of the logits read back,

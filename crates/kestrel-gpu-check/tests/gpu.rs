@@ -304,6 +304,28 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
     }
 }
 
+/// Tensor-parallel decode steps of 37 and 64 sequences (their cuBLAS products and
+/// all-reduces recorded into each part's graph) replayed against the same steps launched
+/// kernel by kernel: bit-identical logits, and the graphs replayed.
+#[test]
+fn tensor_parallel_batched_graphs_match_eager() {
+    if !gpus("tensor_parallel_batched_graphs_match_eager", 2) {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in selfcheck::TP_ARCHS {
+        for ty in ["f32", "q4_k_m"] {
+            for seqs in [37, 64] {
+                let seed = rng.random();
+                let r =
+                    selfcheck::compare_tp_graph_replay_batched(arch, ty, seqs, 6, seed, &[0, 1])
+                        .expect("runs");
+                assert!(r.passed(), "{arch:?} {ty} {seqs} seqs (seed {seed}): {r:?}");
+            }
+        }
+    }
+}
+
 /// The one-shot all-reduce kernel with 2 and 3 ranks as streams of GPU 0 (each on its own
 /// host thread, as a group's ranks), random awkward message sizes up to its largest, three
 /// calls each (both halves of its exchange buffer): every rank's result within f32

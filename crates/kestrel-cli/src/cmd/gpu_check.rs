@@ -33,7 +33,8 @@ pub struct Args {
     pub tg: usize,
     /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
-    /// dense architecture's logits against the CPU and one GPU, and greedy generations.
+    /// dense architecture's logits against the CPU and one GPU, greedy generations, and
+    /// decode steps of 37 and 64 sequences replayed from graphs against eager ones.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
     /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
@@ -233,6 +234,41 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             Err(e) => {
                 failures += 1;
                 println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
+    // Batched decode steps (cuBLAS products and all-reduces in each part's graph) replayed
+    // against the same steps launched kernel by kernel.
+    const STEPS: usize = 8;
+    println!(
+        "tp{ranks} graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graphs):"
+    );
+    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
+        for (j, ty) in ["f32", "q4_k_m", "q8_0"].iter().enumerate() {
+            for seqs in [37, 64] {
+                let s = seed.wrapping_add(30_000 + (i * 1_000 + j * 100 + seqs) as u64);
+                let what = format!("tp{ranks} {arch:?} {ty} {seqs} seqs:");
+                match selfcheck::compare_tp_graph_replay_batched(
+                    *arch, ty, seqs, STEPS, s, &ordinals,
+                ) {
+                    Ok(r) => {
+                        failures += usize::from(!r.passed());
+                        println!(
+                            "{what} {} replays, logits {}  {}",
+                            r.replays,
+                            if r.identical {
+                                "bit-identical"
+                            } else {
+                                "DIFFER"
+                            },
+                            if r.passed() { "ok" } else { "FAIL" }
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        println!("{what} ERROR {e:#}");
+                    }
+                }
             }
         }
     }

@@ -288,8 +288,11 @@ impl CudaBackend {
         out: &CudaTensor,
     ) -> bool {
         let len = n * out.cols;
-        // (Its copies wait on events of another stream: not a step's recorded launches.)
+        // (Its copies wait on events of another stream: not a step's recorded launches. A
+        // rank of a tensor-parallel group never reads ahead: the rows read back are the
+        // all-gathered logits, never one rank's product.)
         if !self.options.read_ahead
+            || self.comm.get().is_some()
             || self.lock_recorder().deferring
             || !self
                 .rows_read_back
