@@ -621,8 +621,16 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
             } else {
                 format!(" at position {}", r.worst_position)
             };
+            // f16 / bf16 operands: say when the CPU's own spread under llama.cpp's rounding
+            // set the bound.
+            let bound = r.max_abs_bound();
+            let spread = if r.f16_operands && bound > r.max_rel_diff() * r.max_abs_logit.max(1.0) {
+                format!(" (bound {bound:.3e}: 1.5 × the CPU's f16-operand spread)")
+            } else {
+                String::new()
+            };
             println!(
-                "{label} max|Δ| {:.3e}{at} of {:.3e}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
+                "{label} max|Δ| {:.3e}{at} of {:.3e}{spread}, top-1 {:.2}% ({:.2}% w/ ties)  {}",
                 r.max_abs_diff,
                 r.max_abs_logit,
                 r.top1_agreement * 100.0,
