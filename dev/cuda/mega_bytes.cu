@@ -28,7 +28,7 @@
 //
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/mega_bytes dev/cuda/mega_bytes.cu
 // Run:   /tmp/mega_bytes llama f16     (shape qwen | llama, format f16 | q8)
-//        /tmp/mega_bytes qwen q8 stage nst ahead wmode xmode [...]   (custom variants)
+//        /tmp/mega_bytes qwen q8 stage nst ahead wmode xmode ll [...]   (custom variants)
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <algorithm>
@@ -102,11 +102,17 @@ __device__ __forceinline__ Raw ldg_raw(const u8* row, int u, int nb) {
     r.d = FMT == Q8 ? (u32)__ldg((const unsigned short*)(row + (size_t)nb * 32 + 2 * u)) : 0u;
     return r;
 }
+// From shared memory without bank conflicts: lanes 4..7 of each 8 (one phase of a 16-byte
+// load) read their unit's second half first, so a phase's 8 addresses fall in 8 different
+// 16-byte bank groups (32-byte units of consecutive lanes would pair up: a 2-way conflict).
 template <int FMT>
 __device__ __forceinline__ Raw lds_raw(const u8* row, int u, int nb) {
+    const int sw = (threadIdx.x >> 2) & 1;
+    const uint4 p0 = *(const uint4*)(row + u * 32 + 16 * sw);
+    const uint4 p1 = *(const uint4*)(row + u * 32 + 16 * (sw ^ 1));
     Raw r;
-    r.a = *(const uint4*)(row + u * 32);
-    r.b = *(const uint4*)(row + u * 32 + 16);
+    r.a = sw ? p1 : p0;
+    r.b = sw ? p0 : p1;
     r.d = FMT == Q8 ? (u32) * (const u16*)(row + nb * 32 + 2 * u) : 0u;
     return r;
 }
@@ -118,21 +124,26 @@ struct X {
     float d;
 };
 // SCALE: times inv (the persistent kernel's normalization where it is read; inv is 1 for
-// inputs without norm, and x · 1 = x exactly).
-template <int FMT, bool SCALE>
-__device__ __forceinline__ X load_x(const float* xf, const i8* xq, const float* xd, int u, float inv) {
+// inputs without norm, and x · 1 = x exactly). TL: the persistent kernel's shared-memory
+// layouts, unit-transposed so that consecutive lanes read consecutive 16 bytes (no bank
+// conflicts): F16 float4 i of unit u at xf + 4 (i·units + u); Q8 half h of unit u's
+// quants at xq + 16 (h·units + u).
+template <int FMT, bool SCALE, bool TL>
+__device__ __forceinline__ X load_x(const float* xf, const i8* xq, const float* xd, int u, float inv,
+                                    int units) {
     X x;
     if (FMT == F16) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const float4 p = *(const float4*)(xf + 16 * u + 4 * i);
+            const float4 p = *(const float4*)(xf + (TL ? 4 * (i * units + u) : 16 * u + 4 * i));
             x.v[4 * i] = SCALE ? __fmul_rn(p.x, inv) : p.x;
             x.v[4 * i + 1] = SCALE ? __fmul_rn(p.y, inv) : p.y;
             x.v[4 * i + 2] = SCALE ? __fmul_rn(p.z, inv) : p.z;
             x.v[4 * i + 3] = SCALE ? __fmul_rn(p.w, inv) : p.w;
         }
     } else {
-        const int4 p = *(const int4*)(xq + 32 * u), q = *(const int4*)(xq + 32 * u + 16);
+        const int4 p = *(const int4*)(xq + (TL ? 16 * u : 32 * u)),
+                   q = *(const int4*)(xq + (TL ? 16 * (units + u) : 32 * u + 16));
         x.w[0] = p.x; x.w[1] = p.y; x.w[2] = p.z; x.w[3] = p.w;
         x.w[4] = q.x; x.w[5] = q.y; x.w[6] = q.z; x.w[7] = q.w;
         x.d = SCALE ? __fmul_rn(xd[u], inv) : xd[u];
@@ -185,7 +196,8 @@ __device__ __forceinline__ void pdl_enter() {
 // with norm, Σ v² of each group into ss[g] (a fixed FMA chain a lane, then 3 butterfly
 // steps); with Q8, llama.cpp's 8-bit rounding (step = max|v| / 127, q = round(v / step))
 // into xq and the step into xd. x is global (launch path) or shared memory (persistent).
-template <int FMT>
+// TL: the persistent kernel's layouts (load_x): F16 reads x unit-transposed, Q8 writes xq so.
+template <int FMT, bool TL>
 __device__ __forceinline__ void group_pass(const float* x, int k, int norm, int w, int nw, i8* xq,
                                            float* xd, float* ss) {
     constexpr int QF = 4;
@@ -194,7 +206,10 @@ __device__ __forceinline__ void group_pass(const float* x, int k, int norm, int 
         float4 v[QF];
 #pragma unroll
         for (int m = 0; m < QF; m++)
-            if (q0 + m * nw < nq) v[m] = *(const float4*)(x + 128 * (q0 + m * nw) + 4 * lane);
+            if (q0 + m * nw < nq) {
+                const int f = 32 * (q0 + m * nw) + lane;  // float4 index: values 4f .. 4f + 3
+                v[m] = *(const float4*)(x + (TL && FMT == F16 ? 4 * ((f & 3) * (k / 16) + (f >> 2)) : 4 * f));
+            }
 #pragma unroll
         for (int m = 0; m < QF; m++) {
             const int q = q0 + m * nw;
@@ -209,7 +224,8 @@ __device__ __forceinline__ void group_pass(const float* x, int k, int norm, int 
                         return step > 0.0f ? max(-127, min(127, __float2int_rn(__fdiv_rn(a, step)))) : 0;
                     };
                     const int a0 = q8(t.x), a1 = q8(t.y), a2 = q8(t.z), a3 = q8(t.w);
-                    *(u32*)(xq + 128 * q + 4 * lane) = (u32)(a0 & 0xFF) | ((u32)(a1 & 0xFF) << 8) |
+                    const int o = 128 * q + 4 * lane;  // byte of the linear layout
+                    *(u32*)(xq + (TL ? 16 * (((o >> 4) & 1) * (k / 32) + (o >> 5)) + (o & 15) : o)) = (u32)(a0 & 0xFF) | ((u32)(a1 & 0xFF) << 8) |
                                                        ((u32)(a2 & 0xFF) << 16) | ((u32)(a3 & 0xFF) << 24);
                     if (s8 == 0) xd[g] = step;
                 }
@@ -238,6 +254,7 @@ struct Op {
     const float* in;  // input activations (f32, k of them)
     int k, items, ir, kind;
     int norm;  // 1: rms-normalize `in` first
+    int llo;   // persistent LL mode: `out` holds {f32 value, u32 tag} words (else plain f32)
 };
 
 // ------------------------------------------------------------------------------------------
@@ -251,7 +268,7 @@ __global__ void __launch_bounds__(256) k_prep(const float* in, int k, int norm, 
     __shared__ float ss[512], inv_s;
     if (pdl) pdl_enter();
     const int warp = threadIdx.x >> 5;
-    group_pass<FMT>(in, k, norm, blockIdx.x * 8 + warp, gridDim.x * 8, xq, xd, ss);
+    group_pass<FMT, false>(in, k, norm, blockIdx.x * 8 + warp, gridDim.x * 8, xq, xd, ss);
     if (norm) {  // one block
         __syncthreads();
         if (warp == 0) {
@@ -309,7 +326,7 @@ __global__ void __launch_bounds__(128, FMT == F16 ? 4 : 5)
         for (int j = 0; j < NU; j++) {
             const int u = u0 + 32 * j;
             if (u < units) {
-                const X x = load_x<FMT, false>(xf, xq, xd, u, 1.0f);
+                const X x = load_x<FMT, false, false>(xf, xq, xd, u, 1.0f, units);
 #pragma unroll
                 for (int i = 0; i < R; i++)
                     if (i < nr)
@@ -430,6 +447,27 @@ __device__ __forceinline__ void wait_count(const u32* p, u32 target) {
 __device__ __forceinline__ void red_release(u32* p, u32 v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 ll_pack(float v, u32 tag) { return ((u64)tag << 32) | __float_as_uint(v); }
+// The LL epilogue: the value and the op's tag in one 64-bit store (no fence, no counter);
+// the residual's old value is this row's own, seen by this block in an earlier input.
+__device__ __forceinline__ void epilogue_ll(int kind, int item, float a0, float a1, u64* out, u32 tag) {
+    float v;
+    if (kind == 0)
+        v = a0;
+    else if (kind == 1)
+        v = __fadd_rn(__uint_as_float((u32)ld_relaxed_u64(out + item)), a0);
+    else
+        v = silu_mul(a0, a1);
+    st_relaxed_u64(out + item, ll_pack(v, tag));
+}
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"r"(NC * 32) : "memory");
 }
@@ -450,7 +488,7 @@ __device__ __forceinline__ void share(int items, int b, int g, int& lo, int& hi)
 template <int FMT, int R, int IR>
 __device__ __forceinline__ void items(const u8* base, int first, int n, int ib, int rb, int units,
                                       int nb, int kind, int it, float* out, const float* xs,
-                                      const i8* xq, const float* xd, float inv) {
+                                      const i8* xq, const float* xd, float inv, int llo, u32 tag) {
     const int lane = threadIdx.x & 31;
     for (int li = first; li < n; li += R * NC) {
         float acc[R][IR];
@@ -459,7 +497,7 @@ __device__ __forceinline__ void items(const u8* base, int first, int n, int ib, 
 #pragma unroll
             for (int g = 0; g < IR; g++) acc[i][g] = 0.0f;
         for (int u = lane; u < units; u += 32) {
-            const X x = load_x<FMT, true>(xs, xq, xd, u, inv);
+            const X x = load_x<FMT, true, true>(xs, xq, xd, u, inv, units);
 #pragma unroll
             for (int i = 0; i < R; i++)
                 if (li + i * NC < n) {
@@ -476,7 +514,10 @@ __device__ __forceinline__ void items(const u8* base, int first, int n, int ib, 
         if (lane == 0)
 #pragma unroll
             for (int i = 0; i < R; i++)
-                if (li + i * NC < n) epilogue(kind, it + li + i * NC, acc[i][0], acc[i][IR - 1], out);
+                if (li + i * NC < n) {
+                    if (llo) epilogue_ll(kind, it + li + i * NC, acc[i][0], acc[i][IR - 1], (u64*)out, tag);
+                    else epilogue(kind, it + li + i * NC, acc[i][0], acc[i][IR - 1], out);
+                }
     }
 }
 
@@ -491,10 +532,14 @@ __host__ __device__ inline size_t persist_smem(int fmt, int stage, int nst, int 
 // consumers do); probes (outputs not checked): 2 no copies, 3 no math.
 // wmode: 0 block release (CTA barrier, fence, one red.release), 1 warp release.
 // xmode: 0 the input by one bulk copy, 1 by the consumers' loads (ld.global.cg).
+// ll: LL boundary (NCCL's LL protocol): every activation word is {f32, tag}, tag = the
+// writing op's sequence number (epoch · nops + j + 1; 0 for the host's h), written in one
+// 64-bit relaxed store; the consumers poll their input words until the tag is the previous
+// op's. No counters, no fence, no release: the wait is the input read. (ahead must be 1.)
 template <int FMT>
 __global__ void __launch_bounds__((NC + 1) * 32, 1)
     k_persist(const Op* __restrict__ ops, int nops, u32* done, u32* epoch, int stage, int nst, int kmax,
-              int ahead, int wmode, int xmode, long long* stamps) {
+              int ahead, int wmode, int xmode, int ll, long long* stamps) {
     extern __shared__ __align__(128) u8 sm[];
     u8* ring = sm;
     float* xs = (float*)(sm + (size_t)nst * stage);
@@ -568,31 +613,72 @@ __global__ void __launch_bounds__((NC + 1) * 32, 1)
         share(op.items, b, G, lo, hi);
         long long fullwait = 0;
         consumers_sync();  // every warp is done with the last op's input
-        if (tid == 0) {
+        const u32 tag = ep * nops + j + 1;
+        if (ll) {
+            // Poll the input words (8 a thread in flight) until each carries the tag of
+            // the op that writes it: op j - 1; for op 0 the last down projection of the
+            // step before (or the host's h, tag 0).
+            const u32 expect = j > 0 ? tag - 1 : (ep == 0 ? 0u : ep * nops - 1);
+            if (tid == 0) my[j * NSTAMP] = my[j * NSTAMP + 1] = clock64();
+            const u64* in = (const u64*)op.in;
+            for (int i0 = tid; i0 < k; i0 += 8 * NC * 32) {
+                u64 v[8];
+#pragma unroll
+                for (int m = 0; m < 8; m++)
+                    if (i0 + m * NC * 32 < k) v[m] = ld_relaxed_u64(in + i0 + m * NC * 32);
+#pragma unroll
+                for (int m = 0; m < 8; m++) {
+                    const int i = i0 + m * NC * 32;
+                    if (i < k) {
+                        u32 n = 0;
+                        while ((u32)(v[m] >> 32) != expect) {
+                            if (++n == SPIN_LIMIT) __trap();
+                            __nanosleep(64);
+                            v[m] = ld_relaxed_u64(in + i);
+                        }
+                        const int f = i >> 2;
+                        const int at = FMT == F16 ? 4 * ((f & 3) * (k / 16) + (f >> 2)) + (i & 3) : i;
+                        xs[at] = __uint_as_float((u32)v[m]);
+                    }
+                }
+            }
+            consumers_sync();
+        } else if (tid == 0) {
             my[j * NSTAMP] = clock64();
             if (j > 0) wait_count(done + j - 1, target);
             my[j * NSTAMP + 1] = clock64();
-            if (xmode == 0) {
+            if (xmode == 0 && FMT == Q8) {
                 // The input (written by other SMs, acquired above) read by the async proxy.
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 mbar_expect_tx(xbar, k * 4);
                 bulk_g2s(smem_u32(xs), op.in, k * 4, xbar);
             }
         }
-        if (xmode == 0) {
+        if (ll) {
+        } else if (xmode == 0 && FMT == Q8) {
             mbar_wait(xbar, xphase);
             xphase ^= 1;
         } else {
+            // F16 always: the unit-transposed layout (a bulk copy can only copy linearly).
             consumers_sync();
-            for (int i = 4 * tid; i < k; i += 4 * NC * 32)
-                *(float4*)(xs + i) = __ldcg((const float4*)(op.in + i));
+            for (int f0 = tid; f0 < k / 4; f0 += 8 * NC * 32) {  // 8 loads a thread in flight
+                float4 v[8];
+#pragma unroll
+                for (int m = 0; m < 8; m++)
+                    if (f0 + m * NC * 32 < k / 4) v[m] = __ldcg((const float4*)(op.in + 4 * (f0 + m * NC * 32)));
+#pragma unroll
+                for (int m = 0; m < 8; m++) {
+                    const int f = f0 + m * NC * 32;
+                    if (f < k / 4) *(float4*)(xs + 4 * (FMT == F16 ? (f & 3) * (k / 16) + (f >> 2) : f)) = v[m];
+                }
+            }
             consumers_sync();
         }
         // Σ x² per group (norm) and the 8-bit input (Q8), once a block; 1 / rms by every
         // warp from the groups' sums in the launch path's order.
         float inv = 1.0f;
         if (op.norm || FMT == Q8) {
-            group_pass<FMT>(xs, k, op.norm, warp, NC, xq, xd, ss);
+            group_pass<FMT, true>(xs, k, op.norm, warp, NC, xq, xd, ss);
             consumers_sync();
             if (op.norm) inv = norm_inv(ss, k);
         }
@@ -609,11 +695,14 @@ __global__ void __launch_bounds__((NC + 1) * 32, 1)
             const int first = (warp - e0 % NC + NC) % NC;  // first local index ≡ warp (mod NC)
             if (ahead == 3) {
                 if (lane == 0)
-                    for (int li = first; li < n; li += NC) epilogue(op.kind, it + li, 0.0f, 0.0f, op.out);
+                    for (int li = first; li < n; li += NC) {
+                        if (op.llo) epilogue_ll(op.kind, it + li, 0.0f, 0.0f, (u64*)op.out, tag);
+                        else epilogue(op.kind, it + li, 0.0f, 0.0f, op.out);
+                    }
             } else if (op.ir == 1) {
-                items<FMT, 4, 1>(base, first, n, ib, rb, units, nb, op.kind, it, op.out, xs, xq, xd, inv);
+                items<FMT, 4, 1>(base, first, n, ib, rb, units, nb, op.kind, it, op.out, xs, xq, xd, inv, op.llo, tag);
             } else {
-                items<FMT, 2, 2>(base, first, n, ib, rb, units, nb, op.kind, it, op.out, xs, xq, xd, inv);
+                items<FMT, 2, 2>(base, first, n, ib, rb, units, nb, op.kind, it, op.out, xs, xq, xd, inv, op.llo, tag);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * slot);
@@ -622,7 +711,12 @@ __global__ void __launch_bounds__((NC + 1) * 32, 1)
                 phase ^= 1;
             }
         }
-        if (wmode) {
+        if (ll) {
+            if (tid == 0) {
+                my[j * NSTAMP + 6] = my[j * NSTAMP + 3] = clock64();
+                my[j * NSTAMP + 4] = fullwait;
+            }
+        } else if (wmode) {
             // Each warp releases its own rows (lane 0 made every store of the warp).
             if (tid == 0) my[j * NSTAMP + 6] = clock64();
             if (lane == 0) red_release(done + j, 1);
@@ -642,7 +736,8 @@ __global__ void __launch_bounds__((NC + 1) * 32, 1)
         }
     }
     if (b == 0 && tid == 0) {
-        wait_count(done + nops - 1, target);
+        // (LL: every block has read the epoch: block 0's last input needed all their rows.)
+        if (!ll) wait_count(done + nops - 1, target);
         *(volatile u32*)epoch = ep + 1;
     }
 }
@@ -763,8 +858,12 @@ static float time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, int round
 }
 
 struct PersistCfg {
-    int stage, nst, ahead, wmode, xmode;
+    int stage, nst, ahead, wmode, xmode, ll;
 };
+__global__ void k_pack(const float* src, u64* dst, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        dst[i] = (u64)__float_as_uint(src[i]);  // tag 0: the host's h
+}
 
 template <int FMT>
 static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
@@ -823,6 +922,23 @@ static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
     Op* dops;
     CK(cudaMalloc(&dops, nops * sizeof(Op)));
     CK(cudaMemcpy(dops, ops.data(), nops * sizeof(Op), cudaMemcpyHostToDevice));
+    // The LL mode's ops: the same weights, activations as {value, tag} words.
+    u64 *hL, *qL, *aL;
+    CK(cudaMalloc(&hL, D * 8));
+    CK(cudaMalloc(&qL, QKV * 8));
+    CK(cudaMalloc(&aL, FF * 8));
+    std::vector<Op> opsL = ops;
+    for (Op& o : opsL) {
+        auto map = [&](const float* q) -> float* {
+            return q == h ? (float*)hL : q == qkvb ? (float*)qL : q == act ? (float*)aL : (float*)q;
+        };
+        o.in = map(o.in);
+        o.llo = o.out != logits;
+        o.out = map(o.out);
+    }
+    Op* dopsL;
+    CK(cudaMalloc(&dopsL, nops * sizeof(Op)));
+    CK(cudaMemcpy(dopsL, opsL.data(), nops * sizeof(Op), cudaMemcpyHostToDevice));
     u32* done;  // per-op counters, then the epoch
     CK(cudaMalloc(&done, (nops + 1) * 4));
     cudaStream_t st;
@@ -986,7 +1102,7 @@ static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
     for (const Op& op : ops) max_ib = std::max(max_ib, op.ir * row_bytes(FMT, op.k));
     for (const PersistCfg& c : cfgs) {
         const size_t smem = persist_smem(FMT, c.stage, c.nst, kmax);
-        if (c.nst > RING_MAX_STAGES || smem > 232448 || c.stage < max_ib || c.stage % 16) {
+        if (c.nst > RING_MAX_STAGES || smem > 232448 || c.stage < max_ib || c.stage % 16 || (c.ll && c.ahead == 0)) {
             printf("skip ring %dx%d: %zu bytes of shared memory, largest item %d bytes\n", c.nst, c.stage, smem, max_ib);
             continue;
         }
@@ -1002,8 +1118,8 @@ static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
         CK(cudaMemset(done, 0, (nops + 1) * 4));
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        kern<<<sms, (NC + 1) * 32, smem, st>>>(dops, nops, done, done + nops, c.stage, c.nst, kmax, c.ahead, c.wmode,
-                                               c.xmode, dstamps);
+        kern<<<sms, (NC + 1) * 32, smem, st>>>(c.ll ? dopsL : dops, nops, done, done + nops, c.stage, c.nst, kmax,
+                                               c.ahead, c.wmode, c.xmode, c.ll, dstamps);
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
@@ -1012,7 +1128,27 @@ static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
         double maxd = 0;
         const bool probe = c.ahead >= 2;
         for (int rep = 0; rep < (probe ? 1 : 2); rep++) {
-            one_step(ge, got_logits, got_h);
+            if (c.ll) {
+                // Fresh tags: h from h0 with tag 0, the other words 0, the epoch 0.
+                k_pack<<<16, 256, 0, st>>>(h0, hL, D);
+                CK(cudaGetLastError());
+                CK(cudaMemsetAsync(qL, 0, QKV * 8, st));
+                CK(cudaMemsetAsync(aL, 0, FF * 8, st));
+                CK(cudaMemsetAsync(done, 0, (nops + 1) * 4, st));
+                CK(cudaMemsetAsync(logits, 0xFF, (size_t)V * 4, st));
+                CK(cudaGraphLaunch(ge, st));
+                CK(cudaStreamSynchronize(st));
+                CK(cudaGetLastError());
+                CK(cudaMemcpy(got_logits.data(), logits, (size_t)V * 4, cudaMemcpyDeviceToHost));
+                std::vector<u64> w(D);
+                CK(cudaMemcpy(w.data(), hL, D * 8, cudaMemcpyDeviceToHost));
+                for (int i = 0; i < D; i++) {
+                    const u32 lo = (u32)w[i];
+                    memcpy(&got_h[i], &lo, 4);
+                }
+            } else {
+                one_step(ge, got_logits, got_h);
+            }
             if (probe) break;
             for (int i = 0; i < V; i++)
                 if (memcmp(&got_logits[i], &ref_logits[i], 4)) {
@@ -1029,8 +1165,9 @@ static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
         const float t = time_graph(ge, st, reps, 7);
         char name[128];
         const char* mode[] = {" no-ahead", "", " PROBE no-copy", " PROBE no-math"};
-        snprintf(name, sizeof name, "persist %dx%dKB %s %s%s", c.nst, c.stage / 1024, c.wmode ? "warp-rel" : "blk-rel",
-                 c.xmode ? "ld-x" : "tma-x", mode[c.ahead]);
+        snprintf(name, sizeof name, "persist %dx%dKB %s%s%s", c.nst, c.stage / 1024,
+                 c.ll ? "LL" : c.wmode ? "warp-rel " : "blk-rel ", c.ll ? "" : c.xmode || FMT == F16 ? "ld-x" : "tma-x",
+                 mode[c.ahead]);
         row(name, t);
         if (diff) printf("   MISMATCH vs launch path: %lld values differ, max |d| %.3g\n", diff, maxd);
         else if (!probe) printf("   bit-identical to the launch path (2 replays)\n");
@@ -1070,6 +1207,10 @@ static bool run_shape(const Shape& S, std::vector<PersistCfg> cfgs, int sms) {
     CK(cudaFree(sc.xq));
     CK(cudaFree(sc.xd));
     CK(cudaFree(dops));
+    CK(cudaFree(dopsL));
+    CK(cudaFree(hL));
+    CK(cudaFree(qL));
+    CK(cudaFree(aL));
     CK(cudaFree(done));
     CK(cudaStreamDestroy(st));
     printf("%s %s: %s\n", S.name, fname, ok ? "all checks passed" : "CHECKS FAILED");
@@ -1082,7 +1223,7 @@ int main(int argc, char** argv) {
     printf("%s, %d SMs, L2 %d MB, smem/block optin %zu\n", prop.name, prop.multiProcessorCount,
            prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin);
     if (argc < 3) {
-        fprintf(stderr, "usage: %s qwen|llama f16|q8 [stage nst ahead wmode xmode ...]\n", argv[0]);
+        fprintf(stderr, "usage: %s qwen|llama f16|q8 [stage nst ahead wmode xmode ll ...]\n", argv[0]);
         return 2;
     }
     const Shape shapes[] = {{"qwen2.5-1.5b", 1536, 256, 8960, 151936, 28},
@@ -1102,15 +1243,17 @@ int main(int argc, char** argv) {
     const bool qw = S->dim < 2048;
     const int st = qw ? 36864 : 32768;
     const int deep = qw ? 5 : (q8 ? 4 : 5);
+    // The LL variants last: a trap in one ends the process after the others have printed.
     std::vector<PersistCfg> cfgs = {
-        {st, deep, 1, 0, 0}, {st, deep, 1, 1, 0}, {st, deep, 1, 0, 1}, {st, deep, 1, 1, 1},
-        {st, 3, 1, 1, 0},    {st, 2, 1, 0, 0},    {st, deep, 0, 0, 0}, {st, deep, 2, 0, 0},
-        {st, deep, 3, 0, 0},
+        {st, deep, 1, 0, 0, 0}, {st, deep, 1, 1, 0, 0}, {st, 3, 1, 0, 0, 0}, {st, deep, 0, 0, 0, 0},
+        {st, deep, 2, 0, 0, 0}, {st, deep, 3, 0, 0, 0}, {st, deep, 1, 0, 0, 1}, {st, 3, 1, 0, 0, 1},
+        {st, deep, 3, 0, 0, 1},
     };
     if (argc > 3) {
         cfgs.clear();
-        for (int i = 3; i + 4 < argc; i += 5)
-            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4])});
+        for (int i = 3; i + 5 < argc; i += 6)
+            cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4]),
+                            atoi(argv[i + 5])});
     }
     const bool ok = q8 ? run_shape<Q8>(*S, cfgs, prop.multiProcessorCount)
                        : run_shape<F16>(*S, cfgs, prop.multiProcessorCount);
