@@ -14,10 +14,13 @@
 //            of op after op into a shared-memory ring by TMA bulk copies (never waiting for
 //            activations: it runs ahead across op boundaries), consumer warps that wait for
 //            the previous op by a counter, fetch the op's whole input vector into shared
-//            memory with one bulk copy (or with loads, xmode 1), reduce Σx² per 32-group once
-//            (and quantize, Q8_0), and dot the ring's rows. Boundary: block mode (CTA barrier,
-//            fence, one red.release a block) or warp mode (each warp red.release after its own
-//            rows: no CTA barrier, no fence of the whole block on the critical path).
+//            memory (Q8_0: one bulk copy, or loads with xmode 1; F16: loads, into a
+//            unit-transposed layout), reduce Σx² per 32-group once (and quantize, Q8_0), and
+//            dot the ring's rows, reading shared memory without bank conflicts. Boundary:
+//            block mode (CTA barrier, fence, one red.release a block), warp mode (each warp
+//            red.release after its own rows: no CTA barrier, no fence of the whole block on
+//            the critical path) or LL ({value, tag} activation words, no counter or fence).
+// Results and verdict: dev/cuda/README.md (persistent 0.85-0.94x of the launch path).
 // The norm has no weight vector (as in mega_gemv.cu). For Q8_0 the 8-bit rounding is
 // scale-invariant, so the norm is a scale of the steps (xd · inv), applied where the step is
 // read; for F16 the normalized value is x · inv, rounded once, wherever it is formed.
@@ -531,7 +534,8 @@ __host__ __device__ inline size_t persist_smem(int fmt, int stage, int nst, int 
 // ahead: 1 the design; 0 no weight loads across a boundary (the producer waits as the
 // consumers do); probes (outputs not checked): 2 no copies, 3 no math.
 // wmode: 0 block release (CTA barrier, fence, one red.release), 1 warp release.
-// xmode: 0 the input by one bulk copy, 1 by the consumers' loads (ld.global.cg).
+// xmode: 0 the input by one bulk copy, 1 by the consumers' loads (ld.global.cg); F16
+// always loads (its unit-transposed layout cannot come from a linear bulk copy).
 // ll: LL boundary (NCCL's LL protocol): every activation word is {f32, tag}, tag = the
 // writing op's sequence number (epoch · nops + j + 1; 0 for the host's h), written in one
 // 64-bit relaxed store; the consumers poll their input words until the tag is the previous
