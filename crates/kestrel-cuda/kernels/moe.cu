@@ -34,57 +34,32 @@ __device__ __forceinline__ float moe_act(float g, float u, int act, float alpha,
 // Router logits in f32 (as llama.cpp keeps the router): block (expert e, tile of up to
 // GV_MAX_T tokens) of 4 warps splitting the row, logits[t][e] = w_e · x[t]. Each token's
 // sums are its own (the same whatever the step's size).
-// An f32 router's row is requested before the wait on the previous kernel (it does not
-// depend on the step): up to MOE_ROUTER_W float4 a thread in registers, consumed in
-// row_dot<T_F32>'s order (the same sums), the rest of a longer row read after.
 // With xq set the block also quantizes 32-value blocks of its tokens' inputs for the 8-bit
 // decode kernels (quantize_x_q8's rounding: xq, and a scale per 32 in xd): warp w of block e
 // takes blocks 4e + w, 4e + w + 4·ne, ... (d a multiple of 32).
-#define MOE_ROUTER_W 8
 extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_router(const float* x, int d,
                                                                      int n, const u8* w,
                                                                      long long rb, int ty,
                                                                      int ne, float* logits,
                                                                      i8* xq, float* xd) {
-    const int e = blockIdx.x, t0 = blockIdx.y * GV_MAX_T;
-    const int nt = min(GV_MAX_T, n - t0);
-    const u8* row = w + (size_t)e * rb;
-    // f32 rows: this thread's first units (row_dot<T_F32>'s units tid, tid + GV_THREADS, ...).
-    const bool f32 = ty == T_F32;
-    const int units = d / 4;
-    float4 wr[MOE_ROUTER_W];
-    if (f32) {
-#pragma unroll
-        for (int j = 0; j < MOE_ROUTER_W; j++) {
-            const int u = threadIdx.x + j * GV_THREADS;
-            if (u < units) wr[j] = Fmt<T_F32>::load(row, u, 0);
-        }
-    }
     pdl_enter();
     if (xq) {
+        const int t0q = blockIdx.y * GV_MAX_T, ntq = min(GV_MAX_T, n - t0q);
         const int lane = threadIdx.x & 31;
         for (int b = blockIdx.x * (GV_THREADS / 32) + (threadIdx.x >> 5); b < d / 32;
              b += ne * (GV_THREADS / 32))
-            for (int t = t0; t < t0 + nt; t++)
+            for (int t = t0q; t < t0q + ntq; t++)
                 q8_store_block(x[(size_t)t * d + b * 32 + lane], (size_t)t * d + b * 32 + lane,
                                xq, xd);
     }
     __shared__ float red[(GV_THREADS / 32) * GV_MAX_T];
+    const int e = blockIdx.x, t0 = blockIdx.y * GV_MAX_T;
+    const int nt = min(GV_MAX_T, n - t0);
     float acc[GV_MAX_T];
 #pragma unroll
     for (int t = 0; t < GV_MAX_T; t++) acc[t] = 0.0f;
-    const float* xt = x + (size_t)t0 * d;
-    if (f32) {
-#pragma unroll
-        for (int j = 0; j < MOE_ROUTER_W; j++) {
-            const int u = threadIdx.x + j * GV_THREADS;
-            if (u < units) Fmt<T_F32>::calc(wr[j], u, xt, d, nt, acc);
-        }
-        for (int u = threadIdx.x + MOE_ROUTER_W * GV_THREADS; u < units; u += GV_THREADS)
-            Fmt<T_F32>::calc(Fmt<T_F32>::load(row, u, 0), u, xt, d, nt, acc);
-    } else {
-        row_dot_any(ty, row, xt, d, nt, threadIdx.x, GV_THREADS, acc);
-    }
+    row_dot_any(ty, w + (size_t)e * rb, x + (size_t)t0 * d, d, nt, threadIdx.x, GV_THREADS,
+                acc);
     row_reduce(acc, nt, GV_THREADS / 32, red);
     if (threadIdx.x == 0)
 #pragma unroll
