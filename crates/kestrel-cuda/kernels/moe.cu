@@ -67,62 +67,92 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS) moe_router(const float*
             if (t < nt) logits[(size_t)(t0 + t) * ne + e] = acc[t];
 }
 
-// Per token (one warp each): ids[t·k + s] and wts[t·k + s] of its k experts, in decreasing
-// order (lower index first among equal logits). gating 0: softmax over all n_expert logits
+// The sort key of expert e's logit v: larger keys first = larger logits first, the lower
+// index first among equal ones (−0 equal to +0, as the CPU's comparison); 0 pads.
+__device__ __forceinline__ unsigned long long moe_key(float v, int e) {
+    u32 b = __float_as_uint(v);
+    if ((b << 1) == 0) b = 0;
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (unsigned long long)(0xffffffffu - (u32)e);
+}
+
+// The logit of a key (moe_key's inverse) and its expert.
+__device__ __forceinline__ float moe_key_value(unsigned long long key) {
+    const u32 b = (u32)(key >> 32);
+    return __uint_as_float((b & 0x80000000u) ? (b & 0x7fffffffu) : ~b);
+}
+__device__ __forceinline__ int moe_key_expert(unsigned long long key) {
+    return (int)(0xffffffffu - (u32)key);
+}
+
+// Per token (one block of P threads, P the power of two ≥ n_expert, ≥ 32): ids[t·k + s] and
+// wts[t·k + s] of its k experts, in decreasing order (lower index first among equal logits).
+// Thread e holds expert e's key; a bitonic sort of the block's keys (warp shuffles for
+// strides below 32, shared memory above: log2(P)·(log2(P)+1)/2 steps, no loop over the
+// experts) leaves the s-th largest in thread s. gating 0: softmax over all n_expert logits
 // (renormalized over the chosen when norm); 1: softmax over the chosen logits only. The
 // exponentials' sum is taken in f64 and its f32 reciprocal scales each, as ggml does; the
 // renormalizing sum is clamped below at 2^-14.
-extern "C" __global__ void __launch_bounds__(32) moe_route(const float* logits,
-                                                           const float* bias, int n_expert,
-                                                           int k, int gating, int norm,
-                                                           int* ids, float* wts) {
+extern "C" __global__ void __launch_bounds__(MOE_MAX_EXPERT) moe_route(const float* logits,
+                                                                       const float* bias,
+                                                                       int n_expert, int k,
+                                                                       int gating, int norm,
+                                                                       int* ids, float* wts) {
     pdl_enter();
-    __shared__ float l[MOE_MAX_EXPERT];
-    __shared__ u8 taken[MOE_MAX_EXPERT];
+    __shared__ unsigned long long xk[2][MOE_MAX_EXPERT];
+    __shared__ double part[MOE_MAX_EXPERT / 32];
+    __shared__ float sv[MOE_MAX_K];
     __shared__ int sel[MOE_MAX_K];
-    const int t = blockIdx.x, lane = threadIdx.x;
-    for (int e = lane; e < n_expert; e += 32) {
-        float v = logits[(size_t)t * n_expert + e];
+    const int t = blockIdx.x, e = threadIdx.x, P = blockDim.x, lane = e & 31;
+    float v = 0.0f;
+    unsigned long long key = 0;
+    if (e < n_expert) {
+        v = logits[(size_t)t * n_expert + e];
         if (bias) v = __fadd_rn(v, bias[e]);
-        l[e] = v;
-        taken[e] = 0;
+        key = moe_key(v, e);
     }
-    __syncwarp();
-    for (int s = 0; s < k; s++) {
-        int bi = -1;
-        float bv = 0.0f;
-        for (int e = lane; e < n_expert; e += 32)
-            if (!taken[e] && (bi < 0 || l[e] > bv)) { bi = e; bv = l[e]; }
-        for (int o = 16; o > 0; o >>= 1) {
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const bool take = oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi));
-            if (take) { bi = oi; bv = ov; }
+    int buf = 0;
+    for (int size = 2; size <= P; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            unsigned long long other;
+            if (stride >= 32) {
+                xk[buf][e] = key;
+                __syncthreads();
+                other = xk[buf][e ^ stride];
+                buf ^= 1;
+            } else {
+                other = __shfl_xor_sync(0xffffffffu, key, stride);
+            }
+            // Descending runs where (e & size) == 0 (all of them in the last merge).
+            const bool keep_max = ((e & stride) == 0) == ((e & size) == 0);
+            key = keep_max ? (key > other ? key : other) : (key < other ? key : other);
         }
-        if (lane == 0) { sel[s] = bi; taken[bi] = 1; }
-        __syncwarp();
+    if (e < k) {
+        sel[e] = moe_key_expert(key);
+        sv[e] = moe_key_value(key);
     }
-    const float mx = l[sel[0]];
+    __syncthreads();
+    const float mx = sv[0];
     double sum = 0.0;
     if (gating == 0) {
-        for (int e = lane; e < n_expert; e += 32) sum += (double)expf(l[e] - mx);
-        sum = warp_sum(sum);
+        double s = e < n_expert ? (double)expf(v - mx) : 0.0;
+        s = warp_sum(s);
+        if (lane == 0) part[e >> 5] = s;
+        __syncthreads();
+        if (e >= k) return;
+        for (int i = 0; i < (P >> 5); i++) sum += part[i];
     } else {
-        for (int s = 0; s < k; s++) sum += (double)expf(l[sel[s]] - mx);
+        if (e >= k) return;
+        for (int s = 0; s < k; s++) sum += (double)expf(sv[s] - mx);
     }
-    if (lane != 0) return;
     const float scale = (float)(1.0 / sum);
-    float w[MOE_MAX_K];
+    // Every chosen thread adds the k weights in slot order (the same sum in each).
     float tot = 0.0f;
-    for (int s = 0; s < k; s++) {
-        w[s] = __fmul_rn(expf(l[sel[s]] - mx), scale);
-        tot = __fadd_rn(tot, w[s]);
-    }
+    for (int s = 0; s < k; s++) tot = __fadd_rn(tot, __fmul_rn(expf(sv[s] - mx), scale));
     tot = fmaxf(tot, 6.103515625e-5f);
-    for (int s = 0; s < k; s++) {
-        ids[t * k + s] = sel[s];
-        wts[t * k + s] = norm ? __fdiv_rn(w[s], tot) : w[s];
-    }
+    const float we = __fmul_rn(expf(sv[e] - mx), scale);
+    ids[t * k + e] = sel[e];
+    wts[t * k + e] = norm ? __fdiv_rn(we, tot) : we;
 }
 
 // The gated product of one expert row r for `n` tokens at x (rows of d values): out[t·ldo + r]
@@ -452,26 +482,58 @@ extern "C" __global__ void moe_combine(const float* ys, const int* pos, int d, i
     out[i] = o;
 }
 
-// A shared expert's gate: out[t] += y[t] · sigmoid(x[t] · w), one block per token.
+// A shared expert's gate: out[t] += y[t] · sigmoid(x[t] · w). Block (token t, group of
+// MOE_SG_OUT · 256 outputs), 256 threads: each block takes the whole dot product
+// (x[t] and w are one row each, the same sums in every block), with w's first
+// MOE_SG_W · 256 values requested before the wait on the previous kernel and this thread's
+// outputs and y requested before the reduction: one round of loads after the wait.
+#define MOE_SG_W 16
+#define MOE_SG_OUT 4
 extern "C" __global__ void __launch_bounds__(256) moe_shared_gate(float* out, const float* y,
                                                                     const float* x,
                                                                     const float* w, int d,
                                                                     int dy) {
-    pdl_enter();
     __shared__ float red[8];
-    __shared__ float gate;
-    const int t = blockIdx.x;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) s = fmaf(x[(size_t)t * d + i], w[i], s);
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float z = 0.0f;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++) z += red[i];
-        gate = 1.0f / (1.0f + expf(-z));
+    const int t = blockIdx.x, tid = threadIdx.x;
+    float wr[MOE_SG_W];
+#pragma unroll
+    for (int j = 0; j < MOE_SG_W; j++) {
+        const int i = tid + 256 * j;
+        wr[j] = i < d ? w[i] : 0.0f;
     }
+    pdl_enter();
+    const float* xt = x + (size_t)t * d;
+    float xr[MOE_SG_W];
+#pragma unroll
+    for (int j = 0; j < MOE_SG_W; j++) {
+        const int i = tid + 256 * j;
+        xr[j] = i < d ? xt[i] : 0.0f;
+    }
+    const int o0 = blockIdx.y * (MOE_SG_OUT * 256) + tid;
+    float yr[MOE_SG_OUT], orr[MOE_SG_OUT];
+#pragma unroll
+    for (int j = 0; j < MOE_SG_OUT; j++) {
+        const int i = o0 + 256 * j;
+        if (i < dy) {
+            yr[j] = y[(size_t)t * dy + i];
+            orr[j] = out[(size_t)t * dy + i];
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MOE_SG_W; j++)
+        if (tid + 256 * j < d) s = fmaf(xr[j], wr[j], s);
+    for (int i = tid + 256 * MOE_SG_W; i < d; i += 256) s = fmaf(xt[i], w[i], s);
+    s = warp_sum(s);
+    if ((tid & 31) == 0) red[tid >> 5] = s;
     __syncthreads();
-    for (int i = threadIdx.x; i < dy; i += blockDim.x)
-        out[(size_t)t * dy + i] = __fadd_rn(out[(size_t)t * dy + i], __fmul_rn(y[(size_t)t * dy + i], gate));
+    float z = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) z += red[i];
+    const float gate = 1.0f / (1.0f + expf(-z));
+#pragma unroll
+    for (int j = 0; j < MOE_SG_OUT; j++) {
+        const int i = o0 + 256 * j;
+        if (i < dy) out[(size_t)t * dy + i] = __fadd_rn(orr[j], __fmul_rn(yr[j], gate));
+    }
 }

@@ -85,6 +85,15 @@ const Q8_GATE_UP_ROWS: usize = 32;
 /// Rows a `moe_down_q8` block computes (4 warps of `MOE_DOWN_R` = 2).
 const Q8_DOWN_ROWS: usize = 8;
 
+/// Threads of a `moe_route` block: one per expert, a power of two of at least a warp (the
+/// bitonic sort's width).
+fn route_threads(n_expert: usize) -> u32 {
+    n_expert.next_power_of_two().max(32) as u32
+}
+
+/// Outputs a `moe_shared_gate` block takes (256 threads of `MOE_SG_OUT` = 4).
+const SHARED_GATE_COLS: usize = 1024;
+
 /// Buffers of the block, shared by every layer, grown to the largest step seen.
 pub(crate) struct MoeScratch {
     /// (tokens, experts, used, n_embd, n_ff_exp) they were sized for.
@@ -361,7 +370,7 @@ pub(crate) fn moe_ffn(
     b.launch(
         "moe_route",
         (n as u32, 1, 1),
-        32,
+        route_threads(ne),
         &[
             Arg::P(logits),
             Arg::P(router_bias),
@@ -565,6 +574,75 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The routing kernel alone (`moe_route`) on `n` tokens' router logits (`n` rows of
+    /// `moe.n_expert`) and an optional router bias: each token's `moe.n_expert_used`
+    /// (expert, weight) pairs in slot order, for the checks against
+    /// `kestrel_model::moe::route`.
+    pub fn moe_route_rows(
+        &self,
+        logits: &[f32],
+        bias: Option<&[f32]>,
+        moe: &MoeConfig,
+        n: usize,
+    ) -> anyhow::Result<Vec<(usize, f32)>> {
+        let (ne, k) = (moe.n_expert, moe.n_expert_used);
+        if ne == 0 || ne > MOE_MAX_EXPERT || k == 0 || k > ne || k > MOE_MAX_K {
+            bail!(
+                "{k} of {ne} experts: the CUDA backend takes 1 to {MOE_MAX_K} of up to {MOE_MAX_EXPERT}"
+            );
+        }
+        if n == 0 || logits.len() != n * ne || bias.is_some_and(|b| b.len() != ne) {
+            bail!(
+                "moe_route_rows: {} logits and a bias of {:?} for {n} tokens of {ne} experts",
+                logits.len(),
+                bias.map(|b| b.len())
+            );
+        }
+        let up = |v: &[f32]| {
+            self.stream
+                .clone_htod(v)
+                .map_err(|e| anyhow::anyhow!("uploading router logits: {e:?}"))
+        };
+        let dl = up(logits)?;
+        let db = bias.map(up).transpose()?;
+        // Poisoned: an unwritten slot reads as no expert and a NaN weight.
+        let ids = self
+            .stream
+            .clone_htod(&vec![-1i32; n * k])
+            .map_err(|e| anyhow::anyhow!("uploading expert ids: {e:?}"))?;
+        let wts = up(&vec![f32::NAN; n * k])?;
+        self.launch(
+            "moe_route",
+            (n as u32, 1, 1),
+            route_threads(ne),
+            &[
+                Arg::P(self.ptr(&dl)),
+                Arg::P(db.as_ref().map_or(0, |b| self.ptr(b))),
+                Arg::I(ne as i32),
+                Arg::I(k as i32),
+                Arg::I(match moe.gating {
+                    Gating::Softmax => 0,
+                    Gating::TopKSoftmax => 1,
+                }),
+                Arg::I(moe.norm_top_k as i32),
+                Arg::P(self.ptr(&ids)),
+                Arg::P(self.ptr(&wts)),
+            ],
+        );
+        self.check()?;
+        let (mut hi, mut hw) = (vec![0i32; n * k], vec![0f32; n * k]);
+        self.stream
+            .memcpy_dtoh(&ids, &mut hi[..])
+            .map_err(|e| anyhow::anyhow!("copying expert ids from the GPU: {e:?}"))?;
+        self.stream
+            .memcpy_dtoh(&wts, &mut hw[..])
+            .map_err(|e| anyhow::anyhow!("copying expert weights from the GPU: {e:?}"))?;
+        self.check()?;
+        Ok(hi.iter().map(|&i| i as usize).zip(hw).collect())
+    }
+}
+
 /// `out += y · sigmoid(x · w)` per token (a shared expert's gate).
 pub(crate) fn add_sigmoid_gated(
     b: &CudaBackend,
@@ -588,7 +666,7 @@ pub(crate) fn add_sigmoid_gated(
     }
     b.launch(
         "moe_shared_gate",
-        (n as u32, 1, 1),
+        (n as u32, y.cols.div_ceil(SHARED_GATE_COLS).max(1) as u32, 1),
         256,
         &[
             Arg::P(out.ptr),

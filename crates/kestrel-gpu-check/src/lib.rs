@@ -3275,6 +3275,120 @@ impl MoeBlockReport {
     }
 }
 
+/// (experts, experts per token) of [`compare_moe_routes`]: gpt-oss-20b's 32 / 4, Qwen3-30B's
+/// 128 / 8, Qwen3-Next's 512 / 10, the most the backend takes (1,024 / 16), every expert
+/// taken, and awkward counts that pad the routing kernel's sort.
+pub const MOE_ROUTE_SHAPES: [(usize, usize); 10] = [
+    (32, 4),
+    (128, 8),
+    (512, 10),
+    (1024, 16),
+    (5, 5),
+    (3, 1),
+    (60, 4),
+    (257, 16),
+    (700, 3),
+    (33, 2),
+];
+
+/// Result of [`compare_moe_routes`].
+#[derive(Debug, Clone, Default)]
+pub struct MoeRouteReport {
+    /// Tokens routed, and those whose expert ids (in slot order) differ from the CPU's.
+    pub tokens: usize,
+    pub ids_off: usize,
+    /// Largest |Δ| of a weight relative to the CPU's; non-finite weights counted apart.
+    pub max_rel_diff: f32,
+    pub non_finite: usize,
+}
+
+impl MoeRouteReport {
+    /// Both sides compare the same f32 logits (bias added by the same f32 addition), so the
+    /// ids must agree exactly, ties included; the weights differ only by the two sides'
+    /// `exp` (CUDA's `expf` is within 2 ulps) and the order of the f64 sum.
+    pub const LIMIT: f32 = 1e-5;
+
+    pub fn passed(&self) -> bool {
+        self.tokens > 0
+            && self.ids_off == 0
+            && self.non_finite == 0
+            && self.max_rel_diff <= Self::LIMIT
+    }
+}
+
+/// The routing kernel alone (`CudaBackend::moe_route_rows`) against `kestrel_model::moe::
+/// route` on random router logits of each of [`MOE_ROUTE_SHAPES`], every gating (softmax
+/// over all, renormalized or not; softmax over the chosen), with and without a router bias,
+/// 1, 7 and 33 tokens: some tokens' logits on a coarse grid (many exact ties, −0 beside +0)
+/// and one token's all equal.
+pub fn compare_moe_routes(seed: u64, ordinal: usize) -> anyhow::Result<MoeRouteReport> {
+    use kestrel_model::{Gating, MoeConfig};
+    let gpu = CudaBackend::new(ordinal)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7007e);
+    let mut report = MoeRouteReport::default();
+    for (ne, k) in MOE_ROUTE_SHAPES {
+        for (gating, norm) in [
+            (Gating::Softmax, true),
+            (Gating::Softmax, false),
+            (Gating::TopKSoftmax, false),
+        ] {
+            for (n, biased) in [(1, false), (7, true), (33, false)] {
+                let moe = MoeConfig {
+                    n_expert: ne,
+                    n_expert_used: k,
+                    n_ff_exp: 1,
+                    gating,
+                    norm_top_k: norm,
+                    clamped_swiglu: None,
+                    shared_expert: None,
+                };
+                let mut logits = Vec::with_capacity(n * ne);
+                for t in 0..n {
+                    for _ in 0..ne {
+                        logits.push(match t % 3 {
+                            // Coarse: few distinct values, zeros of both signs.
+                            1 => {
+                                let v = rng.random_range(-3i32..=3) as f32 * 0.5;
+                                if v == 0.0 && rng.random_bool(0.5) {
+                                    -0.0
+                                } else {
+                                    v
+                                }
+                            }
+                            2 if t == 2 => 0.25,
+                            _ => rng.random_range(-8.0f32..8.0),
+                        });
+                    }
+                }
+                let bias: Option<Vec<f32>> =
+                    biased.then(|| (0..ne).map(|_| rng.random_range(-1.0f32..1.0)).collect());
+                let got = gpu.moe_route_rows(&logits, bias.as_deref(), &moe, n)?;
+                let mut want = vec![(0usize, 0f32); k];
+                for (t, g) in got.chunks_exact(k).enumerate() {
+                    let mut l = logits[t * ne..(t + 1) * ne].to_vec();
+                    if let Some(b) = &bias {
+                        l.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                    }
+                    kestrel_model::moe::route(&moe, &l, &mut want);
+                    report.tokens += 1;
+                    if g.iter().zip(&want).any(|(g, w)| g.0 != w.0) {
+                        report.ids_off += 1;
+                    }
+                    for (g, w) in g.iter().zip(&want) {
+                        if !g.1.is_finite() {
+                            report.non_finite += 1;
+                        } else {
+                            let r = (g.1 - w.1).abs() / w.1.abs().max(1e-30);
+                            report.max_rel_diff = report.max_rel_diff.max(r);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
 /// A case of [`compare_moe_block_q8`]: expert formats (gate, up, down), n_embd, n_ff_exp,
 /// experts, experts per token, and gpt-oss's clamped SwiGLU with router and expert biases.
 #[derive(Debug, Clone, Copy)]
@@ -3693,8 +3807,9 @@ fn compare_moe_block_on(
         let (max, ..) = rel_diff(want, got, cols, f32::INFINITY, &mut report.non_finite);
         report.max_rel_diff = report.max_rel_diff.max(max);
     };
-    // A shared expert's gate: out += y · sigmoid(x · w).
-    for n in [1, 6, 33] {
+    // A shared expert's gate: out += y · sigmoid(x · w); the block's width, then wider
+    // rows (several output groups of the kernel, rows past its registers).
+    for (n, d) in [(1, d), (6, d), (33, d), (2, 2048), (3, 4133)] {
         let mut random =
             |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0..1.0)).collect() };
         let (x, y, o, w) = (random(n * d), random(n * d), random(n * d), random(d));

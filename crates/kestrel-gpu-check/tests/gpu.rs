@@ -694,6 +694,17 @@ fn moe_block_matches_cpu() {
     }
 }
 
+/// The routing kernel against the CPU's route: every shape and gating, ties included.
+#[test]
+fn moe_routes_match_cpu() {
+    if !gpu_present("moe_routes_match_cpu") {
+        return;
+    }
+    let seed = rand::rng().random();
+    let r = selfcheck::compare_moe_routes(seed, 0).expect("routes run");
+    assert!(r.passed(), "seed {seed}: {r:?}");
+}
+
 /// Masked sampling on a fresh backend while the stream still runs queued work (as a
 /// step's forward pass runs when its masks go up): the masks' first buffers and each
 /// growth are allocated behind that work, and every row draws what the host draws.

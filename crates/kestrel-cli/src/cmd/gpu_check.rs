@@ -746,6 +746,25 @@ fn moe_checks(args: &Args, seed: u64, positions: usize) -> usize {
             }
         }
     }
+    match selfcheck::compare_moe_routes(seed.wrapping_add(22_900), args.gpu) {
+        Ok(r) => {
+            let ok = r.passed();
+            failures += usize::from(!ok);
+            println!(
+                "moe routing (moe_route against the CPU's route: {} shapes up to 1024/16, every gating, ties) {} tokens, ids off {}, max rel |Δ| weight {:.1e} (bound {:.0e})  {}",
+                selfcheck::MOE_ROUTE_SHAPES.len(),
+                r.tokens,
+                r.ids_off,
+                r.max_rel_diff,
+                selfcheck::MoeRouteReport::LIMIT,
+                if ok { "ok" } else { "FAIL" }
+            );
+        }
+        Err(e) => {
+            failures += 1;
+            println!("moe routing ERROR {e:#}");
+        }
+    }
     println!(
         "mixture-of-experts block on 8-bit activations (moe_gate_up_q8, moe_down_q8; random stacked experts, 1, 2, 5, 8 tokens) against an f64 reference on the same rounded inputs: pass if max |Δ| beyond a boundary rounding's allowance <= {:.0e} of each token's largest output:",
         selfcheck::MoeBlockReport::LIMIT
