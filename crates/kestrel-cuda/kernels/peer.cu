@@ -190,23 +190,63 @@ all_reduce_oneshot(float* x, const unsigned long long* table, int rank, int rank
     ar_end(c);
 }
 
-// Value j of the reduced row starting at `at` of every slot, summed in rank order.
+// Value j of the sums: every rank's slot here, in rank order.
 __device__ __forceinline__ float ar_sum1(const float* mine, int ranks, int cap, long long j) {
     float s = ld_relaxed_sys(mine + j);
     for (int q = 1; q < ranks; q++) s += ld_relaxed_sys(mine + (long long)q * cap + j);
     return s;
 }
 
-// The all-reduce of `rows` rows of `cols` values of x (in place: x = Σ x, the residual)
-// fused with the RMS norm that follows it: out = x / sqrt(mean(x²) + eps) · w, as rms_norm,
-// and by `mode` also the copy its consumer reads: 0 none (x only; the norm runs apart),
-// 1 out alone, 2 its f16 copy at h (as rms_norm_f16), 3 8-bit rows at q / d (as
-// rms_norm_q8; cols a multiple of 32). Every block delivers its slice, then waits for every
-// block of every rank (the whole message) and normalizes units of `chunks` per row (a unit:
-// a row's chunk of ceil(cols / chunks) values rounded up to 32; its block sums the squares
-// of the whole row, the same sum in the same order in every block): a single-token row is
-// spread over many SMs, rows of a batch take a block each. Each rank's values are read
-// from its slot here (this rank's too), so x can be written while other blocks still read.
+// Values j .. j + 3 of the sums (j a multiple of 4).
+__device__ __forceinline__ float4 ar_sum4(const float* mine, int ranks, int cap, long long j) {
+    float4 s = ld_relaxed_sys4(mine + j);
+    for (int q = 1; q < ranks; q++) {
+        const float4 v = ld_relaxed_sys4(mine + (long long)q * cap + j);
+        s.x += v.x;
+        s.y += v.y;
+        s.z += v.z;
+        s.w += v.w;
+    }
+    return s;
+}
+
+// Σ of the squares of a row's sums (cols a multiple of 4, the row 16-byte aligned), AR_RUN
+// groups of 4 a thread at a time: each rank's loads of a run are issued together, one
+// round trip to L2 a rank instead of one a group.
+#define AR_RUN 4
+__device__ __forceinline__ float ar_row_squares4(const float* mine, int ranks, int cap,
+                                                 long long rb, int cols) {
+    float ss = 0.0f;
+    for (int j0 = 4 * threadIdx.x; j0 < cols; j0 += 4 * AR_THREADS * AR_RUN) {
+        float4 s[AR_RUN];
+#pragma unroll
+        for (int k = 0; k < AR_RUN; k++) {
+            const int j = j0 + k * 4 * AR_THREADS;
+            s[k] = j < cols ? ld_relaxed_sys4(mine + rb + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        for (int q = 1; q < ranks; q++) {
+            float4 v[AR_RUN];
+#pragma unroll
+            for (int k = 0; k < AR_RUN; k++) {
+                const int j = j0 + k * 4 * AR_THREADS;
+                v[k] = j < cols ? ld_relaxed_sys4(mine + (long long)q * cap + rb + j)
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < AR_RUN; k++) {
+                s[k].x += v[k].x;
+                s[k].y += v[k].y;
+                s[k].z += v[k].z;
+                s[k].w += v[k].w;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < AR_RUN; k++)
+            ss += s[k].x * s[k].x + s[k].y * s[k].y + s[k].z * s[k].z + s[k].w * s[k].w;
+    }
+    return ss;
+}
+
 extern "C" __global__ void __launch_bounds__(AR_THREADS)
 all_reduce_norm(float* x, const unsigned long long* table, int rank, int ranks, int rows,
                 int cols, int cap, const float* w, float eps, float* out, int mode, u16* h,
@@ -219,8 +259,13 @@ all_reduce_norm(float* x, const unsigned long long* table, int rank, int ranks, 
     ar_deliver(c, x, rank, ranks, cap, lo, hi, true);
     ar_wait(c, rank, ranks, 0, gridDim.x, true);
     if (mode == 0) {
-        for (long long i = lo + threadIdx.x; i < hi; i += AR_THREADS)
-            x[i] = ar_sum1(c.mine, ranks, cap, i);
+        for (long long i = lo + 4 * threadIdx.x; i < hi; i += 4 * AR_THREADS) {
+            if (i + 4 <= hi) {
+                *(float4*)(x + i) = ar_sum4(c.mine, ranks, cap, i);
+            } else {
+                for (long long j = i; j < hi; j++) x[j] = ar_sum1(c.mine, ranks, cap, j);
+            }
+        }
         ar_end(c);
         return;
     }
@@ -231,17 +276,7 @@ all_reduce_norm(float* x, const unsigned long long* table, int rank, int ranks, 
         const long long rb = (long long)row * cols;
         float ss = 0.0f;
         if (quads) {
-            for (int j = 4 * threadIdx.x; j < cols; j += 4 * AR_THREADS) {
-                float4 s = ld_relaxed_sys4(c.mine + rb + j);
-                for (int q = 1; q < ranks; q++) {
-                    const float4 v = ld_relaxed_sys4(c.mine + (long long)q * cap + rb + j);
-                    s.x += v.x;
-                    s.y += v.y;
-                    s.z += v.z;
-                    s.w += v.w;
-                }
-                ss += s.x * s.x + s.y * s.y + s.z * s.z + s.w * s.w;
-            }
+            ss = ar_row_squares4(c.mine, ranks, cap, rb, cols);
         } else {
             for (int j = threadIdx.x; j < cols; j += AR_THREADS) {
                 const float s = ar_sum1(c.mine, ranks, cap, rb + j);
@@ -251,6 +286,23 @@ all_reduce_norm(float* x, const unsigned long long* table, int rank, int ranks, 
         ss = block_sum(ss);
         const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
         const int j_lo = part * width, j_hi = min(cols, j_lo + width);
+        if (quads && mode != 3) {
+            // 4 values a thread (the chunk's bounds are multiples of 4).
+            for (int j = j_lo + 4 * threadIdx.x; j < j_hi; j += 4 * AR_THREADS) {
+                const float4 s = ar_sum4(c.mine, ranks, cap, rb + j);
+                const float4 g = *(const float4*)(w + j);
+                const float4 v = make_float4(s.x * scale * g.x, s.y * scale * g.y,
+                                             s.z * scale * g.z, s.w * scale * g.w);
+                *(float4*)(x + rb + j) = s;
+                *(float4*)(out + rb + j) = v;
+                if (mode == 2) {
+                    const uint2 hv = make_uint2((u32)f2h(v.x) | ((u32)f2h(v.y) << 16),
+                                                (u32)f2h(v.z) | ((u32)f2h(v.w) << 16));
+                    *(uint2*)(h + rb + j) = hv;
+                }
+            }
+            continue;
+        }
         for (int base = j_lo; base < j_hi; base += AR_THREADS) {
             const int j = base + threadIdx.x;
             const bool on = j < j_hi;
