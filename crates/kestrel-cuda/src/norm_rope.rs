@@ -150,86 +150,62 @@ pub(crate) fn rms_norm(
         Arg::I(x.cols as i32),
         Arg::F(eps),
     ];
-    match norm_output(backend, n, x.cols) {
-        NormOutput::Q8(Q8Ptrs {
-            q: q_ptr, d: d_ptr, ..
-        }) => {
-            // One block per 256 values, each summing the whole row (see the kernel). One
-            // block for the whole row measured 576 / 585 against 627 / 611 t/s (tg128,
-            // Qwen2.5-1.5B Q4_K_M, H100), 305 / 303 against 310 / 307 on Llama-3-8B.
-            let (cols_grid, threads) = (grid_1d(x.cols, 256), 256);
-            let grid = (cols_grid.0, n as u32, 1);
-            let args = [&head[..], &[Arg::P(q_ptr), Arg::P(d_ptr)]].concat();
-            backend.launch("rms_norm_q8", grid, threads, &args);
-            Prepared::Q8 { of: out.ptr, n }
-        }
-        NormOutput::Multi(MultiQ8 { npad, mmk, q8 }) => {
-            let Q8Ptrs { q, ds, .. } = q8;
-            let tail = [Arg::I(n as i32), Arg::I(npad as i32), Arg::P(q), Arg::P(ds)];
-            let mut args = [&head[..], &tail].concat();
-            // mmk's layout: one block per token; else `mmq_t*`'s, one block per 256 values.
-            if mmk {
-                args.push(Arg::P(q8.mmk_steps_sums(npad, x.cols).1));
-                let threads = 64 * (x.cols / 256).min(16) as u32;
-                let grid = (1, npad as u32, 1);
-                backend.launch("rms_norm_mmk", grid, threads, &args);
-            } else {
-                let grid = (x.cols.div_ceil(256) as u32, npad as u32, 1);
-                backend.launch("rms_norm_mmq", grid, 256, &args);
-            }
-            Prepared::Mmq {
-                of: out.ptr,
-                n,
-                npad,
-                mmk,
-            }
-        }
-        NormOutput::F16(h) => {
-            let args = [&head[..], &[Arg::P(h)]].concat();
-            let grid = (n as u32, 1, 1);
-            backend.launch("rms_norm_f16", grid, block, &args);
-            Prepared::F16 { of: out.ptr, n, h }
-        }
-        NormOutput::Plain => {
-            backend.launch("rms_norm", (n as u32, 1, 1), block, &head);
-            Prepared::Nothing
-        }
-    }
-}
-
-/// What an RMS norm of `n` rows of `cols` values writes besides its f32 output, for the
-/// product reading it next (the same choice for `rms_norm` and the fused all-reduce + norm).
-pub(crate) enum NormOutput {
-    /// Rows in 8 bits for gemv_q8: a single-token row (and a verification step's rows each
-    /// as alone, `invariant_step`: rms_norm_q8's row sums are not the plain kernel's).
-    Q8(Q8Ptrs),
-    /// A few tokens for an int8 mmq / mmk launch (steps of MMQ_MIN_TOKENS up to
-    /// MMQ_MAX_TOKENS), in that kernel's layout.
-    Multi(MultiQ8),
-    /// Rows for cuBLAS: their f16 copy (B = 64 on Llama-3-8B: two conversion launches a
-    /// layer less).
-    F16(u64),
-    Plain,
-}
-
-pub(crate) fn norm_output(backend: &CudaBackend, n: usize, cols: usize) -> NormOutput {
+    // A single-token row whose consumer is a gemv_q8: quantize it on the way out (and a
+    // verification step's rows each as alone, `invariant_step`: rms_norm_q8's row sums are
+    // not the plain kernel's).
     let rows_q8 = if backend.invariant_step() {
         backend
-            .single_q8_buffers(1, cols)
-            .and_then(|_| backend.q8_buffers(n * cols))
+            .single_q8_buffers(1, x.cols)
+            .and_then(|_| backend.q8_buffers(n * x.cols))
     } else {
-        backend.single_q8_buffers(n, cols)
+        backend.single_q8_buffers(n, x.cols)
     };
-    if let Some(p) = rows_q8 {
-        return NormOutput::Q8(p);
+    if let Some(Q8Ptrs {
+        q: q_ptr, d: d_ptr, ..
+    }) = rows_q8
+    {
+        // One block per 256 values, each summing the whole row (see the kernel). One
+        // block for the whole row measured 576 / 585 against 627 / 611 t/s (tg128,
+        // Qwen2.5-1.5B Q4_K_M, H100), 305 / 303 against 310 / 307 on Llama-3-8B.
+        let (cols_grid, threads) = (grid_1d(x.cols, 256), 256);
+        let grid = (cols_grid.0, n as u32, 1);
+        let args = [&head[..], &[Arg::P(q_ptr), Arg::P(d_ptr)]].concat();
+        backend.launch("rms_norm_q8", grid, threads, &args);
+        return Prepared::Q8 { of: out.ptr, n };
     }
-    if let Some(m) = backend.multi_q8_layout(n, cols) {
-        return NormOutput::Multi(m);
+    // A few tokens whose consumer is an int8 mmq launch (steps of MMQ_MIN_TOKENS up to
+    // MMQ_MAX_TOKENS): quantize them on the way out, in that kernel's layout.
+    if let Some(MultiQ8 { npad, mmk, q8 }) = backend.multi_q8_layout(n, x.cols) {
+        let Q8Ptrs { q, ds, .. } = q8;
+        let tail = [Arg::I(n as i32), Arg::I(npad as i32), Arg::P(q), Arg::P(ds)];
+        let mut args = [&head[..], &tail].concat();
+        // mmk's layout: one block per token; else `mmq_t*`'s, one block per 256 values.
+        if mmk {
+            args.push(Arg::P(q8.mmk_steps_sums(npad, x.cols).1));
+            let threads = 64 * (x.cols / 256).min(16) as u32;
+            let grid = (1, npad as u32, 1);
+            backend.launch("rms_norm_mmk", grid, threads, &args);
+        } else {
+            let grid = (x.cols.div_ceil(256) as u32, npad as u32, 1);
+            backend.launch("rms_norm_mmq", grid, 256, &args);
+        }
+        return Prepared::Mmq {
+            of: out.ptr,
+            n,
+            npad,
+            mmk,
+        };
     }
-    match backend.f16_copy_for_gemm(n, cols) {
-        Some(h) => NormOutput::F16(h),
-        None => NormOutput::Plain,
+    // Rows for cuBLAS: their f16 copy on the way out (B = 64 on Llama-3-8B: two
+    // conversion launches a layer less).
+    if let Some(h) = backend.f16_copy_for_gemm(n, x.cols) {
+        let args = [&head[..], &[Arg::P(h)]].concat();
+        let grid = (n as u32, 1, 1);
+        backend.launch("rms_norm_f16", grid, block, &args);
+        return Prepared::F16 { of: out.ptr, n, h };
     }
+    backend.launch("rms_norm", (n as u32, 1, 1), block, &head);
+    Prepared::Nothing
 }
 
 pub(crate) fn rms_norm_heads(

@@ -34,10 +34,10 @@ use crate::{
 use kestrel_model::{KvType, KvTypes};
 
 /// The kernels this module launches.
-pub(crate) const KERNELS: &[&str] = &["all_reduce_oneshot", "all_reduce_norm"];
+pub(crate) const KERNELS: &[&str] = &["all_reduce_oneshot"];
 
-/// The one-shot all-reduce (kernels/peer.cu) takes messages up to this size: each rank's
-/// slot in each half of the double exchange buffers.
+/// The one-shot all-reduce (kernels/peer.cu) takes messages up to this size: each half
+/// of its double exchange buffer.
 pub const ONESHOT_MAX_BYTES: usize = 4 << 20;
 /// Values each block of the one-shot all-reduce sums at least (512 threads, 4 values
 /// each), and its most blocks and ranks (the kernel's AR_MAX_BLOCKS, AR_MAX_RANKS).
@@ -71,29 +71,6 @@ pub(crate) struct OneShot {
     ranks: usize,
     /// Messages up to this many bytes take the one-shot kernel, larger ones NCCL.
     up_to: AtomicUsize,
-}
-
-/// What the fused all-reduce + RMS norm writes besides the sums (kernels/peer.cu,
-/// `all_reduce_norm`'s `mode`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum NormMode {
-    /// The sums only (the norm runs apart).
-    SumOnly,
-    /// The normalized rows alone.
-    Plain,
-    /// Also their f16 copy at this address (cuBLAS's input).
-    F16(u64),
-    /// Also in 8 bits for gemv_q8: values at `q`, a step per 32 at `d`.
-    Q8 { q: u64, d: u64 },
-}
-
-/// The grid of the fused all-reduce + RMS norm of `rows` rows of `cols` values: (blocks,
-/// chunks a row is normalized in). A row takes up to a chunk per 256 values while the
-/// rows' chunks fit in [`ONESHOT_MAX_BLOCKS`] blocks (a single-token row spread over many
-/// SMs); each block takes units (row, chunk) `blockIdx.x + k · blocks`.
-pub(crate) fn norm_grid(rows: usize, cols: usize) -> (usize, usize) {
-    let chunks = (ONESHOT_MAX_BLOCKS / rows.max(1)).clamp(1, (cols / 256).max(1));
-    ((rows * chunks).clamp(1, ONESHOT_MAX_BLOCKS), chunks)
 }
 
 // ---- the collectives and shapes a rank needs, on the single-GPU backend ----
@@ -138,97 +115,6 @@ impl CudaBackend {
             1,
             &[Arg::P(x.ptr), Arg::L(count)],
             0,
-        );
-    }
-
-    /// The all-reduce of the first `n` rows of `x` (in place, as [`Self::all_reduce_rows`])
-    /// fused with the RMS norm that reads it next: `out = rms_norm(x) · weight`, with the
-    /// copy the product after it reads (`norm_rope::norm_output`), in one launch of the
-    /// one-shot kernel (`all_reduce_norm`); where that copy is an mmq / mmk layout the
-    /// kernel only sums and the norm is launched apart. None, with nothing launched, where
-    /// this message takes NCCL: the caller runs the all-reduce and the norm itself. The same
-    /// choice on every rank (it depends on the message's size alone).
-    pub fn all_reduce_norm(
-        &self,
-        x: &mut CudaTensor,
-        n: usize,
-        weight: &CudaWeight,
-        eps: f32,
-        out: &mut CudaTensor,
-    ) -> Option<Prepared> {
-        use crate::norm_rope::{NormOutput, norm_output};
-        let cols = x.cols;
-        let o = self.oneshot.get()?;
-        let count = n * cols;
-        if count == 0 || 4 * count > o.up_to.load(Ordering::Relaxed) || out.cols != cols {
-            return None;
-        }
-        let CudaWeight::Vector { ptr: w, len, .. } = weight else {
-            return None;
-        };
-        if *len < cols {
-            return None;
-        }
-        let (mode, prepared) = match norm_output(self, n, cols) {
-            NormOutput::Q8(p) => (
-                NormMode::Q8 { q: p.q, d: p.d },
-                Prepared::Q8 { of: out.ptr, n },
-            ),
-            NormOutput::Multi(_) => (NormMode::SumOnly, Prepared::Nothing),
-            NormOutput::F16(h) => (NormMode::F16(h), Prepared::F16 { of: out.ptr, n, h }),
-            NormOutput::Plain => (NormMode::Plain, Prepared::Nothing),
-        };
-        self.launch_all_reduce_norm(x.ptr, n, cols, *w, eps, out.ptr, mode);
-        Some(match mode {
-            NormMode::SumOnly => crate::norm_rope::rms_norm(self, x, weight, eps, n, out),
-            _ => prepared,
-        })
-    }
-
-    /// One launch of `all_reduce_norm` over raw addresses (`rows` × `cols` values at `x`,
-    /// the norm's weight at `w`, its output at `out`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn launch_all_reduce_norm(
-        &self,
-        x: u64,
-        rows: usize,
-        cols: usize,
-        w: u64,
-        eps: f32,
-        out: u64,
-        mode: NormMode,
-    ) {
-        let Some(o) = self.oneshot.get() else {
-            return self.fail("the fused all-reduce without one-shot buffers".into());
-        };
-        let (blocks, chunks) = norm_grid(rows, cols);
-        let (code, h, q, d) = match mode {
-            NormMode::SumOnly => (0, 0, 0, 0),
-            NormMode::Plain => (1, 0, 0, 0),
-            NormMode::F16(h) => (2, h, 0, 0),
-            NormMode::Q8 { q, d } => (3, 0, q, d),
-        };
-        self.launch(
-            "all_reduce_norm",
-            (blocks as u32, 1, 1),
-            512,
-            &[
-                Arg::P(x),
-                Arg::P(o.table),
-                Arg::I(o.rank as i32),
-                Arg::I(o.ranks as i32),
-                Arg::I(rows as i32),
-                Arg::I(cols as i32),
-                Arg::I((ONESHOT_MAX_BYTES / 4) as i32),
-                Arg::P(w),
-                Arg::F(eps),
-                Arg::P(out),
-                Arg::I(code),
-                Arg::P(h),
-                Arg::P(q),
-                Arg::P(d),
-                Arg::I(chunks as i32),
-            ],
         );
     }
 
@@ -592,10 +478,11 @@ impl TpBackend {
     /// slower than NCCL by more than [`ONESHOT_TIE`] at a probe: 0 when it lost at the first,
     /// or the GPUs lack peer access. Each side's time is its best of [`ONESHOT_TRIALS`]
     /// runs, alternated. Calls timed back to back outside a graph are bound by their
-    /// launches at decode sizes (both ~7.5 µs on 2× H100, and a single run of each flipped
-    /// the choice between groups formed in the same minute); within that margin the
-    /// one-shot kernel is taken, which a step's graph replays as a kernel of its chain. With
-    /// two GPUs both add the same two numbers, so the choice changes no result.
+    /// launches at decode sizes (7.4–12 µs for both on 2× H100), and a single run of each
+    /// flipped the choice between groups formed in the same minute (one-shot up to 4 MiB, up
+    /// to 16 KiB, or never); within the margin the one-shot kernel is taken, which a step's
+    /// graph replays as a kernel of its chain. With two GPUs both add the same two numbers,
+    /// so the choice changes no result.
     fn choose_oneshot_up_to(&self) -> anyhow::Result<usize> {
         if !self.set_oneshot_up_to(0) {
             return Ok(0);
@@ -732,40 +619,6 @@ impl TpBackend {
         self.each(|_, b| b.issue());
     }
 
-    /// `residual += x · wᵀ` for a row-parallel `w`: rank 0 adds its partial product into
-    /// the residual, the others write theirs there, then `reduce` (on each rank, with its
-    /// residual) sums them: residual + Σ partial products on every rank. Issues the part
-    /// recorded so far after every [`STEP_PARTS`]th of the step's all-reduces.
-    #[allow(clippy::too_many_arguments)]
-    fn row_parallel_add(
-        &self,
-        x: &TpTensor,
-        x_ready: TpPrepared,
-        w: &TpWeight,
-        n: usize,
-        tmp: &mut TpTensor,
-        residual: &mut TpTensor,
-        reduce: impl Fn(usize, &CudaBackend, &mut CudaTensor) -> Prepared + Sync,
-    ) -> TpPrepared {
-        let (ts, rs) = (PerRank::new(&mut tmp.0), PerRank::new(&mut residual.0));
-        let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
-        let issue_part = done.is_multiple_of(self.part_every.load(Ordering::Relaxed));
-        self.each_prep(|r, b| {
-            // SAFETY: rank r's own tensors.
-            let (t, res) = unsafe { (ts.get(r), rs.get(r)) };
-            if r == 0 {
-                b.matmul_add(&x.0[r], x_ready.0[r], &w.ranks[r], n, t, res);
-            } else {
-                b.matmul_ready(&x.0[r], x_ready.0[r], &w.ranks[r], n, res);
-            }
-            let p = reduce(r, b, res);
-            if issue_part {
-                b.issue_part();
-            }
-            p
-        })
-    }
-
     /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
     /// rank 0's `out`.
     fn vocab_matmul(
@@ -845,16 +698,11 @@ fn oneshot_buffers(ranks: &[CudaBackend]) -> anyhow::Result<()> {
             }
         }
     }
-    // Every rank's blocks' epochs, then the call counter and the finished blocks' count.
-    let flags_len = ONESHOT_MAX_BLOCKS * ONESHOT_MAX_RANKS + 2;
+    let flags_len = ONESHOT_MAX_BLOCKS * (ONESHOT_MAX_RANKS + 1);
     let mut bufs = Vec::new();
     for b in ranks {
         b.bind()?;
-        // Two halves of a slot per rank (push mode: every rank stores its values here).
-        let exch = b.alloc::<f32>(
-            2 * ranks.len() * ONESHOT_MAX_BYTES / 4,
-            "the all-reduce exchange buffer",
-        )?;
+        let exch = b.alloc::<f32>(2 * ONESHOT_MAX_BYTES / 4, "the all-reduce exchange buffer")?;
         let flags = b.alloc::<u32>(flags_len, "the all-reduce flags")?;
         bufs.push((exch, flags));
     }
@@ -1332,40 +1180,23 @@ impl Backend for TpBackend {
             self.matmul_ready(x, x_ready, w, n, tmp);
             return self.add(residual, tmp, n);
         }
-        self.row_parallel_add(x, x_ready, w, n, tmp, residual, |_, b, res| {
+        // Rank 0 adds its partial product into the residual, the others write theirs
+        // there; the all-reduce then leaves residual + Σ partial products on every rank.
+        let (ts, rs) = (PerRank::new(&mut tmp.0), PerRank::new(&mut residual.0));
+        let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
+        let issue_part = done.is_multiple_of(self.part_every.load(Ordering::Relaxed));
+        self.each(|r, b| {
+            let (t, res) = unsafe { (ts.get(r), rs.get(r)) };
+            if r == 0 {
+                b.matmul_add(&x.0[r], x_ready.0[r], &w.ranks[r], n, t, res);
+            } else {
+                b.matmul_ready(&x.0[r], x_ready.0[r], &w.ranks[r], n, res);
+            }
             b.all_reduce_rows(res, n);
-            Prepared::Nothing
+            if issue_part {
+                b.issue_part();
+            }
         });
-    }
-
-    fn matmul_add_norm(
-        &self,
-        x: &TpTensor,
-        x_ready: TpPrepared,
-        w: &TpWeight,
-        n: usize,
-        tmp: &mut TpTensor,
-        residual: &mut TpTensor,
-        norm: &TpWeight,
-        eps: f32,
-        out: &mut TpTensor,
-    ) -> TpPrepared {
-        if w.role != Role::RowParallel {
-            self.matmul_add(x, x_ready, w, n, tmp, residual);
-            return self.rms_norm(residual, norm, eps, n, out);
-        }
-        // The all-reduce and the norm in one launch where the message takes the one-shot
-        // kernel (the same on every rank), else NCCL and the norm apart.
-        let o = PerRank::new(&mut out.0);
-        self.row_parallel_add(x, x_ready, w, n, tmp, residual, |r, b, res| {
-            // SAFETY: rank r's own tensor.
-            let out = unsafe { o.get(r) };
-            let wn = &norm.ranks[r];
-            b.all_reduce_norm(res, n, wn, eps, out).unwrap_or_else(|| {
-                b.all_reduce_rows(res, n);
-                b.rms_norm(res, wn, eps, n, out)
-            })
-        })
     }
 
     fn rope_store_kv(
@@ -1598,320 +1429,6 @@ pub fn oneshot_on_one_gpu(
     Ok(out)
 }
 
-/// One case of [`fused_norm_check`]: the fused all-reduce + RMS norm of `rows` × `cols`
-/// values in `mode` against the host. `sum_exact`: every rank's sums equal the host's f32
-/// sums in rank order bit for bit; `out_err`: the largest |Δ| of the normalized values from
-/// the host's (f64 from those sums) over max(1, |value|); `copy_ok`: the f16 / 8-bit copy
-/// is exactly what f32_to_f16 / quantize_x_q8 make of the kernel's own output (q within 1
-/// of it, steps within 1e-6); `identical`: every rank's outputs bit-identical.
-#[derive(Debug, Clone)]
-pub struct FusedNormCase {
-    pub rows: usize,
-    pub cols: usize,
-    pub mode: &'static str,
-    pub sum_exact: bool,
-    pub out_err: f32,
-    pub copy_ok: bool,
-    pub identical: bool,
-    /// Microseconds a call, back to back: the fused launch, and the all-reduce then the
-    /// norm apart (the same norm output); only where timed.
-    pub fused_us: Option<(f64, f64)>,
-}
-
-impl FusedNormCase {
-    pub fn passed(&self) -> bool {
-        self.sum_exact && self.out_err <= 1e-4 && self.copy_ok && self.identical
-    }
-}
-
-/// What one rank's fused all-reduce + norm left: sums, normalized rows, copy (f16 bits or
-/// q and steps).
-struct FusedOut {
-    sums: Vec<f32>,
-    out: Vec<f32>,
-    h: Vec<u16>,
-    q: Vec<i8>,
-    d: Vec<f32>,
-}
-
-fn fused_norm_once(
-    b: &CudaBackend,
-    x: &[f32],
-    w: &[f32],
-    rows: usize,
-    cols: usize,
-    mode: &str,
-    eps: f32,
-) -> anyhow::Result<FusedOut> {
-    let len = rows * cols;
-    let dl = |e| anyhow::anyhow!("CUDA: {e:?}");
-    let xt = b.upload_tensor(rows, cols, x)?;
-    let wt = b.upload_tensor(1, cols, w)?;
-    let out = b.upload_tensor(rows, cols, &vec![0.0; len])?;
-    let h = b.alloc::<u16>(len, "the f16 copy")?;
-    let q = b.alloc::<i8>(len, "the 8-bit copy")?;
-    let d = b.alloc::<f32>(len.div_ceil(32), "the 8-bit steps")?;
-    let m = match mode {
-        "sums" => NormMode::SumOnly,
-        "plain" => NormMode::Plain,
-        "f16" => NormMode::F16(b.ptr(&h)),
-        _ => NormMode::Q8 {
-            q: b.ptr(&q),
-            d: b.ptr(&d),
-        },
-    };
-    b.launch_all_reduce_norm(xt.ptr, rows, cols, wt.ptr, eps, out.ptr, m);
-    b.check()?;
-    let mut r = FusedOut {
-        sums: Vec::new(),
-        out: Vec::new(),
-        h: vec![0; len],
-        q: vec![0; len],
-        d: vec![0.0; len.div_ceil(32)],
-    };
-    b.read_rows(&xt, rows, &mut r.sums)?;
-    b.read_rows(&out, rows, &mut r.out)?;
-    b.stream.memcpy_dtoh(&h, &mut r.h[..]).map_err(dl)?;
-    b.stream.memcpy_dtoh(&q, &mut r.q[..]).map_err(dl)?;
-    b.stream.memcpy_dtoh(&d, &mut r.d[..]).map_err(dl)?;
-    b.stream.synchronize().map_err(dl)?;
-    Ok(r)
-}
-
-/// Checks the fused all-reduce + RMS norm (`all_reduce_norm`, every output mode) on
-/// `backends` (a group's ranks, one-shot buffers enabled for every size), each rank on a
-/// thread of its own, on fresh random rows of each of `shapes` (rows, cols) against the
-/// host; with `iters` > 0 also times it against the all-reduce and the norm launched apart.
-fn fused_norm_check(
-    backends: &[CudaBackend],
-    shapes: &[(usize, usize)],
-    seed: &mut u64,
-    iters: usize,
-) -> anyhow::Result<Vec<FusedNormCase>> {
-    let ranks = backends.len();
-    let eps = 1e-5f32;
-    let mut cases = Vec::new();
-    for &(rows, cols) in shapes {
-        anyhow::ensure!(
-            rows * cols * 4 <= ONESHOT_MAX_BYTES,
-            "{rows}×{cols} is larger than the one-shot kernel takes"
-        );
-        let modes: &[&'static str] = if cols.is_multiple_of(32) {
-            &["sums", "plain", "f16", "q8"]
-        } else {
-            &["sums", "plain", "f16"]
-        };
-        for &mode in modes {
-            let x = random_messages(seed, ranks, rows * cols);
-            let w: Vec<f32> = random_messages(seed, 1, cols)[0]
-                .iter()
-                .map(|v| 1.0 + v / 16.0)
-                .collect();
-            let results: Vec<anyhow::Result<FusedOut>> = std::thread::scope(|sc| {
-                let handles: Vec<_> = backends
-                    .iter()
-                    .zip(&x)
-                    .map(|(b, x)| {
-                        let w = &w;
-                        sc.spawn(move || {
-                            b.bind()?;
-                            fused_norm_once(b, x, w, rows, cols, mode, eps)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank's thread panicked")))
-                    })
-                    .collect()
-            });
-            let got = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
-            // The host's sums, in rank order in f32 as the kernel adds them.
-            let sums: Vec<f32> = (0..rows * cols)
-                .map(|i| x[1..].iter().fold(x[0][i], |s, v| s + v[i]))
-                .collect();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            let sum_exact = got.iter().all(|g| bits(&g.sums) == bits(&sums));
-            let identical = got.iter().all(|g| {
-                bits(&g.sums) == bits(&got[0].sums)
-                    && bits(&g.out) == bits(&got[0].out)
-                    && g.h == got[0].h
-                    && g.q == got[0].q
-                    && bits(&g.d) == bits(&got[0].d)
-            });
-            let mut out_err = 0f32;
-            let mut copy_ok = true;
-            if mode != "sums" {
-                for r in 0..rows {
-                    let row = &sums[r * cols..(r + 1) * cols];
-                    let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-                    let scale = 1.0 / (ss / cols as f64 + f64::from(eps)).sqrt();
-                    for g in &got {
-                        for (j, &s) in row.iter().enumerate() {
-                            let want = f64::from(s) * scale * f64::from(w[j]);
-                            let v = g.out[r * cols + j];
-                            let e = ((f64::from(v) - want).abs() / want.abs().max(1.0)) as f32;
-                            out_err = if e.is_nan() {
-                                f32::INFINITY
-                            } else {
-                                out_err.max(e)
-                            };
-                        }
-                    }
-                }
-                for g in &got {
-                    match mode {
-                        "f16" => {
-                            copy_ok &= g
-                                .out
-                                .iter()
-                                .zip(&g.h)
-                                .all(|(&v, &h)| half::f16::from_f32(v).to_bits() == h)
-                        }
-                        "q8" => {
-                            for (blk, vals) in g.out.chunks(32).enumerate() {
-                                let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
-                                let step = amax / 127.0;
-                                let d = g.d[blk];
-                                copy_ok &= (d - step).abs() <= 1e-6 * step.max(1e-30);
-                                for (k, &v) in vals.iter().enumerate() {
-                                    let want = if step > 0.0 {
-                                        (v / step).round_ties_even().clamp(-127.0, 127.0)
-                                    } else {
-                                        0.0
-                                    };
-                                    copy_ok &= (f32::from(g.q[blk * 32 + k]) - want).abs() <= 1.0;
-                                }
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            cases.push(FusedNormCase {
-                rows,
-                cols,
-                mode,
-                sum_exact,
-                out_err,
-                copy_ok,
-                identical,
-                fused_us: None,
-            });
-        }
-        if iters > 0 {
-            let timed = time_fused_norm(backends, rows, cols, iters)?;
-            if let Some(c) = cases.last_mut() {
-                c.fused_us = Some(timed);
-            }
-        }
-    }
-    Ok(cases)
-}
-
-/// Microseconds a call of the fused all-reduce + plain RMS norm of `rows` × `cols` values,
-/// and of the one-shot all-reduce then `rms_norm` (the mean of `iters` back to back after a
-/// warm-up, each rank on a thread of its own).
-fn time_fused_norm(
-    backends: &[CudaBackend],
-    rows: usize,
-    cols: usize,
-    iters: usize,
-) -> anyhow::Result<(f64, f64)> {
-    let mut out = [0f64; 2];
-    for (k, fused) in [true, false].into_iter().enumerate() {
-        let times: Vec<anyhow::Result<f64>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = backends
-                .iter()
-                .map(|b| {
-                    sc.spawn(move || -> anyhow::Result<f64> {
-                        b.bind()?;
-                        let mut x = b.upload_tensor(rows, cols, &vec![0.5; rows * cols])?;
-                        let w = b.upload_tensor(1, cols, &vec![1.0; cols])?;
-                        let o = b.upload_tensor(rows, cols, &vec![0.0; rows * cols])?;
-                        let block = (cols / 4).next_multiple_of(32).clamp(32, 1024) as u32;
-                        let head = [
-                            Arg::P(x.ptr),
-                            Arg::P(w.ptr),
-                            Arg::P(o.ptr),
-                            Arg::I(cols as i32),
-                            Arg::F(1e-5),
-                        ];
-                        let mut run = |k: usize| {
-                            for _ in 0..k {
-                                if fused {
-                                    let m = NormMode::Plain;
-                                    b.launch_all_reduce_norm(
-                                        x.ptr, rows, cols, w.ptr, 1e-5, o.ptr, m,
-                                    );
-                                } else {
-                                    b.all_reduce_rows(&mut x, rows);
-                                    b.launch("rms_norm", (rows as u32, 1, 1), block, &head);
-                                }
-                            }
-                            b.check()
-                        };
-                        run(3)?;
-                        let start = std::time::Instant::now();
-                        run(iters)?;
-                        Ok(start.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank's thread panicked")))
-                })
-                .collect()
-        });
-        let times = times.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
-        out[k] = times.iter().cloned().fold(0f64, f64::max);
-    }
-    Ok((out[0], out[1]))
-}
-
-/// [`fused_norm_check`] on the GPUs `ordinals` joined as a group (one-shot kernel for
-/// every size it takes), timed with `iters` calls a shape.
-pub fn fused_norm_on_group(
-    ordinals: &[usize],
-    shapes: &[(usize, usize)],
-    iters: usize,
-) -> anyhow::Result<Vec<FusedNormCase>> {
-    let tp = TpBackend::new(ordinals)?;
-    anyhow::ensure!(
-        tp.set_oneshot_up_to(ONESHOT_MAX_BYTES),
-        "the GPUs have no peer access (no one-shot kernel)"
-    );
-    let mut seed = 0xf0ced ^ ordinals.len() as u64;
-    fused_norm_check(&tp.ranks, shapes, &mut seed, iters)
-}
-
-/// [`fused_norm_check`] with `ranks` backends on GPU `ordinal` (streams of one GPU as the
-/// ranks of a group), untimed.
-pub fn fused_norm_on_one_gpu(
-    ordinal: usize,
-    ranks: usize,
-    shapes: &[(usize, usize)],
-) -> anyhow::Result<Vec<FusedNormCase>> {
-    let backends = (0..ranks)
-        .map(|_| CudaBackend::new(ordinal))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    oneshot_buffers(&backends)?;
-    for b in &backends {
-        b.oneshot
-            .get()
-            .context("no one-shot buffers")?
-            .up_to
-            .store(ONESHOT_MAX_BYTES, Ordering::Relaxed);
-    }
-    let mut seed = 0xf0ced ^ (ordinal as u64) << 8 ^ ranks as u64;
-    fused_norm_check(&backends, shapes, &mut seed, 0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1924,51 +1441,6 @@ mod tests {
         assert!(oneshot_wins(8.0, 8.0));
         assert!(!oneshot_wins(9.0, 7.39));
         assert!(!oneshot_wins(f64::INFINITY, 7.0));
-    }
-
-    /// The fused all-reduce + norm's grid covers every value of every row exactly once, in
-    /// at most ONESHOT_MAX_BLOCKS blocks, chunks of whole 32-value blocks (the 8-bit copy's
-    /// warps), a single-token row spread over a block per 256 values.
-    #[test]
-    fn norm_grid_covers_each_value_once() {
-        let mut seed = 7u64;
-        let mut next = |m: usize| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            (seed >> 33) as usize % m
-        };
-        let mut shapes = vec![
-            (1, 4096),
-            (1, 8192),
-            (64, 4096),
-            (64, 8192),
-            (1, 100),
-            (3, 5),
-        ];
-        for _ in 0..200 {
-            shapes.push((1 + next(300), 1 + next(9000)));
-        }
-        for (rows, cols) in shapes {
-            let (blocks, chunks) = norm_grid(rows, cols);
-            assert!((1..=ONESHOT_MAX_BLOCKS).contains(&blocks), "{rows}×{cols}");
-            // The kernel's chunk width.
-            let width = cols.div_ceil(chunks).div_ceil(32) * 32;
-            assert!(chunks * width >= cols);
-            let mut seen = vec![0u8; rows * cols];
-            for b in 0..blocks {
-                let mut u = b;
-                while u < rows * chunks {
-                    let (row, part) = (u / chunks, u % chunks);
-                    for j in part * width..((part + 1) * width).min(cols) {
-                        seen[row * cols + j] += 1;
-                    }
-                    u += blocks;
-                }
-            }
-            assert!(seen.iter().all(|&c| c == 1), "{rows}×{cols}");
-            if rows == 1 && cols.is_multiple_of(256) {
-                assert_eq!(chunks, (cols / 256).min(ONESHOT_MAX_BLOCKS), "{cols}");
-            }
-        }
     }
 
     /// Every job runs exactly once on every rank's thread, with its own element, also after

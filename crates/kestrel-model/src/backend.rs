@@ -559,26 +559,6 @@ pub trait Backend: Sync {
         self.add(residual, tmp, n);
     }
 
-    /// [`Self::matmul_add`], then the RMS norm of the residual that follows it
-    /// (`out = rms_norm(residual) · norm`): what [`Self::rms_norm`] prepared. A backend
-    /// whose product ends in an all-reduce may fuse the norm into it (tensor parallelism).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_add_norm(
-        &self,
-        x: &Self::Tensor,
-        x_ready: Self::Prepared,
-        w: &Self::Weight,
-        n: usize,
-        tmp: &mut Self::Tensor,
-        residual: &mut Self::Tensor,
-        norm: &Self::Weight,
-        eps: f32,
-        out: &mut Self::Tensor,
-    ) -> Self::Prepared {
-        self.matmul_add(x, x_ready, w, n, tmp, residual);
-        self.rms_norm(residual, norm, eps, n, out)
-    }
-
     /// RoPE on the query and key heads, then the keys and values into the cache
     /// (`qkv_ready`: what [`Self::qkv`] returned, where nothing ran in between).
     #[allow(clippy::too_many_arguments)]

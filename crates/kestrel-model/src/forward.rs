@@ -165,18 +165,11 @@ impl<B: Backend> Model<B> {
             backend.scale(&mut s.x, n, factor);
         }
 
-        // The attention norm's output when the layer before already produced it (fused with
-        // its down projection, `Backend::matmul_add_norm`).
-        let mut next_ready = None;
         for (il, layer) in w.layers.iter().enumerate() {
             // Attention block (or linear attention). Each `*_ready` is what an operation
             // prepared for the one that reads its output next (see `Backend::Prepared`).
-            let h_ready = match next_ready.take() {
-                Some(r) => r,
-                None => backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h),
-            };
-            // The feed-forward norm's output when the attention block produced it.
-            let ffn_ready = if let Some(dw) = &layer.delta_net {
+            let h_ready = backend.rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, n, &mut s.h);
+            if let Some(dw) = &layer.delta_net {
                 // Gated DeltaNet linear attention (see `DeltaNetConfig`).
                 let dn = cfg
                     .delta_net
@@ -211,40 +204,20 @@ impl<B: Backend> Model<B> {
                     &mut s.dn,
                 )?;
                 backend.matmul_add(&s.dn, ready, &dw.out, n, &mut s.proj, &mut s.x);
-                None
             } else {
-                self.attention_block(backend, cache, layer, il, h_ready, s, n)?
-            };
+                self.attention_block(backend, cache, layer, il, h_ready, s, n)?;
+            }
 
             // Feed-forward block: its output goes to `s.proj` unless it is a dense block
             // without a post-norm, whose down projection adds into the residual directly.
-            let h_ready = match ffn_ready {
-                Some(r) => r,
-                None => backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h),
-            };
+            let h_ready = backend.rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, n, &mut s.h);
             match (&cfg.ffn, &layer.post_ffw_norm) {
                 (FfnKind::Dense, None) => {
                     let act = cfg.activation;
                     let (gate, up) = (&mut s.gate, &mut s.up);
                     let gated = backend.gate_up(&s.h, h_ready, layer, act, n, gate, up);
                     let down = &layer.ffn_down;
-                    match w.layers.get(il + 1) {
-                        // The next layer's attention norm fused with this product.
-                        Some(next) => {
-                            next_ready = Some(backend.matmul_add_norm(
-                                &s.gate,
-                                gated,
-                                down,
-                                n,
-                                &mut s.proj,
-                                &mut s.x,
-                                &next.attn_norm,
-                                cfg.rms_eps,
-                                &mut s.h,
-                            ));
-                        }
-                        None => backend.matmul_add(&s.gate, gated, down, n, &mut s.proj, &mut s.x),
-                    }
+                    backend.matmul_add(&s.gate, gated, down, n, &mut s.proj, &mut s.x);
                     continue;
                 }
                 (FfnKind::Dense, Some(_)) => backend.feed_forward(
@@ -301,8 +274,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// The attention block of layer `il` (its input, normalized, in `s.h`): its output is
-    /// added into the residual `s.x`. Returns what the feed-forward norm prepared when the
-    /// block ran it too (fused with the output projection, into `s.h`).
+    /// added into the residual `s.x`.
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
@@ -313,7 +285,7 @@ impl<B: Backend> Model<B> {
         h_ready: B::Prepared,
         s: &mut Scratch<B>,
         n: usize,
-    ) -> anyhow::Result<Option<B::Prepared>> {
+    ) -> anyhow::Result<()> {
         let cfg = &self.config;
         let mut qkv_ready = if cfg.attn_output_gate {
             // Each head's query and its output gate come from one product.
@@ -380,18 +352,8 @@ impl<B: Backend> Model<B> {
             backend.add_bias(&mut s.proj, bias, n);
             backend.add(&mut s.x, &s.proj, n);
         } else {
-            return Ok(Some(backend.matmul_add_norm(
-                &s.attn,
-                attn_ready,
-                wo,
-                n,
-                &mut s.proj,
-                &mut s.x,
-                &layer.ffn_norm,
-                cfg.rms_eps,
-                &mut s.h,
-            )));
+            backend.matmul_add(&s.attn, attn_ready, wo, n, &mut s.proj, &mut s.x);
         }
-        Ok(None)
+        Ok(())
     }
 }

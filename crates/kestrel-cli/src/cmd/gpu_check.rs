@@ -196,42 +196,6 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             );
         }
     }
-    // The all-reduce fused with the RMS norm after it (every output mode), against the
-    // host, and its latency against the two launches apart.
-    let shapes = [
-        (1, 4096),
-        (1, 8192),
-        (64, 4096),
-        (64, 8192),
-        (37, 5120),
-        (3, 1000),
-        (2, 36),
-    ];
-    match kestrel_cuda::tp::fused_norm_on_group(&ordinals, &shapes, 200) {
-        Ok(cases) => {
-            for c in cases {
-                failures += usize::from(!c.passed());
-                let timed = c.fused_us.map_or(String::new(), |(f, a)| {
-                    format!("; {f:.2} µs a call fused, {a:.2} apart (one-shot + rms_norm)")
-                });
-                println!(
-                    "all-reduce + norm {}×{} {}: sums exact {}, max rel |Δ| vs host {:.1e}, copy exact {}, ranks identical {}{timed}  {}",
-                    c.rows,
-                    c.cols,
-                    c.mode,
-                    c.sum_exact,
-                    c.out_err,
-                    c.copy_ok,
-                    c.identical,
-                    if c.passed() { "ok" } else { "FAIL" }
-                );
-            }
-        }
-        Err(e) => {
-            failures += 1;
-            println!("all-reduce + norm: ERROR {e:#}");
-        }
-    }
     for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
@@ -976,31 +940,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Err(e) => {
                 failures += 1;
                 println!("one-shot all-reduce, {ranks} ranks on one GPU: ERROR {e:#}");
-            }
-        }
-    }
-    // The same kernel fused with the RMS norm after it, its ranks as streams of this GPU.
-    for ranks in [2, 3] {
-        let shapes = [(1, 4096), (64, 4096), (5, 1000), (1, 36)];
-        match kestrel_cuda::tp::fused_norm_on_one_gpu(args.gpu, ranks, &shapes) {
-            Ok(cases) => {
-                let ok = cases.iter().all(|c| c.passed());
-                failures += usize::from(!ok);
-                let worst = cases.iter().map(|c| c.out_err).fold(0f32, f32::max);
-                println!(
-                    "one-shot all-reduce + norm, {ranks} ranks on one GPU, {} cases of {shapes:?}: max rel |Δ| vs host {worst:.1e}{}  {}",
-                    cases.len(),
-                    cases
-                        .iter()
-                        .filter(|c| !c.passed())
-                        .map(|c| format!("; FAILED {c:?}"))
-                        .collect::<String>(),
-                    if ok { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("one-shot all-reduce + norm, {ranks} ranks on one GPU: ERROR {e:#}");
             }
         }
     }
