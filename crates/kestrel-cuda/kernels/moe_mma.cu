@@ -392,18 +392,38 @@ MOE_MQ_DOWN(moe_mq_down_t32, 4)
 // output rows 16 wr .. of both its row groups (gate/up: the same rows of gate and of up;
 // down: rows 16 wr .. and 64 + 16 wr ..) against places 32 wt .. 32 wt + 31, 4 tensor-core
 // tiles of 8 (moe_mq_* kept one tile of rows per warp, read every weight and activation
-// straight from global memory, and ran one 8-warp block an SM: latency-bound). Sums run
-// over the row's blocks in order, so a place's result depends only on its own column.
+// straight from global memory, and ran one 8-warp block an SM: latency-bound). A lane
+// takes bytes 4c .. 4c + 3 of each weight block, whose low and high nibbles are values
+// 4c .. and 16 + 4c .. (mma's own k order: one lut16 gives both halves of its fragment),
+// and the activations of the same k. Sums run over the row's blocks in order, so a
+// place's result depends only on its own column.
 #define MQS_TOK 64
 #define MQS_AROWS 128
 #define MQS_AROW 144  // 8 blocks of 16 quant bytes, 16 of padding: conflict-free rows
-#define MQS_XROW 288  // 256 activation bytes, 32 of padding (as MS_XROW)
+#define MQS_XROW 272  // 256 activation bytes, 16 of padding: conflict-free 4-byte reads
 #define MQS_A_BYTES (MQS_AROWS * MQS_AROW)
 #define MQS_AS_BYTES (MQS_AROWS * 16)  // a row's scales of a step: 8 (E8M0) or 16 (f16) bytes
 #define MQS_X_BYTES (MQS_TOK * MQS_XROW)
 #define MQS_XS_BYTES (8 * MQS_TOK * 8)  // {d, d·Σq} of 8 blocks × the tile's places
 #define MQS_STAGE_BYTES (MQS_A_BYTES + MQS_AS_BYTES + MQS_X_BYTES + MQS_XS_BYTES)
 #define MQS_SMEM (2 * MQS_STAGE_BYTES)
+
+// c = A·B of one 16×32 tile of weights and one 32×8 tile of activations in mma's own k
+// order (a0, a1: k 4c .. 4c + 3 of rows g, g + 8; a2, a3: k 16 + 4c ..; b0, b1: the same k
+// of token g), the sums biased by 1.5·2^23 as float bits (the accumulators start at
+// 0x4B400000), so that mqs_f32 turns them into f32 with one add instead of an I2F
+// (conversions run at 16 a clock an SM, an eighth of the f32 rate): exact for |sum| < 2^22
+// (a 32-value block's sum here is at most 32 · 127 · 127).
+__device__ __forceinline__ void mqs_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                        u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0x4B400000));
+}
+__device__ __forceinline__ float mqs_f32(int biased) {
+    return __int_as_float(biased) - 12582912.0f;
+}
 
 __device__ __forceinline__ void cp_async8(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
@@ -492,8 +512,6 @@ __device__ __forceinline__ void moe_mqs_body(const i8* xq, const float* xds, int
     const int nt = min(4, max(0, (cnt - 32 * wt + 7) >> 3));
     const u32 t0 = MX ? MXFP4_T0 : IQ4NL_T0, t1 = MX ? MXFP4_T1 : IQ4NL_T1;
     const u32 t2 = MX ? MXFP4_T2 : IQ4NL_T2, t3 = MX ? MXFP4_T3 : IQ4NL_T3;
-    const int off = 8 * (c & 1);
-    const bool high = c >= 2;
 
     load(0, 0);
     for (int st = 0; st < steps; st++) {
@@ -510,19 +528,17 @@ __device__ __forceinline__ void moe_mqs_body(const i8* xq, const float* xds, int
 #pragma unroll
             for (int kb = 0; kb < 8; kb++) {
                 if (kb >= nkb) break;
-                u32 a[2][2][2];  // [row group][row g, g + 8][k half]
+                // Bytes 4c .. 4c + 3 of a row's block: low nibbles values 4c .., high ones
+                // 16 + 4c .. (the block's layout), mma's k order as they come.
+                u32 a[2][2][2];  // [row group][row g, g + 8][k 4c .., 16 + 4c ..]
                 float fs[2][2];
 #pragma unroll
                 for (int p = 0; p < 2; p++)
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int i = 64 * p + 16 * wr + g + 8 * h;
-                        const uint2 q = *(const uint2*)(sa + i * MQS_AROW + kb * 16 + off);
-                        u32 lo, hi;
-                        lut16(q.x, t0, t1, t2, t3, lo, hi);
-                        a[p][h][0] = high ? hi : lo;
-                        lut16(q.y, t0, t1, t2, t3, lo, hi);
-                        a[p][h][1] = high ? hi : lo;
+                        const u32 q = *(const u32*)(sa + i * MQS_AROW + kb * 16 + 4 * c);
+                        lut16(q, t0, t1, t2, t3, a[p][h][0], a[p][h][1]);
                         fs[p][h] = MX ? e8m0_half(sas[i * 16 + kb])
                                       : h2f(*(const u16*)(sas + i * 16 + 2 * kb));
                     }
@@ -530,16 +546,17 @@ __device__ __forceinline__ void moe_mqs_body(const i8* xq, const float* xds, int
                 for (int j = 0; j < 4; j++) {
                     if (j < nt) {
                         const int pl = 32 * wt + 8 * j;
-                        const uint2 b = *(const uint2*)(sx + (pl + g) * MQS_XROW + kb * 32 + 8 * c);
+                        const u8* xr = sx + (pl + g) * MQS_XROW + kb * 32 + 4 * c;
+                        const u32 b0 = *(const u32*)xr, b1 = *(const u32*)(xr + 16);
                         const float4 ds = *(const float4*)(sxs + 2 * (kb * MQS_TOK + pl + 2 * c));
 #pragma unroll
                         for (int p = 0; p < 2; p++) {
                             int cc[4];
-                            mq_mma(cc, a[p][0][0], a[p][1][0], a[p][0][1], a[p][1][1], b);
-                            acc[p][j][0] += fs[p][0] * ds.x * (float)cc[0];
-                            acc[p][j][1] += fs[p][0] * ds.z * (float)cc[1];
-                            acc[p][j][2] += fs[p][1] * ds.x * (float)cc[2];
-                            acc[p][j][3] += fs[p][1] * ds.z * (float)cc[3];
+                            mqs_mma(cc, a[p][0][0], a[p][1][0], a[p][0][1], a[p][1][1], b0, b1);
+                            acc[p][j][0] += fs[p][0] * ds.x * mqs_f32(cc[0]);
+                            acc[p][j][1] += fs[p][0] * ds.z * mqs_f32(cc[1]);
+                            acc[p][j][2] += fs[p][1] * ds.x * mqs_f32(cc[2]);
+                            acc[p][j][3] += fs[p][1] * ds.z * mqs_f32(cc[3]);
                         }
                     }
                 }
