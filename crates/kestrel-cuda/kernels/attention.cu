@@ -1699,8 +1699,9 @@ __device__ __forceinline__ void
 attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
                       const u32* positions, const u32* seq_of, const u32* table_off,
                       const u32* tables, int block_size, int tok0, int n, int n_head,
-                      int n_head_kv, float scale, int window, const u16* k_sc = nullptr,
-                      const u16* v_sc = nullptr, int kt_kind = KV_F16, int vt_kind = KV_F16) {
+                      int n_head_kv, float scale, int window, const float* sinks,
+                      const u16* k_sc = nullptr, const u16* v_sc = nullptr, int kt_kind = KV_F16,
+                      int vt_kind = KV_F16) {
     constexpr int LD = HD + FM_PAD;  // shared row length, halves
     constexpr int CH = HD / 8;       // 16-byte chunks per key row
     constexpr int KS = HD / 16;      // k-steps of S = Q·Kᵀ
@@ -1996,7 +1997,19 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
         l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
     }
-    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    // gpt-oss's sink (sinks non-null): head h's logit joins each row's max and denominator
+    // and adds no value: O · 2^(m - m') / (l · 2^(m - m') + 2^(sink - m')), m' = max(m, sink),
+    // in base 2 (m: the row's running max; rows with no key have m = -inf, so keep = 0).
+    float keep0 = 1.0f, keep1 = 1.0f;
+    if (sinks) {
+        const float sk = sinks[h] * 1.4426950408889634f;
+        const float mm0 = fmaxf(m0, sk), mm1 = fmaxf(m1, sk);
+        keep0 = exp2f(m0 - mm0);
+        keep1 = exp2f(m1 - mm1);
+        l0 = l0 * keep0 + exp2f(sk - mm0);
+        l1 = l1 * keep1 + exp2f(sk - mm1);
+    }
+    const float inv0 = l0 > 0.0f ? keep0 / l0 : 0.0f, inv1 = l1 > 0.0f ? keep1 / l1 : 0.0f;
     float* out0 = out + (size_t)(t0 + r0) * q_stride + h * HD + 2 * c;
     float* out1 = out0 + 8 * q_stride;
 #pragma unroll
@@ -2007,24 +2020,26 @@ attention_prefill_mma(const float* q, const u16* kc, const u16* vc, float* out,
 }
 
 // Grid (n_head, ceil(n / FM_Q)), FM_WARPS * 32 threads; the arguments of attention_prefill
-// (head_dim must be the HD of the name: the host picks the kernel by it).
+// (head_dim must be the HD of the name: the host picks the kernel by it), then gpt-oss's
+// sink logit per head (null: none).
 #define ATTN_PREFILL_MMA(HD)                                                                  \
     extern "C" __global__ void __launch_bounds__(FM_WARPS * 32) attention_prefill_mma##HD(  \
         const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
         const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
-        int n, int n_head, int n_head_kv, int head_dim, float scale, int window) {            \
+        int n, int n_head, int n_head_kv, int head_dim, float scale, int window,              \
+        const float* sinks) {                                                                 \
         attention_prefill_mma<HD, false>(q, kc, vc, out, positions, seq_of, table_off,        \
                                          tables, block_size, tok0, n, n_head, n_head_kv, scale, \
-                                         window);                                             \
+                                         window, sinks);                                      \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(FM_WARPS * 32) attention_prefill_mma##HD##_q( \
         const float* q, const u16* kc, const u16* vc, float* out, const u32* positions,       \
         const u32* seq_of, const u32* table_off, const u32* tables, int block_size, int tok0, \
         int n, int n_head, int n_head_kv, int head_dim, float scale, int window,              \
-        const u16* k_sc, const u16* v_sc, int kt, int vt) {                                   \
+        const float* sinks, const u16* k_sc, const u16* v_sc, int kt, int vt) {               \
         attention_prefill_mma<HD, true>(q, kc, vc, out, positions, seq_of, table_off, tables, \
                                         block_size, tok0, n, n_head, n_head_kv, scale, window, \
-                                        k_sc, v_sc, kt, vt);                                  \
+                                        sinks, k_sc, v_sc, kt, vt);                           \
     }
 // `_q`: over caches with quantized keys and values (the scales and kinds last).
 ATTN_PREFILL_MMA(64)

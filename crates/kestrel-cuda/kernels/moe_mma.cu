@@ -382,3 +382,245 @@ MOE_MQ_GATE_UP(moe_mq_gate_up_t16, 2)
 MOE_MQ_GATE_UP(moe_mq_gate_up_t32, 4)
 MOE_MQ_DOWN(moe_mq_down_t16, 2)
 MOE_MQ_DOWN(moe_mq_down_t32, 4)
+
+// ---------------------------------------------------------------------------------------
+// gpt-oss's MXFP4 (and IQ4_NL) experts in prompt-sized steps (`moe_mqs_*`, staged): the
+// same grouping with tiles of MQS_TOK places, the same per-32 int8 block products and
+// epilogues as moe_mq_*, but each step of 256 values of the block's weight rows (raw
+// nibbles and scales) and of its tile's activations (quants and {d, d·Σq}) goes through
+// shared memory once, by cp.async, double-buffered, for all 8 warps: warp (wr, wt) takes
+// output rows 16 wr .. of both its row groups (gate/up: the same rows of gate and of up;
+// down: rows 16 wr .. and 64 + 16 wr ..) against places 32 wt .. 32 wt + 31, 4 tensor-core
+// tiles of 8 (moe_mq_* kept one tile of rows per warp, read every weight and activation
+// straight from global memory, and ran one 8-warp block an SM: latency-bound). A lane
+// takes bytes 4c .. 4c + 3 of each weight block, whose low and high nibbles are values
+// 4c .. and 16 + 4c .. (mma's own k order: one lut16 gives both halves of its fragment),
+// and the activations of the same k. Sums run over the row's blocks in order, so a
+// place's result depends only on its own column.
+#define MQS_TOK 64
+#define MQS_AROWS 128
+#define MQS_AROW 144  // 8 blocks of 16 quant bytes, 16 of padding: conflict-free rows
+#define MQS_XROW 272  // 256 activation bytes, 16 of padding: conflict-free 4-byte reads
+#define MQS_A_BYTES (MQS_AROWS * MQS_AROW)
+#define MQS_AS_BYTES (MQS_AROWS * 16)  // a row's scales of a step: 8 (E8M0) or 16 (f16) bytes
+#define MQS_X_BYTES (MQS_TOK * MQS_XROW)
+#define MQS_XS_BYTES (8 * MQS_TOK * 8)  // {d, d·Σq} of 8 blocks × the tile's places
+#define MQS_STAGE_BYTES (MQS_A_BYTES + MQS_AS_BYTES + MQS_X_BYTES + MQS_XS_BYTES)
+#define MQS_SMEM (2 * MQS_STAGE_BYTES)
+
+// c = A·B of one 16×32 tile of weights and one 32×8 tile of activations in mma's own k
+// order (a0, a1: k 4c .. 4c + 3 of rows g, g + 8; a2, a3: k 16 + 4c ..; b0, b1: the same k
+// of token g), the sums biased by 1.5·2^23 as float bits (the accumulators start at
+// 0x4B400000), so that mqs_f32 turns them into f32 with one add instead of an I2F
+// (conversions run at 16 a clock an SM, an eighth of the f32 rate): exact for |sum| < 2^22
+// (a 32-value block's sum here is at most 32 · 127 · 127).
+__device__ __forceinline__ void mqs_mma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                        u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0x4B400000));
+}
+__device__ __forceinline__ float mqs_f32(int biased) {
+    return __int_as_float(biased) - 12582912.0f;
+}
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
+                 "r"(valid ? 8 : 0)
+                 : "memory");
+}
+
+// Output rows row0 .. of the block (UP: 64 of gate and up; else 128 of down) for the tile's
+// places q0 .. q0 + cnt of expert e (places past cnt are the run's zero padding: read,
+// their columns dropped; 8-place groups past it skipped).
+template <bool MX, bool UP>
+__device__ __forceinline__ void moe_mqs_body(const i8* xq, const float* xds, int npad,
+                                             const int* info, int k, int rows, const u8* w0,
+                                             long long rb0, const u8* w1, long long rb1,
+                                             const float* b0, const float* b1, int act,
+                                             float alpha, float limit, const int* order,
+                                             const float* wts, float* out, u8* smem) {
+    const int ti = blockIdx.y;
+    if (ti >= info[0]) return;  // the whole block
+    const int* tl = info + 2 + 3 * ti;
+    const long long e = tl[0];
+    const int q0 = tl[1], cnt = tl[2];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int wr = warp & 3, wt = warp >> 2;
+    constexpr int OUT_ROWS = UP ? 64 : 128;
+    const int row0 = blockIdx.x * OUT_ROWS;
+    const int kbs = k >> 5, steps = (kbs + 7) >> 3;
+    constexpr int SB = MX ? 1 : 2;  // scale bytes a block
+
+    // The staged weight rows this thread copies: (tid >> 3) + 32 m, its 16-byte chunk
+    // tid & 7 of each; threads with chunk < 4 also copy the scales of row m = chunk.
+    const int ch = tid & 7;
+    const u8* arow[4];
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        const int i = (tid >> 3) + 32 * m;
+        const bool second = UP && i >= 64;
+        const int r = min(row0 + (UP ? (i & 63) : i), rows - 1);
+        arow[m] = second ? w1 + (e * rows + r) * rb1 : w0 + (e * rows + r) * rb0;
+    }
+    const u32 base = smem_u32(smem);
+    auto load = [&](int buf, int st) {
+        const u32 sa = base + buf * MQS_STAGE_BYTES;
+        const u32 sas = sa + MQS_A_BYTES, sx = sas + MQS_AS_BYTES, sxs = sx + MQS_X_BYTES;
+        const int kb = st * 8 + ch;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int i = (tid >> 3) + 32 * m;
+            cp_async16(sa + i * MQS_AROW + ch * 16, arow[m] + (size_t)min(kb, kbs - 1) * 16,
+                       kb < kbs);
+        }
+        if (ch < 4) {
+            const int i = (tid >> 3) + 32 * ch;
+            const u8* src = arow[0];
+#pragma unroll
+            for (int m = 1; m < 4; m++)
+                if (ch == m) src = arow[m];
+            src += (size_t)kbs * 16 + st * 8 * SB;
+            if (MX) cp_async8(sas + i * 16, src, true);
+            else cp_async16(sas + i * 16, src, true);
+        }
+        // Activations: place (tid >> 4) + 16 m, 16-byte chunk tid & 15.
+        const int xc = tid & 15;
+        const bool xok = st * 8 + (xc >> 1) < kbs;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int p = (tid >> 4) + 16 * m;
+            const i8* src = xq + (size_t)(q0 + p) * k + (xok ? st * 256 + xc * 16 : 0);
+            cp_async16(sx + p * MQS_XROW + xc * 16, src, xok);
+        }
+        // Scales: block tid >> 5 of the step, places 2 (tid & 31) and the next.
+        const int xb = st * 8 + (tid >> 5);
+        const float* src = xds + 2 * ((size_t)min(xb, kbs - 1) * npad + q0 + 2 * (tid & 31));
+        cp_async16(sxs + ((tid >> 5) * MQS_TOK + 2 * (tid & 31)) * 8, src, xb < kbs);
+        cp_async_commit();
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int p = 0; p < 2; p++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[p][j][i] = 0.0f;
+    // 8-place groups of the warp's 32 places holding a real place.
+    const int nt = min(4, max(0, (cnt - 32 * wt + 7) >> 3));
+    const u32 t0 = MX ? MXFP4_T0 : IQ4NL_T0, t1 = MX ? MXFP4_T1 : IQ4NL_T1;
+    const u32 t2 = MX ? MXFP4_T2 : IQ4NL_T2, t3 = MX ? MXFP4_T3 : IQ4NL_T3;
+
+    load(0, 0);
+    for (int st = 0; st < steps; st++) {
+        if (st + 1 < steps) load((st + 1) & 1, st + 1);
+        else cp_async_commit();  // an empty group keeps the wait counts uniform
+        cp_async_wait_prev();
+        __syncthreads();
+        const u8* sa = smem + (st & 1) * MQS_STAGE_BYTES;
+        const u8* sas = sa + MQS_A_BYTES;
+        const u8* sx = sas + MQS_AS_BYTES;
+        const float* sxs = reinterpret_cast<const float*>(sx + MQS_X_BYTES);
+        const int nkb = min(8, kbs - st * 8);
+        if (nt > 0) {
+#pragma unroll
+            for (int kb = 0; kb < 8; kb++) {
+                if (kb >= nkb) break;
+                // Bytes 4c .. 4c + 3 of a row's block: low nibbles values 4c .., high ones
+                // 16 + 4c .. (the block's layout), mma's k order as they come.
+                u32 a[2][2][2];  // [row group][row g, g + 8][k 4c .., 16 + 4c ..]
+                float fs[2][2];
+#pragma unroll
+                for (int p = 0; p < 2; p++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int i = 64 * p + 16 * wr + g + 8 * h;
+                        const u32 q = *(const u32*)(sa + i * MQS_AROW + kb * 16 + 4 * c);
+                        lut16(q, t0, t1, t2, t3, a[p][h][0], a[p][h][1]);
+                        fs[p][h] = MX ? e8m0_half(sas[i * 16 + kb])
+                                      : h2f(*(const u16*)(sas + i * 16 + 2 * kb));
+                    }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (j < nt) {
+                        const int pl = 32 * wt + 8 * j;
+                        const u8* xr = sx + (pl + g) * MQS_XROW + kb * 32 + 4 * c;
+                        const u32 b0 = *(const u32*)xr, b1 = *(const u32*)(xr + 16);
+                        const float4 ds = *(const float4*)(sxs + 2 * (kb * MQS_TOK + pl + 2 * c));
+#pragma unroll
+                        for (int p = 0; p < 2; p++) {
+                            int cc[4];
+                            mqs_mma(cc, a[p][0][0], a[p][1][0], a[p][0][1], a[p][1][1], b0, b1);
+                            acc[p][j][0] += fs[p][0] * ds.x * mqs_f32(cc[0]);
+                            acc[p][j][1] += fs[p][0] * ds.z * mqs_f32(cc[1]);
+                            acc[p][j][2] += fs[p][1] * ds.x * mqs_f32(cc[2]);
+                            acc[p][j][3] += fs[p][1] * ds.z * mqs_f32(cc[3]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+    cp_async_wait_all();
+
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int tok = 32 * wt + 8 * j + 2 * c + (i & 1);
+            if (tok >= cnt) continue;
+            const int q = q0 + tok;
+            const int rr = 16 * wr + g + (i >= 2 ? 8 : 0);
+            if (UP) {
+                const int r = row0 + rr;
+                if (r >= rows) continue;
+                const float bg = b0 ? b0[e * rows + r] : 0.0f;
+                const float bu = b1 ? b1[e * rows + r] : 0.0f;
+                out[(size_t)q * rows + r] = moe_act(__fadd_rn(acc[0][j][i], bg),
+                                                    __fadd_rn(acc[1][j][i], bu), act, alpha, limit);
+            } else {
+                const float w = wts[order[q]];
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    const int r = row0 + 64 * p + rr;
+                    if (r >= rows) continue;
+                    const float bias = b0 ? b0[e * rows + r] : 0.0f;
+                    out[(size_t)q * rows + r] = __fmul_rn(__fadd_rn(acc[p][j][i], bias), w);
+                }
+            }
+        }
+}
+
+// Gate/up: grid (ceil(ff / 64), worst-case tiles of MQS_TOK), 256 threads, MQS_SMEM bytes
+// of dynamic shared memory; the arguments of moe_mq_gate_up_* (ty: T_MXFP4 or T_IQ4_NL).
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_mqs_gate_up(const i8* xq, const float* xds, int npad, const int* info, int d, int ff,
+                    const u8* wg, long long rbg, const u8* wu, long long rbu, int ty,
+                    const float* bg, const float* bu, int act, float alpha, float limit,
+                    float* a) {
+    extern __shared__ __align__(16) u8 mqs_smem[];
+    pdl_enter();
+    if (ty == T_MXFP4)
+        moe_mqs_body<true, true>(xq, xds, npad, info, d, ff, wg, rbg, wu, rbu, bg, bu, act,
+                                 alpha, limit, nullptr, nullptr, a, mqs_smem);
+    else
+        moe_mqs_body<false, true>(xq, xds, npad, info, d, ff, wg, rbg, wu, rbu, bg, bu, act,
+                                  alpha, limit, nullptr, nullptr, a, mqs_smem);
+}
+// Down: grid (ceil(d / 128), worst-case tiles of MQS_TOK); the arguments of moe_mq_down_*.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_mqs_down(const i8* aq, const float* ads, int npad, const int* info, int ff, int d,
+                 const u8* wd, long long rbd, int ty, const float* bd, const int* order,
+                 const float* wts, float* ys) {
+    extern __shared__ __align__(16) u8 mqs_smem[];
+    pdl_enter();
+    if (ty == T_MXFP4)
+        moe_mqs_body<true, false>(aq, ads, npad, info, ff, d, wd, rbd, nullptr, 0, bd, nullptr,
+                                  0, 0.0f, 0.0f, order, wts, ys, mqs_smem);
+    else
+        moe_mqs_body<false, false>(aq, ads, npad, info, ff, d, wd, rbd, nullptr, 0, bd, nullptr,
+                                   0, 0.0f, 0.0f, order, wts, ys, mqs_smem);
+}

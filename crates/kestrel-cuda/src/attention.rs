@@ -379,7 +379,9 @@ impl CudaBackend {
     /// Attention of one sequence's run of tokens `tok0 .. tok0 + n` (a prompt chunk),
     /// flash style: on the tensor cores in tiles of PREFILL_MMA_TOKENS (grid: heads, then
     /// tiles) where [`prefill_mma_kernel`] has a kernel, else in tiles of
-    /// PREFILL_ATTN_TOKENS (grid: tiles, then heads). Same arguments for both.
+    /// PREFILL_ATTN_TOKENS (grid: tiles, then heads). Same arguments for both; `sinks`:
+    /// gpt-oss's sink logits (device address, one a query head; 0: none), which only the
+    /// tensor-core kernels take (the caller checked [`prefill_sinks_kernel`]).
     pub(crate) fn attention_prefill(
         &self,
         a: &AttnLaunch,
@@ -387,6 +389,7 @@ impl CudaBackend {
         step: &CudaStep,
         tok0: usize,
         n: usize,
+        sinks: u64,
     ) {
         // Quantized keys and values: the tensor-core kernels' `_q` forms (dequantizing each
         // tile into shared memory); a cache mixing f16 and quantized: the SIMT kernel,
@@ -411,6 +414,13 @@ impl CudaBackend {
             ),
         };
         let quant = a.quant.as_ref().map_or(&[][..], |q| &q[..]);
+        // The tensor-core kernels take the sinks (null: none) before the quantized caches'
+        // arguments.
+        let sinks = if mma.is_some() {
+            &[Arg::P(sinks)][..]
+        } else {
+            &[]
+        };
         self.launch(
             name,
             grid,
@@ -428,6 +438,7 @@ impl CudaBackend {
                     Arg::F(p.scale),
                     Arg::I(a.window),
                 ],
+                sinks,
                 quant,
             ]
             .concat(),
@@ -577,7 +588,7 @@ pub(crate) fn attention(
             if let Some((a, b)) = short.take() {
                 backend.attention_short(&ctx, p, step, a, b - a, None);
             }
-            backend.attention_prefill(&ctx, p, step, start, len);
+            backend.attention_prefill(&ctx, p, step, start, len, 0);
         } else {
             short = match short {
                 Some((a, b)) if b == start => Some((a, start + len)),
@@ -598,9 +609,19 @@ pub(crate) fn attention(
     Prepared::Nothing
 }
 
+/// Whether a prompt run with sinks takes the tensor-core prefill kernel
+/// ([`prefill_mma_kernel`]: 64- or 128-dim heads, whole groups, keys and values both f16
+/// or both quantized), with the sinks in its softmax.
+pub(crate) fn prefill_sinks_kernel(p: &AttnParams, cache: &CudaCache) -> bool {
+    let f16 = (cache.types.k == KvType::F16, cache.types.v == KvType::F16);
+    f16.0 == f16.1 && prefill_mma_kernel(p, !f16.0).is_some()
+}
+
 /// Attention with a learned logit per query head joining each softmax's denominator
-/// (gpt-oss's sinks): `attention_sinks`, one block per (token, head) over any cache, for
-/// decode and prompts alike.
+/// (gpt-oss's sinks): prompt runs of PREFILL_ATTN_TOKENS or more of one sequence on the
+/// tensor-core prefill kernels where [`prefill_sinks_kernel`] allows, everything else
+/// (decode steps, short runs) on `attention_sinks`, one block per (token, head) over any
+/// cache.
 #[allow(clippy::too_many_arguments)] // the trait method's arguments and the backend
 pub(crate) fn attention_sinks(
     backend: &CudaBackend,
@@ -636,33 +657,77 @@ pub(crate) fn attention_sinks(
     } else {
         [Arg::P(0), Arg::P(0), Arg::I(0), Arg::I(0)]
     };
-    let args = [
-        &[
-            Arg::P(q.ptr),
-            Arg::P(cache.k_ptr[p.layer]),
-            Arg::P(cache.v_ptr[p.layer]),
-            Arg::P(out.ptr),
-        ][..],
-        &step.slot_args(),
-        &[
-            Arg::I(cache.block_size as i32),
-            Arg::I(p.n_head as i32),
-            Arg::I(p.n_head_kv as i32),
-            Arg::I(p.head_dim as i32),
-            Arg::F(p.scale),
-            Arg::I(window),
-            Arg::I(0),
-        ],
-        &quant,
-        &[Arg::P(*ptr)],
-    ]
-    .concat();
-    backend.launch(
-        "attention_sinks",
-        (n as u32, p.n_head as u32, 1),
-        128,
-        &args,
-    );
+    // Tokens tok0 .. tok0 + len on the SIMT kernel.
+    let simt = |tok0: usize, len: usize| {
+        let args = [
+            &[
+                Arg::P(q.ptr),
+                Arg::P(cache.k_ptr[p.layer]),
+                Arg::P(cache.v_ptr[p.layer]),
+                Arg::P(out.ptr),
+            ][..],
+            &step.slot_args(),
+            &[
+                Arg::I(cache.block_size as i32),
+                Arg::I(p.n_head as i32),
+                Arg::I(p.n_head_kv as i32),
+                Arg::I(p.head_dim as i32),
+                Arg::F(p.scale),
+                Arg::I(window),
+                Arg::I(tok0 as i32),
+            ],
+            &quant,
+            &[Arg::P(*ptr)],
+        ]
+        .concat();
+        backend.launch(
+            "attention_sinks",
+            (len as u32, p.n_head as u32, 1),
+            128,
+            &args,
+        );
+    };
+    if n <= GEMV_MAX_TOKENS || !prefill_sinks_kernel(p, cache) {
+        simt(0, n);
+        return Ok(());
+    }
+    let ctx = AttnLaunch {
+        q: q.ptr,
+        k: cache.k_ptr[p.layer],
+        v: cache.v_ptr[p.layer],
+        out: out.ptr,
+        block_size: cache.block_size,
+        window,
+        q8: None,
+        mmk: None,
+        quant: cache.quantized().then(|| cache.quant_args(p.layer)),
+        tiled_q: cache.types.k != KvType::F16 && cache.types.v != KvType::F16,
+        tiled_q8: false,
+        fresh: n,
+    };
+    // Runs of one sequence's tokens: prompt chunks on the tensor cores, the short runs
+    // between them gathered into ranges for the SIMT kernel.
+    let mut short: Option<(usize, usize)> = None;
+    for (start, len) in step.sequence_runs(n) {
+        if len >= PREFILL_ATTN_TOKENS {
+            if let Some((a, b)) = short.take() {
+                simt(a, b - a);
+            }
+            backend.attention_prefill(&ctx, p, step, start, len, *ptr);
+        } else {
+            short = match short {
+                Some((a, b)) if b == start => Some((a, start + len)),
+                Some((a, b)) => {
+                    simt(a, b - a);
+                    Some((start, start + len))
+                }
+                None => Some((start, start + len)),
+            };
+        }
+    }
+    if let Some((a, b)) = short {
+        simt(a, b - a);
+    }
     Ok(())
 }
 

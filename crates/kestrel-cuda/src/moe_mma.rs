@@ -14,7 +14,10 @@
 //!   with or without gpt-oss's expert biases and clamped SwiGLU: activations per 32 values as
 //!   ggml's Q8_0 (`moe_mma_quantize32`), mmq's block products (`moe_mq_*`: MXFP4's doubled
 //!   e2m1 levels are integers and its scale a power of two, so each block's int8 product is
-//!   exact), the biases, the activation and the routing weight in their epilogues.
+//!   exact), the biases, the activation and the routing weight in their epilogues. MXFP4 and
+//!   IQ4_NL experts in prompt-sized steps ([`staged`]) take `moe_mqs_*` instead: tiles of 64
+//!   places, each 256-value step of the block's weight rows and activations staged in
+//!   shared memory for all its warps.
 //!
 //! Only while 8-bit activations are on (`KESTREL_CUDA_Q8`, as for the dense int8
 //! products); other blocks keep moe.rs's kernels. Grids are sized for the worst case of the
@@ -39,6 +42,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "moe_mq_gate_up_t32",
     "moe_mq_down_t16",
     "moe_mq_down_t32",
+    "moe_mqs_gate_up",
+    "moe_mqs_down",
 ];
 
 /// Rows a gate/up block takes (of gate and the same of up) and a down block takes
@@ -49,8 +54,17 @@ const DOWN_ROWS: usize = 64;
 const MQ_ROWS: usize = 64;
 /// Threads of the `mms_*` blocks (MS_THREADS).
 const THREADS: u32 = 256;
+/// Places a `moe_mqs_*` tile takes (MQS_TOK), rows a gate/up block takes (of gate and
+/// the same of up) and a down block takes.
+const MQS_TILE: usize = 64;
+const MQS_GATE_UP_ROWS: usize = 64;
+const MQS_DOWN_ROWS: usize = 128;
+/// Dynamic shared memory of `moe_mqs_*` (MQS_SMEM): two stages of 128 weight rows' quants
+/// (144 bytes each) and scales (16), and of 64 places' activations (272 bytes each) and
+/// {d, d·Σq} of 8 blocks.
+pub(crate) const MQS_SMEM: u32 = 2 * (128 * 144 + 128 * 16 + 64 * 272 + 8 * 64 * 8);
 /// The largest tile (places of one expert a block multiplies).
-const MAX_TILE: usize = 32;
+const MAX_TILE: usize = MQS_TILE;
 
 /// Places of one tile for a step of `pairs` pairs over `n_expert` experts: 16 while an
 /// expert gets at most 16 on average, else 32.
@@ -72,6 +86,26 @@ pub(crate) enum Family {
     KQuant,
     /// Q8_0 / Q4_0 / IQ4_NL / MXFP4: `moe_mq_*` on activations per 32 values.
     Blocks32,
+}
+
+/// Whether a step of `pairs` pairs over `n_expert` experts of this block takes the staged
+/// `moe_mqs_*` kernels (tiles of MQS_TILE places): MXFP4 or IQ4_NL experts (gpt-oss's as
+/// published) and more than 16 places an expert on average (prompt-sized steps; smaller
+/// ones keep `moe_mq_*`'s tiles of 16 or 32).
+pub(crate) fn staged(layer: &LayerWeights<CudaWeight>, pairs: usize, n_expert: usize) -> bool {
+    let code4 = |w: &CudaWeight| {
+        matches!(
+            w,
+            CudaWeight::Matrix {
+                ty: GgmlType::MXFP4 | GgmlType::IQ4NL,
+                ..
+            }
+        )
+    };
+    pairs > 16 * n_expert
+        && code4(&layer.ffn_gate)
+        && code4(&layer.ffn_up)
+        && code4(&layer.ffn_down)
 }
 
 /// Which family a block takes, if any: gate and up of one type, and Q4_K / Q6_K experts
@@ -230,7 +264,8 @@ pub(crate) fn moe_ffn_mma(
     ];
     let ys = b.ptr(&s.ys);
 
-    let tile = tile_for(pairs, ne);
+    let mqs = fam == Family::Blocks32 && staged(layer, pairs, ne);
+    let tile = if mqs { MQS_TILE } else { tile_for(pairs, ne) };
     let (cap, tiles) = worst_case(pairs, ne, tile);
     b.launch(
         "moe_mma_group",
@@ -346,13 +381,19 @@ pub(crate) fn moe_ffn_mma(
                 )
             };
             quantize(x.ptr, d, k, order, xq, xd);
+            let (gate_up, down, gate_up_rows, down_rows) = match (mqs, t16) {
+                (true, _) => (
+                    "moe_mqs_gate_up",
+                    "moe_mqs_down",
+                    MQS_GATE_UP_ROWS,
+                    MQS_DOWN_ROWS,
+                ),
+                (false, true) => ("moe_mq_gate_up_t16", "moe_mq_down_t16", MQ_ROWS, MQ_ROWS),
+                (false, false) => ("moe_mq_gate_up_t32", "moe_mq_down_t32", MQ_ROWS, MQ_ROWS),
+            };
             b.launch_reading(
-                if t16 {
-                    "moe_mq_gate_up_t16"
-                } else {
-                    "moe_mq_gate_up_t32"
-                },
-                (ff.div_ceil(MQ_ROWS) as u32, tiles as u32, 1),
+                gate_up,
+                (ff.div_ceil(gate_up_rows) as u32, tiles as u32, 1),
                 THREADS,
                 &[
                     Arg::P(xq),
@@ -377,12 +418,8 @@ pub(crate) fn moe_ffn_mma(
             );
             quantize(a, ff, 1, 0, aq, ad);
             b.launch_reading(
-                if t16 {
-                    "moe_mq_down_t16"
-                } else {
-                    "moe_mq_down_t32"
-                },
-                (d.div_ceil(MQ_ROWS) as u32, tiles as u32, 1),
+                down,
+                (d.div_ceil(down_rows) as u32, tiles as u32, 1),
                 THREADS,
                 &[
                     Arg::P(aq),
@@ -449,7 +486,7 @@ mod tests {
             (100, 16, 1024),
         ] {
             let pairs = n * k;
-            for tile in [16, 32] {
+            for tile in [16, 32, MQS_TILE] {
                 let bound = worst_case(pairs, ne, tile);
                 let fits = |c: &[usize]| {
                     let (places, tiles) = layout(c, tile);
@@ -480,6 +517,17 @@ mod tests {
                     assert!(fits(&counts), "{n}×{k} over {ne}, tile {tile}: {counts:?}");
                 }
             }
+        }
+    }
+
+    /// Two `moe_mqs_*` blocks fit an H100 SM (228 KiB of shared memory, 1 KiB reserved a
+    /// block), as their launch bounds ask.
+    #[test]
+    fn staged_blocks_fit_twice_an_sm() {
+        for name in ["moe_mqs_gate_up", "moe_mqs_down"] {
+            let smem = crate::launch::dynamic_smem(name);
+            assert_eq!(smem, 83_968, "{name}");
+            assert!(2 * (smem + 1024) <= 228 << 10, "{name}: {smem}");
         }
     }
 

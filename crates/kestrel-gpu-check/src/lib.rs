@@ -2454,7 +2454,8 @@ pub struct AttnReport {
     /// Cached positions, and the step sizes checked at its end.
     pub positions: usize,
     pub steps: Vec<usize>,
-    /// Largest |Δ| of the decode steps (1 and 5 tokens), and of the prompt chunk (40).
+    /// Largest |Δ| of the decode steps (1 and 5 tokens), and of the prompt chunks (40, and
+    /// 133 in the sinks check of long enough caches).
     pub max_abs_diff: f64,
     pub chunk_abs_diff: f64,
     pub max_abs_out: f64,
@@ -2510,7 +2511,8 @@ pub fn compare_attention_cache(
 
 /// [`compare_attention_cache`] for gpt-oss's attention (`Backend::attention_sinks`): a
 /// random logit per query head (of the scores' order) joins each softmax's denominator, over
-/// a sliding window of `window` positions (None: all).
+/// a sliding window of `window` positions (None: all). Prompt chunks (40 tokens, and 133
+/// from 173 positions) take the tensor-core prefill kernels where the cache allows.
 pub fn compare_attention_sinks(
     backend: &CudaBackend,
     heads: (usize, usize, usize),
@@ -2536,9 +2538,15 @@ fn attention_against_f64(
     let cfg = ModelConfig::from_gguf(&file)?;
     let (n_head, n_head_kv, hd) = heads;
     let kv_dim = cfg.kv_dim();
-    // Decode steps of 1 and 5 tokens, and a prompt chunk (the prefill kernels).
+    // Decode steps of 1 and 5 tokens, and a prompt chunk (the prefill kernels); with sinks
+    // and enough positions also a chunk of two 64-token tiles and a part, whose rows see
+    // window edges inside tiles.
     const CHUNK: usize = 40;
-    let steps = vec![1usize, 5, CHUNK];
+    const LONG_CHUNK: usize = 133;
+    let mut steps = vec![1usize, 5, CHUNK];
+    if sinks.is_some() && positions >= LONG_CHUNK + CHUNK {
+        steps.push(LONG_CHUNK);
+    }
     anyhow::ensure!(positions >= 40, "at least 40 positions");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xa77e);
     let n_blocks = positions.div_ceil(16) + 2;
@@ -2670,7 +2678,7 @@ fn attention_against_f64(
                         continue;
                     }
                     let diff = (want - f64::from(have)).abs();
-                    if n == CHUNK {
+                    if n >= CHUNK {
                         report.chunk_abs_diff = report.chunk_abs_diff.max(diff);
                     } else {
                         report.max_abs_diff = report.max_abs_diff.max(diff);

@@ -1332,9 +1332,13 @@ fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<u
                     selfcheck::compare_attention_cache(&backend, heads, kv, len, case_seed),
                 );
             }
-            // gpt-oss's attention: sinks, over all keys and over a 16-key window.
-            for window in [None, Some(16)] {
-                let n = 40 + positions;
+            // gpt-oss's attention: sinks, over all keys, a 16-key window and gpt-oss's
+            // 128; a short cache and 301 positions (a 133-token chunk: tiles cut by the
+            // window's edge).
+            for (window, n) in [None, Some(16), Some(128)]
+                .into_iter()
+                .flat_map(|w| [(w, 40 + positions), (w, 301)])
+            {
                 let r =
                     selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
                 let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
@@ -1342,10 +1346,11 @@ fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<u
                     Ok(r) => {
                         failures += usize::from(!r.passed());
                         println!(
-                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} of {:.3e}  {}",
+                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} (chunks {:.3e}) of {:.3e}  {}",
                             r.steps,
                             r.positions,
                             r.max_abs_diff,
+                            r.chunk_abs_diff,
                             r.max_abs_out,
                             if r.passed() { "ok" } else { "FAIL" }
                         );
