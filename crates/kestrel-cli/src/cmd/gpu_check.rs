@@ -248,27 +248,10 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             for seqs in [37, 64] {
                 let s = seed.wrapping_add(30_000 + (i * 1_000 + j * 100 + seqs) as u64);
                 let what = format!("tp{ranks} {arch:?} {ty} {seqs} seqs:");
-                match selfcheck::compare_tp_graph_replay_batched(
+                let r = selfcheck::compare_tp_graph_replay_batched(
                     *arch, ty, seqs, STEPS, s, &ordinals,
-                ) {
-                    Ok(r) => {
-                        failures += usize::from(!r.passed());
-                        println!(
-                            "{what} {} replays, logits {}  {}",
-                            r.replays,
-                            if r.identical {
-                                "bit-identical"
-                            } else {
-                                "DIFFER"
-                            },
-                            if r.passed() { "ok" } else { "FAIL" }
-                        );
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        println!("{what} ERROR {e:#}");
-                    }
-                }
+                );
+                failures += usize::from(!print_graph_report(&what, r));
             }
         }
     }
@@ -507,24 +490,8 @@ fn check_hybrids(args: &Args, seed: u64) -> usize {
         let case_seed = seed.wrapping_add(2_650 + ia as u64);
         let label = format!("hybrid   {:<9} q4_k_m    graph replay", arch.name());
         match selfcheck::compare_graph_replay(arch, "q4_k_m", args.generate, case_seed, args.gpu) {
-            Ok(r) => {
-                failures += usize::from(!r.passed());
-                println!(
-                    "{label}: {} replays, logits {}  {}",
-                    r.replays,
-                    if r.identical {
-                        "bit-identical"
-                    } else {
-                        "DIFFER"
-                    },
-                    if r.passed() { "ok" } else { "FAIL" }
-                );
-            }
             Err(e) if skipped(&label, &e) => {}
-            Err(e) => {
-                failures += 1;
-                println!("{label} ERROR {e:#}");
-            }
+            r => failures += usize::from(!print_graph_report(&format!("{label}:"), r)),
         }
         let label = format!("hybrid   {:<9} state", arch.name());
         match selfcheck::check_state_continuity(
@@ -641,6 +608,31 @@ fn print_logit_report(label: &str, result: anyhow::Result<selfcheck::LogitReport
         }
         Err(e) => {
             println!("{label} ERROR {e:#}");
+            false
+        }
+    }
+}
+
+/// Prints a graph-replay line (replays, whether the logits are bit-identical to eager
+/// launches) or the error; returns whether it passed.
+fn print_graph_report(what: &str, r: anyhow::Result<selfcheck::GraphReport>) -> bool {
+    match r {
+        Ok(r) => {
+            let ok = r.passed();
+            println!(
+                "{what} {} replays, logits {}  {}",
+                r.replays,
+                if r.identical {
+                    "bit-identical"
+                } else {
+                    "DIFFER"
+                },
+                if ok { "ok" } else { "FAIL" }
+            );
+            ok
+        }
+        Err(e) => {
+            println!("{what} ERROR {e:#}");
             false
         }
     }
@@ -1228,27 +1220,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// the failures.
 fn check_graphs(args: &Args, seed: u64) -> usize {
     let mut failures = 0;
-    let row =
-        |failures: &mut usize, what: String, r: anyhow::Result<selfcheck::GraphReport>| match r {
-            Ok(r) => {
-                let ok = r.passed();
-                *failures += usize::from(!ok);
-                println!(
-                    "{what} {} replays, logits {}  {}",
-                    r.replays,
-                    if r.identical {
-                        "bit-identical"
-                    } else {
-                        "DIFFER"
-                    },
-                    if ok { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                *failures += 1;
-                println!("{what} ERROR {e:#}");
-            }
-        };
+    let row = |failures: &mut usize, what: String, r: anyhow::Result<selfcheck::GraphReport>| {
+        *failures += usize::from(!print_graph_report(&what, r));
+    };
     println!(
         "graph replay vs eager launches, {} single-token steps:",
         args.generate
