@@ -85,6 +85,31 @@ const Q8_GATE_UP_ROWS: usize = 32;
 /// Rows a `moe_down_q8` block computes (4 warps of `MOE_DOWN_R` = 2).
 const Q8_DOWN_ROWS: usize = 8;
 
+/// Launches `moe_route` for `n` tokens: each token's top `k` of `ne` router logits (plus
+/// the bias, 0 for none) gated and normalized as `moe` says. `ptrs`: the logits, the bias,
+/// the expert ids and the weights written.
+fn launch_route(b: &CudaBackend, moe: &MoeConfig, n: usize, k: usize, ne: usize, ptrs: [u64; 4]) {
+    let [logits, bias, ids, wts] = ptrs;
+    b.launch(
+        "moe_route",
+        (n as u32, 1, 1),
+        route_threads(ne),
+        &[
+            Arg::P(logits),
+            Arg::P(bias),
+            Arg::I(ne as i32),
+            Arg::I(k as i32),
+            Arg::I(match moe.gating {
+                Gating::Softmax => 0,
+                Gating::TopKSoftmax => 1,
+            }),
+            Arg::I(moe.norm_top_k as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+        ],
+    );
+}
+
 /// Threads of a `moe_route` block: one per expert, a power of two of at least a warp (the
 /// bitonic sort's width).
 fn route_threads(n_expert: usize) -> u32 {
@@ -367,24 +392,7 @@ pub(crate) fn moe_ffn(
         ],
         (ne * rbr as usize) as u64,
     );
-    b.launch(
-        "moe_route",
-        (n as u32, 1, 1),
-        route_threads(ne),
-        &[
-            Arg::P(logits),
-            Arg::P(router_bias),
-            Arg::I(ne as i32),
-            Arg::I(k as i32),
-            Arg::I(match moe.gating {
-                Gating::Softmax => 0,
-                Gating::TopKSoftmax => 1,
-            }),
-            Arg::I(moe.norm_top_k as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-        ],
-    );
+    launch_route(b, moe, n, k, ne, [logits, router_bias, ids, wts]);
     if b.moe_on_tensor_cores(layer, moe, n) {
         let epi = crate::moe_mma::Epilogue {
             bg,
@@ -612,24 +620,9 @@ impl CudaBackend {
             .clone_htod(&vec![-1i32; n * k])
             .map_err(|e| anyhow::anyhow!("uploading expert ids: {e:?}"))?;
         let wts = up(&vec![f32::NAN; n * k])?;
-        self.launch(
-            "moe_route",
-            (n as u32, 1, 1),
-            route_threads(ne),
-            &[
-                Arg::P(self.ptr(&dl)),
-                Arg::P(db.as_ref().map_or(0, |b| self.ptr(b))),
-                Arg::I(ne as i32),
-                Arg::I(k as i32),
-                Arg::I(match moe.gating {
-                    Gating::Softmax => 0,
-                    Gating::TopKSoftmax => 1,
-                }),
-                Arg::I(moe.norm_top_k as i32),
-                Arg::P(self.ptr(&ids)),
-                Arg::P(self.ptr(&wts)),
-            ],
-        );
+        let bias_ptr = db.as_ref().map_or(0, |b| self.ptr(b));
+        let ptrs = [self.ptr(&dl), bias_ptr, self.ptr(&ids), self.ptr(&wts)];
+        launch_route(self, moe, n, k, ne, ptrs);
         self.check()?;
         let (mut hi, mut hw) = (vec![0i32; n * k], vec![0f32; n * k]);
         self.stream
