@@ -624,3 +624,298 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         moe_mqs_body<false, false>(aq, ads, npad, info, ff, d, wd, rbd, nullptr, 0, bd, nullptr,
                                    0, 0.0f, 0.0f, order, wts, ys, mqs_smem);
 }
+
+// ---------------------------------------------------------------------------------------
+// Q4_K / Q6_K experts (Qwen3-MoE's Q4_K_M files) in prompt-sized steps (`moe_mks_*`,
+// staged as moe_mqs_*): the same grouping with tiles of MKS_TOK places, the activations per
+// 256 values (moe_mma_quantize, quantize_x_mmk's layout) and the super-block products of
+// the `mms_*` kernels (MsStep's arithmetic: 32-value blocks' integer sums scaled by the
+// 6- / 8-bit scales in integer arithmetic, the offsets through the 16-value group sums, one
+// conversion to f32 a super-block), but each 256-value step of the block's 128 weight rows
+// and of its tile's 64 places (values, group sums, steps) goes through shared memory once,
+// by cp.async, double-buffered, for all 8 warps: warp (wr, wt) takes rows 16 wr .. of both
+// its row groups (gate/up: the same rows of gate and of up; down: rows 16 wr .. and 64 +
+// 16 wr ..) against places 32 wt .. 32 wt + 31, 4 tensor-core tiles of 8 (moe_mms_* took
+// 16 rows and 16 places a warp in tiles of 32, padding included, so an expert of ~32
+// places read its rows twice and multiplied up to 31 padding places). 8-place groups past
+// the tile's count are skipped. Sums run over the row's steps in order, so a place's
+// result depends only on its own column.
+#define MKS_TOK 64
+#define MKS_ROWS 128
+template <int TY> struct MksStage {
+    static constexpr int CH = TY == T_Q4_K ? 9 : 14;  // 16-byte chunks of a super-block
+    static constexpr int BB = TY == T_Q4_K ? 144 : Q6K_GPU_BYTES;
+    static constexpr int STRIDE = TY == T_Q4_K ? 160 : MS_WROW;  // as MsCopy: conflict-free
+    static constexpr int W = MKS_ROWS * MS_WROW;  // the larger format's room, either format
+    static constexpr int X = MKS_TOK * MS_XROW;   // values and group sums of the places
+    static constexpr int BYTES = W + X + MKS_TOK * 4;  // + the places' steps
+    static constexpr int WM = (MKS_ROWS * CH + 255) / 256;  // weight chunks a thread
+};
+#define MKS_SMEM (2 * MksStage<T_Q6_K>::BYTES)
+
+// One step of a warp's two row groups (r0[p], r1[p]: rows g, g + 8 of group p in the
+// stage) against its 4 tiles of places (x; tiles j < nt), into acc[p][j]: MsStep's
+// arithmetic, each activation fragment read once for both groups.
+template <int TY> struct MksStep;
+
+template <> struct MksStep<T_Q4_K> {
+    static __device__ __forceinline__ void step(const u8* const (&r0)[2], const u8* const (&r1)[2],
+                                                const MkS& x, int c, int nt,
+                                                float (&acc)[2][4][4]) {
+        u32 sc[2][2][2], mg[2][2];  // [group][row g, g + 8]
+#pragma unroll
+        for (int p = 0; p < 2; p++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint4 hd = *(const uint4*)(h ? r1[p] : r0[p]);
+                const u32 s03 = hd.y, s47 = hd.z, s811 = hd.w;
+                sc[p][h][0] = s03 & 0x3F3F3F3Fu;
+                sc[p][h][1] = (s811 & 0x0F0F0F0Fu) | ((s03 >> 2) & 0x30303030u);
+                const u32 mn = c < 2 ? s47 & 0x3F3F3F3Fu
+                                     : ((s811 >> 4) & 0x0F0F0F0Fu) | ((s47 >> 2) & 0x30303030u);
+                mg[p][h] = __byte_perm(mn, 0, (c & 1) ? 0x3322 : 0x1100);
+            }
+        int is[2][4][4];
+#pragma unroll
+        for (int p = 0; p < 2; p++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) is[p][j][i] = 0;
+#pragma unroll
+        for (int blk = 0; blk < 8; blk++) {
+            const int off = 16 + 32 * (blk >> 1) + 8 * c, sh = 4 * (blk & 1), bs = 8 * (blk & 3);
+            u32 a[2][4];
+            int s[2][2];
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                const uint2 q0 = *(const uint2*)(r0[p] + off), q1 = *(const uint2*)(r1[p] + off);
+                a[p][0] = (q0.x >> sh) & 0x0F0F0F0Fu;
+                a[p][1] = (q1.x >> sh) & 0x0F0F0F0Fu;
+                a[p][2] = (q0.y >> sh) & 0x0F0F0F0Fu;
+                a[p][3] = (q1.y >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    s[p][h] = (int)(((blk < 4 ? sc[p][h][0] : sc[p][h][1]) >> bs) & 0xFF);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (j < nt) {
+                    const uint2 b = x.b(j, blk);
+#pragma unroll
+                    for (int p = 0; p < 2; p++)
+                        mk_blk(is[p][j], a[p][0], a[p][1], a[p][2], a[p][3], b, s[p][0], s[p][1]);
+                }
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const u32 h0 = *(const u32*)r0[p], h1 = *(const u32*)r1[p];
+            const float d0 = h2f((u16)(h0 & 0xFFFF)), n0 = h2f((u16)(h0 >> 16));
+            const float d1 = h2f((u16)(h1 & 0xFFFF)), n1 = h2f((u16)(h1 >> 16));
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (j < nt) {
+                    int ms[4];
+                    mk_group_dot(ms, mg[p][0], mg[p][1], x.blo(j), x.bhi(j));
+                    const float2 dx = x.dx(j);
+                    acc[p][j][0] += dx.x * (d0 * (float)is[p][j][0] - n0 * (float)ms[0]);
+                    acc[p][j][1] += dx.y * (d0 * (float)is[p][j][1] - n0 * (float)ms[1]);
+                    acc[p][j][2] += dx.x * (d1 * (float)is[p][j][2] - n1 * (float)ms[2]);
+                    acc[p][j][3] += dx.y * (d1 * (float)is[p][j][3] - n1 * (float)ms[3]);
+                }
+            }
+        }
+    }
+};
+
+template <> struct MksStep<T_Q6_K> {
+    static __device__ __forceinline__ void step(const u8* const (&r0)[2], const u8* const (&r1)[2],
+                                                const MkS& x, int c, int nt,
+                                                float (&acc)[2][4][4]) {
+        const bool low = c < 2;
+        int is[2][4][4];
+#pragma unroll
+        for (int p = 0; p < 2; p++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) is[p][j][i] = 0;
+#pragma unroll 1  // unrolled, the down kernel spills
+        for (int s = 0; s < 8; s++) {
+            const int hf = s >> 2, qq = s & 3;
+            const int lo_off = 64 * hf + 32 * (qq & 1) + 8 * c, hi_off = 128 + 32 * hf + 8 * c;
+            const int sl = 4 * (qq >> 1), sh = 2 * qq;
+            // One group at a time (fewer live registers: the activations are read twice).
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                uint2 v[2];
+                int sa[2], sb[2];  // rows g, g + 8
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u8* row = h ? r1[p] : r0[p];
+                    v[h] = q6k_run(*(const uint2*)(row + lo_off), *(const uint2*)(row + hi_off),
+                                   sl, sh);
+                    const u32 sw = *(const unsigned short*)(row + 192 + 2 * s);
+                    sa[h] = (int)(signed char)(sw & 0xFF);
+                    sb[h] = (int)(signed char)(sw >> 8);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (j < nt) q6k_run_mma(is[p][j], v, x.b(j, s), low, sa[0], sb[0], sa[1], sb[1]);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const u32 g0 = *(const u32*)(r0[p] + 192 + 4 * c), g1 = *(const u32*)(r1[p] + 192 + 4 * c);
+            const float d0 = h2f(*(const u16*)(r0[p] + 208)), d1 = h2f(*(const u16*)(r1[p] + 208));
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (j < nt) {
+                    int ms[4];
+                    mk_group_dot(ms, g0, g1, x.blo(j), x.bhi(j));
+                    const float2 dx = x.dx(j);
+                    acc[p][j][0] += dx.x * d0 * (float)(is[p][j][0] - 32 * ms[0]);
+                    acc[p][j][1] += dx.y * d0 * (float)(is[p][j][1] - 32 * ms[1]);
+                    acc[p][j][2] += dx.x * d1 * (float)(is[p][j][2] - 32 * ms[2]);
+                    acc[p][j][3] += dx.y * d1 * (float)(is[p][j][3] - 32 * ms[3]);
+                }
+            }
+        }
+    }
+};
+
+// Output rows row0 .. of the block (UP: 64 of gate and up; else 128 of down) for the tile's
+// places q0 .. q0 + cnt of expert e (places past cnt are the run's padding: staged, their
+// columns dropped; 8-place groups past it skipped). k a multiple of 256.
+template <int TY, bool UP>
+__device__ __forceinline__ void moe_mks_body(const i8* xq, const float* xk, const i8* xb,
+                                             int npad, const int* info, int k, int rows,
+                                             const u8* w0, long long rb0, const u8* w1,
+                                             long long rb1, int act, const int* order,
+                                             const float* wts, float* out, u8* smem) {
+    using S = MksStage<TY>;
+    const int ti = blockIdx.y;
+    if (ti >= info[0]) return;  // the whole block
+    const int* tl = info + 2 + 3 * ti;
+    const long long e = tl[0];
+    const int q0 = tl[1], cnt = tl[2];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int wr = warp & 3, wt = warp >> 2;
+    constexpr int OUT_ROWS = UP ? 64 : 128;
+    const int row0 = blockIdx.x * OUT_ROWS;
+    const int steps = k >> 8;
+
+    // This thread's weight chunks: chunk i = tid + 256 m is part i % CH of staged row i / CH
+    // (UP: rows 64 .. of up), worked out at each copy (fewer live registers).
+    const u8* we0 = w0 + e * rows * rb0;
+    const u8* we1 = UP ? w1 + e * rows * rb1 : we0;
+    const u32 base = smem_u32(smem);
+    auto load = [&](int buf, int st) {
+        const u32 sw = base + buf * S::BYTES, sx = sw + S::W, sk = sx + S::X;
+#pragma unroll
+        for (int m = 0; m < S::WM; m++) {
+            const int i = tid + 256 * m, r = i / S::CH, part = i - r * S::CH;
+            if (i >= MKS_ROWS * S::CH) continue;
+            const bool second = UP && r >= 64;
+            const int rr = min(row0 + (UP ? (r & 63) : r), rows - 1);
+            const u8* src = (second ? we1 + rr * rb1 : we0 + rr * rb0) + part * 16 + st * S::BB;
+            cp_async16(sw + r * S::STRIDE + part * 16, src, true);
+        }
+        // Values: place (tid >> 4) + 16 m, 16-byte chunk tid & 15.
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int p = (tid >> 4) + 16 * m;
+            cp_async16(sx + p * MS_XROW + (tid & 15) * 16,
+                       xq + (size_t)(q0 + p) * k + st * 256 + (tid & 15) * 16, true);
+        }
+        const size_t kt = (size_t)st * npad + q0;
+        if (tid < 2 * MKS_TOK)  // group sums: place tid >> 1, half tid & 1
+            cp_async16(sx + (tid >> 1) * MS_XROW + 256 + (tid & 1) * 16,
+                       xb + (kt + (tid >> 1)) * 32 + (tid & 1) * 16, true);
+        if (tid < MKS_TOK / 4) cp_async16(sk + 16 * tid, xk + kt + 4 * tid, true);
+        cp_async_commit();
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int p = 0; p < 2; p++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[p][j][i] = 0.0f;
+    // 8-place groups of the warp's 32 places holding a real place.
+    const int nt = min(4, max(0, (cnt - 32 * wt + 7) >> 3));
+    const int t0 = 32 * wt;
+
+    load(0, 0);
+    for (int st = 0; st < steps; st++) {
+        if (st + 1 < steps) load((st + 1) & 1, st + 1);
+        else cp_async_commit();  // an empty group keeps the wait counts uniform
+        cp_async_wait_prev();
+        __syncthreads();
+        const u8* sw = smem + (st & 1) * S::BYTES;
+        const u8* sx = sw + S::W;
+        if (nt > 0) {
+            const MkS xs{sx + (t0 + g) * MS_XROW + 8 * c, sx + (t0 + g) * MS_XROW + 256 + 4 * c,
+                         (const float*)(sx + S::X) + t0 + 2 * c};
+            const u8* r0[2] = {sw + (16 * wr + g) * S::STRIDE, sw + (64 + 16 * wr + g) * S::STRIDE};
+            const u8* r1[2] = {r0[0] + 8 * S::STRIDE, r0[1] + 8 * S::STRIDE};
+            MksStep<TY>::step(r0, r1, xs, c, nt, acc);
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+    cp_async_wait_all();
+
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int tok = t0 + 8 * j + 2 * c + (i & 1);
+            if (tok >= cnt) continue;
+            const int q = q0 + tok;
+            const int rr = 16 * wr + g + (i >= 2 ? 8 : 0);
+            if (UP) {
+                const int r = row0 + rr;
+                if (r >= rows) continue;
+                out[(size_t)q * rows + r] = moe_act(acc[0][j][i], acc[1][j][i], act, 0.0f, 0.0f);
+            } else {
+                const float w = wts[order[q]];
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    const int r = row0 + 64 * p + rr;
+                    if (r < rows) out[(size_t)q * rows + r] = __fmul_rn(acc[p][j][i], w);
+                }
+            }
+        }
+}
+
+// Gate/up: grid (ceil(ff / 64), worst-case tiles of MKS_TOK), 256 threads, MKS_SMEM bytes
+// of dynamic shared memory; the arguments of moe_mms_gate_up_* (ty: T_Q4_K or T_Q6_K).
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_mks_gate_up(const i8* xq, const float* xk, const i8* xb, int npad, const int* info, int d,
+                    int ff, const u8* wg, long long rbg, const u8* wu, long long rbu, int ty,
+                    int act, float* a) {
+    extern __shared__ __align__(16) u8 mks_smem[];
+    pdl_enter();
+    if (ty == T_Q4_K)
+        moe_mks_body<T_Q4_K, true>(xq, xk, xb, npad, info, d, ff, wg, rbg, wu, rbu, act,
+                                   nullptr, nullptr, a, mks_smem);
+    else
+        moe_mks_body<T_Q6_K, true>(xq, xk, xb, npad, info, d, ff, wg, rbg, wu, rbu, act,
+                                   nullptr, nullptr, a, mks_smem);
+}
+// Down: grid (ceil(d / 128), worst-case tiles of MKS_TOK); the arguments of moe_mms_down_*.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    moe_mks_down(const i8* aq, const float* ak, const i8* ab, int npad, const int* info, int ff,
+                 int d, const u8* wd, long long rbd, int ty, const int* order, const float* wts,
+                 float* ys) {
+    extern __shared__ __align__(16) u8 mks_smem[];
+    pdl_enter();
+    if (ty == T_Q4_K)
+        moe_mks_body<T_Q4_K, false>(aq, ak, ab, npad, info, ff, d, wd, rbd, nullptr, 0, 0, order,
+                                    wts, ys, mks_smem);
+    else
+        moe_mks_body<T_Q6_K, false>(aq, ak, ab, npad, info, ff, d, wd, rbd, nullptr, 0, 0, order,
+                                    wts, ys, mks_smem);
+}
