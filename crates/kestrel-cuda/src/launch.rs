@@ -127,7 +127,6 @@ pub(crate) fn dynamic_smem(name: &str) -> u32 {
         "attention_split_tiled64_q8" => return crate::attention::tiled_q8_smem(64),
         "attention_split_tiled128_q8" => return crate::attention::tiled_q8_smem(128),
         "moe_mqs_gate_up" | "moe_mqs_down" => return crate::moe_mma::MQS_SMEM,
-        "moe_mks_gate_up" | "moe_mks_down" => return crate::moe_mma::MKS_SMEM,
         _ => {}
     }
     if name == "mmw_gated" {

@@ -44,8 +44,6 @@ pub(crate) const KERNELS: &[&str] = &[
     "moe_mq_down_t32",
     "moe_mqs_gate_up",
     "moe_mqs_down",
-    "moe_mks_gate_up",
-    "moe_mks_down",
 ];
 
 /// Rows a gate/up block takes (of gate and the same of up) and a down block takes
@@ -65,11 +63,7 @@ const MQS_DOWN_ROWS: usize = 128;
 /// (144 bytes each) and scales (16), and of 64 places' activations (272 bytes each) and
 /// {d, d·Σq} of 8 blocks.
 pub(crate) const MQS_SMEM: u32 = 2 * (128 * 144 + 128 * 16 + 64 * 272 + 8 * 64 * 8);
-/// Dynamic shared memory of `moe_mks_*` (MKS_SMEM): two stages of 128 weight rows (224
-/// bytes each: Q6_K's super-block, Q4_K's at a stride of 160), of 64 places' values and
-/// group sums (288 bytes each) and of their steps (4).
-pub(crate) const MKS_SMEM: u32 = 2 * (128 * 224 + 64 * 288 + 64 * 4);
-/// The largest tile (places of one expert a block multiplies; MQS_TOK = MKS_TOK).
+/// The largest tile (places of one expert a block multiplies).
 const MAX_TILE: usize = MQS_TILE;
 
 /// Places of one tile for a step of `pairs` pairs over `n_expert` experts: 16 while an
@@ -94,16 +88,10 @@ pub(crate) enum Family {
     Blocks32,
 }
 
-/// Whether a step of `pairs` pairs over `n_expert` experts takes tiles of 64 places (the
-/// staged `moe_mqs_*` / `moe_mks_*`): more than 16 places an expert on average
-/// (prompt-sized steps); smaller ones keep tiles of 16 or 32 ([`tile_for`]).
-pub(crate) fn wide_tiles(pairs: usize, n_expert: usize) -> bool {
-    pairs > 16 * n_expert
-}
-
 /// Whether a step of `pairs` pairs over `n_expert` experts of this block takes the staged
 /// `moe_mqs_*` kernels (tiles of MQS_TILE places): MXFP4 or IQ4_NL experts (gpt-oss's as
-/// published) and [`wide_tiles`] (else `moe_mq_*`'s tiles of 16 or 32).
+/// published) and more than 16 places an expert on average (prompt-sized steps; smaller
+/// ones keep `moe_mq_*`'s tiles of 16 or 32).
 pub(crate) fn staged(layer: &LayerWeights<CudaWeight>, pairs: usize, n_expert: usize) -> bool {
     let code4 = |w: &CudaWeight| {
         matches!(
@@ -114,7 +102,7 @@ pub(crate) fn staged(layer: &LayerWeights<CudaWeight>, pairs: usize, n_expert: u
             }
         )
     };
-    wide_tiles(pairs, n_expert)
+    pairs > 16 * n_expert
         && code4(&layer.ffn_gate)
         && code4(&layer.ffn_up)
         && code4(&layer.ffn_down)
@@ -277,13 +265,7 @@ pub(crate) fn moe_ffn_mma(
     let ys = b.ptr(&s.ys);
 
     let mqs = fam == Family::Blocks32 && staged(layer, pairs, ne);
-    // Q4_K / Q6_K experts in prompt-sized steps: `moe_mks_*`, tiles of 64 places.
-    let mks = fam == Family::KQuant && wide_tiles(pairs, ne);
-    let tile = if mqs || mks {
-        MQS_TILE
-    } else {
-        tile_for(pairs, ne)
-    };
+    let tile = if mqs { MQS_TILE } else { tile_for(pairs, ne) };
     let (cap, tiles) = worst_case(pairs, ne, tile);
     b.launch(
         "moe_mma_group",
@@ -327,29 +309,13 @@ pub(crate) fn moe_ffn_mma(
                     )
                 };
             quantize(x.ptr, d, k, order, xq, xk, xb);
-            let (gate_up, down, gate_up_rows, down_rows) = match (mks, t16) {
-                (true, _) => (
-                    "moe_mks_gate_up",
-                    "moe_mks_down",
-                    MQS_GATE_UP_ROWS,
-                    MQS_DOWN_ROWS,
-                ),
-                (false, true) => (
-                    "moe_mms_gate_up_t16",
-                    "moe_mms_down_t16",
-                    GATE_UP_ROWS,
-                    DOWN_ROWS,
-                ),
-                (false, false) => (
-                    "moe_mms_gate_up_t32",
-                    "moe_mms_down_t32",
-                    GATE_UP_ROWS,
-                    DOWN_ROWS,
-                ),
-            };
             b.launch_reading(
-                gate_up,
-                (ff.div_ceil(gate_up_rows) as u32, tiles as u32, 1),
+                if t16 {
+                    "moe_mms_gate_up_t16"
+                } else {
+                    "moe_mms_gate_up_t32"
+                },
+                (ff.div_ceil(GATE_UP_ROWS) as u32, tiles as u32, 1),
                 THREADS,
                 &[
                     Arg::P(xq),
@@ -371,8 +337,12 @@ pub(crate) fn moe_ffn_mma(
             );
             quantize(a, ff, 1, 0, aq, ak, ab);
             b.launch_reading(
-                down,
-                (d.div_ceil(down_rows) as u32, tiles as u32, 1),
+                if t16 {
+                    "moe_mms_down_t16"
+                } else {
+                    "moe_mms_down_t32"
+                },
+                (d.div_ceil(DOWN_ROWS) as u32, tiles as u32, 1),
                 THREADS,
                 &[
                     Arg::P(aq),
@@ -550,43 +520,15 @@ mod tests {
         }
     }
 
-    /// Two `moe_mqs_*` / `moe_mks_*` blocks fit an H100 SM (228 KiB of shared memory, 1
-    /// KiB reserved a block), as their launch bounds ask, and a stage holds what the
-    /// kernels copy into it: 128 rows of the larger super-block (Q6_K's 210 bytes, padded
-    /// to 224; Q4_K's 144 at a stride of 160) and 64 places' rows (256 values, 16 group
-    /// sums split in two bytes each), plus their steps.
+    /// Two `moe_mqs_*` blocks fit an H100 SM (228 KiB of shared memory, 1 KiB reserved a
+    /// block), as their launch bounds ask.
     #[test]
     fn staged_blocks_fit_twice_an_sm() {
-        for (name, bytes) in [
-            ("moe_mqs_gate_up", 83_968),
-            ("moe_mqs_down", 83_968),
-            ("moe_mks_gate_up", 94_720),
-            ("moe_mks_down", 94_720),
-        ] {
+        for name in ["moe_mqs_gate_up", "moe_mqs_down"] {
             let smem = crate::launch::dynamic_smem(name);
-            assert_eq!(smem, bytes, "{name}");
+            assert_eq!(smem, 83_968, "{name}");
             assert!(2 * (smem + 1024) <= 228 << 10, "{name}: {smem}");
         }
-        let q6k_row = GgmlType::Q6K.type_size().next_multiple_of(16);
-        let q4k_stride = 160;
-        assert!(GgmlType::Q4K.type_size() <= q4k_stride && q4k_stride <= 224);
-        assert!(q6k_row <= 224, "{q6k_row}");
-        assert_eq!(
-            MKS_SMEM as usize,
-            2 * (MQS_DOWN_ROWS * 224 + MQS_TILE * (256 + 32) + MQS_TILE * 4)
-        );
-    }
-
-    /// Prompt-sized steps take the 64-place tiles, decode-sized and batch steps of up to 16
-    /// places an expert the 16 / 32 ones, for either family.
-    #[test]
-    fn wide_tiles_from_the_mean_count() {
-        assert!(!wide_tiles(64 * 8, 128));
-        assert!(!wide_tiles(16 * 128, 128));
-        assert!(wide_tiles(16 * 128 + 1, 128));
-        assert!(wide_tiles(512 * 8, 128));
-        assert!(wide_tiles(300 * 2, 8));
-        assert!(!wide_tiles(17 * 8, 32));
     }
 
     /// The tile follows the mean places per expert.
