@@ -1313,27 +1313,10 @@ fn check_attention(args: &Args, seed: u64, positions: usize) -> anyhow::Result<u
                 .into_iter()
                 .flat_map(|w| [(w, 40 + positions), (w, 301)])
             {
-                let r =
-                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed);
-                let label = format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}");
-                match r {
-                    Ok(r) => {
-                        failures += usize::from(!r.passed());
-                        println!(
-                            "{label}: steps {:?} at {} positions, max|Δ| {:.3e} (chunks {:.3e}) of {:.3e}  {}",
-                            r.steps,
-                            r.positions,
-                            r.max_abs_diff,
-                            r.chunk_abs_diff,
-                            r.max_abs_out,
-                            if r.passed() { "ok" } else { "FAIL" }
-                        );
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        println!("{label}: ERROR {e:#}");
-                    }
-                }
+                failures += print_attention_report(
+                    &format!("sinks    {h}/{hk}/{d:<6} kv {k}/{v} window {window:?}"),
+                    selfcheck::compare_attention_sinks(&backend, heads, kv, n, window, case_seed),
+                );
             }
             match selfcheck::compare_store_kv(&backend, heads, kv, 37, case_seed) {
                 Ok(r) => {
