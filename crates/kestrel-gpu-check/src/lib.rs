@@ -1846,13 +1846,7 @@ pub fn compare_graph_replay_batched(
     let inputs = BatchedInputs::new(a.config().vocab_size, seqs, steps, seed);
     let (la, replays) = inputs.decode(&mut a, &replays)?;
     let (lb, _) = inputs.decode(&mut b, &replays_unused())?;
-    Ok(GraphReport {
-        arch,
-        ty: ty.to_string(),
-        steps,
-        replays,
-        identical: la.len() == seqs * (steps + 1) && bit_identical_rows(&la, &lb),
-    })
+    Ok(inputs.report(arch, ty, replays, &la, &lb))
 }
 
 /// [`compare_graph_replay_batched`] tensor parallel over `ordinals`, on [`tp_model`]: the
@@ -1881,13 +1875,7 @@ pub fn compare_tp_graph_replay_batched(
     let (la, replays) = inputs.decode(&mut engine, &replays)?;
     set_graphs(&engine.backend, false);
     let (lb, _) = inputs.decode(&mut engine, &replays_unused())?;
-    Ok(GraphReport {
-        arch,
-        ty: ty.to_string(),
-        steps,
-        replays,
-        identical: la.len() == seqs * (steps + 1) && bit_identical_rows(&la, &lb),
-    })
+    Ok(inputs.report(arch, ty, replays, &la, &lb))
 }
 
 /// Engine options of the batched graph checks: room for `seqs` sequences.
@@ -1924,6 +1912,26 @@ impl BatchedInputs {
             lens,
             tokens,
             steps,
+        }
+    }
+
+    /// The report of `graphs` (logit rows decoded replaying graphs, `replays` of them)
+    /// against `eager` (the same decoded launch by launch): every row there and bit-identical.
+    fn report(
+        &self,
+        arch: Arch,
+        ty: &str,
+        replays: u64,
+        graphs: &[Vec<f32>],
+        eager: &[Vec<f32>],
+    ) -> GraphReport {
+        GraphReport {
+            arch,
+            ty: ty.to_string(),
+            steps: self.steps,
+            replays,
+            identical: graphs.len() == self.lens.len() * (self.steps + 1)
+                && bit_identical_rows(graphs, eager),
         }
     }
 
