@@ -279,8 +279,15 @@ impl TpPlan {
             rest.split_once('.').map_or(rest, |(_, t)| t)
         });
         match base {
-            "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "attn_q.bias" | "attn_k.bias"
-            | "attn_v.bias" | "ffn_gate.weight" | "ffn_up.weight" | "ffn_gate_exps.weight"
+            "attn_q.weight"
+            | "attn_k.weight"
+            | "attn_v.weight"
+            | "attn_q.bias"
+            | "attn_k.bias"
+            | "attn_v.bias"
+            | "ffn_gate.weight"
+            | "ffn_up.weight"
+            | "ffn_gate_exps.weight"
             | "ffn_up_exps.weight" => Role::ColumnParallel,
             "attn_output.weight" | "ffn_down.weight" | "ffn_down_exps.weight" => Role::RowParallel,
             "output.weight" => Role::Vocab,
@@ -804,7 +811,10 @@ mod tests {
         ] {
             let bs = ty.block_size();
             let ne = rng.random_range(2..6usize);
-            let (cols, rows) = (bs * rng.random_range(2..5usize), rng.random_range(3..11usize));
+            let (cols, rows) = (
+                bs * rng.random_range(2..5usize),
+                rng.random_range(3..11usize),
+            );
             let values: Vec<f32> = (0..cols * rows * ne)
                 .map(|_| rng.random_range(-2.0..2.0))
                 .collect();
