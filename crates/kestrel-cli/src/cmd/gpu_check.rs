@@ -33,8 +33,9 @@ pub struct Args {
     pub tg: usize,
     /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
-    /// dense architecture's logits against the CPU and one GPU, greedy generations, and
-    /// decode steps of 37 and 64 sequences replayed from graphs against eager ones.
+    /// dense architecture's and qwen3moe's logits against the CPU and one GPU, greedy
+    /// generations, and decode steps of 37 and 64 sequences replayed from graphs against
+    /// eager ones. With `--moe`: the all-reduces and qwen3moe's checks only.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
     /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
@@ -196,7 +197,9 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             );
         }
     }
-    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
+    // `--moe`: the mixtures of experts only.
+    let dense: &[kestrel_model::Arch] = if args.moe { &[] } else { &selfcheck::TP_ARCHS };
+    for (i, arch) in dense.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
             match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
@@ -288,7 +291,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     println!(
         "tp{ranks} graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graphs):"
     );
-    let archs = selfcheck::TP_ARCHS.iter().chain(&selfcheck::TP_MOE_ARCHS);
+    let archs = dense.iter().chain(&selfcheck::TP_MOE_ARCHS);
     for (i, arch) in archs.enumerate() {
         for (j, ty) in ["f32", "q4_k_m", "q8_0"].iter().enumerate() {
             for seqs in [37, 64] {
