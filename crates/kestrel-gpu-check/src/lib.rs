@@ -2849,6 +2849,49 @@ pub fn compare_logits_cache(
 
 #[cfg(test)]
 mod tests {
+    /// The TP checks' models split over 2 GPUs (so `gpu-check --tp 2` finds no refusal):
+    /// every dense architecture and qwen3moe in each type the checks use; qwen3moe's
+    /// experts 512 and 256 wide on the two ranks, and each rank's shard of every expert
+    /// tensor cut in whole blocks with the rank's width.
+    #[test]
+    fn tp_models_split_over_two_gpus() {
+        use kestrel_model::shard::{Split, TpPlan, shard_bytes};
+        for arch in TP_ARCHS.iter().chain(&TP_MOE_ARCHS) {
+            for ty in ["f32", "q8_0", "q4_k_m"] {
+                let file = tp_model(*arch, ty, 3).unwrap();
+                let cfg = kestrel_model::ModelConfig::from_gguf(&file).unwrap();
+                let plan = TpPlan::new(&cfg, 2).unwrap_or_else(|e| panic!("{arch:?} {ty}: {e:#}"));
+                let kestrel_model::FfnKind::Moe(m) = cfg.ffn else {
+                    continue;
+                };
+                assert_eq!(plan.ff, vec![0..512, 512..768], "{ty}");
+                assert_eq!((m.n_expert, m.n_expert_used, m.n_ff_exp), (32, 8, 768));
+                let mut experts = 0;
+                for t in file.tensors() {
+                    if !t.name.contains("_exps.") {
+                        continue;
+                    }
+                    experts += 1;
+                    for r in 0..2 {
+                        let split = plan.split(&t.name, r);
+                        assert_ne!(split, Split::Replicated, "{}", t.name);
+                        let (dims, bytes) = shard_bytes(t.ty, &t.dims, file.tensor_data(t), &split)
+                            .unwrap_or_else(|e| panic!("{} {ty} rank {r}: {e:#}", t.name));
+                        let w = plan.ff[r].len() as u64;
+                        let want = if t.name.contains("down") {
+                            [w, t.dims[1], t.dims[2]]
+                        } else {
+                            [t.dims[0], w, t.dims[2]]
+                        };
+                        assert_eq!(dims, want, "{}", t.name);
+                        assert_eq!(bytes.len() as u64 * 768, t.n_bytes() * w, "{}", t.name);
+                    }
+                }
+                assert_eq!(experts, 3 * cfg.n_layer, "{ty}");
+            }
+        }
+    }
+
     /// The CPU's 8-bit spread is measured (rounding changes the logits, by less than they
     /// are large) and is the larger on the models with wider weights.
     #[test]
