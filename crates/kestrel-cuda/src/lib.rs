@@ -551,7 +551,7 @@ impl kestrel_model::Backend for CudaBackend {
         n: usize,
         out: &mut CudaTensor,
     ) -> anyhow::Result<()> {
-        moe::moe_ffn(self, x, layer, moe, act, n, out)
+        moe::moe_ffn(self, x, moe::Experts::of(layer), moe, act, n, out)
     }
 
     fn add_sigmoid_gated(

@@ -175,6 +175,50 @@ impl MoeScratch {
     }
 }
 
+/// The weights of one mixture-of-experts block as the kernels read them: a layer's own
+/// ([`Experts::of`]) or one GPU's part of them ([`Experts::picked`]: a tensor-parallel
+/// rank's expert shards, each expert's rows `n_ff_exp` of that rank's width).
+#[derive(Clone, Copy)]
+pub(crate) struct Experts<'a> {
+    pub router: Option<&'a CudaWeight>,
+    pub router_bias: Option<&'a CudaWeight>,
+    pub gate: &'a CudaWeight,
+    pub up: &'a CudaWeight,
+    pub down: &'a CudaWeight,
+    pub gate_bias: Option<&'a CudaWeight>,
+    pub up_bias: Option<&'a CudaWeight>,
+    pub down_bias: Option<&'a CudaWeight>,
+}
+
+impl<'a> Experts<'a> {
+    pub(crate) fn of(layer: &'a LayerWeights<CudaWeight>) -> Self {
+        Self::picked(layer, |w| w)
+    }
+
+    /// [`Self::of`] for the weights of a backend over several GPUs: `pick` gives the one
+    /// GPU's part of each weight.
+    pub(crate) fn picked<W>(
+        layer: &'a LayerWeights<W>,
+        pick: impl Fn(&'a W) -> &'a CudaWeight,
+    ) -> Self {
+        Experts {
+            router: layer.ffn_gate_inp.as_ref().map(&pick),
+            router_bias: layer.ffn_gate_inp_bias.as_ref().map(&pick),
+            gate: pick(&layer.ffn_gate),
+            up: pick(&layer.ffn_up),
+            down: pick(&layer.ffn_down),
+            gate_bias: layer.ffn_gate_exps_bias.as_ref().map(&pick),
+            up_bias: layer.ffn_up_exps_bias.as_ref().map(&pick),
+            down_bias: layer.ffn_down_exps_bias.as_ref().map(&pick),
+        }
+    }
+
+    /// Whether the block has expert biases (gpt-oss).
+    pub(crate) fn has_biases(&self) -> bool {
+        self.gate_bias.is_some() || self.up_bias.is_some() || self.down_bias.is_some()
+    }
+}
+
 /// A stacked expert tensor (`[n_embd or n_ff_exp] × rows × n_expert`) as one matrix of
 /// `n_expert · rows` rows; gpt-oss's expert biases (`[rows × n_expert]`) as an f32 matrix
 /// of one row per expert.
@@ -183,36 +227,44 @@ pub(crate) fn load_experts(
     file: &Arc<GgufFile>,
     info: &TensorInfo,
 ) -> anyhow::Result<CudaWeight> {
-    let cols = info.dims.first().copied().unwrap_or(0) as usize;
-    let rows = tensor_rows(info);
-    let data = file.tensor_data(info);
-    if info.dims.len() == 2 {
+    load_experts_bytes(b, &info.name, info.ty, &info.dims, file.tensor_data(info))
+}
+
+/// [`load_experts`] from a tensor's bytes (a tensor-parallel rank's shard of it, whose
+/// dims are the shard's).
+pub(crate) fn load_experts_bytes(
+    b: &CudaBackend,
+    name: &str,
+    ty: GgmlType,
+    dims: &[u64],
+    data: &[u8],
+) -> anyhow::Result<CudaWeight> {
+    let cols = dims.first().copied().unwrap_or(0) as usize;
+    let rows = dims.iter().skip(1).product::<u64>() as usize;
+    if dims.len() == 2 {
         // Biases: dequantized to f32 (rows × cols values).
         let mut v = vec![0f32; rows * cols];
         for (src, dst) in data
             .chunks_exact(data.len() / rows.max(1))
             .zip(v.chunks_exact_mut(cols.max(1)))
         {
-            kestrel_quant::dequantize_row(info.ty, src, dst)
-                .with_context(|| format!("tensor {}", info.name))?;
+            kestrel_quant::dequantize_row(ty, src, dst)
+                .with_context(|| format!("tensor {name}"))?;
         }
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         return b
             .upload_matrix(GgmlType::F32, rows, cols, &bytes)
-            .with_context(|| format!("tensor {}", info.name));
+            .with_context(|| format!("tensor {name}"));
     }
-    if info.dims.len() != 3 {
+    if dims.len() != 3 {
         bail!(
-            "{}: expert tensors are 3-D, this one has {} dimensions",
-            info.name,
-            info.dims.len()
+            "{name}: expert tensors are 3-D, this one has {} dimensions",
+            dims.len()
         );
     }
-    if !EXPERT_TYPES.contains(&info.ty) {
+    if !EXPERT_TYPES.contains(&ty) {
         bail!(
-            "{}: experts of type {} are not supported by the CUDA backend yet (supported: {})",
-            info.name,
-            info.ty,
+            "{name}: experts of type {ty} are not supported by the CUDA backend yet (supported: {})",
             EXPERT_TYPES
                 .iter()
                 .map(|t| t.to_string())
@@ -220,8 +272,8 @@ pub(crate) fn load_experts(
                 .join(", ")
         );
     }
-    b.upload_matrix(info.ty, rows, cols, data)
-        .with_context(|| format!("tensor {}", info.name))
+    b.upload_matrix(ty, rows, cols, data)
+        .with_context(|| format!("tensor {name}"))
 }
 
 /// (pointer, format id, row bytes) of a stacked expert matrix of `rows` × `cols`.
@@ -256,7 +308,7 @@ fn expert_matrix(
 
 /// The device address of an expert bias (`n_expert` rows of `cols` f32), or 0 without one.
 fn expert_bias(
-    w: &Option<CudaWeight>,
+    w: Option<&CudaWeight>,
     n_expert: usize,
     cols: usize,
     what: &str,
@@ -295,18 +347,20 @@ impl CudaBackend {
     }
 }
 
+/// The block of `n` tokens at `x` into `out`, with the experts `e` of `moe.n_ff_exp` rows
+/// each (a tensor-parallel rank's width: its `out` is then a partial sum).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_ffn(
     b: &CudaBackend,
     x: &CudaTensor,
-    layer: &LayerWeights<CudaWeight>,
+    e: Experts<'_>,
     moe: &MoeConfig,
     act: Activation,
     n: usize,
     out: &mut CudaTensor,
 ) -> anyhow::Result<()> {
-    let router = layer
-        .ffn_gate_inp
-        .as_ref()
+    let router = e
+        .router
         .context("a mixture-of-experts layer without its router (ffn_gate_inp)")?;
     let (ne, k, ff, d) = (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, x.cols);
     if ne == 0 || ne > MOE_MAX_EXPERT {
@@ -327,13 +381,13 @@ pub(crate) fn moe_ffn(
         );
     }
     let (wr, tyr, rbr) = expert_matrix(router, ne, d, "the router (ffn_gate_inp)")?;
-    let (wg, tyg, rbg) = expert_matrix(&layer.ffn_gate, ne * ff, d, "ffn_gate_exps")?;
-    let (wu, tyu, rbu) = expert_matrix(&layer.ffn_up, ne * ff, d, "ffn_up_exps")?;
-    let (wd, tyd, rbd) = expert_matrix(&layer.ffn_down, ne * d, ff, "ffn_down_exps")?;
-    let bg = expert_bias(&layer.ffn_gate_exps_bias, ne, ff, "ffn_gate_exps.bias")?;
-    let bu = expert_bias(&layer.ffn_up_exps_bias, ne, ff, "ffn_up_exps.bias")?;
-    let bd = expert_bias(&layer.ffn_down_exps_bias, ne, d, "ffn_down_exps.bias")?;
-    let router_bias = match &layer.ffn_gate_inp_bias {
+    let (wg, tyg, rbg) = expert_matrix(e.gate, ne * ff, d, "ffn_gate_exps")?;
+    let (wu, tyu, rbu) = expert_matrix(e.up, ne * ff, d, "ffn_up_exps")?;
+    let (wd, tyd, rbd) = expert_matrix(e.down, ne * d, ff, "ffn_down_exps")?;
+    let bg = expert_bias(e.gate_bias, ne, ff, "ffn_gate_exps.bias")?;
+    let bu = expert_bias(e.up_bias, ne, ff, "ffn_up_exps.bias")?;
+    let bd = expert_bias(e.down_bias, ne, d, "ffn_down_exps.bias")?;
+    let router_bias = match e.router_bias {
         None => 0,
         Some(CudaWeight::Vector { ptr, len, .. }) if *len == ne => *ptr,
         Some(_) => bail!("the router bias (ffn_gate_inp.bias) is not {ne} values"),
@@ -393,7 +447,7 @@ pub(crate) fn moe_ffn(
         (ne * rbr as usize) as u64,
     );
     launch_route(b, moe, n, k, ne, [logits, router_bias, ids, wts]);
-    if b.moe_on_tensor_cores(layer, moe, n) {
+    if crate::moe_mma::on_tensor_cores(b, &e, moe, n) {
         let epi = crate::moe_mma::Epilogue {
             bg,
             bu,
@@ -401,7 +455,7 @@ pub(crate) fn moe_ffn(
             alpha,
             limit,
         };
-        return crate::moe_mma::moe_ffn_mma(b, x, layer, moe, act, n, ids, wts, epi, out);
+        return crate::moe_mma::moe_ffn_mma(b, x, &e, moe, act, n, ids, wts, epi, out);
     }
     let gate_up = [
         Arg::I(d as i32),

@@ -26,6 +26,7 @@
 //! activations are quantized on their own, its mma column is its own, a row's sums run in
 //! an order fixed by the row).
 
+use crate::moe::Experts;
 use crate::*;
 use kestrel_model::MoeConfig;
 
@@ -92,7 +93,7 @@ pub(crate) enum Family {
 /// `moe_mqs_*` kernels (tiles of MQS_TILE places): MXFP4 or IQ4_NL experts (gpt-oss's as
 /// published) and more than 16 places an expert on average (prompt-sized steps; smaller
 /// ones keep `moe_mq_*`'s tiles of 16 or 32).
-pub(crate) fn staged(layer: &LayerWeights<CudaWeight>, pairs: usize, n_expert: usize) -> bool {
+pub(crate) fn staged(e: &Experts<'_>, pairs: usize, n_expert: usize) -> bool {
     let code4 = |w: &CudaWeight| {
         matches!(
             w,
@@ -102,31 +103,25 @@ pub(crate) fn staged(layer: &LayerWeights<CudaWeight>, pairs: usize, n_expert: u
             }
         )
     };
-    pairs > 16 * n_expert
-        && code4(&layer.ffn_gate)
-        && code4(&layer.ffn_up)
-        && code4(&layer.ffn_down)
+    pairs > 16 * n_expert && code4(e.gate) && code4(e.up) && code4(e.down)
 }
 
 /// Which family a block takes, if any: gate and up of one type, and Q4_K / Q6_K experts
 /// without expert biases and with the plain gated activation, rows multiples of 256; or
 /// Q8_0 / Q4_0 / IQ4_NL / MXFP4 experts (biases and the clamped SwiGLU allowed), rows
 /// multiples of 32.
-pub(crate) fn family(layer: &LayerWeights<CudaWeight>, moe: &MoeConfig) -> Option<Family> {
+pub(crate) fn family(e: &Experts<'_>, moe: &MoeConfig) -> Option<Family> {
     let ty = |w: &CudaWeight| match w {
         CudaWeight::Matrix { ty, cols, .. } => Some((*ty, *cols)),
         CudaWeight::Vector { .. } => None,
     };
     let k_quant = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q4K | GgmlType::Q6K, cols)) if cols % 256 == 0);
     let blocks32 = |t: Option<(GgmlType, usize)>| matches!(t, Some((GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4NL | GgmlType::MXFP4, cols)) if cols % 32 == 0);
-    let (g, u, dn) = (ty(&layer.ffn_gate), ty(&layer.ffn_up), ty(&layer.ffn_down));
+    let (g, u, dn) = (ty(e.gate), ty(e.up), ty(e.down));
     if g.map(|t| t.0) != u.map(|t| t.0) {
         return None;
     }
-    let plain = layer.ffn_gate_exps_bias.is_none()
-        && layer.ffn_up_exps_bias.is_none()
-        && layer.ffn_down_exps_bias.is_none()
-        && moe.clamped_swiglu.is_none();
+    let plain = !e.has_biases() && moe.clamped_swiglu.is_none();
     if k_quant(g) && k_quant(u) && k_quant(dn) && plain {
         Some(Family::KQuant)
     } else if blocks32(g) && blocks32(u) && blocks32(dn) {
@@ -146,8 +141,13 @@ impl CudaBackend {
         moe: &MoeConfig,
         n: usize,
     ) -> bool {
-        n > crate::moe::MOE_DEC_MAX_TOKENS && self.q8_decode() && family(layer, moe).is_some()
+        on_tensor_cores(self, &Experts::of(layer), moe, n)
     }
+}
+
+/// [`CudaBackend::moe_on_tensor_cores`] for the experts `e`.
+pub(crate) fn on_tensor_cores(b: &CudaBackend, e: &Experts<'_>, moe: &MoeConfig, n: usize) -> bool {
+    n > crate::moe::MOE_DEC_MAX_TOKENS && b.q8_decode() && family(e, moe).is_some()
 }
 
 /// Buffers of the path, shared by every layer, grown to the largest step seen.
@@ -219,7 +219,7 @@ pub(crate) struct Epilogue {
 pub(crate) fn moe_ffn_mma(
     b: &CudaBackend,
     x: &CudaTensor,
-    layer: &LayerWeights<CudaWeight>,
+    e: &Experts<'_>,
     moe: &MoeConfig,
     act: Activation,
     n: usize,
@@ -230,16 +230,16 @@ pub(crate) fn moe_ffn_mma(
 ) -> anyhow::Result<()> {
     let (ne, k, ff, d) = (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, x.cols);
     let pairs = n * k;
-    let fam = family(layer, moe).context("experts the tensor-core path does not take")?;
+    let fam = family(e, moe).context("experts the tensor-core path does not take")?;
     let matrix = |w: &CudaWeight| match w {
         CudaWeight::Matrix {
             ptr, ty, row_bytes, ..
         } => Ok((*ptr, ty.id() as i32, *row_bytes as i64)),
         CudaWeight::Vector { .. } => bail!("a vector where stacked experts were expected"),
     };
-    let (wg, tyg, rbg) = matrix(&layer.ffn_gate)?;
-    let (wu, _, rbu) = matrix(&layer.ffn_up)?;
-    let (wd, tyd, rbd) = matrix(&layer.ffn_down)?;
+    let (wg, tyg, rbg) = matrix(e.gate)?;
+    let (wu, _, rbu) = matrix(e.up)?;
+    let (wd, tyd, rbd) = matrix(e.down)?;
 
     let mut guard = b.moe_mma_scratch.lock().unwrap_or_else(|p| p.into_inner());
     let fits = guard.as_ref().is_some_and(|s| {
@@ -264,7 +264,7 @@ pub(crate) fn moe_ffn_mma(
     ];
     let ys = b.ptr(&s.ys);
 
-    let mqs = fam == Family::Blocks32 && staged(layer, pairs, ne);
+    let mqs = fam == Family::Blocks32 && staged(e, pairs, ne);
     let tile = if mqs { MQS_TILE } else { tile_for(pairs, ne) };
     let (cap, tiles) = worst_case(pairs, ne, tile);
     b.launch(

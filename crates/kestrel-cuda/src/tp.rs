@@ -13,6 +13,11 @@
 //! a rank's share (q, k, v, gate, up, the attention output) reshapes that rank's tensor to
 //! the share's width first, so every kernel sees the shapes it would for a model of that
 //! rank's heads and feed-forward width.
+//!
+//! A mixture-of-experts block (qwen3moe) runs the single-GPU expert kernels on each rank
+//! with its shard of every expert (gate/up rows, down columns: the plan's range of the
+//! expert width) and the whole router, so every rank routes every token alike; each rank's
+//! block output is a partial sum, all-reduced like a down projection's.
 
 use std::cell::UnsafeCell;
 use std::panic::AssertUnwindSafe;
@@ -23,7 +28,8 @@ use anyhow::{Context, bail};
 use kestrel_gguf::{GgufFile, TensorInfo};
 use kestrel_model::shard::{Role, Split, TpPlan, shard_bytes};
 use kestrel_model::{
-    Activation, AttnParams, Backend, Batch, LayerWeights, ModelConfig, RopeParams, SamplingBatch,
+    Activation, AttnParams, Backend, Batch, LayerWeights, ModelConfig, MoeConfig, RopeParams,
+    SamplingBatch,
 };
 
 use crate::launch::{Arg, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
@@ -742,7 +748,11 @@ fn rank_weight_bytes(plan: &TpPlan, file: &GgufFile, r: usize) -> u64 {
         .map(|t| {
             let n = t.n_bytes();
             let cols = t.dims.first().copied().unwrap_or(1).max(1);
-            let rows = t.dims.iter().skip(1).product::<u64>().max(1);
+            // Rows split: a vector's elements, a matrix's rows, each stacked expert's.
+            let rows = match t.dims.len() {
+                0 | 1 => cols,
+                _ => t.dims[1].max(1),
+            };
             let share = match plan.split(&t.name, r) {
                 Split::Replicated => n,
                 Split::Rows(x) => n * x.len() as u64 / rows,
@@ -842,7 +852,8 @@ impl Backend for TpBackend {
         self.ranks[0].check_model(cfg)?;
         let plan = TpPlan::new(cfg, self.ranks.len())?;
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(plan));
-        // Two all-reduces a layer.
+        // Two all-reduces a layer (after the attention output, after the down
+        // projection or the mixture-of-experts block).
         self.part_every.store(
             (2 * cfg.n_layer).div_ceil(STEP_PARTS).max(1),
             Ordering::Relaxed,
@@ -904,6 +915,68 @@ impl Backend for TpBackend {
             role: plan.role(name),
             head,
         })
+    }
+
+    /// Stacked experts: each rank's rows (gate, up) or columns (down) of every expert; the
+    /// router (a 2-D weight) comes through `load_weight`, replicated.
+    fn load_experts(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<TpWeight> {
+        let plan = self.plan()?;
+        for (r, b) in self.ranks.iter().enumerate() {
+            b.expect_weights(file, || rank_weight_bytes(&plan, file, r));
+        }
+        let name = info.name.as_str();
+        let data = file.tensor_data(info);
+        let ranks = self.each_ok(|r, b| match plan.split(name, r) {
+            Split::Replicated => crate::moe::load_experts_bytes(b, name, info.ty, &info.dims, data),
+            s => {
+                let (dims, bytes) = shard_bytes(info.ty, &info.dims, data, &s)
+                    .with_context(|| format!("{name} on rank {r}"))?;
+                crate::moe::load_experts_bytes(b, name, info.ty, &dims, &bytes)
+            }
+        })?;
+        Ok(TpWeight {
+            ranks,
+            role: plan.role(name),
+            head: Vec::new(),
+        })
+    }
+
+    /// Each rank's block over its share of every expert (the whole router: the same routes
+    /// on every rank), then the partial sums all-reduced into `out` on every rank. The
+    /// blocks are recorded on every rank before any all-reduce, so a block refused on one
+    /// rank leaves no collective waiting for it on the others.
+    fn moe_ffn(
+        &self,
+        x: &TpTensor,
+        layer: &LayerWeights<TpWeight>,
+        moe: &MoeConfig,
+        act: Activation,
+        n: usize,
+        out: &mut TpTensor,
+    ) -> anyhow::Result<()> {
+        let plan = self.plan()?;
+        let o = PerRank::new(&mut out.0);
+        self.each_ok(|r, b| {
+            // SAFETY: rank r's own tensor.
+            let out = unsafe { o.get(r) };
+            out.reshape(out.rows, x.0[r].cols)?;
+            let m = MoeConfig {
+                n_ff_exp: plan.ff[r].len(),
+                ..*moe
+            };
+            let e = crate::moe::Experts::picked(layer, |w: &TpWeight| &w.ranks[r]);
+            crate::moe::moe_ffn(b, &x.0[r], e, &m, act, n, out)
+        })?;
+        let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
+        let issue_part = done.is_multiple_of(self.part_every.load(Ordering::Relaxed));
+        self.each(|r, b| {
+            // SAFETY: rank r's own tensor.
+            b.all_reduce_rows(unsafe { o.get(r) }, n);
+            if issue_part {
+                b.issue_part();
+            }
+        });
+        Ok(())
     }
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<TpTensor> {

@@ -22,8 +22,11 @@ pub const ARCHS: [Arch; 6] = [
     Arch::Mistral3,
 ];
 
-/// The architectures tensor parallelism takes (`TpPlan::new`): the TP checks' list.
+/// The dense architectures tensor parallelism takes (`TpPlan::new`): the TP checks' list.
 pub const TP_ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+/// The mixture-of-experts architectures tensor parallelism runs (checked with MoE's
+/// route-flip allowance: [`compare_tp_logits_moe`]).
+pub const TP_MOE_ARCHS: [Arch; 1] = [Arch::Qwen3Moe];
 
 /// The architectures of the attention-kernel logit checks (attention shapes, quantized
 /// caches), whose fixed bounds were measured on their tiny models (weights at 0.02).
@@ -2854,6 +2857,49 @@ pub fn compare_logits_cache(
 
 #[cfg(test)]
 mod tests {
+    /// The TP checks' models split over 2 GPUs (so `gpu-check --tp 2` finds no refusal):
+    /// every dense architecture and qwen3moe in each type the checks use; qwen3moe's
+    /// experts 512 and 256 wide on the two ranks, and each rank's shard of every expert
+    /// tensor cut in whole blocks with the rank's width.
+    #[test]
+    fn tp_models_split_over_two_gpus() {
+        use kestrel_model::shard::{Split, TpPlan, shard_bytes};
+        for arch in TP_ARCHS.iter().chain(&TP_MOE_ARCHS) {
+            for ty in ["f32", "q8_0", "q4_k_m"] {
+                let file = tp_model(*arch, ty, 3).unwrap();
+                let cfg = kestrel_model::ModelConfig::from_gguf(&file).unwrap();
+                let plan = TpPlan::new(&cfg, 2).unwrap_or_else(|e| panic!("{arch:?} {ty}: {e:#}"));
+                let kestrel_model::FfnKind::Moe(m) = cfg.ffn else {
+                    continue;
+                };
+                assert_eq!(plan.ff, vec![0..512, 512..768], "{ty}");
+                assert_eq!((m.n_expert, m.n_expert_used, m.n_ff_exp), (32, 8, 768));
+                let mut experts = 0;
+                for t in file.tensors() {
+                    if !t.name.contains("_exps.") {
+                        continue;
+                    }
+                    experts += 1;
+                    for r in 0..2 {
+                        let split = plan.split(&t.name, r);
+                        assert_ne!(split, Split::Replicated, "{}", t.name);
+                        let (dims, bytes) = shard_bytes(t.ty, &t.dims, file.tensor_data(t), &split)
+                            .unwrap_or_else(|e| panic!("{} {ty} rank {r}: {e:#}", t.name));
+                        let w = plan.ff[r].len() as u64;
+                        let want = if t.name.contains("down") {
+                            [w, t.dims[1], t.dims[2]]
+                        } else {
+                            [t.dims[0], w, t.dims[2]]
+                        };
+                        assert_eq!(dims, want, "{}", t.name);
+                        assert_eq!(bytes.len() as u64 * 768, t.n_bytes() * w, "{}", t.name);
+                    }
+                }
+                assert_eq!(experts, 3 * cfg.n_layer, "{ty}");
+            }
+        }
+    }
+
     /// The CPU's 8-bit spread is measured (rounding changes the logits, by less than they
     /// are large) and is the larger on the models with wider weights.
     #[test]
@@ -3047,7 +3093,9 @@ fn against_cpu_and_one_gpu<B: kestrel_model::Backend>(
 
 /// The tiny model reshaped so that it splits over 2 GPUs with whole quantization blocks
 /// (8 query heads and 2 KV heads of 64 values, feed-forward 1,024): each rank's share of
-/// the attention output's and down projection's rows is 256 values.
+/// the attention output's and down projection's rows is 256 values. A mixture of experts
+/// gets Qwen3-30B-A3B's expert width 768 (ranks of 512 and 256, as the 30B splits) and 32
+/// experts of which each token uses 8.
 pub fn tp_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
     let mut cfg = SynthConfig::tiny(arch);
     cfg.n_embd = 512;
@@ -3055,6 +3103,11 @@ pub fn tp_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>
     cfg.n_head_kv = 2;
     cfg.head_dim = 64;
     cfg.n_ff = 1024;
+    if cfg.n_expert > 0 {
+        cfg.n_expert = 32;
+        cfg.n_expert_used = 8;
+        cfg.n_ff_exp = 768;
+    }
     model_of(cfg, ty, seed)
 }
 
@@ -3112,9 +3165,114 @@ pub fn compare_tp_logits(
     Ok(TpReport { vs_cpu, vs_one_gpu })
 }
 
+/// Tensor parallelism on a mixture of experts ([`tp_model`] of a [`TP_MOE_ARCHS`]
+/// architecture), against the CPU and one GPU as [`compare_tp_logits`], with the MoE
+/// checks' allowance for route flips ([`compare_logits_moe`]): a token whose router logits
+/// are near a tie takes another expert when its input differs in the last bits (one GPU
+/// sums the block's rows in one order, the ranks' partial sums in another), which moves
+/// its logits by O(1). Passes when no logit is non-finite, top-1 agreement (near-ties
+/// counted) is at least [`MIN_TOP1_AGREEMENT`], and at least [`MOE_MIN_WITHIN`] of the
+/// positions are within the bound, each against both references.
+#[derive(Debug, Clone)]
+pub struct TpMoeReport {
+    pub vs_cpu: LogitReport,
+    /// Share of positions whose max |Δ logit| against the CPU is within its bound.
+    pub vs_cpu_within: f64,
+    pub vs_one_gpu: LogitReport,
+    /// The same against one GPU.
+    pub vs_one_gpu_within: f64,
+}
+
+impl TpMoeReport {
+    pub fn passed(&self) -> bool {
+        [
+            (&self.vs_cpu, self.vs_cpu_within),
+            (&self.vs_one_gpu, self.vs_one_gpu_within),
+        ]
+        .iter()
+        .all(|(r, within)| {
+            r.non_finite == 0
+                && r.top1_agreement_ties >= MIN_TOP1_AGREEMENT
+                && *within >= MOE_MIN_WITHIN
+        })
+    }
+}
+
+/// Share of the rows of `b` whose every logit is within `bound` of `a`'s.
+fn share_within(a: &[Vec<f32>], b: &[Vec<f32>], bound: f32) -> f64 {
+    let ok = a
+        .iter()
+        .zip(b)
+        .filter(|(ra, rb)| {
+            ra.iter()
+                .zip(rb.iter())
+                .all(|(x, y)| (x - y).abs() <= bound)
+        })
+        .count();
+    ok as f64 / a.len().max(1) as f64
+}
+
+/// Teacher-forced logits of `n` random tokens of [`tp_model`] (a mixture of experts):
+/// tensor parallel over `ordinals` against the CPU oracle and against one GPU
+/// (`ordinals[0]`), in the parts of [`PARTS`], every engine on its default activations
+/// (8-bit decode on). Where the experts take the tensor cores (K-quants, steps past 8
+/// tokens), the bound against the f32 CPU includes the model's own spread under 8-bit
+/// rounding, as [`compare_logits_moe`]'s does.
+pub fn compare_tp_logits_moe(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<TpMoeReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut engine = tp_engine(&file, ordinals)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7e9b);
+    let vocab = engine.config().vocab_size as u32;
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
+    let (one, mma) = {
+        let mut gpu = cuda_engine(&file, ordinals[0])?;
+        let kestrel_model::FfnKind::Moe(m) = gpu.model.config.ffn else {
+            anyhow::bail!("{arch:?} has no mixture-of-experts blocks");
+        };
+        let mma = gpu
+            .model
+            .weights
+            .layers
+            .iter()
+            .any(|l| gpu.backend.moe_on_tensor_cores(l, &m, PARTS[0]));
+        (all_logits_in_parts(&mut gpu, &tokens, &PARTS)?, mma)
+    };
+    let many = all_logits_in_parts(&mut engine, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        cpu.len() == n && one.len() == n && many.len() == n,
+        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
+        cpu.len(),
+        one.len(),
+        many.len()
+    );
+    let mut vs_cpu = logit_report(arch, ty, &cpu, &many);
+    vs_cpu.q8 = true;
+    if mma {
+        vs_cpu.q8_spread = cpu_q8_spread(&file, &tokens, &cpu)?;
+    }
+    let mut vs_one_gpu = logit_report(arch, ty, &one, &many);
+    vs_one_gpu.q8 = true;
+    vs_one_gpu.q8_reference = true;
+    vs_one_gpu.q8_spread = vs_cpu.q8_spread;
+    Ok(TpMoeReport {
+        vs_cpu_within: share_within(&cpu, &many, vs_cpu.max_abs_bound()),
+        vs_one_gpu_within: share_within(&one, &many, vs_one_gpu.max_abs_bound()),
+        vs_cpu,
+        vs_one_gpu,
+    })
+}
+
 /// Greedy generation of `n` tokens after a random prompt, tensor parallel (through
 /// `Engine::generate`: the argmax on rank 0's device) against the CPU oracle (its logits
-/// tell a near-tie from a bug).
+/// tell a near-tie from a bug). A mixture of experts runs on f32 activations, as
+/// [`compare_greedy_moe`] does on one GPU (a route flip shows as a near-tie).
 pub fn compare_tp_greedy(
     arch: Arch,
     ty: &str,
@@ -3124,6 +3282,11 @@ pub fn compare_tp_greedy(
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
     let mut tp = tp_engine(&file, ordinals)?;
+    if matches!(tp.config().ffn, kestrel_model::FfnKind::Moe(_)) {
+        for r in 0..tp.backend.ranks() {
+            tp.backend.rank(r).set_q8_decode(false);
+        }
+    }
     greedy_against_cpu(arch, ty, &file, &mut tp, n, seed ^ 0x9e38)
 }
 

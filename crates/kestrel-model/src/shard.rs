@@ -13,6 +13,12 @@
 //! - the LM head by vocabulary rows (`ceil(vocab / N)` a rank, the last one shorter), its
 //!   logits gathered afterwards;
 //! - everything else (embeddings, norms, Q/K norms, RoPE factors) replicated.
+//!
+//! A mixture-of-experts block (qwen3moe) takes the same rule expert by expert: the router
+//! (`ffn_gate_inp`) is replicated, so every rank routes every token alike; each expert's
+//! gate and up rows and down columns are split over the same ranges of the expert width
+//! (whole 256-value granules), so each rank's block output is a partial sum that one
+//! all-reduce adds up, as after a dense down projection.
 
 use std::ops::Range;
 
@@ -20,9 +26,10 @@ use kestrel_gguf::GgmlType;
 
 use crate::config::{Arch, FfnKind, ModelConfig};
 
-/// Feed-forward widths are split in multiples of this many values: every block format's
-/// block (32 or 256 values) divides it, so a rank's share of a down-projection row is
-/// whole blocks.
+/// Feed-forward widths (and an expert's) are split in multiples of this many values: every
+/// block format's block (32 or 256 values) divides it, so a rank's share of a
+/// down-projection row is whole blocks, and each rank's expert width stays one the
+/// tensor-core expert kernels take (rows of whole 256s for K-quant experts).
 pub const FF_GRANULE: usize = 256;
 
 /// Which part of a weight one rank holds. Ranges are in values along a GGUF dimension:
@@ -58,7 +65,8 @@ pub struct TpPlan {
     pub kv_heads: usize,
     /// Query heads per rank.
     pub q_heads: usize,
-    /// Each rank's range of the feed-forward width.
+    /// Each rank's range of the feed-forward width (of every expert's, for a mixture of
+    /// experts).
     pub ff: Vec<Range<usize>>,
     /// Each rank's range of the vocabulary (all `vocab_chunk` long but the last).
     pub vocab: Vec<Range<usize>>,
@@ -189,14 +197,30 @@ impl TpPlan {
             anyhow::bail!("tensor parallelism needs at least one device");
         }
         match cfg.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => {}
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => {}
+            Arch::GptOss => anyhow::bail!(
+                "tensor parallelism does not support gpt-oss yet (its attention sinks, attention output bias and expert biases are not split among devices); supported: llama, qwen2, qwen3, gemma3 and qwen3moe"
+            ),
             other => anyhow::bail!(
-                "tensor parallelism supports the dense architectures llama, qwen2, qwen3 and gemma3; this model is {other:?}"
+                "tensor parallelism supports the architectures llama, qwen2, qwen3, gemma3 and qwen3moe; this model is {other:?}"
             ),
         }
-        if !matches!(cfg.ffn, FfnKind::Dense) || cfg.attn_sinks || cfg.attn_out_bias {
-            anyhow::bail!("tensor parallelism supports dense feed-forward blocks only");
+        if cfg.attn_sinks || cfg.attn_out_bias || cfg.has_recurrent_layers() {
+            anyhow::bail!(
+                "tensor parallelism does not split attention sinks, an attention output bias or linear-attention layers"
+            );
         }
+        let (width, what) = match cfg.ffn {
+            FfnKind::Dense => (cfg.n_ff, "feed-forward width"),
+            FfnKind::Moe(m) => {
+                if m.shared_expert.is_some() || m.clamped_swiglu.is_some() {
+                    anyhow::bail!(
+                        "tensor parallelism splits mixture-of-experts blocks without shared experts or clamped SwiGLU only (qwen3moe's)"
+                    );
+                }
+                (m.n_ff_exp, "experts' feed-forward width")
+            }
+        };
         if cfg.n_head_kv == 0 || !cfg.n_head_kv.is_multiple_of(ranks) {
             anyhow::bail!(
                 "the model's {} KV heads do not divide among {ranks} devices (tensor parallelism gives each device whole KV heads)",
@@ -210,10 +234,9 @@ impl TpPlan {
                 cfg.n_head_kv
             );
         }
-        let ff = granule_ranges(cfg.n_ff, ranks, FF_GRANULE).ok_or_else(|| {
+        let ff = granule_ranges(width, ranks, FF_GRANULE).ok_or_else(|| {
             anyhow::anyhow!(
-                "the feed-forward width {} does not split into {ranks} parts of whole {FF_GRANULE}-value blocks",
-                cfg.n_ff
+                "the {what} {width} does not split into {ranks} parts of whole {FF_GRANULE}-value blocks"
             )
         })?;
         let vocab_chunk = cfg.vocab_size.div_ceil(ranks);
@@ -256,9 +279,17 @@ impl TpPlan {
             rest.split_once('.').map_or(rest, |(_, t)| t)
         });
         match base {
-            "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "attn_q.bias" | "attn_k.bias"
-            | "attn_v.bias" | "ffn_gate.weight" | "ffn_up.weight" => Role::ColumnParallel,
-            "attn_output.weight" | "ffn_down.weight" => Role::RowParallel,
+            "attn_q.weight"
+            | "attn_k.weight"
+            | "attn_v.weight"
+            | "attn_q.bias"
+            | "attn_k.bias"
+            | "attn_v.bias"
+            | "ffn_gate.weight"
+            | "ffn_up.weight"
+            | "ffn_gate_exps.weight"
+            | "ffn_up_exps.weight" => Role::ColumnParallel,
+            "attn_output.weight" | "ffn_down.weight" | "ffn_down_exps.weight" => Role::RowParallel,
             "output.weight" => Role::Vocab,
             _ => Role::Replicated,
         }
@@ -275,9 +306,12 @@ impl TpPlan {
             "attn_k.weight" | "attn_v.weight" | "attn_k.bias" | "attn_v.bias" => {
                 Split::Rows(self.kv_range(r))
             }
-            "ffn_gate.weight" | "ffn_up.weight" => Split::Rows(self.ff[r].clone()),
+            // A stacked expert tensor's rows are each expert's (see `shard_bytes`).
+            "ffn_gate.weight" | "ffn_up.weight" | "ffn_gate_exps.weight" | "ffn_up_exps.weight" => {
+                Split::Rows(self.ff[r].clone())
+            }
             "attn_output.weight" => Split::Cols(self.q_range(r)),
-            "ffn_down.weight" => Split::Cols(self.ff[r].clone()),
+            "ffn_down.weight" | "ffn_down_exps.weight" => Split::Cols(self.ff[r].clone()),
             "output.weight" => self.lm_head_split(r),
             _ => Split::Replicated,
         }
@@ -288,20 +322,26 @@ impl TpPlan {
         Split::Rows(self.vocab[r].clone())
     }
 
-    /// The configuration rank `r` runs: its own heads and feed-forward width (the
-    /// vocabulary stays whole: the gathered logits are).
+    /// The configuration rank `r` runs: its own heads and feed-forward width (each
+    /// expert's, for a mixture of experts; the vocabulary stays whole: the gathered logits
+    /// are).
     pub fn rank_config(&self, cfg: &ModelConfig, r: usize) -> ModelConfig {
         let mut c = cfg.clone();
         c.n_head = self.q_heads;
         c.n_head_kv = self.kv_heads;
-        c.n_ff = self.ff[r].len();
+        match &mut c.ffn {
+            FfnKind::Dense => c.n_ff = self.ff[r].len(),
+            FfnKind::Moe(m) => m.n_ff_exp = self.ff[r].len(),
+        }
         c
     }
 }
 
 /// The bytes of `split` of a tensor of type `ty` with GGUF dims `dims` (row length first)
 /// whose data is `data`, and the shard's dims. Rows are contiguous byte ranges; a column
-/// range takes each row's blocks in it, so its ends must fall on block boundaries.
+/// range takes each row's blocks in it, so its ends must fall on block boundaries. A 3-D
+/// tensor is stacked matrices (`[cols, rows, n_expert]`): `Rows` takes those rows of each
+/// matrix, `Cols` those columns of every row.
 pub fn shard_bytes(
     ty: GgmlType,
     dims: &[u64],
@@ -329,16 +369,21 @@ pub fn shard_bytes(
             Ok((vec![r.len() as u64], data[a..b].to_vec()))
         }
         Split::Rows(r) => {
-            if dims.len() != 2 || r.end > rows || r.is_empty() {
+            // Rows of each stacked matrix (one matrix for a 2-D tensor).
+            let per = *dims.get(1).unwrap_or(&1) as usize;
+            if dims.len() > 3 || r.end > per || r.is_empty() {
                 anyhow::bail!("rows {r:?} of a tensor of {dims:?}");
             }
-            Ok((
-                vec![cols as u64, r.len() as u64],
-                data[r.start * row_bytes..r.end * row_bytes].to_vec(),
-            ))
+            let mut out = Vec::with_capacity(r.len() * row_bytes * (rows / per.max(1)));
+            for m in data.chunks_exact(per * row_bytes) {
+                out.extend_from_slice(&m[r.start * row_bytes..r.end * row_bytes]);
+            }
+            let mut d = dims.to_vec();
+            d[1] = r.len() as u64;
+            Ok((d, out))
         }
         Split::Cols(c) => {
-            if dims.len() != 2 || c.end > cols || c.is_empty() {
+            if dims.is_empty() || dims.len() > 3 || c.end > cols || c.is_empty() {
                 anyhow::bail!("columns {c:?} of a tensor of {dims:?}");
             }
             if !c.start.is_multiple_of(bs) || !c.end.is_multiple_of(bs) {
@@ -351,7 +396,9 @@ pub fn shard_bytes(
             for row in data.chunks_exact(row_bytes) {
                 out.extend_from_slice(&row[a..b]);
             }
-            Ok((vec![c.len() as u64, rows as u64], out))
+            let mut d = dims.to_vec();
+            d[0] = c.len() as u64;
+            Ok((d, out))
         }
     }
 }
@@ -474,9 +521,14 @@ mod tests {
         let e = TpPlan::new(&cfg, 4).unwrap_err().to_string();
         assert!(e.contains("feed-forward width 768"), "{e}");
         assert!(TpPlan::new(&cfg, 0).is_err());
+        // The tiny qwen3moe's experts are 256 wide: one granule, not two.
         let moe = config(Arch::Qwen3Moe, "tiny");
         let e = TpPlan::new(&moe, 2).unwrap_err().to_string();
-        assert!(e.contains("dense architectures"), "{e}");
+        assert!(
+            e.contains("experts' feed-forward width 256 does not split into 2 parts"),
+            "{e}"
+        );
+        assert!(TpPlan::new(&moe, 1).is_ok());
     }
 
     #[test]
@@ -633,5 +685,243 @@ mod tests {
             }
         }
         assert!(shard_bytes(GgmlType::F32, &[4, 2], &[0u8; 31], &Split::Replicated).is_err());
+    }
+
+    /// The tiny qwen3moe reshaped as Qwen3-30B-A3B (128 experts of 768, 4 KV heads).
+    fn qwen3_30b() -> ModelConfig {
+        let mut cfg = config(Arch::Qwen3Moe, "qwen3-30b-a3b");
+        let FfnKind::Moe(m) = &mut cfg.ffn else {
+            panic!("qwen3moe without experts")
+        };
+        m.n_expert = 128;
+        m.n_expert_used = 8;
+        m.n_ff_exp = 768;
+        cfg
+    }
+
+    /// Qwen3-30B-A3B over 2 ranks: the expert width 768 in 256-value granules gives 512
+    /// and 256; gate/up experts are column-parallel by each expert's rows, down experts
+    /// row-parallel by their columns (the same ranges), the router replicated; each rank
+    /// runs its own expert width; 3 ranks take a granule each, 4 are refused.
+    #[test]
+    fn qwen3moe_experts_split_by_the_expert_width() {
+        let cfg = qwen3_30b();
+        let plan = TpPlan::new(&cfg, 2).unwrap();
+        assert_eq!(plan.ff, vec![0..512, 512..768]);
+        assert_eq!((plan.kv_heads, plan.q_heads), (2, 16));
+        for (name, role) in [
+            ("blk.0.ffn_gate_exps.weight", Role::ColumnParallel),
+            ("blk.47.ffn_up_exps.weight", Role::ColumnParallel),
+            ("blk.5.ffn_down_exps.weight", Role::RowParallel),
+            ("blk.5.ffn_gate_inp.weight", Role::Replicated),
+            ("blk.5.ffn_norm.weight", Role::Replicated),
+            ("blk.5.attn_output.weight", Role::RowParallel),
+        ] {
+            assert_eq!(plan.role(name), role, "{name}");
+        }
+        for r in 0..2 {
+            let ff = plan.ff[r].clone();
+            assert_eq!(
+                plan.split("blk.3.ffn_gate_exps.weight", r),
+                Split::Rows(ff.clone())
+            );
+            assert_eq!(
+                plan.split("blk.3.ffn_up_exps.weight", r),
+                Split::Rows(ff.clone())
+            );
+            assert_eq!(
+                plan.split("blk.3.ffn_down_exps.weight", r),
+                Split::Cols(ff.clone())
+            );
+            assert_eq!(
+                plan.split("blk.3.ffn_gate_inp.weight", r),
+                Split::Replicated
+            );
+            let rc = plan.rank_config(&cfg, r);
+            let FfnKind::Moe(m) = rc.ffn else {
+                panic!("rank config without experts")
+            };
+            assert_eq!(m.n_ff_exp, ff.len());
+            assert_eq!((m.n_expert, m.n_expert_used), (128, 8));
+            assert_eq!(rc.n_ff, cfg.n_ff, "the dense width is not the experts'");
+            assert!(m.n_ff_exp.is_multiple_of(FF_GRANULE));
+        }
+        let e = TpPlan::new(&cfg, 3).unwrap_err().to_string();
+        assert!(e.contains("4 KV heads do not divide among 3"), "{e}");
+        let mut six = cfg.clone();
+        (six.n_head, six.n_head_kv) = (12, 6);
+        let three = TpPlan::new(&six, 3).unwrap();
+        assert_eq!(three.ff, vec![0..256, 256..512, 512..768]);
+        // 4 KV heads divide among 4, 3 granules do not.
+        let e = TpPlan::new(&cfg, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("experts' feed-forward width 768 does not split into 4 parts"),
+            "{e}"
+        );
+    }
+
+    /// What tensor parallelism refuses, each with a message that says why: gpt-oss
+    /// (attention sinks, expert biases), the hybrids (linear attention, shared experts),
+    /// experts whose width is not whole granules, an MoE with a shared expert.
+    #[test]
+    fn unsupported_models_are_refused_clearly() {
+        let oss = config(Arch::GptOss, "tiny");
+        let e = TpPlan::new(&oss, 2).unwrap_err().to_string();
+        assert!(e.contains("gpt-oss") && e.contains("sinks"), "{e}");
+        for arch in [Arch::Qwen3Next, Arch::Qwen35Moe, Arch::Phi3] {
+            let cfg = config(arch, "tiny");
+            let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
+            assert!(e.contains("supports the architectures"), "{arch:?}: {e}");
+        }
+        let mut cfg = qwen3_30b();
+        if let FfnKind::Moe(m) = &mut cfg.ffn {
+            m.n_ff_exp = 800;
+        }
+        let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
+        assert!(e.contains("width 800"), "{e}");
+        let mut cfg = qwen3_30b();
+        if let FfnKind::Moe(m) = &mut cfg.ffn {
+            m.shared_expert = Some(512);
+        }
+        let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
+        assert!(e.contains("shared experts"), "{e}");
+    }
+
+    /// The 3-D cut of stacked experts against slicing the dequantized tensor on the host,
+    /// per expert, for random shapes of each expert format; then the split's arithmetic
+    /// against an f64 oracle: for random inputs, one expert's SwiGLU MLP over the whole
+    /// tensors equals the sum of the ranks' MLPs over their shards (gate/up rows, down
+    /// columns of the plan's ranges), which is what the all-reduce adds up.
+    #[test]
+    fn stacked_experts_cut_per_expert_and_partial_sums_add_up() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x3e77);
+        let deq = |ty: GgmlType, b: &[u8], len: usize| {
+            let mut v = vec![0f32; len];
+            kestrel_quant::dequantize_row(ty, b, &mut v).unwrap();
+            v
+        };
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+        ] {
+            let bs = ty.block_size();
+            let ne = rng.random_range(2..6usize);
+            let (cols, rows) = (
+                bs * rng.random_range(2..5usize),
+                rng.random_range(3..11usize),
+            );
+            let values: Vec<f32> = (0..cols * rows * ne)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let data = kestrel_quant::quantize(ty, &values, cols).unwrap();
+            let full = deq(ty, &data, values.len());
+            let dims = [cols as u64, rows as u64, ne as u64];
+            let r0 = rng.random_range(0..rows - 1);
+            let r1 = rng.random_range(r0 + 1..=rows);
+            let (d, b) = shard_bytes(ty, &dims, &data, &Split::Rows(r0..r1)).unwrap();
+            assert_eq!(d, vec![cols as u64, (r1 - r0) as u64, ne as u64]);
+            let want: Vec<f32> = full
+                .chunks_exact(rows * cols)
+                .flat_map(|m| m[r0 * cols..r1 * cols].iter().copied())
+                .collect();
+            assert_eq!(deq(ty, &b, want.len()), want, "{ty} rows {r0}..{r1}");
+            let c0 = bs * rng.random_range(0..cols / bs - 1);
+            let c1 = bs * rng.random_range(c0 / bs + 1..=cols / bs);
+            let (d, b) = shard_bytes(ty, &dims, &data, &Split::Cols(c0..c1)).unwrap();
+            assert_eq!(d, vec![(c1 - c0) as u64, rows as u64, ne as u64]);
+            let want: Vec<f32> = full
+                .chunks_exact(cols)
+                .flat_map(|row| row[c0..c1].iter().copied())
+                .collect();
+            assert_eq!(deq(ty, &b, want.len()), want, "{ty} cols {c0}..{c1}");
+            assert!(shard_bytes(ty, &dims, &data, &Split::Rows(0..rows + 1)).is_err());
+            if bs > 1 {
+                let e = shard_bytes(ty, &dims, &data, &Split::Cols(1..bs + 1)).unwrap_err();
+                assert!(e.to_string().contains("block boundaries"), "{e}");
+            }
+        }
+
+        // The plan's split of a small qwen3moe (n_embd 64, 3 experts of 768 over 2 and 3
+        // ranks), Q8_0 experts: Σ over ranks of down_r · (silu(gate_r x) ⊙ up_r x) against
+        // the whole expert's output, all in f64 from the dequantized shards.
+        let mut cfg = qwen3_30b();
+        cfg.n_embd = 64;
+        (cfg.n_head, cfg.n_head_kv) = (12, 6);
+        let FfnKind::Moe(m) = &mut cfg.ffn else {
+            unreachable!()
+        };
+        m.n_expert = 3;
+        let (d, ff, ne) = (cfg.n_embd, 768usize, 3usize);
+        let ty = GgmlType::Q8_0;
+        let mut tensor = |cols: usize, rows: usize| {
+            let v: Vec<f32> = (0..cols * rows * ne)
+                .map(|_| rng.random_range(-0.5..0.5))
+                .collect();
+            kestrel_quant::quantize(ty, &v, cols).unwrap()
+        };
+        let (gate, up, down) = (tensor(d, ff), tensor(d, ff), tensor(ff, d));
+        let x: Vec<f64> = (0..d).map(|i| ((i * 7 % 13) as f64 - 6.0) / 5.0).collect();
+        // One expert's MLP from dequantized [ff × d] gate/up and [d × ff'] down (any width).
+        let mlp = |g: &[f32], u: &[f32], dn: &[f32], width: usize, e: usize| -> Vec<f64> {
+            let (g, u) = (&g[e * width * d..], &u[e * width * d..]);
+            let dn = &dn[e * d * width..];
+            let act: Vec<f64> = (0..width)
+                .map(|j| {
+                    let dot = |w: &[f32]| -> f64 {
+                        (0..d).map(|i| w[j * d + i] as f64 * x[i]).sum::<f64>()
+                    };
+                    let gv = dot(g);
+                    gv / (1.0 + (-gv).exp()) * dot(u)
+                })
+                .collect();
+            (0..d)
+                .map(|o| (0..width).map(|j| dn[o * width + j] as f64 * act[j]).sum())
+                .collect()
+        };
+        let deq_all = |b: &[u8], len: usize| deq(ty, b, len);
+        let (gf, uf, df) = (
+            deq_all(&gate, d * ff * ne),
+            deq_all(&up, d * ff * ne),
+            deq_all(&down, d * ff * ne),
+        );
+        for ranks in [2, 3] {
+            let plan = TpPlan::new(&cfg, ranks).unwrap();
+            let shard = |name: &str, data: &[u8], dims: [u64; 3], r: usize| {
+                let (sd, b) = shard_bytes(ty, &dims, data, &plan.split(name, r)).unwrap();
+                let len = sd.iter().product::<u64>() as usize;
+                deq(ty, &b, len)
+            };
+            for e in 0..ne {
+                let whole = mlp(&gf, &uf, &df, ff, e);
+                let mut sum = vec![0f64; d];
+                for r in 0..ranks {
+                    let w = plan.ff[r].len();
+                    let dims_gu = [d as u64, ff as u64, ne as u64];
+                    let g = shard("blk.0.ffn_gate_exps.weight", &gate, dims_gu, r);
+                    let u = shard("blk.0.ffn_up_exps.weight", &up, dims_gu, r);
+                    let dn = shard(
+                        "blk.0.ffn_down_exps.weight",
+                        &down,
+                        [ff as u64, d as u64, ne as u64],
+                        r,
+                    );
+                    assert_eq!((g.len(), dn.len()), (w * d * ne, w * d * ne));
+                    for (s, p) in sum.iter_mut().zip(mlp(&g, &u, &dn, w, e)) {
+                        *s += p;
+                    }
+                }
+                for (o, (a, b)) in whole.iter().zip(&sum).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-9 * (1.0 + a.abs()),
+                        "{ranks} ranks, expert {e}, output {o}: {a} vs {b}"
+                    );
+                }
+            }
+        }
     }
 }

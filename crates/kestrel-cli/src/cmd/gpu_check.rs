@@ -33,8 +33,9 @@ pub struct Args {
     pub tg: usize,
     /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
-    /// dense architecture's logits against the CPU and one GPU, greedy generations, and
-    /// decode steps of 37 and 64 sequences replayed from graphs against eager ones.
+    /// dense architecture's and qwen3moe's logits against the CPU and one GPU, greedy
+    /// generations, and decode steps of 37 and 64 sequences replayed from graphs against
+    /// eager ones. With `--moe`: the all-reduces and qwen3moe's checks only.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
     /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
@@ -196,7 +197,9 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             );
         }
     }
-    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
+    // `--moe`: the mixtures of experts only.
+    let dense: &[kestrel_model::Arch] = if args.moe { &[] } else { &selfcheck::TP_ARCHS };
+    for (i, arch) in dense.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
             match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
@@ -237,13 +240,59 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
     }
+    // Mixtures of experts: each rank its share of every expert, the router replicated;
+    // route flips allowed as in the one-GPU MoE checks.
+    for (i, arch) in selfcheck::TP_MOE_ARCHS.iter().enumerate() {
+        for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
+            let s = seed.wrapping_add((200 + i * 10 + j) as u64);
+            match selfcheck::compare_tp_logits_moe(*arch, ty, args.positions, s, &ordinals) {
+                Ok(r) => {
+                    failures += usize::from(!r.passed());
+                    println!(
+                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% of positions within, top-1 {:.2}% with near-ties; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% within, top-1 {:.2}% ({:.2}% with near-ties)  {}",
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu_within * 100.0,
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu_within * 100.0,
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        if r.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("tp{ranks} {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        let s = seed.wrapping_add(300 + i as u64);
+        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
+            Ok(g) => {
+                failures += usize::from(!g.passed());
+                println!(
+                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
+                    g.cpu.len(),
+                    g.first_difference,
+                    if g.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
     // Batched decode steps (cuBLAS products and all-reduces in each part's graph) replayed
     // against the same steps launched kernel by kernel.
     const STEPS: usize = 8;
     println!(
         "tp{ranks} graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graphs):"
     );
-    for (i, arch) in selfcheck::TP_ARCHS.iter().enumerate() {
+    let archs = dense.iter().chain(&selfcheck::TP_MOE_ARCHS);
+    for (i, arch) in archs.enumerate() {
         for (j, ty) in ["f32", "q4_k_m", "q8_0"].iter().enumerate() {
             for seqs in [37, 64] {
                 let s = seed.wrapping_add(30_000 + (i * 1_000 + j * 100 + seqs) as u64);
