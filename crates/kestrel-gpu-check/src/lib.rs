@@ -2313,6 +2313,21 @@ pub fn compare_tp_invariant(
     invariant_report(arch, ty, &mut tp, seed, Some(Box::new(drafter)))
 }
 
+/// [`compare_tp_invariant`] under a layer split over `ordinals` (the draft model alone on
+/// the first stage's GPU).
+pub fn compare_split_invariant(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<InvariantReport> {
+    let file = split_model(arch, ty, seed)?;
+    let mut split = split_engine(&file, ordinals)?;
+    let draft = cuda_engine(&file, ordinals[0])?;
+    let drafter = kestrel_engine::spec::DraftModel::new(draft, &file, &file)?;
+    invariant_report(arch, ty, &mut split, seed, Some(Box::new(drafter)))
+}
+
 fn invariant_report<B: kestrel_model::Backend>(
     arch: Arch,
     ty: &str,

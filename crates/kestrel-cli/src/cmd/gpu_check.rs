@@ -145,6 +145,27 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
             }
         }
     }
+    // Speculative verification: batch-invariant steps, prompt lookup and a draft model.
+    for (i, arch) in ARCHS.iter().enumerate() {
+        let s = seed.wrapping_add(400 + i as u64);
+        match selfcheck::compare_split_invariant(*arch, "q4_k_m", s, &ordinals) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "split {arch:?} q4_k_m invariant: {} rows, {} differ (max |Δ| {:.2e}); {}  {}",
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    r.ids_summary(),
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("split {arch:?} q4_k_m invariant: ERROR {e:#}");
+            }
+        }
+    }
     // Mixtures of experts and gpt-oss's attention with sinks: the stages run the one-GPU
     // kernels, so the logits must be bit-identical to one GPU's.
     let moe_cases = [
