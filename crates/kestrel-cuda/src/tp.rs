@@ -14,10 +14,13 @@
 //! the share's width first, so every kernel sees the shapes it would for a model of that
 //! rank's heads and feed-forward width.
 //!
-//! A mixture-of-experts block (qwen3moe) runs the single-GPU expert kernels on each rank
-//! with its shard of every expert (gate/up rows, down columns: the plan's range of the
-//! expert width) and the whole router, so every rank routes every token alike; each rank's
-//! block output is a partial sum, all-reduced like a down projection's.
+//! A mixture-of-experts block (qwen3moe, gpt-oss) runs the single-GPU expert kernels on
+//! each rank with its shard of every expert (gate/up rows and their biases, down columns:
+//! the plan's range of the expert width) and the whole router, so every rank routes every
+//! token alike; each rank's block output is a partial sum, all-reduced like a down
+//! projection's, and only rank 0's includes the experts' down biases (gpt-oss). gpt-oss's
+//! attention runs each rank's query heads with their sinks; its attention output bias is
+//! added on every rank after the all-reduce.
 
 use std::cell::UnsafeCell;
 use std::panic::AssertUnwindSafe;
@@ -753,7 +756,16 @@ fn rank_weight_bytes(plan: &TpPlan, file: &GgufFile, r: usize) -> u64 {
                 0 | 1 => cols,
                 _ => t.dims[1].max(1),
             };
+            // A fused matrix (Phi-3's) loads as its sections: their shards.
+            let sections = plan.fused_sections(&t.name, rows as usize);
             let share = match plan.split(&t.name, r) {
+                _ if !sections.is_empty() => sections
+                    .iter()
+                    .map(|(name, range)| match plan.split(name, r) {
+                        Split::Rows(x) => n * x.len() as u64 / rows,
+                        _ => n * range.len() as u64 / rows,
+                    })
+                    .sum(),
                 Split::Replicated => n,
                 Split::Rows(x) => n * x.len() as u64 / rows,
                 Split::Cols(x) => n * x.len() as u64 / cols,
@@ -964,7 +976,14 @@ impl Backend for TpBackend {
                 n_ff_exp: plan.ff[r].len(),
                 ..*moe
             };
-            let e = crate::moe::Experts::picked(layer, |w: &TpWeight| &w.ranks[r]);
+            let mut e = crate::moe::Experts::picked(layer, |w: &TpWeight| &w.ranks[r]);
+            // The experts' down biases (gpt-oss) join rank 0's partial sum alone.
+            if r > 0
+                && let Some(bias) = &layer.ffn_down_exps_bias
+                && bias.role == Role::RankZero
+            {
+                e.down_bias = None;
+            }
             crate::moe::moe_ffn(b, &x.0[r], e, &m, act, n, out)
         })?;
         let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
@@ -1126,6 +1145,56 @@ impl Backend for TpBackend {
             }
             b.attention(&q.0[r], &cache.0[r], &p, &step.0[r], n, out)
         })
+    }
+
+    /// Each rank's query heads with their sinks (the plan's share of `sinks`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks(
+        &self,
+        q: &TpTensor,
+        cache: &TpCache,
+        params: &AttnParams,
+        sinks: &TpWeight,
+        step: &TpStep,
+        n: usize,
+        out: &mut TpTensor,
+    ) -> anyhow::Result<()> {
+        let plan = self.plan()?;
+        let p = AttnParams {
+            n_head: plan.q_heads,
+            n_head_kv: plan.kv_heads,
+            ..*params
+        };
+        let o = PerRank::new(&mut out.0);
+        self.each_ok(|r, b| {
+            // SAFETY: rank r's own tensor.
+            let out = unsafe { o.get(r) };
+            out.reshape(out.rows, q.0[r].cols)?;
+            b.attention_sinks(
+                &q.0[r],
+                &cache.0[r],
+                &p,
+                &sinks.ranks[r],
+                &step.0[r],
+                n,
+                out,
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Each rank's query rows (its heads) by their positions' factor (Mistral 3).
+    fn scale_by_position(
+        &self,
+        x: &mut TpTensor,
+        temp: &kestrel_model::AttnTemperature,
+        step: &TpStep,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let xs = PerRank::new(&mut x.0);
+        // SAFETY: rank r's own tensor.
+        self.each_ok(|r, b| b.scale_by_position(unsafe { xs.get(r) }, temp, &step.0[r], n))?;
+        Ok(())
     }
 
     fn gated_activation(
@@ -1505,6 +1574,52 @@ pub fn oneshot_on_one_gpu(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The weight bytes planned per rank: over the ranks, every split tensor once (Phi-3's
+    /// fused matrices by their sections' shards, not whole on each rank), every replicated
+    /// one (gpt-oss's sinks excepted, its down biases included) on each rank, and a tied
+    /// LM head's vocabulary shards besides; Phi-3's fused Q/K/V and gate/up halved.
+    #[test]
+    fn rank_weight_bytes_count_each_split_tensor_once() {
+        use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
+        use kestrel_model::{Arch, ModelConfig};
+        for arch in [Arch::Phi3, Arch::Mistral3, Arch::GptOss, Arch::Llama] {
+            let mut c = SynthConfig::tiny(arch);
+            (c.n_embd, c.n_head, c.n_head_kv, c.n_ff) = (512, 8, 2, 1024);
+            let (bytes, _) = write_synth_to(Vec::new(), &c, WeightType::Q8_0, 1).unwrap();
+            let file = GgufFile::from_bytes(bytes).unwrap();
+            let cfg = ModelConfig::from_gguf(&file).unwrap();
+            let plan = TpPlan::new(&cfg, 2).unwrap();
+            let per_rank: Vec<u64> = (0..2).map(|r| rank_weight_bytes(&plan, &file, r)).collect();
+            let rows = |t: &TensorInfo| match t.dims.len() {
+                0 | 1 => t.dims.first().copied().unwrap_or(1) as usize,
+                _ => t.dims[1] as usize,
+            };
+            let (mut whole, mut replicated, mut fused) = (0u64, 0u64, 0u64);
+            for t in file.tensors() {
+                whole += t.n_bytes();
+                let sections = plan.fused_sections(&t.name, rows(t));
+                fused += u64::from(!sections.is_empty());
+                if sections.is_empty() && plan.split(&t.name, 0) == Split::Replicated {
+                    replicated += t.n_bytes();
+                }
+            }
+            let head = match file.tensor("token_embd.weight") {
+                Some(t) if plan.tied_embeddings => t.n_bytes(),
+                _ => 0,
+            };
+            assert_eq!(
+                per_rank.iter().sum::<u64>(),
+                whole + replicated + head,
+                "{arch:?}"
+            );
+            assert_eq!(
+                fused,
+                if arch == Arch::Phi3 { 2 * 2 } else { 0 },
+                "{arch:?}"
+            );
+        }
+    }
 
     /// The one-shot kernel takes ties and near-ties (within 10%), not clear losses.
     #[test]

@@ -285,7 +285,7 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
     }
     let mut rng = rand::rng();
     for arch in selfcheck::TP_ARCHS {
-        for ty in ["f32", "q8_0", "q4_k_m"] {
+        for &ty in selfcheck::tp_types(arch) {
             let n = rng.random_range(130..260);
             let seed = rng.random();
             let r = selfcheck::compare_tp_logits(arch, ty, n, seed, &[0, 1]).expect("runs");
@@ -305,9 +305,10 @@ fn tensor_parallel_matches_one_gpu_and_cpu() {
 }
 
 /// Tensor parallelism over two GPUs on the tiny qwen3moe (experts 768 wide: ranks of 512
-/// and 256): logits against the CPU and one GPU with the MoE checks' route-flip allowance,
-/// greedy generation against the CPU, decode steps of 37 sequences replayed from graphs
-/// against eager launches (bit for bit).
+/// and 256) and gpt-oss (832 wide: 416 each; sinks, biases, clamped SwiGLU): logits
+/// against the CPU and one GPU with the MoE checks' route-flip allowance, greedy
+/// generation against the CPU, decode steps of 37 sequences replayed from graphs against
+/// eager launches (bit for bit).
 #[test]
 fn tensor_parallel_moe_matches_one_gpu_and_cpu() {
     if !gpus("tensor_parallel_moe_matches_one_gpu_and_cpu", 2) {
@@ -315,7 +316,7 @@ fn tensor_parallel_moe_matches_one_gpu_and_cpu() {
     }
     let mut rng = rand::rng();
     for arch in selfcheck::TP_MOE_ARCHS {
-        for ty in ["f32", "q8_0", "q4_k_m"] {
+        for &ty in selfcheck::tp_types(arch) {
             let n = rng.random_range(130..260);
             let seed = rng.random();
             let r = selfcheck::compare_tp_logits_moe(arch, ty, n, seed, &[0, 1]).expect("runs");

@@ -19,6 +19,17 @@
 //! gate and up rows and down columns are split over the same ranges of the expert width
 //! (whole 256-value granules), so each rank's block output is a partial sum that one
 //! all-reduce adds up, as after a dense down projection.
+//!
+//! The other attention models by the same rule: mistral3 as llama (its attention
+//! temperature scales each query row alone); phi3's fused matrices (`attn_qkv`: Q rows,
+//! then K, then V; `ffn_up`: gate rows, then up) load as their sections
+//! ([`TpPlan::fused_sections`]), each cut by its own rule, so a rank holds its heads' rows
+//! of each of Q, K and V and its feed-forward range of each of gate and up; gpt-oss's
+//! attention sinks (one per query head) go with their heads, its Q/K/V biases with their
+//! rows, its attention output bias is added on every rank after the all-reduce, its
+//! experts' gate/up biases go with their rows and the down biases are added by rank 0
+//! alone ([`Role::RankZero`]), and its expert width is cut in 32-value granules where
+//! 256-value ones do not divide it ([`OSS_FF_GRANULE`]).
 
 use std::ops::Range;
 
@@ -31,6 +42,15 @@ use crate::config::{Arch, FfnKind, ModelConfig};
 /// down-projection row is whole blocks, and each rank's expert width stays one the
 /// tensor-core expert kernels take (rows of whole 256s for K-quant experts).
 pub const FF_GRANULE: usize = 256;
+
+/// gpt-oss's expert width is split in multiples of this many values where it does not
+/// split into whole [`FF_GRANULE`]s: its 2880 is 90 blocks of 32, and an expert row that
+/// is not whole 256s can only be in a 32-value block format (MXFP4 as published, or Q8_0,
+/// Q4_0, Q5_0, IQ4_NL). Every expert kernel takes such widths: the 8-bit decode ones
+/// (`moe_gate_up_q8`: blocks of 32 rows), `moe_mq_*` and the staged `moe_mqs_*` (rows past
+/// the width clamped and dropped, the blocks past a row's end in its last 256-value step
+/// skipped) and the f32 ones. Two ranks take 1440 each.
+pub const OSS_FF_GRANULE: usize = 32;
 
 /// Which part of a weight one rank holds. Ranges are in values along a GGUF dimension:
 /// `Rows` along `dims[1]` (output features; for a 1-D tensor, its elements), `Cols` along
@@ -54,6 +74,9 @@ pub enum Role {
     RowParallel,
     /// The LM head split by vocabulary: each rank's logits are gathered.
     Vocab,
+    /// Held whole, and added by rank 0 alone into its partial sum of a row-parallel
+    /// product, so that the all-reduce adds it once (gpt-oss's experts' down biases).
+    RankZero,
 }
 
 /// A tensor-parallel plan for one model over `ranks` devices.
@@ -198,24 +221,22 @@ impl TpPlan {
         }
         match cfg.arch {
             Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => {}
-            Arch::GptOss => anyhow::bail!(
-                "tensor parallelism does not support gpt-oss yet (its attention sinks, attention output bias and expert biases are not split among devices); supported: llama, qwen2, qwen3, gemma3 and qwen3moe"
-            ),
+            // mistral3 as llama; phi3's fused matrices cut per section; gpt-oss's sinks,
+            // biases and 32-value expert granules (see the module's doc).
+            Arch::Mistral3 | Arch::Phi3 | Arch::GptOss => {}
             other => anyhow::bail!(
-                "tensor parallelism supports the architectures llama, qwen2, qwen3, gemma3 and qwen3moe; this model is {other:?}"
+                "tensor parallelism supports the architectures llama, qwen2, qwen3, gemma3, mistral3, phi3, qwen3moe and gpt-oss; this model is {other:?}"
             ),
         }
-        if cfg.attn_sinks || cfg.attn_out_bias || cfg.has_recurrent_layers() {
-            anyhow::bail!(
-                "tensor parallelism does not split attention sinks, an attention output bias or linear-attention layers"
-            );
+        if cfg.has_recurrent_layers() {
+            anyhow::bail!("tensor parallelism does not split linear-attention layers");
         }
         let (width, what) = match cfg.ffn {
             FfnKind::Dense => (cfg.n_ff, "feed-forward width"),
             FfnKind::Moe(m) => {
-                if m.shared_expert.is_some() || m.clamped_swiglu.is_some() {
+                if m.shared_expert.is_some() {
                     anyhow::bail!(
-                        "tensor parallelism splits mixture-of-experts blocks without shared experts or clamped SwiGLU only (qwen3moe's)"
+                        "tensor parallelism splits mixture-of-experts blocks without shared experts only (qwen3moe's, gpt-oss's)"
                     );
                 }
                 (m.n_ff_exp, "experts' feed-forward width")
@@ -234,11 +255,18 @@ impl TpPlan {
                 cfg.n_head_kv
             );
         }
-        let ff = granule_ranges(width, ranks, FF_GRANULE).ok_or_else(|| {
-            anyhow::anyhow!(
+        let ff = match granule_ranges(width, ranks, FF_GRANULE) {
+            Some(ff) => ff,
+            None if cfg.arch == Arch::GptOss => granule_ranges(width, ranks, OSS_FF_GRANULE)
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "the {what} {width} does not split into {ranks} parts of whole {FF_GRANULE}- or {OSS_FF_GRANULE}-value blocks"
+                    )
+                })?,
+            None => anyhow::bail!(
                 "the {what} {width} does not split into {ranks} parts of whole {FF_GRANULE}-value blocks"
-            )
-        })?;
+            ),
+        };
         let vocab_chunk = cfg.vocab_size.div_ceil(ranks);
         if vocab_chunk * (ranks - 1) >= cfg.vocab_size {
             anyhow::bail!(
@@ -291,6 +319,25 @@ impl TpPlan {
             | "ffn_up_exps.weight" => Role::ColumnParallel,
             "attn_output.weight" | "ffn_down.weight" | "ffn_down_exps.weight" => Role::RowParallel,
             "output.weight" => Role::Vocab,
+            _ => self.role_more(base),
+        }
+    }
+
+    /// [`Self::role`] of mistral3's, phi3's and gpt-oss's own tensors (`base`: the name
+    /// without `blk.N.`; a fused matrix's sections as `load.rs` names them).
+    fn role_more(&self, base: &str) -> Role {
+        match base {
+            "attn_qkv.weight (q)"
+            | "attn_qkv.weight (k)"
+            | "attn_qkv.weight (v)"
+            | "ffn_up.weight (gate)"
+            | "ffn_up.weight (up)"
+            | "attn_sinks.weight"
+            | "ffn_gate_exps.bias"
+            | "ffn_up_exps.bias" => Role::ColumnParallel,
+            "ffn_down_exps.bias" => Role::RankZero,
+            // The attention output's bias (gpt-oss) is added after the all-reduce, on every
+            // rank to the same sum; the router and its bias route every token alike.
             _ => Role::Replicated,
         }
     }
@@ -313,8 +360,46 @@ impl TpPlan {
             "attn_output.weight" => Split::Cols(self.q_range(r)),
             "ffn_down.weight" | "ffn_down_exps.weight" => Split::Cols(self.ff[r].clone()),
             "output.weight" => self.lm_head_split(r),
+            _ => self.split_more(base, r),
+        }
+    }
+
+    /// [`Self::split`] of mistral3's, phi3's and gpt-oss's own tensors (`base` as in
+    /// [`Self::role_more`]).
+    fn split_more(&self, base: &str, r: usize) -> Split {
+        match base {
+            // Phi-3's fused matrices, section by section (rows of the section).
+            "attn_qkv.weight (q)" => Split::Rows(self.q_range(r)),
+            "attn_qkv.weight (k)" | "attn_qkv.weight (v)" => Split::Rows(self.kv_range(r)),
+            "ffn_up.weight (gate)" | "ffn_up.weight (up)" => Split::Rows(self.ff[r].clone()),
+            // gpt-oss: a sink per query head; each expert's gate/up biases are a row of
+            // `n_ff_exp` values (GGUF `[n_ff_exp, n_expert]`), cut like the rows they add to.
+            "attn_sinks.weight" => Split::Rows(r * self.q_heads..(r + 1) * self.q_heads),
+            "ffn_gate_exps.bias" | "ffn_up_exps.bias" => Split::Cols(self.ff[r].clone()),
             _ => Split::Replicated,
         }
+    }
+
+    /// The sections a fused matrix of `rows` rows loads as (`load.rs`: Phi-3's `attn_qkv`
+    /// as its Q, K and V rows, its `ffn_up` of twice the feed-forward width as gate, then
+    /// up), each by the name [`Self::split`] takes and with its rows in the whole tensor;
+    /// empty for any other tensor (for the memory a rank's shards take).
+    pub fn fused_sections(&self, name: &str, rows: usize) -> Vec<(String, Range<usize>)> {
+        let q = self.q_heads * self.ranks * self.head_dim;
+        let kv = self.kv_heads * self.ranks * self.head_dim;
+        let ff = self.ff.last().map_or(0, |r| r.end);
+        let parts: &[(&str, Range<usize>)] =
+            if name.ends_with("attn_qkv.weight") && rows == q + 2 * kv {
+                &[("q", 0..q), ("k", q..q + kv), ("v", q + kv..q + 2 * kv)]
+            } else if name.ends_with("ffn_up.weight") && ff > 0 && rows == 2 * ff {
+                &[("gate", 0..ff), ("up", ff..2 * ff)]
+            } else {
+                &[]
+            };
+        parts
+            .iter()
+            .map(|(what, r)| (format!("{name} ({what})"), r.clone()))
+            .collect()
     }
 
     /// Rank `r`'s rows of the LM head (whichever tensor it is).
@@ -437,6 +522,7 @@ mod tests {
             (Arch::Qwen2, "qwen2.5-1.5b"),
             (Arch::Qwen3, "tiny"),
             (Arch::Gemma3, "tiny"),
+            (Arch::Mistral3, "tiny"),
         ] {
             let cfg = config(arch, preset);
             for ranks in [1, 2, 4] {
@@ -760,15 +846,12 @@ mod tests {
         );
     }
 
-    /// What tensor parallelism refuses, each with a message that says why: gpt-oss
-    /// (attention sinks, expert biases), the hybrids (linear attention, shared experts),
-    /// experts whose width is not whole granules, an MoE with a shared expert.
+    /// What tensor parallelism refuses, each with a message that says why: the hybrids
+    /// (linear attention, shared experts), experts whose width is not whole granules, an
+    /// MoE with a shared expert.
     #[test]
     fn unsupported_models_are_refused_clearly() {
-        let oss = config(Arch::GptOss, "tiny");
-        let e = TpPlan::new(&oss, 2).unwrap_err().to_string();
-        assert!(e.contains("gpt-oss") && e.contains("sinks"), "{e}");
-        for arch in [Arch::Qwen3Next, Arch::Qwen35Moe, Arch::Phi3] {
+        for arch in [Arch::Qwen3Next, Arch::Qwen35Moe] {
             let cfg = config(arch, "tiny");
             let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
             assert!(e.contains("supports the architectures"), "{arch:?}: {e}");
@@ -921,6 +1004,388 @@ mod tests {
                         "{ranks} ranks, expert {e}, output {o}: {a} vs {b}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Random values in [-a, a) quantized as `ty` rows of `cols`, and their dequantized
+    /// values (the oracle the shards are sliced from).
+    fn random_tensor(
+        rng: &mut rand::rngs::StdRng,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        a: f32,
+    ) -> (Vec<u8>, Vec<f32>) {
+        use rand::Rng;
+        let v: Vec<f32> = (0..cols * rows).map(|_| rng.random_range(-a..a)).collect();
+        let data = kestrel_quant::quantize(ty, &v, cols).unwrap();
+        let mut full = vec![0f32; v.len()];
+        kestrel_quant::dequantize_row(ty, &data, &mut full).unwrap();
+        (data, full)
+    }
+
+    /// The dequantized values of `bytes` (`len` values of `ty`).
+    fn deq(ty: GgmlType, bytes: &[u8], len: usize) -> Vec<f32> {
+        let mut v = vec![0f32; len];
+        kestrel_quant::dequantize_row(ty, bytes, &mut v).unwrap();
+        v
+    }
+
+    /// Rank `r`'s shard of fused section `name` (rows `sec` of a fused matrix of `cols`
+    /// values a row in `data`, sliced as `load.rs` slices it), dequantized, with the rows
+    /// of the whole tensor it holds.
+    fn section_shard(
+        plan: &TpPlan,
+        ty: GgmlType,
+        cols: usize,
+        data: &[u8],
+        name: &str,
+        sec: &Range<usize>,
+        r: usize,
+    ) -> (Vec<f32>, Range<usize>) {
+        let row_bytes = ty.bytes_for(cols as u64).unwrap() as usize;
+        let part = &data[sec.start * row_bytes..sec.end * row_bytes];
+        let dims = [cols as u64, sec.len() as u64];
+        let Split::Rows(x) = plan.split(name, r) else {
+            panic!("{name}: not split by rows")
+        };
+        assert_eq!(plan.role(name), Role::ColumnParallel, "{name}");
+        let (d, b) = shard_bytes(ty, &dims, part, &Split::Rows(x.clone())).unwrap();
+        assert_eq!(d, vec![cols as u64, x.len() as u64], "{name}");
+        (
+            deq(ty, &b, cols * x.len()),
+            sec.start + x.start..sec.start + x.end,
+        )
+    }
+
+    /// Phi-3's fused matrices over 2 and 3 ranks: `attn_qkv` loads as its Q, K and V
+    /// sections and `ffn_up` as gate then up (`fused_sections`), each cut by its own rule,
+    /// so each rank's shard of each section is its heads' rows (its feed-forward range);
+    /// every shard against the same rows sliced from the dequantized whole tensor, every
+    /// row of both tensors held by exactly one rank; then, in f64, the ranks' partial
+    /// sums of the MLP over their shards of the fused gate/up add up to the whole MLP.
+    #[test]
+    fn phi3_fused_matrices_are_cut_per_section() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0xf13);
+        let mut cfg = config(Arch::Phi3, "tiny");
+        (cfg.n_head, cfg.n_head_kv, cfg.n_ff) = (12, 6, 768);
+        let (d, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+        ] {
+            let (qkv, qkv_full) = random_tensor(&mut rng, ty, d, q + 2 * kv, 1.0);
+            let (up, up_full) = random_tensor(&mut rng, ty, d, 2 * ff, 1.0);
+            for ranks in [2, 3] {
+                let plan = TpPlan::new(&cfg, ranks).unwrap();
+                let qkv_secs = plan.fused_sections("blk.1.attn_qkv.weight", q + 2 * kv);
+                let up_secs = plan.fused_sections("blk.1.ffn_up.weight", 2 * ff);
+                assert_eq!(
+                    qkv_secs.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+                    vec![0..q, q..q + kv, q + kv..q + 2 * kv]
+                );
+                assert_eq!(
+                    up_secs.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+                    vec![0..ff, ff..2 * ff]
+                );
+                for (secs, data, full, rows, is_up) in [
+                    (&qkv_secs, &qkv, &qkv_full, q + 2 * kv, false),
+                    (&up_secs, &up, &up_full, 2 * ff, true),
+                ] {
+                    let mut seen = vec![0u8; rows];
+                    for r in 0..ranks {
+                        for (k, (name, sec)) in secs.iter().enumerate() {
+                            let (got, held) = section_shard(&plan, ty, d, data, name, sec, r);
+                            assert_eq!(got, full[held.start * d..held.end * d], "{ty} {name} {r}");
+                            seen[held.clone()].iter_mut().for_each(|s| *s += 1);
+                            // Q: the query heads of the rank's KV heads; K, V: those heads;
+                            // gate and up: the rank's feed-forward range of each half.
+                            let want = match (is_up, k) {
+                                (false, 0) => plan.q_range(r),
+                                (false, _) => plan.kv_range(r),
+                                (true, _) => plan.ff[r].clone(),
+                            };
+                            assert_eq!(held.start - sec.start..held.end - sec.start, want);
+                        }
+                    }
+                    assert!(seen.iter().all(|&s| s == 1), "{ty} {ranks}: {seen:?}");
+                }
+            }
+        }
+        // Unfused tensors have no sections.
+        let plan = TpPlan::new(&cfg, 2).unwrap();
+        assert!(plan.fused_sections("blk.0.ffn_up.weight", ff).is_empty());
+        assert!(plan.fused_sections("blk.0.attn_q.weight", q).is_empty());
+        assert!(
+            plan.fused_sections("blk.0.attn_qkv.weight", q + kv)
+                .is_empty()
+        );
+
+        // The MLP's partial sums: Σ_r down_r · (silu(gate_r x) ⊙ up_r x), gate_r and up_r
+        // the rank's shards of the fused matrix's sections, against the whole MLP.
+        let ty = GgmlType::Q8_0;
+        let (up, up_full) = random_tensor(&mut rng, ty, d, 2 * ff, 0.5);
+        let (down, down_full) = random_tensor(&mut rng, ty, ff, d, 0.5);
+        let x: Vec<f64> = (0..d).map(|i| ((i * 5 % 11) as f64 - 5.0) / 4.0).collect();
+        let mlp = |g: &[f32], u: &[f32], dn: &[f32], width: usize| -> Vec<f64> {
+            let dot = |w: &[f32], j: usize| (0..d).map(|i| w[j * d + i] as f64 * x[i]).sum::<f64>();
+            let act: Vec<f64> = (0..width)
+                .map(|j| {
+                    let gv = dot(g, j);
+                    gv / (1.0 + (-gv).exp()) * dot(u, j)
+                })
+                .collect();
+            (0..d)
+                .map(|o| (0..width).map(|j| dn[o * width + j] as f64 * act[j]).sum())
+                .collect()
+        };
+        let whole = mlp(&up_full[..ff * d], &up_full[ff * d..], &down_full, ff);
+        for ranks in [2, 3] {
+            let plan = TpPlan::new(&cfg, ranks).unwrap();
+            let secs = plan.fused_sections("blk.0.ffn_up.weight", 2 * ff);
+            let mut sum = vec![0f64; d];
+            for r in 0..ranks {
+                let (g, _) = section_shard(&plan, ty, d, &up, &secs[0].0, &secs[0].1, r);
+                let (u, _) = section_shard(&plan, ty, d, &up, &secs[1].0, &secs[1].1, r);
+                let split = plan.split("blk.0.ffn_down.weight", r);
+                let (_, dn) = shard_bytes(ty, &[ff as u64, d as u64], &down, &split).unwrap();
+                let w = plan.ff[r].len();
+                for (s, p) in sum.iter_mut().zip(mlp(&g, &u, &deq(ty, &dn, w * d), w)) {
+                    *s += p;
+                }
+            }
+            for (o, (a, b)) in whole.iter().zip(&sum).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-9 * (1.0 + a.abs()),
+                    "{ranks} ranks, output {o}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    /// The tiny gpt-oss reshaped as gpt-oss-20b (64 query heads and 8 KV heads of 64, 32
+    /// experts of 2880, 4 a token).
+    fn gpt_oss_20b() -> ModelConfig {
+        let mut cfg = config(Arch::GptOss, "gpt-oss-20b");
+        let FfnKind::Moe(m) = &mut cfg.ffn else {
+            panic!("gpt-oss without experts")
+        };
+        (m.n_expert, m.n_expert_used, m.n_ff_exp) = (32, 4, 2880);
+        cfg
+    }
+
+    /// gpt-oss-20b's plan: the expert width 2880 (not whole 256s) in 32-value granules,
+    /// 1440 a rank over 2 (uneven over 4), 256-value granules where they divide; the sinks
+    /// with their query heads, Q/K/V biases with their rows, the attention output bias and
+    /// the router replicated, the experts' gate/up biases by the rank's range of each
+    /// expert's row, the down biases on rank 0 alone; a width not whole 32s refused.
+    #[test]
+    fn gpt_oss_splits_sinks_biases_and_experts() {
+        let cfg = gpt_oss_20b();
+        let plan = TpPlan::new(&cfg, 2).unwrap();
+        assert_eq!(plan.ff, vec![0..1440, 1440..2880]);
+        assert_eq!((plan.q_heads, plan.kv_heads), (32, 4));
+        let four = TpPlan::new(&cfg, 4).unwrap();
+        assert_eq!(four.ff, vec![0..736, 736..1472, 1472..2176, 2176..2880]);
+        assert!(four.ff.iter().all(|r| r.len() % OSS_FF_GRANULE == 0));
+        assert_eq!(TpPlan::new(&cfg, 8).unwrap().kv_heads, 1);
+        let e = TpPlan::new(&cfg, 3).unwrap_err().to_string();
+        assert!(e.contains("8 KV heads do not divide among 3"), "{e}");
+        for (name, role) in [
+            ("blk.0.attn_sinks.weight", Role::ColumnParallel),
+            ("blk.0.attn_q.bias", Role::ColumnParallel),
+            ("blk.0.attn_v.bias", Role::ColumnParallel),
+            ("blk.0.attn_output.weight", Role::RowParallel),
+            ("blk.0.attn_output.bias", Role::Replicated),
+            ("blk.0.post_attention_norm.weight", Role::Replicated),
+            ("blk.0.ffn_gate_inp.weight", Role::Replicated),
+            ("blk.0.ffn_gate_inp.bias", Role::Replicated),
+            ("blk.0.ffn_gate_exps.weight", Role::ColumnParallel),
+            ("blk.0.ffn_up_exps.bias", Role::ColumnParallel),
+            ("blk.0.ffn_gate_exps.bias", Role::ColumnParallel),
+            ("blk.0.ffn_down_exps.weight", Role::RowParallel),
+            ("blk.0.ffn_down_exps.bias", Role::RankZero),
+        ] {
+            assert_eq!(plan.role(name), role, "{name}");
+        }
+        for r in 0..2 {
+            let ff = plan.ff[r].clone();
+            for (name, split) in [
+                ("blk.3.attn_sinks.weight", Split::Rows(32 * r..32 * (r + 1))),
+                ("blk.3.attn_q.bias", Split::Rows(plan.q_range(r))),
+                ("blk.3.attn_k.bias", Split::Rows(plan.kv_range(r))),
+                ("blk.3.attn_output.bias", Split::Replicated),
+                ("blk.3.ffn_gate_inp.bias", Split::Replicated),
+                ("blk.3.ffn_gate_exps.bias", Split::Cols(ff.clone())),
+                ("blk.3.ffn_up_exps.bias", Split::Cols(ff.clone())),
+                ("blk.3.ffn_down_exps.bias", Split::Replicated),
+                ("blk.3.ffn_up_exps.weight", Split::Rows(ff.clone())),
+                ("blk.3.ffn_down_exps.weight", Split::Cols(ff.clone())),
+            ] {
+                assert_eq!(plan.split(name, r), split, "{name} rank {r}");
+            }
+            let rc = plan.rank_config(&cfg, r);
+            let FfnKind::Moe(m) = rc.ffn else {
+                panic!("rank config without experts")
+            };
+            assert_eq!(m.n_ff_exp, 1440);
+            assert!(m.clamped_swiglu.is_some());
+            assert_eq!(rc.layer_is_swa, cfg.layer_is_swa);
+            assert_eq!(rc.sliding_window, cfg.sliding_window);
+        }
+        // 256-value granules where the width takes them (K-quant experts need them).
+        let mut k = cfg.clone();
+        if let FfnKind::Moe(m) = &mut k.ffn {
+            m.n_ff_exp = 768;
+        }
+        assert_eq!(TpPlan::new(&k, 2).unwrap().ff, vec![0..512, 512..768]);
+        for width in [2896, 32] {
+            if let FfnKind::Moe(m) = &mut k.ffn {
+                m.n_ff_exp = width;
+            }
+            let e = TpPlan::new(&k, 2).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!(
+                    "width {width} does not split into 2 parts of whole 256- or 32-value blocks"
+                )),
+                "{e}"
+            );
+        }
+        // A cut the experts' format cannot take is an error naming the block boundary.
+        let (data, _) = random_tensor(
+            &mut <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5),
+            GgmlType::Q4K,
+            768,
+            4,
+            1.0,
+        );
+        let e = shard_bytes(GgmlType::Q4K, &[768, 2, 2], &data, &Split::Cols(0..384))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("256-value block boundaries"), "{e}");
+    }
+
+    /// A gpt-oss expert block split over 2 and 3 ranks, in f64 from the dequantized
+    /// shards of random MXFP4 experts (width 2·416: each rank's share 416 = 256 + 160,
+    /// as 1440 = 5·256 + 160, and 13 blocks, an odd count) and f32 biases cut by
+    /// `shard_bytes`: for each routed expert, Σ_r w · (down_r · swiglu_oai(gate_r x + bg_r,
+    /// up_r x + bu_r) + [r = 0] bd) equals the whole expert's w · (down · swiglu_oai(...) +
+    /// bd); the sinks' shards are the rank's heads' values.
+    #[test]
+    fn gpt_oss_expert_partial_sums_add_up() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x0551);
+        let mut cfg = gpt_oss_20b();
+        cfg.n_embd = 64;
+        (cfg.n_head, cfg.n_head_kv) = (12, 6);
+        let (d, ff, ne) = (64usize, 832usize, 3usize);
+        let FfnKind::Moe(m) = &mut cfg.ffn else {
+            unreachable!()
+        };
+        (m.n_expert, m.n_ff_exp) = (ne, ff);
+        let c = m.clamped_swiglu.unwrap();
+        let ty = GgmlType::MXFP4;
+        let (gate, gf) = random_tensor(&mut rng, ty, d, ff * ne, 0.5);
+        let (up, uf) = random_tensor(&mut rng, ty, d, ff * ne, 0.5);
+        let (down, df) = random_tensor(&mut rng, ty, ff, d * ne, 0.5);
+        let (bg, bgf) = random_tensor(&mut rng, GgmlType::F32, ff, ne, 0.5);
+        let (bu, buf) = random_tensor(&mut rng, GgmlType::F32, ff, ne, 0.5);
+        let (bd, bdf) = random_tensor(&mut rng, GgmlType::F32, d, ne, 0.5);
+        let x: Vec<f64> = (0..d).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let w = 0.375f64;
+        // One expert's weighted output from [width × d] gate/up, [d × width] down, biases
+        // of `width` (and `d`, or none).
+        let expert = |g: &[f32],
+                      u: &[f32],
+                      dn: &[f32],
+                      bg: &[f32],
+                      bu: &[f32],
+                      bd: Option<&[f32]>,
+                      width: usize,
+                      e: usize|
+         -> Vec<f64> {
+            let (g, u, dn) = (
+                &g[e * width * d..],
+                &u[e * width * d..],
+                &dn[e * d * width..],
+            );
+            let (bg, bu) = (&bg[e * width..], &bu[e * width..]);
+            let dot = |m: &[f32], j: usize| (0..d).map(|i| m[j * d + i] as f64 * x[i]).sum::<f64>();
+            let (alpha, limit) = (c.alpha as f64, c.limit as f64);
+            let act: Vec<f64> = (0..width)
+                .map(|j| {
+                    let gv = (dot(g, j) + bg[j] as f64).min(limit);
+                    let uv = (dot(u, j) + bu[j] as f64).clamp(-limit, limit);
+                    gv / (1.0 + (-alpha * gv).exp()) * (uv + 1.0)
+                })
+                .collect();
+            (0..d)
+                .map(|o| {
+                    let b = bd.map_or(0.0, |b| b[e * d + o] as f64);
+                    w * ((0..width)
+                        .map(|j| dn[o * width + j] as f64 * act[j])
+                        .sum::<f64>()
+                        + b)
+                })
+                .collect()
+        };
+        for ranks in [2, 3] {
+            let plan = TpPlan::new(&cfg, ranks).unwrap();
+            assert!(plan.ff.iter().all(|r| r.len() % OSS_FF_GRANULE == 0));
+            if ranks == 2 {
+                assert_eq!(plan.ff, vec![0..416, 416..832]);
+            }
+            let shard = |name: &str, ty: GgmlType, data: &[u8], dims: &[u64], r: usize| {
+                let (sd, b) = shard_bytes(ty, dims, data, &plan.split(name, r)).unwrap();
+                deq(ty, &b, sd.iter().product::<u64>() as usize)
+            };
+            let (nd, nf, nn) = (d as u64, ff as u64, ne as u64);
+            for e in 0..ne {
+                let whole = expert(&gf, &uf, &df, &bgf, &buf, Some(&bdf), ff, e);
+                let mut sum = vec![0f64; d];
+                for r in 0..ranks {
+                    let g = shard("blk.0.ffn_gate_exps.weight", ty, &gate, &[nd, nf, nn], r);
+                    let u = shard("blk.0.ffn_up_exps.weight", ty, &up, &[nd, nf, nn], r);
+                    let dn = shard("blk.0.ffn_down_exps.weight", ty, &down, &[nf, nd, nn], r);
+                    let f32 = GgmlType::F32;
+                    let sbg = shard("blk.0.ffn_gate_exps.bias", f32, &bg, &[nf, nn], r);
+                    let sbu = shard("blk.0.ffn_up_exps.bias", f32, &bu, &[nf, nn], r);
+                    let sbd = shard("blk.0.ffn_down_exps.bias", f32, &bd, &[nd, nn], r);
+                    let once = plan.role("blk.0.ffn_down_exps.bias") == Role::RankZero;
+                    let bd = (r == 0 || !once).then_some(&sbd[..]);
+                    let width = plan.ff[r].len();
+                    for (s, p) in sum
+                        .iter_mut()
+                        .zip(expert(&g, &u, &dn, &sbg, &sbu, bd, width, e))
+                    {
+                        *s += p;
+                    }
+                }
+                for (o, (a, b)) in whole.iter().zip(&sum).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-9 * (1.0 + a.abs()),
+                        "{ranks} ranks, expert {e}, output {o}: {a} vs {b}"
+                    );
+                }
+            }
+            // Sinks: the rank's query heads' values.
+            let sinks: Vec<f32> = (0..cfg.n_head).map(|i| i as f32 - 3.5).collect();
+            let bytes: Vec<u8> = sinks.iter().flat_map(|v| v.to_le_bytes()).collect();
+            for r in 0..ranks {
+                let got = shard(
+                    "blk.0.attn_sinks.weight",
+                    GgmlType::F32,
+                    &bytes,
+                    &[cfg.n_head as u64],
+                    r,
+                );
+                let h = plan.q_heads;
+                assert_eq!(got, sinks[r * h..(r + 1) * h]);
             }
         }
     }

@@ -33,11 +33,16 @@ pub struct Args {
     pub tg: usize,
     /// Instead of the one-GPU checks, check tensor parallelism over GPUs 0..N: NCCL's
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
-    /// dense architecture's and qwen3moe's logits against the CPU and one GPU, greedy
-    /// generations, and decode steps of 37 and 64 sequences replayed from graphs against
-    /// eager ones. With `--moe`: the all-reduces and qwen3moe's checks only.
+    /// dense architecture's and mixture of experts' (qwen3moe, gpt-oss) logits against the
+    /// CPU and one GPU, greedy generations, and decode steps of 37 and 64 sequences
+    /// replayed from graphs against eager ones. With `--moe`: the all-reduces and the
+    /// mixtures of experts' checks only; with `--arch`: those architectures' only.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
+    /// With `--tp`: only these architectures' checks (comma-separated names, e.g.
+    /// `mistral3,phi3,gpt-oss`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_arch)]
+    pub arch: Vec<kestrel_model::Arch>,
     /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
     /// (every dense architecture's logits against the CPU and one GPU, greedy ids).
     #[arg(long, value_enum)]
@@ -203,6 +208,11 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
     verdict(failures, "layer-split")
 }
 
+/// An architecture by its GGUF name.
+fn parse_arch(name: &str) -> Result<kestrel_model::Arch, String> {
+    kestrel_model::Arch::from_name(name).map_err(|e| format!("{e}"))
+}
+
 /// `gpu-check --tp N`.
 fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     let seed = args.seed.unwrap_or_else(rand::random);
@@ -252,10 +262,20 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             );
         }
     }
-    // `--moe`: the mixtures of experts only.
-    let dense: &[kestrel_model::Arch] = if args.moe { &[] } else { &selfcheck::TP_ARCHS };
+    // `--moe`: the mixtures of experts only; `--arch`: those named only.
+    let chosen = |a: &&kestrel_model::Arch| args.arch.is_empty() || args.arch.contains(a);
+    let dense: Vec<kestrel_model::Arch> = if args.moe {
+        Vec::new()
+    } else {
+        selfcheck::TP_ARCHS.iter().filter(chosen).copied().collect()
+    };
+    let moe: Vec<kestrel_model::Arch> = selfcheck::TP_MOE_ARCHS
+        .iter()
+        .filter(chosen)
+        .copied()
+        .collect();
     for (i, arch) in dense.iter().enumerate() {
-        for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
+        for (j, ty) in selfcheck::tp_types(*arch).iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
             match selfcheck::compare_tp_logits(*arch, ty, args.positions, s, &ordinals) {
                 Ok(r) => {
@@ -297,8 +317,8 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     }
     // Mixtures of experts: each rank its share of every expert, the router replicated;
     // route flips allowed as in the one-GPU MoE checks.
-    for (i, arch) in selfcheck::TP_MOE_ARCHS.iter().enumerate() {
-        for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
+    for (i, arch) in moe.iter().enumerate() {
+        for (j, ty) in selfcheck::tp_types(*arch).iter().enumerate() {
             let s = seed.wrapping_add((200 + i * 10 + j) as u64);
             match selfcheck::compare_tp_logits_moe(*arch, ty, args.positions, s, &ordinals) {
                 Ok(r) => {
@@ -368,7 +388,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     println!(
         "tp{ranks} graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graphs):"
     );
-    let archs = dense.iter().chain(&selfcheck::TP_MOE_ARCHS);
+    let archs = dense.iter().chain(&moe);
     for (i, arch) in archs.enumerate() {
         for (j, ty) in ["f32", "q4_k_m", "q8_0"].iter().enumerate() {
             for seqs in [37, 64] {
