@@ -362,7 +362,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     }
     // Speculative verification on TP: batch-invariant steps against single-token ones,
     // then greedy ids with prompt lookup and with a draft model on the first GPU.
-    for (i, arch) in dense.iter().chain(&selfcheck::TP_MOE_ARCHS).enumerate() {
+    for (i, arch) in dense.iter().chain(&moe).enumerate() {
         let s = seed.wrapping_add(400 + i as u64);
         match selfcheck::compare_tp_invariant(*arch, "q4_k_m", s, &ordinals) {
             Ok(r) => {
