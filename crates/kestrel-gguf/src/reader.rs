@@ -51,7 +51,6 @@ pub struct GgufFile {
     /// The other parts of a split model: their storage and data offset.
     parts: Vec<(Storage, u64)>,
     /// Per tensor (same index as `tensors`): 0 for this file, `k` for `parts[k - 1]`.
-    tensor_part: Vec<usize>,
     version: u32,
     alignment: u64,
     data_offset: u64,
@@ -132,8 +131,10 @@ impl GgufFile {
                     slot.insert(self.tensors.len());
                 }
             }
-            self.tensors.push(info);
-            self.tensor_part.push(index);
+            self.tensors.push(TensorInfo {
+                part: index,
+                ..info
+            });
         }
         self.parts.push((part.storage, part.data_offset));
         Ok(())
@@ -183,7 +184,6 @@ impl GgufFile {
         Ok(GgufFile {
             storage,
             parts: Vec::new(),
-            tensor_part: vec![0; header.tensors.len()],
             version: header.version,
             alignment: header.alignment,
             data_offset: header.data_offset,
@@ -283,13 +283,12 @@ impl GgufFile {
     /// holds it. Every tensor of a parsed file lies within its file; for a `TensorInfo` that
     /// does not, the slice is empty.
     pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
-        let part = self
-            .tensor_index
-            .get(&info.name)
-            .map_or(0, |&i| self.tensor_part[i]);
-        let (storage, data_offset) = match part {
+        let (storage, data_offset) = match info.part {
             0 => (&self.storage, self.data_offset),
-            k => (&self.parts[k - 1].0, self.parts[k - 1].1),
+            k => match self.parts.get(k - 1) {
+                Some((storage, offset)) => (storage, *offset),
+                None => return &[],
+            },
         };
         let range = data_offset
             .checked_add(info.offset)
@@ -585,6 +584,7 @@ fn read_tensor_infos(
             dims,
             ty,
             offset,
+            part: 0,
         });
         offset_fields.push(offset_field);
     }

@@ -10,8 +10,12 @@ pub struct TensorInfo {
     /// Shape, innermost first: `dims[0]` is the row length (GGML's `ne[0]`).
     pub dims: Vec<u64>,
     pub ty: GgmlType,
-    /// Start of the data relative to the data section (`GgufFile::data_offset`).
+    /// Start of the data relative to the data section (`GgufFile::data_offset`) of its
+    /// file.
     pub offset: u64,
+    /// Which file of a split model holds the data (0: the first). A view of part of a
+    /// tensor (rows of a fused matrix) keeps its tensor's part.
+    pub part: usize,
 }
 
 impl TensorInfo {

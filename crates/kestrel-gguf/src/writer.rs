@@ -262,6 +262,7 @@ impl GgufWriter {
             dims: dims.to_vec(),
             ty,
             offset,
+            part: 0,
         });
         self.data.push(data);
         Ok(&self.tensors[self.tensors.len() - 1])

@@ -115,3 +115,28 @@ fn parts_that_do_not_fit_are_errors() {
     let err = GgufFile::open(&odd).expect_err("misnamed").to_string();
     assert!(err.contains("-00001-of-00002.gguf"), "{err}");
 }
+
+/// A view of some rows of a tensor in a later part (how Phi-3's fused `attn_qkv` loads its
+/// Q, K and V) reads that part's bytes, whatever the view is called.
+#[test]
+fn a_view_of_a_tensor_reads_its_own_part() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a: Vec<f32> = (0..8).map(|i| i as f32).collect();
+    let b: Vec<f32> = (0..8).map(|i| 100.0 + i as f32).collect();
+    let paths = write_split(dir.path(), "v", &[&[("a", a)], &[("b", b.clone())]]);
+    let file = GgufFile::open(&paths[0]).expect("open split");
+    let info = file.tensor("b").expect("b");
+    assert_eq!(info.part, 1);
+    let view = kestrel_gguf::TensorInfo {
+        name: "b (rows 2..5)".into(),
+        dims: vec![3],
+        offset: info.offset + 2 * 4,
+        ..info.clone()
+    };
+    let got: Vec<f32> = file
+        .tensor_data(&view)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(got, b[2..5]);
+}

@@ -81,6 +81,7 @@ impl<W> ModelWeights<W> {
                 dims: vec![dims[0] as u64, rows.len() as u64],
                 ty: info.ty,
                 offset: info.offset + rows.start as u64 * row_bytes,
+                part: info.part,
             };
             backend
                 .load_weight(file, &slice)
