@@ -384,7 +384,7 @@ impl TpPlan {
         };
         let per = d.n_v_heads / d.n_k_heads.max(1);
         if d.qwen3next_layout {
-            vec![k.start * per..k.end * per]
+            std::iter::once(k.start * per..k.end * per).collect()
         } else {
             (0..per)
                 .map(|j| j * d.n_k_heads + k.start..j * d.n_k_heads + k.end)

@@ -35,7 +35,9 @@ pub struct Args {
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
     /// dense architecture's and qwen3moe's logits against the CPU and one GPU, greedy
     /// generations, and decode steps of 37 and 64 sequences replayed from graphs against
-    /// eager ones. With `--moe`: the all-reduces and qwen3moe's checks only.
+    /// eager ones; then the linear-attention hybrids' (qwen35, qwen3next, qwen35moe). With
+    /// `--moe`: the all-reduces and qwen3moe's checks only; with `--hybrids`: the
+    /// all-reduces and the hybrids' only.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
     /// `layer`: instead of the one-GPU checks, check the layer split over `--devices`
@@ -197,8 +199,22 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             );
         }
     }
-    // `--moe`: the mixtures of experts only.
-    let dense: &[kestrel_model::Arch] = if args.moe { &[] } else { &selfcheck::TP_ARCHS };
+    // `--moe`: qwen3moe only; `--hybrids`: the linear-attention hybrids only.
+    let dense: &[kestrel_model::Arch] = if args.moe || args.hybrids {
+        &[]
+    } else {
+        &selfcheck::TP_ARCHS
+    };
+    let moe: &[kestrel_model::Arch] = if args.hybrids {
+        &[]
+    } else {
+        &selfcheck::TP_MOE_ARCHS
+    };
+    let hybrids: &[kestrel_model::Arch] = if args.moe {
+        &[]
+    } else {
+        &selfcheck::TP_HYBRID_ARCHS
+    };
     for (i, arch) in dense.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
@@ -242,7 +258,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     }
     // Mixtures of experts: each rank its share of every expert, the router replicated;
     // route flips allowed as in the one-GPU MoE checks.
-    for (i, arch) in selfcheck::TP_MOE_ARCHS.iter().enumerate() {
+    for (i, arch) in moe.iter().enumerate() {
         for (j, ty) in ["f32", "q8_0", "q4_k_m"].iter().enumerate() {
             let s = seed.wrapping_add((200 + i * 10 + j) as u64);
             match selfcheck::compare_tp_logits_moe(*arch, ty, args.positions, s, &ordinals) {
@@ -285,13 +301,65 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
     }
+    // The linear-attention hybrids: DeltaNet layers split by heads, their states per rank;
+    // the one-GPU hybrid checks' criteria (f32 activations; route flips allowed in the MoE
+    // hybrids).
+    for (i, arch) in hybrids.iter().enumerate() {
+        for (j, ty) in selfcheck::HYBRID_TYPES.iter().enumerate() {
+            let s = seed.wrapping_add((400 + i * 10 + j) as u64);
+            match selfcheck::compare_tp_logits_hybrid(*arch, ty, args.positions, s, &ordinals) {
+                Ok(h) => {
+                    failures += usize::from(!h.passed());
+                    let r = &h.report;
+                    println!(
+                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% of positions within, top-1 {:.2}% with near-ties; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% within, top-1 {:.2}% ({:.2}% with near-ties){}  {}",
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu_within * 100.0,
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu_within * 100.0,
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        if h.moe {
+                            " (route flips allowed)"
+                        } else {
+                            " (strict)"
+                        },
+                        if h.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("tp{ranks} {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        let s = seed.wrapping_add(500 + i as u64);
+        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
+            Ok(g) => {
+                failures += usize::from(!g.passed());
+                println!(
+                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
+                    g.cpu.len(),
+                    g.first_difference,
+                    if g.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
     // Batched decode steps (cuBLAS products and all-reduces in each part's graph) replayed
     // against the same steps launched kernel by kernel.
     const STEPS: usize = 8;
     println!(
         "tp{ranks} graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graphs):"
     );
-    let archs = dense.iter().chain(&selfcheck::TP_MOE_ARCHS);
+    let archs = dense.iter().chain(moe).chain(hybrids);
     for (i, arch) in archs.enumerate() {
         for (j, ty) in ["f32", "q4_k_m", "q8_0"].iter().enumerate() {
             for seqs in [37, 64] {
