@@ -23,8 +23,8 @@ use anyhow::{Context, bail};
 use kestrel_gguf::{GgufFile, TensorInfo};
 use kestrel_model::shard::layer_ranges_by_memory;
 use kestrel_model::{
-    Activation, AttnParams, Backend, Batch, KvType, KvTypes, LayerWeights, ModelConfig, RopeParams,
-    SamplingBatch,
+    Activation, AttnParams, Backend, Batch, KvType, KvTypes, LayerWeights, ModelConfig, MoeConfig,
+    RopeParams, SamplingBatch,
 };
 
 use crate::launch::{Arg, SPECIAL_PEER_COPY};
@@ -315,6 +315,30 @@ impl SplitBackend {
         Ok(ranges)
     }
 
+    /// The stage that holds tensor `name` (a layer's: the stage of that layer; the
+    /// embedding table: the first; the rest: the last), the split planned and every
+    /// stage told the bytes to come on the first call.
+    fn stage_of_tensor(&self, file: &Arc<GgufFile>, name: &str) -> anyhow::Result<usize> {
+        let ranges = self.plan(file)?;
+        for (s, b) in self.stages.iter().enumerate() {
+            // Stages sharing a GPU load one after the other: the first leaves room for all.
+            b.expect_weights(file, || {
+                (0..self.stages.len())
+                    .filter(|&t| t >= s && self.ordinals[t] == self.ordinals[s])
+                    .map(|t| stage_weight_bytes(file, &ranges, t, self.last()))
+                    .sum()
+            });
+        }
+        Ok(match layer_of(name) {
+            Some(i) => ranges
+                .iter()
+                .position(|r| r.contains(&i))
+                .with_context(|| format!("{name}: layer {i} is past the model's layers"))?,
+            None if name == "token_embd.weight" => 0,
+            None => self.last(),
+        })
+    }
+
     /// Issues every stage's recorded launches, in stage order.
     fn issue_all(&self) {
         for b in &self.stages {
@@ -434,26 +458,9 @@ impl Backend for SplitBackend {
     }
 
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<SplitWeight> {
-        let ranges = self.plan(file)?;
-        for (s, b) in self.stages.iter().enumerate() {
-            // Stages sharing a GPU load one after the other: the first leaves room for all.
-            b.expect_weights(file, || {
-                (0..self.stages.len())
-                    .filter(|&t| t >= s && self.ordinals[t] == self.ordinals[s])
-                    .map(|t| stage_weight_bytes(file, &ranges, t, self.last()))
-                    .sum()
-            });
-        }
+        let stage = self.stage_of_tensor(file, &info.name)?;
         let name = info.name.as_str();
         let tied = file.tensor("output.weight").is_none();
-        let stage = match layer_of(name) {
-            Some(i) => ranges
-                .iter()
-                .position(|r| r.contains(&i))
-                .with_context(|| format!("{name}: layer {i} is past the model's layers"))?,
-            None if name == "token_embd.weight" => 0,
-            None => self.last(),
-        };
         let load = |s: usize, gathered_only: bool| {
             let b = &self.stages[s];
             b.bind()?;
@@ -765,6 +772,92 @@ impl Backend for SplitBackend {
         self.issue_all();
         let s = x.stage();
         self.stages[s].sample_rows(&x.t[s], n, sampling, scratch, out)
+    }
+
+    fn attention_sinks(
+        &self,
+        q: &SplitTensor,
+        cache: &SplitCache,
+        params: &AttnParams,
+        sinks: &SplitWeight,
+        step: &SplitStep,
+        n: usize,
+        out: &mut SplitTensor,
+    ) -> anyhow::Result<()> {
+        let (s, local) = self.stage_of_layer(params.layer);
+        self.bring(q, s);
+        let p = AttnParams {
+            layer: local,
+            ..*params
+        };
+        let b = &self.stages[s];
+        b.attention_sinks(
+            &q.t[s],
+            &cache.0[s],
+            &p,
+            &sinks.w,
+            &step.0[s],
+            n,
+            &mut out.t[s],
+        )?;
+        out.wrote(s, n);
+        Ok(())
+    }
+
+    fn load_experts(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> anyhow::Result<SplitWeight> {
+        let stage = self.stage_of_tensor(file, &info.name)?;
+        let b = &self.stages[stage];
+        b.bind()?;
+        let w = crate::moe::load_experts(b, file, info).with_context(|| {
+            format!(
+                "{} on cuda:{} (stage {stage})",
+                info.name, self.ordinals[stage]
+            )
+        })?;
+        Ok(SplitWeight {
+            stage,
+            w,
+            head: None,
+        })
+    }
+
+    /// The block on the stage holding the layer's experts, as on one GPU.
+    fn moe_ffn(
+        &self,
+        x: &SplitTensor,
+        layer: &LayerWeights<SplitWeight>,
+        moe: &MoeConfig,
+        act: Activation,
+        n: usize,
+        out: &mut SplitTensor,
+    ) -> anyhow::Result<()> {
+        let s = self.at_weight(x, &layer.ffn_gate);
+        let experts = crate::moe::Experts::picked(layer, |w: &SplitWeight| &w.w);
+        crate::moe::moe_ffn(
+            &self.stages[s],
+            &x.t[s],
+            experts,
+            moe,
+            act,
+            n,
+            &mut out.t[s],
+        )?;
+        out.wrote(s, n);
+        Ok(())
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut SplitTensor,
+        y: &SplitTensor,
+        x: &SplitTensor,
+        w: &SplitWeight,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let s = self.at_weight(x, w);
+        self.bring(y, s);
+        self.bring(out, s);
+        self.stages[s].add_sigmoid_gated(&mut out.t[s], &y.t[s], &x.t[s], &w.w, n)
     }
 
     fn qkv(

@@ -2229,7 +2229,7 @@ pub fn compare_sampling(
     Ok(report)
 }
 
-/// Result of [`compare_invariant`].
+/// Result of [`compare_invariant`] and [`compare_tp_invariant`].
 #[derive(Debug, Clone)]
 pub struct InvariantReport {
     pub arch: Arch,
@@ -2245,11 +2245,42 @@ pub struct InvariantReport {
     pub spec: Vec<u32>,
     pub plain: Vec<u32>,
     pub drafted: usize,
+    /// With a draft model (the same file on one GPU): its greedy ids and drafts verified.
+    pub with_draft: Option<(Vec<u32>, usize)>,
 }
 
 impl InvariantReport {
     pub fn passed(&self) -> bool {
-        self.rows > 0 && self.differing == 0 && self.spec == self.plain && self.drafted > 0
+        self.rows > 0
+            && self.differing == 0
+            && self.spec == self.plain
+            && self.drafted > 0
+            && self
+                .with_draft
+                .as_ref()
+                .is_none_or(|(ids, drafted)| *ids == self.plain && *drafted > 0)
+    }
+
+    /// "ids equal, N drafted" or what differed, for a report line.
+    pub fn ids_summary(&self) -> String {
+        let mut s = format!(
+            "prompt lookup ids {}, {} drafted",
+            if self.spec == self.plain {
+                "equal"
+            } else {
+                "DIFFER"
+            },
+            self.drafted
+        );
+        if let Some((ids, drafted)) = &self.with_draft {
+            let same = if *ids == self.plain {
+                "equal"
+            } else {
+                "DIFFER"
+            };
+            s += &format!("; draft model ids {same}, {drafted} drafted");
+        }
+        s
     }
 }
 
@@ -2266,6 +2297,47 @@ pub fn compare_invariant(
 ) -> anyhow::Result<InvariantReport> {
     let file = tiny_model(arch, ty, seed)?;
     let mut gpu = cuda_engine(&file, ordinal)?;
+    invariant_report(arch, ty, &mut gpu, seed, None)
+}
+
+/// [`compare_invariant`] on a tensor-parallel engine over `ordinals`, plus greedy
+/// generation with a draft model (the same file on `ordinals[0]` alone, as `--draft` runs
+/// beside `--tp`): its ids must equal plain generation's too.
+pub fn compare_tp_invariant(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<InvariantReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut tp = tp_engine(&file, ordinals)?;
+    let draft = cuda_engine(&file, ordinals[0])?;
+    let drafter = kestrel_engine::spec::DraftModel::new(draft, &file, &file)?;
+    invariant_report(arch, ty, &mut tp, seed, Some(Box::new(drafter)))
+}
+
+/// [`compare_tp_invariant`] under a layer split over `ordinals` (the draft model alone on
+/// the first stage's GPU).
+pub fn compare_split_invariant(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<InvariantReport> {
+    let file = split_model(arch, ty, seed)?;
+    let mut split = split_engine(&file, ordinals)?;
+    let draft = cuda_engine(&file, ordinals[0])?;
+    let drafter = kestrel_engine::spec::DraftModel::new(draft, &file, &file)?;
+    invariant_report(arch, ty, &mut split, seed, Some(Box::new(drafter)))
+}
+
+fn invariant_report<B: kestrel_model::Backend>(
+    arch: Arch,
+    ty: &str,
+    gpu: &mut Engine<B>,
+    seed: u64,
+    draft_model: Option<Box<dyn kestrel_engine::spec::Drafter + '_>>,
+) -> anyhow::Result<InvariantReport> {
     let vocab = gpu.config().vocab_size as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5bd1);
     let mut random =
@@ -2312,22 +2384,25 @@ pub fn compare_invariant(
     let mut prompt = random(24);
     prompt.extend_from_within(..20);
     let params = kestrel_engine::sampler::SamplerParams::greedy();
-    let mut seq = Sequence::default();
-    let (plain, _) =
-        gpu.generate_speculative(&mut seq, &prompt, &params, 48, |_| false, |_| true, None)?;
-    gpu.release(&mut seq);
+    let mut generate = |spec: Option<&mut kestrel_engine::spec::Speculator>| {
+        let mut seq = Sequence::default();
+        let out =
+            gpu.generate_speculative(&mut seq, &prompt, &params, 48, |_| false, |_| true, spec);
+        gpu.release(&mut seq);
+        out
+    };
+    let (plain, _) = generate(None)?;
     let drafter = kestrel_engine::spec::NgramDrafter::new(1, 4)?;
-    let mut spec = kestrel_engine::spec::Speculator::new(Box::new(drafter), 1, 7);
-    let (fast, stats) = gpu.generate_speculative(
-        &mut seq,
-        &prompt,
-        &params,
-        48,
-        |_| false,
-        |_| true,
-        Some(&mut spec),
-    )?;
-    gpu.release(&mut seq);
+    let mut lookup = kestrel_engine::spec::Speculator::new(Box::new(drafter), 1, 7);
+    let (fast, stats) = generate(Some(&mut lookup))?;
+    let with_draft = match draft_model {
+        Some(drafter) => {
+            let mut spec = kestrel_engine::spec::Speculator::new(drafter, 1, 7);
+            let (ids, stats) = generate(Some(&mut spec))?;
+            Some((ids, stats.drafted))
+        }
+        None => None,
+    };
     Ok(InvariantReport {
         arch,
         ty: ty.to_string(),
@@ -2337,6 +2412,7 @@ pub fn compare_invariant(
         spec: fast,
         plain,
         drafted: stats.drafted,
+        with_draft,
     })
 }
 
@@ -3530,6 +3606,89 @@ pub fn compare_split_greedy(
         one_gpu,
         split: vs_cpu.cuda.clone(),
         vs_cpu,
+    })
+}
+
+/// A mixture of experts (or gpt-oss's attention with sinks) under a layer split against
+/// one GPU. Each stage runs the one-GPU kernels on its layers (same routes, same sums), so
+/// every logit must be bit-identical and the greedy ids equal.
+#[derive(Debug, Clone)]
+pub struct SplitMoeReport {
+    /// Logit rows compared (teacher-forced tokens in [`PARTS`]), those not bit-identical,
+    /// and their largest |Δ|.
+    pub rows: usize,
+    pub differing: usize,
+    pub max_abs_diff: f32,
+    pub ranges: Vec<std::ops::Range<usize>>,
+    pub one_gpu: Vec<u32>,
+    pub split: Vec<u32>,
+}
+
+impl SplitMoeReport {
+    pub fn passed(&self) -> bool {
+        self.rows > 0 && self.differing == 0 && !self.split.is_empty() && self.split == self.one_gpu
+    }
+}
+
+/// Teacher-forced logits of `tokens` (in [`PARTS`]), then `generate` greedy ids after the
+/// first 8 of them.
+fn logits_and_greedy<B: kestrel_model::Backend>(
+    engine: &mut Engine<B>,
+    tokens: &[u32],
+    generate: usize,
+) -> anyhow::Result<(Vec<Vec<f32>>, Vec<u32>)> {
+    let logits = all_logits_in_parts(engine, tokens, &PARTS)?;
+    let params = kestrel_engine::sampler::SamplerParams::greedy();
+    let mut seq = Sequence::default();
+    let ids = engine.generate(
+        &mut seq,
+        &tokens[..8],
+        &params,
+        generate,
+        |_| false,
+        |_| true,
+    )?;
+    engine.release(&mut seq);
+    Ok((logits, ids))
+}
+
+pub fn compare_split_moe(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    generate: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<SplitMoeReport> {
+    let file = split_model(arch, ty, seed)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5b18);
+    let vocab = kestrel_model::ModelConfig::from_gguf(&file)?.vocab_size as u32;
+    let tokens: Vec<u32> = (0..n.max(8)).map(|_| rng.random_range(0..vocab)).collect();
+    let (a, one_gpu) = logits_and_greedy(&mut cuda_engine(&file, ordinals[0])?, &tokens, generate)?;
+    let mut split = split_engine(&file, ordinals)?;
+    let ranges = split.backend.layer_ranges().unwrap_or_default();
+    let (b, split_ids) = logits_and_greedy(&mut split, &tokens, generate)?;
+    let (mut rows, mut differing, mut max_abs_diff) = (0, 0, 0f32);
+    for (x, y) in a.iter().zip(&b) {
+        rows += 1;
+        if x.len() != y.len() || x.iter().zip(y).any(|(p, q)| p.to_bits() != q.to_bits()) {
+            differing += 1;
+            let d = x
+                .iter()
+                .zip(y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max);
+            max_abs_diff = max_abs_diff.max(d);
+        }
+    }
+    anyhow::ensure!(a.len() == b.len(), "{} rows against {}", b.len(), a.len());
+    Ok(SplitMoeReport {
+        rows,
+        differing,
+        max_abs_diff,
+        ranges,
+        one_gpu,
+        split: split_ids,
     })
 }
 

@@ -219,19 +219,11 @@ impl SpecArgs {
                         let (d, file) = build_engine(backend, true, &draft_args, 1)?;
                         Box::new(DraftModel::new(d, target, &file)?)
                     }
-                    AnyEngine::Tp(_) => {
-                        bail!("a draft model with tensor parallelism is not supported yet")
-                    }
-                    AnyEngine::Split(_) => {
-                        bail!("a draft model with a layer split is not supported yet")
-                    }
-                    AnyEngine::Cuda(_) => {
-                        let backend = CudaBackend::new(match Device::parse(&model.device)? {
-                            Device::Cuda(n) => n,
-                            Device::Cpu | Device::CudaTp(_) | Device::CudaLayers(_) => 0,
-                        })
-                        .with_context(|| {
-                            format!("opening device {} for the draft", model.device)
+                    AnyEngine::Cuda(_) | AnyEngine::Tp(_) | AnyEngine::Split(_) => {
+                        let device = Device::resolve_split(&model.device, model.tp, model.split)?;
+                        let ordinal = device.draft_ordinal();
+                        let backend = CudaBackend::new(ordinal).with_context(|| {
+                            format!("opening device cuda:{ordinal} for the draft")
                         })?;
                         let (d, file) = build_engine(backend, false, &draft_args, 1)?;
                         Box::new(DraftModel::new(d, target, &file)?)
@@ -279,6 +271,15 @@ impl Device {
                  for two stages on one, or --tp 2)"
             ),
             (d, _) => Ok(d),
+        }
+    }
+
+    /// The GPU a draft model runs on (alone): the target's, or the first of its list.
+    pub fn draft_ordinal(&self) -> usize {
+        match self {
+            Device::Cuda(n) => *n,
+            Device::CudaTp(v) | Device::CudaLayers(v) => v.first().copied().unwrap_or(0),
+            Device::Cpu => 0,
         }
     }
 
@@ -638,6 +639,16 @@ mod device_tests {
         );
         assert!(r("cuda:0,", None).is_err());
         assert!(r("gpu", None).is_err());
+    }
+
+    #[test]
+    fn a_draft_model_runs_on_the_targets_first_gpu() {
+        let on = |d: &str, tp, split| Device::resolve_split(d, tp, split).unwrap().draft_ordinal();
+        assert_eq!(on("cuda:3", None, None), 3);
+        assert_eq!(on("cuda:2,cuda:1", None, None), 2);
+        assert_eq!(on("cuda:1,cuda:0", None, Some(super::SplitMode::Layer)), 1);
+        assert_eq!(on("cuda", Some(2), None), 0);
+        assert_eq!(on("cpu", None, None), 0);
     }
 
     #[test]

@@ -147,6 +147,61 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
             }
         }
     }
+    // Speculative verification: batch-invariant steps, prompt lookup and a draft model.
+    for (i, arch) in ARCHS.iter().enumerate() {
+        let s = seed.wrapping_add(400 + i as u64);
+        match selfcheck::compare_split_invariant(*arch, "q4_k_m", s, &ordinals) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "split {arch:?} q4_k_m invariant: {} rows, {} differ (max |Δ| {:.2e}); {}  {}",
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    r.ids_summary(),
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("split {arch:?} q4_k_m invariant: ERROR {e:#}");
+            }
+        }
+    }
+    // Mixtures of experts and gpt-oss's attention with sinks: the stages run the one-GPU
+    // kernels, so the logits must be bit-identical to one GPU's.
+    let moe_cases = [
+        (kestrel_model::Arch::Qwen3Moe, "q4_k_m"),
+        (kestrel_model::Arch::Qwen3Moe, "q8_0"),
+        (kestrel_model::Arch::GptOss, "mxfp4"),
+        (kestrel_model::Arch::GptOss, "f16"),
+    ];
+    for (i, (arch, ty)) in moe_cases.into_iter().enumerate() {
+        let s = seed.wrapping_add(500 + i as u64);
+        match selfcheck::compare_split_moe(arch, ty, args.positions, args.generate, s, &ordinals) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "split {arch:?} {ty} layers {:?}: {} rows, {} not bit-identical to 1 GPU (max |Δ| {:.2e}); greedy {} tokens {} one GPU's  {}",
+                    r.ranges,
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    r.split.len(),
+                    if r.split == r.one_gpu {
+                        "equal to"
+                    } else {
+                        "DIFFER from"
+                    },
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("split {arch:?} {ty}: ERROR {e:#}");
+            }
+        }
+    }
     verdict(failures, "layer-split")
 }
 
@@ -306,7 +361,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     // hybrids).
     for (i, arch) in hybrids.iter().enumerate() {
         for (j, ty) in selfcheck::HYBRID_TYPES.iter().enumerate() {
-            let s = seed.wrapping_add((400 + i * 10 + j) as u64);
+            let s = seed.wrapping_add((600 + i * 10 + j) as u64);
             match selfcheck::compare_tp_logits_hybrid(*arch, ty, args.positions, s, &ordinals) {
                 Ok(h) => {
                     failures += usize::from(!h.passed());
@@ -336,7 +391,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
                 }
             }
         }
-        let s = seed.wrapping_add(500 + i as u64);
+        let s = seed.wrapping_add(700 + i as u64);
         match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
             Ok(g) => {
                 failures += usize::from(!g.passed());
@@ -350,6 +405,28 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             Err(e) => {
                 failures += 1;
                 println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
+    // Speculative verification on TP: batch-invariant steps against single-token ones,
+    // then greedy ids with prompt lookup and with a draft model on the first GPU.
+    for (i, arch) in dense.iter().chain(moe).enumerate() {
+        let s = seed.wrapping_add(400 + i as u64);
+        match selfcheck::compare_tp_invariant(*arch, "q4_k_m", s, &ordinals) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "tp{ranks} {arch:?} q4_k_m invariant: {} rows, {} differ (max |Δ| {:.2e}); {}  {}",
+                    r.rows,
+                    r.differing,
+                    r.max_abs_diff,
+                    r.ids_summary(),
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} q4_k_m invariant: ERROR {e:#}");
             }
         }
     }
