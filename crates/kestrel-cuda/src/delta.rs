@@ -296,6 +296,27 @@ fn vector_of(w: &CudaWeight, len: usize, what: &str) -> anyhow::Result<u64> {
     }
 }
 
+/// The weights of a linear-attention layer its core reads (the input and output
+/// projections run outside it): of one GPU's layer, or of one rank's shards.
+pub(crate) struct DeltaCore<'a> {
+    pub conv: &'a CudaWeight,
+    pub dt_bias: &'a CudaWeight,
+    pub a: &'a CudaWeight,
+    pub norm: &'a CudaWeight,
+}
+
+impl<'a> DeltaCore<'a> {
+    /// The core weights of `w`, each through `pick` (a rank's shard of a weight).
+    pub fn picked<W>(w: &'a DeltaNetWeights<W>, pick: impl Fn(&'a W) -> &'a CudaWeight) -> Self {
+        DeltaCore {
+            conv: pick(&w.conv),
+            dt_bias: pick(&w.dt_bias),
+            a: pick(&w.a),
+            norm: pick(&w.norm),
+        }
+    }
+}
+
 /// The layer's core after its input projections (see `Backend::delta_net`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn delta_net(
@@ -303,7 +324,7 @@ pub(crate) fn delta_net(
     cache: &mut CudaCache,
     layer: usize,
     cfg: &DeltaNetConfig,
-    w: &DeltaNetWeights<CudaWeight>,
+    w: DeltaCore<'_>,
     mix: &CudaTensor,
     z: &CudaTensor,
     beta: &CudaTensor,
@@ -340,10 +361,10 @@ pub(crate) fn delta_net(
     if alpha.cols != ba_cols {
         bail!("alpha has {} columns, expected {ba_cols}", alpha.cols);
     }
-    let conv_w = matrix_f32(&w.conv, conv_dim, taps, "ssm_conv1d")?;
-    let dt_bias = vector_of(&w.dt_bias, nv, "ssm_dt.bias")?;
-    let a = vector_of(&w.a, nv, "ssm_a")?;
-    let norm = vector_of(&w.norm, hv, "ssm_norm")?;
+    let conv_w = matrix_f32(w.conv, conv_dim, taps, "ssm_conv1d")?;
+    let dt_bias = vector_of(w.dt_bias, nv, "ssm_dt.bias")?;
+    let a = vector_of(w.a, nv, "ssm_a")?;
+    let norm = vector_of(w.norm, hv, "ssm_norm")?;
     let conv_out = step
         .delta_conv_ptr
         .context("a step made without room for the convolution's output")?;

@@ -830,6 +830,7 @@ impl kestrel_model::Backend for CudaBackend {
         n: usize,
         out: &mut CudaTensor,
     ) -> anyhow::Result<Prepared> {
+        let w = delta::DeltaCore::picked(w, |x| x);
         delta::delta_net(
             self, cache, layer, cfg, w, mix, z, beta, alpha, eps, step, n, out,
         )

@@ -21,6 +21,14 @@
 //! projection's, and only rank 0's includes the experts' down biases (gpt-oss). gpt-oss's
 //! attention runs each rank's query heads with their sinks; its attention output bias is
 //! added on every rank after the all-reduce.
+//!
+//! The linear-attention hybrids (qwen35, qwen35moe, qwen3next) run their gated attention
+//! layers by the dense rule and their gated DeltaNet layers by heads: each rank runs the
+//! single-GPU kernels on its q/k heads and their v heads (the plan's local
+//! `DeltaNetConfig`), with the recurrent and convolution states of those heads only in its
+//! cache, and `ssm_out`'s partial sums are all-reduced. A shared expert's down projection
+//! ([`Role::PartialSum`]) is not reduced alone: the block's routed and shared partial sums,
+//! the latter scaled by the replicated sigmoid gate, take one all-reduce after the gate.
 
 use std::cell::UnsafeCell;
 use std::panic::AssertUnwindSafe;
@@ -31,8 +39,8 @@ use anyhow::{Context, bail};
 use kestrel_gguf::{GgufFile, TensorInfo};
 use kestrel_model::shard::{Role, Split, TpPlan, shard_bytes};
 use kestrel_model::{
-    Activation, AttnParams, Backend, Batch, LayerWeights, ModelConfig, MoeConfig, RopeParams,
-    SamplingBatch,
+    Activation, AttnParams, Backend, Batch, DeltaNetConfig, DeltaNetWeights, LayerWeights,
+    ModelConfig, MoeConfig, RopeParams, SamplingBatch,
 };
 
 use crate::launch::{Arg, SPECIAL_ALL_GATHER, SPECIAL_ALL_REDUCE, SPECIAL_COPY_2D};
@@ -628,6 +636,22 @@ impl TpBackend {
         self.each(|_, b| b.issue());
     }
 
+    /// All-reduces the first `n` rows of a block's partial sums on every rank (counted
+    /// among the step's all-reduces: after every [`STEP_PARTS`]-th share of them the ranks
+    /// issue the part recorded so far).
+    fn reduce_block(&self, x: &mut TpTensor, n: usize) {
+        let xs = PerRank::new(&mut x.0);
+        let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
+        let issue_part = done.is_multiple_of(self.part_every.load(Ordering::Relaxed));
+        self.each(|r, b| {
+            // SAFETY: rank r's own tensor.
+            b.all_reduce_rows(unsafe { xs.get(r) }, n);
+            if issue_part {
+                b.issue_part();
+            }
+        });
+    }
+
     /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
     /// rank 0's `out`.
     fn vocab_matmul(
@@ -758,17 +782,18 @@ fn rank_weight_bytes(plan: &TpPlan, file: &GgufFile, r: usize) -> u64 {
             };
             // A fused matrix (Phi-3's) loads as its sections: their shards.
             let sections = plan.fused_sections(&t.name, rows as usize);
-            let share = match plan.split(&t.name, r) {
+            let split = plan.split(&t.name, r);
+            let share = match split.shard_len() {
                 _ if !sections.is_empty() => sections
                     .iter()
-                    .map(|(name, range)| match plan.split(name, r) {
-                        Split::Rows(x) => n * x.len() as u64 / rows,
-                        _ => n * range.len() as u64 / rows,
+                    .map(|(name, range)| match plan.split(name, r).shard_len() {
+                        Some(len) => n * len as u64 / rows,
+                        None => n * range.len() as u64 / rows,
                     })
                     .sum(),
-                Split::Replicated => n,
-                Split::Rows(x) => n * x.len() as u64 / rows,
-                Split::Cols(x) => n * x.len() as u64 / cols,
+                None => n,
+                Some(len) if split.is_cols() => n * len as u64 / cols,
+                Some(len) => n * len as u64 / rows,
             };
             let head = if t.name == "token_embd.weight" && plan.tied_embeddings {
                 n / plan.ranks.max(1) as u64
@@ -886,10 +911,11 @@ impl Backend for TpBackend {
             move |other: &str| -> Option<(usize, usize)> {
                 let t = file.tensor(other).filter(|t| t.dims.len() == 2)?;
                 let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
-                Some(match plan.split(other, r) {
-                    Split::Replicated => (cols, rows),
-                    Split::Rows(x) => (cols, x.len()),
-                    Split::Cols(x) => (x.len(), rows),
+                let split = plan.split(other, r);
+                Some(match split.shard_len() {
+                    None => (cols, rows),
+                    Some(len) if split.is_cols() => (len, rows),
+                    Some(len) => (cols, len),
                 })
             }
         };
@@ -956,7 +982,9 @@ impl Backend for TpBackend {
     /// Each rank's block over its share of every expert (the whole router: the same routes
     /// on every rank), then the partial sums all-reduced into `out` on every rank. The
     /// blocks are recorded on every rank before any all-reduce, so a block refused on one
-    /// rank leaves no collective waiting for it on the others.
+    /// rank leaves no collective waiting for it on the others. A block with a shared expert
+    /// leaves its partial sums for [`Backend::add_sigmoid_gated`], which adds the shared
+    /// expert's and then all-reduces (one all-reduce a block).
     fn moe_ffn(
         &self,
         x: &TpTensor,
@@ -986,16 +1014,123 @@ impl Backend for TpBackend {
             }
             crate::moe::moe_ffn(b, &x.0[r], e, &m, act, n, out)
         })?;
-        let done = self.reduces.fetch_add(1, Ordering::Relaxed) + 1;
-        let issue_part = done.is_multiple_of(self.part_every.load(Ordering::Relaxed));
-        self.each(|r, b| {
-            // SAFETY: rank r's own tensor.
-            b.all_reduce_rows(unsafe { o.get(r) }, n);
-            if issue_part {
-                b.issue_part();
-            }
-        });
+        if layer.shared_expert.is_none() {
+            self.reduce_block(out, n);
+        }
         Ok(())
+    }
+
+    /// `out += y · sigmoid(x · w)` on every rank — a shared expert's partial sum `y` scaled
+    /// by its gate (`w` replicated, so the same scale on every rank) added to the routed
+    /// experts' partial sum `out` — then `out` all-reduced: the block's one all-reduce.
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut TpTensor,
+        y: &TpTensor,
+        x: &TpTensor,
+        w: &TpWeight,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        if w.role != Role::Replicated {
+            bail!("a shared expert's gate split among devices");
+        }
+        let o = PerRank::new(&mut out.0);
+        // SAFETY: rank r's own tensor.
+        self.each_ok(|r, b| {
+            b.add_sigmoid_gated(unsafe { o.get(r) }, &y.0[r], &x.0[r], &w.ranks[r], n)
+        })?;
+        self.reduce_block(out, n);
+        Ok(())
+    }
+
+    fn check_linear_attention(&self) -> anyhow::Result<()> {
+        self.ranks[0].check_linear_attention()
+    }
+
+    fn forget_state(&self, cache: &mut TpCache, first_block: u32) {
+        let c = PerRank::new(&mut cache.0);
+        // SAFETY: rank r's own cache.
+        self.each(|r, b| b.forget_state(unsafe { c.get(r) }, first_block));
+    }
+
+    fn split_gated_query(
+        &self,
+        qg: &TpTensor,
+        head_dim: usize,
+        n: usize,
+        q: &mut TpTensor,
+        gate: &mut TpTensor,
+    ) -> anyhow::Result<()> {
+        let (qs, gs) = (PerRank::new(&mut q.0), PerRank::new(&mut gate.0));
+        self.each_ok(|r, b| {
+            // SAFETY: rank r's own tensors.
+            let (q, g) = unsafe { (qs.get(r), gs.get(r)) };
+            // The rank's heads: half its share of each head's query and gate.
+            let w = qg.0[r].cols / 2;
+            q.reshape(q.rows, w)?;
+            g.reshape(g.rows, w)?;
+            b.split_gated_query(&qg.0[r], head_dim, n, q, g)
+        })?;
+        Ok(())
+    }
+
+    fn sigmoid_mul(&self, x: &mut TpTensor, gate: &TpTensor, n: usize) -> anyhow::Result<()> {
+        let xs = PerRank::new(&mut x.0);
+        // SAFETY: rank r's own tensor.
+        self.each_ok(|r, b| b.sigmoid_mul(unsafe { xs.get(r) }, &gate.0[r], n))?;
+        Ok(())
+    }
+
+    /// Each rank's linear-attention core on its heads (the plan's local shape; `mix`, `z`,
+    /// beta and alpha are already the rank's columns), writing its v heads' values to
+    /// `out` for its rows of `ssm_out`.
+    fn delta_net(
+        &self,
+        cache: &mut TpCache,
+        layer: usize,
+        cfg: &DeltaNetConfig,
+        w: &DeltaNetWeights<TpWeight>,
+        mix: &TpTensor,
+        z: &TpTensor,
+        beta: &TpTensor,
+        alpha: &TpTensor,
+        eps: f32,
+        step: &TpStep,
+        n: usize,
+        out: &mut TpTensor,
+    ) -> anyhow::Result<TpPrepared> {
+        let plan = self.plan()?;
+        if plan.delta != Some(*cfg) {
+            bail!("a linear-attention layer of another shape than the plan's");
+        }
+        let (cs, os) = (PerRank::new(&mut cache.0), PerRank::new(&mut out.0));
+        let prepared = self.each_ok(|r, b| {
+            let local = plan
+                .delta_config(r)
+                .context("the plan has no linear-attention heads for this rank")?;
+            // SAFETY: rank r's own cache and tensor.
+            let (c, o) = unsafe { (cs.get(r), os.get(r)) };
+            o.reshape(o.rows, local.value_dim())?;
+            let core = crate::delta::DeltaCore::picked(w, |x: &TpWeight| &x.ranks[r]);
+            crate::delta::delta_net(
+                b,
+                c,
+                layer,
+                &local,
+                core,
+                &mix.0[r],
+                &z.0[r],
+                &beta.0[r],
+                &alpha.0[r],
+                eps,
+                &step.0[r],
+                n,
+                o,
+            )
+        })?;
+        let mut out = TpPrepared::default();
+        out.0[..prepared.len()].copy_from_slice(&prepared);
+        Ok(out)
     }
 
     fn new_tensor(&self, rows: usize, cols: usize) -> anyhow::Result<TpTensor> {
@@ -1086,7 +1221,8 @@ impl Backend for TpBackend {
         self.each(|r, b| {
             let out = unsafe { o.get(r) };
             let wr = &w.ranks[r];
-            if w.role != Role::RowParallel && !reshape_cols(b, out, wr.out_len()) {
+            let partial = matches!(w.role, Role::RowParallel | Role::PartialSum);
+            if !partial && !reshape_cols(b, out, wr.out_len()) {
                 return;
             }
             b.matmul_ready(&x.0[r], x_ready.0[r], wr, n, out);
@@ -1307,6 +1443,69 @@ impl Backend for TpBackend {
             }
             b.gate_up_of(&x.0[r], x_ready.0[r], gw, uw, act, n, g, u)
         })
+    }
+
+    fn gate_up_pair(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        gate_w: &TpWeight,
+        up_w: &TpWeight,
+        act: Activation,
+        n: usize,
+        gate: &mut TpTensor,
+        up: &mut TpTensor,
+    ) -> TpPrepared {
+        let (gs, us) = (PerRank::new(&mut gate.0), PerRank::new(&mut up.0));
+        self.each_prep(|r, b| {
+            // SAFETY: rank r's own tensors.
+            let (g, u) = unsafe { (gs.get(r), us.get(r)) };
+            let (gw, uw) = (&gate_w.ranks[r], &up_w.ranks[r]);
+            if !(reshape_cols(b, g, gw.out_len()) && reshape_cols(b, u, uw.out_len())) {
+                return Prepared::Nothing;
+            }
+            b.gate_up_of(&x.0[r], x_ready.0[r], gw, uw, act, n, g, u)
+        })
+    }
+
+    /// Column-parallel products of one input (a linear-attention layer's input
+    /// projections, a gated attention layer's Q/gate, K and V) as each rank's single-GPU
+    /// `matmul_many` on its shards; any other mix one product at a time.
+    fn matmul_many(
+        &self,
+        x: &TpTensor,
+        x_ready: TpPrepared,
+        ws: &[&TpWeight],
+        n: usize,
+        outs: &mut [&mut TpTensor],
+    ) {
+        if ws
+            .iter()
+            .any(|w| w.role != Role::ColumnParallel || !w.head.is_empty())
+        {
+            for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+                let ready = if i == 0 {
+                    x_ready
+                } else {
+                    TpPrepared::default()
+                };
+                self.matmul_ready(x, ready, w, n, out);
+            }
+            return;
+        }
+        let per: Vec<PerRank<CudaTensor>> =
+            outs.iter_mut().map(|o| PerRank::new(&mut o.0)).collect();
+        self.each(|r, b| {
+            // SAFETY: rank r's own element of each output.
+            let mut mine: Vec<&mut CudaTensor> = per.iter().map(|p| unsafe { p.get(r) }).collect();
+            let wr: Vec<&CudaWeight> = ws.iter().map(|w| &w.ranks[r]).collect();
+            for (o, w) in mine.iter_mut().zip(&wr) {
+                if !reshape_cols(b, o, w.out_len()) {
+                    return;
+                }
+            }
+            b.matmul_many(&x.0[r], x_ready.0[r], &wr, n, &mut mine);
+        });
     }
 
     fn matmul_add(

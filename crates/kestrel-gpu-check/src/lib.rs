@@ -44,6 +44,9 @@ pub fn tp_types(arch: Arch) -> &'static [&'static str] {
         _ => &["f32", "q8_0", "q4_k_m"],
     }
 }
+/// The linear-attention hybrids tensor parallelism runs (checked by
+/// [`compare_tp_logits_hybrid`], with the one-GPU hybrid checks' criteria).
+pub const TP_HYBRID_ARCHS: [Arch; 3] = [Arch::Qwen35, Arch::Qwen3Next, Arch::Qwen35Moe];
 
 /// The architectures of the attention-kernel logit checks (attention shapes, quantized
 /// caches), whose fixed bounds were measured on their tiny models (weights at 0.02).
@@ -2951,17 +2954,40 @@ pub fn compare_logits_cache(
 #[cfg(test)]
 mod tests {
     /// The TP checks' models split over 2 GPUs (so `gpu-check --tp 2` finds no refusal):
-    /// every dense architecture and mixture of experts in each type the checks use;
-    /// qwen3moe's experts 512 and 256 wide on the two ranks, gpt-oss's 416 each, and each
-    /// rank's shard of every expert tensor cut in whole blocks with the rank's width.
+    /// every dense architecture, mixture of experts and hybrid in each type the checks use
+    /// (and f16); qwen3moe's experts 512 and 256 wide on the two ranks, gpt-oss's 416 each,
+    /// and each rank's shard of every expert tensor cut in whole blocks with the rank's
+    /// width; every tensor of a hybrid cut (its v-head columns of `ssm_out` whole blocks),
+    /// each rank 2 of the 4 q/k heads and 4 of the 8 v heads, a shared expert 256 wide.
     #[test]
     fn tp_models_split_over_two_gpus() {
         use kestrel_model::shard::{Split, TpPlan, shard_bytes};
-        for arch in TP_ARCHS.iter().chain(&TP_MOE_ARCHS) {
-            for ty in tp_types(*arch) {
+        for arch in TP_ARCHS.iter().chain(&TP_MOE_ARCHS).chain(&TP_HYBRID_ARCHS) {
+            for ty in tp_types(*arch).iter().chain(&["f16"]) {
                 let file = tp_model(*arch, ty, 3).unwrap();
                 let cfg = kestrel_model::ModelConfig::from_gguf(&file).unwrap();
                 let plan = TpPlan::new(&cfg, 2).unwrap_or_else(|e| panic!("{arch:?} {ty}: {e:#}"));
+                if cfg.has_recurrent_layers() {
+                    let mut split = 0;
+                    for t in file.tensors() {
+                        for r in 0..2 {
+                            let s = plan.split(&t.name, r);
+                            split += usize::from(s != Split::Replicated);
+                            shard_bytes(t.ty, &t.dims, file.tensor_data(t), &s)
+                                .unwrap_or_else(|e| panic!("{} {ty} rank {r}: {e:#}", t.name));
+                        }
+                    }
+                    assert!(split > 0);
+                    for r in 0..2 {
+                        let d = plan.delta_config(r).unwrap();
+                        assert_eq!((d.n_k_heads, d.n_v_heads, d.head_v_dim), (2, 4, 128));
+                    }
+                    if let kestrel_model::FfnKind::Moe(m) = cfg.ffn {
+                        assert_eq!(m.shared_expert, Some(512));
+                        assert_eq!(plan.shexp, vec![0..256, 256..512]);
+                    }
+                    continue;
+                }
                 let kestrel_model::FfnKind::Moe(m) = cfg.ffn else {
                     continue;
                 };
@@ -3207,7 +3233,10 @@ fn against_cpu_and_one_gpu<B: kestrel_model::Backend>(
 /// each token uses 4, 832 wide: 416 a rank, 13 blocks of 32, 256 + 160 values as its real
 /// 1440 = 5·256 + 160 a rank (a width not whole 256s, cut in 32-value granules). Phi-3's,
 /// Mistral 3's and gpt-oss's weights, at 1.3 / sqrt(256) in the tiny models, are scaled to
-/// 1.3 / sqrt(512) here, so that each product keeps its input's scale as there.
+/// 1.3 / sqrt(512) here, so that each product keeps its input's scale as there. A hybrid's linear-attention layers get 4 q/k heads
+/// and 8 v heads of 128 (the real models' head size; each rank 2 q/k heads, so that its
+/// `ssm_out` columns are whole 256-value blocks even where Qwen3.5 interleaves the v
+/// heads), its shared expert a width of 512 (256 a rank).
 pub fn tp_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>> {
     let mut cfg = SynthConfig::tiny(arch);
     cfg.n_embd = 512;
@@ -3226,6 +3255,12 @@ pub fn tp_model(arch: Arch, ty: &str, seed: u64) -> anyhow::Result<Arc<GgufFile>
     }
     if matches!(arch, Arch::Phi3 | Arch::Mistral3 | Arch::GptOss) {
         cfg.weight_std *= std::f32::consts::FRAC_1_SQRT_2;
+    }
+    if let Some(h) = cfg.hybrid.as_mut() {
+        (h.n_group, h.n_v_heads, h.d_state) = (4, 8, 128);
+        if h.n_ff_shexp > 0 {
+            h.n_ff_shexp = 512;
+        }
     }
     model_of(cfg, ty, seed)
 }
@@ -3388,9 +3423,101 @@ pub fn compare_tp_logits_moe(
     })
 }
 
+/// Tensor parallelism on a linear-attention hybrid ([`tp_model`] of a [`TP_HYBRID_ARCHS`]
+/// architecture) against the CPU and one GPU, by the one-GPU hybrid checks' criteria: f32
+/// activations (8-bit on only where the experts then take the tensor cores, held to the
+/// model's own spread under 8-bit rounding, as [`compare_logits_moe`] does), the strict
+/// bound for qwen35 (dense feed-forward: [`LogitReport::passed`] against both), and for the
+/// MoE hybrids the route-flip allowance ([`TpMoeReport::passed`]).
+#[derive(Debug, Clone)]
+pub struct TpHybridReport {
+    pub moe: bool,
+    pub report: TpMoeReport,
+}
+
+impl TpHybridReport {
+    pub fn passed(&self) -> bool {
+        if self.moe {
+            self.report.passed()
+        } else {
+            self.report.vs_cpu.passed() && self.report.vs_one_gpu.passed()
+        }
+    }
+}
+
+/// Teacher-forced logits of `n` random tokens of [`tp_model`] (a hybrid) in the parts of
+/// [`PARTS`]: tensor parallel over `ordinals` against the CPU oracle and one GPU
+/// (`ordinals[0]`); see [`TpHybridReport`].
+pub fn compare_tp_logits_hybrid(
+    arch: Arch,
+    ty: &str,
+    n: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<TpHybridReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let mut engine = tp_engine(&file, ordinals)?;
+    anyhow::ensure!(
+        engine.config().has_recurrent_layers(),
+        "{arch:?} has no linear-attention layers"
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7e9c);
+    let vocab = engine.config().vocab_size as u32;
+    let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+    let cpu = all_logits(&mut cpu_engine(&file)?, &tokens)?;
+    let (one, mma, moe) = {
+        let mut gpu = cuda_engine(&file, ordinals[0])?;
+        let (mma, moe) = match gpu.model.config.ffn {
+            kestrel_model::FfnKind::Moe(m) => (
+                gpu.model
+                    .weights
+                    .layers
+                    .iter()
+                    .any(|l| gpu.backend.moe_on_tensor_cores(l, &m, PARTS[0])),
+                true,
+            ),
+            kestrel_model::FfnKind::Dense => (false, false),
+        };
+        gpu.backend.set_q8_decode(mma);
+        (all_logits_in_parts(&mut gpu, &tokens, &PARTS)?, mma, moe)
+    };
+    for r in 0..engine.backend.ranks() {
+        engine.backend.rank(r).set_q8_decode(mma);
+    }
+    let many = all_logits_in_parts(&mut engine, &tokens, &PARTS)?;
+    anyhow::ensure!(
+        cpu.len() == n && one.len() == n && many.len() == n,
+        "expected {n} rows of logits, got {} (cpu), {} (one GPU), {} (tensor parallel)",
+        cpu.len(),
+        one.len(),
+        many.len()
+    );
+    // Steps past one token multiply f16 / bf16 weights with operands of their type.
+    let f16 = matches!(ty, "f16" | "bf16");
+    let spread = if mma || f16 {
+        cpu_q8_spread(&file, &tokens, &cpu)?
+    } else {
+        0.0
+    };
+    let mut vs_cpu = logit_report(arch, ty, &cpu, &many);
+    (vs_cpu.q8, vs_cpu.f16_operands, vs_cpu.q8_spread) = (mma, f16, spread);
+    let mut vs_one_gpu = logit_report(arch, ty, &one, &many);
+    (vs_one_gpu.q8, vs_one_gpu.q8_reference) = (mma, mma);
+    (vs_one_gpu.f16_operands, vs_one_gpu.q8_spread) = (f16, spread);
+    Ok(TpHybridReport {
+        moe,
+        report: TpMoeReport {
+            vs_cpu_within: share_within(&cpu, &many, vs_cpu.max_abs_bound()),
+            vs_one_gpu_within: share_within(&one, &many, vs_one_gpu.max_abs_bound()),
+            vs_cpu,
+            vs_one_gpu,
+        },
+    })
+}
+
 /// Greedy generation of `n` tokens after a random prompt, tensor parallel (through
 /// `Engine::generate`: the argmax on rank 0's device) against the CPU oracle (its logits
-/// tell a near-tie from a bug). A mixture of experts runs on f32 activations, as
+/// tell a near-tie from a bug). A mixture of experts and a hybrid run on f32 activations, as
 /// [`compare_greedy_moe`] does on one GPU (a route flip shows as a near-tie).
 pub fn compare_tp_greedy(
     arch: Arch,
@@ -3401,7 +3528,11 @@ pub fn compare_tp_greedy(
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
     let mut tp = tp_engine(&file, ordinals)?;
-    if matches!(tp.config().ffn, kestrel_model::FfnKind::Moe(_)) {
+    // The hybrids run on f32 activations, as their one-GPU checks do (their tiny models
+    // amplify 8-bit rounding to 7-11% of the largest logit).
+    if matches!(tp.config().ffn, kestrel_model::FfnKind::Moe(_))
+        || tp.config().has_recurrent_layers()
+    {
         for r in 0..tp.backend.ranks() {
             tp.backend.rank(r).set_q8_decode(false);
         }

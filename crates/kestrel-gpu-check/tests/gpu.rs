@@ -339,6 +339,42 @@ fn tensor_parallel_moe_matches_one_gpu_and_cpu() {
     }
 }
 
+/// Tensor parallelism over two GPUs on the linear-attention hybrids (qwen35, qwen3next,
+/// qwen35moe: DeltaNet layers by q/k heads and their v heads, 2 of 4 a rank; the shared
+/// expert split): logits against the CPU and one GPU by the one-GPU hybrid checks'
+/// criteria, greedy generation against the CPU, decode steps of 37 sequences replayed
+/// from graphs against eager launches (bit for bit).
+#[test]
+fn tensor_parallel_hybrids_match_one_gpu_and_cpu() {
+    if !gpus("tensor_parallel_hybrids_match_one_gpu_and_cpu", 2) {
+        return;
+    }
+    let mut rng = rand::rng();
+    for arch in selfcheck::TP_HYBRID_ARCHS {
+        for ty in selfcheck::HYBRID_TYPES {
+            let n = rng.random_range(130..260);
+            let seed = rng.random();
+            let h = selfcheck::compare_tp_logits_hybrid(arch, ty, n, seed, &[0, 1]).expect("runs");
+            let r = &h.report;
+            eprintln!(
+                "tp {arch:?} {ty}: vs CPU max |Δ| {:.2e} ({:.1}% within); vs 1 GPU max |Δ| {:.2e} ({:.1}% within)",
+                r.vs_cpu.max_abs_diff,
+                r.vs_cpu_within * 100.0,
+                r.vs_one_gpu.max_abs_diff,
+                r.vs_one_gpu_within * 100.0
+            );
+            assert!(h.passed(), "{arch:?} {ty} (seed {seed}): {h:?}");
+        }
+        let seed = rng.random();
+        let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
+        assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
+        let seed = rng.random();
+        let r = selfcheck::compare_tp_graph_replay_batched(arch, "q4_k_m", 37, 6, seed, &[0, 1])
+            .expect("runs");
+        assert!(r.passed(), "{arch:?} 37 seqs (seed {seed}): {r:?}");
+    }
+}
+
 /// Tensor-parallel decode steps of 37 and 64 sequences (their cuBLAS products and
 /// all-reduces recorded into each part's graph) replayed against the same steps launched
 /// kernel by kernel: bit-identical logits, and the graphs replayed.

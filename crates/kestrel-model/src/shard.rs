@@ -30,12 +30,25 @@
 //! experts' gate/up biases go with their rows and the down biases are added by rank 0
 //! alone ([`Role::RankZero`]), and its expert width is cut in 32-value granules where
 //! 256-value ones do not divide it ([`OSS_FF_GRANULE`]).
+//!
+//! The linear-attention hybrids (qwen35, qwen35moe, qwen3next), as vLLM shards Qwen3-Next:
+//! - gated full-attention layers as the dense rule, `attn_q`'s rows (each head's query,
+//!   then its output gate) taken two head widths a query head;
+//! - gated DeltaNet layers by heads: each rank a contiguous range of q/k heads and the v
+//!   heads paired with them ([`DeltaNetConfig::k_head`]), ordered so that the rank's own
+//!   pairing (a model of its heads) finds them; `attn_qkv` and the convolution's taps by
+//!   the q, k and v channel sections of those heads, `attn_gate`, beta / alpha, `ssm_a`
+//!   and `ssm_dt` by the v heads, `ssm_out` by the same v-head columns (a partial sum,
+//!   all-reduced); the recurrent and convolution states then hold only the rank's heads;
+//! - a shared expert split like a dense feed-forward block (its width in granules), its
+//!   sigmoid gate (`ffn_gate_inp_shexp`) replicated; its down projection's partial sum
+//!   joins the routed experts' before the block's one all-reduce ([`Role::PartialSum`]).
 
 use std::ops::Range;
 
 use kestrel_gguf::GgmlType;
 
-use crate::config::{Arch, FfnKind, ModelConfig};
+use crate::config::{Arch, DeltaNetConfig, FfnKind, ModelConfig};
 
 /// Feed-forward widths (and an expert's) are split in multiples of this many values: every
 /// block format's block (32 or 256 values) divides it, so a rank's share of a
@@ -60,6 +73,27 @@ pub enum Split {
     Replicated,
     Rows(Range<usize>),
     Cols(Range<usize>),
+    /// Rows of several ranges, concatenated in order (a linear-attention layer's q, k and v
+    /// channel sections, or Qwen3.5's v heads of a rank's q/k heads).
+    RowSets(Vec<Range<usize>>),
+    /// Columns of several ranges, each row's concatenated in order (`ssm_out`).
+    ColSets(Vec<Range<usize>>),
+}
+
+impl Split {
+    /// Values of the split dimension a rank holds (None: replicated).
+    pub fn shard_len(&self) -> Option<usize> {
+        match self {
+            Split::Replicated => None,
+            Split::Rows(r) | Split::Cols(r) => Some(r.len()),
+            Split::RowSets(v) | Split::ColSets(v) => Some(v.iter().map(|r| r.len()).sum()),
+        }
+    }
+
+    /// Whether the split is along the row length (input features).
+    pub fn is_cols(&self) -> bool {
+        matches!(self, Split::Cols(_) | Split::ColSets(_))
+    }
 }
 
 /// What a weight's product needs after each rank has run its share.
@@ -72,6 +106,10 @@ pub enum Role {
     /// Input features split: each rank's result is a partial sum, all-reduced (attention
     /// output, down).
     RowParallel,
+    /// Input features split like [`Role::RowParallel`], but the partial sum joins its
+    /// block's before the block's one all-reduce (a shared expert's down projection: the
+    /// sigmoid gate scales each rank's partial alike).
+    PartialSum,
     /// The LM head split by vocabulary: each rank's logits are gathered.
     Vocab,
     /// Held whole, and added by rank 0 alone into its partial sum of a row-parallel
@@ -98,6 +136,15 @@ pub struct TpPlan {
     /// Whether the LM head is the embedding table (then `token_embd.weight` is held whole
     /// for the lookup and split by vocabulary for the head).
     pub tied_embeddings: bool,
+    /// Whether `attn_q` gives each head's query followed by its output gate (the hybrids'
+    /// gated attention): a rank's rows of it are then two head widths a query head.
+    pub q_gated: bool,
+    /// Each rank's range of a shared expert's width (empty without one).
+    pub shexp: Vec<Range<usize>>,
+    /// The linear-attention layers' whole shape (None without them).
+    pub delta: Option<DeltaNetConfig>,
+    /// Each rank's range of those layers' q/k heads.
+    pub delta_k_heads: Vec<Range<usize>>,
 }
 
 /// Splits `0..len` into `parts` ranges of whole `granule`s, as even as possible (the first
@@ -220,27 +267,51 @@ impl TpPlan {
             anyhow::bail!("tensor parallelism needs at least one device");
         }
         match cfg.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe => {}
+            Arch::Llama
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Gemma3
+            | Arch::Qwen3Moe
+            | Arch::Qwen35
+            | Arch::Qwen35Moe
+            | Arch::Qwen3Next => {}
             // mistral3 as llama; phi3's fused matrices cut per section; gpt-oss's sinks,
             // biases and 32-value expert granules (see the module's doc).
-            Arch::Mistral3 | Arch::Phi3 | Arch::GptOss => {}
-            other => anyhow::bail!(
-                "tensor parallelism supports the architectures llama, qwen2, qwen3, gemma3, mistral3, phi3, qwen3moe and gpt-oss; this model is {other:?}"
-            ),
+            Arch::Mistral3 | Arch::Phi3 | Arch::GptOss => {} // No wildcard: a new architecture must say how it splits.
         }
-        if cfg.has_recurrent_layers() {
-            anyhow::bail!("tensor parallelism does not split linear-attention layers");
-        }
-        let (width, what) = match cfg.ffn {
-            FfnKind::Dense => (cfg.n_ff, "feed-forward width"),
-            FfnKind::Moe(m) => {
-                if m.shared_expert.is_some() {
+        let (width, what, shared) = match cfg.ffn {
+            FfnKind::Dense => (cfg.n_ff, "feed-forward width", None),
+            FfnKind::Moe(m) => (m.n_ff_exp, "experts' feed-forward width", m.shared_expert),
+        };
+        let shexp = match shared {
+            None => Vec::new(),
+            Some(w) => granule_ranges(w, ranks, FF_GRANULE).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "the shared expert's width {w} does not split into {ranks} parts of whole {FF_GRANULE}-value blocks"
+                )
+            })?,
+        };
+        let (delta, delta_k_heads) = match (cfg.delta_net, cfg.has_recurrent_layers()) {
+            (Some(d), true) => {
+                if d.n_k_heads == 0 || !d.n_v_heads.is_multiple_of(d.n_k_heads) {
                     anyhow::bail!(
-                        "tensor parallelism splits mixture-of-experts blocks without shared experts only (qwen3moe's, gpt-oss's)"
+                        "{} linear-attention v heads are not a whole number per each of {} q/k heads",
+                        d.n_v_heads,
+                        d.n_k_heads
                     );
                 }
-                (m.n_ff_exp, "experts' feed-forward width")
+                let heads = granule_ranges(d.n_k_heads, ranks, 1)
+                    .filter(|_| d.n_k_heads.is_multiple_of(ranks))
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "the model's {} linear-attention q/k heads do not divide among {ranks} devices (tensor parallelism gives each device whole heads and the v heads paired with them)",
+                            d.n_k_heads
+                        )
+                    })?;
+                (Some(d), heads)
             }
+            (None, true) => anyhow::bail!("linear-attention layers without their configuration"),
+            (_, false) => (None, Vec::new()),
         };
         if cfg.n_head_kv == 0 || !cfg.n_head_kv.is_multiple_of(ranks) {
             anyhow::bail!(
@@ -286,6 +357,10 @@ impl TpPlan {
             vocab,
             vocab_chunk,
             tied_embeddings: cfg.tied_embeddings,
+            q_gated: cfg.attn_output_gate,
+            shexp,
+            delta,
+            delta_k_heads,
         })
     }
 
@@ -301,11 +376,124 @@ impl TpPlan {
         r * w..(r + 1) * w
     }
 
+    /// Rank `r`'s linear-attention shape: its q/k heads and the v heads paired with them
+    /// (None without linear-attention layers).
+    pub fn delta_config(&self, r: usize) -> Option<DeltaNetConfig> {
+        let d = self.delta?;
+        let k = self.delta_k_heads.get(r)?.len();
+        Some(DeltaNetConfig {
+            n_k_heads: k,
+            n_v_heads: k * (d.n_v_heads / d.n_k_heads),
+            ..d
+        })
+    }
+
+    /// The whole model's v heads rank `r` holds, in the order of its own v heads: local v
+    /// head `h` pairs with local q/k head `local.k_head(h)` as global v head `g` pairs with
+    /// `d.k_head(g)`. Qwen3-Next groups a q/k head's v heads together (one range); Qwen3.5
+    /// interleaves them (`h % n_k`: a range of the rank's q/k heads in each of the
+    /// `n_v / n_k` rounds).
+    pub fn delta_v_heads(&self, r: usize) -> Vec<Range<usize>> {
+        let (Some(d), Some(k)) = (self.delta, self.delta_k_heads.get(r)) else {
+            return Vec::new();
+        };
+        let per = d.n_v_heads / d.n_k_heads.max(1);
+        if d.qwen3next_layout {
+            std::iter::once(k.start * per..k.end * per).collect()
+        } else {
+            (0..per)
+                .map(|j| j * d.n_k_heads + k.start..j * d.n_k_heads + k.end)
+                .collect()
+        }
+    }
+
+    /// Rank `r`'s channels of the convolution (`attn_qkv`'s rows, `ssm_conv1d`'s): its q
+    /// heads, its k heads, then its v heads' values.
+    pub fn delta_channels(&self, r: usize) -> Vec<Range<usize>> {
+        let (Some(d), Some(k)) = (self.delta, self.delta_k_heads.get(r)) else {
+            return Vec::new();
+        };
+        let hk = d.head_k_dim;
+        let mut out = vec![
+            k.start * hk..k.end * hk,
+            d.key_dim() + k.start * hk..d.key_dim() + k.end * hk,
+        ];
+        out.extend(
+            self.delta_values(r)
+                .into_iter()
+                .map(|v| 2 * d.key_dim() + v.start..2 * d.key_dim() + v.end),
+        );
+        out
+    }
+
+    /// Rank `r`'s values of the v heads (`attn_gate`'s rows, `ssm_out`'s columns).
+    pub fn delta_values(&self, r: usize) -> Vec<Range<usize>> {
+        let hv = self.delta.map_or(0, |d| d.head_v_dim);
+        self.delta_v_heads(r)
+            .into_iter()
+            .map(|h| h.start * hv..h.end * hv)
+            .collect()
+    }
+
+    /// Rank `r`'s rows of Qwen3-Next's `ssm_ba` (beta, then alpha, of each q/k head's v
+    /// heads, grouped by q/k head).
+    pub fn delta_ba_rows(&self, r: usize) -> Range<usize> {
+        let (Some(d), Some(k)) = (self.delta, self.delta_k_heads.get(r)) else {
+            return 0..0;
+        };
+        let per = 2 * (d.n_v_heads / d.n_k_heads.max(1));
+        k.start * per..k.end * per
+    }
+
+    /// The tensor name without its `blk.N.` prefix.
+    fn base(name: &str) -> &str {
+        name.rsplit_once("blk.").map_or(name, |(_, rest)| {
+            rest.split_once('.').map_or(rest, |(_, t)| t)
+        })
+    }
+
+    /// The role of a hybrid's linear-attention or shared-expert weight (None: not one).
+    fn hybrid_role(&self, base: &str) -> Option<Role> {
+        match base {
+            "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" if !self.shexp.is_empty() => {
+                Some(Role::ColumnParallel)
+            }
+            "ffn_down_shexp.weight" if !self.shexp.is_empty() => Some(Role::PartialSum),
+            _ if self.delta.is_none() => None,
+            // Products and per-head vectors split with the heads.
+            "attn_qkv.weight" | "attn_gate.weight" | "ssm_beta.weight" | "ssm_alpha.weight"
+            | "ssm_ba.weight" | "ssm_conv1d.weight" | "ssm_a" | "ssm_dt.bias" => {
+                Some(Role::ColumnParallel)
+            }
+            "ssm_out.weight" => Some(Role::RowParallel),
+            _ => None,
+        }
+    }
+
+    /// What rank `r` holds of a hybrid's linear-attention or shared-expert weight (None:
+    /// not one).
+    fn hybrid_split(&self, base: &str, r: usize) -> Option<Split> {
+        self.hybrid_role(base)?;
+        Some(match base {
+            "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" => Split::Rows(self.shexp[r].clone()),
+            "ffn_down_shexp.weight" => Split::Cols(self.shexp[r].clone()),
+            "attn_qkv.weight" | "ssm_conv1d.weight" => Split::RowSets(self.delta_channels(r)),
+            "attn_gate.weight" => Split::RowSets(self.delta_values(r)),
+            "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_a" | "ssm_dt.bias" => {
+                Split::RowSets(self.delta_v_heads(r))
+            }
+            "ssm_ba.weight" => Split::Rows(self.delta_ba_rows(r)),
+            "ssm_out.weight" => Split::ColSets(self.delta_values(r)),
+            _ => return None,
+        })
+    }
+
     /// The role of the weight named `name` (a GGUF tensor name).
     pub fn role(&self, name: &str) -> Role {
-        let base = name.rsplit_once("blk.").map_or(name, |(_, rest)| {
-            rest.split_once('.').map_or(rest, |(_, t)| t)
-        });
+        let base = Self::base(name);
+        if let Some(role) = self.hybrid_role(base) {
+            return role;
+        }
         match base {
             "attn_q.weight"
             | "attn_k.weight"
@@ -345,10 +533,16 @@ impl TpPlan {
     /// What rank `r` holds of the weight named `name`. `token_embd.weight` is replicated
     /// here; when it doubles as the LM head, [`Self::lm_head_split`] gives the head's part.
     pub fn split(&self, name: &str, r: usize) -> Split {
-        let base = name.rsplit_once("blk.").map_or(name, |(_, rest)| {
-            rest.split_once('.').map_or(rest, |(_, t)| t)
-        });
+        let base = Self::base(name);
+        if let Some(split) = self.hybrid_split(base, r) {
+            return split;
+        }
         match base {
+            // Each head's query rows, then its gate's.
+            "attn_q.weight" if self.q_gated => {
+                let q = self.q_range(r);
+                Split::Rows(2 * q.start..2 * q.end)
+            }
             "attn_q.weight" | "attn_q.bias" => Split::Rows(self.q_range(r)),
             "attn_k.weight" | "attn_v.weight" | "attn_k.bias" | "attn_v.bias" => {
                 Split::Rows(self.kv_range(r))
@@ -416,7 +610,15 @@ impl TpPlan {
         c.n_head_kv = self.kv_heads;
         match &mut c.ffn {
             FfnKind::Dense => c.n_ff = self.ff[r].len(),
-            FfnKind::Moe(m) => m.n_ff_exp = self.ff[r].len(),
+            FfnKind::Moe(m) => {
+                m.n_ff_exp = self.ff[r].len();
+                if let Some(w) = &mut m.shared_expert {
+                    *w = self.shexp[r].len();
+                }
+            }
+        }
+        if let Some(d) = self.delta_config(r) {
+            c.delta_net = Some(d);
         }
         c
     }
@@ -426,7 +628,8 @@ impl TpPlan {
 /// whose data is `data`, and the shard's dims. Rows are contiguous byte ranges; a column
 /// range takes each row's blocks in it, so its ends must fall on block boundaries. A 3-D
 /// tensor is stacked matrices (`[cols, rows, n_expert]`): `Rows` takes those rows of each
-/// matrix, `Cols` those columns of every row.
+/// matrix, `Cols` those columns of every row. `RowSets` / `ColSets` take each range's rows
+/// (columns) in turn, concatenated.
 pub fn shard_bytes(
     ty: GgmlType,
     dims: &[u64],
@@ -484,6 +687,42 @@ pub fn shard_bytes(
             let mut d = dims.to_vec();
             d[0] = c.len() as u64;
             Ok((d, out))
+        }
+        Split::RowSets(sets) if (1..=2).contains(&dims.len()) => {
+            let mut out = Vec::new();
+            let mut n = 0;
+            for r in sets {
+                let (_, b) = shard_bytes(ty, dims, data, &Split::Rows(r.clone()))?;
+                out.extend_from_slice(&b);
+                n += r.len();
+            }
+            if n == 0 {
+                anyhow::bail!("no rows of a tensor of {dims:?}");
+            }
+            let mut d = dims.to_vec();
+            d[dims.len().saturating_sub(1).min(1)] = n as u64;
+            Ok((d, out))
+        }
+        Split::ColSets(sets) if dims.len() == 2 => {
+            let parts = sets
+                .iter()
+                .map(|c| shard_bytes(ty, dims, data, &Split::Cols(c.clone())))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let n: usize = sets.iter().map(|c| c.len()).sum();
+            if n == 0 {
+                anyhow::bail!("no columns of a tensor of {dims:?}");
+            }
+            let mut out = Vec::with_capacity(parts.iter().map(|p| p.1.len()).sum());
+            for row in 0..rows {
+                for (d, b) in &parts {
+                    let len = d[0] as usize / bs * block_bytes;
+                    out.extend_from_slice(&b[row * len..(row + 1) * len]);
+                }
+            }
+            Ok((vec![n as u64, dims[1]], out))
+        }
+        Split::RowSets(_) | Split::ColSets(_) => {
+            anyhow::bail!("row or column sets of a tensor of {dims:?} (1-D or 2-D only)")
         }
     }
 }
@@ -549,7 +788,7 @@ mod tests {
                     for r in 0..ranks {
                         let range = match plan.split(name, r) {
                             Split::Rows(x) | Split::Cols(x) => x,
-                            Split::Replicated => panic!("{name} replicated"),
+                            other => panic!("{name}: {other:?}"),
                         };
                         seen[range].iter_mut().for_each(|s| *s += 1);
                     }
@@ -846,28 +1085,307 @@ mod tests {
         );
     }
 
-    /// What tensor parallelism refuses, each with a message that says why: the hybrids
-    /// (linear attention, shared experts), experts whose width is not whole granules, an
-    /// MoE with a shared expert.
+    /// What tensor parallelism refuses, each with a message that says why: experts or a
+    /// shared expert whose width is not whole granules, a hybrid whose q/k heads do not
+    /// divide.
     #[test]
     fn unsupported_models_are_refused_clearly() {
-        for arch in [Arch::Qwen3Next, Arch::Qwen35Moe] {
-            let cfg = config(arch, "tiny");
-            let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
-            assert!(e.contains("supports the architectures"), "{arch:?}: {e}");
-        }
         let mut cfg = qwen3_30b();
         if let FfnKind::Moe(m) = &mut cfg.ffn {
             m.n_ff_exp = 800;
         }
         let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
         assert!(e.contains("width 800"), "{e}");
+        // A shared expert splits like a dense block: in whole granules.
         let mut cfg = qwen3_30b();
         if let FfnKind::Moe(m) = &mut cfg.ffn {
             m.shared_expert = Some(512);
         }
+        assert_eq!(TpPlan::new(&cfg, 2).unwrap().shexp, vec![0..256, 256..512]);
+        let e = TpPlan::new(&cfg, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("shared expert's width 512 does not split into 4"),
+            "{e}"
+        );
+        // A hybrid's q/k heads must divide among the ranks (its KV heads do here).
+        let mut cfg = hybrid(Arch::Qwen35, 3, 6, 64);
+        (cfg.n_head, cfg.n_head_kv, cfg.n_ff) = (8, 4, 3 * FF_GRANULE);
         let e = TpPlan::new(&cfg, 2).unwrap_err().to_string();
-        assert!(e.contains("shared experts"), "{e}");
+        assert!(
+            e.contains("3 linear-attention q/k heads do not divide among 2 devices"),
+            "{e}"
+        );
+        assert!(TpPlan::new(&cfg, 3).is_err(), "4 KV heads among 3");
+        (cfg.n_head, cfg.n_head_kv) = (6, 3);
+        assert!(TpPlan::new(&cfg, 3).is_ok());
+    }
+
+    /// The tiny hybrid of `arch` (qwen35, qwen35moe, qwen3next) with `nk` q/k heads, `nv` v
+    /// heads of `hd` dimensions, written as `ty` (its configuration and file).
+    fn hybrid_file(
+        arch: Arch,
+        nk: u32,
+        nv: u32,
+        hd: u32,
+        ty: WeightType,
+    ) -> (ModelConfig, kestrel_gguf::GgufFile) {
+        let mut sc = SynthConfig::tiny(arch);
+        (sc.n_head, sc.n_head_kv) = (8, 2);
+        if sc.n_expert > 0 {
+            sc.n_ff_exp = 512;
+        }
+        let h = sc.hybrid.as_mut().unwrap();
+        (h.n_group, h.n_v_heads, h.d_state) = (nk, nv, hd);
+        if h.n_ff_shexp > 0 {
+            h.n_ff_shexp = 512;
+        }
+        let (bytes, _) = write_synth_to(Vec::new(), &sc, ty, 7).unwrap();
+        let file = kestrel_gguf::GgufFile::from_bytes(bytes).unwrap();
+        (ModelConfig::from_gguf(&file).unwrap(), file)
+    }
+
+    fn hybrid(arch: Arch, nk: u32, nv: u32, hd: u32) -> ModelConfig {
+        hybrid_file(arch, nk, nv, hd, WeightType::F32).0
+    }
+
+    /// The whole model's v head behind each of rank `r`'s v heads, found independently of
+    /// the plan's formulas: rank r's local v head `h` pairs with its local q/k head
+    /// `local.k_head(h)`; it is the m-th of its local heads paired with that head, so it is
+    /// the m-th global v head (in order) paired with the global q/k head it stands for.
+    fn v_heads_oracle(d: &DeltaNetConfig, local: &DeltaNetConfig, k0: usize) -> Vec<usize> {
+        let mut seen = vec![0usize; local.n_k_heads];
+        (0..local.n_v_heads)
+            .map(|h| {
+                let lk = local.k_head(h);
+                let m = seen[lk];
+                seen[lk] += 1;
+                (0..d.n_v_heads)
+                    .filter(|&g| d.k_head(g) == k0 + lk)
+                    .nth(m)
+                    .expect("as many v heads per q/k head")
+            })
+            .collect()
+    }
+
+    /// The hybrids' linear-attention heads over 1-4 ranks, for both pairings (Qwen3-Next's
+    /// grouped, Qwen3.5's interleaved) and several head counts: each rank holds whole q/k
+    /// heads and exactly the v heads paired with them, in the order its own pairing reads
+    /// them (against [`v_heads_oracle`]); every v head, channel and beta/alpha column is
+    /// held by exactly one rank; each rank's state is 1/N of the whole; what does not
+    /// divide is refused.
+    #[test]
+    fn hybrid_heads_split_with_their_pairs() {
+        for arch in [Arch::Qwen35, Arch::Qwen3Next, Arch::Qwen35Moe] {
+            for (nk, nv) in [(2, 4), (4, 8), (4, 4), (6, 12), (16, 32), (3, 6)] {
+                let mut cfg = hybrid(arch, nk, nv, 32);
+                (cfg.n_head, cfg.n_head_kv) = (24, 12);
+                cfg.n_ff = 12 * FF_GRANULE;
+                if let FfnKind::Moe(m) = &mut cfg.ffn {
+                    m.n_ff_exp = 12 * FF_GRANULE;
+                    m.shared_expert = Some(12 * FF_GRANULE);
+                }
+                let d = cfg.delta_net.unwrap();
+                for ranks in 1..=4 {
+                    let plan = match TpPlan::new(&cfg, ranks) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            assert!(
+                                !d.n_k_heads.is_multiple_of(ranks),
+                                "{arch:?} {nk}/{nv}: {e}"
+                            );
+                            assert!(e.to_string().contains("q/k heads do not divide"), "{e}");
+                            continue;
+                        }
+                    };
+                    assert!(d.n_k_heads.is_multiple_of(ranks));
+                    let (mut v_seen, mut ch_seen) = (vec![0; nv as usize], vec![0; d.conv_dim()]);
+                    let mut ba_seen = vec![0; 2 * nv as usize];
+                    for r in 0..ranks {
+                        let local = plan.delta_config(r).unwrap();
+                        let k = plan.delta_k_heads[r].clone();
+                        assert_eq!(local.n_k_heads, d.n_k_heads / ranks);
+                        assert_eq!(local.n_v_heads, d.n_v_heads / ranks);
+                        assert_eq!(local.state_len() * ranks, d.state_len());
+                        assert_eq!(local.conv_state_len() * ranks, d.conv_state_len());
+                        let heads: Vec<usize> =
+                            plan.delta_v_heads(r).into_iter().flatten().collect();
+                        assert_eq!(heads, v_heads_oracle(&d, &local, k.start), "{arch:?} {r}");
+                        for (h, &g) in heads.iter().enumerate() {
+                            assert_eq!(d.k_head(g), k.start + local.k_head(h));
+                            v_seen[g] += 1;
+                        }
+                        let ch: Vec<usize> = plan.delta_channels(r).into_iter().flatten().collect();
+                        assert_eq!(ch.len(), local.conv_dim());
+                        ch.iter().for_each(|&c| ch_seen[c] += 1);
+                        if d.qwen3next_layout {
+                            let ba = plan.delta_ba_rows(r);
+                            for (h, &g) in heads.iter().enumerate() {
+                                let (b, a) = local.beta_alpha_cols(h);
+                                assert_eq!((ba.start + b, ba.start + a), d.beta_alpha_cols(g));
+                            }
+                            ba_seen[ba].iter_mut().for_each(|s| *s += 1);
+                        }
+                        let rc = plan.rank_config(&cfg, r);
+                        assert_eq!(rc.delta_net, Some(local));
+                        assert!(rc.recurrent_state_bytes() * ranks == cfg.recurrent_state_bytes());
+                    }
+                    assert!(v_seen.iter().all(|&s| s == 1), "{arch:?} {nk}/{nv} {ranks}");
+                    assert!(
+                        ch_seen.iter().all(|&s| s == 1),
+                        "{arch:?} {nk}/{nv} {ranks}"
+                    );
+                    if d.qwen3next_layout {
+                        assert!(ba_seen.iter().all(|&s| s == 1));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every tensor of a hybrid file (qwen35, qwen35moe, qwen3next; F32, Q8_0 and Q4_K_M
+    /// weights) cut for each of 2 ranks against slicing the whole dequantized tensor on the
+    /// host, the slice built from each section's own index map (q, k and v channels of
+    /// `attn_qkv` and the convolution; v heads of `attn_gate`, beta / alpha, `ssm_a`,
+    /// `ssm_dt`; columns of `ssm_out`; each gated query head's rows of `attn_q`; the shared
+    /// expert's rows and columns), with the v heads from [`v_heads_oracle`]; the roles say
+    /// what follows each product.
+    #[test]
+    fn hybrid_shards_match_slices_of_the_dequantized_tensors() {
+        let deq = |ty: GgmlType, b: &[u8], len: usize| {
+            let mut v = vec![0f32; len];
+            kestrel_quant::dequantize_row(ty, b, &mut v).unwrap();
+            v
+        };
+        for (arch, ty) in [
+            (Arch::Qwen35, WeightType::Q4KM),
+            (Arch::Qwen35, WeightType::F32),
+            (Arch::Qwen3Next, WeightType::Q8_0),
+            (Arch::Qwen35Moe, WeightType::Q4KM),
+            (Arch::Qwen3Next, WeightType::Q4KM),
+        ] {
+            // 4 q/k heads, 8 v heads of 128: 2 q/k heads a rank, whole 256-value blocks of
+            // v-head columns.
+            let (cfg, file) = hybrid_file(arch, 4, 8, 128, ty);
+            let plan = TpPlan::new(&cfg, 2).unwrap();
+            let d = cfg.delta_net.unwrap();
+            let (hk, hv, hd) = (d.head_k_dim, d.head_v_dim, cfg.head_dim);
+            let mut cut = 0;
+            for t in file.tensors() {
+                let base = TpPlan::base(&t.name).to_string();
+                let cols = t.dims[0] as usize;
+                let rows = t.dims.iter().skip(1).product::<u64>() as usize;
+                if t.dims.len() > 2 {
+                    assert!(t.name.contains("_exps."), "{}", t.name);
+                    continue;
+                }
+                let full = deq(t.ty, file.tensor_data(t), cols * rows);
+                for r in 0..2 {
+                    let local = plan.delta_config(r).unwrap();
+                    let k0 = plan.delta_k_heads[r].start;
+                    let vh = v_heads_oracle(&d, &local, k0);
+                    let (kl, vl) = (local.n_k_heads, local.n_v_heads);
+                    // Local index → global index along the split dimension.
+                    let v_value = |i: usize| vh[i / hv] * hv + i % hv;
+                    let map: Option<Box<dyn Fn(usize) -> usize>> = match base.as_str() {
+                        "attn_qkv.weight" | "ssm_conv1d.weight" => Some(Box::new(move |c| {
+                            if c < kl * hk {
+                                k0 * hk + c
+                            } else if c < 2 * kl * hk {
+                                d.key_dim() + k0 * hk + c - kl * hk
+                            } else {
+                                2 * d.key_dim() + v_value(c - 2 * kl * hk)
+                            }
+                        })),
+                        "attn_gate.weight" | "ssm_out.weight" => Some(Box::new(v_value)),
+                        "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_a" | "ssm_dt.bias" => {
+                            Some(Box::new(|h| vh[h]))
+                        }
+                        // Beta then alpha of each q/k head's v heads.
+                        "ssm_ba.weight" => Some(Box::new(move |c| {
+                            let per = 2 * (vl / kl);
+                            (k0 + c / per) * per + c % per
+                        })),
+                        "attn_q.weight" => {
+                            let q0 = plan.q_range(r).start / hd;
+                            Some(Box::new(move |i| {
+                                (q0 + i / (2 * hd)) * 2 * hd + i % (2 * hd)
+                            }))
+                        }
+                        "attn_k.weight" | "attn_v.weight" => {
+                            let k = plan.kv_range(r).start;
+                            Some(Box::new(move |i| k + i))
+                        }
+                        "attn_output.weight" => {
+                            let q = plan.q_range(r).start;
+                            Some(Box::new(move |i| q + i))
+                        }
+                        "ffn_gate_shexp.weight"
+                        | "ffn_up_shexp.weight"
+                        | "ffn_down_shexp.weight" => {
+                            let s = plan.shexp[r].start;
+                            Some(Box::new(move |i| s + i))
+                        }
+                        "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" => {
+                            let s = plan.ff[r].start;
+                            Some(Box::new(move |i| s + i))
+                        }
+                        "output.weight" => {
+                            let s = plan.vocab[r].start;
+                            Some(Box::new(move |i| s + i))
+                        }
+                        _ => None,
+                    };
+                    let split = plan.split(&t.name, r);
+                    let Some(map) = map else {
+                        assert_eq!(split, Split::Replicated, "{}", t.name);
+                        assert_eq!(plan.role(&t.name), Role::Replicated, "{}", t.name);
+                        continue;
+                    };
+                    let (dims, bytes) = shard_bytes(t.ty, &t.dims, file.tensor_data(t), &split)
+                        .unwrap_or_else(|e| panic!("{} {ty:?} rank {r}: {e:#}", t.name));
+                    let n = split.shard_len().unwrap();
+                    let got = deq(t.ty, &bytes, dims.iter().product::<u64>() as usize);
+                    let want: Vec<f32> = if split.is_cols() {
+                        assert_eq!(dims, vec![n as u64, rows as u64]);
+                        (0..rows)
+                            .flat_map(|row| (0..n).map(move |c| (row, c)))
+                            .map(|(row, c)| full[row * cols + map(c)])
+                            .collect()
+                    } else if t.dims.len() == 1 {
+                        assert_eq!(dims, vec![n as u64]);
+                        (0..n).map(|i| full[map(i)]).collect()
+                    } else {
+                        assert_eq!(dims, vec![cols as u64, n as u64]);
+                        (0..n)
+                            .flat_map(|i| full[map(i) * cols..(map(i) + 1) * cols].iter().copied())
+                            .collect()
+                    };
+                    assert_eq!(got, want, "{} {ty:?} rank {r}", t.name);
+                    let role = plan.role(&t.name);
+                    let want_role = match base.as_str() {
+                        "ssm_out.weight" | "attn_output.weight" | "ffn_down.weight" => {
+                            Role::RowParallel
+                        }
+                        "ffn_down_shexp.weight" => Role::PartialSum,
+                        "output.weight" => Role::Vocab,
+                        _ => Role::ColumnParallel,
+                    };
+                    assert_eq!(role, want_role, "{}", t.name);
+                    cut += 1;
+                }
+            }
+            // Per linear-attention layer: qkv, gate, beta/alpha (1 or 2), conv, a, dt, out.
+            let dn_layers = cfg.n_layer - cfg.n_layer / 4;
+            let per = if d.qwen3next_layout { 7 } else { 8 };
+            assert!(cut >= 2 * dn_layers * per, "{arch:?}: {cut} shards checked");
+            // And a rank's config reads its shards' shapes.
+            let rc = plan.rank_config(&cfg, 1);
+            assert_eq!(rc.q_dim(), plan.q_range(1).len());
+            if let FfnKind::Moe(m) = rc.ffn {
+                assert_eq!(m.shared_expert, Some(256));
+                assert_eq!(m.n_ff_exp, 256);
+            }
+        }
     }
 
     /// The 3-D cut of stacked experts against slicing the dequantized tensor on the host,

@@ -35,8 +35,10 @@ pub struct Args {
     /// all-reduce (its sums against the host's, its latency at decode sizes), then every
     /// dense architecture's and mixture of experts' (qwen3moe, gpt-oss) logits against the
     /// CPU and one GPU, greedy generations, and decode steps of 37 and 64 sequences
-    /// replayed from graphs against eager ones. With `--moe`: the all-reduces and the
-    /// mixtures of experts' checks only; with `--arch`: those architectures' only.
+    /// replayed from graphs against eager ones; then the linear-attention hybrids' (qwen35,
+    /// qwen3next, qwen35moe). With `--moe`: the all-reduces and the mixtures of experts'
+    /// checks only; with `--hybrids`: the all-reduces and the hybrids' only; with `--arch`:
+    /// those architectures' only.
     #[arg(long, value_parser = crate::cmd::common::positive)]
     pub tp: Option<usize>,
     /// With `--tp`: only these architectures' checks (comma-separated names, e.g.
@@ -262,18 +264,19 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             );
         }
     }
-    // `--moe`: the mixtures of experts only; `--arch`: those named only.
+    // `--moe`: the mixtures of experts only; `--hybrids`: the linear-attention hybrids
+    // only; `--arch`: those named only.
     let chosen = |a: &&kestrel_model::Arch| args.arch.is_empty() || args.arch.contains(a);
-    let dense: Vec<kestrel_model::Arch> = if args.moe {
-        Vec::new()
-    } else {
-        selfcheck::TP_ARCHS.iter().filter(chosen).copied().collect()
+    let pick = |list: &[kestrel_model::Arch], skip: bool| -> Vec<kestrel_model::Arch> {
+        if skip {
+            Vec::new()
+        } else {
+            list.iter().filter(chosen).copied().collect()
+        }
     };
-    let moe: Vec<kestrel_model::Arch> = selfcheck::TP_MOE_ARCHS
-        .iter()
-        .filter(chosen)
-        .copied()
-        .collect();
+    let dense = pick(&selfcheck::TP_ARCHS, args.moe || args.hybrids);
+    let moe = pick(&selfcheck::TP_MOE_ARCHS, args.hybrids);
+    let hybrids = pick(&selfcheck::TP_HYBRID_ARCHS, args.moe);
     for (i, arch) in dense.iter().enumerate() {
         for (j, ty) in selfcheck::tp_types(*arch).iter().enumerate() {
             let s = seed.wrapping_add((i * 10 + j) as u64);
@@ -360,6 +363,58 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
     }
+    // The linear-attention hybrids: DeltaNet layers split by heads, their states per rank;
+    // the one-GPU hybrid checks' criteria (f32 activations; route flips allowed in the MoE
+    // hybrids).
+    for (i, arch) in hybrids.iter().enumerate() {
+        for (j, ty) in selfcheck::HYBRID_TYPES.iter().enumerate() {
+            let s = seed.wrapping_add((600 + i * 10 + j) as u64);
+            match selfcheck::compare_tp_logits_hybrid(*arch, ty, args.positions, s, &ordinals) {
+                Ok(h) => {
+                    failures += usize::from(!h.passed());
+                    let r = &h.report;
+                    println!(
+                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% of positions within, top-1 {:.2}% with near-ties; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% within, top-1 {:.2}% ({:.2}% with near-ties){}  {}",
+                        r.vs_cpu.max_abs_diff,
+                        r.vs_cpu.max_abs_bound(),
+                        r.vs_cpu_within * 100.0,
+                        r.vs_cpu.top1_agreement_ties * 100.0,
+                        r.vs_one_gpu.max_abs_diff,
+                        r.vs_one_gpu.max_abs_bound(),
+                        r.vs_one_gpu_within * 100.0,
+                        r.vs_one_gpu.top1_agreement * 100.0,
+                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        if h.moe {
+                            " (route flips allowed)"
+                        } else {
+                            " (strict)"
+                        },
+                        if h.passed() { "ok" } else { "FAIL" }
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    println!("tp{ranks} {arch:?} {ty}: ERROR {e:#}");
+                }
+            }
+        }
+        let s = seed.wrapping_add(700 + i as u64);
+        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
+            Ok(g) => {
+                failures += usize::from(!g.passed());
+                println!(
+                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
+                    g.cpu.len(),
+                    g.first_difference,
+                    if g.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            }
+        }
+    }
     // Speculative verification on TP: batch-invariant steps against single-token ones,
     // then greedy ids with prompt lookup and with a draft model on the first GPU.
     for (i, arch) in dense.iter().chain(&moe).enumerate() {
@@ -388,7 +443,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
     println!(
         "tp{ranks} graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graphs):"
     );
-    let archs = dense.iter().chain(&moe);
+    let archs = dense.iter().chain(&moe).chain(&hybrids);
     for (i, arch) in archs.enumerate() {
         for (j, ty) in ["f32", "q4_k_m", "q8_0"].iter().enumerate() {
             for seqs in [37, 64] {
