@@ -23,8 +23,8 @@ use anyhow::{Context, bail};
 use kestrel_gguf::{GgufFile, TensorInfo};
 use kestrel_model::shard::layer_ranges_by_memory;
 use kestrel_model::{
-    Activation, AttnParams, Backend, Batch, KvType, KvTypes, LayerWeights, ModelConfig, MoeConfig,
-    RopeParams, SamplingBatch,
+    Activation, AttnParams, Backend, Batch, DeltaNetConfig, DeltaNetWeights, KvType, KvTypes,
+    LayerWeights, ModelConfig, MoeConfig, RopeParams, SamplingBatch,
 };
 
 use crate::launch::{Arg, SPECIAL_PEER_COPY};
@@ -262,6 +262,12 @@ impl SplitBackend {
             .context("the layer split is planned when the model's weights load")?;
         let mut c = cfg.clone();
         c.n_layer = ranges[s].len();
+        // A hybrid's layer kinds renumbered as the stage's (its recurrent states' slots).
+        c.layer_kinds = cfg
+            .layer_kinds
+            .get(ranges[s].clone())
+            .map(<[_]>::to_vec)
+            .unwrap_or_default();
         Ok(c)
     }
 
@@ -858,6 +864,78 @@ impl Backend for SplitBackend {
         self.bring(y, s);
         self.bring(out, s);
         self.stages[s].add_sigmoid_gated(&mut out.t[s], &y.t[s], &x.t[s], &w.w, n)
+    }
+
+    fn check_linear_attention(&self) -> anyhow::Result<()> {
+        self.stages[0].check_linear_attention()
+    }
+
+    /// Each stage keeps the states of its own linear-attention layers.
+    fn forget_state(&self, cache: &mut SplitCache, first_block: u32) {
+        for (b, c) in self.stages.iter().zip(cache.0.iter_mut()) {
+            b.forget_state(c, first_block);
+        }
+    }
+
+    fn split_gated_query(
+        &self,
+        qg: &SplitTensor,
+        head_dim: usize,
+        n: usize,
+        q: &mut SplitTensor,
+        gate: &mut SplitTensor,
+    ) -> anyhow::Result<()> {
+        let s = qg.stage();
+        self.stages[s].split_gated_query(&qg.t[s], head_dim, n, &mut q.t[s], &mut gate.t[s])?;
+        q.wrote(s, n);
+        gate.wrote(s, n);
+        Ok(())
+    }
+
+    fn sigmoid_mul(&self, x: &mut SplitTensor, gate: &SplitTensor, n: usize) -> anyhow::Result<()> {
+        let s = x.stage();
+        self.bring(gate, s);
+        self.stages[s].sigmoid_mul(&mut x.t[s], &gate.t[s], n)
+    }
+
+    /// The layer's core on the stage holding it, in that stage's states.
+    fn delta_net(
+        &self,
+        cache: &mut SplitCache,
+        layer: usize,
+        cfg: &DeltaNetConfig,
+        w: &DeltaNetWeights<SplitWeight>,
+        mix: &SplitTensor,
+        z: &SplitTensor,
+        beta: &SplitTensor,
+        alpha: &SplitTensor,
+        eps: f32,
+        step: &SplitStep,
+        n: usize,
+        out: &mut SplitTensor,
+    ) -> anyhow::Result<SplitPrepared> {
+        let (s, local) = self.stage_of_layer(layer);
+        for t in [mix, z, beta, alpha] {
+            self.bring(t, s);
+        }
+        let core = crate::delta::DeltaCore::picked(w, |x: &SplitWeight| &x.w);
+        let p = crate::delta::delta_net(
+            &self.stages[s],
+            &mut cache.0[s],
+            local,
+            cfg,
+            core,
+            &mix.t[s],
+            &z.t[s],
+            &beta.t[s],
+            &alpha.t[s],
+            eps,
+            &step.0[s],
+            n,
+            &mut out.t[s],
+        )?;
+        out.wrote(s, n);
+        Ok(prep(s, p))
     }
 
     fn qkv(

@@ -3652,11 +3652,12 @@ pub fn compare_split_greedy(
     })
 }
 
-/// A mixture of experts (or gpt-oss's attention with sinks) under a layer split against
-/// one GPU. Each stage runs the one-GPU kernels on its layers (same routes, same sums), so
-/// every logit must be bit-identical and the greedy ids equal.
+/// A mixture of experts (gpt-oss's attention with sinks, a hybrid's linear-attention
+/// layers and their states) under a layer split against one GPU. Each stage runs the
+/// one-GPU kernels on its layers (same routes, same sums, each stage the states of its own
+/// layers), so every logit must be bit-identical and the greedy ids equal.
 #[derive(Debug, Clone)]
-pub struct SplitMoeReport {
+pub struct SplitExactReport {
     /// Logit rows compared (teacher-forced tokens in [`PARTS`]), those not bit-identical,
     /// and their largest |Δ|.
     pub rows: usize,
@@ -3667,7 +3668,7 @@ pub struct SplitMoeReport {
     pub split: Vec<u32>,
 }
 
-impl SplitMoeReport {
+impl SplitExactReport {
     pub fn passed(&self) -> bool {
         self.rows > 0 && self.differing == 0 && !self.split.is_empty() && self.split == self.one_gpu
     }
@@ -3695,14 +3696,14 @@ fn logits_and_greedy<B: kestrel_model::Backend>(
     Ok((logits, ids))
 }
 
-pub fn compare_split_moe(
+pub fn compare_split_exact(
     arch: Arch,
     ty: &str,
     n: usize,
     generate: usize,
     seed: u64,
     ordinals: &[usize],
-) -> anyhow::Result<SplitMoeReport> {
+) -> anyhow::Result<SplitExactReport> {
     let file = split_model(arch, ty, seed)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5b18);
     let vocab = kestrel_model::ModelConfig::from_gguf(&file)?.vocab_size as u32;
@@ -3725,7 +3726,7 @@ pub fn compare_split_moe(
         }
     }
     anyhow::ensure!(a.len() == b.len(), "{} rows against {}", b.len(), a.len());
-    Ok(SplitMoeReport {
+    Ok(SplitExactReport {
         rows,
         differing,
         max_abs_diff,

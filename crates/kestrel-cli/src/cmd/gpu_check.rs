@@ -173,17 +173,22 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
             }
         }
     }
-    // Mixtures of experts and gpt-oss's attention with sinks: the stages run the one-GPU
-    // kernels, so the logits must be bit-identical to one GPU's.
-    let moe_cases = [
+    // Mixtures of experts, gpt-oss's attention with sinks and the linear-attention hybrids:
+    // the stages run the one-GPU kernels, so the logits must be bit-identical to one GPU's.
+    let exact_cases = [
         (kestrel_model::Arch::Qwen3Moe, "q4_k_m"),
         (kestrel_model::Arch::Qwen3Moe, "q8_0"),
         (kestrel_model::Arch::GptOss, "mxfp4"),
         (kestrel_model::Arch::GptOss, "f16"),
+        (kestrel_model::Arch::Qwen35, "q4_k_m"),
+        (kestrel_model::Arch::Qwen35, "f16"),
+        (kestrel_model::Arch::Qwen3Next, "q8_0"),
+        (kestrel_model::Arch::Qwen35Moe, "q4_k_m"),
     ];
-    for (i, (arch, ty)) in moe_cases.into_iter().enumerate() {
+    for (i, (arch, ty)) in exact_cases.into_iter().enumerate() {
         let s = seed.wrapping_add(500 + i as u64);
-        match selfcheck::compare_split_moe(arch, ty, args.positions, args.generate, s, &ordinals) {
+        match selfcheck::compare_split_exact(arch, ty, args.positions, args.generate, s, &ordinals)
+        {
             Ok(r) => {
                 failures += usize::from(!r.passed());
                 println!(
