@@ -251,44 +251,58 @@ moe_down(const float* a, int ff, int d, int k, const int* ids, const float* wts,
 // the step around it (each (pair, row) and (token, row) is one warp's work), so
 // batch-invariant steps need nothing special here either.
 
-#define MOE_Q8_WARPS 16  // moe_gate_up_q8: warps a block, 2 rows each: one 32-value q8 block
+#define MOE_GU_WARPS 8  // moe_gate_up_q8: warps a block
+#define MOE_GU_R 4       // moe_gate_up_q8: rows a warp (a block: one 32-value q8 block)
 
-// Block (32-row group, pair p = t·k + s): rows r of expert ids[p]'s gate and up times token
-// t's 8-bit input (xq, xd), the activation fused, then the 32 values quantized for
-// moe_down_q8 (aq: a row of ff int8 per pair, ad: a scale per 32). ff a multiple of 32.
-extern "C" __global__ void __launch_bounds__(MOE_Q8_WARPS * 32, 1)
+// This lane's share of MOE_GU_R gate rows (g) and up rows (u) dotted with the 8-bit input:
+// every row's loads in one round where they fit the 128 registers of two blocks an SM, Q6_K
+// (14 registers a unit) in two rounds of two rows; gate and up of different formats or row
+// sizes one matrix after the other.
+__device__ __forceinline__ void moe_gate_up_rows8(int tyg, const u8* g, long long rbg, int tyu,
+                                                  const u8* u, long long rbu, const i8* x,
+                                                  const float* xs, int d, int lane, float* acc,
+                                                  float* acc_up) {
+    bool waited = true;
+    if (tyg == tyu && rbg == rbu && tyg != T_Q6_K) {
+        rows_dot8_any<MOE_GU_R, 1, true>(tyg, g, u, rbg, MOE_GU_R, x, xs, d, lane, acc,
+                                         acc_up, waited);
+    } else {
+        rows_dot8_any<MOE_GU_R, 1, true>(tyg, g, nullptr, rbg, MOE_GU_R, x, xs, d, lane, acc,
+                                         nullptr, waited);
+        rows_dot8_any<MOE_GU_R, 1, true>(tyu, u, nullptr, rbu, MOE_GU_R, x, xs, d, lane, acc_up,
+                                         nullptr, waited);
+    }
+}
+
+// Block (32-row group, pair p = t·k + s) of MOE_GU_WARPS warps of MOE_GU_R rows: rows r of
+// expert ids[p]'s gate and up times token t's 8-bit input (xq, xd), the activation fused,
+// then the 32 values quantized for moe_down_q8 (aq: a row of ff int8 per pair, ad: a scale
+// per 32). ff a multiple of 32. Two blocks an SM: the 30B's 24 × 8 blocks fit one wave.
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 2)
 moe_gate_up_q8(const i8* xq, const float* xd, int k, const int* ids, i8* aq, float* ad,
                MOE_GATE_UP_PARAMS) {
     pdl_enter();
     __shared__ float vals[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int p = blockIdx.y, r0 = blockIdx.x * 32 + 2 * warp;
+    const int p = blockIdx.y, r0 = blockIdx.x * 32 + MOE_GU_R * warp;
     const long long e = ids[p];
     const size_t t = p / k;
-    const i8* x = xq + t * d;
-    const float* xs = xd + t * (d / 32);
-    const u8* g = wg + (e * ff + r0) * rbg;
-    const u8* u = wu + (e * ff + r0) * rbu;
-    float acc[2] = {0.0f, 0.0f}, acc_up[2] = {0.0f, 0.0f};
-    bool waited = true;
-    if (tyg == tyu && rbg == rbu) {
-        rows_dot8_any<2, 2, true>(tyg, g, u, rbg, 2, x, xs, d, lane, acc, acc_up, waited);
-    } else {
-        rows_dot8_any<2, 2, true>(tyg, g, nullptr, rbg, 2, x, xs, d, lane, acc, nullptr, waited);
-        rows_dot8_any<2, 2, true>(tyu, u, nullptr, rbu, 2, x, xs, d, lane, acc_up, nullptr,
-                                  waited);
-    }
+    float acc[MOE_GU_R], acc_up[MOE_GU_R];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < MOE_GU_R; i++) acc[i] = acc_up[i] = 0.0f;
+    moe_gate_up_rows8(tyg, wg + (e * ff + r0) * rbg, rbg, tyu, wu + (e * ff + r0) * rbu, rbu,
+                      xq + t * d, xd + t * (d / 32), d, lane, acc, acc_up);
+#pragma unroll
+    for (int i = 0; i < MOE_GU_R; i++) {
         acc[i] = warp_sum(acc[i]);
         acc_up[i] = warp_sum(acc_up[i]);
     }
     if (lane == 0)
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < MOE_GU_R; i++) {
             const int r = r0 + i;
             const float b0 = bg ? bg[e * ff + r] : 0.0f, b1 = bu ? bu[e * ff + r] : 0.0f;
-            vals[2 * warp + i] =
+            vals[MOE_GU_R * warp + i] =
                 moe_act(__fadd_rn(acc[i], b0), __fadd_rn(acc_up[i], b1), act, alpha, limit);
         }
     __syncthreads();

@@ -3581,10 +3581,11 @@ pub struct MoeQ8Case {
 }
 
 /// The 8-bit decode kernels' cases: every format they read, gate and up of different
-/// formats, row lengths of odd numbers of 32- and 256-value blocks, 1 to 16 experts a token
-/// (all of them in one case), Qwen3-MoE's softmax-and-renormalize and gpt-oss's biased,
-/// clamped one.
-pub const MOE_Q8_CASES: [MoeQ8Case; 7] = {
+/// formats, row lengths of odd numbers of 32- and 256-value blocks, rows longer than one
+/// round of a warp's units (2,304 values of Q4_K / Q6_K, 1,056 of MXFP4: the gate/up loop's
+/// second pass), 1 to 16 experts a token (all of them in one case), Qwen3-MoE's
+/// softmax-and-renormalize and gpt-oss's biased, clamped one.
+pub const MOE_Q8_CASES: [MoeQ8Case; 10] = {
     use GgmlType::*;
     const fn c(
         types: [GgmlType; 3],
@@ -3611,6 +3612,9 @@ pub const MOE_Q8_CASES: [MoeQ8Case; 7] = {
         c([MXFP4, MXFP4, MXFP4], 352, 96, 9, 4, true),
         c([Q4_0, IQ4NL, Q4_0], 224, 64, 7, 2, false),
         c([IQ4XS, IQ4XS, IQ4XS], 512, 256, 10, 10, false),
+        c([Q4K, Q4K, Q6K], 2304, 256, 5, 2, false),
+        c([Q6K, Q6K, Q6K], 2304, 256, 3, 3, false),
+        c([MXFP4, MXFP4, MXFP4], 1056, 64, 6, 3, true),
     ]
 };
 
