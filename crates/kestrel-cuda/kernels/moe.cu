@@ -353,7 +353,10 @@ __device__ __forceinline__ void moe_down_rows8(const u8* wd, long long rb, int d
 
 // Block (8-row group, token t) of 4 warps, MOE_DOWN_R rows each: out[t][r] = Σ_s wts[t·k+s] ·
 // (down_e · a[t·k+s] + bd_e[r]), e = ids[t·k+s], a the 8-bit activations of moe_gate_up_q8.
-extern "C" __global__ void __launch_bounds__(128, 4)
+// Units in flight a lane by format (3 of the K-quants' 64-value units, 4 of Q8_0's, 6 of the
+// 4-bit 32-value ones): the 30B's 8 × 12 (slot, unit) pairs a row in one round of loads, at
+// three blocks an SM (150 registers).
+extern "C" __global__ void __launch_bounds__(128, 3)
 moe_down_q8(const i8* aq, const float* ad, int ff, int d, int k, const int* ids,
             const float* wts, const u8* wd, long long rbd, int tyd, const float* bd,
             float* out) {
@@ -369,18 +372,18 @@ moe_down_q8(const i8* aq, const float* ad, int ff, int d, int k, const int* ids,
     float acc[MOE_DOWN_R];
 #pragma unroll
     for (int i = 0; i < MOE_DOWN_R; i++) acc[i] = 0.0f;
-#define MOE_DOWN_CASE(T, TW)                                                                   \
+#define MOE_DOWN_CASE(T, TW, NU)                                                                 \
     case T:                                                                                    \
-        moe_down_rows8<TW, MOE_DOWN_R, 2>(wd, rbd, d, r0, nr, id, wt, a, as, ff, k, lane, acc); \
+        moe_down_rows8<TW, MOE_DOWN_R, NU>(wd, rbd, d, r0, nr, id, wt, a, as, ff, k, lane, acc); \
         break;
     switch (tyd) {
-    MOE_DOWN_CASE(T_Q4_K, T_Q4_K_W)
-    MOE_DOWN_CASE(T_Q6_K, T_Q6_K_W)
-    MOE_DOWN_CASE(T_Q8_0, T_Q8_0_W)
-    MOE_DOWN_CASE(T_Q4_0, T_Q4_0_W)
-    MOE_DOWN_CASE(T_IQ4_NL, T_IQ4_NL_W)
-    MOE_DOWN_CASE(T_IQ4_XS, T_IQ4_XS_W)
-    MOE_DOWN_CASE(T_MXFP4, T_MXFP4_W)
+    MOE_DOWN_CASE(T_Q4_K, T_Q4_K_W, 3)
+    MOE_DOWN_CASE(T_Q6_K, T_Q6_K_W, 3)
+    MOE_DOWN_CASE(T_Q8_0, T_Q8_0_W, 4)
+    MOE_DOWN_CASE(T_Q4_0, T_Q4_0_W, 6)
+    MOE_DOWN_CASE(T_IQ4_NL, T_IQ4_NL_W, 6)
+    MOE_DOWN_CASE(T_IQ4_XS, T_IQ4_XS_W, 6)
+    MOE_DOWN_CASE(T_MXFP4, T_MXFP4_W, 6)
     default: break;
     }
 #undef MOE_DOWN_CASE
