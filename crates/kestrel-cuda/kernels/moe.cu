@@ -263,15 +263,22 @@ __device__ __forceinline__ void moe_gate_up_rows8(int tyg, const u8* g, long lon
                                                   const float* xs, int d, int lane, float* acc,
                                                   float* acc_up) {
     bool waited = true;
+#define MOE_GU_ARGS g, u, rbg, MOE_GU_R, x, xs, d, lane, acc, acc_up, waited
     if (tyg == tyu && rbg == rbu && tyg != T_Q6_K) {
-        rows_dot8_any<MOE_GU_R, 1, true>(tyg, g, u, rbg, MOE_GU_R, x, xs, d, lane, acc,
-                                         acc_up, waited);
+        switch (tyg) {
+        case T_Q4_0: rows_dot8<T_Q4_0_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
+        case T_IQ4_NL: rows_dot8<T_IQ4_NL_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
+        case T_IQ4_XS: rows_dot8<T_IQ4_XS_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
+        case T_MXFP4: rows_dot8<T_MXFP4_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
+        default: rows_dot8_any<MOE_GU_R, 1, true>(tyg, MOE_GU_ARGS); return;
+        }
     } else {
         rows_dot8_any<MOE_GU_R, 1, true>(tyg, g, nullptr, rbg, MOE_GU_R, x, xs, d, lane, acc,
                                          nullptr, waited);
         rows_dot8_any<MOE_GU_R, 1, true>(tyu, u, nullptr, rbu, MOE_GU_R, x, xs, d, lane, acc_up,
                                          nullptr, waited);
     }
+#undef MOE_GU_ARGS
 }
 
 // Block (32-row group, pair p = t·k + s) of MOE_GU_WARPS warps of MOE_GU_R rows: rows r of
