@@ -1568,14 +1568,13 @@ template <> struct Unit8<T_Q4_0_W> {
 // `waited` false: the kernel has not waited on the previous one yet (pdl_enter): it does
 // after sending its first weight loads, which the previous kernel never writes, so that they
 // overlap that kernel's tail (the activations are read after the wait).
-// NU_UP: units in flight a lane with up rows (gate/up launches hold twice the rows' bytes).
-template <int TY, bool UP, int GD_R, int GD_U, int NU_UP = 1>
+template <int TY, bool UP, int GD_R, int GD_U>
 __device__ __forceinline__ void rows_dot8(const u8* w, const u8* up, long long rb, int nr,
                                           const i8* xq, const float* xd, int k, int lane,
                                           float* acc, float* acc_up, bool& waited) {
     typedef Fmt<TY> F;
     typedef Unit8<TY> U8;
-    constexpr int NU = UP ? NU_UP : GD_U;
+    constexpr int NU = UP ? 1 : GD_U;
     const int units = F::units(k);
     for (int u0 = lane; u0 < units; u0 += 32 * NU) {
         typename F::Raw raw[NU][GD_R], raw_up[UP ? NU : 1][UP ? GD_R : 1];

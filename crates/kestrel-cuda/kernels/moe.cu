@@ -251,65 +251,44 @@ moe_down(const float* a, int ff, int d, int k, const int* ids, const float* wts,
 // the step around it (each (pair, row) and (token, row) is one warp's work), so
 // batch-invariant steps need nothing special here either.
 
-#define MOE_GU_WARPS 8  // moe_gate_up_q8: warps a block
-#define MOE_GU_R 4       // moe_gate_up_q8: rows a warp (a block: one 32-value q8 block)
+#define MOE_Q8_WARPS 16  // moe_gate_up_q8: warps a block, 2 rows each: one 32-value q8 block
 
-// This lane's share of MOE_GU_R gate rows (g) and up rows (u) dotted with the 8-bit input:
-// every row's loads in one round where they fit the 128 registers of two blocks an SM, Q6_K
-// (14 registers a unit) in two rounds of two rows; gate and up of different formats or row
-// sizes one matrix after the other.
-__device__ __forceinline__ void moe_gate_up_rows8(int tyg, const u8* g, long long rbg, int tyu,
-                                                  const u8* u, long long rbu, const i8* x,
-                                                  const float* xs, int d, int lane, float* acc,
-                                                  float* acc_up) {
-    bool waited = true;
-#define MOE_GU_ARGS g, u, rbg, MOE_GU_R, x, xs, d, lane, acc, acc_up, waited
-    if (tyg == tyu && rbg == rbu && tyg != T_Q6_K) {
-        switch (tyg) {
-        case T_Q4_0: rows_dot8<T_Q4_0_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
-        case T_IQ4_NL: rows_dot8<T_IQ4_NL_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
-        case T_IQ4_XS: rows_dot8<T_IQ4_XS_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
-        case T_MXFP4: rows_dot8<T_MXFP4_W, true, MOE_GU_R, 1, 2>(MOE_GU_ARGS); return;
-        default: rows_dot8_any<MOE_GU_R, 1, true>(tyg, MOE_GU_ARGS); return;
-        }
-    } else {
-        rows_dot8_any<MOE_GU_R, 1, true>(tyg, g, nullptr, rbg, MOE_GU_R, x, xs, d, lane, acc,
-                                         nullptr, waited);
-        rows_dot8_any<MOE_GU_R, 1, true>(tyu, u, nullptr, rbu, MOE_GU_R, x, xs, d, lane, acc_up,
-                                         nullptr, waited);
-    }
-#undef MOE_GU_ARGS
-}
-
-// Block (32-row group, pair p = t·k + s) of MOE_GU_WARPS warps of MOE_GU_R rows: rows r of
-// expert ids[p]'s gate and up times token t's 8-bit input (xq, xd), the activation fused,
-// then the 32 values quantized for moe_down_q8 (aq: a row of ff int8 per pair, ad: a scale
-// per 32). ff a multiple of 32. Two blocks an SM: the 30B's 24 × 8 blocks fit one wave.
-extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 2)
+// Block (32-row group, pair p = t·k + s): rows r of expert ids[p]'s gate and up times token
+// t's 8-bit input (xq, xd), the activation fused, then the 32 values quantized for
+// moe_down_q8 (aq: a row of ff int8 per pair, ad: a scale per 32). ff a multiple of 32.
+extern "C" __global__ void __launch_bounds__(MOE_Q8_WARPS * 32, 1)
 moe_gate_up_q8(const i8* xq, const float* xd, int k, const int* ids, i8* aq, float* ad,
                MOE_GATE_UP_PARAMS) {
     pdl_enter();
     __shared__ float vals[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int p = blockIdx.y, r0 = blockIdx.x * 32 + MOE_GU_R * warp;
+    const int p = blockIdx.y, r0 = blockIdx.x * 32 + 2 * warp;
     const long long e = ids[p];
     const size_t t = p / k;
-    float acc[MOE_GU_R], acc_up[MOE_GU_R];
+    const i8* x = xq + t * d;
+    const float* xs = xd + t * (d / 32);
+    const u8* g = wg + (e * ff + r0) * rbg;
+    const u8* u = wu + (e * ff + r0) * rbu;
+    float acc[2] = {0.0f, 0.0f}, acc_up[2] = {0.0f, 0.0f};
+    bool waited = true;
+    if (tyg == tyu && rbg == rbu) {
+        rows_dot8_any<2, 2, true>(tyg, g, u, rbg, 2, x, xs, d, lane, acc, acc_up, waited);
+    } else {
+        rows_dot8_any<2, 2, true>(tyg, g, nullptr, rbg, 2, x, xs, d, lane, acc, nullptr, waited);
+        rows_dot8_any<2, 2, true>(tyu, u, nullptr, rbu, 2, x, xs, d, lane, acc_up, nullptr,
+                                  waited);
+    }
 #pragma unroll
-    for (int i = 0; i < MOE_GU_R; i++) acc[i] = acc_up[i] = 0.0f;
-    moe_gate_up_rows8(tyg, wg + (e * ff + r0) * rbg, rbg, tyu, wu + (e * ff + r0) * rbu, rbu,
-                      xq + t * d, xd + t * (d / 32), d, lane, acc, acc_up);
-#pragma unroll
-    for (int i = 0; i < MOE_GU_R; i++) {
+    for (int i = 0; i < 2; i++) {
         acc[i] = warp_sum(acc[i]);
         acc_up[i] = warp_sum(acc_up[i]);
     }
     if (lane == 0)
 #pragma unroll
-        for (int i = 0; i < MOE_GU_R; i++) {
+        for (int i = 0; i < 2; i++) {
             const int r = r0 + i;
             const float b0 = bg ? bg[e * ff + r] : 0.0f, b1 = bu ? bu[e * ff + r] : 0.0f;
-            vals[MOE_GU_R * warp + i] =
+            vals[2 * warp + i] =
                 moe_act(__fadd_rn(acc[i], b0), __fadd_rn(acc_up[i], b1), act, alpha, limit);
         }
     __syncthreads();
@@ -360,10 +339,7 @@ __device__ __forceinline__ void moe_down_rows8(const u8* wd, long long rb, int d
 
 // Block (8-row group, token t) of 4 warps, MOE_DOWN_R rows each: out[t][r] = Σ_s wts[t·k+s] ·
 // (down_e · a[t·k+s] + bd_e[r]), e = ids[t·k+s], a the 8-bit activations of moe_gate_up_q8.
-// Units in flight a lane by format (3 of the K-quants' 64-value units, 4 of Q8_0's, 6 of the
-// 4-bit 32-value ones): the 30B's 8 × 12 (slot, unit) pairs a row in one round of loads, at
-// three blocks an SM (150 registers).
-extern "C" __global__ void __launch_bounds__(128, 3)
+extern "C" __global__ void __launch_bounds__(128, 4)
 moe_down_q8(const i8* aq, const float* ad, int ff, int d, int k, const int* ids,
             const float* wts, const u8* wd, long long rbd, int tyd, const float* bd,
             float* out) {
@@ -379,18 +355,18 @@ moe_down_q8(const i8* aq, const float* ad, int ff, int d, int k, const int* ids,
     float acc[MOE_DOWN_R];
 #pragma unroll
     for (int i = 0; i < MOE_DOWN_R; i++) acc[i] = 0.0f;
-#define MOE_DOWN_CASE(T, TW, NU)                                                                 \
+#define MOE_DOWN_CASE(T, TW)                                                                   \
     case T:                                                                                    \
-        moe_down_rows8<TW, MOE_DOWN_R, NU>(wd, rbd, d, r0, nr, id, wt, a, as, ff, k, lane, acc); \
+        moe_down_rows8<TW, MOE_DOWN_R, 2>(wd, rbd, d, r0, nr, id, wt, a, as, ff, k, lane, acc); \
         break;
     switch (tyd) {
-    MOE_DOWN_CASE(T_Q4_K, T_Q4_K_W, 3)
-    MOE_DOWN_CASE(T_Q6_K, T_Q6_K_W, 3)
-    MOE_DOWN_CASE(T_Q8_0, T_Q8_0_W, 4)
-    MOE_DOWN_CASE(T_Q4_0, T_Q4_0_W, 6)
-    MOE_DOWN_CASE(T_IQ4_NL, T_IQ4_NL_W, 6)
-    MOE_DOWN_CASE(T_IQ4_XS, T_IQ4_XS_W, 6)
-    MOE_DOWN_CASE(T_MXFP4, T_MXFP4_W, 6)
+    MOE_DOWN_CASE(T_Q4_K, T_Q4_K_W)
+    MOE_DOWN_CASE(T_Q6_K, T_Q6_K_W)
+    MOE_DOWN_CASE(T_Q8_0, T_Q8_0_W)
+    MOE_DOWN_CASE(T_Q4_0, T_Q4_0_W)
+    MOE_DOWN_CASE(T_IQ4_NL, T_IQ4_NL_W)
+    MOE_DOWN_CASE(T_IQ4_XS, T_IQ4_XS_W)
+    MOE_DOWN_CASE(T_MXFP4, T_MXFP4_W)
     default: break;
     }
 #undef MOE_DOWN_CASE

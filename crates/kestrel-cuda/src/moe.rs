@@ -79,11 +79,9 @@ pub const Q8_EXPERT_TYPES: &[GgmlType] = &[
     GgmlType::MXFP4,
 ];
 
-/// Rows a `moe_gate_up_q8` block computes (one 32-value block of 8-bit activations for
-/// down).
+/// Rows a `moe_gate_up_q8` block computes (16 warps of 2: one 32-value block of 8-bit
+/// activations for down).
 const Q8_GATE_UP_ROWS: usize = 32;
-/// Threads of a `moe_gate_up_q8` block (`MOE_GU_WARPS` = 8 warps of `MOE_GU_R` = 4 rows).
-const Q8_GATE_UP_THREADS: u32 = 256;
 /// Rows a `moe_down_q8` block computes (4 warps of `MOE_DOWN_R` = 2).
 const Q8_DOWN_ROWS: usize = 8;
 
@@ -492,7 +490,7 @@ pub(crate) fn moe_ffn(
         b.launch_reading(
             "moe_gate_up_q8",
             ((ff / Q8_GATE_UP_ROWS) as u32, pairs as u32, 1),
-            Q8_GATE_UP_THREADS,
+            (Q8_GATE_UP_ROWS / 2 * 32) as u32,
             &args,
             gate_up_bytes,
         );
