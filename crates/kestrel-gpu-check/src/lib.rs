@@ -3915,10 +3915,12 @@ pub struct MoeQ8Case {
 }
 
 /// The 8-bit decode kernels' cases: every format they read, gate and up of different
-/// formats, row lengths of odd numbers of 32- and 256-value blocks, 1 to 16 experts a token
-/// (all of them in one case), Qwen3-MoE's softmax-and-renormalize and gpt-oss's biased,
-/// clamped one.
-pub const MOE_Q8_CASES: [MoeQ8Case; 7] = {
+/// formats, row lengths of odd numbers of 32- and 256-value blocks, rows longer than one
+/// round of a lane's units (gate/up rows of 2,304 values of Q4_K / Q6_K and 1,056 of MXFP4;
+/// down's (slot, unit) pairs a row past the units a lane has in flight: 3 × 36 K-quant
+/// units, 4 × 34 Q8_0 blocks, 12 × 17 MXFP4 blocks), 1 to 16 experts a token (all of them in
+/// one case), Qwen3-MoE's softmax-and-renormalize and gpt-oss's biased, clamped one.
+pub const MOE_Q8_CASES: [MoeQ8Case; 10] = {
     use GgmlType::*;
     const fn c(
         types: [GgmlType; 3],
@@ -3941,10 +3943,13 @@ pub const MOE_Q8_CASES: [MoeQ8Case; 7] = {
         c([Q4K, Q4K, Q6K], 768, 512, 13, 3, false),
         c([Q4K, Q4K, Q4K], 1280, 768, 20, 8, false),
         c([Q6K, Q6K, Q4K], 256, 256, 16, 16, false),
-        c([Q8_0, Q8_0, Q8_0], 416, 160, 11, 4, true),
+        c([Q8_0, Q8_0, Q8_0], 416, 1088, 11, 4, true),
         c([MXFP4, MXFP4, MXFP4], 352, 96, 9, 4, true),
         c([Q4_0, IQ4NL, Q4_0], 224, 64, 7, 2, false),
         c([IQ4XS, IQ4XS, IQ4XS], 512, 256, 10, 10, false),
+        c([Q4K, Q4K, Q6K], 2304, 2304, 4, 3, false),
+        c([Q6K, Q6K, Q4K], 2304, 2304, 4, 3, false),
+        c([MXFP4, MXFP4, MXFP4], 1056, 544, 12, 12, true),
     ]
 };
 
