@@ -3517,8 +3517,11 @@ pub fn compare_tp_logits_hybrid(
 
 /// Greedy generation of `n` tokens after a random prompt, tensor parallel (through
 /// `Engine::generate`: the argmax on rank 0's device) against the CPU oracle (its logits
-/// tell a near-tie from a bug). A mixture of experts and a hybrid run on f32 activations, as
-/// [`compare_greedy_moe`] does on one GPU (a route flip shows as a near-tie).
+/// tell a near-tie from a bug). A mixture of experts runs as [`compare_greedy_moe`] on one
+/// GPU: one token a step (the prompt too) on f32 activations, so that a route differs from
+/// the CPU's only at a near-tie of the router (a prompt taken in one multi-token step
+/// rounds its products otherwise, and a route flipped there moves every later token's
+/// logits by more than a near-tie).
 pub fn compare_tp_greedy(
     arch: Arch,
     ty: &str,
@@ -3527,12 +3530,13 @@ pub fn compare_tp_greedy(
     ordinals: &[usize],
 ) -> anyhow::Result<GreedyReport> {
     let file = tp_model(arch, ty, seed)?;
-    let mut tp = tp_engine(&file, ordinals)?;
-    // The hybrids run on f32 activations, as their one-GPU checks do (their tiny models
-    // amplify 8-bit rounding to 7-11% of the largest logit).
-    if matches!(tp.config().ffn, kestrel_model::FfnKind::Moe(_))
-        || tp.config().has_recurrent_layers()
-    {
+    let moe = matches!(
+        kestrel_model::ModelConfig::from_gguf(&file)?.ffn,
+        kestrel_model::FfnKind::Moe(_)
+    );
+    let backend = kestrel_cuda::TpBackend::new(ordinals)?;
+    let mut tp = Engine::new(backend, file.clone(), &options(if moe { 1 } else { 100 }))?;
+    if moe {
         for r in 0..tp.backend.ranks() {
             tp.backend.rank(r).set_q8_decode(false);
         }
