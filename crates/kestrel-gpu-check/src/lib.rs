@@ -240,6 +240,17 @@ pub fn compare_greedy_moe(
 /// [`compare_moe_block`].
 pub const MOE_MIN_WITHIN: f64 = 0.5;
 
+/// MoE's criteria for logit reports paired with their share of positions within the
+/// bound: nothing non-finite, top-1 agreement (near-ties counted) at gpu-check's minimum,
+/// and at least [`MOE_MIN_WITHIN`] of the positions within.
+fn moe_reports_pass(reports: &[(&LogitReport, f64)]) -> bool {
+    reports.iter().all(|(r, within)| {
+        r.non_finite == 0
+            && r.top1_agreement_ties >= MIN_TOP1_AGREEMENT
+            && *within >= MOE_MIN_WITHIN
+    })
+}
+
 /// Result of [`compare_logits_moe`].
 #[derive(Debug, Clone)]
 pub struct MoeLogitReport {
@@ -256,16 +267,10 @@ pub struct MoeLogitReport {
 
 impl MoeLogitReport {
     pub fn passed(&self) -> bool {
-        [
+        moe_reports_pass(&[
             (&self.single, self.single_within),
             (&self.logits, self.within),
-        ]
-        .iter()
-        .all(|(r, within)| {
-            r.non_finite == 0
-                && r.top1_agreement_ties >= MIN_TOP1_AGREEMENT
-                && *within >= MOE_MIN_WITHIN
-        })
+        ])
     }
 }
 
@@ -3339,16 +3344,10 @@ pub struct TpMoeReport {
 
 impl TpMoeReport {
     pub fn passed(&self) -> bool {
-        [
+        moe_reports_pass(&[
             (&self.vs_cpu, self.vs_cpu_within),
             (&self.vs_one_gpu, self.vs_one_gpu_within),
-        ]
-        .iter()
-        .all(|(r, within)| {
-            r.non_finite == 0
-                && r.top1_agreement_ties >= MIN_TOP1_AGREEMENT
-                && *within >= MOE_MIN_WITHIN
-        })
+        ])
     }
 }
 

@@ -155,23 +155,11 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
     // Speculative verification: batch-invariant steps, prompt lookup and a draft model.
     for (i, arch) in ARCHS.iter().enumerate() {
         let s = seed.wrapping_add(400 + i as u64);
-        match selfcheck::compare_split_invariant(*arch, "q4_k_m", s, &ordinals) {
-            Ok(r) => {
-                failures += usize::from(!r.passed());
-                println!(
-                    "split {arch:?} q4_k_m invariant: {} rows, {} differ (max |Δ| {:.2e}); {}  {}",
-                    r.rows,
-                    r.differing,
-                    r.max_abs_diff,
-                    r.ids_summary(),
-                    if r.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("split {arch:?} q4_k_m invariant: ERROR {e:#}");
-            }
-        }
+        let label = format!("split {arch:?} q4_k_m invariant");
+        failures += report_invariant(
+            &label,
+            selfcheck::compare_split_invariant(*arch, "q4_k_m", s, &ordinals),
+        );
     }
     // Mixtures of experts, gpt-oss's attention with sinks and the linear-attention hybrids:
     // the stages run the one-GPU kernels, so the logits must be bit-identical to one GPU's.
@@ -218,6 +206,47 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
 /// An architecture by its GGUF name.
 fn parse_arch(name: &str) -> Result<kestrel_model::Arch, String> {
     kestrel_model::Arch::from_name(name).map_err(|e| format!("{e}"))
+}
+
+/// One TP greedy case (f32 weights) against the CPU; returns its failures (0 or 1).
+fn tp_greedy(arch: kestrel_model::Arch, n: usize, seed: u64, ordinals: &[usize]) -> usize {
+    let ranks = ordinals.len();
+    match selfcheck::compare_tp_greedy(arch, "f32", n, seed, ordinals) {
+        Ok(g) => {
+            println!(
+                "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
+                g.cpu.len(),
+                g.first_difference,
+                if g.passed() { "ok" } else { "FAIL" }
+            );
+            usize::from(!g.passed())
+        }
+        Err(e) => {
+            println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
+            1
+        }
+    }
+}
+
+/// Prints one speculative-verification case of several GPUs; returns its failures.
+fn report_invariant(label: &str, result: anyhow::Result<selfcheck::InvariantReport>) -> usize {
+    match result {
+        Ok(r) => {
+            println!(
+                "{label}: {} rows, {} differ (max |Δ| {:.2e}); {}  {}",
+                r.rows,
+                r.differing,
+                r.max_abs_diff,
+                r.ids_summary(),
+                if r.passed() { "ok" } else { "FAIL" }
+            );
+            usize::from(!r.passed())
+        }
+        Err(e) => {
+            println!("{label}: ERROR {e:#}");
+            1
+        }
+    }
 }
 
 /// `gpu-check --tp N`.
@@ -307,21 +336,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
         let s = seed.wrapping_add(100 + i as u64);
-        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
-            Ok(g) => {
-                failures += usize::from(!g.passed());
-                println!(
-                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
-                    g.cpu.len(),
-                    g.first_difference,
-                    if g.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
-            }
-        }
+        failures += tp_greedy(*arch, args.generate, s, &ordinals);
     }
     // Mixtures of experts: each rank its share of every expert, the router replicated;
     // route flips allowed as in the one-GPU MoE checks.
@@ -352,21 +367,7 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
         let s = seed.wrapping_add(300 + i as u64);
-        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
-            Ok(g) => {
-                failures += usize::from(!g.passed());
-                println!(
-                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
-                    g.cpu.len(),
-                    g.first_difference,
-                    if g.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
-            }
-        }
+        failures += tp_greedy(*arch, args.generate, s, &ordinals);
     }
     // The linear-attention hybrids: DeltaNet layers split by heads, their states per rank;
     // the one-GPU hybrid checks' criteria (f32 activations; route flips allowed in the MoE
@@ -404,43 +405,17 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             }
         }
         let s = seed.wrapping_add(700 + i as u64);
-        match selfcheck::compare_tp_greedy(*arch, "f32", args.generate, s, &ordinals) {
-            Ok(g) => {
-                failures += usize::from(!g.passed());
-                println!(
-                    "tp{ranks} {arch:?} greedy {} tokens: first difference {:?}  {}",
-                    g.cpu.len(),
-                    g.first_difference,
-                    if g.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("tp{ranks} {arch:?} greedy: ERROR {e:#}");
-            }
-        }
+        failures += tp_greedy(*arch, args.generate, s, &ordinals);
     }
     // Speculative verification on TP: batch-invariant steps against single-token ones,
     // then greedy ids with prompt lookup and with a draft model on the first GPU.
     for (i, arch) in dense.iter().chain(&moe).enumerate() {
         let s = seed.wrapping_add(400 + i as u64);
-        match selfcheck::compare_tp_invariant(*arch, "q4_k_m", s, &ordinals) {
-            Ok(r) => {
-                failures += usize::from(!r.passed());
-                println!(
-                    "tp{ranks} {arch:?} q4_k_m invariant: {} rows, {} differ (max |Δ| {:.2e}); {}  {}",
-                    r.rows,
-                    r.differing,
-                    r.max_abs_diff,
-                    r.ids_summary(),
-                    if r.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("tp{ranks} {arch:?} q4_k_m invariant: ERROR {e:#}");
-            }
-        }
+        let label = format!("tp{} {arch:?} q4_k_m invariant", ordinals.len());
+        failures += report_invariant(
+            &label,
+            selfcheck::compare_tp_invariant(*arch, "q4_k_m", s, &ordinals),
+        );
     }
     // Batched decode steps (cuBLAS products and all-reduces in each part's graph) replayed
     // against the same steps launched kernel by kernel.
