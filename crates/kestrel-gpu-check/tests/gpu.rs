@@ -329,14 +329,20 @@ fn tensor_parallel_moe_matches_one_gpu_and_cpu() {
             );
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
         }
-        let seed = rng.random();
-        let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
-        assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
-        let seed = rng.random();
-        let r = selfcheck::compare_tp_graph_replay_batched(arch, "q4_k_m", 37, 6, seed, &[0, 1])
-            .expect("runs");
-        assert!(r.passed(), "{arch:?} 37 seqs (seed {seed}): {r:?}");
+        tp_greedy_and_graph_replay(arch, &mut rng);
     }
+}
+
+/// TP=2 greedy generation of `arch` against the CPU, then decode steps of 37 sequences
+/// replayed from graphs against eager launches (bit for bit), on fresh seeds.
+fn tp_greedy_and_graph_replay(arch: kestrel_model::Arch, rng: &mut impl rand::Rng) {
+    let seed = rng.random();
+    let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
+    assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
+    let seed = rng.random();
+    let r = selfcheck::compare_tp_graph_replay_batched(arch, "q4_k_m", 37, 6, seed, &[0, 1])
+        .expect("runs");
+    assert!(r.passed(), "{arch:?} 37 seqs (seed {seed}): {r:?}");
 }
 
 /// Tensor parallelism over two GPUs on the linear-attention hybrids (qwen35, qwen3next,
@@ -365,13 +371,7 @@ fn tensor_parallel_hybrids_match_one_gpu_and_cpu() {
             );
             assert!(h.passed(), "{arch:?} {ty} (seed {seed}): {h:?}");
         }
-        let seed = rng.random();
-        let g = selfcheck::compare_tp_greedy(arch, "f32", 48, seed, &[0, 1]).expect("runs");
-        assert!(g.passed(), "{arch:?} greedy (seed {seed}): {g:?}");
-        let seed = rng.random();
-        let r = selfcheck::compare_tp_graph_replay_batched(arch, "q4_k_m", 37, 6, seed, &[0, 1])
-            .expect("runs");
-        assert!(r.passed(), "{arch:?} 37 seqs (seed {seed}): {r:?}");
+        tp_greedy_and_graph_replay(arch, &mut rng);
     }
 }
 
