@@ -761,7 +761,10 @@ mod tests {
                 apply_mask(&mut masked, m);
                 // A mask may allow nothing of the row (its set bits all past the row's end).
                 let none = (0..cols).all(|t| !mask_allows(m, t));
-                assert!(mask_allows(m, out[r] as usize) || none, "row {r}, seed {seed}");
+                assert!(
+                    mask_allows(m, out[r] as usize) || none,
+                    "row {r}, seed {seed}"
+                );
             }
             assert_eq!(out[r], one.sample(&masked, s, pens), "row {r}, seed {seed}");
         }
