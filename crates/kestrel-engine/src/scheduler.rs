@@ -237,7 +237,8 @@ pub struct SchedulerStats {
     pub tokens_generated: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
-    /// Microseconds spent in the model's forward steps (backend work and the logits read).
+    /// Microseconds spent in the model's forward steps (backend work and the logits read)
+    /// and in a draft model's drafting.
     pub forward_us: AtomicU64,
     /// Microseconds of the scheduler's own work around them: admission, batch building,
     /// sampling, sending tokens, releasing blocks.
