@@ -16,10 +16,11 @@
 //! its prompt and the tokens it already generated (its sampler state is kept, so the output is
 //! the same as if it had never been preempted).
 //!
-//! Speculative decoding (prompt lookup, greedy requests): while few sequences run, a
-//! decoding sequence's pending token goes into the step together with the tokens its
-//! [`NgramDrafter`] proposes, each with a logit row; the longest prefix of drafts matching
-//! the target's own argmax is kept, and the rejected drafts leave the block table before any
+//! Speculative decoding (greedy requests): while few sequences run, a decoding sequence's
+//! pending token goes into the step together with the tokens the scheduler's
+//! [`MultiDrafter`] proposes for it (prompt lookup, [`NgramDrafter`], or a draft model given
+//! to [`spawn_with`]), each with a logit row; the longest prefix of drafts matching the
+//! target's own argmax is kept, and the rejected drafts leave the block table before any
 //! block can enter the prefix cache. Sequences with different accepted lengths share a step.
 //!
 //! Prefix caching: every full block a sequence computes is entered in a table keyed by a hash
@@ -44,7 +45,7 @@ use rayon::prelude::*;
 
 use crate::engine::Engine;
 use crate::sampler::{Sampler, SamplerParams, TokenFilter, log_softmax, top_n};
-use crate::spec::{DraftControl, NgramDrafter};
+use crate::spec::{DraftControl, MultiDrafter, NgramDrafter};
 
 /// Where a request's events go. Implemented for `std::sync::mpsc::Sender<Event>`; the server
 /// wraps its async channel in one.
@@ -169,14 +170,15 @@ pub struct SchedulerOptions {
     pub prefix_cache: bool,
     /// Token ids that end generation (end of sequence, end of turn).
     pub eog: Vec<u32>,
-    /// Speculative decoding by prompt lookup for greedy requests; None: off.
+    /// Speculative decoding for greedy requests (by prompt lookup unless [`spawn_with`] is
+    /// given a drafter); None: off.
     pub spec: Option<SchedulerSpec>,
 }
 
-/// The scheduler's speculative decoding (prompt lookup).
+/// The scheduler's speculative decoding.
 #[derive(Debug, Clone)]
 pub struct SchedulerSpec {
-    /// N-gram sizes the lookup matches.
+    /// N-gram sizes the lookup matches (prompt lookup only).
     pub ngram_min: usize,
     pub ngram_max: usize,
     /// Tokens drafted per sequence and step.
@@ -235,7 +237,8 @@ pub struct SchedulerStats {
     pub tokens_generated: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
-    /// Microseconds spent in the model's forward steps (backend work and the logits read).
+    /// Microseconds spent in the model's forward steps (backend work and the logits read)
+    /// and in a draft model's drafting.
     pub forward_us: AtomicU64,
     /// Microseconds of the scheduler's own work around them: admission, batch building,
     /// sampling, sending tokens, releasing blocks.
@@ -360,6 +363,23 @@ where
     B: Backend + 'static,
     F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
 {
+    spawn_with(make_engine, || Ok(None), opts)
+}
+
+/// [`spawn`] with the drafter the scheduler speculates with when `opts.spec` is set (None:
+/// prompt lookup). `make_drafter` runs on the scheduler thread before `make_engine` (a
+/// draft model's memory is in use when the target's cache is sized); its error is returned
+/// here.
+pub fn spawn_with<B, F, D>(
+    make_engine: F,
+    make_drafter: D,
+    opts: SchedulerOptions,
+) -> anyhow::Result<SchedulerHandle>
+where
+    B: Backend + 'static,
+    F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
+    D: FnOnce() -> anyhow::Result<Option<Box<dyn MultiDrafter>>> + Send + 'static,
+{
     let (tx, rx) = mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<SchedulerInfo>>();
     let stats = Arc::new(SchedulerStats::default());
@@ -367,14 +387,18 @@ where
     std::thread::Builder::new()
         .name("kestrel-scheduler".into())
         .spawn(move || {
-            let engine = match make_engine().and_then(|e| Scheduler::check(e, &opts)) {
-                Ok(e) => e,
+            let made = make_drafter().and_then(|drafter| {
+                let engine = Scheduler::check(make_engine()?, &opts)?;
+                Ok((engine, drafter))
+            });
+            let (engine, drafter) = match made {
+                Ok(made) => made,
                 Err(err) => {
                     let _ = ready_tx.send(Err(err));
                     return;
                 }
             };
-            let mut s = Scheduler::new(engine, opts, rx, thread_stats);
+            let mut s = Scheduler::new(engine, drafter, opts, rx, thread_stats);
             let _ = ready_tx.send(Ok(s.info()));
             s.run();
         })?;
@@ -412,10 +436,14 @@ struct Seq {
     /// yet accepted: the next step's preparation accepts it beside the forward pass (off
     /// the path between one step's token ids and the next step's launch).
     accept_next: Option<u32>,
-    /// Prompt lookup, when this sequence may speculate (never with a filter).
-    drafter: Option<(NgramDrafter, DraftControl)>,
+    /// The request's id with the scheduler's drafter.
+    id: u64,
+    /// The draft length's control, when this sequence may speculate (never with a filter).
+    control: Option<DraftControl>,
     /// Drafts at the end of `tokens` this step (evaluated with the pending token).
     n_drafts: usize,
+    /// Seconds the drafter took for this step's drafts (part of the round's cost).
+    draft_secs: f64,
 }
 
 /// Names one prefix-cache entry: its table key and its id (ids are never reused, so a link
@@ -574,6 +602,17 @@ struct Scheduler<B: Backend> {
     argmax_ids: Vec<u32>,
     /// The sampling rows of the step (reused).
     sampling: SamplingBatch,
+    /// What speculating sequences draft with (prompt lookup or a draft model), while
+    /// speculation is on.
+    drafter: Option<Box<dyn MultiDrafter>>,
+    /// The next request's id with the drafter.
+    next_id: u64,
+    /// Drafts of the current sequence (reused).
+    draft_buf: Vec<u32>,
+    /// Microseconds the drafter took this loop (model work outside the forward steps).
+    draft_us: u64,
+    /// A drafter error was reported (once; the sequence then decodes plainly).
+    draft_failed: bool,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -603,6 +642,7 @@ impl<B: Backend> Scheduler<B> {
 
     fn new(
         engine: Engine<B>,
+        drafter: Option<Box<dyn MultiDrafter>>,
         opts: SchedulerOptions,
         rx: mpsc::Receiver<Job>,
         stats: Arc<SchedulerStats>,
@@ -619,6 +659,14 @@ impl<B: Backend> Scheduler<B> {
             opts.prefix_cache = false;
             opts.spec = None;
         }
+        let drafter = opts.spec.as_ref().map(|spec| {
+            drafter.unwrap_or_else(|| {
+                Box::new(
+                    NgramDrafter::new(spec.ngram_min, spec.ngram_max)
+                        .expect("sizes checked at start"),
+                )
+            })
+        });
         let s = Scheduler {
             engine,
             opts,
@@ -634,6 +682,11 @@ impl<B: Backend> Scheduler<B> {
             prefix: PrefixCache::new(block_hash),
             tick: 0,
             disconnected: false,
+            drafter,
+            next_id: 0,
+            draft_buf: Vec::new(),
+            draft_us: 0,
+            draft_failed: false,
         };
         s.publish();
         s
@@ -683,7 +736,9 @@ impl<B: Backend> Scheduler<B> {
             let worked = self.step();
             self.publish();
             let total = started.elapsed().as_micros() as u64;
-            let forward = std::mem::take(&mut self.last_forward_us) + embed_us;
+            let forward = std::mem::take(&mut self.last_forward_us)
+                + embed_us
+                + std::mem::take(&mut self.draft_us);
             self.stats
                 .host_us
                 .fetch_add(total.saturating_sub(forward), Ordering::Relaxed);
@@ -742,17 +797,15 @@ impl<B: Backend> Scheduler<B> {
         };
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let prompt_len = req.prompt.len();
-        let drafter = self
+        let control = self
             .opts
             .spec
             .as_ref()
             // A filtered sequence (grammar, logit bias) is sampled on the host: no drafts.
             .filter(|_| req.speculative && filter.is_none())
-            .map(|spec| {
-                let lookup = NgramDrafter::new(spec.ngram_min, spec.ngram_max)
-                    .expect("sizes checked at start");
-                (lookup, DraftControl::new(spec.draft_min, spec.draft_max))
-            });
+            .map(|spec| DraftControl::new(spec.draft_min, spec.draft_max));
+        let id = self.next_id;
+        self.next_id += 1;
         self.waiting.push_back(Seq {
             tokens: req.prompt,
             prompt_len,
@@ -768,8 +821,10 @@ impl<B: Backend> Scheduler<B> {
             sink: req.sink,
             filter,
             accept_next: None,
-            drafter,
+            id,
+            control,
             n_drafts: 0,
+            draft_secs: 0.0,
         });
     }
 
@@ -895,6 +950,9 @@ impl<B: Backend> Scheduler<B> {
         }
         self.engine.forget_state(&seq.block_table);
         self.engine.blocks.release(&mut seq.block_table);
+        if let Some(drafter) = self.drafter.as_mut() {
+            drafter.release(seq.id);
+        }
         seq.n_cached = 0;
         seq.sharing_stopped = false;
     }
@@ -1219,7 +1277,7 @@ impl<B: Backend> Scheduler<B> {
                 first_row.push(next_row);
                 next_row += 1 + seq.n_drafts;
             }
-            if let (1, Some((_, control))) = (n, &mut seq.drafter) {
+            if let (1, Some(control)) = (n, &mut seq.control) {
                 control.record_plain(step_secs);
             }
         }
@@ -1356,7 +1414,8 @@ impl<B: Backend> Scheduler<B> {
                 }
             } else if drafts > 0 {
                 let ids = argmax_ids.get(first_row[k]..first_row[k] + 1 + drafts);
-                self.verify(i, ids.unwrap_or(&[]), step_secs)
+                let secs = step_secs + self.running[i].draft_secs;
+                self.verify(i, ids.unwrap_or(&[]), secs)
             } else {
                 let accepted = accepted.get_mut(k).and_then(Option::take);
                 let defer = defer.get(k).copied().unwrap_or(false);
@@ -1455,13 +1514,13 @@ impl<B: Backend> Scheduler<B> {
         None
     }
 
-    /// Appends up to `room` prompt-lookup drafts to decoding sequence `i`'s tokens when it
-    /// speculates and their blocks are free (speculation never evicts or preempts); returns
-    /// how many.
+    /// Appends up to `room` drafts to decoding sequence `i`'s tokens when it speculates and
+    /// their blocks are free (speculation never evicts or preempts); returns how many.
     fn draft(&mut self, i: usize, room: usize) -> usize {
         let ctx = self.engine.ctx;
         let seq = &mut self.running[i];
-        let Some((lookup, control)) = &seq.drafter else {
+        seq.draft_secs = 0.0;
+        let (Some(drafter), Some(control)) = (self.drafter.as_mut(), &seq.control) else {
             return 0;
         };
         if !seq.sampler.is_argmax() {
@@ -1472,8 +1531,37 @@ impl<B: Backend> Scheduler<B> {
             .min(ctx - seq.tokens.len())
             .min(seq.max_tokens.saturating_sub(seq.generated + 1))
             .min(control.draft_len());
-        let drafts = lookup.lookup(&seq.tokens, room).to_vec();
-        if drafts.is_empty() || drafts.len() < control.min_len() {
+        if room == 0 || room < control.min_len() {
+            return 0;
+        }
+        let mut drafts = std::mem::take(&mut self.draft_buf);
+        drafts.clear();
+        let started = Instant::now();
+        if let Err(e) = drafter.draft_for(seq.id, &seq.tokens, room, &mut drafts) {
+            // The sequence goes on without drafts (this step; the drafter freed its state).
+            if !std::mem::replace(&mut self.draft_failed, true) {
+                eprintln!("warning: drafting failed, decoding plainly instead: {e:#}");
+            }
+            drafts.clear();
+        }
+        let took = started.elapsed();
+        seq.draft_secs = took.as_secs_f64();
+        self.draft_us += took.as_micros() as u64;
+        self.stats
+            .forward_us
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        drafts.truncate(room);
+        let n = self.append_drafts(i, &drafts);
+        self.draft_buf = drafts;
+        n
+    }
+
+    /// Appends `drafts` to running sequence `i`'s tokens if their blocks are free; returns
+    /// how many were appended.
+    fn append_drafts(&mut self, i: usize, drafts: &[u32]) -> usize {
+        let seq = &mut self.running[i];
+        let min_len = seq.control.as_ref().map_or(1, DraftControl::min_len);
+        if drafts.is_empty() || drafts.len() < min_len {
             return 0;
         }
         let blocks = &mut self.engine.blocks;
@@ -1488,7 +1576,7 @@ impl<B: Backend> Scheduler<B> {
             return 0;
         }
         seq.n_drafts = drafts.len();
-        seq.tokens.extend_from_slice(&drafts);
+        seq.tokens.extend_from_slice(drafts);
         drafts.len()
     }
 
@@ -1504,7 +1592,7 @@ impl<B: Backend> Scheduler<B> {
         let accepted = drafts.iter().zip(ids).take_while(|(a, b)| a == b).count();
         // The pending token is in the cache; the drafts are re-entered one by one below.
         seq.n_cached = base;
-        if let Some((_, control)) = &mut seq.drafter {
+        if let Some(control) = &mut seq.control {
             control.record_round(d, accepted, secs);
         }
         self.stats
@@ -1837,7 +1925,7 @@ mod tests {
                 ..SchedulerOptions::default()
             };
             let stats = Arc::new(SchedulerStats::default());
-            let mut s = Scheduler::new(engine, opts, rx, stats.clone());
+            let mut s = Scheduler::new(engine, None, opts, rx, stats.clone());
             let n_req = 10;
             let mut jobs = Vec::new();
             for k in 0..n_req {

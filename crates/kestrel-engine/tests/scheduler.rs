@@ -2,9 +2,9 @@
 //! same greedy (and seeded) outputs whatever the mix, under preemption, with prefix sharing
 //! and with clients leaving early; every block comes back.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::sampler::SamplerParams;
@@ -12,6 +12,7 @@ use kestrel_engine::scheduler::{
     self, Event, FinishReason, Request, SchedulerHandle, SchedulerOptions, SchedulerSpec,
     SubmitError,
 };
+use kestrel_engine::spec::{MultiDraftModel, MultiDrafter, write_truncated};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
 use kestrel_model::Arch;
@@ -477,4 +478,315 @@ fn speculating_sequences_in_one_batch_keep_their_outputs() {
     assert!(s.spec_rounds.load(Ordering::Relaxed) > 0);
     wait_idle(&h);
     check_blocks_accounted(&h);
+}
+
+/// What a draft model did inside a scheduler, seen from the test.
+#[derive(Default)]
+struct DraftLog {
+    /// Tokens it proposed in all.
+    drafted: u64,
+    /// Most draft sequences held at once, and how many are held now.
+    most_slots: usize,
+    slots: usize,
+    /// Its free and total KV blocks after the last call.
+    blocks: (usize, usize),
+    /// Requests that got drafts.
+    ids: std::collections::HashSet<u64>,
+}
+
+/// A draft model that reports to a [`DraftLog`].
+struct Logged {
+    inner: MultiDraftModel<CpuBackend>,
+    log: Arc<Mutex<DraftLog>>,
+}
+
+impl Logged {
+    fn record(&self, drafted: usize, id: Option<u64>) {
+        let mut log = self.log.lock().unwrap();
+        log.drafted += drafted as u64;
+        log.slots = self.inner.slots_in_use();
+        log.most_slots = log.most_slots.max(log.slots);
+        log.blocks = self.inner.free_blocks();
+        if let (Some(id), true) = (id, drafted > 0) {
+            log.ids.insert(id);
+        }
+    }
+}
+
+impl MultiDrafter for Logged {
+    fn draft_for(
+        &mut self,
+        id: u64,
+        context: &[u32],
+        max: usize,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        let before = out.len();
+        let result = self.inner.draft_for(id, context, max, out);
+        assert!(out.len() - before <= max, "more drafts than asked for");
+        self.record(out.len() - before, Some(id));
+        result
+    }
+
+    fn release(&mut self, id: u64) {
+        self.inner.release(id);
+        self.record(0, None);
+    }
+}
+
+/// Requests of different lengths through a scheduler speculating with `draft` (a draft
+/// sequence for each of at most `spec_max_seqs` requests): every output equals the request
+/// alone without speculation. Among them: one that ends after 2 tokens, one whose client
+/// leaves early, and more than `spec_max_seqs` at once (those beyond it decode plainly).
+/// Returns the scheduler's drafted / accepted counters and the draft's log.
+fn draft_model_run(
+    rng: &mut rand::rngs::StdRng,
+    target: &Arc<GgufFile>,
+    draft: &Arc<GgufFile>,
+) -> (u64, u64, DraftLog) {
+    let (max_seqs, spec_max_seqs, draft_max) = (4, 2, 5);
+    let log = Arc::new(Mutex::new(DraftLog::default()));
+    let (t, t2, d, l) = (target.clone(), target.clone(), draft.clone(), log.clone());
+    let h = scheduler::spawn_with(
+        move || {
+            Ok(engine_with_cache(
+                &t,
+                256,
+                4,
+                max_seqs * (1 + draft_max),
+                64,
+            ))
+        },
+        move || {
+            let engine = engine_with_cache(&d, 256, spec_max_seqs, 1, 64);
+            let inner = MultiDraftModel::new(engine, &t2, &d, spec_max_seqs)?;
+            Ok(Some(
+                Box::new(Logged { inner, log: l }) as Box<dyn MultiDrafter>
+            ))
+        },
+        SchedulerOptions {
+            max_seqs,
+            max_prefill_tokens: 32,
+            prefix_cache: true,
+            eog: vec![],
+            spec: Some(SchedulerSpec {
+                ngram_min: 2,
+                ngram_max: 4,
+                draft_min: 1,
+                draft_max,
+                max_seqs: spec_max_seqs,
+            }),
+        },
+    )
+    .expect("spawn");
+    let vocab = h.info().vocab_size as u32;
+    let mut jobs = Vec::new();
+    // Six requests, four running at once: speculation waits until at most two run (the
+    // last two, both with tokens to go).
+    let lens = [2, 25, 40, 100, 110, 120];
+    for (k, &n) in lens.iter().enumerate() {
+        let prompt: Vec<u32> = (0..rng.random_range(1..40))
+            .map(|_| rng.random_range(0..vocab))
+            .collect();
+        let (tx, rx) = mpsc::channel();
+        h.submit(Request {
+            prompt: prompt.clone(),
+            params: SamplerParams::greedy(),
+            max_tokens: n,
+            logprobs: None,
+            speculative: true,
+            sink: Box::new(tx),
+        })
+        .expect("submit");
+        jobs.push((k, prompt, n, rx));
+    }
+    // A client that leaves after a few tokens: its draft sequence must be freed too.
+    let leaving: Vec<u32> = (0..10).map(|_| rng.random_range(0..vocab)).collect();
+    let (tx, rx) = mpsc::channel();
+    h.submit(Request {
+        prompt: leaving,
+        params: SamplerParams::greedy(),
+        max_tokens: 200,
+        logprobs: None,
+        speculative: true,
+        sink: Box::new(tx),
+    })
+    .expect("submit");
+    for _ in 0..3 {
+        let _ = rx.recv();
+    }
+    drop(rx);
+    for (k, prompt, n, rx) in jobs {
+        let got = collect(rx);
+        assert_eq!(
+            got.ids,
+            alone(target, &prompt, &SamplerParams::greedy(), n),
+            "request {k}"
+        );
+        assert_eq!(got.finish, Some(FinishReason::Length), "request {k}");
+    }
+    wait_idle(&h);
+    check_blocks_accounted(&h);
+    let s = h.stats();
+    let counts = (
+        s.spec_drafted.load(Ordering::Relaxed),
+        s.spec_accepted.load(Ordering::Relaxed),
+    );
+    drop(h);
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    (counts.0, counts.1, log)
+}
+
+/// A tiny Qwen2 whose weights are large enough (std 0.08, not 0.02) that its greedy output
+/// varies (the default tiny model soon repeats one token, which any drafter guesses).
+fn varied_model(seed: u64) -> Arc<GgufFile> {
+    let mut cfg = SynthConfig::tiny(Arch::Qwen2);
+    cfg.weight_std = 0.08;
+    let ty: WeightType = "q8_0".parse().expect("weight type");
+    let (bytes, _) = write_synth_to(Vec::new(), &cfg, ty, seed).expect("synth");
+    Arc::new(GgufFile::from_bytes(bytes).expect("synthetic file parses"))
+}
+
+#[test]
+fn a_draft_model_keeps_greedy_outputs_and_its_tokens_are_counted() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let target = varied_model(rng.random());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("draft.gguf");
+    write_truncated(&target, 1, &path).expect("truncated copy");
+    let first_layer = Arc::new(GgufFile::open(&path).expect("draft opens"));
+    let other = varied_model(rng.random());
+    // The target as its own draft (every draft accepted: the CPU is batch-invariant), its
+    // first layer, and another model of its shape (drafts rejected and rolled back).
+    let drafts = [
+        ("itself", &target, Some(true)),
+        ("1 layer", &first_layer, None),
+        ("another seed", &other, Some(false)),
+    ];
+    for (name, draft, all_accepted) in drafts {
+        let (drafted, accepted, log) = draft_model_run(&mut rng, &target, draft);
+        eprintln!("draft {name}: drafted {drafted}, accepted {accepted}");
+        assert!(drafted > 0, "draft {name}: nothing drafted");
+        // The counters count exactly the draft model's tokens (prompts of random tokens give
+        // prompt lookup next to nothing; it is not asked here).
+        assert_eq!(drafted, log.drafted, "draft {name}");
+        assert!(accepted <= drafted);
+        match all_accepted {
+            Some(true) => assert_eq!(accepted, drafted, "draft {name}"),
+            Some(false) => assert!(accepted < drafted, "draft {name}: nothing rejected"),
+            None => {}
+        }
+        // At most --spec-max-seqs draft sequences, every one freed when its request ended.
+        assert_eq!(log.most_slots, 2, "draft {name}: draft sequences at once");
+        assert_eq!(log.slots, 0, "draft {name}: draft sequences left");
+        assert_eq!(
+            log.blocks.0, log.blocks.1,
+            "draft {name}: draft KV blocks left"
+        );
+        assert!(
+            log.ids.len() >= 2,
+            "draft {name}: {} requests drafted",
+            log.ids.len()
+        );
+    }
+}
+
+/// A draft whose vocabulary differs from the target's, or that keeps a recurrent state,
+/// is refused when the scheduler starts, with an error saying why.
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused_at_load() {
+    use kestrel_model::synth::SynthOverrides;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let target = varied_model(rng.random());
+    let synth = |arch, vocab: u32, seed: u64| {
+        let mut cfg = SynthConfig::tiny(arch);
+        cfg.apply(&SynthOverrides {
+            n_vocab: Some(vocab),
+            ..SynthOverrides::default()
+        })
+        .expect("synth shape");
+        let (bytes, _) = write_synth_to(Vec::new(), &cfg, WeightType::F32, seed).expect("synth");
+        Arc::new(GgufFile::from_bytes(bytes).expect("synthetic file parses"))
+    };
+    let vocab = target_vocab(&target);
+    let other = rng.random_range(2..vocab);
+    let cases = [
+        (synth(Arch::Qwen2, other, rng.random()), "vocabulary"),
+        (synth(Arch::Qwen35, vocab, rng.random()), "linear-attention"),
+    ];
+    for (draft, why) in cases {
+        let (t, t2) = (target.clone(), target.clone());
+        let err = scheduler::spawn_with(
+            move || Ok(engine(&t, 128, 2, 16)),
+            move || {
+                let engine = engine(&draft, 128, 2, 16);
+                let d = MultiDraftModel::new(engine, &t2, &draft, 2)?;
+                Ok(Some(Box::new(d) as Box<dyn MultiDrafter>))
+            },
+            SchedulerOptions {
+                max_seqs: 2,
+                spec: Some(SchedulerSpec {
+                    ngram_min: 2,
+                    ngram_max: 4,
+                    draft_min: 1,
+                    draft_max: 4,
+                    max_seqs: 2,
+                }),
+                ..SchedulerOptions::default()
+            },
+        )
+        .err()
+        .unwrap_or_else(|| panic!("a draft with {why} trouble was accepted"));
+        assert!(err.to_string().contains(why), "{err}");
+    }
+}
+
+fn target_vocab(file: &GgufFile) -> u32 {
+    kestrel_model::ModelConfig::from_gguf(file)
+        .expect("config")
+        .vocab_size as u32
+}
+
+/// Draft sequences are slots: a request without a free one gets no drafts (it decodes
+/// plainly), and one released is caught up from nothing by the next request.
+#[test]
+fn draft_slots_are_held_per_request_and_freed() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let file = varied_model(rng.random());
+    let mut d = MultiDraftModel::new(engine(&file, 128, 1, 16), &file, &file, 1).expect("draft");
+    let vocab = target_vocab(&file);
+    let a: Vec<u32> = (0..rng.random_range(1..40))
+        .map(|_| rng.random_range(0..vocab))
+        .collect();
+    let b: Vec<u32> = (0..rng.random_range(1..40))
+        .map(|_| rng.random_range(0..vocab))
+        .collect();
+    let k = rng.random_range(1..6);
+    let mut out = Vec::new();
+    d.draft_for(1, &a, k, &mut out).expect("draft");
+    // The draft's greedy continuation, as the model alone gives it.
+    assert_eq!(out, alone(&file, &a, &SamplerParams::greedy(), k));
+    out.clear();
+    d.draft_for(2, &b, k, &mut out).expect("draft");
+    assert!(out.is_empty(), "the one slot is request 1's");
+    assert_eq!(d.slots_in_use(), 1);
+    // Request 1 goes on after a rejection: its sequence is rolled back and caught up.
+    let mut a2 = a.clone();
+    a2.extend((0..3).map(|_| rng.random_range(0..vocab)));
+    d.draft_for(1, &a2, k, &mut out).expect("draft");
+    assert_eq!(out, alone(&file, &a2, &SamplerParams::greedy(), k));
+    d.release(1);
+    assert_eq!(d.slots_in_use(), 0);
+    let (free, total) = d.free_blocks();
+    assert_eq!(free, total, "a released draft sequence keeps no block");
+    out.clear();
+    d.draft_for(2, &b, k, &mut out).expect("draft");
+    assert_eq!(out, alone(&file, &b, &SamplerParams::greedy(), k));
+    // Past the draft's context: nothing, not an error.
+    out.clear();
+    let long: Vec<u32> = (0..130).map(|_| rng.random_range(0..vocab)).collect();
+    d.release(2);
+    d.draft_for(3, &long, k, &mut out)
+        .expect("no room is not an error");
+    assert!(out.is_empty());
 }

@@ -165,6 +165,60 @@ fn speculation_keeps_greedy_outputs_opts_out_per_request_and_is_counted() {
     assert_eq!(ids_of(&got["choices"][0]), want);
 }
 
+/// A server drafting with a draft model (here the model itself, so every draft is accepted:
+/// the CPU is batch-invariant): concurrent greedy requests of different lengths get the
+/// plain server's tokens, and /metrics counts the draft model's tokens.
+#[test]
+fn a_draft_model_keeps_greedy_outputs_and_is_counted() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let seed = rng.random();
+    let setup = |draft_itself| Setup {
+        max_seqs: 4,
+        draft_itself,
+        weight_std: Some(0.08),
+        ..Setup::default()
+    };
+    let plain = std::sync::Arc::new(synthetic(setup(false), seed));
+    let fast = std::sync::Arc::new(synthetic(setup(true), seed));
+    let bodies: Vec<Value> = [3, 20, 33, 48, 60]
+        .iter()
+        .map(|&n| {
+            let len = rng.random_range(1..40);
+            let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..512)).collect();
+            json!({"prompt": prompt, "max_tokens": n, "temperature": 0})
+        })
+        .collect();
+    let run = |srv: &std::sync::Arc<common::TestServer>| {
+        let threads: Vec<_> = bodies
+            .iter()
+            .map(|body| {
+                let (srv, body) = (srv.clone(), body.clone());
+                std::thread::spawn(move || {
+                    let (s, r) = srv.post("/v1/completions", &body);
+                    assert_eq!(s, 200, "{r}");
+                    ids_of(&r["choices"][0])
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("client"))
+            .collect::<Vec<_>>()
+    };
+    let want = run(&plain);
+    assert_eq!(plain.metric("kestrel_spec_drafted_tokens_total"), 0.0);
+    let got = run(&fast);
+    for (k, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(g, w, "request {k}");
+        assert_eq!(w.len(), bodies[k]["max_tokens"].as_u64().unwrap() as usize);
+    }
+    let drafted = fast.metric("kestrel_spec_drafted_tokens_total");
+    let accepted = fast.metric("kestrel_spec_accepted_tokens_total");
+    assert!(drafted > 0.0, "nothing drafted");
+    assert_eq!(accepted, drafted, "the model drafting for itself");
+    assert!(fast.metric("kestrel_spec_mean_accepted_length") > 0.0);
+}
+
 /// A request with a logit bias is sampled on the host: on a speculating server it does not
 /// speculate (nothing drafted) and gets the same tokens as on a plain one.
 #[test]

@@ -171,13 +171,7 @@ pub struct SpecArgs {
 impl SpecArgs {
     /// The drafter chosen, checking that the options agree.
     pub fn mode(&self) -> anyhow::Result<SpecMode> {
-        let mode: SpecMode = self.spec.parse()?;
-        match (mode, &self.draft) {
-            (SpecMode::None | SpecMode::Draft, Some(_)) => Ok(SpecMode::Draft),
-            (SpecMode::Draft, None) => bail!("--spec draft needs a draft model: --draft MODEL"),
-            (SpecMode::Ngram, Some(_)) => bail!("--draft goes with --spec draft, not ngram"),
-            (mode, None) => Ok(mode),
-        }
+        spec_mode(&self.spec, self.draft.as_deref())
     }
 
     /// Logit rows a step needs: a verification reads one per drafted token and one more.
@@ -236,6 +230,17 @@ impl SpecArgs {
             self.draft_min,
             self.draft_max,
         )))
+    }
+}
+
+/// The drafter `--spec` and `--draft` choose together (`--draft` implies `draft`).
+pub fn spec_mode(spec: &str, draft: Option<&str>) -> anyhow::Result<SpecMode> {
+    let mode: SpecMode = spec.parse()?;
+    match (mode, draft) {
+        (SpecMode::None | SpecMode::Draft, Some(_)) => Ok(SpecMode::Draft),
+        (SpecMode::Draft, None) => bail!("--spec draft needs a draft model: --draft MODEL"),
+        (SpecMode::Ngram, Some(_)) => bail!("--draft goes with --spec draft, not ngram"),
+        (mode, None) => Ok(mode),
     }
 }
 

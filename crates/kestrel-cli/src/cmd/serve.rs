@@ -7,13 +7,13 @@ use anyhow::Context;
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_cuda::CudaBackend;
 use kestrel_engine::scheduler::{self, SchedulerHandle, SchedulerOptions, SchedulerSpec};
-use kestrel_engine::spec::SpecMode;
+use kestrel_engine::spec::{MultiDraftModel, MultiDrafter, SpecMode};
 use kestrel_engine::{Engine, EngineOptions, KvCacheSize};
 use kestrel_gguf::GgufFile;
-use kestrel_model::{Backend, KvTypes};
+use kestrel_model::{Backend, KvTypes, ModelConfig};
 use kestrel_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
-use super::common::{CacheArgs, Device, SplitMode, positive};
+use super::common::{CacheArgs, Device, SplitMode, positive, spec_mode};
 use crate::interrupt;
 
 #[derive(clap::Args, Debug)]
@@ -83,10 +83,15 @@ pub struct Args {
     pub cors: Option<String>,
     #[command(flatten)]
     pub cache: CacheArgs,
-    /// Speculative decoding for greedy requests: none or ngram (prompt lookup; a request
-    /// opts out with "speculative": false).
+    /// Speculative decoding for greedy requests: none, ngram (prompt lookup) or draft (a
+    /// draft model, --draft); a request opts out with "speculative": false.
     #[arg(long = "spec", default_value = "none")]
     pub spec: String,
+    /// Draft model with the target's vocabulary (catalog name, path or URL; alias -md), on
+    /// the target's device (the first GPU of a list), drafting for up to --spec-max-seqs
+    /// requests at once; implies --spec draft.
+    #[arg(long = "draft", alias = "model-draft")]
+    pub draft: Option<String>,
     /// Most tokens drafted per sequence and step.
     #[arg(long = "draft-max", default_value_t = 8)]
     pub draft_max: usize,
@@ -177,6 +182,11 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         None
     };
     let spec = spec_options(args)?;
+    let device = Device::resolve_split(&args.device, args.tp, args.split)?;
+    let drafter = match (&spec, &args.draft) {
+        (Some(spec), Some(draft)) => draft_maker(args, &file, draft, &device, spec)?,
+        _ => Box::new(|| Ok(None)),
+    };
     // Drafts take the logit rows beyond one per sequence.
     let draft_rows = spec
         .as_ref()
@@ -199,7 +209,6 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         spec,
     };
     let start = std::time::Instant::now();
-    let device = Device::resolve_split(&args.device, args.tp, args.split)?;
     let size = cache_size(args, !matches!(device, Device::Cpu))?;
     let sched = match device {
         Device::CudaLayers(ordinals) => start_scheduler(
@@ -208,6 +217,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
             opts,
             (args.cache.types(), size),
             sched_opts,
+            drafter,
         )?,
         Device::CudaTp(ordinals) => start_scheduler(
             move || kestrel_cuda::TpBackend::new(&ordinals).context("opening the GPUs"),
@@ -215,6 +225,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
             opts,
             (args.cache.types(), size),
             sched_opts,
+            drafter,
         )?,
         Device::Cpu => {
             if let Some(t) = args.threads {
@@ -228,6 +239,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
                 opts,
                 (args.cache.types(), size),
                 sched_opts,
+                drafter,
             )?
         }
         Device::Cuda(ordinal) => start_scheduler(
@@ -236,6 +248,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
             opts,
             (args.cache.types(), size),
             sched_opts,
+            drafter,
         )?,
     };
     let info = sched.info().clone();
@@ -315,21 +328,89 @@ fn fraction(s: &str) -> Result<f64, String> {
     }
 }
 
-/// The scheduler's speculation from `--spec` and its sizes.
+/// The scheduler's speculation from `--spec` / `--draft` and its sizes.
 fn spec_options(args: &Args) -> anyhow::Result<Option<SchedulerSpec>> {
-    Ok(match args.spec.parse::<SpecMode>()? {
+    Ok(match spec_mode(&args.spec, args.draft.as_deref())? {
         SpecMode::None => None,
-        SpecMode::Ngram => Some(SchedulerSpec {
+        SpecMode::Ngram | SpecMode::Draft => Some(SchedulerSpec {
             ngram_min: args.ngram_min,
             ngram_max: args.ngram_max,
             draft_min: args.draft_min,
             draft_max: args.draft_max,
             max_seqs: args.spec_max_seqs,
         }),
-        SpecMode::Draft => {
-            anyhow::bail!("the server speculates by prompt lookup only: --spec ngram")
+    })
+}
+
+/// What makes the scheduler's drafter, on its thread.
+type DraftMaker = Box<dyn FnOnce() -> anyhow::Result<Option<Box<dyn MultiDrafter>>> + Send>;
+
+/// Opens the draft model `draft` and returns what loads it on the target's device (the
+/// first GPU of a list) with a draft sequence for each of `spec.max_seqs` requests, its
+/// vocabulary checked against `target`'s. A target with linear-attention layers does not
+/// speculate (the scheduler says so): no draft is loaded for it.
+fn draft_maker(
+    args: &Args,
+    target: &Arc<GgufFile>,
+    draft: &str,
+    device: &Device,
+    spec: &SchedulerSpec,
+) -> anyhow::Result<DraftMaker> {
+    let recurrent = ModelConfig::from_gguf(target).is_ok_and(|c| c.has_recurrent_layers());
+    if recurrent {
+        return Ok(Box::new(|| Ok(None)));
+    }
+    let path = kestrel_hub::resolve_model(draft)?;
+    let file = Arc::new(
+        GgufFile::open(&path).with_context(|| format!("opening the draft {}", path.display()))?,
+    );
+    let slots = spec.max_seqs.clamp(1, args.max_seqs.max(1));
+    let opts = EngineOptions {
+        ctx: args.ctx,
+        max_batch_tokens: args.batch.max(1),
+        max_logit_rows: 1,
+        block_size: 16,
+        max_seqs: slots,
+    };
+    let kv = args.cache.types();
+    let target = target.clone();
+    Ok(match device {
+        Device::Cpu => Box::new(move || {
+            let backend = CpuBackend::new(Kernels::Fast);
+            load_draft(backend, &target, file, &path, &opts, kv)
+        }),
+        Device::Cuda(_) | Device::CudaTp(_) | Device::CudaLayers(_) => {
+            let ordinal = device.draft_ordinal();
+            Box::new(move || {
+                let backend = CudaBackend::new(ordinal)
+                    .with_context(|| format!("opening device cuda:{ordinal} for the draft"))?;
+                load_draft(backend, &target, file, &path, &opts, kv)
+            })
         }
     })
+}
+
+/// Loads the draft model on `backend`: one engine whose cache holds `opts.max_seqs`
+/// contexts, a draft sequence each.
+fn load_draft<B: Backend + 'static>(
+    backend: B,
+    target: &GgufFile,
+    file: Arc<GgufFile>,
+    path: &std::path::Path,
+    opts: &EngineOptions,
+    kv: KvTypes,
+) -> anyhow::Result<Option<Box<dyn MultiDrafter>>> {
+    let engine = Engine::with_cache_size(backend, file.clone(), opts, kv, KvCacheSize::PerSequence)
+        .with_context(|| format!("loading the draft {}", path.display()))?;
+    let name = engine.backend.name();
+    let drafter = MultiDraftModel::new(engine, target, &file, opts.max_seqs)
+        .with_context(|| format!("the draft {}", path.display()))?;
+    eprintln!(
+        "draft model {} on {name}: up to {} requests drafting at once",
+        path.display(),
+        opts.max_seqs
+    );
+    Ok(Some(Box::new(drafter)))
 }
 
 /// The chosen template, else the file's, else the built-in one of the model's family.
@@ -359,12 +440,14 @@ fn start_scheduler<B: Backend + 'static>(
     opts: EngineOptions,
     (kv, size): (KvTypes, KvCacheSize),
     sched_opts: SchedulerOptions,
+    drafter: DraftMaker,
 ) -> anyhow::Result<SchedulerHandle> {
     let file = file.clone();
-    scheduler::spawn(
+    scheduler::spawn_with(
         move || {
             Engine::with_cache_size(backend()?, file, &opts, kv, size).context("loading the model")
         },
+        drafter,
         sched_opts,
     )
 }
@@ -439,5 +522,82 @@ mod tests {
         assert!(huge.to_string().contains("available"), "{huge}");
         assert!(parse(&["--kv-memory", "0"]).is_err());
         assert!(parse(&["--gpu-memory-utilization", "1.5"]).is_err());
+    }
+
+    #[test]
+    fn draft_implies_spec_draft_and_conflicts_with_ngram() {
+        let spec = |args: &[&str]| spec_options(&parse(args).unwrap()).map_err(|e| e.to_string());
+        for args in [
+            &["--draft", "d.gguf"][..],
+            &["--spec", "draft", "--draft", "d.gguf"],
+        ] {
+            let s = spec(args).unwrap().expect("speculation on");
+            assert_eq!((s.draft_max, s.max_seqs), (8, 4));
+        }
+        let s = spec(&[
+            "--draft",
+            "d.gguf",
+            "--draft-max",
+            "5",
+            "--spec-max-seqs",
+            "3",
+        ])
+        .unwrap()
+        .expect("on");
+        assert_eq!((s.draft_max, s.max_seqs), (5, 3));
+        assert!(spec(&["--spec", "ngram"]).unwrap().is_some());
+        assert!(spec(&[]).unwrap().is_none());
+        let e = spec(&["--spec", "draft"]).unwrap_err();
+        assert!(e.contains("needs a draft model"), "{e}");
+        let e = spec(&["--spec", "ngram", "--draft", "d.gguf"]).unwrap_err();
+        assert!(e.contains("goes with --spec draft"), "{e}");
+    }
+
+    /// `load` with a draft model: one of the target's vocabulary serves (the scheduler
+    /// drafts with it), one of another vocabulary is a load error saying so.
+    #[test]
+    fn a_draft_of_another_vocabulary_is_a_load_error() {
+        use kestrel_model::Arch;
+        use kestrel_model::synth::{SynthConfig, SynthOverrides, WeightType, write_synth};
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(rand::random());
+        let dir = tempfile::tempdir().expect("temp dir");
+        let write = |name: &str, vocab: u32, seed: u64| {
+            let mut cfg = SynthConfig::tiny(Arch::Qwen2);
+            cfg.apply(&SynthOverrides {
+                n_vocab: Some(vocab),
+                ..SynthOverrides::default()
+            })
+            .expect("shape");
+            let path = dir.path().join(name);
+            write_synth(&path, &cfg, WeightType::F32, seed).expect("synth");
+            path.to_string_lossy().into_owned()
+        };
+        let vocab = rand::Rng::random_range(&mut rng, 64..600);
+        let target = write("target.gguf", vocab, rand::Rng::random(&mut rng));
+        let same = write("same.gguf", vocab, rand::Rng::random(&mut rng));
+        let other_vocab = vocab + rand::Rng::random_range(&mut rng, 1..50);
+        let other = write("other.gguf", other_vocab, rand::Rng::random(&mut rng));
+        let args = |draft: &str| {
+            parse(&[
+                "-m",
+                &target,
+                "--draft",
+                draft,
+                "-c",
+                "128",
+                "--max-seqs",
+                "2",
+                "-t",
+                "1",
+            ])
+            .unwrap()
+        };
+        let state = load(&args(&same)).expect("a draft of the same vocabulary loads");
+        drop(state);
+        let err = format!("{:#}", load(&args(&other)).err().expect("refused"));
+        assert!(err.contains("vocabulary"), "{err}");
+        assert!(err.contains(&other_vocab.to_string()), "{err}");
+        let missing = dir.path().join("missing.gguf");
+        assert!(load(&args(&missing.to_string_lossy())).is_err());
     }
 }

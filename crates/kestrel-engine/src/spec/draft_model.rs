@@ -5,6 +5,10 @@
 //! greedy, otherwise drawn from its own distribution under the target's sampling settings
 //! (penalties, top-k, top-p, min-p, temperature), which it reports for the acceptance rule.
 //!
+//! [`MultiDraftModel`] is the scheduler's: one draft engine holding a draft sequence per
+//! speculating request (a fixed number of slots), each caught up the same way before it
+//! drafts greedily, and freed when its request ends.
+//!
 //! Also here: the vocabulary check made at load, and [`write_truncated`], which makes a
 //! same-vocabulary draft from a model by keeping its first layers.
 
@@ -15,7 +19,7 @@ use kestrel_gguf::{GgufFile, GgufWriter, Value};
 use kestrel_model::Backend;
 
 use super::accept::draw_from;
-use super::{Draft, Drafter};
+use super::{Draft, Drafter, MultiDrafter};
 use crate::engine::{Engine, Sequence};
 use crate::sampler::{Sampler, SamplerParams};
 
@@ -109,6 +113,129 @@ impl<B: Backend> Drafter for DraftModel<B> {
             }
         }
         Ok(())
+    }
+}
+
+/// The scheduler's draft model: one engine (on the target's device) and up to `slots` draft
+/// sequences, each owned by one speculating request until it is released. Greedy only (the
+/// scheduler speculates for greedy requests).
+pub struct MultiDraftModel<B: Backend> {
+    engine: Engine<B>,
+    /// Each slot's owner (a request's id) and its draft sequence.
+    slots: Vec<(Option<u64>, Sequence)>,
+    ids: Vec<u32>,
+}
+
+impl<B: Backend> MultiDraftModel<B> {
+    /// A drafter running `engine` for up to `slots` sequences at once; its model (`draft`)
+    /// must share `target`'s vocabulary and keep no recurrent state (its drafts are rolled
+    /// back by truncating its cache). The engine's cache should hold `slots` contexts.
+    pub fn new(
+        engine: Engine<B>,
+        target: &GgufFile,
+        draft: &GgufFile,
+        slots: usize,
+    ) -> anyhow::Result<Self> {
+        check_same_vocabulary(target, draft)?;
+        if engine.config().has_recurrent_layers() {
+            bail!(
+                "the draft model ({}) has linear-attention layers, whose recurrent state cannot \
+                 be rolled back after a rejected draft: choose a draft without them",
+                engine.config().arch.name()
+            );
+        }
+        if slots == 0 {
+            bail!("a draft model needs at least one sequence slot");
+        }
+        Ok(MultiDraftModel {
+            engine,
+            slots: (0..slots).map(|_| (None, Sequence::default())).collect(),
+            ids: Vec::new(),
+        })
+    }
+
+    /// Slots held by a request.
+    pub fn slots_in_use(&self) -> usize {
+        self.slots.iter().filter(|s| s.0.is_some()).count()
+    }
+
+    /// The draft engine's free KV blocks (all of them once every slot is released).
+    pub fn free_blocks(&self) -> (usize, usize) {
+        (self.engine.blocks.n_free(), self.engine.blocks.n_blocks())
+    }
+
+    fn draft_in(
+        &mut self,
+        slot: usize,
+        context: &[u32],
+        max: usize,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        let seq = &mut self.slots[slot].1;
+        let shared = seq
+            .tokens
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The last token is evaluated by the first draft step, for the next token's id.
+        let last = context.len() - 1;
+        let keep = shared.min(last);
+        self.engine.truncate(seq, keep);
+        if keep < last {
+            self.engine
+                .eval(seq, &context[keep..last], false, |_, _| {})?;
+        }
+        let mut token = context[last];
+        for _ in 0..max {
+            self.engine
+                .decode_argmax(std::slice::from_mut(seq), &[token], &mut self.ids)?;
+            token = *self
+                .ids
+                .first()
+                .context("the draft step returned no token")?;
+            out.push(token);
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> MultiDrafter for MultiDraftModel<B> {
+    fn draft_for(
+        &mut self,
+        id: u64,
+        context: &[u32],
+        max: usize,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        // Within the draft's context (its last draft is not evaluated).
+        let max = max.min((self.engine.ctx + 1).saturating_sub(context.len()));
+        if max == 0 || context.is_empty() {
+            return Ok(());
+        }
+        let slot = self
+            .slots
+            .iter()
+            .position(|s| s.0 == Some(id))
+            .or_else(|| self.slots.iter().position(|s| s.0.is_none()));
+        let Some(slot) = slot else {
+            return Ok(()); // every slot is taken: this sequence decodes plainly
+        };
+        self.slots[slot].0 = Some(id);
+        let start = out.len();
+        let result = self.draft_in(slot, context, max, out);
+        if result.is_err() {
+            out.truncate(start);
+            self.release(id);
+        }
+        result
+    }
+
+    fn release(&mut self, id: u64) {
+        if let Some((owner, seq)) = self.slots.iter_mut().find(|s| s.0 == Some(id)) {
+            self.engine.release(seq);
+            *owner = None;
+        }
     }
 }
 

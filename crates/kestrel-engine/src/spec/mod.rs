@@ -5,7 +5,9 @@
 //! acceptance rule of [`accept`].
 //!
 //! Two drafters share the [`Drafter`] interface: [`NgramDrafter`] (prompt lookup, no model)
-//! and [`DraftModel`] (a smaller GGUF with the same vocabulary, its own engine and KV).
+//! and [`DraftModel`] (a smaller GGUF with the same vocabulary, its own engine and KV). The
+//! scheduler drafts for many sequences through [`MultiDrafter`]: [`NgramDrafter`] again, or
+//! [`MultiDraftModel`] (one draft engine holding a draft sequence per speculating request).
 //! [`DraftControl`] sets the number drafted from the recent acceptance and switches
 //! speculation off for a sequence while it is a loss.
 
@@ -21,7 +23,7 @@ use kestrel_model::sampling::Candidate;
 
 use crate::sampler::SamplerParams;
 pub use control::DraftControl;
-pub use draft_model::{DraftModel, check_same_vocabulary, write_truncated};
+pub use draft_model::{DraftModel, MultiDraftModel, check_same_vocabulary, write_truncated};
 pub use ngram::NgramDrafter;
 
 /// Which drafter, if any.
@@ -70,6 +72,24 @@ pub trait Drafter {
     /// Proposes up to `max` tokens to follow `context` (every token of the sequence so
     /// far, the one the target evaluates next last) into `out`.
     fn draft(&mut self, context: &[u32], max: usize, out: &mut Draft) -> anyhow::Result<()>;
+}
+
+/// A source of greedy draft tokens for many sequences at once (the scheduler's), each known
+/// by an id its caller gives it.
+pub trait MultiDrafter {
+    /// Appends to `out` up to `max` tokens to follow `context` (every token of sequence `id`
+    /// so far, the one the target evaluates next last), each the drafter's greedy choice.
+    /// Nothing when it has no room for the sequence.
+    fn draft_for(
+        &mut self,
+        id: u64,
+        context: &[u32],
+        max: usize,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()>;
+
+    /// Sequence `id` ended (or left the running set): whatever was kept for it is freed.
+    fn release(&mut self, id: u64);
 }
 
 /// Counts of one generation's speculation.

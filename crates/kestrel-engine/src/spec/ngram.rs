@@ -3,7 +3,7 @@
 //! generated so far, and proposes the tokens that followed it. No model: answers that copy
 //! their input (edits of code, quotes) are drafted for free.
 
-use super::{Draft, Drafter};
+use super::{Draft, Drafter, MultiDrafter};
 use crate::sampler::SamplerParams;
 
 /// Prompt lookup over n-grams of `min..=max` tokens.
@@ -52,6 +52,22 @@ impl Drafter for NgramDrafter {
         out.tokens.extend_from_slice(self.lookup(context, max));
         Ok(())
     }
+}
+
+/// Prompt lookup keeps nothing per sequence: each draft is a lookup in its context.
+impl MultiDrafter for NgramDrafter {
+    fn draft_for(
+        &mut self,
+        _id: u64,
+        context: &[u32],
+        max: usize,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        out.extend_from_slice(self.lookup(context, max));
+        Ok(())
+    }
+
+    fn release(&mut self, _id: u64) {}
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use kestrel_cpu::{CpuBackend, Kernels};
 use kestrel_engine::scheduler::{self, SchedulerOptions, SchedulerSpec};
+use kestrel_engine::spec::{MultiDraftModel, MultiDrafter};
 use kestrel_engine::{Engine, EngineOptions, KvCacheSize};
 use kestrel_gguf::GgufFile;
 use kestrel_model::Arch;
@@ -32,6 +33,12 @@ pub struct Setup {
     pub api_key: Option<String>,
     /// Prompt-lookup speculation for greedy requests.
     pub speculative: bool,
+    /// Speculation with the model itself as the draft model (`--draft`), instead of
+    /// prompt lookup: a draft sequence for each of up to `max_seqs` requests.
+    pub draft_itself: bool,
+    /// The synthetic model's weight spread (None: the tiny model's 0.02, whose greedy
+    /// output soon repeats one token).
+    pub weight_std: Option<f32>,
     /// The KV cache in bytes (`--kv-memory`); None: `max_seqs` full contexts.
     pub kv_memory: Option<u64>,
 }
@@ -44,6 +51,8 @@ impl Default for Setup {
             batch: 128,
             api_key: None,
             speculative: false,
+            draft_itself: false,
+            weight_std: None,
             kv_memory: None,
         }
     }
@@ -53,7 +62,10 @@ impl Default for Setup {
 pub fn synthetic(setup: Setup, seed: u64) -> TestServer {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    let cfg = SynthConfig::tiny(Arch::Qwen2);
+    let mut cfg = SynthConfig::tiny(Arch::Qwen2);
+    if let Some(std) = setup.weight_std {
+        cfg.weight_std = std;
+    }
     let ty: WeightType = "q8_0".parse().expect("type");
     write_synth(&path, &cfg, ty, seed).expect("synth");
     let mut s = start(&path, setup, "tiny");
@@ -93,7 +105,12 @@ fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTempla
         ctx: setup.ctx,
         max_batch_tokens: setup.batch,
         // Drafts (8 per sequence while speculating) take rows of their own.
-        max_logit_rows: setup.max_seqs * if setup.speculative { 9 } else { 1 },
+        max_logit_rows: setup.max_seqs
+            * if setup.speculative || setup.draft_itself {
+                9
+            } else {
+                1
+            },
         block_size: 16,
         max_seqs: setup.max_seqs,
     };
@@ -101,10 +118,25 @@ fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTempla
     let size = setup
         .kv_memory
         .map_or(KvCacheSize::PerSequence, KvCacheSize::Bytes);
-    let sched = scheduler::spawn(
+    let (draft_file, draft_opts) = (file.clone(), opts.clone());
+    let draft_itself = setup.draft_itself;
+    let sched = scheduler::spawn_with(
         move || {
             let backend = CpuBackend::new(Kernels::Fast);
             Engine::with_cache_size(backend, engine_file, &opts, Default::default(), size)
+        },
+        move || {
+            if !draft_itself {
+                return Ok(None);
+            }
+            let opts = EngineOptions {
+                max_logit_rows: 1,
+                ..draft_opts
+            };
+            let engine = Engine::new(CpuBackend::new(Kernels::Fast), draft_file.clone(), &opts)?;
+            let slots = opts.max_seqs;
+            let d = MultiDraftModel::new(engine, &draft_file, &draft_file, slots)?;
+            Ok(Some(Box::new(d) as Box<dyn MultiDrafter>))
         },
         SchedulerOptions {
             max_seqs: setup.max_seqs,
@@ -114,7 +146,7 @@ fn start_with(path: &Path, setup: Setup, name: &str, template: Option<ChatTempla
                 .as_ref()
                 .map(|t| t.eog_ids().to_vec())
                 .unwrap_or_default(),
-            spec: setup.speculative.then_some(SchedulerSpec {
+            spec: (setup.speculative || setup.draft_itself).then_some(SchedulerSpec {
                 ngram_min: 1,
                 ngram_max: 3,
                 draft_min: 1,
