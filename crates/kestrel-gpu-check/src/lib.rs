@@ -3343,6 +3343,24 @@ pub struct TpMoeReport {
 }
 
 impl TpMoeReport {
+    /// Both comparisons for a report line: max |Δ| against its bound, the share of
+    /// positions within, top-1 agreement.
+    pub fn summary(&self) -> String {
+        let (c, g) = (&self.vs_cpu, &self.vs_one_gpu);
+        format!(
+            "vs CPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% of positions within, top-1 {:.2}% with near-ties; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% within, top-1 {:.2}% ({:.2}% with near-ties)",
+            c.max_abs_diff,
+            c.max_abs_bound(),
+            self.vs_cpu_within * 100.0,
+            c.top1_agreement_ties * 100.0,
+            g.max_abs_diff,
+            g.max_abs_bound(),
+            self.vs_one_gpu_within * 100.0,
+            g.top1_agreement * 100.0,
+            g.top1_agreement_ties * 100.0,
+        )
+    }
+
     pub fn passed(&self) -> bool {
         moe_reports_pass(&[
             (&self.vs_cpu, self.vs_cpu_within),

@@ -320,13 +320,7 @@ fn tensor_parallel_moe_matches_one_gpu_and_cpu() {
             let n = rng.random_range(130..260);
             let seed = rng.random();
             let r = selfcheck::compare_tp_logits_moe(arch, ty, n, seed, &[0, 1]).expect("runs");
-            eprintln!(
-                "tp {arch:?} {ty}: vs CPU max |Δ| {:.2e} ({:.1}% within); vs 1 GPU max |Δ| {:.2e} ({:.1}% within)",
-                r.vs_cpu.max_abs_diff,
-                r.vs_cpu_within * 100.0,
-                r.vs_one_gpu.max_abs_diff,
-                r.vs_one_gpu_within * 100.0
-            );
+            eprintln!("tp {arch:?} {ty}: {}", r.summary());
             assert!(r.passed(), "{arch:?} {ty} (seed {seed}): {r:?}");
         }
         tp_greedy_and_graph_replay(arch, &mut rng);
@@ -361,14 +355,7 @@ fn tensor_parallel_hybrids_match_one_gpu_and_cpu() {
             let n = rng.random_range(130..260);
             let seed = rng.random();
             let h = selfcheck::compare_tp_logits_hybrid(arch, ty, n, seed, &[0, 1]).expect("runs");
-            let r = &h.report;
-            eprintln!(
-                "tp {arch:?} {ty}: vs CPU max |Δ| {:.2e} ({:.1}% within); vs 1 GPU max |Δ| {:.2e} ({:.1}% within)",
-                r.vs_cpu.max_abs_diff,
-                r.vs_cpu_within * 100.0,
-                r.vs_one_gpu.max_abs_diff,
-                r.vs_one_gpu_within * 100.0
-            );
+            eprintln!("tp {arch:?} {ty}: {}", h.report.summary());
             assert!(h.passed(), "{arch:?} {ty} (seed {seed}): {h:?}");
         }
         tp_greedy_and_graph_replay(arch, &mut rng);

@@ -347,16 +347,8 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
                 Ok(r) => {
                     failures += usize::from(!r.passed());
                     println!(
-                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% of positions within, top-1 {:.2}% with near-ties; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% within, top-1 {:.2}% ({:.2}% with near-ties)  {}",
-                        r.vs_cpu.max_abs_diff,
-                        r.vs_cpu.max_abs_bound(),
-                        r.vs_cpu_within * 100.0,
-                        r.vs_cpu.top1_agreement_ties * 100.0,
-                        r.vs_one_gpu.max_abs_diff,
-                        r.vs_one_gpu.max_abs_bound(),
-                        r.vs_one_gpu_within * 100.0,
-                        r.vs_one_gpu.top1_agreement * 100.0,
-                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        "tp{ranks} {arch:?} {ty}: {}  {}",
+                        r.summary(),
                         if r.passed() { "ok" } else { "FAIL" }
                     );
                 }
@@ -378,18 +370,9 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             match selfcheck::compare_tp_logits_hybrid(*arch, ty, args.positions, s, &ordinals) {
                 Ok(h) => {
                     failures += usize::from(!h.passed());
-                    let r = &h.report;
                     println!(
-                        "tp{ranks} {arch:?} {ty}: vs CPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% of positions within, top-1 {:.2}% with near-ties; vs 1 GPU max |Δ| {:.2e} (bound {:.2e}), {:.1}% within, top-1 {:.2}% ({:.2}% with near-ties){}  {}",
-                        r.vs_cpu.max_abs_diff,
-                        r.vs_cpu.max_abs_bound(),
-                        r.vs_cpu_within * 100.0,
-                        r.vs_cpu.top1_agreement_ties * 100.0,
-                        r.vs_one_gpu.max_abs_diff,
-                        r.vs_one_gpu.max_abs_bound(),
-                        r.vs_one_gpu_within * 100.0,
-                        r.vs_one_gpu.top1_agreement * 100.0,
-                        r.vs_one_gpu.top1_agreement_ties * 100.0,
+                        "tp{ranks} {arch:?} {ty}: {}{}  {}",
+                        h.report.summary(),
                         if h.moe {
                             " (route flips allowed)"
                         } else {
