@@ -1434,15 +1434,7 @@ impl Backend for TpBackend {
         gate: &mut TpTensor,
         up: &mut TpTensor,
     ) -> TpPrepared {
-        let (gs, us) = (PerRank::new(&mut gate.0), PerRank::new(&mut up.0));
-        self.each_prep(|r, b| {
-            let (g, u) = unsafe { (gs.get(r), us.get(r)) };
-            let (gw, uw) = (&layer.ffn_gate.ranks[r], &layer.ffn_up.ranks[r]);
-            if !(reshape_cols(b, g, gw.out_len()) && reshape_cols(b, u, uw.out_len())) {
-                return Prepared::Nothing;
-            }
-            b.gate_up_of(&x.0[r], x_ready.0[r], gw, uw, act, n, g, u)
-        })
+        self.gate_up_pair(x, x_ready, &layer.ffn_gate, &layer.ffn_up, act, n, gate, up)
     }
 
     fn gate_up_pair(
