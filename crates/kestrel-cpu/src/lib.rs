@@ -42,6 +42,10 @@ pub struct CpuBackend {
     /// The huge-page copies of the files whose weights this backend loaded (the weights
     /// hold them; an entry whose file or copy is gone is dropped).
     copies: std::sync::Mutex<Vec<(Weak<GgufFile>, Weak<HugeCopy>)>>,
+    /// Chained greedy steps ([`kestrel_model::Backend::argmax_chained`]): the ids not read
+    /// yet, oldest first, and the last step's (the next chained step's tokens). A step here
+    /// is done when its call returns, so chaining only keeps the engine's loop one path.
+    chained: std::sync::Mutex<(std::collections::VecDeque<Vec<u32>>, Vec<u32>)>,
 }
 
 /// A file's bytes copied into anonymous memory advised to use transparent huge pages.
@@ -124,6 +128,7 @@ impl CpuBackend {
             isa,
             numerics,
             copies: std::sync::Mutex::new(Vec::new()),
+            chained: Default::default(),
         }
     }
 
@@ -407,6 +412,17 @@ impl kestrel_model::Backend for CpuBackend {
 
     fn prepare_step(&self, batch: &Batch, step: &mut CpuStep) -> anyhow::Result<()> {
         step.batch.clone_from(batch);
+        if batch.tokens_on_device {
+            let chained = self.chained.lock().unwrap_or_else(|p| p.into_inner());
+            if chained.1.len() != batch.len() {
+                anyhow::bail!(
+                    "a chained step of {} tokens after a step of {} greedy ids",
+                    batch.len(),
+                    chained.1.len()
+                );
+            }
+            step.batch.tokens.clone_from(&chained.1);
+        }
         Ok(())
     }
 
@@ -772,6 +788,28 @@ impl kestrel_model::Backend for CpuBackend {
         f: &mut dyn FnMut(&[f32]),
     ) -> anyhow::Result<()> {
         f(x.rows(n));
+        Ok(())
+    }
+
+    fn can_chain(&self) -> bool {
+        true
+    }
+
+    fn argmax_chained(&self, x: &CpuTensor, n: usize) -> anyhow::Result<()> {
+        let ids: Vec<u32> = x
+            .rows(n)
+            .chunks_exact(x.cols)
+            .map(kestrel_model::argmax)
+            .collect();
+        let mut chained = self.chained.lock().unwrap_or_else(|p| p.into_inner());
+        chained.1.clone_from(&ids);
+        chained.0.push_back(ids);
+        Ok(())
+    }
+
+    fn read_chained(&self, out: &mut Vec<u32>) -> anyhow::Result<()> {
+        let mut chained = self.chained.lock().unwrap_or_else(|p| p.into_inner());
+        *out = chained.0.pop_front().context("no chained step to read")?;
         Ok(())
     }
 }

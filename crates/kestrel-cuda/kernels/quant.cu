@@ -229,11 +229,14 @@ __device__ __forceinline__ void dequant32(int ty, const u8* row, int g, int lim,
 }
 
 // out[i] = table[tokens[i]] (dequantized); one block per token.
+// A token past the table (an all-NaN row's argmax, chained on the device to the next
+// step) reads row 0: memory stays safe and the host rejects the id when it reads it.
 extern "C" __global__ void embed(const u8* table, int ty, long long row_bytes, int k,
-                                 const u32* tokens, float* out) {
+                                 const u32* tokens, float* out, unsigned rows) {
     pdl_enter();
     const int i = blockIdx.x;
-    const u8* row = table + (size_t)tokens[i] * (size_t)row_bytes;
+    const u32 t = tokens[i] < rows ? tokens[i] : 0u;
+    const u8* row = table + (size_t)t * (size_t)row_bytes;
     const int n_groups = (k + 31) / 32;
     float* o = out + (size_t)i * k;
     for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {

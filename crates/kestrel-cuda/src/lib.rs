@@ -184,6 +184,8 @@ pub struct CudaBackend {
     /// Token ids of `argmax_rows` and `sample_rows` (`launch_for_ids`), on the device
     /// (grown to the most rows asked).
     argmax_ids: Mutex<Option<CudaSlice<u32>>>,
+    /// Chained greedy steps (`Backend::argmax_chained`).
+    chain: Mutex<sample::Chain>,
     /// `sample_rows`' settings, packed on the host and their device copy (grown).
     sample_params: Mutex<(Vec<u32>, Option<CudaSlice<u32>>)>,
     /// `sample_rows`' token masks: their pinned host copy and device copy (grown), and
@@ -430,6 +432,7 @@ impl CudaBackend {
             copy_in_flight: std::sync::atomic::AtomicBool::new(false),
             read_ahead_hits: std::sync::atomic::AtomicU64::new(0),
             argmax_ids: Mutex::new(None),
+            chain: Mutex::default(),
             sample_params: Mutex::new((Vec::new(), None)),
             sample_masks: Mutex::default(),
             mask_stream: std::sync::OnceLock::new(),
@@ -790,6 +793,18 @@ impl kestrel_model::Backend for CudaBackend {
 
     fn submit(&self) {
         self.flush();
+    }
+
+    fn can_chain(&self) -> bool {
+        true
+    }
+
+    fn argmax_chained(&self, x: &CudaTensor, n: usize) -> anyhow::Result<()> {
+        sample::argmax_chained(self, x, n)
+    }
+
+    fn read_chained(&self, out: &mut Vec<u32>) -> anyhow::Result<()> {
+        sample::read_chained(self, out)
     }
 
     fn check_linear_attention(&self) -> anyhow::Result<()> {

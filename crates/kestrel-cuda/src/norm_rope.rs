@@ -62,6 +62,7 @@ pub(crate) fn embed(
     let CudaWeight::Matrix {
         ptr,
         ty,
+        rows,
         cols,
         row_bytes,
         ..
@@ -81,6 +82,7 @@ pub(crate) fn embed(
             Arg::I(*cols as i32),
             Arg::P(step.tokens()),
             Arg::P(out.ptr),
+            Arg::I(*rows as i32),
         ],
     );
 }

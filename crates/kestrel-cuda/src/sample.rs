@@ -25,6 +25,117 @@ struct MaskSlot {
     read: Option<cudarc::driver::CudaEvent>,
 }
 
+/// Chained greedy steps (`Backend::argmax_chained`): each step's argmax writes its ids
+/// into the step's token slots, where the next step (a batch with `tokens_on_device`)
+/// reads them, and a copy of them into a pinned slot the host reads once it needs them.
+#[derive(Default)]
+pub(crate) struct Chain {
+    /// The step inputs' token slots (set by every `prepare_step`) and their number.
+    pub(crate) tokens: u64,
+    pub(crate) max_tokens: usize,
+    /// Ids the last chained step left in the token slots, for the next step to take.
+    pub(crate) ready: Option<usize>,
+    slots: Vec<ChainSlot>,
+    /// Slots holding a queued step's ids, oldest first, with their count.
+    queued: std::collections::VecDeque<(usize, usize)>,
+    next: usize,
+}
+
+struct ChainSlot {
+    host: cudarc::driver::PinnedHostSlice<u32>,
+    /// Recorded after the copy into `host`.
+    copied: cudarc::driver::CudaEvent,
+}
+
+/// Chained steps queued at once at most (the engine keeps two).
+const CHAIN_SLOTS: usize = 4;
+
+/// Launches the argmax of the first `n` rows of `x` into the step's token slots, starts the
+/// step, and queues the ids' copy to the host (see [`Chain`]).
+pub(crate) fn argmax_chained(
+    backend: &CudaBackend,
+    x: &CudaTensor,
+    n: usize,
+) -> anyhow::Result<()> {
+    let mut chain = backend.chain.lock().unwrap_or_else(|p| p.into_inner());
+    if n == 0 || n > x.rows || n > chain.max_tokens {
+        bail!(
+            "argmax_chained: {n} rows of a tensor of {} (a step holds {} tokens)",
+            x.rows,
+            chain.max_tokens
+        );
+    }
+    if chain.tokens == 0 {
+        bail!("argmax_chained before any step");
+    }
+    if chain.queued.len() >= CHAIN_SLOTS {
+        bail!("more than {CHAIN_SLOTS} chained steps queued");
+    }
+    let k = chain.next;
+    if chain.slots.len() <= k {
+        // SAFETY: the slot is read only after its copy's event has completed.
+        let host = unsafe { backend.ctx.alloc_pinned::<u32>(chain.max_tokens) }
+            .map_err(|e| anyhow::anyhow!("allocating a pinned id slot: {e:?}"))?;
+        let copied = backend
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+        chain.slots.push(ChainSlot { host, copied });
+    }
+    backend
+        .rows_read_back
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    backend.launch(
+        "argmax_rows",
+        (n as u32, 1, 1),
+        256,
+        &[Arg::P(x.ptr), Arg::P(chain.tokens), Arg::I(x.cols as i32)],
+    );
+    backend.flush();
+    let tokens = chain.tokens;
+    let slot = &mut chain.slots[k];
+    let dst = slot
+        .host
+        .as_mut_ptr()
+        .map_err(|e| anyhow::anyhow!("the pinned id slot: {e:?}"))? as u64;
+    // SAFETY: the token slots hold `max_tokens` ids and the pinned slot as many; `n` is at
+    // most that (checked above). Unified addressing covers the pinned host memory.
+    let r = unsafe { sys::cuMemcpyAsync(dst, tokens, n * 4, backend.stream.cu_stream()) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("copying token ids from the GPU: {r:?}");
+    }
+    slot.copied
+        .record(&backend.stream)
+        .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+    chain.queued.push_back((k, n));
+    chain.next = (k + 1) % CHAIN_SLOTS;
+    chain.ready = Some(n);
+    Ok(())
+}
+
+/// Waits for the oldest queued chained step's ids and returns them.
+pub(crate) fn read_chained(backend: &CudaBackend, out: &mut Vec<u32>) -> anyhow::Result<()> {
+    let mut chain = backend.chain.lock().unwrap_or_else(|p| p.into_inner());
+    let (k, n) = chain
+        .queued
+        .pop_front()
+        .context("no chained step to read")?;
+    let slot = &chain.slots[k];
+    slot.copied
+        .synchronize()
+        .map_err(|e| anyhow::anyhow!("CUDA: {e:?}"))?;
+    if let Some(msg) = backend.lock_error().take() {
+        bail!("CUDA: {msg}");
+    }
+    let ids = slot
+        .host
+        .as_slice()
+        .map_err(|e| anyhow::anyhow!("the pinned id slot: {e:?}"))?;
+    out.clear();
+    out.extend_from_slice(&ids[..n]);
+    Ok(())
+}
+
 impl CudaBackend {
     /// Uploads `params` (the sampling settings) and `masks` on the mask stream (from
     /// pinned memory, beside the step the main stream may still be running) and makes the

@@ -290,15 +290,42 @@ pub(crate) fn prepare_step(
     batch: &Batch,
     step: &mut CudaStep,
 ) -> anyhow::Result<()> {
-    // Errors of the previous step surface here at the latest.
-    backend.check()?;
-    // The step has run: scratch buffers it replaced while recorded are free now.
-    backend
-        .gemm_scratch
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .retired
-        .clear();
+    let chained = batch.tokens_on_device;
+    if chained {
+        // The step before is still running: its argmax writes this step's tokens (in
+        // stream order, before this step's inputs are copied). Its errors surface when
+        // its ids are read.
+        let ready = backend
+            .chain
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .ready
+            .take();
+        if ready != Some(batch.len()) {
+            bail!(
+                "a step of {} tokens on the device must follow a chained step of as many",
+                batch.len()
+            );
+        }
+        if let Some(msg) = backend.lock_error().take() {
+            bail!("CUDA: {msg}");
+        }
+    } else {
+        // Errors of the previous step surface here at the latest.
+        backend.check()?;
+        // The step has run: scratch buffers it replaced while recorded are free now.
+        backend
+            .gemm_scratch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retired
+            .clear();
+        backend
+            .chain
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .ready = None;
+    }
     if let Some(p) = &backend.profile {
         p.lock().unwrap_or_else(|e| e.into_inner()).steps += 1;
     }
@@ -317,7 +344,18 @@ pub(crate) fn prepare_step(
     let tables: usize = batch.seqs.iter().map(|s| s.block_table.len()).sum();
     if tables > step.table_capacity {
         let cap = tables.next_power_of_two();
-        step.buf = backend.alloc::<u32>(6 * t + cap, "the step inputs")?;
+        let old = std::mem::replace(
+            &mut step.buf,
+            backend.alloc::<u32>(6 * t + cap, "the step inputs")?,
+        );
+        if chained {
+            // The chained tokens move with the inputs (the old buffer is freed in stream
+            // order, after this copy).
+            backend
+                .stream
+                .memcpy_dtod(&old.slice(..n), &mut step.buf.slice_mut(..n))
+                .map_err(|e| anyhow::anyhow!("moving the chained tokens: {e:?}"))?;
+        }
         step.ptr = backend.ptr(&step.buf);
         step.table_capacity = cap;
     }
@@ -336,10 +374,17 @@ pub(crate) fn prepare_step(
         off += seq.block_table.len();
     }
     let len = h.len();
+    // A chained step's tokens are on the device already: the rest follows them.
+    let from = if chained { t } else { 0 };
     backend
         .stream
-        .memcpy_htod(&h[..], &mut step.buf.slice_mut(..len))
+        .memcpy_htod(&h[from..], &mut step.buf.slice_mut(from..len))
         .map_err(|e| anyhow::anyhow!("copying the step inputs to the GPU: {e:?}"))?;
+    {
+        let mut chain = backend.chain.lock().unwrap_or_else(|p| p.into_inner());
+        chain.tokens = step.tokens();
+        chain.max_tokens = t;
+    }
     step.n_tokens = n;
     step.n_seqs = batch.seqs.len();
     step.n_logit_rows = batch.logit_rows.len();

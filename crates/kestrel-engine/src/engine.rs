@@ -559,6 +559,95 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Whether [`Self::decode_chained`] runs here: the backend chains greedy steps and the
+    /// model keeps no recurrent state (a chained step queued past the last token is
+    /// dropped, which a linear-attention state cannot be rolled back from).
+    pub fn can_chain(&self) -> bool {
+        self.backend.can_chain() && !self.config().has_recurrent_layers()
+    }
+
+    /// Greedy decoding of one sequence with the host a step ahead of the device. `first`
+    /// (the token chosen after `seq`) is appended and evaluated; each step's greedy id then
+    /// stays on the device as the next step's input ([`Backend::argmax_chained`]) while the
+    /// host records and queues that step, so the device does not wait for the host
+    /// between steps. `on_token` gets each new id in order and returns whether to go on;
+    /// decoding also ends after `max_new` ids or at the end of the context. The last id is
+    /// not evaluated, as in [`Self::generate`]: a step already queued for it is dropped,
+    /// and `seq` ends as step-by-step decoding ([`Self::decode_argmax`]) would leave it.
+    /// Returns the ids.
+    pub fn decode_chained(
+        &mut self,
+        seq: &mut Sequence,
+        first: u32,
+        max_new: usize,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> anyhow::Result<Vec<u32>> {
+        if !self.can_chain() {
+            bail!("this backend or model does not chain greedy steps");
+        }
+        let mut out = Vec::new();
+        if max_new == 0 {
+            return Ok(out);
+        }
+        self.queue_chained(seq, Some(first))?;
+        // Steps queued and not read yet; `seq.tokens` ends with a placeholder for the input
+        // of each but the oldest (its input is the id the step before it returns).
+        let mut queued = 1usize;
+        let mut ids = Vec::new();
+        let result = loop {
+            if out.len() + queued < max_new && seq.tokens.len() < self.ctx {
+                if let Err(e) = self.queue_chained(seq, None) {
+                    break Err(e);
+                }
+                queued += 1;
+            }
+            if let Err(e) = self.backend.read_chained(&mut ids) {
+                break Err(e);
+            }
+            queued -= 1;
+            let Some(&id) = ids.first() else {
+                break Err(anyhow::anyhow!("a chained step returned no token id"));
+            };
+            if queued > 0 {
+                let at = seq.tokens.len() - queued;
+                seq.tokens[at] = id;
+            }
+            out.push(id);
+            if !on_token(id) || out.len() >= max_new || queued == 0 {
+                break Ok(());
+            }
+        };
+        // Steps queued past the last id: wait for them, then drop their tokens.
+        let mut drained = Ok(());
+        for _ in 0..queued {
+            if let Err(e) = self.backend.read_chained(&mut ids) {
+                drained = Err(e);
+            }
+        }
+        let keep = seq.tokens.len() - queued;
+        self.truncate(seq, keep);
+        result.and(drained).map(|()| out)
+    }
+
+    /// Queues one chained greedy step of `seq`: its input is `token`, or with None the id
+    /// the step before returns (a placeholder in `seq.tokens` until it is read).
+    fn queue_chained(&mut self, seq: &mut Sequence, token: Option<u32>) -> anyhow::Result<()> {
+        self.reserve(std::slice::from_mut(seq), |_| 1)?;
+        let input = token.unwrap_or(0);
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear_tokens();
+        batch.push_part(0, &[input], seq.tokens.len(), &seq.block_table, 1);
+        batch.seqs.truncate(1);
+        batch.tokens_on_device = token.is_none();
+        let result = self
+            .forward(&batch)
+            .and_then(|()| self.backend.argmax_chained(&self.scratch.logits, 1));
+        self.batch = batch;
+        result?;
+        seq.tokens.push(input);
+        Ok(())
+    }
+
     /// [`Engine::eval`] with every logit row, each token's row computed exactly as a step of
     /// that token alone would compute it (`Batch::invariant`): the verification of a
     /// speculative draft, so that accepting a draft changes no number.

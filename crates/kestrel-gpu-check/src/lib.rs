@@ -1852,6 +1852,134 @@ pub fn compare_graph_replay(
     })
 }
 
+/// Chained greedy decoding (`Engine::decode_chained`: the host records step t + 1 while
+/// the GPU runs step t, each step's argmax left on the device as the next step's token)
+/// against step-by-step `decode_argmax` on the same GPU: ids, evaluated tokens and the
+/// logits of a step after the chain must be identical, bit for bit, wherever the chain
+/// stops (its callback at 1, 2 and 5 ids, `max_new`, the context's end).
+#[derive(Debug, Clone)]
+pub struct ChainReport {
+    pub arch: Arch,
+    pub ty: String,
+    /// Ids of step-by-step decoding.
+    pub ids: usize,
+    /// Stop cases whose ids, tokens, blocks or next logits differed.
+    pub differing: Vec<String>,
+    /// Steps replayed from a graph during the chained runs.
+    pub replays: u64,
+}
+
+impl ChainReport {
+    pub fn passed(&self) -> bool {
+        self.differing.is_empty() && self.replays > 0
+    }
+}
+
+pub fn compare_chained(
+    arch: Arch,
+    ty: &str,
+    steps: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<ChainReport> {
+    let file = if has_moe(arch) {
+        tiny_moe_model(arch, ty, seed, MOE_SHAPES[1])?
+    } else {
+        tiny_model(arch, ty, seed)?
+    };
+    let backend = CudaBackend::new(ordinal)?;
+    backend.set_graphs(true);
+    let replays = backend.replay_counter();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc4a1);
+    let prompt_len = rng.random_range(3..12);
+    // The context ends inside the longest chain.
+    let ctx = prompt_len + steps;
+    let opts = EngineOptions {
+        ctx,
+        max_batch_tokens: 64,
+        max_logit_rows: 4,
+        block_size: 16,
+        max_seqs: 2,
+    };
+    let mut e = Engine::new(backend, file, &opts)?;
+    anyhow::ensure!(e.can_chain(), "the CUDA backend does not chain {arch:?}");
+    let vocab = e.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.random_range(0..vocab))
+        .collect();
+    let prefill = |e: &mut Engine<CudaBackend>, seq: &mut Sequence| -> anyhow::Result<u32> {
+        let mut last = Vec::new();
+        e.eval(seq, &prompt, false, |_, l| last = l.to_vec())?;
+        Ok(argmax(&last) as u32)
+    };
+    let mut reference = Sequence::default();
+    let first = prefill(&mut e, &mut reference)?;
+    let (mut all, mut ids, mut next) = (Vec::new(), Vec::new(), first);
+    while reference.tokens.len() < ctx {
+        e.decode_argmax(std::slice::from_mut(&mut reference), &[next], &mut ids)?;
+        next = ids[0];
+        all.push(next);
+    }
+    e.release(&mut reference);
+    let before = replays.load(std::sync::atomic::Ordering::Relaxed);
+    let mut differing = Vec::new();
+    for (stop_after, max_new) in [
+        (1, 1),
+        (1, 9),
+        (2, 9),
+        (5, 9),
+        (9, 9),
+        (3, 1000),
+        (1000, 1000),
+    ] {
+        let what = format!("stop {stop_after} max {max_new}");
+        let mut seq = Sequence::default();
+        if prefill(&mut e, &mut seq)? != first {
+            differing.push(format!("{what}: prompt"));
+        }
+        let mut count = 0;
+        let got = e.decode_chained(&mut seq, first, max_new, |_| {
+            count += 1;
+            count < stop_after
+        })?;
+        let want = stop_after.min(max_new).min(all.len());
+        let mut evaluated = prompt.clone();
+        evaluated.push(first);
+        evaluated.extend_from_slice(&all[..want.saturating_sub(1)]);
+        if got != all[..want] {
+            differing.push(format!("{what}: ids {got:?}, want {:?}", &all[..want]));
+        } else if seq.tokens != evaluated || seq.block_table.len() != evaluated.len().div_ceil(16) {
+            differing.push(format!(
+                "{what}: {} tokens evaluated, want {}",
+                seq.tokens.len(),
+                evaluated.len()
+            ));
+        } else if seq.tokens.len() < ctx {
+            let last = all[want - 1];
+            let mut plain = Sequence::default();
+            e.eval(&mut plain, &evaluated, false, |_, _| {})?;
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            e.eval(&mut seq, &[last], false, |_, l| a = l.to_vec())?;
+            e.eval(&mut plain, &[last], false, |_, l| b = l.to_vec())?;
+            e.release(&mut plain);
+            if !bit_identical_rows(&[a], &[b]) {
+                differing.push(format!("{what}: the next step's logits"));
+            }
+        }
+        e.release(&mut seq);
+        if e.blocks.n_used() != 0 {
+            differing.push(format!("{what}: {} blocks not returned", e.blocks.n_used()));
+        }
+    }
+    Ok(ChainReport {
+        arch,
+        ty: ty.to_string(),
+        ids: all.len(),
+        differing,
+        replays: replays.load(std::sync::atomic::Ordering::Relaxed) - before,
+    })
+}
+
 /// Batched decode with CUDA graphs against decode without them: `seqs` sequences (prompts
 /// of 1-7 tokens, evaluated together), then `steps` decode steps of one token a sequence
 /// (teacher-forced, all logits read back); every logit must be bit-identical. Decode steps

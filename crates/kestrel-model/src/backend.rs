@@ -294,6 +294,26 @@ pub trait Backend: Sync {
         checked
     }
 
+    /// Whether this backend chains greedy steps ([`Self::argmax_chained`]).
+    fn can_chain(&self) -> bool {
+        false
+    }
+
+    /// Greedy decoding with the host a step ahead: the [`argmax`] of each of the first `n`
+    /// rows stays where the backend keeps the next step's input tokens (the next batch
+    /// says so with `tokens_on_device`), and the step's work is started without waiting
+    /// for it. [`Self::read_chained`] returns the ids of the oldest such step not yet
+    /// read, so the host can record and queue step t + 1 while the device runs step t.
+    /// Backends that cannot ([`Self::can_chain`] false) return an error.
+    fn argmax_chained(&self, _x: &Self::Tensor, _n: usize) -> anyhow::Result<()> {
+        anyhow::bail!("this backend does not chain greedy steps")
+    }
+
+    /// The ids of the oldest [`Self::argmax_chained`] step not read yet (waiting for it).
+    fn read_chained(&self, _out: &mut Vec<u32>) -> anyhow::Result<()> {
+        anyhow::bail!("this backend does not chain greedy steps")
+    }
+
     /// Starts the work queued so far without waiting for it: the caller is about to wait
     /// for something else (a step's token masks) before sampling. Default: nothing (work
     /// is done when its call returns).

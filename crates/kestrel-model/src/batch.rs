@@ -43,6 +43,10 @@ pub struct Batch {
     /// The CPU backend always does; the CUDA backend does for steps of up to 8 tokens when
     /// asked, on slower kernels.
     pub invariant: bool,
+    /// The tokens are the greedy ids of the previous step, which stayed on the device as
+    /// this step's input ([`crate::Backend::argmax_chained`]); `tokens` holds placeholders
+    /// (0) the backend does not read.
+    pub tokens_on_device: bool,
 }
 
 // Clone by hand: `clone_from` reuses the vectors' capacity (the derived one reallocates
@@ -71,6 +75,7 @@ impl Clone for Batch {
             logit_rows: self.logit_rows.clone(),
             output: self.output,
             invariant: self.invariant,
+            tokens_on_device: self.tokens_on_device,
         }
     }
 
@@ -80,6 +85,7 @@ impl Clone for Batch {
         self.seq_of.clone_from(&source.seq_of);
         self.seqs.clone_from(&source.seqs);
         self.invariant = source.invariant;
+        self.tokens_on_device = source.tokens_on_device;
         self.logit_rows.clone_from(&source.logit_rows);
         self.output = source.output;
     }
@@ -108,6 +114,7 @@ impl Batch {
     pub fn clear_tokens(&mut self) {
         self.output = Output::Logits;
         self.invariant = false;
+        self.tokens_on_device = false;
         self.tokens.clear();
         self.positions.clear();
         self.seq_of.clear();

@@ -59,8 +59,10 @@ pub struct Args {
     #[arg(long)]
     pub profile: bool,
     /// Decode steps reduce each new logit row to its argmax on the device and read back only
-    /// the token ids (the server's path for greedy requests). By default each step's logit
-    /// rows are copied to the host, as llama-bench and llama-batched-bench do.
+    /// the token ids (the server's path for greedy requests); single-sequence tests then
+    /// decode greedily from their own ids, each id kept on the device as the next step's
+    /// input while the host records that step (`run`'s greedy path). By default each step's
+    /// logit rows are copied to the host, as llama-bench and llama-batched-bench do.
     #[arg(long)]
     pub argmax: bool,
     /// Print a JSON array (llama-bench field names plus extras) instead of a table.
@@ -193,11 +195,17 @@ fn run_once<B: Backend>(
         engine.eval(seq, &prompt, false, |_, _| {})?;
     }
     let mut next = Vec::new();
-    for &id in &gen_ids {
-        if argmax {
-            engine.decode_argmax(std::slice::from_mut(seq), &[id], &mut next)?;
-        } else {
-            engine.eval(seq, &[id], false, |_, _| {})?;
+    if argmax && engine.can_chain() && n_gen > 0 {
+        // Greedy generation as `run` does it: each step's id feeds the next on the device
+        // while the host records that next step.
+        engine.decode_chained(seq, gen_ids[0], n_gen, |_| true)?;
+    } else {
+        for &id in &gen_ids {
+            if argmax {
+                engine.decode_argmax(std::slice::from_mut(seq), &[id], &mut next)?;
+            } else {
+                engine.eval(seq, &[id], false, |_, _| {})?;
+            }
         }
     }
     let secs = start.elapsed().as_secs_f64();

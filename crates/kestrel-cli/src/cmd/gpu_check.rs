@@ -1398,6 +1398,42 @@ fn check_graphs(args: &Args, seed: u64) -> usize {
             row(&mut failures, format!("{:<8} {:<8}", arch.name(), ty), r);
         }
     }
+    println!(
+        "chained greedy decoding vs step-by-step, {} steps (ids, tokens, blocks, next logits bit for bit):",
+        args.generate
+    );
+    let chain_cases = ARCHS
+        .into_iter()
+        .flat_map(|a| [(a, "q4_k_m"), (a, "f32")])
+        .chain([
+            (kestrel_model::Arch::Qwen3Moe, "q4_k_m"),
+            (kestrel_model::Arch::GptOss, "mxfp4"),
+        ]);
+    for (i, (arch, ty)) in chain_cases.enumerate() {
+        let label = format!("{:<8} {:<8} chained", arch.name(), ty);
+        match selfcheck::compare_chained(
+            arch,
+            ty,
+            args.generate,
+            seed.wrapping_add(22_000 + i as u64),
+            args.gpu,
+        ) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "{label}: {} ids, {} replays, differing {:?}  {}",
+                    r.ids,
+                    r.replays,
+                    r.differing,
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("{label}: ERROR {e:#}");
+            }
+        }
+    }
     const STEPS: usize = 8;
     println!("graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graph):");
     for (ia, arch) in ARCHS.into_iter().enumerate() {

@@ -64,6 +64,21 @@ impl<B: Backend> Engine<B> {
         if !emit(pending, &mut out) {
             return Ok((out, finish(stats, spec)));
         }
+        // Greedy without speculation: the host records each step while the device runs
+        // the one before.
+        if spec.is_none() && sampler.is_argmax() && self.can_chain() {
+            if seq.tokens.len() < self.ctx {
+                let room = max_tokens - out.len();
+                let mut ids = Vec::new();
+                let generated = self.decode_chained(seq, pending, room, |id| {
+                    ids.push(id);
+                    emit(id, &mut out)
+                });
+                stats.plain_steps += ids.len();
+                generated?;
+            }
+            return Ok((out, stats));
+        }
         // Every evaluated token and then the pending one: the drafter's context and, with
         // the drafts after it, the penalty windows of the verified rows.
         let mut history = seq.tokens.clone();
