@@ -653,7 +653,8 @@ impl TpBackend {
     }
 
     /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
-    /// rank 0's `out`.
+    /// every rank's `out` (each rank can then take the greedy ids it decodes from next:
+    /// see `argmax_chained`).
     fn vocab_matmul(
         &self,
         x: &TpTensor,
@@ -700,19 +701,17 @@ impl TpBackend {
             }
             b.matmul_ready(&x.0[r], x_ready.0[r], &w[r], n, local);
             b.all_gather(local, n * chunk, gathered);
-            if r == 0 {
-                for (q, range) in plan.vocab.iter().enumerate() {
-                    b.copy_2d(
-                        gathered,
-                        q * n * chunk,
-                        range.len(),
-                        out,
-                        range.start,
-                        vocab,
-                        range.len(),
-                        n,
-                    );
-                }
+            for (q, range) in plan.vocab.iter().enumerate() {
+                b.copy_2d(
+                    gathered,
+                    q * n * chunk,
+                    range.len(),
+                    out,
+                    range.start,
+                    vocab,
+                    range.len(),
+                    n,
+                );
             }
         });
     }
@@ -1379,6 +1378,29 @@ impl Backend for TpBackend {
     ) -> anyhow::Result<()> {
         self.issue_all();
         self.ranks[0].argmax_rows(&x.0[0], n, scratch, out)
+    }
+
+    fn can_chain(&self) -> bool {
+        true
+    }
+
+    /// Every rank holds the gathered logits: each takes the same greedy ids into its own
+    /// step's token slots.
+    fn argmax_chained(&self, x: &TpTensor, n: usize) -> anyhow::Result<()> {
+        self.each_ok(|r, b| b.argmax_chained(&x.0[r], n))?;
+        Ok(())
+    }
+
+    fn read_chained(&self, out: &mut Vec<u32>) -> anyhow::Result<()> {
+        let ids = self.each_ok(|_, b| {
+            let mut ids = Vec::new();
+            b.read_chained(&mut ids).map(|()| ids)
+        })?;
+        if ids.iter().any(|v| *v != ids[0]) {
+            bail!("the GPUs' greedy ids differ: {ids:?}");
+        }
+        *out = ids.into_iter().next().unwrap_or_default();
+        Ok(())
     }
 
     fn sample_rows(

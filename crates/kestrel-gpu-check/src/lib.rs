@@ -1890,6 +1890,33 @@ pub fn compare_chained(
     let backend = CudaBackend::new(ordinal)?;
     backend.set_graphs(true);
     let replays = backend.replay_counter();
+    chain_report(arch, ty, backend, &file, steps, seed, &replays)
+}
+
+/// [`compare_chained`] on a tensor-parallel group over `ordinals` (every rank takes the
+/// ids from its own copy of the gathered logits); `replays` counts the first rank's.
+pub fn compare_tp_chained(
+    arch: Arch,
+    ty: &str,
+    steps: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<ChainReport> {
+    let file = tp_model(arch, ty, seed)?;
+    let backend = kestrel_cuda::TpBackend::new(ordinals)?;
+    let replays = backend.rank(0).replay_counter();
+    chain_report(arch, ty, backend, &file, steps, seed, &replays)
+}
+
+fn chain_report<B: kestrel_model::Backend>(
+    arch: Arch,
+    ty: &str,
+    backend: B,
+    file: &Arc<GgufFile>,
+    steps: usize,
+    seed: u64,
+    replays: &std::sync::atomic::AtomicU64,
+) -> anyhow::Result<ChainReport> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc4a1);
     let prompt_len = rng.random_range(3..12);
     // The context ends inside the longest chain.
@@ -1901,13 +1928,13 @@ pub fn compare_chained(
         block_size: 16,
         max_seqs: 2,
     };
-    let mut e = Engine::new(backend, file, &opts)?;
-    anyhow::ensure!(e.can_chain(), "the CUDA backend does not chain {arch:?}");
+    let mut e = Engine::new(backend, file.clone(), &opts)?;
+    anyhow::ensure!(e.can_chain(), "the backend does not chain {arch:?}");
     let vocab = e.config().vocab_size as u32;
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.random_range(0..vocab))
         .collect();
-    let prefill = |e: &mut Engine<CudaBackend>, seq: &mut Sequence| -> anyhow::Result<u32> {
+    let prefill = |e: &mut Engine<B>, seq: &mut Sequence| -> anyhow::Result<u32> {
         let mut last = Vec::new();
         e.eval(seq, &prompt, false, |_, l| last = l.to_vec())?;
         Ok(argmax(&last) as u32)
@@ -1956,8 +1983,13 @@ pub fn compare_chained(
             ));
         } else if seq.tokens.len() < ctx {
             let last = all[want - 1];
+            // The reference takes the same single-token steps (a prompt-sized step rounds
+            // differently on the GPU).
             let mut plain = Sequence::default();
-            e.eval(&mut plain, &evaluated, false, |_, _| {})?;
+            e.eval(&mut plain, &prompt, false, |_, _| {})?;
+            for &t in &evaluated[prompt.len()..] {
+                e.eval(&mut plain, &[t], false, |_, _| {})?;
+            }
             let (mut a, mut b) = (Vec::new(), Vec::new());
             e.eval(&mut seq, &[last], false, |_, l| a = l.to_vec())?;
             e.eval(&mut plain, &[last], false, |_, l| b = l.to_vec())?;

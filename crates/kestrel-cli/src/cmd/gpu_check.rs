@@ -400,6 +400,17 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             selfcheck::compare_tp_invariant(*arch, "q4_k_m", s, &ordinals),
         );
     }
+    // Chained greedy decoding (every rank's ids from its copy of the gathered logits)
+    // against step-by-step decoding on the same group.
+    for (i, arch) in dense.iter().chain(&moe).enumerate() {
+        let s = seed.wrapping_add(800 + i as u64);
+        let label = format!("tp{} {arch:?} q4_k_m chained", ordinals.len());
+        print_chain_report(
+            &mut failures,
+            &label,
+            selfcheck::compare_tp_chained(*arch, "q4_k_m", args.generate, s, &ordinals),
+        );
+    }
     // Batched decode steps (cuBLAS products and all-reduces in each part's graph) replayed
     // against the same steps launched kernel by kernel.
     const STEPS: usize = 8;
@@ -1382,6 +1393,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// Graph replay against eager launches: single-token steps, then batched decode steps of
 /// more sequences than the tensor-core kernels take (through cuBLAS, recorded). Returns
 /// the failures.
+fn print_chain_report(
+    failures: &mut usize,
+    label: &str,
+    r: anyhow::Result<selfcheck::ChainReport>,
+) {
+    match r {
+        Ok(r) => {
+            *failures += usize::from(!r.passed());
+            println!(
+                "{label}: {} ids, {} replays, differing {:?}  {}",
+                r.ids,
+                r.replays,
+                r.differing,
+                if r.passed() { "ok" } else { "FAIL" }
+            );
+        }
+        Err(e) => {
+            *failures += 1;
+            println!("{label}: ERROR {e:#}");
+        }
+    }
+}
+
 fn check_graphs(args: &Args, seed: u64) -> usize {
     let mut failures = 0;
     let row = |failures: &mut usize, what: String, r: anyhow::Result<selfcheck::GraphReport>| {
@@ -1411,28 +1445,12 @@ fn check_graphs(args: &Args, seed: u64) -> usize {
         ]);
     for (i, (arch, ty)) in chain_cases.enumerate() {
         let label = format!("{:<8} {:<8} chained", arch.name(), ty);
-        match selfcheck::compare_chained(
-            arch,
-            ty,
-            args.generate,
-            seed.wrapping_add(22_000 + i as u64),
-            args.gpu,
-        ) {
-            Ok(r) => {
-                failures += usize::from(!r.passed());
-                println!(
-                    "{label}: {} ids, {} replays, differing {:?}  {}",
-                    r.ids,
-                    r.replays,
-                    r.differing,
-                    if r.passed() { "ok" } else { "FAIL" }
-                );
-            }
-            Err(e) => {
-                failures += 1;
-                println!("{label}: ERROR {e:#}");
-            }
-        }
+        let s = seed.wrapping_add(22_000 + i as u64);
+        print_chain_report(
+            &mut failures,
+            &label,
+            selfcheck::compare_chained(arch, ty, args.generate, s, args.gpu),
+        );
     }
     const STEPS: usize = 8;
     println!("graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graph):");
