@@ -42,7 +42,7 @@ pub struct CpuBackend {
     /// The huge-page copies of the files whose weights this backend loaded (the weights
     /// hold them; an entry whose file or copy is gone is dropped).
     copies: std::sync::Mutex<Vec<(Weak<GgufFile>, Weak<HugeCopy>)>>,
-    /// Chained greedy steps ([`kestrel_model::Backend::argmax_chained`]): the ids not read
+    /// Chained decode steps ([`kestrel_model::Backend::chain_ids`]): the ids not read
     /// yet, oldest first, and the last step's (the next chained step's tokens). A step here
     /// is done when its call returns, so chaining only keeps the engine's loop one path.
     chained: std::sync::Mutex<(std::collections::VecDeque<Vec<u32>>, Vec<u32>)>,
@@ -795,12 +795,17 @@ impl kestrel_model::Backend for CpuBackend {
         true
     }
 
-    fn argmax_chained(&self, x: &CpuTensor, n: usize) -> anyhow::Result<()> {
-        let ids: Vec<u32> = x
-            .rows(n)
-            .chunks_exact(x.cols)
-            .map(kestrel_model::argmax)
-            .collect();
+    fn chain_ids(
+        &self,
+        x: &CpuTensor,
+        n: usize,
+        sampling: Option<&kestrel_model::SamplingBatch>,
+    ) -> anyhow::Result<()> {
+        let mut ids = Vec::new();
+        match sampling {
+            Some(s) => self.sample_rows(x, n, s, &mut Vec::new(), &mut ids)?,
+            None => self.argmax_rows(x, n, &mut Vec::new(), &mut ids)?,
+        }
         let mut chained = self.chained.lock().unwrap_or_else(|p| p.into_inner());
         chained.1.clone_from(&ids);
         chained.0.push_back(ids);

@@ -184,7 +184,7 @@ pub struct CudaBackend {
     /// Token ids of `argmax_rows` and `sample_rows` (`launch_for_ids`), on the device
     /// (grown to the most rows asked).
     argmax_ids: Mutex<Option<CudaSlice<u32>>>,
-    /// Chained greedy steps (`Backend::argmax_chained`).
+    /// Chained decode steps (`Backend::chain_ids`).
     chain: Mutex<sample::Chain>,
     /// `sample_rows`' settings, packed on the host and their device copy (grown).
     sample_params: Mutex<(Vec<u32>, Option<CudaSlice<u32>>)>,
@@ -799,8 +799,13 @@ impl kestrel_model::Backend for CudaBackend {
         true
     }
 
-    fn argmax_chained(&self, x: &CudaTensor, n: usize) -> anyhow::Result<()> {
-        sample::argmax_chained(self, x, n)
+    fn chain_ids(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        sampling: Option<&SamplingBatch>,
+    ) -> anyhow::Result<()> {
+        sample::chain_ids(self, x, n, sampling)
     }
 
     fn read_chained(&self, out: &mut Vec<u32>) -> anyhow::Result<()> {

@@ -25,8 +25,8 @@ struct MaskSlot {
     read: Option<cudarc::driver::CudaEvent>,
 }
 
-/// Chained greedy steps (`Backend::argmax_chained`): each step's argmax writes its ids
-/// into the step's token slots, where the next step (a batch with `tokens_on_device`)
+/// Chained decode steps (`Backend::chain_ids`): each step's argmax or sampling writes its
+/// ids into the step's token slots, where the next step (a batch with `tokens_on_device`)
 /// reads them, and a copy of them into a pinned slot the host reads once it needs them.
 #[derive(Default)]
 pub(crate) struct Chain {
@@ -50,23 +50,32 @@ struct ChainSlot {
 /// Chained steps queued at once at most (the engine keeps two).
 const CHAIN_SLOTS: usize = 4;
 
-/// Launches the argmax of the first `n` rows of `x` into the step's token slots, starts the
-/// step, and queues the ids' copy to the host (see [`Chain`]).
-pub(crate) fn argmax_chained(
+/// Launches the argmax (or, with `sampling`, the draw) of the first `n` rows of `x` into
+/// the step's token slots, starts the step, and queues the ids' copy to the host (see
+/// [`Chain`]).
+pub(crate) fn chain_ids(
     backend: &CudaBackend,
     x: &CudaTensor,
     n: usize,
+    sampling: Option<&SamplingBatch>,
 ) -> anyhow::Result<()> {
+    let sampling = sampling.filter(|s| !s.rows.iter().all(|r| r.is_argmax()));
+    if let Some(s) = sampling {
+        s.check_rows(n)?;
+        if s.has_masks() || !s.penalties.is_empty() {
+            bail!("chained steps draw without token masks or penalties");
+        }
+    }
     let mut chain = backend.chain.lock().unwrap_or_else(|p| p.into_inner());
     if n == 0 || n > x.rows || n > chain.max_tokens {
         bail!(
-            "argmax_chained: {n} rows of a tensor of {} (a step holds {} tokens)",
+            "chain_ids: {n} rows of a tensor of {} (a step holds {} tokens)",
             x.rows,
             chain.max_tokens
         );
     }
     if chain.tokens == 0 {
-        bail!("argmax_chained before any step");
+        bail!("chain_ids before any step");
     }
     if chain.queued.len() >= CHAIN_SLOTS {
         bail!("more than {CHAIN_SLOTS} chained steps queued");
@@ -85,12 +94,36 @@ pub(crate) fn argmax_chained(
     backend
         .rows_read_back
         .store(false, std::sync::atomic::Ordering::Relaxed);
-    backend.launch(
-        "argmax_rows",
-        (n as u32, 1, 1),
-        256,
-        &[Arg::P(x.ptr), Arg::P(chain.tokens), Arg::I(x.cols as i32)],
-    );
+    match sampling {
+        None => backend.launch(
+            "argmax_rows",
+            (n as u32, 1, 1),
+            256,
+            &[Arg::P(x.ptr), Arg::P(chain.tokens), Arg::I(x.cols as i32)],
+        ),
+        Some(s) => {
+            let mut params = backend
+                .sample_params
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let (host, device) = &mut *params;
+            settings_words(s, host)?;
+            let params_ptr = upload_settings(backend, host, device)?;
+            backend.launch(
+                "sample_rows",
+                (n as u32, 1, 1),
+                1024,
+                &[
+                    Arg::P(x.ptr),
+                    Arg::P(params_ptr),
+                    Arg::P(chain.tokens),
+                    Arg::I(x.cols as i32),
+                    Arg::P(0),
+                    Arg::I(0),
+                ],
+            );
+        }
+    }
     backend.flush();
     let tokens = chain.tokens;
     let slot = &mut chain.slots[k];
@@ -302,14 +335,48 @@ pub(crate) fn sample_rows(
         return backend.argmax_rows(x, n, scratch, out);
     }
     out.clear();
-    // The kernel's layout (kernels/sample.cu): SAMPLE_WORDS words a row, then the
-    // penalty pairs of every row.
-    const SAMPLE_WORDS: usize = 12;
     let mut params = backend
         .sample_params
         .lock()
         .unwrap_or_else(|p| p.into_inner());
     let (host, device) = &mut *params;
+    settings_words(sampling, host)?;
+    if masked {
+        // The settings go with the masks (the step is already running: nothing waits
+        // behind it on the main stream).
+        let (params_ptr, masks_ptr, slot) = backend.upload_masks(host, &sampling.masks)?;
+        drop(params);
+        return backend.launch_for_ids("sample_rows", n, 1024, Some(slot), out, |ids| {
+            vec![
+                Arg::P(x.ptr),
+                Arg::P(params_ptr),
+                Arg::P(ids),
+                Arg::I(x.cols as i32),
+                Arg::P(masks_ptr),
+                Arg::I(sampling.mask_words as i32),
+            ]
+        });
+    }
+    let params_ptr = upload_settings(backend, host, device)?;
+    drop(params);
+    backend.launch_for_ids("sample_rows", n, 1024, None, out, |ids| {
+        vec![
+            Arg::P(x.ptr),
+            Arg::P(params_ptr),
+            Arg::P(ids),
+            Arg::I(x.cols as i32),
+            Arg::P(0),
+            Arg::I(0),
+        ]
+    })
+}
+
+/// The sampling kernel's settings of `sampling`'s rows (kernels/sample.cu's layout) into
+/// `host`.
+fn settings_words(sampling: &SamplingBatch, host: &mut Vec<u32>) -> anyhow::Result<()> {
+    // The kernel's layout (kernels/sample.cu): SAMPLE_WORDS words a row, then the
+    // penalty pairs of every row.
+    const SAMPLE_WORDS: usize = 12;
     host.clear();
     for (i, r) in sampling.rows.iter().enumerate() {
         let inv_t = if r.is_greedy() {
@@ -333,7 +400,7 @@ pub(crate) fn sample_rows(
             sampling.mask_of.get(i).copied().unwrap_or(NO_MASK),
         ]);
     }
-    debug_assert_eq!(host.len(), n * SAMPLE_WORDS);
+    debug_assert_eq!(host.len(), sampling.rows.len() * SAMPLE_WORDS);
     let pairs = sampling.penalties.len();
     if sampling
         .rows
@@ -348,22 +415,16 @@ pub(crate) fn sample_rows(
             .iter()
             .flat_map(|&(id, count)| [id, count]),
     );
-    if masked {
-        // The settings go with the masks (the step is already running: nothing waits
-        // behind it on the main stream).
-        let (params_ptr, masks_ptr, slot) = backend.upload_masks(host, &sampling.masks)?;
-        drop(params);
-        return backend.launch_for_ids("sample_rows", n, 1024, Some(slot), out, |ids| {
-            vec![
-                Arg::P(x.ptr),
-                Arg::P(params_ptr),
-                Arg::P(ids),
-                Arg::I(x.cols as i32),
-                Arg::P(masks_ptr),
-                Arg::I(sampling.mask_words as i32),
-            ]
-        });
-    }
+    Ok(())
+}
+
+/// Copies the settings to the device on the main stream (after the work queued so far,
+/// which may still read the buffer's last settings); returns their address.
+fn upload_settings(
+    backend: &CudaBackend,
+    host: &[u32],
+    device: &mut Option<CudaSlice<u32>>,
+) -> anyhow::Result<u64> {
     let len = host.len();
     if device.as_ref().is_none_or(|b| b.len() < len) {
         *device = Some(backend.alloc::<u32>(len.next_power_of_two(), "sampling settings")?);
@@ -373,18 +434,7 @@ pub(crate) fn sample_rows(
     };
     backend
         .stream
-        .memcpy_htod(&host[..], &mut dev.slice_mut(..len))
+        .memcpy_htod(host, &mut dev.slice_mut(..len))
         .map_err(|e| anyhow::anyhow!("copying the sampling settings to the GPU: {e:?}"))?;
-    let params_ptr = backend.ptr(dev);
-    drop(params);
-    backend.launch_for_ids("sample_rows", n, 1024, None, out, |ids| {
-        vec![
-            Arg::P(x.ptr),
-            Arg::P(params_ptr),
-            Arg::P(ids),
-            Arg::I(x.cols as i32),
-            Arg::P(0),
-            Arg::I(0),
-        ]
-    })
+    Ok(backend.ptr(dev))
 }

@@ -653,8 +653,8 @@ impl TpBackend {
     }
 
     /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
-    /// every rank's `out` (each rank can then take the greedy ids it decodes from next:
-    /// see `argmax_chained`).
+    /// every rank's `out` (each rank can then take the ids it decodes from next: see
+    /// `chain_ids`).
     fn vocab_matmul(
         &self,
         x: &TpTensor,
@@ -1384,10 +1384,15 @@ impl Backend for TpBackend {
         true
     }
 
-    /// Every rank holds the gathered logits: each takes the same greedy ids into its own
-    /// step's token slots.
-    fn argmax_chained(&self, x: &TpTensor, n: usize) -> anyhow::Result<()> {
-        self.each_ok(|r, b| b.argmax_chained(&x.0[r], n))?;
+    /// Every rank holds the gathered logits: each takes the same ids (the same draws of
+    /// the same rows) into its own step's token slots.
+    fn chain_ids(
+        &self,
+        x: &TpTensor,
+        n: usize,
+        sampling: Option<&SamplingBatch>,
+    ) -> anyhow::Result<()> {
+        self.each_ok(|r, b| b.chain_ids(&x.0[r], n, sampling))?;
         Ok(())
     }
 

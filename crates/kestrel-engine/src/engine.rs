@@ -559,44 +559,50 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Whether [`Self::decode_chained`] runs here: the backend chains greedy steps and the
+    /// Whether [`Self::decode_chained`] runs here: the backend chains decode steps and the
     /// model keeps no recurrent state (a chained step queued past the last token is
     /// dropped, which a linear-attention state cannot be rolled back from).
     pub fn can_chain(&self) -> bool {
         self.backend.can_chain() && !self.config().has_recurrent_layers()
     }
 
-    /// Greedy decoding of one sequence with the host a step ahead of the device. `first`
-    /// (the token chosen after `seq`) is appended and evaluated; each step's greedy id then
-    /// stays on the device as the next step's input ([`Backend::argmax_chained`]) while the
-    /// host records and queues that step, so the device does not wait for the host
-    /// between steps. `on_token` gets each new id in order and returns whether to go on;
-    /// decoding also ends after `max_new` ids or at the end of the context. The last id is
-    /// not evaluated, as in [`Self::generate`]: a step already queued for it is dropped,
-    /// and `seq` ends as step-by-step decoding ([`Self::decode_argmax`]) would leave it.
-    /// Returns the ids.
+    /// Decoding of one sequence with the host a step ahead of the device. `first` (the
+    /// token chosen after `seq`) is appended and evaluated; the token each step chooses
+    /// (`sampler`'s argmax or draw, without penalties: they would need the tokens still on
+    /// the device) then stays on the device as the next step's input
+    /// ([`Backend::chain_ids`]) while the host records and queues that step, so the device
+    /// does not wait for the host between steps. The draws are the sampler's in order, so
+    /// a seed gives the tokens step-by-step decoding ([`Self::decode_sampled`]) gives.
+    /// `on_token` gets each new id in order and returns whether to go on; decoding also
+    /// ends after `max_new` ids or at the end of the context. The last id is not
+    /// evaluated, as in [`Self::generate`]: a step already queued for it is dropped, and
+    /// `seq` ends as step-by-step decoding would leave it. Returns the ids.
     pub fn decode_chained(
         &mut self,
         seq: &mut Sequence,
         first: u32,
         max_new: usize,
+        sampler: &mut Sampler,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> anyhow::Result<Vec<u32>> {
         if !self.can_chain() {
-            bail!("this backend or model does not chain greedy steps");
+            bail!("this backend or model does not chain decode steps");
+        }
+        if sampler.needs_history() {
+            bail!("chained decoding draws without repetition penalties");
         }
         let mut out = Vec::new();
         if max_new == 0 {
             return Ok(out);
         }
-        self.queue_chained(seq, Some(first))?;
+        self.queue_chained(seq, Some(first), sampler)?;
         // Steps queued and not read yet; `seq.tokens` ends with a placeholder for the input
         // of each but the oldest (its input is the id the step before it returns).
         let mut queued = 1usize;
         let mut ids = Vec::new();
         let result = loop {
             if out.len() + queued < max_new && seq.tokens.len() < self.ctx {
-                if let Err(e) = self.queue_chained(seq, None) {
+                if let Err(e) = self.queue_chained(seq, None, sampler) {
                     break Err(e);
                 }
                 queued += 1;
@@ -629,19 +635,30 @@ impl<B: Backend> Engine<B> {
         result.and(drained).map(|()| out)
     }
 
-    /// Queues one chained greedy step of `seq`: its input is `token`, or with None the id
-    /// the step before returns (a placeholder in `seq.tokens` until it is read).
-    fn queue_chained(&mut self, seq: &mut Sequence, token: Option<u32>) -> anyhow::Result<()> {
+    /// Queues one chained step of `seq`: its input is `token`, or with None the id the
+    /// step before returns (a placeholder in `seq.tokens` until it is read).
+    fn queue_chained(
+        &mut self,
+        seq: &mut Sequence,
+        token: Option<u32>,
+        sampler: &mut Sampler,
+    ) -> anyhow::Result<()> {
         self.reserve(std::slice::from_mut(seq), |_| 1)?;
         let input = token.unwrap_or(0);
+        let sampling = (!sampler.is_argmax()).then(|| {
+            let mut rows = SamplingBatch::default();
+            sampler.push_row(&mut rows, &[]);
+            rows
+        });
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear_tokens();
         batch.push_part(0, &[input], seq.tokens.len(), &seq.block_table, 1);
         batch.seqs.truncate(1);
         batch.tokens_on_device = token.is_none();
-        let result = self
-            .forward(&batch)
-            .and_then(|()| self.backend.argmax_chained(&self.scratch.logits, 1));
+        let result = self.forward(&batch).and_then(|()| {
+            self.backend
+                .chain_ids(&self.scratch.logits, 1, sampling.as_ref())
+        });
         self.batch = batch;
         result?;
         seq.tokens.push(input);

@@ -234,6 +234,11 @@ impl Sampler {
         self.rng.random::<f64>()
     }
 
+    /// Whether a draw reads the tokens before it (the repetition penalties' window).
+    pub fn needs_history(&self) -> bool {
+        self.params.penalties_active()
+    }
+
     /// Whether [`Sampler::sample`] is the plain [`argmax`] of the logits (greedy, no
     /// penalties): callers may then compute it themselves, e.g. for many rows in parallel.
     pub fn is_argmax(&self) -> bool {

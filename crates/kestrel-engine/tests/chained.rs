@@ -1,14 +1,14 @@
-//! Chained greedy decoding (the host a step ahead of the device, each step's id kept on the
-//! device as the next step's input) yields step-by-step greedy decoding's ids and leaves the
-//! sequence, its cache blocks and the next step's logits exactly as step-by-step decoding
-//! does, wherever it stops. The CPU backend chains too (synchronously), so the engine's loop
+//! Chained decoding (the host a step ahead of the device, each step's id kept on the device
+//! as the next step's input) yields step-by-step decoding's ids, greedy or drawn with a
+//! seed, and leaves the sequence, its cache blocks and the next step's logits exactly as
+//! step-by-step decoding does, wherever it stops. The CPU backend chains too (synchronously), so the engine's loop
 //! is checked here; `kestrel gpu-check --chained` checks the CUDA path against the same
 //! step-by-step decoding.
 
 use std::sync::Arc;
 
 use kestrel_cpu::{CpuBackend, Kernels};
-use kestrel_engine::sampler::SamplerParams;
+use kestrel_engine::sampler::{Sampler, SamplerParams};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::GgufFile;
 use kestrel_model::synth::{SynthConfig, WeightType, write_synth_to};
@@ -87,8 +87,9 @@ fn chained_decoding_matches_step_by_step_wherever_it_stops() {
             let mut seq = Sequence::default();
             assert_eq!(prefill(&mut e, &mut seq, &prompt), first, "{what}");
             let mut seen = Vec::new();
+            let mut greedy = Sampler::new(SamplerParams::greedy());
             let ids = e
-                .decode_chained(&mut seq, first, max_new, |id| {
+                .decode_chained(&mut seq, first, max_new, &mut greedy, |id| {
                     seen.push(id);
                     seen.len() < stop_after
                 })
@@ -156,11 +157,100 @@ fn greedy_generation_takes_the_chain_and_models_with_state_do_not() {
             );
             let mut seq = Sequence::default();
             let first = prefill(&mut e, &mut seq, &prompt);
-            let err = e.decode_chained(&mut seq, first, 4, |_| true).unwrap_err();
+            let mut greedy = Sampler::new(SamplerParams::greedy());
+            let err = e
+                .decode_chained(&mut seq, first, 4, &mut greedy, |_| true)
+                .unwrap_err();
             assert!(format!("{err}").contains("chain"), "{err}");
             assert_eq!(seq.tokens, prompt, "nothing evaluated");
         } else {
             assert!(e.can_chain());
         }
     }
+}
+
+/// Step-by-step sampled decoding from `first` with `sampler`: up to `n` ids.
+fn sampled_step_by_step(
+    e: &mut Engine<CpuBackend>,
+    seq: &mut Sequence,
+    first: u32,
+    n: usize,
+    sampler: &mut Sampler,
+) -> Vec<u32> {
+    let (mut out, mut ids, mut next) = (Vec::new(), Vec::new(), first);
+    let mut rows = kestrel_model::SamplingBatch::default();
+    while out.len() < n && seq.tokens.len() < e.ctx {
+        rows.clear();
+        sampler.push_row(&mut rows, &seq.tokens);
+        e.decode_sampled(std::slice::from_mut(seq), &[next], &rows, &mut ids)
+            .expect("decode");
+        next = ids[0];
+        out.push(next);
+    }
+    out
+}
+
+#[test]
+fn seeded_draws_chain_to_the_same_tokens_and_penalties_do_not_chain() {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    let file = model(Arch::Llama, rng.random());
+    let mut e = engine(&file, 64);
+    let vocab = e.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..5).map(|_| rng.random_range(0..vocab)).collect();
+    let seed = rng.random();
+    // A hot temperature, so that the draws matter.
+    let params = SamplerParams {
+        temperature: 1.5,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: Some(seed),
+        ..SamplerParams::default()
+    };
+    let mut plain = Sequence::default();
+    let first = prefill(&mut e, &mut plain, &prompt);
+    let want = sampled_step_by_step(
+        &mut e,
+        &mut plain,
+        first,
+        30,
+        &mut Sampler::new(params.clone()),
+    );
+    e.release(&mut plain);
+    let greedy_ids = {
+        let mut seq = Sequence::default();
+        prefill(&mut e, &mut seq, &prompt);
+        let ids = step_by_step(&mut e, &mut seq, first, 30);
+        e.release(&mut seq);
+        ids
+    };
+    assert_ne!(
+        want, greedy_ids,
+        "seed {seed}: the draws should leave the argmax"
+    );
+    let mut seq = Sequence::default();
+    prefill(&mut e, &mut seq, &prompt);
+    let got = e
+        .decode_chained(
+            &mut seq,
+            first,
+            30,
+            &mut Sampler::new(params.clone()),
+            |_| true,
+        )
+        .expect("chained");
+    assert_eq!(got, want, "seed {seed}");
+    e.release(&mut seq);
+    // Penalties read the tokens still on the device: refused, nothing evaluated.
+    let penalized = SamplerParams {
+        repeat_penalty: 1.3,
+        ..params
+    };
+    let mut seq = Sequence::default();
+    prefill(&mut e, &mut seq, &prompt);
+    let err = e
+        .decode_chained(&mut seq, first, 4, &mut Sampler::new(penalized), |_| true)
+        .unwrap_err();
+    assert!(format!("{err}").contains("penalties"), "{err}");
+    assert_eq!(seq.tokens, prompt);
 }

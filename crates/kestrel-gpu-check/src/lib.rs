@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use kestrel_cpu::{CpuBackend, Kernels, Numerics};
+use kestrel_engine::sampler::{Sampler, SamplerParams};
 use kestrel_engine::{Engine, EngineOptions, Sequence};
 use kestrel_gguf::{GgmlType, GgufFile};
 use kestrel_model::synth::{SynthConfig, SynthHybrid, WeightType, write_synth_to};
@@ -1852,11 +1853,12 @@ pub fn compare_graph_replay(
     })
 }
 
-/// Chained greedy decoding (`Engine::decode_chained`: the host records step t + 1 while
-/// the GPU runs step t, each step's argmax left on the device as the next step's token)
-/// against step-by-step `decode_argmax` on the same GPU: ids, evaluated tokens and the
-/// logits of a step after the chain must be identical, bit for bit, wherever the chain
-/// stops (its callback at 1, 2 and 5 ids, `max_new`, the context's end).
+/// Chained decoding (`Engine::decode_chained`: the host records step t + 1 while the GPU
+/// runs step t, each step's token left on the device as the next step's input) against
+/// step-by-step decoding on the same GPU. Greedy: ids, evaluated tokens and the logits of a
+/// step after the chain must be identical, bit for bit, wherever the chain stops (its
+/// callback at 1, 2 and 5 ids, `max_new`, the context's end). Drawn (temperature 1.5, a
+/// seed): the ids of `decode_sampled` step by step with the same seed.
 #[derive(Debug, Clone)]
 pub struct ChainReport {
     pub arch: Arch,
@@ -1965,7 +1967,8 @@ fn chain_report<B: kestrel_model::Backend>(
             differing.push(format!("{what}: prompt"));
         }
         let mut count = 0;
-        let got = e.decode_chained(&mut seq, first, max_new, |_| {
+        let mut greedy = Sampler::new(SamplerParams::greedy());
+        let got = e.decode_chained(&mut seq, first, max_new, &mut greedy, |_| {
             count += 1;
             count < stop_after
         })?;
@@ -2002,6 +2005,42 @@ fn chain_report<B: kestrel_model::Backend>(
         if e.blocks.n_used() != 0 {
             differing.push(format!("{what}: {} blocks not returned", e.blocks.n_used()));
         }
+    }
+    // Seeded draws: the same tokens step by step and chained.
+    let params = SamplerParams {
+        temperature: 1.5,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: Some(seed),
+        ..SamplerParams::default()
+    };
+    let mut drawn = [Vec::new(), Vec::new()];
+    for (chained, out) in drawn.iter_mut().enumerate() {
+        let mut sampler = Sampler::new(params.clone());
+        let mut seq = Sequence::default();
+        prefill(&mut e, &mut seq)?;
+        if chained == 1 {
+            *out = e.decode_chained(&mut seq, first, steps, &mut sampler, |_| true)?;
+        } else {
+            let (mut next, mut rows) = (first, kestrel_model::SamplingBatch::default());
+            while out.len() < steps && seq.tokens.len() < ctx {
+                rows.clear();
+                sampler.push_row(&mut rows, &seq.tokens);
+                e.decode_sampled(std::slice::from_mut(&mut seq), &[next], &rows, &mut ids)?;
+                next = ids[0];
+                out.push(next);
+            }
+        }
+        e.release(&mut seq);
+    }
+    if drawn[0] != drawn[1] {
+        differing.push(format!(
+            "drawn: chained {:?}, step by step {:?}",
+            drawn[1], drawn[0]
+        ));
+    } else if drawn[0] == all {
+        differing.push("drawn: the draws never left the argmax".into());
     }
     Ok(ChainReport {
         arch,

@@ -294,24 +294,31 @@ pub trait Backend: Sync {
         checked
     }
 
-    /// Whether this backend chains greedy steps ([`Self::argmax_chained`]).
+    /// Whether this backend chains decode steps ([`Self::chain_ids`]).
     fn can_chain(&self) -> bool {
         false
     }
 
-    /// Greedy decoding with the host a step ahead: the [`argmax`] of each of the first `n`
-    /// rows stays where the backend keeps the next step's input tokens (the next batch
-    /// says so with `tokens_on_device`), and the step's work is started without waiting
-    /// for it. [`Self::read_chained`] returns the ids of the oldest such step not yet
-    /// read, so the host can record and queue step t + 1 while the device runs step t.
-    /// Backends that cannot ([`Self::can_chain`] false) return an error.
-    fn argmax_chained(&self, _x: &Self::Tensor, _n: usize) -> anyhow::Result<()> {
-        anyhow::bail!("this backend does not chain greedy steps")
+    /// Decoding with the host a step ahead: the token each of the first `n` rows takes
+    /// (its [`argmax`], or drawn under `sampling`'s row of the same index, which must
+    /// carry no penalties or masks) stays where the backend keeps the next step's input
+    /// tokens (the next batch says so with `tokens_on_device`), and the step's work is
+    /// started without waiting for it. [`Self::read_chained`] returns the ids of the
+    /// oldest such step not yet read, so the host can record and queue step t + 1 while
+    /// the device runs step t. Backends that cannot ([`Self::can_chain`] false) return an
+    /// error.
+    fn chain_ids(
+        &self,
+        _x: &Self::Tensor,
+        _n: usize,
+        _sampling: Option<&SamplingBatch>,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!("this backend does not chain decode steps")
     }
 
-    /// The ids of the oldest [`Self::argmax_chained`] step not read yet (waiting for it).
+    /// The ids of the oldest [`Self::chain_ids`] step not read yet (waiting for it).
     fn read_chained(&self, _out: &mut Vec<u32>) -> anyhow::Result<()> {
-        anyhow::bail!("this backend does not chain greedy steps")
+        anyhow::bail!("this backend does not chain decode steps")
     }
 
     /// Starts the work queued so far without waiting for it: the caller is about to wait

@@ -43,9 +43,9 @@ pub struct Batch {
     /// The CPU backend always does; the CUDA backend does for steps of up to 8 tokens when
     /// asked, on slower kernels.
     pub invariant: bool,
-    /// The tokens are the greedy ids of the previous step, which stayed on the device as
-    /// this step's input ([`crate::Backend::argmax_chained`]); `tokens` holds placeholders
-    /// (0) the backend does not read.
+    /// The tokens are the ids the previous step chose, which stayed on the device as this
+    /// step's input ([`crate::Backend::chain_ids`]); `tokens` holds placeholders (0) the
+    /// backend does not read.
     pub tokens_on_device: bool,
 }
 

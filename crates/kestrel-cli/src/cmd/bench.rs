@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use anyhow::bail;
+use kestrel_engine::sampler::{Sampler, SamplerParams};
 use kestrel_engine::{Engine, Sequence};
 use kestrel_gguf::GgufFile;
 use kestrel_model::{Backend, KvTypes};
@@ -198,7 +199,8 @@ fn run_once<B: Backend>(
     if argmax && engine.can_chain() && n_gen > 0 {
         // Greedy generation as `run` does it: each step's id feeds the next on the device
         // while the host records that next step.
-        engine.decode_chained(seq, gen_ids[0], n_gen, |_| true)?;
+        let mut greedy = Sampler::new(SamplerParams::greedy());
+        engine.decode_chained(seq, gen_ids[0], n_gen, &mut greedy, |_| true)?;
     } else {
         for &id in &gen_ids {
             if argmax {

@@ -64,13 +64,13 @@ impl<B: Backend> Engine<B> {
         if !emit(pending, &mut out) {
             return Ok((out, finish(stats, spec)));
         }
-        // Greedy without speculation: the host records each step while the device runs
-        // the one before.
-        if spec.is_none() && sampler.is_argmax() && self.can_chain() {
+        // Without speculation or penalties: the host records each step while the device
+        // runs the one before.
+        if spec.is_none() && !sampler.needs_history() && self.can_chain() {
             if seq.tokens.len() < self.ctx {
                 let room = max_tokens - out.len();
                 let mut ids = Vec::new();
-                let generated = self.decode_chained(seq, pending, room, |id| {
+                let generated = self.decode_chained(seq, pending, room, &mut sampler, |id| {
                     ids.push(id);
                     emit(id, &mut out)
                 });
