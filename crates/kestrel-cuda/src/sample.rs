@@ -146,6 +146,20 @@ pub(crate) fn chain_ids(
     Ok(())
 }
 
+impl CudaBackend {
+    /// The current step's token slots (a layer split's last stage copies its chained ids
+    /// there).
+    pub(crate) fn chain_tokens(&self) -> u64 {
+        self.chain.lock().unwrap_or_else(|p| p.into_inner()).tokens
+    }
+
+    /// Marks `n` ids as written into this backend's token slots by another stage, for the
+    /// next step (`tokens_on_device`) to take.
+    pub(crate) fn chain_ready(&self, n: usize) {
+        self.chain.lock().unwrap_or_else(|p| p.into_inner()).ready = Some(n);
+    }
+}
+
 /// Waits for the oldest queued chained step's ids and returns them.
 pub(crate) fn read_chained(backend: &CudaBackend, out: &mut Vec<u32>) -> anyhow::Result<()> {
     let mut chain = backend.chain.lock().unwrap_or_else(|p| p.into_inner());

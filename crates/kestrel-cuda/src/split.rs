@@ -179,6 +179,8 @@ pub struct SplitBackend {
     /// The current step's tokens and logit rows.
     n_tokens: AtomicUsize,
     n_logit_rows: AtomicUsize,
+    /// The stage whose chained steps' ids the host reads (the last: it holds the logits).
+    chain_stage: AtomicUsize,
 }
 
 impl SplitBackend {
@@ -216,6 +218,7 @@ impl SplitBackend {
             n_layer: AtomicUsize::new(0),
             n_tokens: AtomicUsize::new(0),
             n_logit_rows: AtomicUsize::new(0),
+            chain_stage: AtomicUsize::new(0),
         })
     }
 
@@ -765,6 +768,38 @@ impl Backend for SplitBackend {
         self.issue_all();
         let s = x.stage();
         self.stages[s].argmax_rows(&x.t[s], n, scratch, out)
+    }
+
+    fn can_chain(&self) -> bool {
+        true
+    }
+
+    /// The last stage chooses the ids into its own token slots and copies them into every
+    /// other stage's (the embedding's stage reads them; each stage's next step checks them).
+    fn chain_ids(
+        &self,
+        x: &SplitTensor,
+        n: usize,
+        sampling: Option<&SamplingBatch>,
+    ) -> anyhow::Result<()> {
+        self.issue_all();
+        let last = x.stage();
+        let b = &self.stages[last];
+        b.chain_ids(&x.t[last], n, sampling)?;
+        for (s, other) in self.stages.iter().enumerate() {
+            if s != last {
+                b.push_values(other.chain_tokens(), b.chain_tokens(), n, self.peer_access);
+                b.issue();
+                other.wait_for(b)?;
+                other.chain_ready(n);
+            }
+        }
+        self.chain_stage.store(last, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn read_chained(&self, out: &mut Vec<u32>) -> anyhow::Result<()> {
+        self.stages[self.chain_stage.load(Ordering::Relaxed)].read_chained(out)
     }
 
     fn sample_rows(

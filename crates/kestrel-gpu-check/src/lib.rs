@@ -1910,6 +1910,21 @@ pub fn compare_tp_chained(
     chain_report(arch, ty, backend, &file, steps, seed, &replays)
 }
 
+/// [`compare_chained`] under a layer split over `ordinals` (the last stage chooses the ids
+/// and copies them to the others); `replays` counts the first stage's.
+pub fn compare_split_chained(
+    arch: Arch,
+    ty: &str,
+    steps: usize,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<ChainReport> {
+    let file = split_model(arch, ty, seed)?;
+    let backend = kestrel_cuda::SplitBackend::new(ordinals)?;
+    let replays = backend.stage(0).replay_counter();
+    chain_report(arch, ty, backend, &file, steps, seed, &replays)
+}
+
 fn chain_report<B: kestrel_model::Backend>(
     arch: Arch,
     ty: &str,

@@ -161,6 +161,20 @@ fn check_split(args: &Args) -> anyhow::Result<()> {
             selfcheck::compare_split_invariant(*arch, "q4_k_m", s, &ordinals),
         );
     }
+    // Chained decoding (the last stage's ids copied to the others) against step-by-step.
+    let chained = [
+        (kestrel_model::Arch::Llama, "q4_k_m"),
+        (kestrel_model::Arch::Gemma3, "q8_0"),
+        (kestrel_model::Arch::Qwen3Moe, "q4_k_m"),
+    ];
+    for (i, (arch, ty)) in chained.into_iter().enumerate() {
+        let s = seed.wrapping_add(900 + i as u64);
+        print_chain_report(
+            &mut failures,
+            &format!("split {arch:?} {ty} chained"),
+            selfcheck::compare_split_chained(arch, ty, args.generate, s, &ordinals),
+        );
+    }
     // Mixtures of experts, gpt-oss's attention with sinks and the linear-attention hybrids:
     // the stages run the one-GPU kernels, so the logits must be bit-identical to one GPU's.
     let exact_cases = [
