@@ -614,6 +614,12 @@ impl<B: Backend> Engine<B> {
             let Some(&id) = ids.first() else {
                 break Err(anyhow::anyhow!("a chained step returned no token id"));
             };
+            if id as usize >= self.model.config.vocab_size {
+                // An all-NaN logit row has no argmax; the step after it read row 0.
+                break Err(anyhow::anyhow!(
+                    "a decode step chose token {id}, past the vocabulary (non-finite logits?)"
+                ));
+            }
             if queued > 0 {
                 let at = seq.tokens.len() - queued;
                 seq.tokens[at] = id;
