@@ -641,6 +641,31 @@ impl<B: Backend> Engine<B> {
         result.and(drained).map(|()| out)
     }
 
+    /// Runs `batch` and leaves the token each of its logit rows chooses (the argmax, or
+    /// drawn under `sampling`'s row) on the device as the next step's input, without waiting
+    /// for the step ([`Backend::chain_ids`]; the next batch sets `tokens_on_device`). The
+    /// scheduler's path; [`Self::decode_chained`] is one sequence's.
+    pub fn step_chained(
+        &mut self,
+        batch: &Batch,
+        sampling: Option<&SamplingBatch>,
+    ) -> anyhow::Result<()> {
+        self.forward(batch)?;
+        self.backend
+            .chain_ids(&self.scratch.logits, batch.logit_rows.len(), sampling)
+    }
+
+    /// The ids of the oldest [`Self::step_chained`] step not read yet, each checked against
+    /// the vocabulary (an all-NaN row has no argmax).
+    pub fn read_chained(&mut self, ids: &mut Vec<u32>) -> anyhow::Result<()> {
+        self.backend.read_chained(ids)?;
+        let vocab = self.model.config.vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("a decode step chose token {id}, past the vocabulary (non-finite logits?)");
+        }
+        Ok(())
+    }
+
     /// Queues one chained step of `seq`: its input is `token`, or with None the id the
     /// step before returns (a placeholder in `seq.tokens` until it is read).
     fn queue_chained(

@@ -237,6 +237,9 @@ pub struct SchedulerStats {
     pub tokens_generated: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
+    /// Steps queued behind the one before, their input tokens left on the device by it
+    /// (part of `steps`).
+    pub chained_steps: AtomicU64,
     /// Microseconds spent in the model's forward steps (backend work and the logits read)
     /// and in a draft model's drafting.
     pub forward_us: AtomicU64,
@@ -968,6 +971,11 @@ impl<B: Backend> Scheduler<B> {
 
     /// Builds and runs one batch; false if there was nothing to run.
     fn step(&mut self) -> bool {
+        if self.may_chain()
+            && let Some(worked) = self.chain_steps()
+        {
+            return worked;
+        }
         let budget = self.engine.max_batch_tokens();
         let mut prefill_budget = self.opts.max_prefill_tokens.clamp(1, budget);
         // (index into running, tokens this step), decodes first then prefill chunks.
@@ -1429,6 +1437,14 @@ impl<B: Backend> Scheduler<B> {
         self.argmax_ids = argmax_ids;
         self.sampling = draws;
         self.logits = logits;
+        self.settle(finished);
+        true
+    }
+
+    /// After a step: enters the running sequences' completed blocks in the prefix cache,
+    /// then ends the `finished` ones (by index into `running`: `Some(reason)` done, `None`
+    /// its client gone).
+    fn settle(&mut self, mut finished: Vec<(usize, Option<FinishReason>)>) {
         let mut running = std::mem::take(&mut self.running);
         for seq in &mut running {
             self.register_blocks(seq);
@@ -1452,7 +1468,177 @@ impl<B: Backend> Scheduler<B> {
             }
             self.release(&mut seq);
         }
+    }
+
+    /// Whether the next steps may be chained (the host a step ahead of the device,
+    /// `Engine::step_chained`): every running sequence decodes its one pending token
+    /// without drafts, a filter, log-probabilities or penalties, and nothing waits.
+    fn may_chain(&self) -> bool {
+        self.opts.spec.is_none()
+            && self.waiting.is_empty()
+            && self.embeds.is_empty()
+            && !self.running.is_empty()
+            && self.engine.can_chain()
+            && self.running.iter().all(|s| {
+                s.tokens.len() == s.n_cached + 1
+                    && s.filter.is_none()
+                    && s.logprobs.is_none()
+                    && s.accept_next.is_none()
+                    && s.n_drafts == 0
+                    && !s.sampler.needs_history()
+            })
+    }
+
+    /// Decode steps chained on the device while the running sequences stay the same: each
+    /// step is recorded and queued before the ids of the one before are read, its input
+    /// tokens being those ids where the device left them. The chain ends when a sequence
+    /// finishes, may finish with its next token, a request arrives, a client leaves or a
+    /// block is short; the step already queued then is read like the others (a finished
+    /// sequence's row in it is dropped), and the sequences are left with one pending token
+    /// each, as after a plain step. None: not even the first step's blocks were free
+    /// without preempting (the caller runs a plain step).
+    fn chain_steps(&mut self) -> Option<bool> {
+        for seq in &mut self.running {
+            let positions = seq.tokens.len();
+            if self
+                .engine
+                .blocks
+                .ensure(&mut seq.block_table, positions)
+                .is_err()
+            {
+                return None;
+            }
+        }
+        let started = Instant::now();
+        let order: Vec<u64> = self.running.iter().map(|s| s.id).collect();
+        let mut batch = Batch::default();
+        let mut draws = std::mem::take(&mut self.sampling);
+        let mut ids = std::mem::take(&mut self.argmax_ids);
+        let mut result = self.queue_chained(&mut batch, &mut draws, false);
+        let mut queued = usize::from(result.is_ok());
+        let mut chaining = result.is_ok();
+        while result.is_ok() && queued > 0 {
+            if chaining {
+                chaining = self.chain_may_go_on();
+            }
+            if chaining {
+                result = self.queue_chained(&mut batch, &mut draws, true);
+                if result.is_err() {
+                    break;
+                }
+                queued += 1;
+                self.stats.chained_steps.fetch_add(1, Ordering::Relaxed);
+            }
+            result = self.engine.read_chained(&mut ids);
+            if result.is_err() {
+                break;
+            }
+            queued -= 1;
+            self.stats
+                .tokens_evaluated
+                .fetch_add(order.len() as u64, Ordering::Relaxed);
+            self.stats.steps.fetch_add(1, Ordering::Relaxed);
+            let mut finished = Vec::new();
+            for (&sid, &id) in order.iter().zip(&ids) {
+                let Some(i) = self.running.iter().position(|s| s.id == sid) else {
+                    continue; // finished earlier in the chain: its row is dropped
+                };
+                match self.sample_into(i, &[], Some(id), None, false) {
+                    // The queued step evaluates the new token.
+                    None if queued > 0 => self.running[i].n_cached += 1,
+                    None => {}
+                    Some(reason) => finished.push((i, reason)),
+                }
+            }
+            if !finished.is_empty() {
+                chaining = false;
+            }
+            self.settle(finished);
+            self.publish();
+        }
+        self.sampling = draws;
+        self.argmax_ids = ids;
+        let forward_us = started.elapsed().as_micros() as u64;
+        self.last_forward_us = forward_us;
+        self.stats
+            .forward_us
+            .fetch_add(forward_us, Ordering::Relaxed);
+        if let Err(err) = result {
+            // Steps still queued are waited for (their ids are not left to a later chain).
+            for _ in 0..queued {
+                let _ = self.engine.read_chained(&mut self.argmax_ids);
+            }
+            let msg = format!("evaluation failed: {err:#}");
+            for mut seq in std::mem::take(&mut self.running) {
+                seq.sink.send(Event::Error(msg.clone()));
+                self.release(&mut seq);
+            }
+        }
+        Some(true)
+    }
+
+    /// Whether another chained step may be queued: no request waits (one that arrived is
+    /// queued now), no client left, and every sequence has room for its next token's step
+    /// (within its length and the context, a block free without preempting).
+    fn chain_may_go_on(&mut self) -> bool {
+        match self.rx.try_recv() {
+            Ok(job) => {
+                self.enqueue(job);
+                return false;
+            }
+            Err(mpsc::TryRecvError::Empty) => {}
+            Err(mpsc::TryRecvError::Disconnected) => self.disconnected = true,
+        }
+        let ctx = self.engine.ctx;
+        for seq in &mut self.running {
+            // The next step evaluates the token being read now, at `tokens.len()`.
+            if seq.sink.is_closed()
+                || seq.generated + 1 >= seq.max_tokens
+                || seq.tokens.len() + 1 >= ctx
+                || self
+                    .engine
+                    .blocks
+                    .ensure(&mut seq.block_table, seq.tokens.len() + 1)
+                    .is_err()
+            {
+                return false;
+            }
+        }
         true
+    }
+
+    /// Queues one chained step of every running sequence: its pending token from the host
+    /// (`on_device` false), or the id the step before chose, still on the device.
+    fn queue_chained(
+        &mut self,
+        batch: &mut Batch,
+        draws: &mut SamplingBatch,
+        on_device: bool,
+    ) -> anyhow::Result<()> {
+        batch.clear_tokens();
+        draws.clear();
+        let all_argmax = self.running.iter().all(|s| s.sampler.is_argmax());
+        for (slot, seq) in self.running.iter_mut().enumerate() {
+            let (token, start) = if on_device {
+                (0, seq.tokens.len())
+            } else {
+                (seq.tokens[seq.n_cached], seq.n_cached)
+            };
+            batch.push_part(slot, &[token], start, &seq.block_table, 1);
+            if !all_argmax {
+                seq.sampler.push_row(draws, &seq.tokens);
+            }
+        }
+        batch.seqs.truncate(self.running.len());
+        batch.tokens_on_device = on_device;
+        self.engine
+            .step_chained(batch, (!all_argmax).then_some(&*draws))?;
+        if !on_device {
+            for seq in &mut self.running {
+                seq.n_cached += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Samples the next token of running sequence `i` from its logits and sends it. Returns

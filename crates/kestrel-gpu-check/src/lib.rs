@@ -1925,6 +1925,102 @@ pub fn compare_split_chained(
     chain_report(arch, ty, backend, &file, steps, seed, &replays)
 }
 
+/// The server's scheduler chaining decode steps on the GPU: `seqs` greedy requests
+/// submitted together decode in lockstep, each step queued before the previous one's ids
+/// are read (`chained`: the steps chained); the same requests asking for log-probabilities
+/// take plain steps, their rows read back and reduced on the host. The ids must be equal.
+#[derive(Debug, Clone)]
+pub struct SchedulerChainReport {
+    pub chained: Vec<Vec<u32>>,
+    pub plain: Vec<Vec<u32>>,
+    pub chained_steps: u64,
+}
+
+impl SchedulerChainReport {
+    pub fn passed(&self) -> bool {
+        self.chained == self.plain && self.chained_steps > 0
+    }
+}
+
+pub fn compare_scheduler_chained(
+    arch: Arch,
+    ty: &str,
+    seqs: usize,
+    steps: usize,
+    seed: u64,
+    ordinal: usize,
+) -> anyhow::Result<SchedulerChainReport> {
+    use kestrel_engine::scheduler::{self, Event, Request, SchedulerOptions};
+    let file = tiny_model(arch, ty, seed)?;
+    let f2 = file.clone();
+    let h = scheduler::spawn(
+        move || {
+            let opts = EngineOptions {
+                ctx: 256,
+                max_batch_tokens: 128,
+                max_logit_rows: seqs.max(1),
+                block_size: 16,
+                max_seqs: seqs.max(1),
+            };
+            Engine::new(CudaBackend::new(ordinal)?, f2, &opts)
+        },
+        SchedulerOptions {
+            max_seqs: seqs.max(1),
+            max_prefill_tokens: 128,
+            prefix_cache: false,
+            eog: vec![],
+            spec: None,
+        },
+    )?;
+    let vocab = h.info().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5c4e);
+    let prompts: Vec<Vec<u32>> = (0..seqs)
+        .map(|_| (0..8).map(|_| rng.random_range(0..vocab)).collect())
+        .collect();
+    let run = |logprobs: Option<usize>| -> anyhow::Result<Vec<Vec<u32>>> {
+        let rxs = prompts
+            .iter()
+            .map(|p| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                h.submit(Request {
+                    prompt: p.clone(),
+                    params: SamplerParams::greedy(),
+                    max_tokens: steps,
+                    logprobs,
+                    speculative: false,
+                    sink: Box::new(tx),
+                })
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+                Ok(rx)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        rxs.into_iter()
+            .map(|rx| {
+                let mut ids = Vec::new();
+                for ev in rx {
+                    match ev {
+                        Event::Token { id, .. } => ids.push(id),
+                        Event::Done { .. } => break,
+                        Event::Error(e) => anyhow::bail!("request failed: {e}"),
+                    }
+                }
+                Ok(ids)
+            })
+            .collect()
+    };
+    let chained = run(None)?;
+    let chained_steps = h
+        .stats()
+        .chained_steps
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let plain = run(Some(0))?;
+    Ok(SchedulerChainReport {
+        chained,
+        plain,
+        chained_steps,
+    })
+}
+
 fn chain_report<B: kestrel_model::Backend>(
     arch: Arch,
     ty: &str,

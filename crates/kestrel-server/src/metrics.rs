@@ -120,6 +120,11 @@ impl Metrics {
             load(&s.requests_cancelled),
         );
         counter("kestrel_steps_total", "Forward steps run.", load(&s.steps));
+        counter(
+            "kestrel_chained_steps_total",
+            "Decode steps queued while the step before ran, their tokens left on the device.",
+            load(&s.chained_steps),
+        );
         let (drafted, accepted, rounds) = (
             load(&s.spec_drafted),
             load(&s.spec_accepted),

@@ -1466,6 +1466,42 @@ fn check_graphs(args: &Args, seed: u64) -> usize {
             selfcheck::compare_chained(arch, ty, args.generate, s, args.gpu),
         );
     }
+    println!("the scheduler's chained steps vs plain steps (log-probabilities asked), greedy ids:");
+    for (i, (arch, ty, seqs)) in [
+        (kestrel_model::Arch::Llama, "q4_k_m", 1),
+        (kestrel_model::Arch::Llama, "q4_k_m", 3),
+        (kestrel_model::Arch::Qwen3Moe, "q4_k_m", 4),
+        (kestrel_model::Arch::Gemma3, "q8_0", 8),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let label = format!(
+            "{:<8} {:<8} {seqs} requests, scheduler chained",
+            arch.name(),
+            ty
+        );
+        let s = seed.wrapping_add(23_000 + i as u64);
+        match selfcheck::compare_scheduler_chained(arch, ty, seqs, args.generate, s, args.gpu) {
+            Ok(r) => {
+                failures += usize::from(!r.passed());
+                println!(
+                    "{label}: {} chained steps, ids {}  {}",
+                    r.chained_steps,
+                    if r.chained == r.plain {
+                        "equal"
+                    } else {
+                        "DIFFER"
+                    },
+                    if r.passed() { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("{label}: ERROR {e:#}");
+            }
+        }
+    }
     const STEPS: usize = 8;
     println!("graph replay vs eager launches, {STEPS} batched decode steps (cuBLAS in the graph):");
     for (ia, arch) in ARCHS.into_iter().enumerate() {
