@@ -78,6 +78,31 @@ fn adjacent_candidates(
     matches!((at(a), at(b)), (Some(i), Some(j)) if i.abs_diff(j) == 1)
 }
 
+/// A batched run's ids against the run alone: equal, except that a seeded draw may move to
+/// the neighbouring candidate. Batched steps and preemption's recompute change the f32
+/// summation order (~1e-5 on the logits), which can move a draw across the boundary between
+/// two neighbouring candidates; at the first difference the two tokens must be adjacent in
+/// the single run's candidate order (a batching bug would not land there).
+fn assert_same_or_neighbour(
+    file: &Arc<GgufFile>,
+    prompt: &[u32],
+    params: &SamplerParams,
+    got: &[u32],
+    want: &[u32],
+) {
+    if got == want || params.seed.is_none() {
+        assert_eq!(got, want, "prompt of {} tokens", prompt.len());
+        return;
+    }
+    let p = got.iter().zip(want).take_while(|(a, b)| a == b).count();
+    assert!(
+        p < got.len().min(want.len())
+            && adjacent_candidates(file, prompt, &want[..p], params, got[p], want[p]),
+        "prompt of {} tokens: sampled {got:?} batched, {want:?} alone, not neighbouring candidates at {p}",
+        prompt.len()
+    );
+}
+
 struct Outcome {
     ids: Vec<u32>,
     finish: Option<FinishReason>,
@@ -197,28 +222,7 @@ fn batched_generation_equals_single_runs_even_under_preemption() {
             "prompt of {} tokens",
             prompt.len()
         );
-        if got.ids != want && params.seed.is_some() {
-            // Sampled jobs: batched steps and preemption's recompute change the f32
-            // summation order (~1e-5 on the logits), which can move the seeded draw across
-            // the boundary between two neighbouring candidates. Accept exactly that: at the
-            // first difference, the two tokens are adjacent in the single run's candidate
-            // order (a batching bug would not land there).
-            let p = got
-                .ids
-                .iter()
-                .zip(&want)
-                .take_while(|(a, b)| a == b)
-                .count();
-            assert!(
-                adjacent_candidates(&file, &prompt, &want[..p], &params, got.ids[p], want[p]),
-                "prompt of {} tokens: sampled token {p} is {} batched, {} alone, not neighbouring candidates",
-                prompt.len(),
-                got.ids[p],
-                want[p]
-            );
-        } else {
-            assert_eq!(got.ids, want, "prompt of {} tokens", prompt.len());
-        }
+        assert_same_or_neighbour(&file, &prompt, &params, &got.ids, &want);
         assert_eq!(got.finish, Some(FinishReason::Length));
     }
     wait_idle(&h);
@@ -873,31 +877,7 @@ fn chained_steps_keep_every_output() {
         if want.last() == Some(&eog) {
             want.pop();
         }
-        if got.ids != want && params.seed.is_some() {
-            // As in the test above: a batched step's summation order may move a seeded draw
-            // to the neighbouring candidate, never further.
-            let p = got
-                .ids
-                .iter()
-                .zip(&want)
-                .take_while(|(a, b)| a == b)
-                .count();
-            assert!(
-                p < got.ids.len().min(want.len())
-                    && adjacent_candidates(
-                        &file,
-                        &prompt,
-                        &want[..p],
-                        &params,
-                        got.ids[p],
-                        want[p]
-                    ),
-                "sampled: {:?} against {want:?} alone",
-                got.ids
-            );
-        } else {
-            assert_eq!(got.ids, want, "prompt {prompt:?}");
-        }
+        assert_same_or_neighbour(&file, &prompt, &params, &got.ids, &want);
     }
     wait_idle(&h);
     check_blocks_accounted(&h);
