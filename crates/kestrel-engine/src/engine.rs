@@ -607,19 +607,15 @@ impl<B: Backend> Engine<B> {
                 }
                 queued += 1;
             }
-            if let Err(e) = self.backend.read_chained(&mut ids) {
+            // The oldest step is taken off the queue whether or not its ids are good.
+            let read = self.read_chained(&mut ids);
+            queued -= 1;
+            if let Err(e) = read {
                 break Err(e);
             }
-            queued -= 1;
             let Some(&id) = ids.first() else {
                 break Err(anyhow::anyhow!("a chained step returned no token id"));
             };
-            if id as usize >= self.model.config.vocab_size {
-                // An all-NaN logit row has no argmax; the step after it read row 0.
-                break Err(anyhow::anyhow!(
-                    "a decode step chose token {id}, past the vocabulary (non-finite logits?)"
-                ));
-            }
             if queued > 0 {
                 let at = seq.tokens.len() - queued;
                 seq.tokens[at] = id;
@@ -686,10 +682,7 @@ impl<B: Backend> Engine<B> {
         batch.push_part(0, &[input], seq.tokens.len(), &seq.block_table, 1);
         batch.seqs.truncate(1);
         batch.tokens_on_device = token.is_none();
-        let result = self.forward(&batch).and_then(|()| {
-            self.backend
-                .chain_ids(&self.scratch.logits, 1, sampling.as_ref())
-        });
+        let result = self.step_chained(&batch, sampling.as_ref());
         self.batch = batch;
         result?;
         seq.tokens.push(input);
