@@ -98,29 +98,16 @@ pub(crate) fn chain_ids(
         None => backend.launch(
             "argmax_rows",
             (n as u32, 1, 1),
-            256,
-            &[Arg::P(x.ptr), Arg::P(chain.tokens), Arg::I(x.cols as i32)],
+            ARGMAX_THREADS,
+            &argmax_args(x, chain.tokens),
         ),
         Some(s) => {
-            let mut params = backend
-                .sample_params
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let (host, device) = &mut *params;
-            settings_words(s, host)?;
-            let params_ptr = upload_settings(backend, host, device)?;
+            let params = upload_unmasked(backend, s)?;
             backend.launch(
                 "sample_rows",
                 (n as u32, 1, 1),
-                1024,
-                &[
-                    Arg::P(x.ptr),
-                    Arg::P(params_ptr),
-                    Arg::P(chain.tokens),
-                    Arg::I(x.cols as i32),
-                    Arg::P(0),
-                    Arg::I(0),
-                ],
+                SAMPLE_THREADS,
+                &sample_args(x, params, chain.tokens, 0, 0),
             );
         }
     }
@@ -326,9 +313,43 @@ pub(crate) fn argmax_rows(
     if n == 0 {
         return backend.check();
     }
-    backend.launch_for_ids("argmax_rows", n, 256, None, out, |ids| {
-        vec![Arg::P(x.ptr), Arg::P(ids), Arg::I(x.cols as i32)]
+    backend.launch_for_ids("argmax_rows", n, ARGMAX_THREADS, None, out, |ids| {
+        argmax_args(x, ids)
     })
+}
+
+/// Threads a row of `argmax_rows` and `sample_rows` (kernels/argmax.cu, kernels/sample.cu).
+const ARGMAX_THREADS: u32 = 256;
+const SAMPLE_THREADS: u32 = 1024;
+
+/// `argmax_rows`'s arguments: the rows of `x`, their ids written at `ids`.
+fn argmax_args(x: &CudaTensor, ids: u64) -> Vec<Arg> {
+    vec![Arg::P(x.ptr), Arg::P(ids), Arg::I(x.cols as i32)]
+}
+
+/// `sample_rows`'s arguments: the rows of `x` drawn under the settings at `params`, their
+/// ids written at `ids`, under the masks at `masks` (`mask_words` each; 0: none).
+fn sample_args(x: &CudaTensor, params: u64, ids: u64, masks: u64, mask_words: usize) -> Vec<Arg> {
+    vec![
+        Arg::P(x.ptr),
+        Arg::P(params),
+        Arg::P(ids),
+        Arg::I(x.cols as i32),
+        Arg::P(masks),
+        Arg::I(mask_words as i32),
+    ]
+}
+
+/// The settings of `sampling`'s rows (no masks) on the device, in the main stream's order;
+/// returns their address.
+fn upload_unmasked(backend: &CudaBackend, sampling: &SamplingBatch) -> anyhow::Result<u64> {
+    let mut params = backend
+        .sample_params
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let (host, device) = &mut *params;
+    settings_words(sampling, host)?;
+    upload_settings(backend, host, device)
 }
 
 pub(crate) fn sample_rows(
@@ -349,39 +370,24 @@ pub(crate) fn sample_rows(
         return backend.argmax_rows(x, n, scratch, out);
     }
     out.clear();
-    let mut params = backend
-        .sample_params
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    let (host, device) = &mut *params;
-    settings_words(sampling, host)?;
     if masked {
+        let mut params = backend
+            .sample_params
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let host = &mut params.0;
+        settings_words(sampling, host)?;
         // The settings go with the masks (the step is already running: nothing waits
         // behind it on the main stream).
         let (params_ptr, masks_ptr, slot) = backend.upload_masks(host, &sampling.masks)?;
         drop(params);
-        return backend.launch_for_ids("sample_rows", n, 1024, Some(slot), out, |ids| {
-            vec![
-                Arg::P(x.ptr),
-                Arg::P(params_ptr),
-                Arg::P(ids),
-                Arg::I(x.cols as i32),
-                Arg::P(masks_ptr),
-                Arg::I(sampling.mask_words as i32),
-            ]
+        return backend.launch_for_ids("sample_rows", n, SAMPLE_THREADS, Some(slot), out, |ids| {
+            sample_args(x, params_ptr, ids, masks_ptr, sampling.mask_words)
         });
     }
-    let params_ptr = upload_settings(backend, host, device)?;
-    drop(params);
-    backend.launch_for_ids("sample_rows", n, 1024, None, out, |ids| {
-        vec![
-            Arg::P(x.ptr),
-            Arg::P(params_ptr),
-            Arg::P(ids),
-            Arg::I(x.cols as i32),
-            Arg::P(0),
-            Arg::I(0),
-        ]
+    let params_ptr = upload_unmasked(backend, sampling)?;
+    backend.launch_for_ids("sample_rows", n, SAMPLE_THREADS, None, out, |ids| {
+        sample_args(x, params_ptr, ids, 0, 0)
     })
 }
 
