@@ -67,6 +67,32 @@ pub(crate) const SPECIAL_COPY_2D: usize = usize::MAX - 2;
 pub(crate) const SPECIAL_PEER_COPY: usize = usize::MAX - 3;
 pub(crate) const SPECIAL_GEMM: usize = usize::MAX - 4;
 
+/// The profiler's name for launch `func`: its kernel's, or its special record's.
+fn launch_name(kernels: &[&'static str], func: usize) -> &'static str {
+    match func {
+        SPECIAL_ALL_REDUCE => "nccl_all_reduce",
+        SPECIAL_ALL_GATHER => "nccl_all_gather",
+        SPECIAL_COPY_2D => "copy_2d",
+        SPECIAL_PEER_COPY => "copy_to_device",
+        SPECIAL_GEMM => "cublas_gemm",
+        f => kernels.get(f).copied().unwrap_or("?"),
+    }
+}
+
+/// What the profiler totals a launch's time by besides its kernel: the grid, or a cuBLAS
+/// product's rows × cols × tokens (its launches' grids are cuBLAS's own).
+fn profile_shape(l: &Launch) -> (u32, u32, u32) {
+    let arg = |i: usize| match l.args.get(i) {
+        Some(Arg::L(v)) => *v as u32,
+        _ => 0,
+    };
+    if l.func == SPECIAL_GEMM {
+        (arg(1), arg(2), arg(4))
+    } else {
+        l.grid
+    }
+}
+
 /// A captured step.
 pub(crate) struct StepGraph(CudaGraph);
 
@@ -192,7 +218,7 @@ impl CudaBackend {
             };
             eprintln!(
                 "{:<20} {:>18} {:>8} {:>10.3} {:>9.2} {:>11.2} {:>5.1}% {:>8}",
-                self.func_names[*func],
+                launch_name(&self.func_names, *func),
                 format!("{}x{}x{}", grid.0, grid.1, grid.2),
                 calls,
                 ms,
@@ -230,10 +256,6 @@ impl CudaBackend {
     }
 
     pub(crate) fn launch_now(&self, l: &Launch) {
-        if l.func >= SPECIAL_BASE {
-            self.run_special(l);
-            return;
-        }
         let timing = self.profile.as_ref().and_then(|_| {
             let ev = || {
                 self.ctx
@@ -244,12 +266,17 @@ impl CudaBackend {
             a.record(&self.stream).ok()?;
             Some((a, b))
         });
-        self.launch_raw(l);
+        if l.func >= SPECIAL_BASE {
+            self.run_special(l);
+        } else {
+            self.launch_raw(l);
+        }
         if let (Some(p), Some((a, b))) = (&self.profile, timing)
             && b.record(&self.stream).is_ok()
         {
             let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-            p.pending.push(((l.func, l.grid), l.weight_bytes, a, b));
+            p.pending
+                .push(((l.func, profile_shape(l)), l.weight_bytes, a, b));
         }
     }
 
