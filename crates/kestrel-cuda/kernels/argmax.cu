@@ -47,3 +47,50 @@ argmax_rows(const float* x, u32* out, int cols) {
     block_argmax(v, idx, sv, si);
     if (threadIdx.x == 0) out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
 }
+
+// The greedy id of rows whose vocabulary is split into shares (tensor parallelism's LM
+// head: each GPU holds a share's logits). argmax_share: best[2r] = the largest of row r's
+// `width` values (rows `pitch` apart), best[2r + 1] = its index plus `base` (ARGMAX_NONE
+// when every value is NaN), as argmax_rows picks it. argmax_shares: out[r] = the best of
+// `shares` such pairs (share q's at best[2 (q n + r)], as an all-gather of the shares'
+// pairs lays them out), merged by argmax_merge, so the id equals argmax_rows' over the
+// whole row. One block per row; argmax_shares takes one warp.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_share(const float* x, float* best, int pitch, int width, u32 base) {
+    pdl_enter();
+    __shared__ float sv[ARGMAX_THREADS / 32];
+    __shared__ u32 si[ARGMAX_THREADS / 32];
+    const float* row = x + (size_t)blockIdx.x * pitch;
+    float v = NEG_INF;
+    u32 idx = ARGMAX_NONE;
+    for (int j = threadIdx.x; j < width; j += ARGMAX_THREADS) {
+        const float y = row[j];
+        if (y == y && (idx == ARGMAX_NONE || y > v)) {
+            v = y;
+            idx = (u32)j;
+        }
+    }
+    block_argmax(v, idx, sv, si);
+    if (threadIdx.x == 0) {
+        best[2 * blockIdx.x] = v;
+        reinterpret_cast<u32*>(best)[2 * blockIdx.x + 1] = idx == ARGMAX_NONE ? idx : base + idx;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+argmax_shares(const float* best, u32* out, int n, int shares) {
+    pdl_enter();
+    const u32* ids = reinterpret_cast<const u32*>(best);
+    float v = NEG_INF;
+    u32 idx = ARGMAX_NONE;
+    for (int q = threadIdx.x; q < shares; q += 32) {
+        const size_t at = 2 * ((size_t)q * n + blockIdx.x);
+        argmax_merge(v, idx, best[at], ids[at + 1]);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const u32 oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        argmax_merge(v, idx, ov, oi);
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
+}

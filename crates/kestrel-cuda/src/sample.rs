@@ -5,7 +5,12 @@ use crate::*;
 use kestrel_model::{Backend, NO_MASK};
 
 /// The kernels this module launches (kernels/argmax.cu, kernels/sample.cu).
-pub(crate) const KERNELS: &[&str] = &["argmax_rows", "sample_rows"];
+pub(crate) const KERNELS: &[&str] = &[
+    "argmax_rows",
+    "sample_rows",
+    "argmax_share",
+    "argmax_shares",
+];
 
 /// The token masks' pinned host copies and device copies (`CudaBackend::sample_masks`):
 /// two slots, taken in turn, so that a step's upload never writes into masks that an
@@ -66,11 +71,42 @@ pub(crate) fn chain_ids(
             bail!("chained steps draw without token masks or penalties");
         }
     }
+    if n > x.rows {
+        bail!("chain_ids: {n} rows of a tensor of {}", x.rows);
+    }
+    chain_launch(backend, n, |tokens| {
+        match sampling {
+            None => backend.launch(
+                "argmax_rows",
+                (n as u32, 1, 1),
+                ARGMAX_THREADS,
+                &argmax_args(x, tokens),
+            ),
+            Some(s) => {
+                let params = upload_unmasked(backend, s)?;
+                backend.launch(
+                    "sample_rows",
+                    (n as u32, 1, 1),
+                    SAMPLE_THREADS,
+                    &sample_args(x, params, tokens, 0, 0),
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Launches (`launch`, given the token slots' address) what writes a chained step's `n`
+/// ids into the token slots, starts the step, and queues the ids' copy to the host.
+fn chain_launch(
+    backend: &CudaBackend,
+    n: usize,
+    launch: impl FnOnce(u64) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let mut chain = backend.chain.lock().unwrap_or_else(|p| p.into_inner());
-    if n == 0 || n > x.rows || n > chain.max_tokens {
+    if n == 0 || n > chain.max_tokens {
         bail!(
-            "chain_ids: {n} rows of a tensor of {} (a step holds {} tokens)",
-            x.rows,
+            "chain_ids: {n} rows (a step holds {} tokens)",
             chain.max_tokens
         );
     }
@@ -94,23 +130,7 @@ pub(crate) fn chain_ids(
     backend
         .rows_read_back
         .store(false, std::sync::atomic::Ordering::Relaxed);
-    match sampling {
-        None => backend.launch(
-            "argmax_rows",
-            (n as u32, 1, 1),
-            ARGMAX_THREADS,
-            &argmax_args(x, chain.tokens),
-        ),
-        Some(s) => {
-            let params = upload_unmasked(backend, s)?;
-            backend.launch(
-                "sample_rows",
-                (n as u32, 1, 1),
-                SAMPLE_THREADS,
-                &sample_args(x, params, chain.tokens, 0, 0),
-            );
-        }
-    }
+    launch(chain.tokens)?;
     backend.flush();
     let tokens = chain.tokens;
     let slot = &mut chain.slots[k];
@@ -316,6 +336,129 @@ pub(crate) fn argmax_rows(
     backend.launch_for_ids("argmax_rows", n, ARGMAX_THREADS, None, out, |ids| {
         argmax_args(x, ids)
     })
+}
+
+/// Greedy ids of rows whose vocabulary is split into shares (kernels/argmax.cu): tensor
+/// parallelism's LM head, where each GPU holds one share's logits. Each share's best
+/// (value, id) pair a row goes into a `[shares · n × 2]` tensor, share q's at rows
+/// q·n.., as an all-gather of the GPUs' pairs lays them out; `argmax_shares` merges them
+/// into the id `argmax_rows` takes over the whole row.
+impl CudaBackend {
+    /// Launches the best (value, id + `base`) of each of `n` rows of `width` values at
+    /// `x` (rows `pitch` values apart) into `best` (two values a row).
+    pub(crate) fn argmax_share(
+        &self,
+        x: u64,
+        pitch: usize,
+        width: usize,
+        base: usize,
+        n: usize,
+        best: u64,
+    ) {
+        self.launch(
+            "argmax_share",
+            (n as u32, 1, 1),
+            ARGMAX_THREADS,
+            &[
+                Arg::P(x),
+                Arg::P(best),
+                Arg::I(pitch as i32),
+                Arg::I(width as i32),
+                Arg::I(base as i32),
+            ],
+        );
+    }
+
+    fn shares_args(best: &CudaTensor, shares: usize, n: usize, ids: u64) -> Vec<Arg> {
+        vec![
+            Arg::P(best.ptr),
+            Arg::P(ids),
+            Arg::I(n as i32),
+            Arg::I(shares as i32),
+        ]
+    }
+
+    /// The ids of `n` rows from the shares' pairs in `best` (`shares · n` rows of two
+    /// values), read back into `out`.
+    pub(crate) fn argmax_of_shares(
+        &self,
+        best: &CudaTensor,
+        shares: usize,
+        n: usize,
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if shares * n > best.rows || best.cols != 2 {
+            bail!(
+                "argmax_of_shares: {shares} × {n} pairs in a {}×{} tensor",
+                best.rows,
+                best.cols
+            );
+        }
+        out.clear();
+        if n == 0 {
+            return self.check();
+        }
+        self.launch_for_ids("argmax_shares", n, 32, None, out, |ids| {
+            Self::shares_args(best, shares, n, ids)
+        })
+    }
+
+    /// [`Self::argmax_of_shares`] into the step's token slots: a chained step's ids
+    /// (see [`chain_ids`]).
+    pub(crate) fn chain_argmax_of_shares(
+        &self,
+        best: &CudaTensor,
+        shares: usize,
+        n: usize,
+    ) -> anyhow::Result<()> {
+        if shares * n > best.rows || best.cols != 2 {
+            bail!(
+                "argmax_of_shares: {shares} × {n} pairs in a {}×{} tensor",
+                best.rows,
+                best.cols
+            );
+        }
+        chain_launch(self, n, |tokens| {
+            self.launch(
+                "argmax_shares",
+                (n as u32, 1, 1),
+                32,
+                &Self::shares_args(best, shares, n, tokens),
+            );
+            Ok(())
+        })
+    }
+
+    /// The greedy ids of the first `n` rows of `x` taken share by share (`shares`: column
+    /// ranges covering the row, in order) and merged, as tensor parallelism takes them
+    /// across GPUs: equal to [`Backend::argmax_rows`]'s (gpu-check tests it on one GPU).
+    pub fn argmax_rows_in_shares(
+        &self,
+        x: &CudaTensor,
+        n: usize,
+        shares: &[std::ops::Range<usize>],
+        out: &mut Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if n > x.rows || shares.iter().any(|s| s.start > s.end || s.end > x.cols) {
+            bail!(
+                "argmax_rows_in_shares: {n} rows, shares {shares:?} of a {}×{} tensor",
+                x.rows,
+                x.cols
+            );
+        }
+        let best = self.new_tensor((shares.len() * n).max(1), 2)?;
+        for (q, s) in shares.iter().enumerate() {
+            self.argmax_share(
+                x.ptr + 4 * s.start as u64,
+                x.cols,
+                s.len(),
+                s.start,
+                n,
+                best.ptr + (8 * q * n) as u64,
+            );
+        }
+        self.argmax_of_shares(&best, shares.len(), n, out)
+    }
 }
 
 /// Threads a row of `argmax_rows` and `sample_rows` (kernels/argmax.cu, kernels/sample.cu).

@@ -154,7 +154,7 @@ impl CudaBackend {
         src: &CudaTensor,
         src_at: usize,
         src_pitch: usize,
-        dst: &mut CudaTensor,
+        dst: &CudaTensor,
         dst_at: usize,
         dst_pitch: usize,
         width: usize,
@@ -426,10 +426,20 @@ pub struct TpCache(Vec<CudaCache>);
 /// Each rank's step inputs.
 pub struct TpStep(Vec<CudaStep>);
 
+/// The LM head's buffers on each rank: its share of the logits (`local`), every rank's
+/// gathered (`gathered`), and for greedy ids each row's best (value, id) of the share
+/// (`best`, two values a row) and every rank's (`best_all`).
 struct LmBuffers {
     rows: usize,
     local: Vec<CudaTensor>,
     gathered: Vec<CudaTensor>,
+    best: Vec<CudaTensor>,
+    best_all: Vec<CudaTensor>,
+    /// The last LM head's rows, still in `local` only, and the logits tensor they belong
+    /// in (its rank 0 address): gathered only when something reads the logits, so that
+    /// greedy ids take the shares' best pairs instead (a few bytes a row instead of the
+    /// vocabulary's logits).
+    pending: Option<(usize, u64)>,
 }
 
 /// Several GPUs as one backend, by tensor parallelism (see the module's doc).
@@ -652,9 +662,10 @@ impl TpBackend {
         });
     }
 
-    /// The LM head split by vocabulary: each rank's logits of its rows, gathered into
-    /// every rank's `out` (each rank can then take the ids it decodes from next: see
-    /// `chain_ids`).
+    /// The LM head split by vocabulary: each rank's logits of its rows, into its share
+    /// (`LmBuffers::local`). They reach `out` (every rank's, gathered) when something
+    /// reads the logits ([`Self::gather_logits`]); greedy ids merge the shares' best
+    /// pairs instead ([`Self::greedy_of_shares`]).
     fn vocab_matmul(
         &self,
         x: &TpTensor,
@@ -670,43 +681,82 @@ impl TpBackend {
         let rows = out.0[0].rows;
         if lm.as_ref().is_none_or(|l| l.rows < rows) {
             let made = self.each_ok(|_, b| {
-                Ok((
+                Ok([
                     b.new_tensor(rows, plan.vocab_chunk)?,
                     b.new_tensor(rows * plan.ranks, plan.vocab_chunk)?,
-                ))
+                    b.new_tensor(rows, 2)?,
+                    b.new_tensor(rows * plan.ranks, 2)?,
+                ])
             });
             match made {
                 Ok(v) => {
-                    let (local, gathered) = v.into_iter().unzip();
-                    *lm = Some(LmBuffers {
+                    let mut bufs = LmBuffers {
                         rows,
-                        local,
-                        gathered,
-                    });
+                        local: Vec::new(),
+                        gathered: Vec::new(),
+                        best: Vec::new(),
+                        best_all: Vec::new(),
+                        pending: None,
+                    };
+                    for [local, gathered, best, best_all] in v {
+                        bufs.local.push(local);
+                        bufs.gathered.push(gathered);
+                        bufs.best.push(best);
+                        bufs.best_all.push(best_all);
+                    }
+                    *lm = Some(bufs);
                 }
                 Err(e) => return self.ranks[0].fail(format!("{e:#}")),
             }
         }
         let Some(lm) = lm.as_mut() else { return };
-        let (local, gathered) = (PerRank::new(&mut lm.local), PerRank::new(&mut lm.gathered));
-        let outs = PerRank::new(&mut out.0);
-        let vocab = plan.vocab.last().map_or(0, |v| v.end);
-        let chunk = plan.vocab_chunk;
+        let local = PerRank::new(&mut lm.local);
         let cap = lm.rows;
         self.each(|r, b| {
-            // SAFETY: rank r's own elements.
-            let (local, gathered, out) = unsafe { (local.get(r), gathered.get(r), outs.get(r)) };
+            // SAFETY: rank r's own element.
+            let local = unsafe { local.get(r) };
             if let Err(e) = local.reshape(cap, w[r].out_len()) {
                 return b.fail(format!("{e:#}"));
             }
             b.matmul_ready(&x.0[r], x_ready.0[r], &w[r], n, local);
-            b.all_gather(local, n * chunk, gathered);
+        });
+        lm.pending = Some((n, out.0[0].ptr));
+    }
+
+    /// The LM head's rows still in the ranks' shares, if `x` is the logits tensor they
+    /// belong in (see [`LmBuffers::pending`]).
+    fn pending_logits(&self, x: &TpTensor) -> Option<usize> {
+        let lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
+        lm.as_ref()
+            .and_then(|l| l.pending)
+            .filter(|&(_, ptr)| ptr == x.0[0].ptr)
+            .map(|(n, _)| n)
+    }
+
+    /// Gathers the LM head's pending rows into every rank's `x` (the logits tensor they
+    /// belong in), as the step's launches, before anything reads them.
+    fn gather_logits(&self, x: &TpTensor) {
+        let Some(n) = self.pending_logits(x) else {
+            return;
+        };
+        let Ok(plan) = self.plan() else { return };
+        let mut lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(lm) = lm.as_mut() else { return };
+        lm.pending = None;
+        let gathered = PerRank::new(&mut lm.gathered);
+        let local = &lm.local;
+        let vocab = plan.vocab.last().map_or(0, |v| v.end);
+        let chunk = plan.vocab_chunk;
+        self.each(|r, b| {
+            // SAFETY: rank r's own element.
+            let gathered = unsafe { gathered.get(r) };
+            b.all_gather(&local[r], n * chunk, gathered);
             for (q, range) in plan.vocab.iter().enumerate() {
                 b.copy_2d(
                     gathered,
                     q * n * chunk,
                     range.len(),
-                    out,
+                    &x.0[r],
                     range.start,
                     vocab,
                     range.len(),
@@ -714,6 +764,49 @@ impl TpBackend {
                 );
             }
         });
+    }
+
+    /// Greedy ids of the LM head's first `n` pending rows: each rank's best (value, id) of
+    /// its share a row, gathered (8 bytes a row and rank), then merged on each rank by
+    /// `on_rank` (given the rank's backend, its gathered pairs and the rank count): ids
+    /// equal to `argmax_rows` over the gathered logits. False when `x` has no pending
+    /// rows (its logits are whole already).
+    fn greedy_of_shares(
+        &self,
+        x: &TpTensor,
+        n: usize,
+        on_rank: impl Fn(&CudaBackend, &CudaTensor, usize) -> anyhow::Result<()> + Sync,
+    ) -> anyhow::Result<bool> {
+        let Some(rows) = self.pending_logits(x) else {
+            return Ok(false);
+        };
+        if n > rows {
+            bail!("greedy ids of {n} rows: the LM head computed {rows}");
+        }
+        let plan = self.plan()?;
+        let mut lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(lm) = lm.as_mut() else {
+            return Ok(false);
+        };
+        let best_all = PerRank::new(&mut lm.best_all);
+        let (local, best) = (&lm.local, &lm.best);
+        let ranks = self.ranks.len();
+        self.each_ok(|r, b| {
+            let range = &plan.vocab[r];
+            b.argmax_share(
+                local[r].ptr,
+                local[r].cols,
+                range.len(),
+                range.start,
+                n,
+                best[r].ptr,
+            );
+            // SAFETY: rank r's own element.
+            let best_all = unsafe { best_all.get(r) };
+            b.all_gather(&best[r], 2 * n, best_all);
+            on_rank(b, best_all, ranks)
+        })?;
+        Ok(true)
     }
 }
 
@@ -1354,6 +1447,7 @@ impl Backend for TpBackend {
     }
 
     fn read_rows(&self, x: &TpTensor, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+        self.gather_logits(x);
         self.issue_all();
         self.ranks[0].read_rows(&x.0[0], n, out)
     }
@@ -1365,6 +1459,7 @@ impl Backend for TpBackend {
         scratch: &mut Vec<f32>,
         f: &mut dyn FnMut(&[f32]),
     ) -> anyhow::Result<()> {
+        self.gather_logits(x);
         self.issue_all();
         self.ranks[0].with_rows(&x.0[0], n, scratch, f)
     }
@@ -1376,6 +1471,16 @@ impl Backend for TpBackend {
         scratch: &mut Vec<f32>,
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
+        // Every rank gathers the pairs (a collective); rank 0 merges them once issued.
+        if self.greedy_of_shares(x, n, |_, _, _| Ok(()))? {
+            self.issue_all();
+            let lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
+            let best_all = lm
+                .as_ref()
+                .map(|l| &l.best_all[0])
+                .context("no LM head buffers")?;
+            return self.ranks[0].argmax_of_shares(best_all, self.ranks.len(), n, out);
+        }
         self.issue_all();
         self.ranks[0].argmax_rows(&x.0[0], n, scratch, out)
     }
@@ -1384,14 +1489,24 @@ impl Backend for TpBackend {
         true
     }
 
-    /// Every rank holds the gathered logits: each takes the same ids (the same draws of
-    /// the same rows) into its own step's token slots.
+    /// Each rank takes the same ids into its own step's token slots: greedy ids from the
+    /// shares' best pairs, draws (the same draws of the same rows) from the gathered
+    /// logits.
     fn chain_ids(
         &self,
         x: &TpTensor,
         n: usize,
         sampling: Option<&SamplingBatch>,
     ) -> anyhow::Result<()> {
+        let greedy = sampling.is_none_or(|s| s.rows.iter().all(|r| r.is_argmax()));
+        if greedy
+            && self.greedy_of_shares(x, n, |b, best_all, ranks| {
+                b.chain_argmax_of_shares(best_all, ranks, n)
+            })?
+        {
+            return Ok(());
+        }
+        self.gather_logits(x);
         self.each_ok(|r, b| b.chain_ids(&x.0[r], n, sampling))?;
         Ok(())
     }
@@ -1416,6 +1531,7 @@ impl Backend for TpBackend {
         scratch: &mut Vec<f32>,
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
+        self.gather_logits(x);
         self.issue_all();
         self.ranks[0].sample_rows(&x.0[0], n, sampling, scratch, out)
     }

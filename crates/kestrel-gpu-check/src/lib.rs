@@ -2315,7 +2315,25 @@ pub fn compare_argmax(
     ordinal: usize,
 ) -> anyhow::Result<(usize, usize)> {
     let file = tiny_model(arch, ty, seed)?;
-    let mut gpu = cuda_engine(&file, ordinal)?;
+    argmax_against_logits(cuda_engine(&file, ordinal)?, seed)
+}
+
+/// [`compare_argmax`] under tensor parallelism: the greedy ids merged from each GPU's best
+/// of its vocabulary share against the argmax of the gathered logits.
+pub fn compare_tp_argmax(
+    arch: Arch,
+    ty: &str,
+    seed: u64,
+    ordinals: &[usize],
+) -> anyhow::Result<(usize, usize)> {
+    let file = tp_model(arch, ty, seed)?;
+    argmax_against_logits(tp_engine(&file, ordinals)?, seed)
+}
+
+fn argmax_against_logits<B: kestrel_model::Backend>(
+    mut gpu: Engine<B>,
+    seed: u64,
+) -> anyhow::Result<(usize, usize)> {
     let vocab = gpu.config().vocab_size;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xa7a7);
     let n = 40;
@@ -2355,6 +2373,66 @@ pub fn compare_argmax(
         }
     }
     gpu.blocks.release(&mut table);
+    Ok((compared, differ))
+}
+
+/// Greedy ids taken share by share and merged (`argmax_rows_in_shares`, tensor
+/// parallelism's LM head on one GPU) against `argmax_rows` over whole rows, on fresh random
+/// rows: vocabularies of 1 to 151,936 words in 1 to 4 shares (empty and one-word shares
+/// too), the row's best value repeated across share boundaries, NaN, ±inf and all-NaN rows.
+/// Returns (rows compared, rows that differ).
+pub fn compare_argmax_shares(backend: &CudaBackend, seed: u64) -> anyhow::Result<(usize, usize)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5a5e);
+    let (mut compared, mut differ) = (0, 0);
+    let (mut whole, mut shared) = (Vec::new(), Vec::new());
+    let mut scratch = Vec::new();
+    for &cols in &[1usize, 2, 7, 33, 1000, 32_000, 151_936] {
+        for &n in &[1usize, 5, 64] {
+            let mut rows = vec![0f32; n * cols];
+            for (r, row) in rows.chunks_exact_mut(cols).enumerate() {
+                for v in row.iter_mut() {
+                    *v = rng.random_range(-8.0f32..8.0);
+                }
+                let best = rng.random_range(0..cols);
+                let top = 9.0 + rng.random_range(0..3) as f32;
+                match r % 6 {
+                    // The best value again later in the row (often in another share).
+                    0 | 1 => {
+                        row[best] = top;
+                        row[rng.random_range(best..cols)] = top;
+                    }
+                    2 => row[best] = f32::NAN,
+                    3 => row.fill(f32::NAN),
+                    4 => {
+                        row.fill(f32::NEG_INFINITY);
+                        row[rng.random_range(0..cols)] = f32::NAN;
+                    }
+                    _ => row[best] = f32::INFINITY,
+                }
+            }
+            let x = backend.upload_tensor(n, cols, &rows)?;
+            // 1 to 4 shares at random cuts (empty shares allowed).
+            let k = rng.random_range(1..=4usize);
+            let mut cuts: Vec<usize> = (0..k - 1).map(|_| rng.random_range(0..=cols)).collect();
+            cuts.sort_unstable();
+            let mut shares = Vec::with_capacity(k);
+            let mut start = 0;
+            for c in cuts.into_iter().chain([cols]) {
+                shares.push(start..c);
+                start = c;
+            }
+            kestrel_model::Backend::argmax_rows(backend, &x, n, &mut scratch, &mut whole)?;
+            backend.argmax_rows_in_shares(&x, n, &shares, &mut shared)?;
+            anyhow::ensure!(
+                whole.len() == n && shared.len() == n,
+                "{} and {} ids for {n} rows",
+                whole.len(),
+                shared.len()
+            );
+            compared += n;
+            differ += whole.iter().zip(&shared).filter(|(a, b)| a != b).count();
+        }
+    }
     Ok((compared, differ))
 }
 

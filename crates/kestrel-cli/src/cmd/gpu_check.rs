@@ -414,8 +414,27 @@ fn check_tp(args: &Args, ranks: usize) -> anyhow::Result<()> {
             selfcheck::compare_tp_invariant(*arch, "q4_k_m", s, &ordinals),
         );
     }
-    // Chained greedy decoding (every rank's ids from its copy of the gathered logits)
-    // against step-by-step decoding on the same group.
+    // Greedy ids merged from each GPU's best of its vocabulary share against the argmax
+    // of the gathered logits read back.
+    for (i, arch) in dense.iter().chain(&moe).enumerate() {
+        let s = seed.wrapping_add(850 + i as u64);
+        match selfcheck::compare_tp_argmax(*arch, "q4_k_m", s, &ordinals) {
+            Ok((compared, differ)) => {
+                let ok = differ == 0;
+                failures += usize::from(!ok);
+                println!(
+                    "tp{ranks} {arch:?} argmax by shares vs gathered logits: {compared} rows, {differ} differ  {}",
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("tp{ranks} {arch:?} argmax by shares: ERROR {e:#}");
+            }
+        }
+    }
+    // Chained greedy decoding (every rank's ids merged from the shares' best pairs) against
+    // step-by-step decoding on the same group.
     for (i, arch) in dense.iter().chain(&moe).enumerate() {
         let s = seed.wrapping_add(800 + i as u64);
         let label = format!("tp{} {arch:?} q4_k_m chained", ordinals.len());
@@ -759,6 +778,20 @@ fn check_sampling(backend: &kestrel_cuda::CudaBackend, gpu: usize, seed: u64) ->
                     println!("{label:<8} round {round}: ERROR {e:#}");
                 }
             }
+        }
+    }
+    match selfcheck::compare_argmax_shares(backend, seed.wrapping_add(850)) {
+        Ok((compared, differ)) => {
+            let ok = differ == 0;
+            failures += usize::from(!ok);
+            println!(
+                "argmax   by vocabulary shares (tensor parallelism's LM head) vs whole rows: {compared} rows, {differ} differ  {}",
+                if ok { "ok" } else { "FAIL" }
+            );
+        }
+        Err(e) => {
+            failures += 1;
+            println!("argmax   by vocabulary shares: ERROR {e:#}");
         }
     }
     failures
