@@ -28,15 +28,14 @@ __device__ __forceinline__ void block_argmax(float& v, u32& i, float* sv, u32* s
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, i, sv[w], si[w]);
 }
 
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_rows(const float* x, u32* out, int cols) {
-    pdl_enter();
+// The block's (largest value, its lowest index) of `width` values at `row` (ARGMAX_NONE
+// when all are NaN), in every thread.
+__device__ __forceinline__ void row_argmax(const float* row, int width, float& v, u32& idx) {
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ u32 si[ARGMAX_THREADS / 32];
-    const float* row = x + (size_t)blockIdx.x * cols;
-    float v = NEG_INF;
-    u32 idx = ARGMAX_NONE;
-    for (int j = threadIdx.x; j < cols; j += ARGMAX_THREADS) {
+    v = NEG_INF;
+    idx = ARGMAX_NONE;
+    for (int j = threadIdx.x; j < width; j += ARGMAX_THREADS) {
         const float y = row[j];
         // Ascending j per thread: a later equal value never replaces an earlier one.
         if (y == y && (idx == ARGMAX_NONE || y > v)) {
@@ -45,6 +44,14 @@ argmax_rows(const float* x, u32* out, int cols) {
         }
     }
     block_argmax(v, idx, sv, si);
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_rows(const float* x, u32* out, int cols) {
+    pdl_enter();
+    float v;
+    u32 idx;
+    row_argmax(x + (size_t)blockIdx.x * cols, cols, v, idx);
     if (threadIdx.x == 0) out[blockIdx.x] = idx == ARGMAX_NONE ? 0u : idx;
 }
 
@@ -58,19 +65,9 @@ argmax_rows(const float* x, u32* out, int cols) {
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_share(const float* x, float* best, int pitch, int width, u32 base) {
     pdl_enter();
-    __shared__ float sv[ARGMAX_THREADS / 32];
-    __shared__ u32 si[ARGMAX_THREADS / 32];
-    const float* row = x + (size_t)blockIdx.x * pitch;
-    float v = NEG_INF;
-    u32 idx = ARGMAX_NONE;
-    for (int j = threadIdx.x; j < width; j += ARGMAX_THREADS) {
-        const float y = row[j];
-        if (y == y && (idx == ARGMAX_NONE || y > v)) {
-            v = y;
-            idx = (u32)j;
-        }
-    }
-    block_argmax(v, idx, sv, si);
+    float v;
+    u32 idx;
+    row_argmax(x + (size_t)blockIdx.x * pitch, width, v, idx);
     if (threadIdx.x == 0) {
         best[2 * blockIdx.x] = v;
         reinterpret_cast<u32*>(best)[2 * blockIdx.x + 1] = idx == ARGMAX_NONE ? idx : base + idx;

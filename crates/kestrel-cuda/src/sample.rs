@@ -369,6 +369,7 @@ impl CudaBackend {
         );
     }
 
+    /// `argmax_shares`' arguments: the pairs in `best`, the ids written at `ids`.
     fn shares_args(best: &CudaTensor, shares: usize, n: usize, ids: u64) -> Vec<Arg> {
         vec![
             Arg::P(best.ptr),
@@ -387,13 +388,7 @@ impl CudaBackend {
         n: usize,
         out: &mut Vec<u32>,
     ) -> anyhow::Result<()> {
-        if shares * n > best.rows || best.cols != 2 {
-            bail!(
-                "argmax_of_shares: {shares} × {n} pairs in a {}×{} tensor",
-                best.rows,
-                best.cols
-            );
-        }
+        check_shares(best, shares, n)?;
         out.clear();
         if n == 0 {
             return self.check();
@@ -411,13 +406,7 @@ impl CudaBackend {
         shares: usize,
         n: usize,
     ) -> anyhow::Result<()> {
-        if shares * n > best.rows || best.cols != 2 {
-            bail!(
-                "argmax_of_shares: {shares} × {n} pairs in a {}×{} tensor",
-                best.rows,
-                best.cols
-            );
-        }
+        check_shares(best, shares, n)?;
         chain_launch(self, n, |tokens| {
             self.launch(
                 "argmax_shares",
@@ -459,6 +448,18 @@ impl CudaBackend {
         }
         self.argmax_of_shares(&best, shares.len(), n, out)
     }
+}
+
+/// Whether `best` holds `shares` × `n` pairs (rows of two values).
+fn check_shares(best: &CudaTensor, shares: usize, n: usize) -> anyhow::Result<()> {
+    if shares * n > best.rows || best.cols != 2 {
+        bail!(
+            "argmax_of_shares: {shares} × {n} pairs in a {}×{} tensor",
+            best.rows,
+            best.cols
+        );
+    }
+    Ok(())
 }
 
 /// Threads a row of `argmax_rows` and `sample_rows` (kernels/argmax.cu, kernels/sample.cu).
