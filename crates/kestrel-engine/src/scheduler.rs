@@ -260,21 +260,163 @@ pub struct SchedulerStats {
     pub spec_rounds: AtomicU64,
 }
 
-/// The submitting side; cheap to clone.
-#[derive(Clone)]
-pub struct SchedulerHandle {
+impl SchedulerStats {
+    /// Several schedulers' statistics added up (counters and gauges alike).
+    fn sum<'a>(all: impl IntoIterator<Item = &'a SchedulerStats>) -> SchedulerStats {
+        let out = SchedulerStats::default();
+        let add = |to: &AtomicU64, from: &AtomicU64| {
+            to.fetch_add(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        };
+        for s in all {
+            // Every field by name: a field added later must be added up here too.
+            let SchedulerStats {
+                waiting,
+                running,
+                blocks_used,
+                blocks_cached_idle,
+                blocks_free,
+                prefix_hit_blocks,
+                prefix_hit_tokens,
+                tokens_evaluated,
+                tokens_generated,
+                preemptions,
+                steps,
+                chained_steps,
+                forward_us,
+                host_us,
+                mask_us,
+                mask_wait_us,
+                requests_finished,
+                requests_cancelled,
+                spec_drafted,
+                spec_accepted,
+                spec_rounds,
+            } = s;
+            add(&out.waiting, waiting);
+            add(&out.running, running);
+            add(&out.blocks_used, blocks_used);
+            add(&out.blocks_cached_idle, blocks_cached_idle);
+            add(&out.blocks_free, blocks_free);
+            add(&out.prefix_hit_blocks, prefix_hit_blocks);
+            add(&out.prefix_hit_tokens, prefix_hit_tokens);
+            add(&out.tokens_evaluated, tokens_evaluated);
+            add(&out.tokens_generated, tokens_generated);
+            add(&out.preemptions, preemptions);
+            add(&out.steps, steps);
+            add(&out.chained_steps, chained_steps);
+            add(&out.forward_us, forward_us);
+            add(&out.host_us, host_us);
+            add(&out.mask_us, mask_us);
+            add(&out.mask_wait_us, mask_wait_us);
+            add(&out.requests_finished, requests_finished);
+            add(&out.requests_cancelled, requests_cancelled);
+            add(&out.spec_drafted, spec_drafted);
+            add(&out.spec_accepted, spec_accepted);
+            add(&out.spec_rounds, spec_rounds);
+        }
+        out
+    }
+}
+
+/// One scheduler thread: its queue and its statistics.
+struct Replica {
     tx: mpsc::Sender<Job>,
-    info: Arc<SchedulerInfo>,
     stats: Arc<SchedulerStats>,
 }
 
+/// The submitting side; cheap to clone. Over several schedulers (data parallelism: each a
+/// replica of the model on its own devices, see [`SchedulerHandle::data_parallel`]) a
+/// request goes to the one with the fewest requests waiting and running.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    replicas: Arc<[Replica]>,
+    info: Arc<SchedulerInfo>,
+    /// Most positions a prompt may take on every replica (its KV cache's, its context's).
+    positions: usize,
+    /// Where the search for the least loaded replica starts (turns, so ties alternate).
+    turn: Arc<std::sync::atomic::AtomicUsize>,
+}
+
 impl SchedulerHandle {
+    fn single(tx: mpsc::Sender<Job>, info: SchedulerInfo, stats: Arc<SchedulerStats>) -> Self {
+        SchedulerHandle {
+            positions: info.n_blocks * info.block_size,
+            replicas: Arc::from(vec![Replica { tx, stats }]),
+            info: Arc::new(info),
+            turn: Arc::default(),
+        }
+    }
+
+    /// One handle over several schedulers of the same model (vLLM's data parallelism: each
+    /// runs a whole replica on its own devices): requests go to the least loaded. Its
+    /// information adds up the replicas' caches and sequences; a prompt must fit the
+    /// smallest cache and context.
+    pub fn data_parallel(handles: Vec<SchedulerHandle>) -> anyhow::Result<SchedulerHandle> {
+        let Some(first) = handles.first() else {
+            anyhow::bail!("data parallelism over no scheduler");
+        };
+        let mut info = (*first.info).clone();
+        let mut positions = first.positions;
+        let mut backends = Vec::new();
+        for h in &handles {
+            let i = &h.info;
+            if (i.vocab_size, i.n_embd, &i.arch) != (info.vocab_size, info.n_embd, &info.arch) {
+                anyhow::bail!(
+                    "data parallelism over different models ({} and {})",
+                    info.arch,
+                    i.arch
+                );
+            }
+            positions = positions.min(h.positions);
+            backends.push(i.backend.clone());
+        }
+        if handles.len() > 1 {
+            info.ctx = handles.iter().map(|h| h.info.ctx).min().unwrap_or(info.ctx);
+            info.n_blocks = handles.iter().map(|h| h.info.n_blocks).sum();
+            info.max_seqs = handles.iter().map(|h| h.info.max_seqs).sum();
+            info.backend = format!("{} replicas: {}", handles.len(), backends.join("; "));
+        }
+        let replicas: Vec<Replica> = handles
+            .iter()
+            .flat_map(|h| h.replicas.iter())
+            .map(|r| Replica {
+                tx: r.tx.clone(),
+                stats: r.stats.clone(),
+            })
+            .collect();
+        Ok(SchedulerHandle {
+            replicas: Arc::from(replicas),
+            info: Arc::new(info),
+            positions,
+            turn: Arc::default(),
+        })
+    }
+
     pub fn info(&self) -> &SchedulerInfo {
         &self.info
     }
 
-    pub fn stats(&self) -> &SchedulerStats {
-        &self.stats
+    /// The statistics, added up over the replicas.
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats::sum(self.replicas.iter().map(|r| &*r.stats))
+    }
+
+    /// Schedulers behind this handle (more than one under data parallelism).
+    pub fn replicas(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// The replica with the fewest requests waiting and running (ties: in turn).
+    fn least_loaded(&self) -> &Replica {
+        let n = self.replicas.len();
+        let start = self.turn.fetch_add(1, Ordering::Relaxed) % n;
+        let load = |r: &Replica| {
+            r.stats.waiting.load(Ordering::Relaxed) + r.stats.running.load(Ordering::Relaxed)
+        };
+        (0..n)
+            .map(|k| &self.replicas[(start + k) % n])
+            .min_by_key(|r| load(r))
+            .unwrap_or(&self.replicas[0])
     }
 
     /// Checks a request and queues it. Its events arrive on its sink.
@@ -304,7 +446,7 @@ impl SchedulerHandle {
                 vocab: info.vocab_size,
             });
         }
-        let positions = info.n_blocks * info.block_size;
+        let positions = self.positions;
         if req.prompt.len() > positions {
             return Err(SubmitError::PromptExceedsCache {
                 len: req.prompt.len(),
@@ -321,9 +463,10 @@ impl SchedulerHandle {
             return Err(SubmitError::NoTokens);
         }
         req.params.validate().map_err(SubmitError::BadParams)?;
-        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        self.tx.send(Job::Generate(req, filter)).map_err(|_| {
-            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        let replica = self.least_loaded();
+        replica.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        replica.tx.send(Job::Generate(req, filter)).map_err(|_| {
+            replica.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             SubmitError::Stopped
         })
     }
@@ -353,7 +496,8 @@ impl SchedulerHandle {
                 });
             }
         }
-        self.tx
+        self.least_loaded()
+            .tx
             .send(Job::Embed(req))
             .map_err(|_| SubmitError::Stopped)
     }
@@ -408,11 +552,7 @@ where
     let info = ready_rx
         .recv()
         .map_err(|_| anyhow::anyhow!("the scheduler thread died while loading the engine"))??;
-    Ok(SchedulerHandle {
-        tx,
-        info: Arc::new(info),
-        stats,
-    })
+    Ok(SchedulerHandle::single(tx, info, stats))
 }
 
 struct Seq {

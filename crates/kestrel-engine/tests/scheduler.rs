@@ -103,6 +103,26 @@ fn assert_same_or_neighbour(
     );
 }
 
+/// A submitted request: its prompt, settings, token count and events.
+type Job = (Vec<u32>, SamplerParams, usize, mpsc::Receiver<Event>);
+
+/// Every job's tokens against its run alone ([`assert_same_or_neighbour`]), each ended by
+/// its length.
+fn assert_jobs_match_single_runs(file: &Arc<GgufFile>, jobs: Vec<Job>) {
+    for (prompt, params, n, rx) in jobs {
+        let got = collect(rx);
+        let want = alone(file, &prompt, &params, n);
+        assert_eq!(
+            got.ids.len(),
+            want.len(),
+            "prompt of {} tokens",
+            prompt.len()
+        );
+        assert_same_or_neighbour(file, &prompt, &params, &got.ids, &want);
+        assert_eq!(got.finish, Some(FinishReason::Length));
+    }
+}
+
 struct Outcome {
     ids: Vec<u32>,
     finish: Option<FinishReason>,
@@ -213,18 +233,7 @@ fn batched_generation_equals_single_runs_even_under_preemption() {
         let rx = submit(&h, prompt.clone(), params.clone(), n);
         jobs.push((prompt, params, n, rx));
     }
-    for (prompt, params, n, rx) in jobs {
-        let got = collect(rx);
-        let want = alone(&file, &prompt, &params, n);
-        assert_eq!(
-            got.ids.len(),
-            want.len(),
-            "prompt of {} tokens",
-            prompt.len()
-        );
-        assert_same_or_neighbour(&file, &prompt, &params, &got.ids, &want);
-        assert_eq!(got.finish, Some(FinishReason::Length));
-    }
+    assert_jobs_match_single_runs(&file, jobs);
     wait_idle(&h);
     check_blocks_accounted(&h);
     let s = h.stats();
@@ -885,4 +894,88 @@ fn chained_steps_keep_every_output() {
         h.stats().chained_steps.load(Ordering::Relaxed) > 0,
         "no step was chained"
     );
+}
+
+/// Data parallelism: two schedulers (each a copy of the model with its own cache) behind
+/// one handle. Every request gives its single run's tokens, both copies serve requests, the
+/// statistics add up, and every block of both caches comes back.
+#[test]
+fn data_parallel_copies_share_the_requests_and_match_single_runs() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let file = tiny_model(rng.random());
+    let copy = |cache_seqs: usize| {
+        let f = file.clone();
+        scheduler::spawn(
+            move || Ok(engine_with_cache(&f, 128, cache_seqs, 3, 48)),
+            SchedulerOptions {
+                max_seqs: 3,
+                max_prefill_tokens: 24,
+                prefix_cache: true,
+                eog: vec![],
+                spec: None,
+            },
+        )
+        .expect("spawn")
+    };
+    // Caches of 2 and 3 contexts: the handle reports 5 contexts' blocks and 6 sequences,
+    // and takes prompts the smaller cache holds.
+    let (a, b) = (copy(2), copy(3));
+    let h = SchedulerHandle::data_parallel(vec![a.clone(), b.clone()]).expect("joined");
+    assert_eq!(h.replicas(), 2);
+    assert_eq!(h.info().n_blocks, a.info().n_blocks + b.info().n_blocks);
+    assert_eq!(h.info().max_seqs, 6);
+    assert!(
+        h.info().backend.starts_with("2 replicas: "),
+        "{}",
+        h.info().backend
+    );
+    let vocab = h.info().vocab_size as u32;
+    let mut jobs = Vec::new();
+    for k in 0..10 {
+        let prompt: Vec<u32> = (0..rng.random_range(1..30))
+            .map(|_| rng.random_range(0..vocab))
+            .collect();
+        let n = rng.random_range(20..40);
+        let params = if k % 2 == 0 {
+            SamplerParams::greedy()
+        } else {
+            SamplerParams {
+                seed: Some(rng.random()),
+                ..SamplerParams::default()
+            }
+        };
+        let rx = submit(&h, prompt.clone(), params.clone(), n);
+        jobs.push((prompt, params, n, rx));
+    }
+    assert_jobs_match_single_runs(&file, jobs);
+    wait_idle(&h);
+    check_blocks_accounted(&h);
+    let finished = |h: &SchedulerHandle| h.stats().requests_finished.load(Ordering::Relaxed);
+    assert!(
+        finished(&a) > 0 && finished(&b) > 0,
+        "both copies served requests ({} and {})",
+        finished(&a),
+        finished(&b)
+    );
+    assert_eq!(finished(&a) + finished(&b), 10);
+    assert_eq!(finished(&h), 10);
+    // A prompt too long for the smaller cache is refused up front.
+    let long = vec![1u32; a.info().n_blocks * a.info().block_size + 1];
+    let (tx, _rx) = mpsc::channel();
+    let refused = h.submit(Request {
+        prompt: long,
+        params: SamplerParams::greedy(),
+        max_tokens: 1,
+        logprobs: None,
+        speculative: true,
+        sink: Box::new(tx),
+    });
+    assert!(
+        matches!(
+            refused,
+            Err(SubmitError::PromptExceedsCache { .. } | SubmitError::PromptTooLong { .. })
+        ),
+        "{refused:?}"
+    );
+    assert!(SchedulerHandle::data_parallel(Vec::new()).is_err());
 }

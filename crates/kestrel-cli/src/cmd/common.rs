@@ -279,6 +279,53 @@ impl Device {
         }
     }
 
+    /// The devices of `replicas` copies of the model (data parallelism): `--device` /
+    /// `--tp` / `--split` as [`Self::resolve_split`] reads them for one, or, for more, the
+    /// GPU list (`--devices`, else GPUs 0.. for `--device cuda` or `--tp N`) cut into that
+    /// many consecutive groups of equal size, each a GPU, a tensor-parallel group or a
+    /// layer split.
+    pub fn resolve_replicas(
+        s: &str,
+        tp: Option<usize>,
+        split: Option<SplitMode>,
+        replicas: usize,
+    ) -> anyhow::Result<Vec<Device>> {
+        if replicas <= 1 {
+            return Ok(vec![Device::resolve_split(s, tp, split)?]);
+        }
+        let per = tp.unwrap_or(1);
+        let gpus: Vec<usize> = match Device::parse(s)? {
+            Device::CudaTp(v) | Device::CudaLayers(v) => v,
+            // `--tp N` alone means GPUs, as for one copy.
+            _ if s == "cuda" || (s == "cpu" && tp.is_some()) => (0..replicas * per).collect(),
+            Device::Cuda(n) => bail!(
+                "--data-parallel {replicas} and --device cuda:{n}: list the GPUs (--devices \
+                 cuda:0,cuda:1)"
+            ),
+            Device::Cpu => bail!(
+                "--data-parallel {replicas} runs a copy of the model on each GPU (or group of \
+                 GPUs): give --device cuda or --devices cuda:0,cuda:1"
+            ),
+        };
+        if !gpus.len().is_multiple_of(replicas) || tp.is_some_and(|t| gpus.len() != t * replicas) {
+            bail!(
+                "--data-parallel {replicas}{}: {} GPUs do not make {replicas} equal groups",
+                tp.map(|t| format!(" with --tp {t}")).unwrap_or_default(),
+                gpus.len()
+            );
+        }
+        gpus.chunks(gpus.len() / replicas)
+            .map(|g| match (g, split) {
+                ([_], Some(SplitMode::Layer)) => {
+                    bail!("--split layer needs two or more GPUs for each of the {replicas} copies")
+                }
+                ([one], _) => Ok(Device::Cuda(*one)),
+                (g, Some(SplitMode::Layer)) => Ok(Device::CudaLayers(g.to_vec())),
+                (g, _) => Ok(Device::CudaTp(g.to_vec())),
+            })
+            .collect()
+    }
+
     /// The GPU a draft model runs on (alone): the target's, or the first of its list.
     pub fn draft_ordinal(&self) -> usize {
         match self {
@@ -644,6 +691,54 @@ mod device_tests {
         );
         assert!(r("cuda:0,", None).is_err());
         assert!(r("gpu", None).is_err());
+    }
+
+    #[test]
+    fn data_parallel_copies_take_equal_groups_of_gpus() {
+        use super::SplitMode::{Layer, Tensor};
+        let r = |d: &str, tp, split, n| {
+            Device::resolve_replicas(d, tp, split, n).map_err(|e| e.to_string())
+        };
+        // One copy: exactly --device / --tp / --split.
+        assert_eq!(r("cpu", None, None, 1), Ok(vec![Device::Cpu]));
+        assert_eq!(
+            r("cuda:0,cuda:1", None, None, 1),
+            Ok(vec![Device::CudaTp(vec![0, 1])])
+        );
+        assert_eq!(
+            r("cuda", None, None, 2),
+            Ok(vec![Device::Cuda(0), Device::Cuda(1)])
+        );
+        assert_eq!(
+            r("cuda:2,cuda:3", None, None, 2),
+            Ok(vec![Device::Cuda(2), Device::Cuda(3)])
+        );
+        assert_eq!(
+            r("cpu", Some(2), None, 2),
+            Ok(vec![Device::CudaTp(vec![0, 1]), Device::CudaTp(vec![2, 3])])
+        );
+        assert_eq!(
+            r("cuda:3,cuda:2,cuda:1,cuda:0", None, Some(Layer), 2),
+            Ok(vec![
+                Device::CudaLayers(vec![3, 2]),
+                Device::CudaLayers(vec![1, 0])
+            ])
+        );
+        assert_eq!(
+            r("cuda:0,cuda:1,cuda:2,cuda:3", Some(2), Some(Tensor), 2),
+            Ok(vec![Device::CudaTp(vec![0, 1]), Device::CudaTp(vec![2, 3])])
+        );
+        for (d, tp, split, n, says) in [
+            ("cpu", None, None, 2, "each GPU"),
+            ("cuda:1", None, None, 2, "list the GPUs"),
+            ("cuda:0,cuda:1,cuda:2", None, None, 2, "equal groups"),
+            ("cuda:0,cuda:1", Some(2), None, 2, "equal groups"),
+            ("cuda:0,cuda:1", None, Some(Layer), 2, "two or more GPUs"),
+            ("gpu", None, None, 2, "unknown device"),
+        ] {
+            let err = r(d, tp, split, n).expect_err(d);
+            assert!(err.contains(says), "{d} --dp {n}: {err}");
+        }
     }
 
     #[test]

@@ -31,6 +31,11 @@ pub struct Args {
     /// How several GPUs share the model: `tensor` (default) or `layer`.
     #[arg(long, value_enum)]
     pub split: Option<SplitMode>,
+    /// Copies of the model, each on its own GPU (or group of GPUs: the list cut into N
+    /// equal groups, each under --tp / --split), each with its own KV cache and batch;
+    /// requests go to the least loaded (vLLM's --data-parallel-size).
+    #[arg(long = "data-parallel", visible_alias = "dp", default_value_t = 1, value_parser = positive)]
+    pub data_parallel: usize,
     /// Threads for the CPU backend (default: all cores).
     #[arg(short = 't', long, value_parser = positive)]
     pub threads: Option<usize>,
@@ -114,8 +119,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", args.host, args.port))?;
-    // A bad --spec or cache size is a startup error, reported before binding.
+    // A bad --spec, device list or cache size is a startup error, reported before binding.
     spec_options(&args)?;
+    Device::resolve_replicas(&args.device, args.tp, args.split, args.data_parallel)?;
     cache_size(
         &args,
         matches!(Device::parse(&args.device)?, Device::Cuda(_)),
@@ -182,11 +188,7 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         None
     };
     let spec = spec_options(args)?;
-    let device = Device::resolve_split(&args.device, args.tp, args.split)?;
-    let drafter = match (&spec, &args.draft) {
-        (Some(spec), Some(draft)) => draft_maker(args, &file, draft, &device, spec)?,
-        _ => Box::new(|| Ok(None)),
-    };
+    let devices = Device::resolve_replicas(&args.device, args.tp, args.split, args.data_parallel)?;
     // Drafts take the logit rows beyond one per sequence.
     let draft_rows = spec
         .as_ref()
@@ -209,48 +211,26 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         spec,
     };
     let start = std::time::Instant::now();
-    let size = cache_size(args, !matches!(device, Device::Cpu))?;
-    let sched = match device {
-        Device::CudaLayers(ordinals) => start_scheduler(
-            move || kestrel_cuda::SplitBackend::new(&ordinals).context("opening the GPUs"),
-            &file,
-            opts,
-            (args.cache.types(), size),
-            sched_opts,
-            drafter,
-        )?,
-        Device::CudaTp(ordinals) => start_scheduler(
-            move || kestrel_cuda::TpBackend::new(&ordinals).context("opening the GPUs"),
-            &file,
-            opts,
-            (args.cache.types(), size),
-            sched_opts,
-            drafter,
-        )?,
-        Device::Cpu => {
-            if let Some(t) = args.threads {
-                let _ = rayon::ThreadPoolBuilder::new()
-                    .num_threads(t.max(1))
-                    .build_global();
-            }
-            start_scheduler(
-                || Ok(CpuBackend::new(Kernels::Fast)),
-                &file,
-                opts,
-                (args.cache.types(), size),
-                sched_opts,
-                drafter,
-            )?
-        }
-        Device::Cuda(ordinal) => start_scheduler(
-            move || CudaBackend::new(ordinal).context("opening the GPU"),
-            &file,
-            opts,
-            (args.cache.types(), size),
-            sched_opts,
-            drafter,
-        )?,
-    };
+    // Data parallelism: each copy loads on its own thread, at once.
+    let handles = std::thread::scope(|scope| {
+        let loads: Vec<_> = devices
+            .iter()
+            .map(|device| {
+                let (file, opts, sched_opts) = (&file, opts.clone(), sched_opts.clone());
+                scope.spawn(move || start_on(args, file, device, opts, sched_opts))
+            })
+            .collect();
+        loads
+            .into_iter()
+            .zip(&devices)
+            .map(|(load, device)| {
+                load.join()
+                    .map_err(|_| anyhow::anyhow!("loading the model on {device:?} panicked"))?
+                    .with_context(|| format!("loading the model on {device:?}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    })?;
+    let sched = SchedulerHandle::data_parallel(handles)?;
     let info = sched.info().clone();
     let positions = info.n_blocks * info.block_size;
     eprintln!(
@@ -280,6 +260,63 @@ fn load(args: &Args) -> anyhow::Result<kestrel_server::AppState> {
         kestrel_server::AppState::new(sched, tokenizer, template, name, args.api_key.clone())
             .with_cors(args.cors.clone()),
     )
+}
+
+/// Starts a scheduler over a copy of the model on `device`, with its drafter.
+fn start_on(
+    args: &Args,
+    file: &Arc<GgufFile>,
+    device: &Device,
+    opts: EngineOptions,
+    sched_opts: SchedulerOptions,
+) -> anyhow::Result<SchedulerHandle> {
+    let drafter = match (&sched_opts.spec, &args.draft) {
+        (Some(spec), Some(draft)) => draft_maker(args, file, draft, device, spec)?,
+        _ => Box::new(|| Ok(None)),
+    };
+    let size = cache_size(args, !matches!(device, Device::Cpu))?;
+    let cache = (args.cache.types(), size);
+    match device.clone() {
+        Device::CudaLayers(ordinals) => start_scheduler(
+            move || kestrel_cuda::SplitBackend::new(&ordinals).context("opening the GPUs"),
+            file,
+            opts,
+            cache,
+            sched_opts,
+            drafter,
+        ),
+        Device::CudaTp(ordinals) => start_scheduler(
+            move || kestrel_cuda::TpBackend::new(&ordinals).context("opening the GPUs"),
+            file,
+            opts,
+            cache,
+            sched_opts,
+            drafter,
+        ),
+        Device::Cpu => {
+            if let Some(t) = args.threads {
+                let _ = rayon::ThreadPoolBuilder::new()
+                    .num_threads(t.max(1))
+                    .build_global();
+            }
+            start_scheduler(
+                || Ok(CpuBackend::new(Kernels::Fast)),
+                file,
+                opts,
+                cache,
+                sched_opts,
+                drafter,
+            )
+        }
+        Device::Cuda(ordinal) => start_scheduler(
+            move || CudaBackend::new(ordinal).context("opening the GPU"),
+            file,
+            opts,
+            cache,
+            sched_opts,
+            drafter,
+        ),
+    }
 }
 
 /// The KV cache's size from `--kv-memory` / `--gpu-memory-utilization` on `cuda` or not.
