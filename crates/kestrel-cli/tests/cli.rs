@@ -284,6 +284,10 @@ fn bad_input_is_a_clean_error() {
         "/nonexistent/input.txt",
     ]);
     assert_user_error(&out, "/nonexistent/input.txt");
+
+    // Data parallelism needs GPUs: refused before the server binds or loads anything.
+    let out = kestrel(&["serve", "-m", junk, "--data-parallel", "2", "--port", "0"]);
+    assert_user_error(&out, "--data-parallel 2");
 }
 
 /// `bench -d` with quantized caches given in llama.cpp's spelling (`-ctk` / `-ctv`): one
