@@ -442,6 +442,16 @@ struct LmBuffers {
     pending: Option<(usize, u64)>,
 }
 
+impl LmBuffers {
+    /// The LM head's rows still in the ranks' shares, if `x` is the logits tensor they
+    /// belong in (see [`LmBuffers::pending`]).
+    fn pending_rows(&self, x: &TpTensor) -> Option<usize> {
+        self.pending
+            .filter(|&(_, ptr)| ptr == x.0[0].ptr)
+            .map(|(n, _)| n)
+    }
+}
+
 /// Several GPUs as one backend, by tensor parallelism (see the module's doc).
 pub struct TpBackend {
     ranks: Vec<CudaBackend>,
@@ -723,25 +733,15 @@ impl TpBackend {
         lm.pending = Some((n, out.0[0].ptr));
     }
 
-    /// The LM head's rows still in the ranks' shares, if `x` is the logits tensor they
-    /// belong in (see [`LmBuffers::pending`]).
-    fn pending_logits(&self, x: &TpTensor) -> Option<usize> {
-        let lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
-        lm.as_ref()
-            .and_then(|l| l.pending)
-            .filter(|&(_, ptr)| ptr == x.0[0].ptr)
-            .map(|(n, _)| n)
-    }
-
     /// Gathers the LM head's pending rows into every rank's `x` (the logits tensor they
     /// belong in), as the step's launches, before anything reads them.
     fn gather_logits(&self, x: &TpTensor) {
-        let Some(n) = self.pending_logits(x) else {
-            return;
-        };
         let Ok(plan) = self.plan() else { return };
         let mut lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
         let Some(lm) = lm.as_mut() else { return };
+        let Some(n) = lm.pending_rows(x) else {
+            return;
+        };
         lm.pending = None;
         let gathered = PerRank::new(&mut lm.gathered);
         let local = &lm.local;
@@ -777,17 +777,17 @@ impl TpBackend {
         n: usize,
         on_rank: impl Fn(&CudaBackend, &CudaTensor, usize) -> anyhow::Result<()> + Sync,
     ) -> anyhow::Result<bool> {
-        let Some(rows) = self.pending_logits(x) else {
-            return Ok(false);
-        };
-        if n > rows {
-            bail!("greedy ids of {n} rows: the LM head computed {rows}");
-        }
         let plan = self.plan()?;
         let mut lm = self.lm.lock().unwrap_or_else(|p| p.into_inner());
         let Some(lm) = lm.as_mut() else {
             return Ok(false);
         };
+        let Some(rows) = lm.pending_rows(x) else {
+            return Ok(false);
+        };
+        if n > rows {
+            bail!("greedy ids of {n} rows: the LM head computed {rows}");
+        }
         let best_all = PerRank::new(&mut lm.best_all);
         let (local, best) = (&lm.local, &lm.best);
         let ranks = self.ranks.len();

@@ -357,23 +357,24 @@ impl SchedulerHandle {
         };
         let mut info = (*first.info).clone();
         let mut positions = first.positions;
-        let mut backends = Vec::new();
-        for h in &handles {
-            let i = &h.info;
-            if (i.vocab_size, i.n_embd, &i.arch) != (info.vocab_size, info.n_embd, &info.arch) {
-                anyhow::bail!(
-                    "data parallelism over different models ({} and {})",
-                    info.arch,
-                    i.arch
-                );
-            }
-            positions = positions.min(h.positions);
-            backends.push(i.backend.clone());
-        }
         if handles.len() > 1 {
-            info.ctx = handles.iter().map(|h| h.info.ctx).min().unwrap_or(info.ctx);
-            info.n_blocks = handles.iter().map(|h| h.info.n_blocks).sum();
-            info.max_seqs = handles.iter().map(|h| h.info.max_seqs).sum();
+            let mut backends = Vec::new();
+            (info.n_blocks, info.max_seqs) = (0, 0);
+            for h in &handles {
+                let i = &h.info;
+                if (i.vocab_size, i.n_embd, &i.arch) != (info.vocab_size, info.n_embd, &info.arch) {
+                    anyhow::bail!(
+                        "data parallelism over different models ({} and {})",
+                        info.arch,
+                        i.arch
+                    );
+                }
+                positions = positions.min(h.positions);
+                info.ctx = info.ctx.min(i.ctx);
+                info.n_blocks += i.n_blocks;
+                info.max_seqs += i.max_seqs;
+                backends.push(i.backend.as_str());
+            }
             info.backend = format!("{} replicas: {}", handles.len(), backends.join("; "));
         }
         let replicas: Vec<Replica> = handles

@@ -601,16 +601,7 @@ fn draft_model_run(
         let prompt: Vec<u32> = (0..rng.random_range(1..40))
             .map(|_| rng.random_range(0..vocab))
             .collect();
-        let (tx, rx) = mpsc::channel();
-        h.submit(Request {
-            prompt: prompt.clone(),
-            params: SamplerParams::greedy(),
-            max_tokens: n,
-            logprobs: None,
-            speculative: true,
-            sink: Box::new(tx),
-        })
-        .expect("submit");
+        let rx = submit(&h, prompt.clone(), SamplerParams::greedy(), n);
         jobs.push((k, prompt, n, rx));
     }
     // A client that leaves after a few tokens: its draft sequence must be freed too.
